@@ -1,0 +1,587 @@
+"""Load causal LMs and tokenizers from local directories; LoRA; chunked per-token log-probs.
+
+What this module does
+---------------------
+* ``load_tokenizer(path)`` / ``load_model(path, ...)``: a Hugging Face causal LM in a local
+  ``save_pretrained`` directory (``config.json`` + ``*.safetensors`` / ``pytorch_model*.bin`` +
+  tokenizer files). Never touches the hub (``local_files_only=True``). Every problem with the
+  directory is a ``ModelLoadError`` (a ``ValueError``) naming the path and what is missing.
+* ``apply_lora(model, ...)`` wraps a model with a ``peft`` LoRA adapter; ``disable_adapter(model)``
+  is a context manager that runs the same model with the adapter switched off. That is how the
+  LoRA recipe gets reference log-probs without a second copy of the weights.
+* ``token_logprobs(model, input_ids, attention_mask, completion_mask, ...)``: per-token
+  log-probabilities (and optionally entropies) of the completion tokens, computed without ever
+  materialising the ``[B, L, V]`` logits. ``naive_token_logprobs`` is the plain reference.
+
+The log-prob computation
+------------------------
+For a sequence ``x`` of length ``L`` whose last ``C`` tokens are the completion, the log-prob of
+completion token ``j`` (column ``L-C+j``) comes from the logits at column ``L-C+j-1``::
+
+    z     = (h_{L-C+j-1} W^T + b) / temperature           # [V], float32
+    logp  = z[x_{L-C+j}] - logsumexp(z)
+    H     = -sum_v softmax(z)_v log softmax(z)_v           # entropy of the tempered distribution
+
+The backbone (everything up to and including the final norm) runs once on ``[B, L]`` with
+``position_ids = clamp(cumsum(attention_mask) - 1, min=0)`` so left padding does not shift the
+positions. Only the hidden states of positions whose ``completion_mask == 1`` are gathered
+(``[M, H]``), and ``lm_head`` + temperature + log-softmax run over chunks of ``chunk_size`` of
+those positions inside ``_ChunkedLogProbs``, a ``torch.autograd.Function`` that keeps only the
+selected log-prob, the entropy and the per-position logsumexp. Its backward recomputes each
+chunk's logits and uses
+
+    d logp / d z   = onehot(target) - p                       (p = softmax(z))
+    d H    / d z_k = -p_k (log p_k + H)
+
+so the gradient w.r.t. the hidden states, ``lm_head.weight`` and the bias is formed one chunk at a
+time as well. Peak extra memory is about two ``[chunk_size, V]`` float32 buffers instead of
+several ``[B, C, V]`` ones. The matmul runs in the weight's dtype and the logits are upcast to
+float32 per chunk (which is also what the naive path does with a bf16 model's logits). Tied
+embeddings need nothing special: ``lm_head.weight`` is passed to the Function as a tensor, and
+autograd adds its gradient to the embedding's.
+
+An ``lm_head`` that is not a plain ``nn.Linear`` (e.g. LoRA applied to ``lm_head``) falls back to
+calling the module per chunk under ``torch.utils.checkpoint``, which also recomputes per chunk in
+the backward.
+
+What it deliberately does not do
+--------------------------------
+* No hub access, no downloads, no model zoo, no quantisation (QLoRA loading belongs to the caller).
+* It does not read the training config: everything comes in as plain arguments.
+* Models whose logits are post-processed after ``lm_head`` (Gemma-2 logit soft-capping, Cohere's
+  ``logit_scale``) are refused by ``token_logprobs`` rather than silently computed wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ModelLoadError",
+    "load_tokenizer",
+    "load_model",
+    "apply_lora",
+    "disable_adapter",
+    "find_backbone_and_head",
+    "position_ids_from_mask",
+    "token_logprobs",
+    "naive_token_logprobs",
+]
+
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+# Any one of these is a tokenizer a fast or slow HF tokenizer class can be built from.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer directory is missing something, or is not a causal LM."""
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def _check_dir(path) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise ModelLoadError(
+            f"model path {str(p)!r} is not a directory: expected a save_pretrained directory"
+        )
+    return p
+
+
+def _read_config_json(p: Path) -> dict:
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(
+            f"model directory {str(p)!r} has no config.json: expected a Hugging Face "
+            "save_pretrained directory (config.json + weights + tokenizer files)"
+        )
+    try:
+        return json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+
+
+def _is_causal_lm(config) -> bool:
+    """Whether ``config`` describes a causal LM: its ``architectures`` name one, or (when the
+    field is absent) transformers maps its config class to a causal-LM class."""
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in ``path``, with ``padding_side="left"`` (for batched generation).
+
+    If the tokenizer has no pad token but has an eos token, pad is set to eos (with a warning);
+    with neither, ``ModelLoadError``.
+    """
+    p = _check_dir(path)
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"model directory {str(p)!r} has no tokenizer files: expected one of "
+            f"{', '.join(TOKENIZER_FILES)} (save the tokenizer with tokenizer.save_pretrained)"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # transformers raises many types here; re-raise as one clear error
+        raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}") from e
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ModelLoadError(
+                f"tokenizer in {str(p)!r} has neither a pad token nor an eos token: "
+                "set one of them in tokenizer_config.json"
+            )
+        msg = (
+            f"tokenizer in {str(p)!r} has no pad token: using the eos token "
+            f"{tok.eos_token!r} (id {tok.eos_token_id}) for padding"
+        )
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=2)
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(
+    path,
+    *,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    gradient_checkpointing: bool = False,
+):
+    """The causal LM saved in ``path`` (``AutoModelForCausalLM``), on ``device``.
+
+    dtype: "float32" | "bfloat16" | "float16" | "auto" (the dtype recorded in config.json).
+    gradient_checkpointing: recompute each decoder layer's activations in the backward
+    (non-reentrant checkpointing; also turns the KV cache off for training forwards).
+    ``generation_config.pad_token_id`` is filled in from the config (pad, else eos) when missing.
+    """
+    if dtype == "auto":
+        torch_dtype = "auto"
+    elif dtype in DTYPES:
+        torch_dtype = DTYPES[dtype]
+    else:
+        raise ValueError(
+            f"dtype={dtype!r}: expected one of 'float32', 'bfloat16', 'float16', 'auto'"
+        )
+
+    p = _check_dir(path)
+    raw = _read_config_json(p)
+    if "model_type" not in raw:
+        raise ModelLoadError(
+            f"{str(p / 'config.json')!r} has no 'model_type' key: cannot tell which architecture "
+            "it describes"
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"could not read {str(p / 'config.json')!r}: {e}") from e
+    if not _is_causal_lm(config):
+        raise ModelLoadError(
+            f"{str(p / 'config.json')!r} does not describe a causal LM: architectures="
+            f"{getattr(config, 'architectures', None)!r}, model_type={config.model_type!r} "
+            "(expected e.g. 'Qwen2ForCausalLM' or 'LlamaForCausalLM')"
+        )
+    if not any(any(p.glob(g)) for g in WEIGHT_GLOBS):
+        raise ModelLoadError(
+            f"model directory {str(p)!r} has no weights file: expected *.safetensors or "
+            "pytorch_model*.bin (save the model with model.save_pretrained)"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), config=config, dtype=torch_dtype, local_files_only=True
+        )
+    except Exception as e:
+        raise ModelLoadError(f"could not load the model weights in {str(p)!r}: {e}") from e
+    model.to(device)
+
+    gen = model.generation_config
+    if gen.pad_token_id is None:
+        pad = getattr(config, "pad_token_id", None)
+        if pad is None:
+            eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
+            pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+        gen.pad_token_id = pad
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA
+# --------------------------------------------------------------------------------------------
+
+
+def apply_lora(model, *, r: int, alpha: float, dropout: float = 0.0, target_modules="all-linear"):
+    """Wrap ``model`` in a peft LoRA adapter (in place; returns the ``PeftModel``).
+
+    r: adapter rank (> 0); alpha: LoRA scaling numerator (the update is scaled by alpha / r);
+    dropout: dropout on the adapter input, in [0, 1); target_modules: a list of module names
+    (e.g. ``["q_proj", "v_proj"]``) or "all-linear" (every linear layer except the output head).
+    Only the adapter parameters are trainable afterwards.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ImportError(
+            "LoRA needs the 'peft' package: pip install 'peergrade[lora]' (or pip install peft)"
+        ) from e
+    if int(r) != r or r <= 0:
+        raise ValueError(f"lora r={r!r}: expected a positive integer")
+    if alpha <= 0:
+        raise ValueError(f"lora alpha={alpha!r}: expected a positive number")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"lora dropout={dropout!r}: expected a value in [0, 1)")
+    if isinstance(target_modules, str):
+        if target_modules != "all-linear":
+            raise ValueError(
+                f"lora target_modules={target_modules!r}: expected 'all-linear' or a list of "
+                "module names such as ['q_proj', 'v_proj']"
+            )
+    else:
+        target_modules = list(target_modules)
+        if not target_modules:
+            raise ValueError("lora target_modules is empty: name at least one module")
+    cfg = LoraConfig(
+        r=int(r),
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)
+
+
+@contextlib.contextmanager
+def disable_adapter(model):
+    """``with disable_adapter(peft_model) as ref:`` runs ``peft_model`` with its adapters off.
+
+    This gives the base model's outputs (the GRPO reference policy under LoRA) without a copy of
+    the weights. A model without a peft adapter is an error: it has no reference inside it.
+    """
+    if not (hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")):
+        raise ValueError(
+            f"disable_adapter needs a peft-wrapped model (see apply_lora); got "
+            f"{type(model).__name__}, which has no adapter to disable. With full fine-tuning, "
+            "load a separate frozen reference model instead."
+        )
+    with model.disable_adapter():
+        yield model
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token log-probs
+# --------------------------------------------------------------------------------------------
+
+
+def find_backbone_and_head(model) -> tuple[nn.Module, nn.Module]:
+    """(backbone, lm_head) of a HF causal LM, or of the causal LM inside a peft wrapper.
+
+    backbone: the module that maps ``input_ids`` to final (normed) hidden states
+    (``get_decoder()``, else ``.model``); lm_head: ``get_output_embeddings()``.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = None
+    if hasattr(base, "get_decoder"):
+        with contextlib.suppress(Exception):
+            backbone = base.get_decoder()
+    if backbone is None or backbone is base:
+        backbone = getattr(base, "model", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        head = getattr(base, "lm_head", None)
+    if not isinstance(backbone, nn.Module) or not isinstance(head, nn.Module):
+        raise ValueError(
+            f"cannot find the backbone and lm_head of {type(base).__name__}: expected a Hugging "
+            "Face *ForCausalLM model (with .model / get_decoder() and get_output_embeddings())"
+        )
+    cfg = getattr(base, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if cfg is not None and getattr(cfg, attr, None) not in (None, 1.0):
+            raise ValueError(
+                f"{type(base).__name__} post-processes its logits ({attr}="
+                f"{getattr(cfg, attr)!r}); token_logprobs does not support that"
+            )
+    return backbone, head
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding: ``clamp(cumsum(mask) - 1, min=0)``.  # [B, L]"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size=1):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L]; got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    B, L = input_ids.shape
+    if completion_mask.dim() != 2 or completion_mask.shape[0] != B:
+        raise ValueError(
+            f"completion_mask must be [B, C] with B={B}; got shape {tuple(completion_mask.shape)}"
+        )
+    C = completion_mask.shape[1]
+    if not 0 < C < L:
+        raise ValueError(
+            f"completion_mask covers C={C} columns of L={L}: need 0 < C < L (the first "
+            "completion token is predicted from the token before it)"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}: expected a positive number")
+    if int(chunk_size) != chunk_size or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r}: expected a positive integer")
+    return B, L, C
+
+
+def _acc_dtype(weight) -> torch.dtype:
+    """float32, or float64 for a float64 weight (so gradcheck can run in double precision)."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _chunk_logits(h, weight, bias, temperature):
+    """float32 logits / temperature of one chunk; the matmul runs in the weight's dtype."""
+    acc = _acc_dtype(weight)
+    z = (h.to(weight.dtype) @ weight.t()).to(acc)  # [c, V]
+    if bias is not None:
+        z = z + bias.to(acc)
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """logp (and entropy) of ``targets`` under ``softmax((hidden W^T + b) / T)``, chunk by chunk.
+
+    forward(hidden [M, H], weight [V, H], bias [V] | None, targets [M], temperature, chunk_size,
+    with_entropy) -> logp [M] (float32), plus entropy [M] when with_entropy.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+        M, acc = hidden.shape[0], _acc_dtype(weight)
+        logp = torch.empty(M, dtype=acc, device=hidden.device)  # [M]
+        lse = torch.empty(M, dtype=acc, device=hidden.device)  # [M]
+        ent = torch.empty(M, dtype=acc, device=hidden.device) if with_entropy else None
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            for s in range(0, M, chunk_size):
+                e = min(s + chunk_size, M)
+                z = _chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+                lse_c = torch.logsumexp(z, dim=-1)  # [c]
+                lse[s:e] = lse_c
+                z.sub_(lse_c[:, None])  # z is now log p   # [c, V]
+                logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
+                if with_entropy:
+                    ent[s:e] = -(z.exp() * z).sum(-1)
+                del z
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        if with_entropy:
+            return logp, ent
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent=None):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        T, cs = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logp is None and grad_ent is None:
+            return (None,) * 7
+        M, acc = hidden.shape[0], _acc_dtype(weight)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = (
+            torch.zeros(bias.shape, dtype=acc, device=bias.device)
+            if need_b and bias is not None
+            else None
+        )
+        rows = torch.arange(min(cs, M), device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            for s in range(0, M, cs):
+                e = min(s + cs, M)
+                c = e - s
+                h_c = hidden[s:e].to(weight.dtype)  # [c, H]
+                logp_full = _chunk_logits(h_c, weight, bias, T)  # [c, V]
+                logp_full.sub_(lse[s:e, None])  # log p
+                p = logp_full.exp()  # [c, V]
+                # g = dL/dz = -p * (g_logp + g_ent * (log p + H)) + g_logp * onehot(target)
+                if grad_ent is not None:
+                    g = logp_full.add_(ent[s:e, None]).mul_(grad_ent[s:e, None])
+                    if grad_logp is not None:
+                        g.add_(grad_logp[s:e, None])
+                    g.mul_(p).neg_()
+                    del p
+                else:
+                    del logp_full
+                    g = p.mul_(-grad_logp[s:e, None])
+                if grad_logp is not None:
+                    g[rows[:c], targets[s:e]] += grad_logp[s:e]
+                if T != 1.0:
+                    g.div_(T)  # z = raw / T
+                g_w = g.to(weight.dtype)  # [c, V]
+                if need_h:
+                    grad_h[s:e] = (g_w @ weight).to(hidden.dtype)
+                if need_w:
+                    grad_w.add_((g_w.t() @ h_c).to(acc))
+                if grad_b is not None:
+                    grad_b.add_(g.sum(0))
+                del g, g_w
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _module_chunk(head, h, targets, temperature, with_entropy):
+    """Fallback for a non-Linear lm_head: logp (and entropy) of one chunk via the module."""
+    z = head(h).float()  # [c, V]
+    if temperature != 1.0:
+        z = z / temperature
+    logp_full = torch.log_softmax(z, dim=-1)
+    logp = logp_full.gather(1, targets[:, None]).squeeze(1)
+    if with_entropy:
+        return logp, -(logp_full.exp() * logp_full).sum(-1)
+    return logp, torch.zeros_like(logp)
+
+
+def _backbone_hidden(model, input_ids, attention_mask):
+    backbone, head = find_backbone_and_head(model)
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden, head  # [B, L, H]
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """Per-token log-probs of the completion, chunked over positions (see the module docstring).
+
+    input_ids, attention_mask: [B, L] (left padding allowed; ``attention_mask == 1`` = real token).
+    completion_mask: [B, C] over the LAST C columns of input_ids; ``completion_mask == 1`` marks the
+    tokens whose log-prob is wanted. Returns logp [B, C] float32 (0 where completion_mask == 0),
+    or (logp, entropy), both [B, C], when with_entropy. Both are differentiable.
+
+    chunk_size: positions per lm_head chunk. Each chunk holds about two [chunk_size, V] float32
+    buffers: with V = 151936, 1024 positions are ~0.6 GB each.
+    """
+    B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size)
+    sel = completion_mask.bool()  # [B, C]
+    hidden, head = _backbone_hidden(model, input_ids, attention_mask)  # [B, L, H]
+    h_sel = hidden[:, L - C - 1 : L - 1][sel]  # [M, H]
+    targets = input_ids[:, L - C :][sel]  # [M]
+    if isinstance(head, nn.Linear):
+        out = _ChunkedLogProbs.apply(
+            h_sel,
+            head.weight,
+            head.bias,
+            targets,
+            float(temperature),
+            int(chunk_size),
+            with_entropy,
+        )
+        logp_sel, ent_sel = out if with_entropy else (out, None)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [
+            checkpoint(
+                _module_chunk,
+                head,
+                h_sel[s : s + chunk_size],
+                targets[s : s + chunk_size],
+                float(temperature),
+                with_entropy,
+                use_reentrant=False,
+            )
+            for s in range(0, h_sel.shape[0], chunk_size)
+        ]
+        if parts:
+            logp_sel = torch.cat([a for a, _ in parts])  # [M]
+            ent_sel = torch.cat([b for _, b in parts])  # [M]
+        else:  # no position selected at all
+            logp_sel = ent_sel = h_sel.new_zeros(0, dtype=torch.float32)
+    zeros = torch.zeros(B, C, dtype=torch.float32, device=input_ids.device)
+    logp = zeros.masked_scatter(sel, logp_sel)  # [B, C]
+    if with_entropy:
+        return logp, zeros.masked_scatter(sel, ent_sel)
+    return logp
+
+
+def naive_token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """Reference for ``token_logprobs``: the full model forward, full ``[B, C, V]`` float32
+    logits, log_softmax, gather. Same signature and outputs; ``chunk_size`` is ignored.
+
+    This is what most trainers do (with ``logits_to_keep = C + 1``); it is kept for tests and the
+    memory benchmark, not for training.
+    """
+    B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=C + 1,
+    )
+    logits = out.logits[:, -(C + 1) : -1].float() / temperature  # [B, C, V]
+    logp_full = torch.log_softmax(logits, dim=-1)  # [B, C, V]
+    logp = logp_full.gather(-1, input_ids[:, L - C :, None]).squeeze(-1)  # [B, C]
+    mask = completion_mask.to(logp.dtype)
+    if with_entropy:
+        ent = -(logp_full.exp() * logp_full).sum(-1)  # [B, C]
+        return logp * mask, ent * mask
+    return logp * mask
