@@ -1,0 +1,63 @@
+"""Prompt rendering: a row's prompt (text or chat messages) -> the string the model sees.
+
+``render_prompt(row_prompt, tokenizer, *, system_prompt=None, use_chat_template=True)``:
+
+- a plain string becomes one user message ``{"role": "user", "content": text}``;
+- a chat message list is kept as is (each message must be a dict with a ``role`` and ``content``);
+- ``system_prompt`` is prepended as a system message, unless the messages already start with one
+  (then the row's own system message wins: it was written for that row);
+- the tokenizer's chat template is applied with ``add_generation_prompt=True`` and
+  ``tokenize=False``, so the string ends where the assistant's answer starts.
+
+Without a chat template (``tokenizer.chat_template`` is unset, ``tokenizer`` is ``None``, or
+``use_chat_template=False``) the prompt is plain text: the contents of the messages joined by
+blank lines (system first), with no role markers added. A base model prompted with
+``"12+7="`` thus sees exactly ``"12+7="``.
+
+This module does not tokenize (the rollout does).
+"""
+
+from __future__ import annotations
+
+__all__ = ["render_prompt", "to_messages"]
+
+
+def to_messages(row_prompt, system_prompt: str | None = None) -> list[dict]:
+    """The chat message list of a row prompt, with ``system_prompt`` prepended if given."""
+    if isinstance(row_prompt, str):
+        messages = [{"role": "user", "content": row_prompt}]
+    elif isinstance(row_prompt, (list, tuple)):
+        messages = []
+        for j, m in enumerate(row_prompt):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(
+                    f"prompt message {j} must be a dict with 'role' and 'content', got {m!r}"
+                )
+            messages.append(dict(m))
+        if not messages:
+            raise ValueError("prompt is an empty message list")
+    else:
+        raise ValueError(
+            f"a prompt must be a string or a list of chat messages, got {type(row_prompt).__name__}"
+        )
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(
+    row_prompt,
+    tokenizer=None,
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+) -> str:
+    """The text the model is given for ``row_prompt`` (see the module docstring)."""
+    messages = to_messages(row_prompt, system_prompt)
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if use_chat_template and template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):  # defensive: some versions return a list for one conv
+            text = text[0]
+        return text
+    return "\n\n".join(str(m["content"]) for m in messages)
