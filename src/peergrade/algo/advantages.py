@@ -116,6 +116,16 @@ def group_advantages(
         scored = ~torch.isnan(r)  # [P, G], True = counts
         m = scored.to(r.dtype)  # [P, G]
         r0 = torch.where(scored, r, torch.zeros_like(r))  # [P, G], NaN -> 0 for the sums
+        # Huge rewards (|r| > max**0.25, about 1e77 in float64) would overflow the sums of
+        # squares: rescale r and eps by the same factor f (per group, or one factor for the
+        # batch statistics), which leaves (r - b) / (s + eps) unchanged; "none" multiplies f
+        # back. Ordinary rewards are never rescaled (f == 1).
+        if scale == "batch":
+            amax = r0.abs().amax()  # []
+        else:
+            amax = r0.abs().amax(dim=1, keepdim=True)  # [P, 1]
+        f = torch.where(amax > torch.finfo(r.dtype).max ** 0.25, amax, torch.ones_like(amax))
+        r0, eps = r0 / f, eps / f
         n = m.sum(dim=1, keepdim=True)  # [P, 1] scored members per group
         total = r0.sum(dim=1, keepdim=True)  # [P, 1]
         mean = total / n.clamp(min=1)  # [P, 1]
@@ -136,11 +146,12 @@ def group_advantages(
             var_all = (m * (r0 - mean_all) ** 2).sum() / (n_all - 1).clamp(min=1)
             denom = var_all.sqrt() + eps  # []
         elif scale == "none":
-            denom = torch.ones((), dtype=r.dtype, device=r.device)
+            denom = None
         else:  # pragma: no cover - validated above
             raise ValueError(f"scale: expected one of {_SCALES}, got {scale!r}")
 
-        adv = (r0 - b) / denom  # [P, G]
+        # [P, G]; for "none" undo the rescaling: r - b in the units of the rewards
+        adv = (r0 - b) * f if denom is None else (r0 - b) / denom
 
         # Zero where the comparison is undefined or empty: unscored samples, groups with < 2
         # scored members, and groups whose scored rewards are all equal (exactly 0, not 1e-13).
