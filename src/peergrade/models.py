@@ -134,6 +134,32 @@ def _is_causal_lm(config) -> bool:
     return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
 
 
+def _tokenizer_class(p: Path):
+    """The class to load the tokenizer in ``p`` with.
+
+    ``AutoTokenizer`` in transformers v5 picks the tokenizer class from config.json's
+    ``model_type`` for some architectures (Qwen2 among them) even when tokenizer_config.json
+    declares the generic ``TokenizersBackend``; that class then rebuilds the pre-tokenizer and
+    normaliser and silently changes how a custom tokenizer.json (e.g. our character-level one)
+    splits text. A directory that declares a generic class is therefore loaded with exactly that
+    class; anything else goes through ``AutoTokenizer``.
+    """
+    import transformers
+
+    try:
+        declared = json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        declared = None
+    if (
+        declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
+        and (p / "tokenizer.json").is_file()
+    ):
+        cls = getattr(transformers, declared, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoTokenizer
+
+
 def load_tokenizer(path):
     """The tokenizer saved in ``path``, with ``padding_side="left"`` (for batched generation).
 
@@ -146,10 +172,8 @@ def load_tokenizer(path):
             f"model directory {str(p)!r} has no tokenizer files: expected one of "
             f"{', '.join(TOKENIZER_FILES)} (save the tokenizer with tokenizer.save_pretrained)"
         )
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # transformers raises many types here; re-raise as one clear error
         raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}") from e
     if tok.pad_token is None:
@@ -232,7 +256,11 @@ def load_model(
             pad = eos[0] if isinstance(eos, (list, tuple)) else eos
         gen.pad_token_id = pad
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
         model.config.use_cache = False
     return model
 
