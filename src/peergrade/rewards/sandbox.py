@@ -20,21 +20,21 @@ session (its own process group). When we are root and the kernel allows it, the 
    interpreter's prefix directories are bind-mounted back, which also hides the rest of them;
 3. mounts a size-capped tmpfs (``disk_mb``) owned by the sandbox uid over the work directory
    and copies ``main.py`` into it: the program's files never touch the disk and vanish with it;
-4. forks: the child is PID 1 of the new PID namespace. It mounts a fresh ``/proc``, sets the
-   resource limits, drops to a per-program unprivileged uid/gid (no supplementary groups),
-   sets ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG``, and execs ``python -I main.py`` with a
-   minimal environment. The launcher stays outside the namespace, waits, and reports the
-   child's wait status on a private pipe.
+4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` and
+   forks the program (PID 2). The program's process sets the resource limits, drops to a
+   per-program unprivileged uid/gid (no supplementary groups), sets ``PR_SET_NO_NEW_PRIVS`` and
+   ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a minimal environment. The init
+   reaps orphans and reports the program's wait status and CPU time on a private pipe; the
+   launcher stays outside the namespace and waits for the init.
 
 Resource limits (``setrlimit``): RLIMIT_CPU (CPU seconds, per process), RLIMIT_AS (address
 space, per process), RLIMIT_NPROC (processes of the sandbox uid, which is unique per running
 program, so it is a per-program count), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE = 0.
 
 The supervisor reads stdout and stderr with a byte cap (beyond it: kill, ``output_limit``) and a
-wall-clock deadline (beyond it: kill, ``timeout``). Killing is ``killpg(SIGKILL)`` of the
-launcher's process group; because the program is PID 1 of its own namespace, the kernel then
-kills every process left in that namespace, including ones that called ``setsid()`` to leave
-the process group. The temp directory is removed afterwards.
+wall-clock deadline (beyond it: kill, ``timeout``). Killing is SIGKILL to the namespace's init,
+upon which the kernel kills every process left in that namespace (including ones that called
+``setsid()`` to leave the process group), then ``killpg(SIGKILL)`` of the launcher's group. The temp directory is removed afterwards.
 
 Threat model
 ------------
@@ -233,26 +233,50 @@ def _launcher_main(config_json: str) -> None:
     enforced["unprivileged_uid"] = isolate
     send({"enforced": enforced})
 
+    if not pid_ns:
+        _spawn_and_wait(libc, cfg, isolate, send, report_pid=True)
+        os._exit(0)
     pid = os.fork()
     if pid == 0:
+        # PID 1 of the new namespace: a minimal init that stays root, mounts a /proc showing only
+        # the namespace, runs the program as PID 2 and reaps orphans. The program is not PID 1
+        # because the kernel ignores default-action signals (SIGXCPU, SIGABRT) sent to PID 1.
         try:
-            _child_exec(libc, cfg, isolate, pid_ns)
+            _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+            _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+            _spawn_and_wait(libc, cfg, isolate, send, report_pid=False)
         except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
-            send({"setup_error": f"child: {type(exc).__name__}: {exc}"})
-        os._exit(127)
-    # Launcher: stay outside the PID namespace, reap the child, report its status.
-    _, status, usage = os.wait4(pid, 0)
-    send({"wait_status": status, "cpu_s": usage.ru_utime + usage.ru_stime})
+            send({"setup_error": f"init: {type(exc).__name__}: {exc}"})
+            os._exit(127)
+        os._exit(0)  # every other process in the namespace is killed with us
+    # Launcher: stay outside the PID namespace; killing `pid` (the init) ends the namespace.
+    send({"child_pid": pid})
+    os.waitpid(pid, 0)
     os._exit(0)
 
 
-def _child_exec(libc, cfg: dict, isolate: bool, pid_ns: bool) -> None:
+def _spawn_and_wait(libc, cfg: dict, isolate: bool, send, report_pid: bool) -> None:
+    """Fork the program, reap every child until it exits, and report its wait status."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _child_exec(libc, cfg, isolate)
+        except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
+            send({"setup_error": f"child: {type(exc).__name__}: {exc}"})
+        os._exit(127)
+    if report_pid:
+        send({"child_pid": pid})
+    while True:
+        done, status, usage = os.wait4(-1, 0)
+        if done == pid:
+            break
+    send({"wait_status": status, "cpu_s": usage.ru_utime + usage.ru_stime})
+
+
+def _child_exec(libc, cfg: dict, isolate: bool) -> None:
     import resource
 
     workdir, uid = cfg["workdir"], cfg["uid"]
-    if pid_ns:
-        # PID 1 of a fresh namespace: its own /proc shows only the sandbox's processes.
-        _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
     lim = cfg["limits"]
     cpu = int(lim["cpu_s"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -350,10 +374,35 @@ def _uid_processes(uid: int) -> list[int]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
+                if os.stat(f"/proc/{name}").st_uid == uid and not _is_zombie(name):
                     pids.append(int(name))
             except OSError:
                 pass
+    return pids
+
+
+def _is_zombie(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # gone
+    return stat[stat.rindex(b")") + 2 :].startswith(b"Z")
+
+
+def _group_processes(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
+            if fields[0] != b"Z" and int(fields[2]) == pgid:
+                pids.append(int(name))
     return pids
 
 
@@ -474,20 +523,39 @@ def run_program(
         _release_uid(uid)
 
 
-def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
-    """Kill the launcher's process group and anything still running as the sandbox uid."""
+def _kill_all(proc: subprocess.Popen, uid: int | None, child_pid: int | None = None) -> None:
+    """Kill the program, the launcher's process group, and anything left with the sandbox uid.
+
+    The program (PID 1 of its namespace) is killed first so that the launcher, its parent, reaps
+    it: killing the launcher first would leave it a zombie for the host's init to reap.
+    """
+    if child_pid and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child_pid, signal.SIGKILL)  # the launcher has not reaped it: pid still ours
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=2.0)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    if uid is not None and os.geteuid() == 0:
-        for _ in range(50):  # only non-empty without a PID namespace (fallback mode)
-            pids = _uid_processes(uid)
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
+    # Only non-empty without a PID namespace (fallback mode): wait until the kills took effect.
+    for _ in range(200):
+        pids = _group_processes(proc.pid)
+        if uid is not None and os.geteuid() == 0:
+            pids += _uid_processes(uid)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _parse_report(report: bytes) -> dict:
+    info: dict = {}
+    for line in report.decode("utf-8", "replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            info.update(json.loads(line))
+    return info
 
 
 def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> SandboxResult:
@@ -527,13 +595,13 @@ def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> S
             proc.wait(timeout=max(0.05, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-    _kill_all(proc, uid)  # before reading state: nothing may keep running
+    # Before reading state: nothing may keep running.
+    _kill_all(proc, uid, _parse_report(report).get("child_pid"))
     wall = time.monotonic() - t0
-
-    info: dict = {}
-    for line in report.decode("utf-8", "replace").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            info.update(json.loads(line))
+    with contextlib.suppress(OSError):  # the launcher's last words, if it reported before dying
+        while chunk := os.read(report_r, 65536):
+            report += chunk
+    info = _parse_report(report)
     enforced = info.get("enforced", {})
     stdout = bytes(bufs[proc.stdout.fileno()][:max_output_bytes]).decode("utf-8", "replace")
     stderr = bytes(bufs[proc.stderr.fileno()][:max_output_bytes]).decode("utf-8", "replace")

@@ -1,0 +1,356 @@
+"""Escape tests for peergrade.rewards.sandbox: each hostile program must end non-ok with a
+reason, leave no process and no temp directory behind, and leave this process unharmed.
+
+Limits are small (2 s wall, 256 MB) so the file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from peergrade.rewards import sandbox
+from peergrade.rewards.sandbox import STATUSES, run_many, run_program
+
+LIMITS = {"timeout_s": 2.0, "memory_mb": 256}
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="isolation (uid, namespaces) needs root")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                raw = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            out[int(name)] = raw.replace(b"\0", b" ").decode("utf-8", "replace")
+    return out
+
+
+def _sandbox_uid_pids() -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                uid = os.stat(f"/proc/{name}").st_uid
+            except OSError:
+                continue
+            if sandbox._UID_BASE <= uid < sandbox._UID_BASE + 1000:
+                pids.append(int(name))
+    return pids
+
+
+@pytest.fixture
+def tracked_dirs(monkeypatch):
+    """Every temp dir the sandbox creates during the test (to check it is removed)."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        path = real(*args, **kwargs)
+        made.append(path)
+        return path
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", mkdtemp)
+    return made
+
+
+def run_hostile(code: str, tracked_dirs, **kwargs):
+    """Run with a unique argv marker, then check: non-ok with a reason, nothing left behind."""
+    marker = f"pgmark{secrets.token_hex(6)}"
+    res = run_program(
+        textwrap.dedent(code), args=[marker, *kwargs.pop("args", [])], **{**LIMITS, **kwargs}
+    )
+    assert res.status in STATUSES
+    assert res.status != "ok", (res.stdout[-500:], res.stderr[-500:])
+    assert res.reason, "a non-ok result must say why"
+    left = [pid for pid, cmd in _cmdlines().items() if marker in cmd]
+    assert left == [], f"processes left running: {left}"
+    assert _sandbox_uid_pids() == []
+    assert tracked_dirs and not any(os.path.exists(d) for d in tracked_dirs)
+    return res
+
+
+def test_runs_a_program_with_stdin_and_args(tracked_dirs):
+    code = "import sys\nprint(sys.stdin.read().upper(), sys.argv[1:])\n"
+    res = run_program(code, stdin="abc", args=["x", "y"], **LIMITS)
+    assert (res.status, res.returncode, res.reason) == ("ok", 0, "")
+    assert res.stdout == "ABC ['x', 'y']\n"
+    assert not any(os.path.exists(d) for d in tracked_dirs)
+
+
+def test_exception_is_error_with_last_stderr_line():
+    res = run_program("raise ValueError('boom')", **LIMITS)
+    assert (res.status, res.returncode) == ("error", 1)
+    assert "ValueError: boom" in res.reason
+
+
+@needs_root
+def test_isolation_in_force_on_this_machine():
+    res = run_program("import os; print(os.getuid(), os.getpid())", **LIMITS)
+    assert res.status == "ok"
+    uid, pid = map(int, res.stdout.split())
+    assert uid != 0 and pid == 2  # unprivileged, PID 2 (after the init) of its own namespace
+    e = res.enforced
+    assert e["unprivileged_uid"] and e["pid_namespace"] and e["network_namespace"]
+    assert e["mount_namespace"] and e["read_only_root"]
+
+
+def test_infinite_loop_times_out(tracked_dirs):
+    res = run_hostile("while True:\n    pass\n", tracked_dirs)
+    assert res.status == "timeout"
+    assert res.wall_s < LIMITS["timeout_s"] + 1.5
+
+
+def test_cpu_limit_ends_busy_loop_before_wall_limit(tracked_dirs):
+    res = run_hostile("while True:\n    pass\n", tracked_dirs, cpu_time_s=1, timeout_s=6)
+    assert res.status == "timeout" and "CPU" in res.reason
+    assert res.wall_s < 4
+
+
+def test_sleep_past_limit(tracked_dirs):
+    t0 = time.monotonic()
+    res = run_hostile("import time\ntime.sleep(30)\n", tracked_dirs)
+    assert res.status == "timeout" and "wall-clock" in res.reason
+    assert time.monotonic() - t0 < LIMITS["timeout_s"] + 1.5
+
+
+@needs_root
+def test_fork_bomb_is_capped_and_cleaned_up(tracked_dirs):
+    # Children sleep (keeping the marker in argv) so the count reflects the cap, not churn.
+    code = """
+        import os, sys, time
+        n = 0
+        try:
+            while True:
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                n += 1
+        except OSError as e:
+            print(n, flush=True)
+            raise SystemExit(f"fork failed after {n}: {e}")
+    """
+    res = run_hostile(code, tracked_dirs, max_processes=8)
+    assert res.status == "error" and "fork failed" in res.reason
+    assert int(res.stdout.split()[0]) <= 7  # the program itself counts against the limit
+
+
+def test_endless_fork_bomb(tracked_dirs):
+    code = """
+        import os
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """
+    res = run_hostile(code, tracked_dirs, max_processes=8)
+    assert res.status in ("timeout", "error", "killed")
+
+
+def test_escape_process_group_with_setsid(tracked_dirs):
+    # The grandchild leaves the process group; the parent then fails. Nothing may survive.
+    code = """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(0.2)
+        raise SystemExit("parent done")
+    """
+    res = run_hostile(code, tracked_dirs)
+    assert res.status == "error"
+
+
+def test_memory_bomb(tracked_dirs):
+    res = run_hostile("x = bytearray(10 ** 10)\n", tracked_dirs)
+    assert res.status == "memory" and "MemoryError" in res.reason
+
+
+def test_memory_bomb_growing(tracked_dirs):
+    res = run_hostile("xs = []\nwhile True:\n    xs.append(bytearray(10 ** 6))\n", tracked_dirs)
+    assert res.status == "memory"
+
+
+def test_huge_output_is_capped(tracked_dirs):
+    res = run_hostile("while True:\n    print('x' * 1000)\n", tracked_dirs, max_output_bytes=10_000)
+    assert res.status == "output_limit"
+    assert len(res.stdout) <= 10_000
+    assert res.wall_s < 1.5  # stopped at the cap, not at the wall-clock limit
+
+
+def test_huge_stderr_is_capped(tracked_dirs):
+    code = "import sys\nwhile True:\n    sys.stderr.write('e' * 1000)\n"
+    res = run_hostile(code, tracked_dirs, max_output_bytes=10_000)
+    assert res.status == "output_limit"
+
+
+@needs_root
+@pytest.mark.parametrize(
+    "target",
+    [
+        f"/tmp/peergrade_escape_{secrets.token_hex(6)}",
+        f"/dev/shm/peergrade_escape_{secrets.token_hex(6)}",
+        str(REPO / f"peergrade_escape_{secrets.token_hex(6)}"),
+        str(Path(__file__).resolve().parent / f"peergrade_escape_{secrets.token_hex(6)}.py"),
+    ],
+)
+def test_write_outside_workdir(tracked_dirs, target):
+    code = f"with open({target!r}, 'w') as f:\n    f.write('escaped')\n"
+    try:
+        res = run_hostile(code, tracked_dirs)
+        assert res.status == "error"
+        assert "Read-only file system" in res.reason or "Permission denied" in res.reason
+        assert not os.path.exists(target)
+    finally:
+        if os.path.exists(target):
+            os.remove(target)
+
+
+@needs_root
+def test_cannot_modify_repo_file(tracked_dirs):
+    victim = Path(__file__).resolve()
+    before = victim.read_bytes()
+    res = run_hostile(f"open({str(victim)!r}, 'a').write('# pwned')\n", tracked_dirs)
+    assert res.status == "error"
+    assert victim.read_bytes() == before
+
+
+def test_workdir_is_writable_and_is_cwd():
+    code = "open('f.txt', 'w').write('hi')\nimport os\nprint(open('f.txt').read(), os.getcwd())\n"
+    res = run_program(code, **LIMITS)
+    assert res.status == "ok"
+    text, cwd = res.stdout.split()
+    assert text == "hi" and os.path.basename(cwd).startswith("peergrade-sbx-")
+
+
+def test_parent_environment_is_not_inherited(tracked_dirs, monkeypatch):
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("PEERGRADE_TEST_SECRET", secret)
+    code = """
+        import os, sys
+        print(dict(os.environ))
+        for pid in ("1", str(os.getppid()), "self"):
+            try:
+                print(open(f"/proc/{pid}/environ", "rb").read())
+            except OSError as e:
+                print(e)
+        raise SystemExit("printed what it could find")
+    """
+    res = run_hostile(code, tracked_dirs)
+    assert secret not in res.stdout and secret not in res.stderr
+    assert "PEERGRADE_TEST_SECRET" not in res.stdout
+    assert "'HOME'" in res.stdout  # the program did print its (minimal) environment
+
+
+@needs_root
+def test_no_network(tracked_dirs):
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    try:
+        code = f"""
+            import socket
+            s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
+            s.sendall(b"escaped")
+        """
+        res = run_hostile(code, tracked_dirs)
+        assert res.status == "error"
+        assert "unreachable" in res.reason or "refused" in res.reason, res.reason
+        listener.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_cannot_kill_parent_or_neighbours(tracked_dirs):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        code = """
+            import os, signal, sys
+            for attempt in (
+                lambda: os.kill(-1, signal.SIGKILL),
+                lambda: os.killpg(os.getpgrp(), signal.SIGKILL),
+                lambda: os.kill(os.getppid(), signal.SIGKILL),
+                lambda: os.kill(int(sys.argv[3]), signal.SIGKILL),
+            ):
+                try:
+                    attempt()
+                except OSError as e:
+                    print(e)
+            os.kill(int(sys.argv[2]), signal.SIGKILL)  # the test process itself
+        """
+        res = run_hostile(code, tracked_dirs, args=[str(os.getpid()), str(sleeper.pid)])
+        assert res.status in ("error", "killed")
+        time.sleep(0.1)
+        assert sleeper.poll() is None, "a neighbouring process was killed"
+        os.kill(os.getpid(), 0)  # still alive (trivially, since we are running)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_fallback_without_isolation_still_kills_group(tracked_dirs):
+    code = """
+        import os, time
+        for _ in range(3):
+            if os.fork() == 0:
+                break
+        time.sleep(30)
+    """
+    res = run_hostile(code, tracked_dirs, isolate=False)
+    assert res.status == "timeout"
+    assert res.enforced.get("unprivileged_uid") is False
+
+
+def test_run_many_keeps_order_and_bounds(tracked_dirs):
+    jobs = [
+        "print(1)",
+        {"code": "import sys; print(sys.stdin.read()[::-1])", "stdin": "abc"},
+        "raise SystemExit(3)",
+        {"code": "import time; time.sleep(5)", "timeout_s": 1.0},
+        "print(2)",
+    ]
+    t0 = time.monotonic()
+    res = run_many(jobs, workers=3, memory_mb=256, timeout_s=3.0)
+    assert [r.status for r in res] == ["ok", "ok", "error", "timeout", "ok"]
+    assert [r.stdout for r in res[:2]] == ["1\n", "cba\n"]
+    assert res[2].returncode == 3
+    assert time.monotonic() - t0 < 4.5
+    assert not any(os.path.exists(d) for d in tracked_dirs) and len(tracked_dirs) == 5
+
+
+@pytest.mark.parametrize("kwargs", [{"timeout_s": 0}, {"memory_mb": -1}, {"max_output_bytes": 0}])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="must be > 0"):
+        run_program("print(1)", **kwargs)
+
+
+def test_bad_jobs():
+    with pytest.raises(ValueError, match="job 1"):
+        run_many(["print(1)", {"stdin": "x"}])
+    with pytest.raises(ValueError, match="workers"):
+        run_many(["print(1)"], workers=0)
+
+
+def test_signal_death_is_reported():
+    res = run_program("import os, signal\nos.abort()\n", **LIMITS)
+    assert res.status == "killed" and res.returncode == -signal.SIGABRT
+    assert "SIGABRT" in res.reason
