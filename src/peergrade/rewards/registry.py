@@ -47,8 +47,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported when scoring, so importing this package stays light
+    import torch
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -228,6 +230,8 @@ class RewardScores:
 
     def metrics(self) -> dict[str, float]:
         """``reward/<name>/mean|std``, ``reward/total/mean|std``, ``reward/errors``."""
+        import torch
+
         out: dict[str, float] = {}
         for name, values in list(self.per_fn.items()) + [("total", self.total)]:
             v = values[~torch.isnan(values)]
@@ -257,6 +261,8 @@ def score_rewards(
     on_error: str = "fail",
 ) -> RewardScores:
     """Call every reward function on the batch and combine the scores (see module docstring)."""
+    import torch
+
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error={on_error!r} is not valid; expected 'fail' or 'zero'")
     n = len(completions)
