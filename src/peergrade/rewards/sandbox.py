@@ -19,7 +19,8 @@ session (its own process group). When we are root and the kernel allows it, the 
    cannot traverse (``/root`` is 0700 here) are replaced by an empty tmpfs into which only the
    interpreter's prefix directories are bind-mounted back, which also hides the rest of them;
 3. mounts a size-capped tmpfs (``disk_mb``) owned by the sandbox uid over the work directory
-   and copies ``main.py`` into it: the program's files never touch the disk and vanish with it;
+   and copies ``main.py`` (and any ``files``) into it: the program's files never touch the disk
+   and vanish with it;
 4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` and
    forks the program (PID 2). The program's process sets the resource limits, drops to a
    per-program unprivileged uid/gid (no supplementary groups), sets ``PR_SET_NO_NEW_PRIVS`` and
@@ -202,8 +203,10 @@ def _launcher_main(config_json: str) -> None:
         if enforced.get("mount_namespace"):
             _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
             enforced["hidden_dirs"] = _expose(libc, cfg["expose"])
-            with open(os.path.join(workdir, "main.py"), "rb") as f:
-                main_src = f.read()
+            files = {}
+            for name in os.listdir(workdir):
+                with open(os.path.join(workdir, name), "rb") as f:
+                    files[name] = f.read()
             ro_failed = []
             for point, flags in _mountinfo_points():
                 try:
@@ -221,9 +224,11 @@ def _launcher_main(config_json: str) -> None:
             enforced["read_only_root"] = not ro_failed
             data = f"size={int(cfg['disk_mb'])}m,mode=0700,uid={uid},gid={uid}"
             _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, data)
-            fd = os.open(os.path.join(workdir, "main.py"), os.O_WRONLY | os.O_CREAT, 0o644)
-            os.write(fd, main_src)
-            os.close(fd)
+            for name, content in files.items():
+                fd = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT, 0o644)
+                os.write(fd, content)
+                os.close(fd)
+                os.chown(os.path.join(workdir, name), uid, uid)
             enforced["tmpfs_workdir_mb"] = int(cfg["disk_mb"])
         else:
             enforced["read_only_root"] = False
@@ -423,6 +428,7 @@ def run_program(
     *,
     stdin: str = "",
     args: Sequence[str] = (),
+    files: dict[str, str] | None = None,
     timeout_s: float = 5.0,
     cpu_time_s: float | None = None,
     memory_mb: int = 512,
@@ -436,7 +442,8 @@ def run_program(
 ) -> SandboxResult:
     """Run ``code`` as ``python -I main.py *args`` with ``stdin`` as its input, under the limits.
 
-    timeout_s: wall clock, from launch to exit (seconds). cpu_time_s: RLIMIT_CPU per process
+    files: extra text files written next to ``main.py`` in the work directory, owned by the
+    program (it may read, change or delete them). timeout_s: wall clock, from launch to exit (seconds). cpu_time_s: RLIMIT_CPU per process
     (default: ``timeout_s`` rounded up). memory_mb: RLIMIT_AS per process. max_processes:
     RLIMIT_NPROC for the program's uid (the program itself counts). max_output_bytes: cap on
     stdout + stderr together. disk_mb: size of the tmpfs work directory (and the RLIMIT_FSIZE of
@@ -450,6 +457,10 @@ def run_program(
         raise ValueError(
             "run_program: timeout_s, memory_mb, max_processes and max_output_bytes must be > 0"
         )
+    files = dict(files or {})
+    for name in files:
+        if not isinstance(name, str) or not name or "/" in name or name in (".", "..", "main.py"):
+            raise ValueError(f"run_program: bad file name {name!r} (a plain name, not main.py)")
     cpu_s = max(1, int(-(-(cpu_time_s if cpu_time_s is not None else timeout_s) // 1)))
     t0 = time.monotonic()
     uid = _acquire_uid()
@@ -465,9 +476,12 @@ def run_program(
     proc = None
     report_r = report_w = -1
     try:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        os.chmod(os.path.join(workdir, "main.py"), 0o644)
+        for name, content in {**files, "main.py": code}.items():
+            with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
+                f.write(content)
+            os.chmod(os.path.join(workdir, name), 0o644)
+            if isolate and os.geteuid() == 0:
+                os.chown(os.path.join(workdir, name), uid, uid)
         root = os.geteuid() == 0
         if isolate and root:
             os.chown(workdir, uid, uid)
