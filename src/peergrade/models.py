@@ -432,7 +432,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 z.sub_(lse_c[:, None])  # z is now log p   # [c, V]
                 logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
                 if with_entropy:
-                    ent[s:e] = -(z.exp() * z).sum(-1)
+                    ent[s:e] = -(z.exp().mul_(z)).sum(-1)  # -sum p log p, one extra buffer
                 del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature = temperature
@@ -466,17 +466,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 h_c = hidden[s:e].to(weight.dtype)  # [c, H]
                 logp_full = _chunk_logits(h_c, weight, bias, T)  # [c, V]
                 logp_full.sub_(lse[s:e, None])  # log p
-                p = logp_full.exp()  # [c, V]
-                # g = dL/dz = -p * (g_logp + g_ent * (log p + H)) + g_logp * onehot(target)
+                # g = dL/dz = -p * (g_logp + g_ent * (log p + H)) + g_logp * onehot(target),
+                # built in place: at most two [c, V] buffers (log p and p) live at once.
                 if grad_ent is not None:
+                    p = logp_full.exp()  # [c, V]
                     g = logp_full.add_(ent[s:e, None]).mul_(grad_ent[s:e, None])
                     if grad_logp is not None:
                         g.add_(grad_logp[s:e, None])
                     g.mul_(p).neg_()
                     del p
                 else:
-                    del logp_full
-                    g = p.mul_(-grad_logp[s:e, None])
+                    g = logp_full.exp_().mul_(-grad_logp[s:e, None])  # -p * g_logp
                 if grad_logp is not None:
                     g[rows[:c], targets[s:e]] += grad_logp[s:e]
                 if T != 1.0:
@@ -542,7 +542,7 @@ def token_logprobs(
     sel = completion_mask.bool()  # [B, C]
     hidden, head = _backbone_hidden(model, input_ids, attention_mask)  # [B, L, H]
     h_sel = hidden[:, L - C - 1 : L - 1][sel]  # [M, H]
-    targets = input_ids[:, L - C :][sel]  # [M]
+    targets = input_ids[:, L - C :][sel].long()  # [M]
     if isinstance(head, nn.Linear):
         out = _ChunkedLogProbs.apply(
             h_sel,
@@ -605,7 +605,9 @@ def naive_token_logprobs(
         use_cache=False,
         logits_to_keep=C + 1,
     )
-    logits = out.logits[:, -(C + 1) : -1].float() / temperature  # [B, C, V]
+    logits = out.logits[:, -(C + 1) : -1].float()  # [B, C, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     logp_full = torch.log_softmax(logits, dim=-1)  # [B, C, V]
     logp = logp_full.gather(-1, input_ids[:, L - C :, None]).squeeze(-1)  # [B, C]
     mask = completion_mask.to(logp.dtype)
