@@ -354,3 +354,12 @@ def test_signal_death_is_reported():
     res = run_program("import os, signal\nos.abort()\n", **LIMITS)
     assert res.status == "killed" and res.returncode == -signal.SIGABRT
     assert "SIGABRT" in res.reason
+
+
+def test_extra_files_are_visible_and_bad_names_rejected(tracked_dirs):
+    code = "import os\nprint(open('data.txt').read(), sorted(os.listdir('.')))\n"
+    res = run_program(code, files={"data.txt": "hello"}, **LIMITS)
+    assert res.status == "ok" and res.stdout == "hello ['data.txt', 'main.py']\n"
+    for bad in ("../x", "main.py", ""):
+        with pytest.raises(ValueError, match="bad file name"):
+            run_program("print(1)", files={bad: "x"})
