@@ -14,7 +14,8 @@ drawn uniformly from ``ops``. Subtraction: by default the operands are ordered s
 Prompts: ``template`` is a Python format string over ``{a}``, ``{op}``, ``{b}``. The default
 ``"{a}{op}{b}="`` suits a base / character-level model that answers with the bare number;
 ``INSTRUCT_TEMPLATE`` suits an instruct model and asks for ``<answer></answer>`` tags (the
-reward's ``extract="auto"`` grades both forms).
+reward's ``extract="auto"`` grades both forms). With ``system_prompt`` the prompt becomes a chat
+message list ``[system, user]``.
 
 Held-out split, disjoint by construction: a problem ``(a, op, b)`` belongs to the eval split
 iff ``blake2b(f"{a}{op}{b}") mod 10 == 0`` (about 10% of all problems; stable across Python
@@ -122,8 +123,14 @@ class ArithmeticTask(Task):
 
     def make_row(self, a: int, op: str, b: int) -> dict:
         """The row of one problem (no split check: use for hand-made examples)."""
+        prompt = self.template.format(a=a, op=op, b=b)
+        if self.system_prompt:
+            prompt = [
+                {"role": "system", "content": self.system_prompt},
+                {"role": "user", "content": prompt},
+            ]
         return {
-            "prompt": self.template.format(a=a, op=op, b=b),
+            "prompt": prompt,
             "answer": str(solve(a, op, b)),
             "a": a,
             "b": b,

@@ -24,6 +24,8 @@ class Task:
     default_rewards: list[tuple[str, float]] = []
     #: a system prompt the task wants prepended to every prompt (``None``: none)
     system_prompt: str | None = None
+    #: whether ``eval_rows`` has a held-out split to draw from
+    has_eval: bool = True
 
     def train_rows(self, seed: int = 0) -> Iterator[dict]:
         """An endless, seeded stream of training rows (same seed, same stream)."""

@@ -1,0 +1,330 @@
+"""User datasets as tasks: JSONL, JSON, CSV, Parquet files or a local HF ``datasets`` directory.
+
+``load_task("file", path=..., **options)`` or ``load_task("data/my.jsonl", **options)``.
+
+Formats (by suffix; a directory is a ``datasets.save_to_disk`` layout):
+
+- ``.jsonl``: one JSON object per line; blank lines are skipped; rows are numbered by their
+  1-based line number.
+- ``.json``: a list of objects (rows numbered 1, 2, ... in list order).
+- ``.csv``: a header row then one row per line (``csv.DictReader``; row numbers are the
+  1-based line numbers, the header being line 1). Every value is a string; a prompt cell that
+  holds a JSON list (starts with ``[``) is read as chat messages.
+- ``.parquet``: read with ``pyarrow`` (imported lazily; rows numbered 1, 2, ...).
+- directory: ``datasets.load_from_disk`` (imported lazily); a ``DatasetDict`` gives its
+  ``train`` split, and its ``test`` or ``validation`` split as the eval split unless
+  ``eval_path``/``eval_fraction`` say otherwise.
+
+Columns: ``columns={"prompt": "question", "answer": "solution"}`` maps our names to the file's
+column names; ``prompt_column=``/``answer_column=`` are shorthands for the two common ones.
+Every row must have the prompt column and each mapped column (else: file, row number and the
+missing column). The other columns are kept as they are and passed to reward functions
+(``Task.columns`` lists them; a row lacking one gets ``None``). Prompts are a non-empty string
+or a non-empty list of ``{"role": "system"|"user"|"assistant", "content": str}`` messages.
+``system_prompt`` turns each prompt into a message list that starts with that system message
+(unless the row's messages already start with a system message).
+
+Eval split: ``eval_path`` (another file, same options), or ``eval_fraction`` in (0, 1): a
+seeded shuffle (``split_seed``) of the rows puts ``round(eval_fraction * N)`` rows (at least
+one) in eval and the rest in train. Without either there is no eval split (``has_eval`` is
+False and ``eval_rows`` raises). ``eval_rows(n)`` returns the first ``min(n, size)`` eval rows
+in file order (a file cannot invent more). ``train_rows(seed)`` cycles over the train rows with
+a fresh seeded shuffle every epoch.
+
+Default rewards: ``math_accuracy`` when the rows have an ``answer`` column, else none (name
+one with ``--reward``).
+
+This module does not tokenize or apply chat templates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from .base import Task
+
+__all__ = ["FileTask", "DataError", "read_rows"]
+
+_ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """A malformed dataset file or row (the message names the file and row)."""
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, object]]:
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: line {lineno}: invalid JSON ({exc.msg})") from None
+    return out
+
+
+def _read_json(path: Path) -> list[tuple[int, object]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(data, list):
+        raise DataError(
+            f"{path}: expected a JSON list of row objects, got a {type(data).__name__} "
+            "(use .jsonl for one object per line)"
+        )
+    return list(enumerate(data, start=1))
+
+
+def _read_csv(path: Path) -> list[tuple[int, object]]:
+    out = []
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            raise DataError(f"{path}: empty CSV file (expected a header row)")
+        for row in reader:
+            if None in row:  # more cells than header fields
+                raise DataError(
+                    f"{path}: line {reader.line_num}: {len(reader.fieldnames) + len(row[None])} "
+                    f"cells but the header has {len(reader.fieldnames)} columns"
+                )
+            if any(v is None for v in row.values()):
+                raise DataError(
+                    f"{path}: line {reader.line_num}: fewer cells than the "
+                    f"{len(reader.fieldnames)} header columns"
+                )
+            out.append((reader.line_num, dict(row)))
+    return out
+
+
+def _read_parquet(path: Path) -> list[tuple[int, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(
+            f"reading {path} needs pyarrow: pip install pyarrow (or 'peergrade[data]')"
+        ) from exc
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise DataError(f"{path}: cannot read Parquet: {type(exc).__name__}: {exc}") from exc
+    return list(enumerate(table.to_pylist(), start=1))
+
+
+def _read_hf_dir(path: Path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] | None]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(
+            f"reading the datasets directory {path} needs the datasets package: pip install "
+            "datasets (or 'peergrade[data]')"
+        ) from exc
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise DataError(
+            f"{path}: not a Hugging Face datasets directory (save_to_disk layout): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    eval_part = None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{path}: DatasetDict has no 'train' split (splits: {list(ds)})")
+        for name in ("test", "validation"):
+            if name in ds:
+                eval_part = list(enumerate(ds[name].to_list(), start=1))
+                break
+        ds = ds["train"]
+    return list(enumerate(ds.to_list(), start=1)), eval_part
+
+
+def read_rows(path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] | None]:
+    """(numbered raw rows, numbered raw eval rows of a DatasetDict or None) of ``path``."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"dataset {str(path)!r} does not exist")
+    if path.is_dir():
+        return _read_hf_dir(path)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path), None
+    elif suffix == ".json":
+        return _read_json(path), None
+    elif suffix == ".csv":
+        return _read_csv(path), None
+    elif suffix == ".parquet":
+        return _read_parquet(path), None
+    else:
+        raise DataError(
+            f"{path}: unknown dataset format {suffix!r}; expected .jsonl, .json, .csv, .parquet "
+            "or a Hugging Face datasets directory"
+        )
+
+
+def _check_prompt(prompt, where: str, from_csv: bool):
+    if from_csv and isinstance(prompt, str) and prompt.lstrip().startswith("["):
+        with contextlib.suppress(json.JSONDecodeError):  # else: text that starts with '['
+            prompt = json.loads(prompt)
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise DataError(f"{where}: prompt is an empty message list")
+        for j, m in enumerate(prompt):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DataError(
+                    f"{where}: prompt message {j} must be an object with 'role' and 'content', "
+                    f"got {m!r}"
+                )
+            if m["role"] not in _ROLES:
+                raise DataError(
+                    f"{where}: prompt message {j} has role {m['role']!r}; expected one of "
+                    f"{', '.join(_ROLES)}"
+                )
+            if not isinstance(m["content"], str):
+                raise DataError(
+                    f"{where}: prompt message {j} content must be a string, got "
+                    f"{type(m['content']).__name__}"
+                )
+        if not any(str(m["content"]).strip() for m in prompt):
+            raise DataError(f"{where}: every prompt message is empty")
+        return [dict(m) for m in prompt]
+    raise DataError(
+        f"{where}: prompt must be a string or a list of chat messages, got "
+        f"{type(prompt).__name__} ({prompt!r:.60})"
+    )
+
+
+class FileTask(Task):
+    """Rows from a user dataset file or directory (see module docstring)."""
+
+    name = "file"
+
+    def __init__(
+        self,
+        path,
+        *,
+        prompt_column: str | None = None,
+        answer_column: str | None = None,
+        columns: dict | None = None,
+        system_prompt: str | None = None,
+        eval_path=None,
+        eval_fraction: float | None = None,
+        split_seed: int = 0,
+    ):
+        mapping = dict(columns or {})
+        for ours, given in (("prompt", prompt_column), ("answer", answer_column)):
+            if given is not None:
+                if ours in mapping and mapping[ours] != given:
+                    raise ValueError(
+                        f"{ours}_column={given!r} conflicts with columns[{ours!r}]={mapping[ours]!r}"
+                    )
+                mapping[ours] = given
+        mapping.setdefault("prompt", "prompt")
+        for k, v in mapping.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ValueError(f"columns must map names to file column names, got {k!r}: {v!r}")
+        if eval_path is not None and eval_fraction is not None:
+            raise ValueError("give eval_path or eval_fraction, not both")
+        if eval_fraction is not None and not 0.0 < float(eval_fraction) < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+        self.path = Path(path)
+        self.mapping = mapping
+        self.system_prompt = system_prompt
+
+        raw, raw_eval = read_rows(self.path)
+        rows = self._convert(raw, self.path)
+        if not rows:
+            raise DataError(f"{self.path}: no rows")
+        if eval_path is not None:
+            eval_raw, _ = read_rows(eval_path)
+            eval_rows = self._convert(eval_raw, Path(eval_path))
+        elif eval_fraction is not None:
+            order = list(range(len(rows)))
+            random.Random(f"file-split/{split_seed}").shuffle(order)
+            k = max(1, round(float(eval_fraction) * len(rows)))
+            if k >= len(rows):
+                raise ValueError(
+                    f"eval_fraction={eval_fraction} leaves no training rows out of {len(rows)}"
+                )
+            held = set(order[:k])
+            eval_rows = [r for i, r in enumerate(rows) if i in held]
+            rows = [r for i, r in enumerate(rows) if i not in held]
+        elif raw_eval is not None:
+            eval_rows = self._convert(raw_eval, self.path / "<eval split>")
+        else:
+            eval_rows = None
+        self._train = rows
+        self._eval = eval_rows
+        self.has_eval = eval_rows is not None
+        names = []
+        for r in rows + (eval_rows or []):
+            for k in r:
+                if k != "prompt" and k not in names:
+                    names.append(k)
+        for r in rows + (eval_rows or []):  # a column some rows lack: None there
+            for k in names:
+                r.setdefault(k, None)
+        self.columns = tuple(names)
+        self.default_rewards = [("math_accuracy", 1.0)] if "answer" in names else []
+
+    def _convert(self, raw: list[tuple[int, object]], path: Path) -> list[dict]:
+        is_jsonl_or_csv = path.suffix.lower() in (".jsonl", ".csv")
+        unit = "line" if is_jsonl_or_csv else "row"
+        from_csv = path.suffix.lower() == ".csv"
+        inverse = {v: k for k, v in self.mapping.items()}
+        out = []
+        for num, obj in raw:
+            where = f"{path}: {unit} {num}"
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected an object, got {type(obj).__name__}")
+            for ours, theirs in self.mapping.items():
+                if theirs not in obj:
+                    raise DataError(
+                        f"{where}: missing column {theirs!r}"
+                        + (f" (mapped to {ours!r})" if theirs != ours else "")
+                        + f"; the row has {sorted(obj)}"
+                    )
+            row = {inverse.get(k, k): v for k, v in obj.items()}
+            row["prompt"] = _check_prompt(row["prompt"], where, from_csv)
+            if self.system_prompt:
+                msgs = (
+                    [{"role": "user", "content": row["prompt"]}]
+                    if isinstance(row["prompt"], str)
+                    else row["prompt"]
+                )
+                if msgs[0]["role"] != "system":
+                    msgs = [{"role": "system", "content": self.system_prompt}] + msgs
+                row["prompt"] = msgs
+            out.append(row)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._train)
+
+    def train_rows(self, seed: int = 0) -> Iterator[dict]:
+        epoch = 0
+        while True:
+            order = list(range(len(self._train)))
+            random.Random(f"file/train/{seed}/{epoch}").shuffle(order)
+            for i in order:
+                yield dict(self._train[i])
+            epoch += 1
+
+    def eval_rows(self, n: int, seed: int = 0) -> list[dict]:
+        if self._eval is None:
+            raise ValueError(
+                f"{self.path}: no held-out split; pass eval_path=... or eval_fraction=..."
+            )
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"eval_rows n must be an integer >= 0, got {n!r}")
+        return [dict(r) for r in self._eval[:n]]
