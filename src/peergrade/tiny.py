@@ -31,7 +31,10 @@ def build_char_tokenizer(chars: list[str] | None = None, chat_template: str = CH
     from transformers import PreTrainedTokenizerFast
 
     chars = CHARS if chars is None else chars
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [c for c in chars if c not in SPECIAL_TOKENS])}
+    vocab = {
+        tok: i
+        for i, tok in enumerate(SPECIAL_TOKENS + [c for c in chars if c not in SPECIAL_TOKENS])
+    }
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tk.decoder = decoders.Fuse()

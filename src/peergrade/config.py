@@ -1,0 +1,585 @@
+"""The run configuration: one tree of dataclasses, the single source of truth.
+
+Every field carries its documentation in ``metadata["help"]``; ``peergrade config`` prints the
+whole resolved tree as commented YAML (the file a user starts from) and the README's config
+reference is generated from the same place (``peergrade config --markdown``).
+
+Loading order: defaults -> YAML file (``--config x.yaml``) -> command-line overrides
+(``--algo.beta 0.04``). Every key is checked against the tree (an unknown key names the closest
+valid one), every value against its field's type, and ``validate`` checks the cross-field rules
+(group size, batch divisibility, ranges, choices) -- all before any model is loaded.
+
+This module knows nothing about torch or transformers; only ``trainer`` reads the whole config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and what is allowed."""
+
+
+def doc(help: str, default: Any = dataclasses.MISSING, **kw) -> Any:
+    """A dataclass field with documentation (``default`` may be a factory via ``default_factory``)."""
+    if "default_factory" in kw:
+        return field(default_factory=kw.pop("default_factory"), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (via peft). With LoRA on, the reference policy is the base model with the
+    adapter disabled, so no second copy of the weights is loaded."""
+
+    enabled: bool = doc("Train LoRA adapters instead of all weights.", False)
+    r: int = doc("LoRA rank.", 16)
+    alpha: int = doc("LoRA alpha (scaling = alpha / r).", 32)
+    dropout: float = doc("Dropout on the LoRA input.", 0.0)
+    target_modules: list[str] = doc(
+        "Module names to adapt.",
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    )
+
+
+@dataclass
+class ModelConfig:
+    path: str = doc(
+        "Policy model: a local Hugging Face directory (save_pretrained layout), or 'bundled' "
+        "for the tiny arithmetic model shipped in peergrade/assets.",
+        "bundled",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(
+        "Weights dtype. 'auto' = float32 on CPU, bfloat16 on GPU.", "auto"
+    )
+    device: str = doc("'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...", "auto")
+    gradient_checkpointing: bool | None = doc(
+        "Recompute activations in the backward pass. null = on for GPU, off for CPU.", None
+    )
+    logprob_chunk_size: int = doc(
+        "Positions per chunk when computing log-probs: full-vocabulary logits exist for at most "
+        "this many positions at once.",
+        1024,
+    )
+    lora: LoraConfig = doc("LoRA settings.", default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    task: str = doc(
+        "Built-in task (arithmetic, countdown, logic) or 'file' with data.path set.", "arithmetic"
+    )
+    task_options: dict[str, Any] = doc(
+        "Options passed to the task, e.g. {min_digits: 1, max_digits: 2, ops: '+-'} for "
+        "arithmetic, {dataset: 'leg_counting'} for logic.",
+        default_factory=dict,
+    )
+    path: str | None = doc(
+        "A user dataset (.jsonl/.json/.csv/.parquet or a datasets save_to_disk dir); sets task "
+        "to 'file'. Also given as `peergrade train --data my.jsonl`.",
+        None,
+    )
+    eval_path: str | None = doc("Held-out dataset file for evaluation (file task only).", None)
+    columns: dict[str, str] = doc(
+        "Column mapping for user datasets, e.g. {prompt: question, answer: solution}.",
+        default_factory=dict,
+    )
+    system_prompt: str | None = doc("System message prepended to every prompt.", None)
+    use_chat_template: bool = doc(
+        "Render prompts with the tokenizer's chat template (plain text when it has none).", True
+    )
+    max_prompt_length: int = doc("Prompts longer than this many tokens are an error.", 256)
+
+
+@dataclass
+class RewardItem:
+    name: str = doc(
+        "A built-in reward name, 'module:function', or 'path/to/file.py:function' "
+        "(TRL signature: fn(prompts, completions, **columns) -> list[float | None]).",
+        "arithmetic",
+    )
+    weight: float = doc("Weight of this reward in the total.", 1.0)
+    kwargs: dict[str, Any] = doc("Keyword arguments bound to the function.", default_factory=dict)
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = doc("G: completions sampled per prompt (the group). At least 2.", 8)
+    prompts_per_step: int = doc("P: prompts per step; the batch is P * G completions.", 16)
+    max_completion_length: int = doc("Maximum new tokens per completion.", 16)
+    temperature: float = doc("Sampling temperature (> 0 for training).", 1.0)
+    top_p: float = doc("Nucleus sampling threshold in (0, 1].", 1.0)
+    top_k: int = doc("Top-k sampling (0 = off).", 0)
+    stop: list[str] = doc(
+        "Stop strings: a completion ends after the first one.", default_factory=list
+    )
+    generation_batch_size: int | None = doc(
+        "Sequences generated at once (memory bound); null = the whole batch.", None
+    )
+
+
+@dataclass
+class AlgoConfig:
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = doc(
+        "Loss aggregation / variant: grpo (per-sequence mean), bnpo (token mean over the "
+        "micro-batch), dr_grpo (sum / (B * max_completion_length)), dapo (token mean over the "
+        "global batch), cispo (clipped IS-weight policy gradient, token mean over the global batch).",
+        "grpo",
+    )
+    ratio_level: Literal["token", "sequence"] = doc(
+        "Importance ratio per token (GRPO/PPO) or per sequence (GSPO).", "token"
+    )
+    clip_eps: float = doc("PPO clip range epsilon (lower side).", 0.2)
+    clip_eps_high: float | None = doc(
+        "Upper clip epsilon (DAPO clip-higher, e.g. 0.28); null = clip_eps.", None
+    )
+    beta: float = doc("KL penalty coefficient toward the reference policy (0 = no reference).", 0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = doc("Per-token KL estimator (Schulman).", "k3")
+    advantage_scale: Literal["group", "batch", "none"] = doc(
+        "Divide advantages by the group std, the batch std, or not at all (Dr. GRPO).", "group"
+    )
+    advantage_baseline: Literal["mean", "leave_one_out"] = doc(
+        "Group mean, or RLOO leave-one-out mean.", "mean"
+    )
+    num_iterations: int = doc("mu: optimisation passes over each generated batch.", 1)
+    mask_truncated_completions: bool = doc(
+        "DAPO overlong filtering: completions cut by max_completion_length get no loss.", False
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc("Peak learning rate (AdamW).", 1e-5)
+    lr_schedule: Literal["constant", "cosine", "linear"] = doc(
+        "Learning-rate schedule after warmup.", "constant"
+    )
+    warmup_steps: int = doc("Linear warmup steps (optimizer steps).", 0)
+    min_lr_ratio: float = doc("Final lr as a fraction of lr for cosine/linear.", 0.0)
+    weight_decay: float = doc("AdamW weight decay.", 0.0)
+    adam_betas: list[float] = doc("AdamW betas.", default_factory=lambda: [0.9, 0.99])
+    max_grad_norm: float = doc("Clip the global gradient norm to this (0 = off).", 1.0)
+    minibatch_size: int | None = doc(
+        "Completions per optimizer step; null = the whole batch (P * G) in one step.", None
+    )
+    micro_batch_size: int = doc(
+        "Completions per forward/backward (gradient accumulation); must divide minibatch_size.", 32
+    )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc("Training steps (one step = one generated batch).", 100)
+    seed: int = doc("Random seed (data order, sampling, init).", 0)
+    output_dir: str | None = doc(
+        "Run directory; null = runs/<timestamp>. Never overwritten unless --overwrite.", None
+    )
+    eval_every: int = doc(
+        "Evaluate on the held-out split every N steps (0 = only before/after).", 0
+    )
+    eval_size: int = doc("Held-out problems per evaluation.", 200)
+    eval_samples: int = doc("Samples per held-out problem for sampled pass@1 / pass@k.", 4)
+    save_every: int = doc("Save a checkpoint every N steps (0 = only at the end).", 50)
+    keep_last: int = doc("Keep only the last K checkpoints.", 2)
+    log_samples: int = doc("Prompts (with their whole group) written to samples.jsonl per step.", 2)
+    on_reward_error: Literal["fail", "zero"] = doc(
+        "A reward function that raises or returns bad values: stop the run, or score 0 and count it.",
+        "fail",
+    )
+    threads: int = doc("CPU threads for torch (0 = torch's default).", 0)
+    display: Literal["auto", "rich", "plain", "none"] = doc(
+        "Live progress display: rich (interactive terminals), plain lines, or none.", "auto"
+    )
+
+
+@dataclass
+class Config:
+    """The whole run configuration."""
+
+    model: ModelConfig = doc("The policy model.", default_factory=ModelConfig)
+    data: DataConfig = doc("Prompts: task or dataset.", default_factory=DataConfig)
+    rewards: list[RewardItem] = doc(
+        "Reward functions with weights; empty = the task's default rewards.", default_factory=list
+    )
+    rollout: RolloutConfig = doc("Sampling.", default_factory=RolloutConfig)
+    algo: AlgoConfig = doc("Loss and advantages.", default_factory=AlgoConfig)
+    optim: OptimConfig = doc("Optimizer and batching.", default_factory=OptimConfig)
+    train: TrainConfig = doc("Loop, evaluation, checkpoints.", default_factory=TrainConfig)
+
+
+# ----------------------------------------------------------------------------- type checking
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"list of {_type_name(arg)}"
+    if origin is dict:
+        return "mapping"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; return it (ints widened to float where asked)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, choices))}{hint}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{key}: expected null, got {value!r}")
+        return None
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        if dataclasses.is_dataclass(arg):
+            return [_build(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover - programming error
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(cls, name: str, prefix: str) -> ConfigError:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    full = f"{prefix}{name}"
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    return ConfigError(
+        f"unknown config key '{full}'{hint} (valid keys here: {', '.join(prefix + v for v in valid)})"
+    )
+
+
+def _build(cls, data: Any, key: str = ""):
+    """Instantiate dataclass ``cls`` from a (possibly partial) mapping, checking every key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key or 'config'}: expected a mapping, got {data!r}")
+    hints = _hints(cls)
+    prefix = f"{key}." if key else ""
+    kwargs = {}
+    for name, value in data.items():
+        if name not in hints:
+            raise _unknown_key(cls, str(name), prefix)
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if (
+            isinstance(v, dict)
+            and isinstance(out.get(k), dict)
+            and k not in ("task_options", "columns", "kwargs")
+        ):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override_value(text: str) -> Any:
+    """Parse a command-line value as YAML (``0.04`` -> float, ``[a, b]`` -> list, ``null``)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``tree['a']['b'] = value`` for ``dotted == 'a.b'``, checking each key exists."""
+    parts = dotted.split(".")
+    cls: Any = Config
+    node = tree
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i])
+        prefix = prefix + "." if prefix else ""
+        hints = _hints(cls)
+        if part not in hints:
+            raise _unknown_key(cls, part, prefix)
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        tp = hints[part]
+        if typing.get_origin(tp) is dict or tp is Any:
+            # free-form mapping (task_options, columns, kwargs): the rest of the path is a key
+            sub = node.setdefault(part, {}) or {}
+            node[part] = sub
+            sub[".".join(parts[i + 1 :])] = value
+            return
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(
+                f"config key '{prefix}{part}' is a value, not a section: cannot set '{dotted}'"
+            )
+        node = node.setdefault(part, {})
+        cls = tp
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None
+) -> Config:
+    """Defaults <- YAML file <- overrides ``[("algo.beta", 0.04), ...]``; then ``validate``."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+        tree = loaded
+    for dotted, value in overrides or []:
+        patch: dict = {}
+        _set_path(patch, dotted, value)
+        tree = _deep_merge(tree, patch)
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field rules; raises ConfigError naming the key and what is allowed."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    r, a, o, t = cfg.rollout, cfg.algo, cfg.optim, cfg.train
+    need(
+        r.group_size >= 2,
+        f"rollout.group_size must be >= 2 (a group needs someone to compare with), got {r.group_size}",
+    )
+    need(
+        r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}"
+    )
+    need(
+        r.max_completion_length >= 1,
+        f"rollout.max_completion_length must be >= 1, got {r.max_completion_length}",
+    )
+    need(r.temperature > 0, f"rollout.temperature must be > 0 for training, got {r.temperature}")
+    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    need(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+    need(
+        r.generation_batch_size is None or r.generation_batch_size >= 1,
+        f"rollout.generation_batch_size must be >= 1 or null, got {r.generation_batch_size}",
+    )
+    need(a.clip_eps > 0, f"algo.clip_eps must be > 0, got {a.clip_eps}")
+    need(
+        a.clip_eps_high is None or a.clip_eps_high > 0,
+        f"algo.clip_eps_high must be > 0 or null, got {a.clip_eps_high}",
+    )
+    need(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
+    need(a.num_iterations >= 1, f"algo.num_iterations must be >= 1, got {a.num_iterations}")
+    need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    need(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    need(o.max_grad_norm >= 0, f"optim.max_grad_norm must be >= 0 (0 = off), got {o.max_grad_norm}")
+    need(
+        len(o.adam_betas) == 2 and all(0 <= b < 1 for b in o.adam_betas),
+        f"optim.adam_betas must be two numbers in [0, 1), got {o.adam_betas}",
+    )
+    batch = r.prompts_per_step * r.group_size
+    mb = o.minibatch_size if o.minibatch_size is not None else batch
+    need(mb >= 1, f"optim.minibatch_size must be >= 1 or null, got {o.minibatch_size}")
+    need(
+        batch % mb == 0,
+        f"optim.minibatch_size ({mb}) must divide the batch rollout.prompts_per_step * "
+        f"rollout.group_size = {r.prompts_per_step} * {r.group_size} = {batch}",
+    )
+    need(o.micro_batch_size >= 1, f"optim.micro_batch_size must be >= 1, got {o.micro_batch_size}")
+    micro = min(o.micro_batch_size, mb)
+    need(
+        mb % micro == 0,
+        f"optim.micro_batch_size ({o.micro_batch_size}) must divide the minibatch size ({mb})",
+    )
+    need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    for k in ("eval_every", "save_every", "log_samples"):
+        need(getattr(t, k) >= 0, f"train.{k} must be >= 0, got {getattr(t, k)}")
+    need(t.keep_last >= 1, f"train.keep_last must be >= 1, got {t.keep_last}")
+    need(t.eval_size >= 1, f"train.eval_size must be >= 1, got {t.eval_size}")
+    need(t.eval_samples >= 1, f"train.eval_samples must be >= 1, got {t.eval_samples}")
+    need(t.threads >= 0, f"train.threads must be >= 0, got {t.threads}")
+    need(
+        cfg.model.logprob_chunk_size >= 1,
+        f"model.logprob_chunk_size must be >= 1, got {cfg.model.logprob_chunk_size}",
+    )
+    need(
+        cfg.data.max_prompt_length >= 1,
+        f"data.max_prompt_length must be >= 1, got {cfg.data.max_prompt_length}",
+    )
+    lora = cfg.model.lora
+    need(
+        lora.r >= 1 and lora.alpha > 0 and 0 <= lora.dropout < 1,
+        f"model.lora: r must be >= 1, alpha > 0, dropout in [0, 1); got r={lora.r} alpha={lora.alpha} dropout={lora.dropout}",
+    )
+    for i, item in enumerate(cfg.rewards):
+        need(bool(item.name.strip()), f"rewards[{i}].name must not be empty")
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _yaml_scalar(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    if text.endswith("\n..."):
+        text = text[: -len("\n...")]
+    return text.removesuffix("...").strip()
+
+
+def to_yaml(cfg: Config, comments: bool = True) -> str:
+    """The resolved config as YAML; with ``comments`` each field's help is written above it."""
+    lines: list[str] = []
+
+    def emit(obj: Any, indent: int) -> None:
+        pad = "  " * indent
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if comments and f.metadata.get("help"):
+                lines.append(f"{pad}# {f.metadata['help']}")
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{pad}{f.name}:")
+                emit(value, indent + 1)
+            elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+                lines.append(f"{pad}{f.name}:")
+                for item in value:
+                    sub = (
+                        yaml.safe_dump(dataclasses.asdict(item), sort_keys=False)
+                        .rstrip()
+                        .splitlines()
+                    )
+                    lines.append(f"{pad}  - {sub[0]}")
+                    lines.extend(f"{pad}    {s}" for s in sub[1:])
+            else:
+                lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}")
+            if indent == 0:
+                lines.append("")
+
+    emit(cfg, 0)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def to_markdown(cfg: Config | None = None) -> str:
+    """A Markdown table of every key, its default and its documentation (the README reference)."""
+    cfg = cfg or Config()
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def emit(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(value):
+                emit(value, key + ".")
+                continue
+            if f.name == "rewards":
+                default = "`[]`"
+                help_ = (
+                    f.metadata.get("help", "")
+                    + " Each item: "
+                    + "; ".join(
+                        f"`{g.name}`: {g.metadata['help']}" for g in dataclasses.fields(RewardItem)
+                    )
+                )
+            else:
+                default = f"`{_yaml_scalar(value)}`"
+                help_ = f.metadata.get("help", "")
+            rows.append(f"| `{key}` | {default} | {help_.replace('|', '/')} |")
+
+    emit(cfg, "")
+    return "\n".join(rows) + "\n"
+
+
+def all_keys() -> list[str]:
+    """Every dotted leaf key of the config tree (used for CLI help and suggestions)."""
+    keys: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        for name, tp in _hints(cls).items():
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{name}.")
+            else:
+                keys.append(f"{prefix}{name}")
+
+    walk(Config, "")
+    return keys

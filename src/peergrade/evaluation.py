@@ -1,0 +1,202 @@
+"""Held-out evaluation: greedy pass@1, sampled pass@1 and pass@k; plus prompt encoding.
+
+Correctness is the task's *accuracy reward* (its first default reward, e.g. ``arithmetic``
+for the arithmetic task) scoring 1.0. ``pass@k`` uses the unbiased estimator of Chen et al.
+(2021), ``1 - C(n - c, k) / C(n, k)`` for n samples with c correct (here n == k).
+
+This module holds the helpers the trainer shares with ``peergrade eval`` (prompt encoding,
+reward columns); it does not train.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from peergrade.rewards import RewardSpec, resolve_reward, score_rewards
+from peergrade.rollout import generate
+from peergrade.tasks import render_prompt
+
+
+def encode_prompts(
+    rows: list[dict],
+    tokenizer,
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+    max_prompt_length: int | None = None,
+) -> list[list[int]]:
+    """Token ids of each row's prompt, rendered with the chat template."""
+    ids = []
+    for i, row in enumerate(rows):
+        text = render_prompt(
+            row["prompt"],
+            tokenizer,
+            system_prompt=system_prompt,
+            use_chat_template=use_chat_template,
+        )
+        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if max_prompt_length is not None and len(toks) > max_prompt_length:
+            raise ValueError(
+                f"prompt of row {i} has {len(toks)} tokens, more than data.max_prompt_length="
+                f"{max_prompt_length}: {text[:80]!r}..."
+            )
+        ids.append(toks)
+    return ids
+
+
+def columns_for(rows: list[dict], repeat: int) -> dict[str, list]:
+    """Dataset columns other than the prompt, each repeated so it aligns with the completions."""
+    keys = [k for k in rows[0] if k != "prompt"]
+    return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+
+
+def completion_id_lists(ro) -> list[list[int]]:
+    """The counted completion token ids of a Rollout, one list per sequence."""
+    lens = ro.completion_mask.sum(dim=1).long().tolist()
+    return [ro.completion_ids[i, :n].tolist() for i, n in enumerate(lens)]
+
+
+def accuracy_spec(task, reward: str | None = None) -> RewardSpec:
+    """Correctness: ``reward`` if given, else the task's first default reward; 1.0 = correct."""
+    name = reward or task.default_rewards[0][0]
+    return RewardSpec(name=name, fn=resolve_reward(name), weight=1.0, kwargs={})
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct."""
+    if not 0 <= c <= n or k > n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    rows,
+    prompt_ids,
+    acc: RewardSpec,
+    *,
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    batch_size: int | None = None,
+    top_p: float = 1.0,
+    stop=(),
+    extra: list[RewardSpec] = (),
+) -> dict[str, Any]:
+    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k."""
+    n_rows = len(rows)
+    prompts = [r["prompt"] for r in rows]
+
+    def scores(ro, repeat, specs):
+        return score_rewards(
+            specs,
+            [p for p in prompts for _ in range(repeat)],
+            ro.completion_text,
+            {**columns_for(rows, repeat), "completion_ids": completion_id_lists(ro)},
+            on_error="zero",
+        )
+
+    def correct(ro, repeat):
+        s = scores(ro, repeat, [acc])
+        return (s.per_fn[acc.name].nan_to_num(0.0) >= 1.0 - 1e-6).view(n_rows, repeat)
+
+    greedy = generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        n=1,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        stop=stop,
+        seed=seed,
+        batch_size=batch_size,
+    )
+    g_ok = correct(greedy, 1)
+    sampled = generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        n=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=stop,
+        seed=seed + 1,
+        batch_size=batch_size,
+    )
+    s_ok = correct(sampled, k)
+    c = s_ok.sum(dim=1).tolist()
+    out: dict[str, Any] = {
+        "pass@1_greedy": g_ok.float().mean().item(),
+        "pass@1_sampled": s_ok.float().mean().item(),
+        f"pass@{k}": sum(pass_at_k(k, int(ci), k) for ci in c) / n_rows,
+        "n": n_rows,
+        "k": k,
+    }
+    for spec in extra:  # e.g. the format reward's rate on the greedy answers
+        s = scores(greedy, 1, [spec]).per_fn[spec.name]
+        out[f"{spec.name}_rate"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).float().mean().item()
+    return out
+
+
+def run_eval_command(
+    *,
+    model: str,
+    task: str = "arithmetic",
+    task_options: dict | None = None,
+    data: str | None = None,
+    n: int = 200,
+    k: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device: str = "auto",
+    reward: str | None = None,
+) -> dict[str, Any]:
+    """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or ``data``)."""
+    from peergrade.models import load_model, load_tokenizer
+    from peergrade.tasks import load_task
+    from peergrade.trainer import resolve_device, resolve_dtype, resolve_model_path
+
+    if n < 1 or k < 1:
+        raise ValueError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
+    if temperature <= 0:
+        raise ValueError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    the_task = (
+        load_task("file", path=data, **(task_options or {}))
+        if data
+        else load_task(task, **(task_options or {}))
+    )
+    path = resolve_model_path(model)
+    tok = load_tokenizer(path)
+    dev = resolve_device(device)
+    net = load_model(path, dtype=resolve_dtype("auto", dev), device=str(dev)).eval()
+    rows = the_task.eval_rows(n)
+    ids = encode_prompts(rows, tok, system_prompt=the_task.system_prompt)
+    if max_new_tokens is None:
+        max_new_tokens = 16 if model == "bundled" else 128
+    acc = accuracy_spec(the_task, reward)
+    result = evaluate(
+        net,
+        tok,
+        rows,
+        ids,
+        acc,
+        k=k,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        batch_size=batch_size,
+    )
+    result["task"] = data or task
+    result["model"] = model
+    return result

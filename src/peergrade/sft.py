@@ -1,0 +1,143 @@
+"""Supervised warm-up (``peergrade sft``): teach a model a task's answer format from examples.
+
+Each example is the task's prompt rendered with the chat template, followed by the reference
+answer and the end-of-turn token; the loss is the mean cross-entropy over the answer tokens
+only (prompt tokens are context, not targets). This is how the bundled demo model is made:
+a fresh tiny Qwen2 model trained *deliberately short of mastery*, so that GRPO has something to
+find (see README, "The bundled model").
+
+Deterministic for a fixed seed, torch version and thread count. The output directory is written
+to a temporary sibling and renamed, so an interrupted run never leaves a half-written model.
+This module is not a general SFT trainer (no packing, no LoRA, no eval loop).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from peergrade.checkpoint import RunDirError
+from peergrade.tasks import load_task, render_prompt
+
+
+def sft_batch(rows: list[dict], tokenizer, system_prompt: str | None = None):
+    """(input_ids [B, L], attention_mask [B, L], labels [B, L]) with labels = -100 off the answer.
+
+    Right-padded: prompt tokens then answer + eos; labels hold the answer + eos token ids.
+    """
+    seqs, labels = [], []
+    for row in rows:
+        prompt = render_prompt(row["prompt"], tokenizer, system_prompt=system_prompt)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tokenizer(str(row["answer"]), add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
+        seqs.append(p_ids + a_ids)
+        labels.append([-100] * len(p_ids) + a_ids)
+    L = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    label_t = torch.full((len(seqs), L), -100, dtype=torch.long)
+    for i, (s, lab) in enumerate(zip(seqs, labels)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention_mask[i, : len(s)] = 1
+        label_t[i, : len(lab)] = torch.tensor(lab)
+    return input_ids, attention_mask, label_t
+
+
+def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
+def run_sft(
+    *,
+    out: str,
+    init: str | None,
+    model: str | None,
+    task: str = "arithmetic",
+    task_options: dict | None = None,
+    steps: int = 300,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    overwrite: bool = False,
+    threads: int = 0,
+    model_sizes: dict | None = None,
+    log=print,
+    on_step=None,
+) -> Path:
+    """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
+    from peergrade.models import load_model, load_tokenizer
+    from peergrade.tiny import build_tiny_model
+
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
+        raise RunDirError(f"output dir {str(out_path)!r} exists and is not empty; pass --overwrite")
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise ValueError(
+            f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"
+        )
+    if threads:
+        torch.set_num_threads(threads)
+    the_task = load_task(task, **(task_options or {}))
+    torch.manual_seed(seed)
+    if init is not None:
+        sizes = {"hidden_size": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
+        sizes.update(model_sizes or {})
+        net, tok = build_tiny_model(init, seed=seed, **sizes)
+    else:
+        tok = load_tokenizer(model)
+        net = load_model(model, dtype="float32", device="cpu")
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warm = 20  # fixed, so a run of N steps is the prefix of a longer one
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm))
+    rows = the_task.train_rows(seed)
+    t0 = time.perf_counter()
+    loss_ema = None
+    for step in range(1, steps + 1):
+        batch = [next(rows) for _ in range(batch_size)]
+        ii, am, lab = sft_batch(batch, tok, the_task.system_prompt)
+        loss = sft_loss(net, ii, am, lab)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if on_step is not None:
+            on_step(step, net, tok)
+        if step % max(1, steps // 10) == 0 or step == steps:
+            log(f"sft step {step}/{steps}  loss {loss_ema:.4f}  ({time.perf_counter() - t0:.0f} s)")
+    net.eval()
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    net.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    info = {
+        "task": task,
+        "task_options": task_options or {},
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "init": init,
+        "base_model": model,
+        "final_loss_ema": loss_ema,
+        "torch": torch.__version__,
+    }
+    (tmp / "sft_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    if out_path.exists():
+        shutil.rmtree(out_path)
+    tmp.rename(out_path)
+    log(f"saved {out_path}")
+    return out_path

@@ -1,0 +1,105 @@
+"""Config: YAML + overrides, validation errors that name the key and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from peergrade.config import Config, ConfigError, all_keys, load_config, to_markdown, to_yaml
+
+
+def test_defaults_validate_and_round_trip_through_yaml(tmp_path):
+    cfg = load_config()
+    assert cfg == Config()
+    path = tmp_path / "c.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_overrides_beat_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"algo": {"beta": 0.1, "clip_eps": 0.3}, "train": {"steps": 7}}))
+    cfg = load_config(path, [("algo.beta", 0.04), ("data.task_options.max_digits", 3)])
+    assert cfg.algo.beta == 0.04
+    assert cfg.algo.clip_eps == 0.3  # from the file, untouched by the override
+    assert cfg.train.steps == 7
+    assert cfg.data.task_options == {"max_digits": 3}
+
+
+def test_int_widens_to_float_but_not_the_reverse():
+    assert isinstance(load_config(None, [("algo.beta", 1)]).algo.beta, float)
+    with pytest.raises(ConfigError, match="train.steps: expected an integer"):
+        load_config(None, [("train.steps", 2.5)])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (("algo.bta", 0.1), "unknown config key 'algo.bta'; did you mean 'algo.beta'"),
+        (("trian.steps", 3), "did you mean 'train'"),
+        (("algo.loss_type", "grpoo"), "choose one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"),
+        (("rollout.group_size", 1), "rollout.group_size must be >= 2"),
+        (("optim.lr", -1e-5), "optim.lr must be > 0"),
+        (("algo.clip_eps", -0.2), "algo.clip_eps must be > 0"),
+        (("algo.clip_eps_high", 0.0), "algo.clip_eps_high must be > 0"),
+        (("optim.minibatch_size", 7), "optim.minibatch_size (7) must divide the batch"),
+        (("optim.micro_batch_size", 5), "optim.micro_batch_size (5) must divide the minibatch"),
+        (("rollout.top_p", 1.5), "rollout.top_p must be in (0, 1]"),
+        (("algo.kl_estimator", "k4"), "choose one of 'k1', 'k2', 'k3'"),
+        (("algo.beta.x", 1), "is a value, not a section"),
+        (("model.lora.r", "big"), "model.lora.r: expected an integer"),
+        (("train.on_reward_error", "ignore"), "choose one of 'fail', 'zero'"),
+    ],
+)
+def test_bad_values_name_key_and_allowed(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  group_sise: 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'rollout.group_size'"):
+        load_config(path)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(listy)
+
+
+def test_rewards_list_items_are_checked():
+    cfg = load_config(None, [("rewards", [{"name": "format", "weight": 0.5}])])
+    assert cfg.rewards[0].name == "format" and cfg.rewards[0].weight == 0.5
+    with pytest.raises(ConfigError, match=r"rewards\[0\].wieght"):
+        load_config(None, [("rewards", [{"name": "format", "wieght": 0.5}])])
+
+
+def test_every_field_is_documented_in_yaml_and_markdown():
+    text = to_yaml(Config())
+    md = to_markdown()
+    for key in all_keys():
+        leaf = key.split(".")[-1]
+        assert f"{leaf}:" in text
+        if not key.startswith("rewards"):
+            assert f"`{key}`" in md, key
+    # a comment line precedes every key line
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if (
+            stripped
+            and not stripped.startswith("#")
+            and not stripped.startswith("-")
+            and ":" in stripped
+        ):
+            assert lines[i - 1].strip().startswith("#"), f"undocumented: {line}"
