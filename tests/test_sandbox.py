@@ -364,3 +364,10 @@ def test_extra_files_are_visible_and_bad_names_rejected(tracked_dirs):
     for bad in ("../x", "main.py", ""):
         with pytest.raises(ValueError, match="bad file name"):
             run_program("print(1)", files={bad: "x"})
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_setup_failure_is_sandbox_error(isolate):
+    res = run_program("print(1)", python="/nonexistent/python3", isolate=isolate, **LIMITS)
+    assert res.status == "sandbox_error" and res.returncode is None
+    assert "No such file" in res.reason
