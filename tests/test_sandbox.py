@@ -371,3 +371,33 @@ def test_setup_failure_is_sandbox_error(isolate):
     res = run_program("print(1)", python="/nonexistent/python3", isolate=isolate, **LIMITS)
     assert res.status == "sandbox_error" and res.returncode is None
     assert "No such file" in res.reason
+
+
+@needs_root
+def test_without_cap_sys_admin_the_fallback_is_explicit(tmp_path):
+    """Root without CAP_SYS_ADMIN (e.g. a default Docker container): no namespaces. Here the
+    interpreter lives under /root (0700), so the sandbox must refuse with a clear reason."""
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) not installed")
+    script = (
+        "from peergrade.rewards.sandbox import run_program\n"
+        "r = run_program('print(1)', timeout_s=2.0, memory_mb=256)\n"
+        "print(r.status, r.enforced.get('mount_namespace'), r.enforced.get('unprivileged_uid'))\n"
+        "print(r.reason)\n"
+    )
+    out = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    status_line, reason = out.stdout.splitlines()[:2]
+    blocked = bool(sandbox._blocked_ancestors(sandbox._python_dirs(sys.executable)))
+    if blocked:
+        assert status_line == "sandbox_error False True"
+        assert "cannot traverse" in reason and "isolate=False" in reason
+    else:
+        assert status_line == "ok False True"

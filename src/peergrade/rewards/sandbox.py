@@ -142,13 +142,8 @@ def _mountinfo_points() -> list[tuple[str, int]]:
     return out
 
 
-def _expose(libc, paths: list[str]) -> list[str]:
-    """Make ``paths`` traversable by an unprivileged uid inside this mount namespace.
-
-    For each path, the first ancestor without the others-execute bit is covered by a tmpfs and
-    the path is bind-mounted back into it; everything else in that ancestor becomes invisible.
-    Returns the covered ancestors.
-    """
+def _blocked_ancestors(paths: list[str]) -> dict[str, list[str]]:
+    """{first ancestor that others cannot traverse: [paths below it]} for the given paths."""
     blocked: dict[str, list[str]] = {}
     for p in paths:
         cur = ""
@@ -157,6 +152,17 @@ def _expose(libc, paths: list[str]) -> list[str]:
             if not os.stat(cur).st_mode & 0o001:
                 blocked.setdefault(cur, []).append(p)
                 break
+    return blocked
+
+
+def _expose(libc, paths: list[str]) -> list[str]:
+    """Make ``paths`` traversable by an unprivileged uid inside this mount namespace.
+
+    For each path, the first ancestor without the others-execute bit is covered by a tmpfs and
+    the path is bind-mounted back into it; everything else in that ancestor becomes invisible.
+    Returns the covered ancestors.
+    """
+    blocked = _blocked_ancestors(paths)
     for anc, inner in blocked.items():
         fds = {p: os.open(p, os.O_PATH) for p in inner}  # keep the real dirs reachable
         _mount(libc, "tmpfs", anc, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
@@ -224,6 +230,19 @@ def _launcher_main(config_hex: str) -> None:
             enforced["tmpfs_workdir_mb"] = int(cfg["disk_mb"])
         else:
             enforced["read_only_root"] = False
+            blocked = _blocked_ancestors(cfg["expose"]) if isolate else {}
+            if blocked:
+                enforced["unprivileged_uid"] = True
+                send(
+                    {
+                        "enforced": enforced,
+                        "setup_error": f"the interpreter lies under {sorted(blocked)}, which an "
+                        "unprivileged uid cannot traverse, and no mount namespace is available to "
+                        "expose it: install Python where other users can read it, or pass "
+                        "isolate=False (not a security boundary)",
+                    }
+                )
+                os._exit(127)
     except OSError as exc:
         send({"setup_error": f"launcher: {exc}"})
         os._exit(127)
