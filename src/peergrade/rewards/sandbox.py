@@ -35,7 +35,8 @@ program, so it is a per-program count), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE
 The supervisor reads stdout and stderr with a byte cap (beyond it: kill, ``output_limit``) and a
 wall-clock deadline (beyond it: kill, ``timeout``). Killing is SIGKILL to the namespace's init,
 upon which the kernel kills every process left in that namespace (including ones that called
-``setsid()`` to leave the process group), then ``killpg(SIGKILL)`` of the launcher's group. The temp directory is removed afterwards.
+``setsid()`` to leave the process group), then ``killpg(SIGKILL)`` of the launcher's group.
+The temp directory is removed afterwards.
 
 Threat model
 ------------
@@ -45,9 +46,10 @@ signal the trainer or other programs. See docs/sandbox.md for the table of what 
 which setup. Not defended against: kernel exploits (no seccomp filter, no VM boundary), reading
 world-readable files (they are visible, only read-only), total memory of a program that forks
 (RLIMIT_AS is per process: up to ``max_processes * memory_mb``), and CPU time of the pool as a
-whole beyond ``workers`` cores. Without root, or where ``unshare`` is refused, the sandbox falls
-back to rlimits + a new session + process-group kill and records what is missing in
-``SandboxResult.enforced``: in that mode it is NOT a security boundary.
+whole beyond ``workers`` cores. Where ``unshare`` is refused (root without CAP_SYS_ADMIN), the
+uid drop and rlimits still apply but files and network are reachable; without root (or with
+``isolate=False``) it falls back to rlimits + a new session + process-group kill. What was in
+force is recorded in ``SandboxResult.enforced``; the non-root mode is NOT a security boundary.
 
 What this module deliberately does not do: score programs (see ``peergrade.rewards.code``),
 install packages for programs, or run anything but Python.
