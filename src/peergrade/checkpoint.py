@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from peergrade.errors import PeergradeError
+
 STEP_RE = re.compile(r"^step-(\d+)$")
 
 
-class RunDirError(ValueError):
+class RunDirError(PeergradeError, ValueError):
     """A run directory that is missing, not a run, or would be overwritten."""
 
 
@@ -158,7 +160,11 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
 
 
 def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an existing run, and refuse to resume something that is not a run."""
+    """Refuse to clobber an existing run, and refuse to resume something that is not a run.
+
+    With ``overwrite`` an existing directory passes the check but is *not* deleted here: the
+    trainer removes it only once the config, data, rewards and model have loaded, so a run
+    that fails on bad input leaves the old directory untouched."""
     run_dir = Path(run_dir)
     if resume:
         if not run_dir.is_dir():
@@ -172,10 +178,8 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
                 f"cannot resume: {str(run_dir)!r} has no complete checkpoint under checkpoints/step-N"
             )
         return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise RunDirError(
-                f"run directory {str(run_dir)!r} already exists and is not empty; pass --overwrite "
-                "to replace it or --resume to continue it"
-            )
-        shutil.rmtree(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
+        raise RunDirError(
+            f"run directory {str(run_dir)!r} already exists and is not empty; pass --overwrite "
+            "to replace it or --resume to continue it"
+        )

@@ -30,6 +30,7 @@ from peergrade.config import (
     to_markdown,
     to_yaml,
 )
+from peergrade.errors import PeergradeError
 
 EXAMPLES = """\
 examples:
@@ -42,7 +43,7 @@ examples:
 """
 
 
-class UserError(Exception):
+class UserError(PeergradeError):
     """An error the user can fix; printed without a traceback."""
 
 
@@ -141,7 +142,7 @@ def cmd_train(args, extra) -> int:
         ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
     from peergrade.trainer import train
 
-    summary = train(cfg, run_dir, resume=bool(args.resume))
+    summary = train(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
     return 130 if summary.get("interrupted") else 0
 
 
@@ -330,32 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args, extra)
-    except (UserError, ConfigError) as e:
+    except (PeergradeError, ConfigError) as e:
+        # Bad config, data, model dir, reward or run dir: the message names what is wrong.
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
-        # Data, model and reward errors raised by the library carry the file/row/key already.
-        if _is_user_error(e):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
-
-
-def _is_user_error(e: Exception) -> bool:
-    names = {type(c).__name__ for c in type(e).__mro__}
-    return bool(
-        names
-        & {
-            "ModelLoadError",
-            "RunDirError",
-            "DatasetError",
-            "TaskError",
-            "RewardError",
-            "RewardSpecError",
-            "ConfigError",
-            "FileNotFoundError",
-        }
-    )
 
 
 if __name__ == "__main__":

@@ -140,6 +140,11 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
+    name: Literal["grpo", "ppo"] = doc(
+        "Algorithm: grpo (group-relative advantages, no critic) or ppo (a learned critic, "
+        "token-level GAE advantages; the memory baseline GRPO is measured against).",
+        "grpo",
+    )
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = doc(
         "Loss aggregation / variant: grpo (per-sequence mean), bnpo (token mean over the "
         "micro-batch), dr_grpo (sum / (B * max_completion_length)), dapo (token mean over the "
@@ -165,6 +170,27 @@ class AlgoConfig:
     mask_truncated_completions: bool = doc(
         "DAPO overlong filtering: completions cut by max_completion_length get no loss.", False
     )
+    gamma: float = doc("PPO: GAE discount gamma in [0, 1].", 1.0)
+    lam: float = doc("PPO: GAE lambda in [0, 1].", 0.95)
+    vf_coef: float = doc(
+        "PPO: weight of the value loss in the joint backward (the critic has its own AdamW, so "
+        "this acts through the critic's learning rate scale and gradient clip).",
+        0.5,
+    )
+    value_clip_eps: float = doc(
+        "PPO: clip range of the value loss around the rollout-time values.", 0.2
+    )
+    kl_in_reward: bool = doc(
+        "PPO: put -beta * KL (k1, per token) into the reward (InstructGPT style); false = "
+        "beta * KL in the loss, as GRPO does. Either way beta > 0 loads a reference.",
+        True,
+    )
+    critic_path: str | None = doc(
+        "PPO: critic backbone. null = a fresh copy of the policy model (plus a scalar value "
+        "head); or a local model dir sharing the policy's tokenizer (e.g. a smaller model).",
+        None,
+    )
+    critic_lr: float | None = doc("PPO: critic learning rate; null = optim.lr.", None)
 
 
 @dataclass
@@ -427,8 +453,9 @@ def validate(cfg: Config) -> None:
 
     r, a, o, t = cfg.rollout, cfg.algo, cfg.optim, cfg.train
     need(
-        r.group_size >= 2,
-        f"rollout.group_size must be >= 2 (a group needs someone to compare with), got {r.group_size}",
+        r.group_size >= 2 or (a.name == "ppo" and r.group_size >= 1),
+        f"rollout.group_size must be >= 2 (a group needs someone to compare with; "
+        f"algo.name=ppo allows 1), got {r.group_size}",
     )
     need(
         r.prompts_per_step >= 1, f"rollout.prompts_per_step must be >= 1, got {r.prompts_per_step}"
@@ -451,6 +478,19 @@ def validate(cfg: Config) -> None:
     )
     need(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
     need(a.num_iterations >= 1, f"algo.num_iterations must be >= 1, got {a.num_iterations}")
+    for k in ("gamma", "lam"):
+        need(0 <= getattr(a, k) <= 1, f"algo.{k} must be in [0, 1], got {getattr(a, k)}")
+    need(a.vf_coef > 0, f"algo.vf_coef must be > 0, got {a.vf_coef}")
+    need(a.value_clip_eps > 0, f"algo.value_clip_eps must be > 0, got {a.value_clip_eps}")
+    need(
+        a.critic_lr is None or a.critic_lr > 0,
+        f"algo.critic_lr must be > 0 or null, got {a.critic_lr}",
+    )
+    need(
+        a.critic_path is None or a.name == "ppo",
+        f"algo.critic_path is set ({a.critic_path!r}) but algo.name is {a.name!r}: only ppo "
+        "has a critic",
+    )
     need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
     need(o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")

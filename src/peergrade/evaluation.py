@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from peergrade.errors import InputError
 from peergrade.rewards import RewardSpec, resolve_reward, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import render_prompt
@@ -39,7 +40,7 @@ def encode_prompts(
         )
         toks = tokenizer(text, add_special_tokens=False)["input_ids"]
         if max_prompt_length is not None and len(toks) > max_prompt_length:
-            raise ValueError(
+            raise InputError(
                 f"prompt of row {i} has {len(toks)} tokens, more than data.max_prompt_length="
                 f"{max_prompt_length}: {text[:80]!r}..."
             )
@@ -165,17 +166,18 @@ def run_eval_command(
     """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or ``data``)."""
     from peergrade.models import load_model, load_tokenizer
     from peergrade.tasks import load_task
-    from peergrade.trainer import resolve_device, resolve_dtype, resolve_model_path
+    from peergrade.trainer import resolve_device, resolve_dtype, resolve_model_path, user_input
 
     if n < 1 or k < 1:
-        raise ValueError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
+        raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
     if temperature <= 0:
-        raise ValueError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
-    the_task = (
-        load_task("file", path=data, **(task_options or {}))
-        if data
-        else load_task(task, **(task_options or {}))
-    )
+        raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    with user_input("data" if data else "task"):
+        the_task = (
+            load_task("file", path=data, **(task_options or {}))
+            if data
+            else load_task(task, **(task_options or {}))
+        )
     path = resolve_model_path(model)
     tok = load_tokenizer(path)
     dev = resolve_device(device)
@@ -184,7 +186,8 @@ def run_eval_command(
     ids = encode_prompts(rows, tok, system_prompt=the_task.system_prompt)
     if max_new_tokens is None:
         max_new_tokens = 16 if model == "bundled" else 128
-    acc = accuracy_spec(the_task, reward)
+    with user_input("reward"):
+        acc = accuracy_spec(the_task, reward)
     result = evaluate(
         net,
         tok,

@@ -63,6 +63,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from peergrade.errors import PeergradeError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -90,7 +92,7 @@ TOKENIZER_FILES = (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(PeergradeError, ValueError):
     """A model or tokenizer directory is missing something, or is not a causal LM."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ import torch
 from peergrade import checkpoint as ckpt
 from peergrade.algo import group_advantages, policy_loss
 from peergrade.config import Config, to_yaml
+from peergrade.errors import InputError, PeergradeError
 from peergrade.evaluation import (
     accuracy_spec,
     columns_for,
@@ -72,23 +74,38 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return dtype
 
 
+@contextmanager
+def user_input(what: str):
+    """Re-raise a ValueError from resolving the user's ``what`` as an InputError (a clean CLI
+    message): load_task / make_reward_spec raise ValueError only for names, options and files
+    the user gave."""
+    try:
+        yield
+    except PeergradeError:
+        raise
+    except ValueError as e:
+        raise InputError(f"{what}: {e}") from e
+
+
 def build_task(cfg: Config):
     d = cfg.data
-    if d.path is not None:
-        return load_task(
-            "file", path=d.path, eval_path=d.eval_path, columns=d.columns, **d.task_options
-        )
-    return load_task(d.task, **d.task_options)
+    with user_input("data"):
+        if d.path is not None:
+            return load_task(
+                "file", path=d.path, eval_path=d.eval_path, columns=d.columns, **d.task_options
+            )
+        return load_task(d.task, **d.task_options)
 
 
 def build_rewards(cfg: Config, task) -> list[RewardSpec]:
     """The configured reward mix, or the task's default rewards when none is configured."""
-    if cfg.rewards:
-        specs = [make_reward_spec(i.name, i.weight, i.kwargs) for i in cfg.rewards]
-    else:
-        specs = [make_reward_spec(name, w) for name, w in task.default_rewards]
+    with user_input("rewards"):
+        if cfg.rewards:
+            specs = [make_reward_spec(i.name, i.weight, i.kwargs) for i in cfg.rewards]
+        else:
+            specs = [make_reward_spec(name, w) for name, w in task.default_rewards]
     if not specs:
-        raise ValueError(
+        raise InputError(
             f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
         )
     return specs
@@ -297,9 +314,15 @@ def setup_models(cfg: Config) -> Models:
     return Models(policy, tokenizer, reference, device)
 
 
-def train(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) GRPO training into ``run_dir``; returns the final summary."""
+def train(
+    cfg: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False
+) -> dict[str, Any]:
+    """Run (or resume) GRPO training into ``run_dir``; returns the final summary.
+
+    A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
+    it, once everything has loaded)."""
     run_dir = Path(run_dir)
+    ckpt.check_run_dir(run_dir, resume=resume, overwrite=overwrite)
     t, r = cfg.train, cfg.rollout
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -378,6 +401,8 @@ def train(cfg: Config, run_dir: Path, *, resume: bool = False) -> dict[str, Any]
             ckpt.truncate_jsonl(run_dir / name, start_step)
         display.print(f"resuming {run_dir} from {last.name}")
     else:
+        if overwrite and run_dir.exists():
+            shutil.rmtree(run_dir)  # only now: a failure while loading left the old run intact
         run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write_text(run_dir / "config.yaml", config_yaml)
     metrics_log = JsonlWriter(run_dir / "metrics.jsonl")

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from peergrade.errors import PeergradeError
+
 if TYPE_CHECKING:  # torch is imported when scoring, so importing this package stays light
     import torch
 
@@ -77,7 +79,7 @@ BUILTIN_REWARDS: dict[str, str] = {
 }
 
 
-class RewardError(RuntimeError):
+class RewardError(PeergradeError, RuntimeError):
     """A reward function failed (raised, wrong length, non-list, non-finite) under on_error=fail."""
 
 

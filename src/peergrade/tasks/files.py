@@ -46,6 +46,8 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+from peergrade.errors import PeergradeError
+
 from .base import Task
 
 __all__ = ["FileTask", "DataError", "read_rows"]
@@ -53,7 +55,7 @@ __all__ = ["FileTask", "DataError", "read_rows"]
 _ROLES = ("system", "user", "assistant")
 
 
-class DataError(ValueError):
+class DataError(PeergradeError, ValueError):
     """A malformed dataset file or row (the message names the file and row)."""
 
 
