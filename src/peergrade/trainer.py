@@ -349,6 +349,13 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim, t.steps * updates_per_step)
     )
+    # PPO: a critic (value model + its AdamW), the memory GRPO does without; checkpoints carry it.
+    critic, opt_state = None, optimizer
+    if cfg.algo.name == "ppo":
+        from peergrade import ppo
+
+        critic = ppo.build_critic(cfg, models)
+        opt_state = ppo.CriticCheckpointState(optimizer, critic)
 
     # A user dataset without eval_path / eval_fraction has no held-out split: train, skip evals.
     eval_rows = task.eval_rows(t.eval_size) if getattr(task, "has_eval", True) else []
@@ -394,7 +401,7 @@ def train(
         policy.load_state_dict(loaded.state_dict())
         del loaded
         training = ckpt.load_training_state(last)
-        optimizer.load_state_dict(training["optimizer"])
+        opt_state.load_state_dict(training["optimizer"])
         scheduler.load_state_dict(training["scheduler"])
         ckpt.set_rng_state(training["rng"])
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -435,7 +442,7 @@ def train(
             at_step,
             model=policy,
             tokenizer=tok,
-            optimizer=optimizer,
+            optimizer=opt_state,
             scheduler=scheduler,
             trainer_state={"eval_before": state["eval_before"]},
             config_yaml=config_yaml,
@@ -504,7 +511,12 @@ def train(
                 t3 = time.perf_counter()
 
                 # 5. policy update
-                upd = update(models, optimizer, scheduler, batch, adv, ref_lp, cfg, step)
+                if critic is None:
+                    upd = update(models, optimizer, scheduler, batch, adv, ref_lp, cfg, step)
+                else:  # PPO: token-level GAE advantages from the critic replace the group ones
+                    upd = ppo.ppo_step(
+                        models, critic, optimizer, scheduler, batch, scores.total, ref_lp, cfg, step
+                    )
                 t4 = time.perf_counter()
 
                 # 6. metrics, samples, eval, checkpoint
