@@ -1,0 +1,204 @@
+"""In-process trainer tests: exact resume (metrics and weights bit-identical to an uninterrupted
+run), Ctrl-C handling through the stop flag, and the overwrite / no-eval paths.
+
+A random tiny model scores ~0 on arithmetic, so every group has zero reward spread and the
+weights would never move; these runs use a user reward file (TRL signature) that scores the
+characters of each completion, which gives every group a spread and the policy a gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peergrade import checkpoint as ckpt
+from peergrade.checkpoint import RunDirError
+from peergrade.config import load_config
+from peergrade.trainer import train
+
+REWARD_FILE = '''
+def char_score(prompts, completions, **kwargs):
+    """A dense, deterministic score of the completion text (TRL signature)."""
+    assert len(prompts) == len(completions)
+    return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
+'''
+
+
+def tiny_overrides(model_dir: Path, reward_path: Path, **extra) -> list[tuple[str, object]]:
+    base = {
+        "model.path": str(model_dir),
+        "rewards": [{"name": f"{reward_path}:char_score", "weight": 1.0}],
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 2,
+        "rollout.max_completion_length": 4,
+        "optim.lr": 1e-2,
+        "train.eval_size": 2,
+        "train.eval_samples": 2,
+        "train.display": "none",
+        "train.log_samples": 1,
+        "train.threads": 1,
+    }
+    base.update(extra)
+    return list(base.items())
+
+
+@pytest.fixture
+def reward_file(tmp_path) -> Path:
+    p = tmp_path / "my_rewards.py"
+    p.write_text(REWARD_FILE)
+    return p
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Metrics without wall-clock quantities (time/, perf/), which differ between runs."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+
+def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(ckpt_dir) / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param({}, id="mu1-single-update"),
+        pytest.param(
+            {
+                "algo.beta": 0.1,
+                "algo.num_iterations": 2,
+                "optim.minibatch_size": 2,
+                "optim.micro_batch_size": 1,
+                # warmup, not cosine/linear: those depend on train.steps, which B changes
+                "optim.warmup_steps": 1,
+            },
+            id="beta-mu2-minibatches",
+        ),
+    ],
+)
+def test_resume_is_exact(tiny_model_dir, reward_file, tmp_path, extra):
+    steps = {"train.steps": 4, "train.save_every": 2, "train.keep_last": 5}
+    cfg_a = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **steps, **extra))
+    run_a = tmp_path / "a"
+    train(cfg_a, run_a)
+
+    # run B: stop after step 2 (its config says 2 steps), then resume with train.steps 4
+    cfg_b1 = load_config(
+        None, tiny_overrides(tiny_model_dir, reward_file, **{**steps, "train.steps": 2}, **extra)
+    )
+    run_b = tmp_path / "b"
+    train(cfg_b1, run_b)
+    assert ckpt.latest_checkpoint(run_b).name == "step-2"
+    cfg_b2 = load_config(
+        run_b / "config.yaml", [("train.steps", 4)]
+    )  # what `peergrade train --resume b --train.steps 4` does
+    train(cfg_b2, run_b, resume=True)
+
+    ma, mb = read_metrics(run_a), read_metrics(run_b)
+    # B's first leg wrote a final eval at step 2; resume drops nothing at or before step 2, so
+    # compare the per-step training rows and the final eval.
+    train_a = [r for r in ma if "loss/policy" in r]
+    train_b = [r for r in mb if "loss/policy" in r]
+    assert [r["step"] for r in train_a] == [1, 2, 3, 4]
+    assert comparable(train_a) == comparable(train_b)
+    assert [r for r in ma if r.get("final")] == [r for r in mb if r.get("final") and r["step"] == 4]
+
+    # the weights actually moved, and the two runs end bit-identical
+    start = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    wa, wb = weights(run_a / "checkpoints/step-4"), weights(run_b / "checkpoints/step-4")
+    assert wa.keys() == wb.keys() == start.keys()
+    assert any(not torch.equal(wa[k], start[k]) for k in wa)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    if extra.get("algo.beta"):
+        assert all(r["kl/mean"] >= 0 for r in train_a)
+        assert any(r["kl/mean"] > 0 for r in train_a[1:])  # the policy moved off the reference
+    # the samples log is resumed exactly too
+    sa = (run_a / "samples.jsonl").read_text()
+    sb = (run_b / "samples.jsonl").read_text()
+    assert sa == sb
+
+
+def test_stop_flag_saves_last_completed_step_and_resumes(tiny_model_dir, reward_file, tmp_path):
+    """A Ctrl-C during step 2 (the flag set by the SIGINT handler) finishes step 2, saves it and
+    returns interrupted; --resume then runs to the end."""
+    import peergrade.trainer as trainer_mod
+
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **{"train.steps": 4}))
+    run = tmp_path / "run"
+    real_update = trainer_mod.update
+    calls = []
+
+    def update_then_interrupt(*args, **kwargs):
+        out = real_update(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # the SIGINT handler's first press sets this flag
+            import signal
+
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    trainer_mod.update = update_then_interrupt
+    try:
+        summary = train(cfg, run)
+    finally:
+        trainer_mod.update = real_update
+    assert summary["interrupted"] is True
+    assert summary["step"] == 2
+    assert [p.name for _, p in ckpt.list_checkpoints(run)] == ["step-2"]
+    assert ckpt.read_trainer_state(run / "checkpoints/step-2")["step"] == 2
+    assert [r["step"] for r in read_metrics(run) if "loss/policy" in r] == [1, 2]
+
+    cfg2 = load_config(run / "config.yaml")
+    summary = train(cfg2, run, resume=True)
+    assert summary["interrupted"] is False
+    assert [r["step"] for r in read_metrics(run) if "loss/policy" in r] == [1, 2, 3, 4]
+    assert ckpt.latest_checkpoint(run).name == "step-4"
+
+
+def test_existing_run_dir_needs_overwrite_and_survives_bad_input(
+    tiny_model_dir, reward_file, tmp_path
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **{"train.steps": 1}))
+    with pytest.raises(RunDirError, match="--overwrite"):
+        train(cfg, run)
+    # overwrite with a broken reward: fails while loading, the old run is still there
+    bad = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_dir, reward_file, rewards=[{"name": "no_such_reward", "weight": 1.0}]
+        ),
+    )
+    with pytest.raises(ValueError, match="no_such_reward"):
+        train(bad, run, overwrite=True)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # overwrite with a good config replaces it
+    train(cfg, run, overwrite=True)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows if "loss/policy" in r] == [1]
+    assert all(math.isfinite(r["loss/policy"]) for r in rows if "loss/policy" in r)
+
+
+def test_dataset_without_eval_split_skips_eval(tiny_model_dir, reward_file, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}"}) + "\n" for i in range(6)))
+    cfg = load_config(
+        None,
+        tiny_overrides(tiny_model_dir, reward_file, **{"data.path": str(data), "train.steps": 2}),
+    )
+    summary = train(cfg, tmp_path / "run")
+    assert "eval_after" not in summary
+    rows = read_metrics(tmp_path / "run")
+    assert not any(k.startswith("eval/") for r in rows for k in r)
+    assert [r["step"] for r in rows] == [1, 2]
