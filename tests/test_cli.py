@@ -1,0 +1,428 @@
+"""The ``peergrade`` command line, end to end.
+
+Smoke runs of ``peergrade train`` in a subprocess on a tiny model (the run directory's files,
+parameters that moved, a loadable checkpoint), Ctrl-C -> exit 130 -> ``--resume``, a user's
+TRL-style reward file with a JSONL dataset (issue 5), every bad input giving one ``error:`` line
+and exit 2 with the existing run untouched, and the ``config`` / ``eval`` / ``--help`` commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from peergrade.cli import main
+from peergrade.config import Config, load_config, parse_override_value
+
+TINY = {
+    "rollout.prompts_per_step": "2",
+    "rollout.group_size": "2",
+    "rollout.max_completion_length": "4",
+    "train.eval_size": "4",
+    "train.eval_samples": "2",
+    "train.display": "none",
+    "train.threads": "1",
+}
+
+REWARDS_PY = '''
+def my_fn(prompts, completions, answer=None, **kwargs):
+    """TRL-style: prompts, completions and the dataset's other columns as keyword lists."""
+    assert len(prompts) == len(completions) == len(answer) == len(kwargs["completion_ids"])
+    return [(sum(ord(ch) for ch in c) % 97) / 97.0 + (a in c) for c, a in zip(completions, answer)]
+'''
+
+
+def flags(d: dict[str, str]) -> list[str]:
+    return [x for k, v in d.items() for x in (f"--{k}", v)]
+
+
+def cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "peergrade.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(run: Path) -> list[dict]:
+    return [r for r in metrics(run) if "loss/policy" in r]
+
+
+@pytest.fixture
+def rewards_py(tmp_path) -> Path:
+    p = tmp_path / "my_rewards.py"
+    p.write_text(REWARDS_PY)
+    return p
+
+
+@pytest.fixture
+def my_jsonl(tmp_path) -> Path:
+    p = tmp_path / "my.jsonl"
+    rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(12)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+# ----------------------------------------------------------------------------- smoke
+
+
+@pytest.mark.slow
+def test_train_smoke_subprocess(tiny_model_dir, rewards_py, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from peergrade.models import load_tokenizer
+
+    opts = {
+        **TINY,
+        "model.path": str(tiny_model_dir),
+        "data.task_options.max_digits": "1",
+        "algo.beta": "0.04",
+        "optim.lr": "0.01",
+        "train.steps": "3",
+        "train.save_every": "1",
+        "train.keep_last": "2",
+        "train.log_samples": "1",
+    }
+    # the arithmetic reward (0 for a random model) plus a dense reward so the weights move
+    args = ["train", *flags(opts), "--reward", "arithmetic", "--reward", f"{rewards_py}:my_fn=0.5"]
+    proc = cli([*args, "-o", "run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    run = tmp_path / "run"
+
+    # config.yaml is the resolved config, and loads back
+    expected = load_config(
+        None,
+        [(k, parse_override_value(v)) for k, v in opts.items()]
+        + [
+            (
+                "rewards",
+                [
+                    {"name": "arithmetic", "weight": 1.0},
+                    {"name": f"{rewards_py}:my_fn", "weight": 0.5},
+                ],
+            ),
+            ("train.output_dir", "run"),
+        ],
+    )
+    assert load_config(run / "config.yaml") == expected
+
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    required = [
+        "reward/arithmetic/mean",
+        "reward/my_fn/mean",
+        "reward/total/mean",
+        "reward/accuracy",
+        "rollout/frac_zero_std_groups",
+        "rollout/len_mean",
+        "clip/frac",
+        "clip/low_frac",
+        "clip/high_frac",
+        "kl/mean",
+        "loss/policy",
+        "entropy/mean",
+        "grad/norm",
+        "optim/lr",
+        "time/generate_s",
+        "time/update_s",
+        "perf/tokens_per_s",
+    ]
+    for r in rows:
+        missing = [k for k in required if k not in r]
+        assert not missing, missing
+        assert 0.0 <= r["rollout/frac_zero_std_groups"] <= 1.0
+        assert r["optim/lr"] == pytest.approx(0.01)
+        assert r["perf/tokens_per_s"] > 0
+    assert any(r["grad/norm"] > 0 for r in rows)
+    evals = [r for r in metrics(run) if "eval/pass@1_greedy" in r]
+    assert [r["step"] for r in evals] == [0, 3]
+
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 2, 3]
+    assert all(len(s["completions"]) == 2 == len(s["rewards"]) for s in samples)
+
+    # keep_last 2 of the saves at 1, 2, 3
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step-2", "step-3"]
+    last = run / "checkpoints/step-3"
+    assert json.loads((last / "trainer_state.json").read_text())["step"] == 3
+    state = torch.load(last / "training_state.pt", weights_only=False)
+    assert {"optimizer", "scheduler", "rng"} <= set(state)
+
+    # parameters moved, and the checkpoint loads with plain transformers
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    end = load_file(str(last / "model.safetensors"))
+    assert start.keys() == end.keys()
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+    model = AutoModelForCausalLM.from_pretrained(last, dtype=torch.float32)
+    sd = model.state_dict()
+    for k, v in end.items():
+        assert torch.equal(sd[k], v), k
+    tok = load_tokenizer(str(last))
+    ids = tok("1+2=", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "1+2="
+    assert tok.chat_template
+
+
+@pytest.mark.slow
+def test_user_reward_file_and_jsonl(tiny_model_dir, rewards_py, my_jsonl, tmp_path):
+    """Issue 5: `peergrade train --data my.jsonl --reward my_rewards.py:my_fn --model DIR`;
+    without a held-out split the trainer skips evaluation."""
+    args = [
+        "train",
+        "--data",
+        my_jsonl.name,
+        "--reward",
+        f"{rewards_py.name}:my_fn",
+        "--model",
+        str(tiny_model_dir),
+        "--steps",
+        "2",
+        *flags(TINY),
+    ]
+    proc = cli([*args, "-o", "run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not any(k.startswith("eval/") for r in rows for k in r)
+    assert all(r["reward/my_fn/mean"] > 0 for r in rows)
+    samples = [json.loads(x) for x in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    assert all(s["prompt"].startswith("What is") and s["answer"] is not None for s in samples)
+
+    # with data.task_options.eval_fraction the held-out split exists and is evaluated
+    proc = cli([*args, "--data.task_options.eval_fraction", "0.25", "-o", "run2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in metrics(tmp_path / "run2") if "eval/pass@1_greedy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert evals[0]["eval/n"] == 3  # 25% of 12 rows
+
+
+# ----------------------------------------------------------------------------- interrupt
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_resumes(tiny_model_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    opts = {**TINY, "train.display": "plain"}
+    args = ["train", "--model", str(tiny_model_dir), "--steps", "500", *flags(opts)]
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peergrade.cli", *args, "-o", "run"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if (run / "metrics.jsonl").is_file() and train_rows(run):
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert "--resume" in out + err
+    done = [r["step"] for r in train_rows(run)]
+    assert done == list(range(1, len(done) + 1)) and len(done) < 500
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == [f"step-{done[-1]}"]
+
+    # resume to completion (a shorter total, so the test stays quick)
+    total = done[-1] + 2
+    res = cli(["train", "--resume", "run", "--train.steps", str(total)], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in train_rows(run)] == list(range(1, total + 1))
+    assert (run / f"checkpoints/step-{total}/trainer_state.json").is_file()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def existing_run(tmp_path) -> Path:
+    run = tmp_path / "existing"
+    (run / "checkpoints/step-1").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints/step-1/trainer_state.json").write_text('{"step": 1}')
+    return run
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (extra train args, regex the error line must match)."""
+    noweights, notok = tmp_path / "noweights", tmp_path / "notok"
+    noweights.mkdir()
+    notok.mkdir()
+    for f in model.iterdir():
+        if f.suffix != ".safetensors":
+            (noweights / f.name).write_bytes(f.read_bytes())
+        if not f.name.startswith("tokenizer") and f.suffix != ".jinja":
+            (notok / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "nocol.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", \n')
+    (tmp_path / "r.py").write_text("def my_reward(prompts, completions, **kw):\n    return []\n")
+    m = ["--model", str(model)]
+    return {
+        "unknown task": ([*m, "--data.task", "arithmatic"], r"unknown task 'arithmatic'.*arithmetic"),
+        "no weights": (["--model", str(noweights)], r"noweights.*no weights file"),
+        "no tokenizer": (["--model", str(notok)], r"notok.*no tokenizer"),
+        "missing column": ([*m, "--data", "nocol.jsonl"], r"nocol.jsonl: line 1: missing column 'prompt'"),
+        "bad json row": ([*m, "--data", "bad.jsonl"], r"bad.jsonl: line 2: invalid JSON"),
+        "unknown reward": ([*m, "--reward", "arithmetc"], r"unknown reward 'arithmetc'.*did you mean 'arithmetic'"),
+        "reward fn missing": ([*m, "--reward", "r.py:my_rewrd"], r"no attribute 'my_rewrd'.*did you mean 'my_reward'"),
+        "reward file missing": ([*m, "--reward", "nope.py:f"], r"nope.py.*does not exist"),
+        "unknown key": ([*m, "--algo.bta", "0.1"], r"unknown config key 'algo.bta'; did you mean 'algo.beta'"),
+        "bad value": ([*m, "--rollout.group_size", "1"], r"rollout.group_size must be >= 2"),
+        "bad type": ([*m, "--algo.beta", "lots"], r"algo.beta: expected a number"),
+        "bad choice": ([*m, "--algo.loss_type", "grpoo"], r"algo.loss_type.*did you mean 'grpo'"),
+        "missing config": ([*m, "--config", "nope.yaml"], r"config file 'nope.yaml' does not exist"),
+    }  # fmt: skip
+
+
+def test_bad_inputs_give_one_error_line_and_leave_run_untouched(
+    tiny_model_dir, existing_run, tmp_path, capsys, monkeypatch
+):
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(existing_run)
+    for name, (extra, pattern) in bad_inputs(tmp_path, tiny_model_dir).items():
+        # even with --overwrite, a run that fails while loading must not delete the old run
+        rc = main(["train", *flags(TINY), *extra, "-o", str(existing_run), "--overwrite"])
+        err = capsys.readouterr().err
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert rc == 2, (name, err)
+        assert len(lines) == 1, (name, err)
+        assert re.search(pattern, lines[0]), (name, lines[0])
+        assert snapshot(existing_run) == before, name
+
+
+def test_run_dir_rules(tiny_model_dir, existing_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(existing_run)
+    m = ["--model", str(tiny_model_dir), *flags(TINY), "--steps", "1"]
+
+    assert main(["train", *m, "-o", str(existing_run)]) == 2
+    assert "already exists and is not empty; pass --overwrite" in capsys.readouterr().err
+    assert snapshot(existing_run) == before
+
+    not_a_run = tmp_path / "notarun"
+    not_a_run.mkdir()
+    assert main(["train", "--resume", str(not_a_run)]) == 2
+    assert "is not a peergrade run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--resume", str(existing_run), "--config", "x.yaml"]) == 2
+
+    # --overwrite replaces the old run with the new one
+    assert main(["train", *m, "-o", str(existing_run), "--overwrite"]) == 0
+    assert [r["step"] for r in train_rows(existing_run)] == [1]
+    assert sorted(p.name for p in (existing_run / "checkpoints").iterdir()) == ["step-1"]
+    assert (
+        json.loads((existing_run / "checkpoints/step-1/trainer_state.json").read_text())["step"]
+        == 1
+    )
+
+
+def test_bad_input_subprocess_has_no_traceback(tmp_path):
+    proc = cli(["train", "--data.task", "nosuch", "-o", "r"], tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [
+        x for x in proc.stderr.splitlines() if x.strip()
+    ]
+    assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------- config, help, eval
+
+
+def test_config_prints_yaml_that_loads_back(tmp_path, capsys):
+    assert main(["config", "--algo.beta", "0.04", "--rollout.group_size", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "# KL penalty coefficient" in text  # documented
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    cfg = load_config(p)
+    assert cfg.algo.beta == 0.04 and cfg.rollout.group_size == 4
+    assert cfg == load_config(None, [("algo.beta", 0.04), ("rollout.group_size", 4)])
+    assert main(["config", "--no-comments"]) == 0
+    plain = yaml.safe_load(capsys.readouterr().out)
+    assert load_config(None) == Config() and plain["algo"]["beta"] == Config().algo.beta
+
+
+def test_config_markdown(capsys):
+    assert main(["config", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| key | default | meaning |")
+    assert "| `algo.beta` | `0.0` |" in out
+    assert "| `rollout.group_size` | `8` |" in out
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("train", "eval", "sft", "config"):
+        assert cmd in out
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--resume", "--overwrite", "--reward", "--data", "--model", "--config"):
+        assert flag in out
+    assert main([]) == 0  # no command: the help, exit 0
+    assert "train" in capsys.readouterr().out
+
+
+def test_unknown_option_suggests_dotted_key(capsys):
+    assert main(["train", "--beta", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option --beta; did you mean --algo.beta?" in err
+
+
+def test_eval_json(tiny_model_dir, capsys):
+    args = ["eval", "--model", str(tiny_model_dir), "--n", "4", "--k", "2", "--json"]
+    assert main([*args, "--max-new-tokens", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 4 and out["k"] == 2 and out["task"] == "arithmetic"
+    for key in ("pass@1_greedy", "pass@1_sampled", "pass@2"):
+        assert 0.0 <= out[key] <= 1.0
+    assert out["pass@2"] >= out["pass@1_sampled"] - 1e-9
+    # bad arguments are clean errors
+    assert main(["eval", "--model", str(tiny_model_dir), "--n", "0"]) == 2
+    assert "--n and --k must be >= 1" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_model_dir), "--task", "nosuch"]) == 2
+    assert "unknown task 'nosuch'" in capsys.readouterr().err
