@@ -426,3 +426,14 @@ def test_eval_json(tiny_model_dir, capsys):
     assert "--n and --k must be >= 1" in capsys.readouterr().err
     assert main(["eval", "--model", str(tiny_model_dir), "--task", "nosuch"]) == 2
     assert "unknown task 'nosuch'" in capsys.readouterr().err
+
+
+def test_ctrl_c_outside_the_loop_exits_130(monkeypatch, capsys):
+    import peergrade.cli as cli_mod
+
+    def interrupted(args, extra):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_mod, "cmd_config", interrupted)
+    assert main(["config"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

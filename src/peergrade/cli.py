@@ -335,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         # Bad config, data, model dir, reward or run dir: the message names what is wrong.
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C outside the training loop (loading, evaluation): nothing to save yet.
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
