@@ -1,0 +1,650 @@
+"""Batched sampling from a Hugging Face causal LM with a KV cache -> ``Rollout``.
+
+``generate(model, tokenizer, prompts, n=G, max_new_tokens=T, ...)`` answers every prompt ``n``
+times (the ``n`` samples of one prompt are adjacent: sequence ``i`` answers prompt ``i // n``) and
+returns the completion token ids, a mask of the tokens that count, the log-probability of every
+sampled token, why each sequence ended and the decoded text. It is the GRPO rollout step; it
+knows nothing of rewards, configs or training.
+
+How it is fast (compared with ``model.generate``):
+
+- **Prefill once per prompt.** The ``n`` samples of a prompt share one prefill forward pass; the
+  KV cache rows are then copied ``n`` times (prefix sharing, as vLLM's prefix cache does).
+- **A preallocated KV cache.** Keys/values are written in place into a buffer of length
+  ``P + max_new_tokens`` (``P`` = longest prompt of the micro-batch) instead of being
+  concatenated every step, so a decode step reads the cache once and copies nothing.
+- **Finished rows leave the batch.** When a sequence ends (EOS, stop string or length), its row is
+  index-selected out of the running batch and the cache, so it stops costing compute. On CUDA the
+  host checks for finished rows only every ``check_every`` steps (default 8) to avoid a device
+  sync per token; on CPU it checks every step (a sync is free there).
+- **No per-step mask building.** Left padding is handled by a 4-D additive attention mask kept as
+  one ``[B, P + max_new_tokens]`` row bias and sliced each step, plus explicit ``position_ids``
+  (``cumsum(attention_mask) - 1``, as ``model.generate`` computes them). Models whose layers are
+  not all full attention (sliding windows, ...) or whose attention implementation is not
+  ``sdpa``/``eager`` take a generic path: ``DynamicCache`` and a 2-D mask that the model expands.
+
+Sampling (one uniform number per sequence per step, inverse-CDF):
+
+- ``temperature > 0``: ``p = softmax(logits / temperature)``; with ``top_k > 0`` only the ``top_k``
+  most probable tokens are kept; with ``top_p < 1`` only the smallest set of most-probable tokens
+  whose (renormalised, after top-k) mass reaches ``top_p`` is kept (the token that crosses the
+  threshold is included), as in Holtzman et al. 2019 and HF's ``TopPLogitsWarper``. The token is
+  drawn from the renormalised kept set by inverse CDF with a uniform ``u[i, t]``.
+- ``temperature == 0``: greedy, ``argmax(logits)`` (first index on ties, as ``torch.argmax`` and
+  ``model.generate(do_sample=False)``).
+- The uniforms ``u[i, t]`` for sequence ``i`` (global index) and step ``t`` are drawn up front from
+  a ``torch.Generator`` seeded with ``seed``: results are deterministic for a fixed seed and do
+  not depend on ``batch_size`` (micro-batching) or on when finished rows leave the batch, up to
+  float rounding differences of the forward pass at different batch sizes (a token flips only if
+  ``u`` falls within ~1e-6 of a CDF boundary).
+
+**Reported log-probs** are ``log softmax(logits / temperature)[token]`` over the *full* tempered
+vocabulary distribution, i.e. before top-k/top-p truncation (what vLLM and TRL report, and what a
+teacher-forced forward pass at the same temperature recomputes). With ``temperature == 0`` they
+are ``log softmax(logits)[token]`` of the untempered distribution. They are computed in float32
+even when the model runs in bf16/fp16.
+
+``completion_mask == 1`` marks the generated tokens that count: everything up to and including the
+EOS token, or the token in which a stop string completes; 0 after. Stop strings are searched for
+in the decoded text (special tokens skipped) of the last few tokens of every running sequence each
+step; the completion text is cut right after the first occurrence of a stop string (text that the
+same token decodes to beyond the stop string is dropped from the text but the token is kept).
+
+What this module deliberately does not do: apply chat templates (prompts arrive as token ids or
+already-templated strings, which are encoded with ``add_special_tokens=False``), beam search,
+repetition penalties, speculative decoding, or multi-GPU sharding.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Rollout", "generate", "position_ids_from_mask"]
+
+
+# --------------------------------------------------------------------------------------------
+# Result container
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """The sampled completions of ``len(prompts) * n`` sequences (N below); groups are adjacent.
+
+    Fields:
+        prompt_ids: N lists of unpadded prompt token ids (sequence i answers prompt i // n).
+        completion_ids: ``[N, C]`` long, right-padded with the tokenizer's pad id;
+            ``C`` = longest completion (``<= max_new_tokens``).
+        completion_mask: ``[N, C]`` float32; 1 = a generated token that counts (including the
+            EOS token and the token where a stop string completes), 0 after.
+        logprobs: ``[N, C]`` float32 log-prob of each sampled token under the full
+            temperature-scaled distribution (before top-k/top-p; untempered when greedy);
+            0 where ``completion_mask == 0``.
+        finish_reason: N strings, ``"eos"`` | ``"stop"`` | ``"length"``.
+        completion_text: N decoded completions (special tokens skipped), cut right after the
+            stop string when one ended the sequence.
+        prompt_index: ``[N]`` long, the prompt each sequence answers (``i // n``).
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: torch.Tensor  # [N, C] long
+    completion_mask: torch.Tensor  # [N, C] float32
+    logprobs: torch.Tensor  # [N, C] float32
+    finish_reason: list[str]
+    completion_text: list[str]
+    prompt_index: torch.Tensor  # [N] long
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        """``[N]`` long: number of tokens that count per sequence."""
+        return self.completion_mask.sum(-1).long()
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return int(self.completion_mask.sum().item())
+
+    def training_batch(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Teacher-forcing inputs: ``(input_ids [N, P+C], attention_mask [N, P+C], completion_mask [N, C])``.
+
+        Prompts are LEFT-padded to ``P`` = longest prompt, completions right-padded to ``C``;
+        the last ``C`` columns of ``input_ids`` are the completions, so the log-prob of completion
+        token ``j`` comes from the logits at column ``P + j - 1``. ``attention_mask`` (long) is 1 on
+        prompt tokens and on completion tokens that count. Pass
+        ``position_ids_from_mask(attention_mask)`` to the model as well: that reproduces the
+        positions used while sampling exactly (it matters for absolute-position models; for RoPE
+        models only float rounding differs).
+        """
+        n_seq, c = self.completion_ids.shape
+        p = max(len(ids) for ids in self.prompt_ids)
+        device = self.completion_ids.device
+        input_ids = torch.full((n_seq, p + c), pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros((n_seq, p + c), dtype=torch.long, device=device)
+        for i, ids in enumerate(self.prompt_ids):
+            input_ids[i, p - len(ids) : p] = torch.tensor(ids, dtype=torch.long, device=device)
+            attention_mask[i, p - len(ids) : p] = 1
+        input_ids[:, p:] = self.completion_ids
+        attention_mask[:, p:] = self.completion_mask.long()
+        return input_ids, attention_mask, self.completion_mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` positions for a left-padded ``attention_mask`` (1 = real token): 0 at each row's
+    first real token, counting up; pad columns get 0. Same rule as ``model.generate``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache: preallocated, written in place
+# --------------------------------------------------------------------------------------------
+
+
+def _slab_cache(num_layers: int, capacity: int):
+    """A transformers ``Cache`` whose layers preallocate ``capacity`` positions and write in place.
+
+    ``update`` returns views ``[B, H, length, D]`` of the buffers, so attention reads only the
+    filled part and no step concatenates. ``batch_select_indices`` keeps chosen rows (used both to
+    copy a prompt's prefill to its ``n`` samples and to drop finished rows).
+    """
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class _SlabLayer(DynamicLayer):
+        def __init__(self):
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def lazy_initialization(self, key_states, value_states):
+            b, h, _, d = key_states.shape
+            self.device = key_states.device
+            shape_k = (b, h, self.capacity, d)
+            shape_v = (b, value_states.shape[1], self.capacity, value_states.shape[-1])
+            self.keys = key_states.new_empty(shape_k)  # [B, Hkv, cap, D]
+            self.values = value_states.new_empty(shape_v)  # [B, Hkv, cap, Dv]
+            self.length = 0
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            q = key_states.shape[-2]
+            end = self.length + q
+            if end > self.capacity:
+                raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
+            self.keys[:, :, self.length : end].copy_(key_states)
+            self.values[:, :, self.length : end].copy_(value_states)
+            self.length = end
+            return self.keys[:, :, :end], self.values[:, :, :end]
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        def get_max_length(self) -> int:
+            return self.capacity
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if not self.is_initialized:
+                return
+            # Copy only the filled part into fresh full-capacity buffers.
+            end = self.length
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_empty((indices.numel(),) + tuple(old.shape[1:]))
+                new[:, :, :end].copy_(old[:, :, :end].index_select(0, indices))
+                setattr(self, name, new)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:  # pragma: no cover - unused
+            idx = torch.arange(self.keys.shape[0], device=self.keys.device)
+            self.batch_select_indices(idx.repeat_interleave(repeats))
+
+        def reset(self) -> None:  # pragma: no cover - unused
+            super().reset()
+            self.length = 0
+
+    return Cache(layers=[_SlabLayer() for _ in range(num_layers)])
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index j with cdf[j-1] <= u * total < cdf[j] per row; never a zero-probability entry.
+
+    probs: [B, K] non-negative (unnormalised is fine); u: [B] in [0, 1). Returns [B] long.
+    """
+    cdf = probs.cumsum(-1)  # [B, K]
+    total = cdf[:, -1:]  # [B, 1]
+    x = torch.minimum(u.unsqueeze(-1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, x, right=True)  # [B, 1]
+    return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample(
+    logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: [B, V] float32, u: [B]. Returns (tokens [B], logprobs [B])."""
+    if temperature == 0.0:
+        tokens = logits.argmax(-1)  # [B]
+        logp_all = torch.log_softmax(logits, -1)  # [B, V]
+        return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logp_all = torch.log_softmax(logits / temperature, -1)  # [B, V]
+    vocab = logp_all.shape[-1]
+    k = vocab if top_k <= 0 else min(top_k, vocab)
+    if k == vocab and top_p >= 1.0:
+        tokens = _inverse_cdf(logp_all.exp(), u)
+    else:
+        if k < vocab:
+            cand_logp, cand_idx = torch.topk(logp_all, k, dim=-1)  # [B, k], sorted descending
+        else:
+            cand_logp, cand_idx = torch.sort(logp_all, dim=-1, descending=True)  # [B, V]
+        cand_p = cand_logp.exp()  # [B, k]
+        if top_p < 1.0:
+            cum = cand_p.cumsum(-1)  # [B, k]
+            mass = cum[:, -1:]  # [B, 1] (renormalise after top-k)
+            # Keep token j if the mass strictly before it is below top_p: the smallest prefix
+            # reaching top_p, including the token that crosses it. Token 0 is always kept.
+            keep = (cum - cand_p) < top_p * mass
+            cand_p = cand_p * keep
+        tokens = cand_idx.gather(-1, _inverse_cdf(cand_p, u).unsqueeze(-1)).squeeze(-1)
+    return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checking
+# --------------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"generate(): {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _encode_prompts(tokenizer, prompts, vocab_size: int | None) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(
+            "generate(): prompts must be a list of strings or of token-id lists, "
+            f"got {type(prompts).__name__}"
+        )
+    if len(prompts) == 0:
+        raise ValueError("generate(): prompts is empty; expected at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            ids = list(tokenizer(p, add_special_tokens=False)["input_ids"])
+        elif isinstance(p, torch.Tensor) and p.dim() == 1:
+            ids = [int(t) for t in p.tolist()]
+        elif isinstance(p, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p
+        ):
+            ids = list(p)
+        else:
+            raise ValueError(
+                f"generate(): prompts[{i}] must be a string or a list of int token ids, "
+                f"got {type(p).__name__}"
+            )
+        if len(ids) == 0:
+            raise ValueError(f"generate(): prompts[{i}] is empty (0 tokens); expected >= 1 token")
+        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise ValueError(
+                f"generate(): prompts[{i}] has token id {bad[0]} outside [0, {vocab_size})"
+            )
+        out.append(ids)
+    return out
+
+
+def _model_config(model):
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise ValueError("generate(): model has no .config; expected a Hugging Face causal LM")
+    return cfg
+
+
+def _forward_signature(model) -> set[str]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+# --------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------
+
+
+def generate(
+    model,
+    tokenizer,
+    prompts,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop: Sequence[str] | str = (),
+    seed: int | None = None,
+    batch_size: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    check_every: int | None = None,
+) -> Rollout:
+    """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
+
+    Args:
+        model: a Hugging Face causal LM (or a peft ``PeftModel`` around one), any device/dtype.
+            It is switched to eval mode and back; no gradients are recorded.
+        tokenizer: its tokenizer; must define ``pad_token_id`` and ``eos_token_id``.
+        prompts: strings (encoded with ``add_special_tokens=False``) or token-id lists.
+        n: samples per prompt (the GRPO group size), >= 1.
+        max_new_tokens: completion length limit, >= 1.
+        temperature: >= 0; 0 = greedy.
+        top_p: in (0, 1]; 1 = off. top_k: >= 0; 0 = off.
+        stop: stop strings (a single string is one stop string); the completion ends at the first
+            occurrence, stop string included.
+        seed: seed of the sampling generator; None draws one from torch's global RNG.
+        batch_size: sequences generated at once (bounds memory); None = all N at once.
+        eos_token_ids: tokens that end a sequence; default: the tokenizer's eos plus the model's
+            ``generation_config.eos_token_id``.
+        ignore_eos: keep generating after EOS (the EOS token is an ordinary token then); for
+            benchmarks that need a fixed number of tokens.
+        check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
+            With stop strings the check runs every step (the text must be decoded anyway).
+    """
+    cfg = _model_config(model)
+    vocab_size = getattr(cfg, "vocab_size", None)
+    n = _check_int("n", n, 1)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    top_k = _check_int("top_k", top_k, 0)
+    if (
+        not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(
+            f"generate(): temperature must be a finite number >= 0, got {temperature!r}"
+        )
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"generate(): top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(stop, str):
+        stop = (stop,)
+    stop = tuple(stop)
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError(f"generate(): stop must be non-empty strings, got {stop!r}")
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "generate(): tokenizer has no pad token (tokenizer.pad_token_id is None); "
+            "set tokenizer.pad_token first (e.g. to the eos token)"
+        )
+    if tokenizer.eos_token_id is None and eos_token_ids is None:
+        raise ValueError(
+            "generate(): tokenizer has no eos token (tokenizer.eos_token_id is None); "
+            "set tokenizer.eos_token or pass eos_token_ids"
+        )
+    if batch_size is not None:
+        batch_size = _check_int("batch_size", batch_size, 1)
+    if check_every is not None:
+        check_every = _check_int("check_every", check_every, 1)
+
+    prompt_ids = _encode_prompts(tokenizer, prompts, vocab_size)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if max_pos is not None:
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) + max_new_tokens > max_pos:
+                raise ValueError(
+                    f"generate(): prompts[{i}] has {len(ids)} tokens; with max_new_tokens="
+                    f"{max_new_tokens} that exceeds the model's context "
+                    f"(max_position_embeddings={max_pos})"
+                )
+
+    if eos_token_ids is None:
+        eos = {int(tokenizer.eos_token_id)}
+        gen_cfg = getattr(model, "generation_config", None)
+        gen_eos = getattr(gen_cfg, "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            eos.add(gen_eos)
+        elif gen_eos is not None:
+            eos.update(int(t) for t in gen_eos)
+        eos_token_ids = sorted(eos)
+    else:
+        eos_token_ids = sorted({int(t) for t in eos_token_ids})
+
+    param = next(model.parameters())
+    device = param.device
+    float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    dtype = next((p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32)
+    if check_every is None:
+        check_every = 1 if device.type == "cpu" else 8
+    if stop:
+        check_every = 1
+
+    num_seq = len(prompt_ids) * n
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    uniforms = torch.rand((num_seq, max_new_tokens), generator=gen, device=device)  # [N, T]
+
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    fast = all(t == "full_attention" for t in layer_types) and attn_impl in ("sdpa", "eager")
+    sig = _forward_signature(model)
+    cache_kw = "cache" if "cache" in sig else "past_key_values"
+
+    runner = _Runner(
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        stop=stop,
+        eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
+        ignore_eos=ignore_eos,
+        check_every=check_every,
+        fast=fast,
+        cache_kw=cache_kw,
+        bool_mask=attn_impl == "sdpa",
+        logits_to_keep="logits_to_keep" in sig,
+        num_layers=cfg.num_hidden_layers,
+    )
+    step = batch_size or num_seq
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            parts = [
+                runner.run(prompt_ids, uniforms, start, min(start + step, num_seq))
+                for start in range(0, num_seq, step)
+            ]
+    finally:
+        model.train(was_training)
+
+    # Assemble: pad every part to the longest completion.
+    c = max(p["tokens"].shape[1] for p in parts)
+    pad_id = tokenizer.pad_token_id
+
+    def _cat(key, fill, dt):
+        rows = []
+        for p in parts:
+            t = p[key]
+            if t.shape[1] < c:
+                t = torch.cat([t, t.new_full((t.shape[0], c - t.shape[1]), fill)], 1)
+            rows.append(t.to(dt))
+        return torch.cat(rows, 0)
+
+    return Rollout(
+        prompt_ids=[list(prompt_ids[i // n]) for i in range(num_seq)],
+        completion_ids=_cat("tokens", pad_id, torch.long),
+        completion_mask=_cat("mask", 0.0, torch.float32),
+        logprobs=_cat("logprobs", 0.0, torch.float32),
+        finish_reason=[r for p in parts for r in p["finish"]],
+        completion_text=[t for p in parts for t in p["text"]],
+        prompt_index=torch.arange(num_seq, device=device) // n,
+    )
+
+
+class _Runner:
+    """Generates one micro-batch of sequences [start, end) (global indices)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
+        kwargs = {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": position_ids,
+            self.cache_kw: cache,
+            "use_cache": True,
+        }
+        if last_only and self.logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        return out.logits[:, -1, :].float()  # [B, V]
+
+    def run(self, prompt_ids, uniforms, start: int, end: int) -> dict:
+        dev, n, T = self.device, self.n, self.max_new_tokens
+        b = end - start
+        # Unique prompts of this micro-batch and how many of its sequences answer each.
+        pidx = [i // n for i in range(start, end)]
+        uniq = sorted(set(pidx))
+        counts = torch.tensor([pidx.count(u) for u in uniq], device=dev)
+        lens = [len(prompt_ids[u]) for u in uniq]
+        p_len = max(lens)
+        cap = p_len + T
+
+        ids = torch.full((len(uniq), p_len), self.tokenizer.pad_token_id, dtype=torch.long)
+        real = torch.zeros((len(uniq), p_len), dtype=torch.bool)
+        for r, u in enumerate(uniq):
+            ids[r, p_len - lens[r] :] = torch.tensor(prompt_ids[u], dtype=torch.long)
+            real[r, p_len - lens[r] :] = True
+        ids, real = ids.to(dev), real.to(dev)  # [U, P]
+        pos = position_ids_from_mask(real)  # [U, P]
+        expand = torch.repeat_interleave(torch.arange(len(uniq), device=dev), counts)  # [b]
+
+        # ---- prefill (once per unique prompt) ----
+        neg = torch.finfo(self.dtype).min
+        if self.fast:
+            cache = _slab_cache(self.num_layers, cap)
+            causal = torch.ones(p_len, p_len, dtype=torch.bool, device=dev).tril_()
+            allowed = causal & (real[:, None, :] | torch.eye(p_len, dtype=torch.bool, device=dev))
+            # Key-visibility per row over the whole capacity (pads hidden): a bool mask for sdpa
+            # (True = attend; faster than an additive one on CPU), additive 0 / min for eager.
+            key_ok = torch.ones((len(uniq), cap), dtype=torch.bool, device=dev)
+            key_ok[:, :p_len] = real
+            key_ok = key_ok.index_select(0, expand)  # [b, cap]
+            if self.bool_mask:
+                mask4, key_bias = allowed, key_ok
+            else:
+                mask4 = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+                mask4.masked_fill_(~allowed, neg)  # [U, P, P]
+                key_bias = torch.zeros((b, cap), dtype=self.dtype, device=dev)
+                key_bias.masked_fill_(~key_ok, neg)  # [b, cap]
+            logits = self._forward(ids, mask4[:, None], pos, cache, last_only=True)
+            cache.batch_select_indices(expand)
+        else:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward(ids, real.long(), pos, cache, last_only=True)
+            cache.batch_select_indices(expand)
+            attn2d = torch.ones((b, cap), dtype=torch.long, device=dev)
+            attn2d[:, :p_len] = real.long().index_select(0, expand)
+        logits = logits.index_select(0, expand)  # [b, V]
+        next_pos = pos[:, -1].index_select(0, expand) + 1  # [b]
+
+        tokens_out = torch.full((b, T), self.tokenizer.pad_token_id, dtype=torch.long, device=dev)
+        logp_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
+        finished_at = torch.full((b,), T, dtype=torch.long, device=dev)  # T = not finished
+        reason = ["length"] * b
+        rows = torch.arange(b, device=dev)  # local index of each running row
+        u_local = uniforms[start:end]  # [b, T]
+        hist: list[list[int]] | None = [[] for _ in range(b)] if self.stop else None
+        stop_window = (max(len(s) for s in self.stop) + 8) if self.stop else 0
+
+        cur = p_len  # cache length before this step's token
+        for t in range(T):
+            tok, logp = _sample(logits, u_local[rows, t], self.temperature, self.top_p, self.top_k)
+            tokens_out[rows, t] = tok
+            logp_out[rows, t] = logp
+            if not self.ignore_eos:
+                is_eos = torch.isin(tok, self.eos_token_ids)
+                finished_at[rows] = torch.where(is_eos, t, finished_at[rows])
+            last = t == T - 1
+            if self.stop:
+                rows_l = rows.tolist()
+                for r, tk in zip(rows_l, tok.tolist()):
+                    hist[r].append(tk)
+                fin_l = finished_at[rows].tolist()
+                tails = self.tokenizer.batch_decode(
+                    [hist[r][-stop_window:] for r in rows_l], skip_special_tokens=True
+                )
+                for r, f, tail in zip(rows_l, fin_l, tails):
+                    if f == T and any(s in tail for s in self.stop):
+                        finished_at[r] = t
+                        reason[r] = "stop"
+            if last:
+                break
+            if (t + 1) % self.check_every == 0:
+                alive = finished_at[rows] == T  # [B]
+                n_alive = int(alive.sum().item())
+                if n_alive == 0:
+                    break
+                if n_alive < rows.numel():
+                    keep = alive.nonzero().squeeze(-1)
+                    rows, tok = rows[keep], tok[keep]
+                    next_pos = next_pos[keep]
+                    cache.batch_select_indices(keep)
+                    if self.fast:
+                        key_bias = key_bias.index_select(0, keep)
+                    else:
+                        attn2d = attn2d.index_select(0, keep)
+            if self.fast:
+                step_mask = key_bias[:, None, None, : cur + 1]  # [B, 1, 1, cur+1]
+            else:
+                step_mask = attn2d[:, : cur + 1]
+            logits = self._forward(tok[:, None], step_mask, next_pos[:, None], cache, False)
+            next_pos = next_pos + 1
+            cur += 1
+
+        # ---- finish: masks, reasons, texts ----
+        length = torch.where(finished_at < T, finished_at + 1, T)  # [b]
+        col = torch.arange(T, device=dev)
+        mask = (col[None, :] < length[:, None]).float()  # [b, T]
+        c = int(length.max().item())
+        tokens_out = tokens_out.masked_fill(mask == 0, self.tokenizer.pad_token_id)[:, :c]
+        logp_out = (logp_out * mask)[:, :c]
+        mask = mask[:, :c]
+        fin_l = finished_at.tolist()
+        len_l = length.tolist()
+        for r in range(b):
+            if fin_l[r] < T and reason[r] != "stop":
+                reason[r] = "eos"
+        tok_lists = tokens_out.tolist()
+        texts = self.tokenizer.batch_decode(
+            [tok_lists[r][: len_l[r]] for r in range(b)], skip_special_tokens=True
+        )
+        for r in range(b):
+            if reason[r] == "stop":
+                ends = [texts[r].find(s) + len(s) for s in self.stop if s in texts[r]]
+                if ends:
+                    texts[r] = texts[r][: min(ends)]
+        return {
+            "tokens": tokens_out,
+            "mask": mask,
+            "logprobs": logp_out,
+            "finish": reason,
+            "text": texts,
+        }

@@ -1,0 +1,469 @@
+"""Tests for peergrade.rollout: exact log-probs, greedy parity with HF, sampling distribution,
+truncation, stop strings, determinism, micro-batching and input validation (CPU, tiny models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peergrade.rollout import Rollout, generate, position_ids_from_mask
+
+PROMPTS = ["hello there", "a", "What is 12+7? Answer:", "xyz"]
+
+
+def _peaky_model(arch: str, tok, seed: int = 0, **extra):
+    """A tiny model with large random weights: its next-token distributions are far from uniform,
+    so greedy outputs vary and distribution tests have power."""
+    from transformers import AutoModelForCausalLM
+
+    from peergrade.tiny import tiny_config
+
+    cfg = tiny_config(
+        arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
+    cfg.initializer_range = 0.3
+    for k, v in extra.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def peaky_qwen2(char_tokenizer):
+    return _peaky_model("qwen2", char_tokenizer, seed=0), char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def peaky_llama(char_tokenizer):
+    return _peaky_model("llama", char_tokenizer, seed=3), char_tokenizer
+
+
+def _teacher_forced_logprobs(model, r: Rollout, pad_id: int, temperature: float) -> torch.Tensor:
+    """One fresh forward pass over prompt+completion; log-prob of each completion token. [N, C]"""
+    ids, attn, cmask = r.training_batch(pad_id)
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)
+        ).logits.float()  # [N, P+C, V]
+    c = cmask.shape[1]
+    p = ids.shape[1] - c
+    scaled = logits[:, p - 1 : p + c - 1] / (temperature if temperature > 0 else 1.0)
+    lp = torch.log_softmax(scaled, -1).gather(-1, r.completion_ids.unsqueeze(-1)).squeeze(-1)
+    return lp * cmask
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness-of-fit p-value; bins with expected count < 5 are merged."""
+    counts = counts.double()
+    expected = probs.double() / probs.sum() * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    if exp[-1] < 5:  # fold the remainder into the smallest big bin
+        j = int(exp[:-1].argmin())
+        obs[j] += obs[-1]
+        exp[j] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    # Survival function of chi2(df) = regularised upper incomplete gamma Q(df/2, x/2).
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), stat / 2.0))
+
+
+def _next_token_probs(model, tok, prompt: str, temperature: float) -> torch.Tensor:
+    ids = tok([prompt], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1].float()
+    return torch.softmax(logits / temperature, -1)  # [V]
+
+
+# ------------------------------------------------------------------------------------------
+# structure
+# ------------------------------------------------------------------------------------------
+
+
+def test_rollout_shapes_and_groups(tiny_qwen2):
+    model, tok = tiny_qwen2
+    r = generate(model, tok, PROMPTS, n=3, max_new_tokens=7, seed=0)
+    n_seq = len(PROMPTS) * 3
+    assert len(r.prompt_ids) == n_seq
+    assert r.completion_ids.dtype == torch.long and r.completion_ids.shape[0] == n_seq
+    assert r.completion_ids.shape[1] <= 7
+    assert r.completion_mask.dtype == torch.float32 and r.logprobs.dtype == torch.float32
+    assert r.prompt_index.tolist() == [i // 3 for i in range(n_seq)]
+    for i in range(n_seq):
+        assert r.prompt_ids[i] == tok(PROMPTS[i // 3], add_special_tokens=False)["input_ids"]
+    # mask is a prefix of ones; pads and zero log-probs after it
+    lengths = r.completion_mask.sum(-1).long()
+    col = torch.arange(r.completion_mask.shape[1])
+    assert torch.equal(r.completion_mask, (col[None] < lengths[:, None]).float())
+    assert torch.all(r.completion_ids[r.completion_mask == 0] == tok.pad_token_id)
+    assert torch.all(r.logprobs[r.completion_mask == 0] == 0)
+    assert torch.all(r.logprobs[r.completion_mask == 1] < 0)
+    for i in range(n_seq):
+        L = int(lengths[i])
+        if r.finish_reason[i] == "length":
+            assert L == 7
+        else:
+            assert r.finish_reason[i] == "eos"
+            assert int(r.completion_ids[i, L - 1]) == tok.eos_token_id
+        assert r.completion_text[i] == tok.decode(
+            r.completion_ids[i, :L].tolist(), skip_special_tokens=True
+        )
+
+
+def test_training_batch_layout():
+    r = Rollout(
+        prompt_ids=[[5, 6, 7], [8]],
+        completion_ids=torch.tensor([[1, 2], [3, 0]]),
+        completion_mask=torch.tensor([[1.0, 1.0], [1.0, 0.0]]),
+        logprobs=torch.zeros(2, 2),
+        finish_reason=["length", "eos"],
+        completion_text=["", ""],
+        prompt_index=torch.tensor([0, 1]),
+    )
+    ids, attn, cmask = r.training_batch(pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7, 1, 2], [0, 0, 8, 3, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0]]
+    assert cmask is r.completion_mask
+    assert position_ids_from_mask(attn).tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 1]]
+
+
+# ------------------------------------------------------------------------------------------
+# exactness
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fixture,temperature,top_p,top_k",
+    [
+        ("tiny_qwen2", 1.0, 1.0, 0),
+        ("tiny_llama", 0.7, 1.0, 0),
+        ("peaky_qwen2", 0.8, 0.9, 0),
+        ("peaky_llama", 1.3, 1.0, 5),
+        ("peaky_qwen2", 0.0, 1.0, 0),
+    ],
+)
+def test_logprobs_match_teacher_forcing(request, fixture, temperature, top_p, top_k):
+    model, tok = request.getfixturevalue(fixture)
+    r = generate(
+        model,
+        tok,
+        PROMPTS,
+        n=3,
+        max_new_tokens=12,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=123,
+    )
+    ref = _teacher_forced_logprobs(model, r, tok.pad_token_id, temperature)
+    assert r.completion_mask.sum() > 0
+    torch.testing.assert_close(r.logprobs, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fixture", ["peaky_qwen2", "peaky_llama"])
+def test_greedy_equals_hf_generate(request, fixture):
+    model, tok = request.getfixturevalue(fixture)
+    max_new = 20
+    r = generate(model, tok, PROMPTS, n=1, max_new_tokens=max_new, temperature=0.0)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=max_new, pad_token_id=tok.pad_token_id
+        )
+    hf = out[:, enc["input_ids"].shape[1] :]  # [N, <=max_new], pad after EOS
+    assert len({tuple(row.tolist()) for row in hf}) > 1  # the model is not degenerate
+    for i in range(len(PROMPTS)):
+        L = int(r.completion_mask[i].sum())
+        assert r.completion_ids[i, :L].tolist() == hf[i, :L].tolist()
+        if r.finish_reason[i] == "eos":
+            assert torch.all(hf[i, L:] == tok.pad_token_id)
+        else:
+            assert L == max_new == hf.shape[1]
+
+
+def test_mixed_length_batch_equals_each_alone(peaky_llama):
+    model, tok = peaky_llama
+    together = generate(model, tok, PROMPTS, n=2, max_new_tokens=15, temperature=0.0)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, tok, [p], n=1, max_new_tokens=15, temperature=0.0)
+        L = int(alone.completion_mask[0].sum())
+        for j in (2 * i, 2 * i + 1):
+            assert int(together.completion_mask[j].sum()) == L
+            assert together.completion_ids[j, :L].tolist() == alone.completion_ids[0, :L].tolist()
+            torch.testing.assert_close(
+                together.logprobs[j, :L], alone.logprobs[0, :L], atol=1e-4, rtol=0
+            )
+
+
+def test_eager_attention_and_generic_cache_paths_agree(char_tokenizer, peaky_qwen2):
+    """The additive-mask (eager) path and the generic DynamicCache path (taken for models with
+    sliding-window layers; here the window is longer than any sequence, so the result must be the
+    same as full attention) reproduce the default sdpa fast path."""
+    model, tok = peaky_qwen2
+    ref = generate(model, tok, PROMPTS, n=2, max_new_tokens=10, seed=7)
+
+    eager = _peaky_model("qwen2", tok, seed=0)
+    eager.config._attn_implementation = "eager"
+    r1 = generate(eager, tok, PROMPTS, n=2, max_new_tokens=10, seed=7)
+    assert torch.equal(r1.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(r1.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+    slid = _peaky_model(
+        "qwen2",
+        tok,
+        seed=0,
+        use_sliding_window=True,
+        sliding_window=1000,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    assert slid.model.has_sliding_layers
+    r2 = generate(slid, tok, PROMPTS, n=2, max_new_tokens=10, seed=7)
+    assert torch.equal(r2.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(r2.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+    assert torch.equal(r2.completion_mask, ref.completion_mask)
+
+
+# ------------------------------------------------------------------------------------------
+# sampling distribution
+# ------------------------------------------------------------------------------------------
+
+N_DRAWS = 20000
+
+
+def _first_token_counts(model, tok, prompt, **kw) -> torch.Tensor:
+    r = generate(model, tok, [prompt], n=N_DRAWS, max_new_tokens=1, seed=2024, **kw)
+    return torch.bincount(r.completion_ids[:, 0], minlength=model.config.vocab_size)
+
+
+def test_sampling_distribution_chi_square(peaky_qwen2):
+    model, tok = peaky_qwen2
+    prompt = "The answer is"
+    probs = _next_token_probs(model, tok, prompt, temperature=0.9)
+    counts = _first_token_counts(model, tok, prompt, temperature=0.9)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    # The test has power: the same samples are rejected against a different temperature.
+    wrong = _next_token_probs(model, tok, prompt, temperature=1.2)
+    assert _chi2_pvalue(counts, wrong) < 1e-6
+
+
+def test_top_k_truncates_and_renormalises(peaky_qwen2):
+    model, tok = peaky_qwen2
+    prompt, k = "Count: 1, 2,", 4
+    probs = _next_token_probs(model, tok, prompt, temperature=1.0)
+    top = torch.topk(probs, k).indices
+    trunc = torch.zeros_like(probs)
+    trunc[top] = probs[top]
+    counts = _first_token_counts(model, tok, prompt, top_k=k)
+    assert set(counts.nonzero().squeeze(-1).tolist()) <= set(top.tolist())
+    assert _chi2_pvalue(counts[top], trunc[top]) > 1e-3
+    uniform = torch.ones(k)  # power check: ignoring the probabilities inside the top-k
+    assert _chi2_pvalue(counts[top], uniform) < 1e-6
+
+
+def test_top_p_keeps_smallest_set_reaching_p(peaky_qwen2):
+    model, tok = peaky_qwen2
+    prompt = "Count: 1, 2,"
+    probs = _next_token_probs(model, tok, prompt, temperature=1.0)
+    sp, si = probs.sort(descending=True)
+    # choose top_p between two cumulative masses so the kept set size is unambiguous: 3 tokens
+    cum = sp.cumsum(0)
+    top_p = float((cum[1] + cum[2]) / 2)
+    kept = si[:3]
+    counts = _first_token_counts(model, tok, prompt, top_p=top_p)
+    assert set(counts.nonzero().squeeze(-1).tolist()) == set(kept.tolist())
+    assert _chi2_pvalue(counts[kept], probs[kept]) > 1e-3
+    # top_k and top_p together: top_p applies to the renormalised top-k distribution
+    k = 5
+    renorm_cum = sp[:k].cumsum(0) / sp[:k].sum()
+    top_p2 = float((renorm_cum[0] + renorm_cum[1]) / 2)  # keeps exactly 2 of the top 5
+    counts2 = _first_token_counts(model, tok, prompt, top_k=k, top_p=top_p2)
+    assert set(counts2.nonzero().squeeze(-1).tolist()) == set(si[:2].tolist())
+
+
+# ------------------------------------------------------------------------------------------
+# stop strings, eos, determinism, micro-batching
+# ------------------------------------------------------------------------------------------
+
+
+def test_stop_string_cuts_text_and_mask(peaky_qwen2):
+    model, tok = peaky_qwen2
+    # the first prompt whose greedy completion is long enough to hold a stop string
+    for prompt in PROMPTS + ["abc", "Count: 1, 2,", "zzz"]:
+        free = generate(model, tok, [prompt], n=1, max_new_tokens=20, temperature=0.0)
+        text = free.completion_text[0]
+        if len(text) >= 8 and len(text) == int(free.completion_mask[0].sum()):
+            break
+    else:
+        pytest.fail("no prompt with a long enough greedy completion")
+    stop = text[4:6]  # a stop string that the greedy completion contains
+    first_end = text.find(stop) + len(stop)
+    r = generate(
+        model, tok, [prompt], n=1, max_new_tokens=20, temperature=0.0, stop=["<never>", stop]
+    )
+    assert r.finish_reason == ["stop"]
+    assert r.completion_text[0] == text[:first_end]
+    # char tokenizer: one token per character, so the mask covers exactly first_end tokens
+    assert int(r.completion_mask[0].sum()) == first_end
+    assert r.completion_ids[0, :first_end].tolist() == free.completion_ids[0, :first_end].tolist()
+    assert torch.all(r.completion_ids[0, first_end:] == tok.pad_token_id)
+    # a single string is accepted as one stop string
+    r2 = generate(model, tok, [prompt], n=1, max_new_tokens=20, temperature=0.0, stop=stop)
+    assert r2.completion_text == r.completion_text
+
+
+def test_eos_ends_sequence_and_ignore_eos(peaky_qwen2):
+    model, tok = peaky_qwen2
+    free = generate(model, tok, ["abc"], n=1, max_new_tokens=10, temperature=0.0)
+    ids = free.completion_ids[0].tolist()
+    target = ids[3]  # declare the 4th greedy token an end-of-sequence token
+    first = ids.index(target)
+    r = generate(
+        model, tok, ["abc"], n=1, max_new_tokens=10, temperature=0.0, eos_token_ids=[target]
+    )
+    assert r.finish_reason == ["eos"]
+    assert int(r.completion_mask[0].sum()) == first + 1  # the EOS token counts
+    assert r.completion_ids[0, : first + 1].tolist() == ids[: first + 1]
+    r2 = generate(
+        model,
+        tok,
+        ["abc"],
+        n=1,
+        max_new_tokens=10,
+        temperature=0.0,
+        eos_token_ids=[target],
+        ignore_eos=True,
+    )
+    assert r2.finish_reason == ["length"] and r2.completion_ids[0].tolist() == ids
+
+
+def test_deterministic_for_seed(tiny_llama):
+    model, tok = tiny_llama
+    a = generate(model, tok, PROMPTS, n=2, max_new_tokens=10, seed=5)
+    b = generate(model, tok, PROMPTS, n=2, max_new_tokens=10, seed=5)
+    c = generate(model, tok, PROMPTS, n=2, max_new_tokens=10, seed=6)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    # samples of one prompt differ from each other (independent draws)
+    assert not torch.equal(a.completion_ids[0], a.completion_ids[1])
+
+
+def test_seed_none_follows_global_rng(tiny_llama):
+    model, tok = tiny_llama
+    torch.manual_seed(11)
+    a = generate(model, tok, PROMPTS[:2], n=2, max_new_tokens=6)
+    torch.manual_seed(11)
+    b = generate(model, tok, PROMPTS[:2], n=2, max_new_tokens=6)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 5])
+def test_micro_batching_matches_one_batch(peaky_qwen2, batch_size):
+    model, tok = peaky_qwen2
+    full = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, seed=9, temperature=0.9)
+    part = generate(
+        model, tok, PROMPTS, n=2, max_new_tokens=12, seed=9, temperature=0.9, batch_size=batch_size
+    )
+    assert torch.equal(part.completion_ids, full.completion_ids)
+    assert torch.equal(part.completion_mask, full.completion_mask)
+    torch.testing.assert_close(part.logprobs, full.logprobs, atol=1e-4, rtol=0)
+    assert part.finish_reason == full.finish_reason
+    assert part.completion_text == full.completion_text
+
+
+def test_check_every_does_not_change_results(peaky_qwen2):
+    model, tok = peaky_qwen2
+    a = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, seed=4, check_every=1)
+    b = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, seed=4, check_every=5)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+def test_restores_train_mode_and_records_no_grad(char_tokenizer):
+    from peergrade.tiny import build_tiny_model
+
+    model, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
+    model.train()
+    r = generate(model, tok, ["hi"], n=2, max_new_tokens=4, seed=0)
+    assert model.training
+    assert not r.logprobs.requires_grad
+    model.eval()
+    generate(model, tok, ["hi"], n=1, max_new_tokens=2, seed=0)
+    assert not model.training
+
+
+def test_token_id_prompts_equal_string_prompts(tiny_qwen2):
+    model, tok = tiny_qwen2
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    a = generate(model, tok, PROMPTS, n=2, max_new_tokens=5, seed=1)
+    b = generate(model, tok, ids, n=2, max_new_tokens=5, seed=1)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+def test_peft_model(char_tokenizer):
+    peft = pytest.importorskip("peft")
+    from peergrade.tiny import build_tiny_model
+
+    base, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
+    base.eval()
+    ref = generate(base, tok, PROMPTS, n=2, max_new_tokens=6, seed=3)
+    lora = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8)
+    )
+    r = generate(lora, tok, PROMPTS, n=2, max_new_tokens=6, seed=3)  # LoRA B = 0 at init
+    assert torch.equal(r.completion_ids, ref.completion_ids)
+    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# bad input
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompts=[]), "prompts is empty"),
+        (dict(prompts="hello"), "list of strings"),
+        (dict(prompts=["ok", ""]), r"prompts\[1\] is empty"),
+        (dict(prompts=[[1, 2], [3, 10_000]]), r"prompts\[1\] has token id 10000"),
+        (dict(prompts=[[1, 2.5]]), r"prompts\[0\] must be"),
+        (dict(n=0), "n must be an int >= 1"),
+        (dict(n=2.0), "n must be an int >= 1"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(stop=[""]), "stop"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(prompts=["x" * 500], max_new_tokens=20), r"prompts\[0\] has 500 tokens.*512"),
+        (dict(prompts=["x" * 513]), r"max_position_embeddings=512"),
+    ],
+)
+def test_bad_input_raises(tiny_qwen2, kwargs, match):
+    model, tok = tiny_qwen2
+    args = dict(prompts=["hi"], n=1, max_new_tokens=4)
+    args.update(kwargs)
+    prompts = args.pop("prompts")
+    with pytest.raises(ValueError, match=match):
+        generate(model, tok, prompts, **args)
+
+
+def test_tokenizer_without_pad_or_eos(tiny_qwen2):
+    import copy
+
+    model, tok = tiny_qwen2
+    no_pad = copy.deepcopy(tok)
+    no_pad.pad_token = None
+    with pytest.raises(ValueError, match="no pad token"):
+        generate(model, no_pad, ["hi"], n=1, max_new_tokens=2)
+    no_eos = copy.deepcopy(tok)
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="no eos token"):
+        generate(model, no_eos, ["hi"], n=1, max_new_tokens=2)
