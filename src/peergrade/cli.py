@@ -322,6 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_transformers() -> None:
+    """transformers' per-load/per-save progress bars would interleave with our display."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -329,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    _quiet_transformers()
     try:
         return args.func(args, extra)
     except (PeergradeError, ConfigError) as e:

@@ -106,8 +106,11 @@ class Display:
             )
             self._progress.start()
 
-    def print(self, text: str) -> None:
+    def print(self, text: str, *, always: bool = False) -> None:
+        """Show a message; ``always`` ones (interrupts, skipped evals) reach stderr even with mode none."""
         if self.mode == "none":
+            if always:
+                print(text, file=sys.stderr, flush=True)
             return
         if self.mode == "rich":
             self.console.print(text)

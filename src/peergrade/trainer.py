@@ -418,7 +418,8 @@ def train(
     if not eval_rows:
         display.print(
             "no held-out split (set data.eval_path or task_options.eval_fraction): "
-            "evaluation is skipped"
+            "evaluation is skipped",
+            always=True,
         )
     if "eval_before" not in state:
         if eval_rows:
@@ -581,7 +582,8 @@ def train(
         samples_log.close()
         display.print(
             f"interrupted: checkpoint saved at step {done_step} in {run_dir}; "
-            f"continue with: peergrade train --resume {run_dir}"
+            f"continue with: peergrade train --resume {run_dir}",
+            always=True,
         )
         return {"interrupted": True, "step": done_step, "run_dir": str(run_dir)}
 
