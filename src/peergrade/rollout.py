@@ -236,25 +236,31 @@ def _sample(
         tokens = logits.argmax(-1)  # [B]
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
         return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logp_all = torch.log_softmax(logits / temperature, -1)  # [B, V]
-    vocab = logp_all.shape[-1]
+    scaled = logits if temperature == 1.0 else logits / temperature  # [B, V]
+    vocab = scaled.shape[-1]
     k = vocab if top_k <= 0 else min(top_k, vocab)
     if k == vocab and top_p >= 1.0:
-        tokens = _inverse_cdf(logp_all.exp(), u)
+        # Plain sampling: one exp pass serves both the draw and the log-prob.
+        # log p(tok) = scaled[tok] - max - log(sum exp(scaled - max)).
+        mx = scaled.amax(-1, keepdim=True)  # [B, 1]
+        e = (scaled - mx).exp_()  # [B, V]
+        tokens = _inverse_cdf(e, u)
+        log_z = mx.squeeze(-1) + e.sum(-1).log()  # [B]
+        return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+    logp_all = torch.log_softmax(scaled, -1)  # [B, V]
+    if k < vocab:
+        cand_logp, cand_idx = torch.topk(logp_all, k, dim=-1)  # [B, k], sorted descending
     else:
-        if k < vocab:
-            cand_logp, cand_idx = torch.topk(logp_all, k, dim=-1)  # [B, k], sorted descending
-        else:
-            cand_logp, cand_idx = torch.sort(logp_all, dim=-1, descending=True)  # [B, V]
-        cand_p = cand_logp.exp()  # [B, k]
-        if top_p < 1.0:
-            cum = cand_p.cumsum(-1)  # [B, k]
-            mass = cum[:, -1:]  # [B, 1] (renormalise after top-k)
-            # Keep token j if the mass strictly before it is below top_p: the smallest prefix
-            # reaching top_p, including the token that crosses it. Token 0 is always kept.
-            keep = (cum - cand_p) < top_p * mass
-            cand_p = cand_p * keep
-        tokens = cand_idx.gather(-1, _inverse_cdf(cand_p, u).unsqueeze(-1)).squeeze(-1)
+        cand_logp, cand_idx = torch.sort(logp_all, dim=-1, descending=True)  # [B, V]
+    cand_p = cand_logp.exp()  # [B, k]
+    if top_p < 1.0:
+        cum = cand_p.cumsum(-1)  # [B, k]
+        mass = cum[:, -1:]  # [B, 1] (renormalise after top-k)
+        # Keep token j if the mass strictly before it is below top_p: the smallest prefix
+        # reaching top_p, including the token that crosses it. Token 0 is always kept.
+        keep = (cum - cand_p) < top_p * mass
+        cand_p = cand_p * keep
+    tokens = cand_idx.gather(-1, _inverse_cdf(cand_p, u).unsqueeze(-1)).squeeze(-1)
     return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
