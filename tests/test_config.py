@@ -26,6 +26,16 @@ def test_overrides_beat_file(tmp_path):
     assert cfg.data.task_options == {"max_digits": 3}
 
 
+def test_exponent_without_dot_is_a_float(tmp_path):
+    # PyYAML parses `1e-5` as a string; a user writing it must still get a float
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 1e-5\n")
+    assert load_config(path).optim.lr == 1e-5
+    assert load_config(None, [("optim.lr", "5e-4")]).optim.lr == 5e-4
+    with pytest.raises(ConfigError, match="optim.lr: expected a number"):
+        load_config(None, [("optim.lr", "fast")])
+
+
 def test_int_widens_to_float_but_not_the_reverse():
     assert isinstance(load_config(None, [("algo.beta", 1)]).algo.beta, float)
     with pytest.raises(ConfigError, match="train.steps: expected an integer"):
