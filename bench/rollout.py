@@ -4,7 +4,7 @@ Run from the repo root:  PYTHONPATH=src python bench/rollout.py [--passes 3]
 
 Workload (the GRPO rollout step): 32 chat-templated arithmetic word problems (character
 tokenizer, about 130 prompt tokens each) x 8 samples, 64 new tokens, temperature 1, no top-k/top-p,
-float32, 2 torch threads. Two models with random weights:
+float32, 2 torch threads (``--threads``). Two models with random weights:
 
   (a) tiny : Qwen2, hidden 128, 4 layers, char vocab (~100 tokens)          ~1.0M params
   (b) small: Qwen2, hidden 384, 8 layers, 32,000-token vocab               ~29.6M params
@@ -79,10 +79,10 @@ def _prompts(tok) -> list[str]:
     return out
 
 
-def child(side: str, name: str) -> dict:
+def child(side: str, name: str, threads: int) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model, tok = _build(name)
     prompts = _prompts(tok)
     n_params = sum(p.numel() for p in model.parameters())
@@ -149,10 +149,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--models", default="tiny,small", help="comma list of: tiny, small")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads per side (1 is steadier when busy)"
+    )
     ap.add_argument("--child", nargs=2, metavar=("SIDE", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _common.emit(child(*args.child))
+        _common.emit(child(*args.child, args.threads))
         return
 
     print(f"# before: {_common.load_note()}", flush=True)
@@ -162,7 +165,11 @@ def main() -> None:
         if name not in MODELS:
             raise SystemExit(f"unknown model {name!r}: expected one of {sorted(MODELS)}")
         sides = {
-            side: (lambda side=side, name=name: _common.run_child([me, "--child", side, name]))
+            side: (
+                lambda side=side, name=name: _common.run_child(
+                    [me, "--child", side, name, "--threads", str(args.threads)]
+                )
+            )
             for side in ("ours", "hf")
         }
         res = _common.alternate(sides, args.passes)
@@ -192,7 +199,8 @@ def main() -> None:
         print(f"# {name} tokens/s per pass -> {per_pass}", flush=True)
     print()
     print(
-        f"{N_PROMPTS} prompts x {N_SAMPLES} samples x {NEW_TOKENS} new tokens, fp32, 2 threads, "
+        f"{N_PROMPTS} prompts x {N_SAMPLES} samples x {NEW_TOKENS} new tokens, fp32, "
+        f"{args.threads} thread(s), "
         f"median of {args.passes} alternated passes, each side in a fresh process"
     )
     print(
