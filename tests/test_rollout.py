@@ -378,10 +378,20 @@ def test_micro_batching_matches_one_batch(peaky_qwen2, batch_size):
 
 def test_check_every_does_not_change_results(peaky_qwen2):
     model, tok = peaky_qwen2
-    a = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, seed=4, check_every=1)
-    b = generate(model, tok, PROMPTS, n=2, max_new_tokens=12, seed=4, check_every=5)
+    # Many "EOS" tokens, so rows end early and keep sampling EOS again until the next host check:
+    # only the first one may count.
+    eos = list(range(30, 100))
+    kw = dict(n=3, max_new_tokens=30, seed=4, eos_token_ids=eos)
+    a = generate(model, tok, PROMPTS, check_every=1, **kw)
+    b = generate(model, tok, PROMPTS, check_every=50, **kw)
+    assert a.finish_reason.count("eos") >= 6
+    assert a.finish_reason == b.finish_reason
+    assert torch.equal(a.completion_mask, b.completion_mask)
     assert torch.equal(a.completion_ids, b.completion_ids)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+    for i in range(len(a.finish_reason)):  # the sequence ends at its first EOS
+        ids = a.completion_ids[i, : int(a.completion_mask[i].sum())].tolist()
+        assert sum(t in eos for t in ids) == (1 if a.finish_reason[i] == "eos" else 0)
 
 
 def test_restores_train_mode_and_records_no_grad(char_tokenizer):

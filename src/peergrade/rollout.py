@@ -586,8 +586,11 @@ class _Runner:
             tokens_out[rows, t] = tok
             logp_out[rows, t] = logp
             if not self.ignore_eos:
-                is_eos = torch.isin(tok, self.eos_token_ids)
-                finished_at[rows] = torch.where(is_eos, t, finished_at[rows])
+                # Only the first EOS counts: between host checks a finished row keeps running.
+                fin = finished_at[rows]  # [B]
+                finished_at[rows] = torch.where(
+                    torch.isin(tok, self.eos_token_ids) & (fin == T), t, fin
+                )
             last = t == T - 1
             if self.stop:
                 rows_l = rows.tolist()
