@@ -1,0 +1,661 @@
+"""Peak training memory: measured for one configuration, and estimated from the model config.
+
+What this module does
+---------------------
+``measure_memory(cfg)`` runs training steps of ``cfg`` (the same functions the trainer uses:
+rollout, rewards, reference log-probs, the GRPO ``update`` or PPO's ``ppo_advantages`` +
+``ppo_update``) in a *fresh child process*, so the numbers are that configuration's alone, and
+reports the peak per phase:
+
+* CPU: the process's resident set (``VmHWM`` from /proc/self/status, reset with
+  ``/proc/self/clear_refs`` before each phase). torch's CPU allocations are invisible to
+  Python's tracemalloc; the kernel's high-water mark is the honest measure. Every figure is
+  reported **above the baseline**: the RSS of the child after importing torch/transformers/
+  peergrade and building the task and tokenizer, before any model is loaded (that baseline,
+  typically 0.4-0.6 GB, is reported separately as ``baseline_bytes``; add it for the whole
+  process).
+* CUDA: ``torch.cuda.max_memory_allocated`` per phase (``reset_peak_memory_stats`` before each);
+  the baseline is ``memory_allocated`` before loading (the CUDA context is not included).
+
+Two steps are run and the peak is over both: AdamW allocates its state lazily at the first
+``step()``, so the first step alone understates the steady state by 2x the trainable weights.
+
+``estimate_memory(model_config, ...)`` predicts the same peak from the architecture alone
+(parameter count, vocabulary, hidden/intermediate sizes, heads, layers), the batch shape, the
+dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' dtype):
+
+    weights      P * b                          (tied embeddings counted once)
+    grads        P_train * b                    (P_train = P, or the LoRA parameters)
+    optimizer    2 * P_train * b                (AdamW exp_avg + exp_avg_sq, in the param dtype)
+    reference    P * b when beta > 0 and no LoRA (a frozen copy); 0 with LoRA (adapter off)
+    critic       P_critic * b * 4               (PPO: weights + grads + AdamW state of the value
+                                                 model = the backbone without an untied lm_head)
+    activations  micro * L * layers * (4H + 5 q_dim + 4 I + n_heads * L) * 4 bytes
+                 (saved for backward per token per decoder layer: two RMSNorm inputs/outputs,
+                 q, k, v repeated to all heads (GQA with a padding mask), attention output twice,
+                 four MLP intermediates, and the attention probabilities of the math SDPA
+                 kernel; with gradient checkpointing only each layer's input H plus one layer)
+                 + the [c, V] float32 chunk buffers of the chunked log-probs (3 live in the
+                 backward, c = min(chunk_size, micro * completion_len))
+    transient    the largest single extra: a V x H gradient for the tied embedding while the
+                 backward runs, or AdamW's per-tensor temporaries (2 x the largest parameter on
+                 CPU's single-tensor path; 1 x all trainable parameters on CUDA's foreach path)
+
+    peak = weights + reference + critic + optimizer
+           + max(activations + V*H*b + one layer's activations,    # backward begins
+                 grads + adam temporaries,                          # optimizer step
+                 generation: KV cache + [N, V] logits)              # rollout
+
+The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
+that stops early) and the longest prompt for all rows.
+
+``format_table`` renders measured vs estimated rows with the error in percent.
+
+What it deliberately does not do
+--------------------------------
+No model download, no quantisation (4-bit/8-bit weights), no DeepSpeed/FSDP sharding math, no
+vLLM; the estimator does not know allocator fragmentation (CUDA's caching allocator reserves
+more than it allocates: ``max_memory_reserved`` can be 10-20% higher than what is reported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "param_counts",
+    "estimate_memory",
+    "estimate_for_config",
+    "measure_memory",
+    "format_table",
+    "DTYPE_BYTES",
+]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1024**3
+
+
+def _get(cfg, *names, default=None):
+    for n in names:
+        v = cfg.get(n) if isinstance(cfg, dict) else getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _arch(model_config) -> dict[str, Any]:
+    """The sizes the estimate needs, from a transformers config object or a config.json dict."""
+    if isinstance(model_config, (str, Path)):
+        model_config = json.loads((Path(model_config) / "config.json").read_text())
+    H = _get(model_config, "hidden_size", "n_embd")
+    n_layers = _get(model_config, "num_hidden_layers", "n_layer")
+    n_heads = _get(model_config, "num_attention_heads", "n_head")
+    V = _get(model_config, "vocab_size")
+    if None in (H, n_layers, n_heads, V):
+        raise ValueError(
+            "model config needs hidden_size, num_hidden_layers, num_attention_heads and "
+            f"vocab_size; got {H=}, {n_layers=}, {n_heads=}, {V=}"
+        )
+    n_kv = _get(model_config, "num_key_value_heads", default=n_heads)
+    head_dim = _get(model_config, "head_dim", default=H // n_heads)
+    inter = _get(model_config, "intermediate_size", default=4 * H)
+    tied = bool(_get(model_config, "tie_word_embeddings", default=True))
+    mtype = _get(model_config, "model_type", default="")
+    qkv_bias = bool(_get(model_config, "attention_bias", default=mtype == "qwen2"))
+    return dict(
+        H=H,
+        layers=n_layers,
+        heads=n_heads,
+        kv_heads=n_kv,
+        head_dim=head_dim,
+        I=inter,
+        V=V,
+        tied=tied,
+        qkv_bias=qkv_bias,
+    )
+
+
+def param_counts(model_config, lora: dict | None = None) -> dict[str, int]:
+    """Parameter counts of a Llama/Qwen2-style decoder: ``total``, ``embedding``, ``lm_head``
+    (0 when tied), ``per_layer``, ``largest`` (the biggest single tensor) and ``lora`` (the
+    adapter's parameters for ``lora = {"r": .., "target_modules": [..]}``)."""
+    a = _arch(model_config)
+    H, inter, V = a["H"], a["I"], a["V"]
+    q_dim, kv_dim = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
+    shapes = {  # (in, out) of each linear in a decoder layer
+        "q_proj": (H, q_dim),
+        "k_proj": (H, kv_dim),
+        "v_proj": (H, kv_dim),
+        "o_proj": (q_dim, H),
+        "gate_proj": (H, inter),
+        "up_proj": (H, inter),
+        "down_proj": (inter, H),
+    }
+    per_layer = sum(i * o for i, o in shapes.values()) + 2 * H  # + two RMSNorm weights
+    if a["qkv_bias"]:
+        per_layer += q_dim + 2 * kv_dim
+    emb = V * H
+    head = 0 if a["tied"] else V * H
+    total = emb + head + a["layers"] * per_layer + H  # + final norm
+    n_lora = 0
+    if lora:
+        targets = lora.get("target_modules", list(shapes))
+        if targets == "all-linear":
+            targets = list(shapes)
+        r = int(lora["r"])
+        n_lora = a["layers"] * sum(r * (i + o) for k, (i, o) in shapes.items() if k in targets)
+    largest = max(emb, max(i * o for i, o in shapes.values()))
+    return dict(
+        total=total, embedding=emb, lm_head=head, per_layer=per_layer, largest=largest, lora=n_lora
+    )
+
+
+def estimate_memory(
+    model_config,
+    *,
+    batch: int,
+    seq_len: int,
+    completion_len: int,
+    dtype: str = "float32",
+    lora: dict | None = None,
+    algo: str = "grpo",
+    beta: float = 0.0,
+    optimizer: str = "adamw",
+    chunk_size: int = 1024,
+    gradient_checkpointing: bool = False,
+    micro_batch: int | None = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Peak-memory breakdown in bytes for one training step (see the module docstring).
+
+    batch: sequences per step (P * G); micro_batch: sequences per forward/backward (default
+    batch); seq_len: prompt + completion tokens; completion_len: completion tokens; dtype:
+    "float32" | "bfloat16" | "float16"; lora: None or {"r": int, "target_modules": [...]};
+    algo: "grpo" | "ppo"; beta: KL coefficient (> 0 loads a reference unless LoRA);
+    optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda".
+    Returns a dict of components plus ``phases`` (generate/update peaks) and ``peak``.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+    if algo not in ("grpo", "ppo"):
+        raise ValueError(f"algo={algo!r}: expected 'grpo' or 'ppo'")
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer={optimizer!r}: only 'adamw' is supported")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+    if not 0 < completion_len < seq_len:
+        raise ValueError(f"need 0 < completion_len ({completion_len}) < seq_len ({seq_len})")
+    a = _arch(model_config)
+    pc = param_counts(model_config, lora)
+    b = DTYPE_BYTES[dtype]
+    f32 = 4
+    H, inter, V, nl = a["H"], a["I"], a["V"], a["layers"]
+    q_dim, kv_dim = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
+    micro = min(micro_batch or batch, batch)
+    P, P_train = pc["total"], (pc["lora"] if lora else pc["total"])
+    # LoRA adapters are created in float32 by peft regardless of the base dtype
+    tb = f32 if lora else b
+
+    weights = P * b + (pc["lora"] * f32 if lora else 0)
+    grads = P_train * tb
+    optim = 2 * P_train * tb
+    reference = P * b if (beta > 0 and not lora) else 0
+    critic_params = P - pc["lm_head"]
+    critic = 4 * critic_params * b if algo == "ppo" else 0
+
+    # activations of one micro-batch's forward, kept for the backward (the dtype of the
+    # activations is the weights' dtype; SDPA math-kernel attention probs [heads, L] per token)
+    act_el = 4 * H + 5 * q_dim + 4 * inter + (a["heads"] * seq_len if device == "cpu" else 0)
+    if lora:
+        act_el += 2 * int(lora["r"]) * 7  # adapter inputs/outputs: small
+    tokens = micro * seq_len
+    layer_act = tokens * act_el * b
+    if gradient_checkpointing:
+        acts = tokens * H * b * nl + layer_act
+    else:
+        acts = layer_act * nl
+    c = min(chunk_size, micro * completion_len)
+    chunk_bufs = 3 * c * V * f32
+    hidden = tokens * H * b * 3  # final norm in/out + the selected rows
+    activations = acts + chunk_bufs + hidden
+    if algo == "ppo":  # the critic's own forward/backward on the same micro-batch
+        activations += acts + hidden
+    grad_transient = V * H * tb if not lora else 0
+    if device == "cpu":
+        adam_tmp = 2 * (pc["largest"] if not lora else 0) * tb
+    else:
+        adam_tmp = P_train * tb
+    if algo == "ppo" and device == "cuda":
+        adam_tmp = max(adam_tmp, critic_params * b)
+
+    # generation: KV cache for all sequences (no grad) + one step's [N, V] float32 logits
+    kv_cache = 2 * nl * kv_dim * batch * seq_len * b
+    gen_logits = 2 * batch * V * f32
+    # the critic's weights and optimizer state are static; its grads exist during the update
+    static = weights + reference + (critic_params * b * 3 if algo == "ppo" else 0) + optim
+    critic_grads = critic_params * b if algo == "ppo" else 0
+    backward = activations + grad_transient + layer_act + critic_grads
+    step = grads + critic_grads + adam_tmp
+    update = static + max(backward, step)
+    generate = static + kv_cache + gen_logits
+    peak = max(update, generate)
+    return {
+        "params": P,
+        "trainable_params": P_train,
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "reference": reference,
+        "critic": critic,
+        "activations": activations,
+        "transient": max(grad_transient + layer_act, adam_tmp),
+        "kv_cache": kv_cache,
+        "phases": {"generate": generate, "update": update},
+        "peak": peak,
+    }
+
+
+def prompt_length(cfg, n: int = 64) -> int:
+    """Longest prompt (tokens) among the first ``n`` training prompts of ``cfg``'s task."""
+    from peergrade.evaluation import encode_prompts
+    from peergrade.models import load_tokenizer
+    from peergrade.trainer import build_task, resolve_model_path
+
+    task = build_task(cfg)
+    tok = load_tokenizer(resolve_model_path(cfg.model.path))
+    rows = []
+    for row in task.train_rows(cfg.train.seed):
+        rows.append(row)
+        if len(rows) >= n:
+            break
+    ids = encode_prompts(
+        rows,
+        tok,
+        system_prompt=cfg.data.system_prompt or task.system_prompt,
+        use_chat_template=cfg.data.use_chat_template,
+        max_prompt_length=cfg.data.max_prompt_length,
+    )
+    return max(len(x) for x in ids)
+
+
+def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | None = None) -> dict:
+    """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
+    from peergrade.trainer import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path)
+    if device is None:
+        device = "cuda" if cfg.model.device.startswith("cuda") else "cpu"
+        if cfg.model.device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if prompt_len is None:
+        prompt_len = prompt_length(cfg)
+    r = cfg.rollout
+    N = r.prompts_per_step * r.group_size
+    mini = cfg.optim.minibatch_size or N
+    gc = cfg.model.gradient_checkpointing
+    if gc is None:
+        gc = device == "cuda"
+    lora = None
+    if cfg.model.lora.enabled:
+        lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
+    return estimate_memory(
+        path,
+        batch=N,
+        micro_batch=min(cfg.optim.micro_batch_size, mini),
+        seq_len=prompt_len + r.max_completion_length,
+        completion_len=r.max_completion_length,
+        dtype=dtype,
+        lora=lora,
+        algo=cfg.algo.name,
+        beta=cfg.algo.beta,
+        chunk_size=cfg.model.logprob_chunk_size,
+        gradient_checkpointing=gc,
+        device=device,
+    )
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")  # pragma: no cover
+
+
+class _Meter:
+    """Per-phase peaks: CUDA max allocated, or the process's peak RSS (VmHWM, reset per phase)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        self.phases: dict[str, int] = {}
+        self.base = self.now()
+
+    def now(self) -> int:
+        if self.cuda:
+            return self.torch.cuda.memory_allocated()
+        return _status_kib("VmRSS") * 1024
+
+    def reset(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+
+    def peak(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated()
+        return _status_kib("VmHWM") * 1024
+
+    def record(self, name: str) -> None:
+        self.phases[name] = max(self.phases.get(name, 0), self.peak() - self.base)
+
+
+class _NoMeter:
+    def reset(self) -> None:
+        pass
+
+    def record(self, name: str) -> None:
+        pass
+
+
+def _shrunk_copy(path: str, out: Path) -> Path:
+    """The model in ``path`` at a toy size (1 layer, 8-dim heads), same class and tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from peergrade.models import load_tokenizer
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    heads = cfg.num_attention_heads
+    cfg.num_hidden_layers = 1
+    cfg.hidden_size = 8 * heads
+    cfg.intermediate_size = 32
+    if getattr(cfg, "head_dim", None) is not None:
+        cfg.head_dim = 8
+    for attr in ("layer_types", "max_window_layers"):
+        if isinstance(getattr(cfg, attr, None), list):
+            setattr(cfg, attr, getattr(cfg, attr)[:1])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    load_tokenizer(path).save_pretrained(out)
+    return out
+
+
+def _child(cfg_path: str, steps: int) -> dict:
+    """Warm up on a toy copy of the model (imports, kernels, code paths), take the baseline,
+    then run ``steps`` measured steps; return per-phase peaks above the baseline."""
+    import gc
+    import tempfile
+
+    import torch
+
+    from peergrade.config import load_config
+    from peergrade.trainer import resolve_device, resolve_model_path
+
+    cfg = load_config(cfg_path)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.model.device)
+    with tempfile.TemporaryDirectory(prefix="peergrade-warmup-") as tmp:
+        warm = load_config(cfg_path)
+        warm.model.path = str(_shrunk_copy(resolve_model_path(cfg.model.path), Path(tmp)))
+        if warm.algo.critic_path is not None:
+            warm.algo.critic_path = warm.model.path
+        _run_steps(warm, 1, _NoMeter(), device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    meter = _Meter(device)
+    meter.reset()
+    out = _run_steps(cfg, steps, meter, device)
+    return {
+        "device": device.type,
+        "baseline_bytes": meter.base,
+        "phases": meter.phases,
+        "peak": max(meter.phases.values()),
+        **out,
+    }
+
+
+def _run_steps(cfg, steps: int, meter, device) -> dict:
+    import time
+
+    import torch
+
+    from peergrade.algo import group_advantages
+    from peergrade.evaluation import columns_for, completion_id_lists, encode_prompts
+    from peergrade.rewards import score_rewards
+    from peergrade.rollout import generate
+    from peergrade.trainer import (
+        build_rewards,
+        build_task,
+        ref_logprobs,
+        setup_models,
+        step_seed,
+        update,
+    )
+
+    t, r = cfg.train, cfg.rollout
+    torch.manual_seed(t.seed)
+    task = build_task(cfg)
+    reward_specs = build_rewards(cfg, task)
+    system_prompt = cfg.data.system_prompt or task.system_prompt
+    P, G = r.prompts_per_step, r.group_size
+    N = P * G
+    rows_iter = iter(task.train_rows(t.seed))
+    all_rows = [[next(rows_iter) for _ in range(P)] for _ in range(steps)]
+
+    models = setup_models(cfg)
+    policy, tok = models.policy, models.tokenizer
+    prompt_ids = [
+        encode_prompts(
+            rows,
+            tok,
+            system_prompt=system_prompt,
+            use_chat_template=cfg.data.use_chat_template,
+            max_prompt_length=cfg.data.max_prompt_length,
+        )
+        for rows in all_rows
+    ]
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.adam_betas),
+        weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+    critic = None
+    if cfg.algo.name == "ppo":
+        from peergrade import ppo
+
+        critic = ppo.build_critic(cfg, models)
+    meter.record("load")
+    mini = cfg.optim.minibatch_size or N
+    micro = min(cfg.optim.micro_batch_size, mini)
+    seq_lens, t0 = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        meter.reset()
+        ro = generate(
+            policy,
+            tok,
+            prompt_ids[step - 1],
+            n=G,
+            max_new_tokens=r.max_completion_length,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop=r.stop,
+            seed=step_seed(t.seed, step),
+            batch_size=r.generation_batch_size,
+        )
+        meter.record("generate")
+        rows = all_rows[step - 1]
+        prompts = [row["prompt"] for row in rows for _ in range(G)]
+        columns = {**columns_for(rows, G), "completion_ids": completion_id_lists(ro)}
+        scores = score_rewards(
+            reward_specs, prompts, ro.completion_text, columns, on_error=t.on_reward_error
+        )
+        input_ids, attention_mask, cmask = ro.training_batch(tok.pad_token_id)
+        seq_lens.append((input_ids.shape[1], cmask.shape[1]))
+        batch = (input_ids.to(device), attention_mask.to(device), cmask.to(device))
+        meter.reset()
+        ref_lp = ref_logprobs(models, batch, cfg, torch.arange(N, device=device), micro)
+        if critic is not None:
+            pa = ppo.ppo_advantages(critic, models, batch, scores.total, ref_lp, cfg)
+        meter.record("reference")
+        meter.reset()
+        if critic is None:
+            rewards = scores.total.view(P, G).to(torch.float32)
+            adv = group_advantages(
+                rewards, scale=cfg.algo.advantage_scale, baseline=cfg.algo.advantage_baseline
+            ).reshape(N)
+            update(models, optimizer, scheduler, batch, adv.to(device), ref_lp, cfg, step)
+        else:
+            ppo.ppo_update(
+                models,
+                critic,
+                optimizer,
+                scheduler,
+                batch,
+                pa["advantages"],
+                pa["returns"],
+                pa["old_values"],
+                pa["old_logp"],
+                ref_lp,
+                cfg,
+                step,
+            )
+        meter.record("update")
+        del ro, batch, ref_lp
+    return {
+        "seq_len": max(s for s, _ in seq_lens),
+        "completion_len": max(c for _, c in seq_lens),
+        "prompt_len": max(len(x) for ids in prompt_ids for x in ids),
+        "params": sum(p.numel() for p in policy.parameters()),
+        "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
+        "critic_params": (
+            sum(p.numel() for p in critic.model.parameters()) if critic is not None else 0
+        ),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def measure_memory(cfg, *, steps: int = 2, timeout: float | None = None, env: dict | None = None):
+    """Run ``steps`` steps of ``cfg`` (a Config) in a fresh child process; return its report:
+    ``phases`` (load / generate / reference / update peaks above the baseline, bytes), ``peak``,
+    ``baseline_bytes``, the sequence lengths it saw, parameter counts, ``seconds``."""
+    from peergrade.config import to_yaml
+
+    if steps < 1:
+        raise ValueError(f"steps={steps}: expected >= 1")
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="peergrade-memory-") as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(to_yaml(cfg, comments=False))
+        proc = subprocess.run(
+            [sys.executable, "-m", "peergrade.memory", "--child", str(path), str(steps)],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+        )
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"memory measurement child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.0f}"
+
+
+def format_table(rows: list[tuple[str, dict, dict]]) -> str:
+    """``rows`` = [(label, measured report, estimate)] -> a plain-text table in MiB: the
+    estimate's breakdown, estimated and measured peaks, the error, and the measured per-phase
+    peaks (generate / reference / update)."""
+    headers = [
+        "config",
+        "weights",
+        "grads",
+        "optim",
+        "ref",
+        "critic",
+        "act+logits",
+        "est peak",
+        "meas peak",
+        "error %",
+        "meas gen",
+        "meas ref",
+        "meas upd",
+    ]
+    cells = [headers]
+    for label, meas, est in rows:
+        ph = meas["phases"]
+        err = 100.0 * (est["peak"] - meas["peak"]) / meas["peak"]
+        cells.append(
+            [
+                label,
+                _mib(est["weights"]),
+                _mib(est["grads"]),
+                _mib(est["optimizer"]),
+                _mib(est["reference"]),
+                _mib(est["critic"]),
+                _mib(est["activations"]),
+                _mib(est["peak"]),
+                _mib(meas["peak"]),
+                f"{err:+.1f}",
+                _mib(ph.get("generate", 0)),
+                _mib(ph.get("reference", 0)),
+                _mib(ph.get("update", 0)),
+            ]
+        )
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
+    out = []
+    for j, r in enumerate(cells):
+        out.append(
+            "  ".join(
+                str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _main(argv: list[str]) -> None:
+    if len(argv) == 3 and argv[0] == "--child":
+        result = _child(argv[1], int(argv[2]))
+        print(json.dumps(result), flush=True)
+        return
+    raise SystemExit("usage: python -m peergrade.memory --child CONFIG.yaml STEPS")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
