@@ -5,6 +5,7 @@
   peergrade sft ...                                           supervised warm-up (builds the demo model)
   peergrade convert MODEL.gguf OUT_DIR [--dtype bfloat16]     GGUF file -> Hugging Face model dir
   peergrade config [--config X.yaml] [--KEY.PATH VALUE ...]   print the resolved config as YAML
+  peergrade memory [--config X.yaml] [--lora] [--estimate-only]  peak memory: GRPO vs PPO, measured vs estimated
 
 Every config key can be overridden with ``--section.key value`` (the value is parsed as YAML).
 Errors a user can fix (bad config, bad data, missing model files, a run dir that would be
@@ -219,6 +220,59 @@ def cmd_convert(args, extra) -> int:
     return 0
 
 
+def cmd_memory(args, extra) -> int:
+    import copy
+
+    from peergrade.config import validate
+    from peergrade.memory import (
+        estimate_for_config,
+        format_estimates,
+        format_table,
+        measure_memory,
+    )
+
+    cfg = _config_from(args, extra)
+    variants = []
+    for algo in args.algos.split(","):
+        if algo not in ("grpo", "ppo"):
+            raise UserError(f"--algos: {algo!r} is not an algorithm; choose grpo and/or ppo")
+        loras = [cfg.model.lora.enabled, not cfg.model.lora.enabled] if args.lora else [None]
+        for lora in loras:
+            c = copy.deepcopy(cfg)
+            c.algo.name = algo
+            if lora is not None:
+                c.model.lora.enabled = lora
+            validate(c)
+            variants.append((algo + ("-lora" if c.model.lora.enabled else ""), c))
+    print(
+        f"model: {cfg.model.path}   batch: {cfg.rollout.prompts_per_step} x "
+        f"{cfg.rollout.group_size}   completion: {cfg.rollout.max_completion_length} tokens   "
+        f"beta: {cfg.algo.beta}"
+    )
+    if args.estimate_only:
+        rows = [
+            (label, estimate_for_config(c, prompt_len=args.prompt_len)) for label, c in variants
+        ]
+        print(format_estimates(rows))
+        return 0
+    rows = []
+    for label, c in variants:
+        m = measure_memory(c, steps=args.steps)
+        rows.append((label, m, estimate_for_config(c, prompt_len=m["prompt_len"])))
+        print(
+            f"  measured {label}: {m['peak'] / 2**20:.0f} MiB above a baseline of "
+            f"{m['baseline_bytes'] / 2**20:.0f} MiB",
+            flush=True,
+        )
+    print(format_table(rows))
+    unit = "CUDA max allocated" if rows[0][1]["device"] == "cuda" else "peak RSS"
+    print(
+        f"(MiB; measured = {unit} above the process baseline, max over {args.steps} steps; "
+        "error = (estimated - measured) / measured)"
+    )
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -336,6 +390,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     s.add_argument("--overwrite", action="store_true")
     s.set_defaults(func=cmd_sft)
+
+    mm = sub.add_parser(
+        "memory",
+        help="measured and estimated peak memory of a config (GRPO vs PPO, LoRA)",
+        description="Run two training steps of the config per algorithm in a child process and "
+        "print the measured peak (CUDA max allocated, or peak RSS on CPU) next to the estimate "
+        "from the model config (weights, grads, optimizer, reference, critic, activations).",
+    )
+    _add_config_args(mm)
+    mm.add_argument("--model", help="policy model dir (= --model.path)")
+    mm.add_argument("--algos", default="grpo,ppo", help="comma-separated: grpo,ppo (default both)")
+    mm.add_argument("--lora", action="store_true", help="also the other LoRA setting")
+    mm.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
+    mm.add_argument("--estimate-only", action="store_true", help="no measurement: the estimate")
+    mm.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens for the estimate (default: the longest of the task's first 64 prompts)",
+    )
+    mm.set_defaults(func=cmd_memory)
 
     v = sub.add_parser(
         "convert",

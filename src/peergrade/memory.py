@@ -74,6 +74,7 @@ __all__ = [
     "estimate_for_config",
     "measure_memory",
     "format_table",
+    "format_estimates",
     "DTYPE_BYTES",
 ]
 
@@ -647,6 +648,21 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def format_estimates(rows: list[tuple[str, dict]]) -> str:
+    """``rows`` = [(label, estimate)] -> a plain-text table of the estimated breakdown (MiB)."""
+    keys = ["weights", "grads", "optimizer", "reference", "critic", "activations", "kv_cache"]
+    cells = [["config", *keys, "peak"]]
+    for label, est in rows:
+        cells.append([label, *(_mib(est[k]) for k in keys), _mib(est["peak"])])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _main(argv: list[str]) -> None:
