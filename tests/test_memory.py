@@ -1,0 +1,179 @@
+"""The memory estimator (parameter counts against real models, hand-computed breakdowns) and
+the child-process measurement, plus `peergrade memory`."""
+
+from __future__ import annotations
+
+import pytest
+
+from peergrade.memory import estimate_for_config, estimate_memory, measure_memory, param_counts
+from peergrade.tiny import tiny_config
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize(
+    "arch,tied,kw",
+    [
+        ("qwen2", True, dict(hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2)),
+        ("llama", False, dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4)),
+    ],
+)
+def test_param_counts_match_real_models(arch, tied, kw):
+    from transformers import AutoModelForCausalLM
+
+    from peergrade.models import apply_lora
+
+    cfg = tiny_config(arch, vocab_size=101, intermediate_size=80, tie_word_embeddings=tied, **kw)
+    model = AutoModelForCausalLM.from_config(cfg)
+    pc = param_counts(cfg, lora={"r": 4, "target_modules": ["q_proj", "down_proj"]})
+    assert pc["total"] == sum(p.numel() for p in model.parameters())
+    assert pc["lm_head"] == (0 if tied else 101 * kw["hidden_size"])
+    peft_model = apply_lora(model, r=4, alpha=8, target_modules=["q_proj", "down_proj"])
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert pc["lora"] == trainable
+
+
+HAND = {  # a Llama-shaped toy whose sizes are easy to add up by hand
+    "model_type": "llama",
+    "hidden_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 16,
+    "vocab_size": 10,
+    "tie_word_embeddings": True,
+}
+
+
+def test_estimate_hand_values():
+    # params: embedding 10*8 = 80; layer: q 64 + k 32 + v 32 + o 64 + 3 * 128 MLP + 2 * 8 norms
+    # = 592; final norm 8 -> 680
+    assert param_counts(HAND)["total"] == 680
+    e = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, algo="grpo")
+    assert e["weights"] == 680 * 4
+    assert e["grads"] == 680 * 4
+    assert e["optimizer"] == 2 * 680 * 4
+    assert e["reference"] == 680 * 4
+    assert e["critic"] == 0
+    # activations per token per layer: 4H + 5 q_dim + 4 I + heads * L = 32 + 40 + 64 + 12 = 148
+    tokens = 4 * 6
+    layer_act = tokens * 148 * 4
+    chunk = 3 * min(1024, 4 * 2) * 10 * 4
+    hidden = tokens * 8 * 4 * 3
+    assert e["activations"] == layer_act + chunk + hidden
+    static = 680 * 4 * (1 + 1 + 2)  # weights, reference, AdamW state
+    backward = e["activations"] + 10 * 8 * 4 + layer_act  # + tied-embedding grad + one layer
+    step = 680 * 4 + 2 * 80 * 4  # grads + AdamW temporaries of the largest tensor (embedding)
+    assert e["phases"]["update"] == static + max(backward, step)
+    gen = static + 2 * 1 * 4 * 4 * 6 * 4 + 2 * 4 * 10 * 4  # KV cache + [N, V] logits
+    assert e["phases"]["generate"] == gen
+    assert e["peak"] == max(gen, e["phases"]["update"])
+
+    ppo = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, algo="ppo")
+    assert ppo["critic"] == 4 * 680 * 4  # weights + grads + AdamW state of the value model
+    assert ppo["peak"] > e["peak"]
+
+    lora = estimate_memory(
+        HAND,
+        batch=4,
+        seq_len=6,
+        completion_len=2,
+        beta=0.1,
+        lora={"r": 2, "target_modules": ["q_proj"]},
+    )
+    assert lora["reference"] == 0  # the adapter disabled is the reference
+    assert lora["trainable_params"] == 2 * (8 + 8)
+    assert lora["grads"] == 32 * 4 and lora["optimizer"] == 2 * 32 * 4
+
+    bf16 = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, dtype="bfloat16")
+    assert bf16["weights"] == 680 * 2 and bf16["reference"] == 0  # beta 0: no reference
+
+
+def test_estimate_shows_the_grpo_ppo_and_lora_gaps_on_a_30m_model():
+    cfg = tiny_config(
+        "qwen2", vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2,
+        intermediate_size=1408,
+    )  # fmt: skip
+    kw = dict(batch=8, seq_len=57, completion_len=32, beta=0.04)
+    grpo = estimate_memory(cfg, **kw)
+    ppo = estimate_memory(cfg, algo="ppo", **kw)
+    lora = estimate_memory(cfg, lora={"r": 16, "target_modules": LORA_TARGETS}, **kw)
+    assert 0.4 < grpo["peak"] / ppo["peak"] < 0.6
+    assert lora["peak"] / grpo["peak"] < 0.5
+    ckpt = estimate_memory(cfg, gradient_checkpointing=True, **kw)
+    assert ckpt["activations"] < grpo["activations"]
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(dtype="int8"), "dtype"),
+        (dict(algo="dpo"), "algo"),
+        (dict(optimizer="sgd"), "optimizer"),
+        (dict(device="tpu"), "device"),
+        (dict(completion_len=6), "completion_len"),
+    ],
+)
+def test_estimate_rejects_bad_arguments(kw, match):
+    args = dict(batch=2, seq_len=6, completion_len=2)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(HAND, **args)
+
+
+def test_estimate_needs_the_sizes():
+    with pytest.raises(ValueError, match="hidden_size"):
+        estimate_memory({"vocab_size": 3}, batch=1, seq_len=3, completion_len=1)
+
+
+def _cfg(model_dir, **over):
+    from peergrade.config import load_config
+
+    base = {
+        "model.path": str(model_dir),
+        "model.device": "cpu",
+        "rollout.max_completion_length": 8,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 2,
+        "algo.beta": 0.04,
+        "train.threads": 1,
+    }
+    base.update(over)
+    return load_config(None, list(base.items()))
+
+
+def test_estimate_for_config_reads_the_model_dir(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, **{"optim.micro_batch_size": 2})
+    e = estimate_for_config(cfg, prompt_len=10)
+    direct = estimate_memory(
+        tiny_model_dir, batch=4, micro_batch=2, seq_len=18, completion_len=8, beta=0.04
+    )
+    assert e == direct
+    assert estimate_for_config(cfg)["peak"] > 0  # prompt length from the task's prompts
+
+
+def test_cli_memory_estimate_only(tiny_model_dir, capsys):
+    from peergrade.cli import main
+
+    rc = main(
+        ["memory", "--model", str(tiny_model_dir), "--estimate-only", "--lora",
+         "--prompt-len", "20", "--model.device", "cpu", "--algo.beta", "0.04"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    for label in ("grpo ", "grpo-lora", "ppo ", "ppo-lora"):
+        assert label in out, out
+    assert main(["memory", "--model", str(tiny_model_dir), "--estimate-only", "--algos", "x"]) == 2
+
+
+@pytest.mark.slow
+def test_measure_memory_ppo_child(tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, **{"algo.name": "ppo"})
+    m = measure_memory(cfg, steps=2, timeout=600)
+    assert set(m["phases"]) == {"load", "generate", "reference", "update"}
+    assert m["peak"] == max(m["phases"].values()) > 0
+    assert m["baseline_bytes"] > 50 * 2**20  # a Python process with torch loaded
+    assert m["device"] == "cpu"
+    assert m["completion_len"] <= 8 < m["seq_len"]
+    # the critic is the policy's backbone (tied head: same parameters) plus a value head
+    assert m["critic_params"] == m["params"] + 64 + 1
