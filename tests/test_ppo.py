@@ -228,6 +228,8 @@ def test_config_validation_for_ppo(tiny_model_dir):
         _cfg(tiny_model_dir, **{"algo.name": "grpo", "algo.critic_path": "x"})
     with pytest.raises(ConfigError, match="algo.name"):
         _cfg(tiny_model_dir, **{"algo.name": "a2c"})
+    with pytest.raises(ConfigError, match="GRPO options"):
+        _cfg(tiny_model_dir, **{"algo.loss_type": "dapo"})
 
 
 # ----------------------------------------------------------------------------- it learns

@@ -493,6 +493,12 @@ def validate(cfg: Config) -> None:
         f"algo.critic_lr must be > 0 or null, got {a.critic_lr}",
     )
     need(
+        a.name != "ppo" or (a.loss_type == "grpo" and a.ratio_level == "token"),
+        f"algo.loss_type ({a.loss_type!r}) and algo.ratio_level ({a.ratio_level!r}) are GRPO "
+        "options: algo.name=ppo always uses the token-level clipped loss (token mean); leave "
+        "them at their defaults ('grpo', 'token')",
+    )
+    need(
         a.critic_path is None or a.name == "ppo",
         f"algo.critic_path is set ({a.critic_path!r}) but algo.name is {a.name!r}: only ppo "
         "has a critic",
