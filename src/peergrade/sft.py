@@ -76,7 +76,7 @@ def run_sft(
 ) -> Path:
     """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
     from peergrade.models import load_model, load_tokenizer
-    from peergrade.tiny import build_tiny_model
+    from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:
@@ -92,7 +92,8 @@ def run_sft(
     if init is not None:
         sizes = {"hidden_size": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
         sizes.update(model_sizes or {})
-        net, tok = build_tiny_model(init, seed=seed, **sizes)
+        tok = build_char_tokenizer(chat_template=COMPACT_CHAT_TEMPLATE)
+        net, tok = build_tiny_model(init, tok, seed=seed, **sizes)
     else:
         tok = load_tokenizer(model)
         net = load_model(model, dtype="float32", device="cpu")

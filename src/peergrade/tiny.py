@@ -17,6 +17,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A compact template for the bundled demo model: with one token per character, ChatML's role
+# headers would be most of every sequence. "S:" system, "Q:" user, "A:" assistant; an assistant
+# turn ends with <|im_end|> (the eos token), so answers end exactly as in ChatML.
+COMPACT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}S:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}Q:{{ m['content'] }}\n"
+    "{% else %}A:{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
 SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Printable ASCII plus newline: every character a prompt or an answer of the built-in tasks uses.
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
