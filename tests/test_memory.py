@@ -62,7 +62,8 @@ def test_estimate_hand_values():
     hidden = tokens * 8 * 4 * 3
     assert e["activations"] == layer_act + chunk + hidden
     static = 680 * 4 * (1 + 1 + 2)  # weights, reference, AdamW state
-    backward = e["activations"] + 10 * 8 * 4 + layer_act  # + tied-embedding grad + one layer
+    # + the chunked backward's float32 [V, H] accumulator and product, + one layer
+    backward = e["activations"] + 2 * 10 * 8 * 4 + layer_act
     step = 680 * 4 + 2 * 80 * 4  # grads + AdamW temporaries of the largest tensor (embedding)
     assert e["phases"]["update"] == static + max(backward, step)
     gen = static + 2 * 1 * 4 * 4 * 6 * 4 + 2 * 4 * 10 * 4  # KV cache + [N, V] logits

@@ -37,17 +37,22 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
                  kernel; with gradient checkpointing only each layer's input H plus one layer)
                  + the [c, V] float32 chunk buffers of the chunked log-probs (3 live in the
                  backward, c = min(chunk_size, micro * completion_len))
-    transient    the largest single extra: a V x H gradient for the tied embedding while the
-                 backward runs, or AdamW's per-tensor temporaries (2 x the largest parameter on
+    transient    the largest single extra: when lm_head is trained, the chunked log-prob
+                 backward holds a float32 V x H gradient accumulator plus one V x H product
+                 (2 * V * H * 4 bytes) on top of all activations; or AdamW's per-tensor
+                 temporaries during its step (2 x the largest parameter on
                  CPU's single-tensor path; 1 x all trainable parameters on CUDA's foreach path)
 
     peak = weights + reference + critic + optimizer
-           + max(activations + V*H*b + one layer's activations,    # backward begins
+           + max(activations + 2*V*H*4 + one layer's activations,  # backward begins
                  grads + adam temporaries,                          # optimizer step
                  generation: KV cache + [N, V] logits)              # rollout
 
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
 that stops early) and the longest prompt for all rows.
+It counts live tensors. On CPU the measured RSS runs a few percent to ~15% higher (see
+bench/memory.py): glibc keeps freed activation memory in its heap, and first-call kernel
+buffers are not modelled.
 
 ``format_table`` renders measured vs estimated rows with the error in percent.
 
@@ -227,7 +232,8 @@ def estimate_memory(
     activations = acts + chunk_bufs + hidden
     if algo == "ppo":  # the critic's own forward/backward on the same micro-batch
         activations += acts + hidden
-    grad_transient = V * H * tb if not lora else 0
+    # the chunked log-prob backward: a float32 [V, H] grad accumulator + one [V, H] product
+    grad_transient = 2 * V * H * f32 if not lora else 0
     if device == "cpu":
         adam_tmp = 2 * (pc["largest"] if not lora else 0) * tb
     else:
