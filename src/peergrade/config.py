@@ -9,6 +9,9 @@ Loading order: defaults -> YAML file (``--config x.yaml``) -> command-line overr
 valid one), every value against its field's type, and ``validate`` checks the cross-field rules
 (group size, batch divisibility, ranges, choices) -- all before any model is loaded.
 
+The defaults *are* the CPU demo (`peergrade train` with no arguments): the bundled tiny model
+on two-digit arithmetic. Recipes for real models live in configs/.
+
 This module knows nothing about torch or transformers; only ``trainer`` reads the whole config.
 """
 
@@ -90,8 +93,8 @@ class DataConfig:
         "Built-in task (arithmetic, countdown, logic) or 'file' with data.path set.", "arithmetic"
     )
     task_options: dict[str, Any] = doc(
-        "Options passed to the task, e.g. {min_digits: 1, max_digits: 2, ops: '+-'} for "
-        "arithmetic, {dataset: 'leg_counting'} for logic.",
+        "Options passed to the task, e.g. {min_digits: 1, max_digits: 3, ops: '+-*'} for "
+        "arithmetic (default: two-digit + and -), {dataset: 'leg_counting'} for logic.",
         default_factory=dict,
     )
     path: str | None = doc(
@@ -126,7 +129,7 @@ class RewardItem:
 class RolloutConfig:
     group_size: int = doc("G: completions sampled per prompt (the group). At least 2.", 8)
     prompts_per_step: int = doc("P: prompts per step; the batch is P * G completions.", 16)
-    max_completion_length: int = doc("Maximum new tokens per completion.", 16)
+    max_completion_length: int = doc("Maximum new tokens per completion.", 8)
     temperature: float = doc("Sampling temperature (> 0 for training).", 1.0)
     top_p: float = doc("Nucleus sampling threshold in (0, 1].", 1.0)
     top_k: int = doc("Top-k sampling (0 = off).", 0)
@@ -195,7 +198,11 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = doc("Peak learning rate (AdamW).", 1e-5)
+    lr: float = doc(
+        "Peak learning rate (AdamW). The default suits the tiny demo model; real models use "
+        "1e-6 .. 1e-5 (see configs/).",
+        3e-4,
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] = doc(
         "Learning-rate schedule after warmup.", "constant"
     )
@@ -208,23 +215,24 @@ class OptimConfig:
         "Completions per optimizer step; null = the whole batch (P * G) in one step.", None
     )
     micro_batch_size: int = doc(
-        "Completions per forward/backward (gradient accumulation); must divide minibatch_size.", 32
+        "Completions per forward/backward (gradient accumulation); must divide minibatch_size.",
+        128,
     )
 
 
 @dataclass
 class TrainConfig:
-    steps: int = doc("Training steps (one step = one generated batch).", 100)
+    steps: int = doc("Training steps (one step = one generated batch).", 250)
     seed: int = doc("Random seed (data order, sampling, init).", 0)
     output_dir: str | None = doc(
         "Run directory; null = runs/<timestamp>. Never overwritten unless --overwrite.", None
     )
     eval_every: int = doc(
-        "Evaluate on the held-out split every N steps (0 = only before/after).", 0
+        "Evaluate on the held-out split every N steps (0 = only before/after).", 50
     )
     eval_size: int = doc("Held-out problems per evaluation.", 200)
-    eval_samples: int = doc("Samples per held-out problem for sampled pass@1 / pass@k.", 4)
-    save_every: int = doc("Save a checkpoint every N steps (0 = only at the end).", 50)
+    eval_samples: int = doc("Samples per held-out problem for sampled pass@1 / pass@k.", 8)
+    save_every: int = doc("Save a checkpoint every N steps (0 = only at the end).", 100)
     keep_last: int = doc("Keep only the last K checkpoints.", 2)
     log_samples: int = doc("Prompts (with their whole group) written to samples.jsonl per step.", 2)
     on_reward_error: Literal["fail", "zero"] = doc(

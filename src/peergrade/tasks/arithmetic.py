@@ -4,7 +4,8 @@ Each row is ``{"prompt": str, "answer": str, "a": int, "b": int, "op": str}`` wh
 is the exact integer result as text (``"-12"``, ``"1036"``) and ``op`` is ``"+"``, ``"-"`` or
 ``"*"``. The verifier is the built-in reward ``arithmetic`` (``peergrade.rewards.math``).
 
-Difficulty: each operand independently gets a digit count drawn uniformly from
+Difficulty (defaults: two-digit ``+`` and ``-``, the CPU demo's task; ``ops="+-*"`` and
+``max_digits=3`` make it harder): each operand independently gets a digit count drawn uniformly from
 ``[min_digits, max_digits]``, then a value drawn uniformly among numbers with that many digits
 (one digit means 0-9, so 0 occurs; d >= 2 digits means 10^(d-1) .. 10^d - 1). The operator is
 drawn uniformly from ``ops``. Subtraction: by default the operands are ordered so that
@@ -71,9 +72,9 @@ class ArithmeticTask(Task):
     def __init__(
         self,
         *,
-        min_digits: int = 1,
+        min_digits: int = 2,
         max_digits: int = 2,
-        ops: str = VALID_OPS,
+        ops: str = "+-",
         template: str = DEFAULT_TEMPLATE,
         allow_negative: bool = False,
         system_prompt: str | None = None,
