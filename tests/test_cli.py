@@ -93,7 +93,7 @@ def test_train_smoke_subprocess(tiny_model_dir, rewards_py, tmp_path):
     opts = {
         **TINY,
         "model.path": str(tiny_model_dir),
-        "data.task_options.max_digits": "1",
+        "data.task_options": "{min_digits: 1, max_digits: 1}",
         "algo.beta": "0.04",
         "optim.lr": "0.01",
         "train.steps": "3",
