@@ -37,7 +37,7 @@ from peergrade.errors import PeergradeError
 EXAMPLES = """\
 examples:
   peergrade train                                   # the CPU demo: bundled tiny model, arithmetic
-  peergrade train --config configs/demo.yaml --algo.beta 0.04 --train.steps 50
+  peergrade train --config configs/smollm2-arith.yaml --algo.beta 0.04 --train.steps 50
   peergrade train --data my.jsonl --reward my_rewards.py:my_fn --model path/to/hf_model
   peergrade train --resume runs/20260101-120000     # continue from the last checkpoint
   peergrade config > my.yaml                        # every key, documented, with its default
