@@ -202,3 +202,39 @@ def test_dataset_without_eval_split_skips_eval(tiny_model_dir, reward_file, tmp_
     rows = read_metrics(tmp_path / "run")
     assert not any(k.startswith("eval/") for r in rows for k in r)
     assert [r["step"] for r in rows] == [1, 2]
+
+
+ZERO_REWARD_FILE = """
+def constant(prompts, completions, **kwargs):
+    return [0.5 for _ in completions]
+"""
+
+
+@pytest.mark.parametrize("mu", [1, 2])
+def test_zero_signal_batch_skips_forward_and_leaves_weights(
+    tiny_model_dir, tmp_path, monkeypatch, mu
+):
+    """All rewards equal and beta 0: the loss is exactly 0, so no forward/backward is run (the
+    patched log-prob function would raise) and, with a fresh AdamW and no weight decay, the
+    weights do not move at all."""
+    import peergrade.trainer as trainer_mod
+
+    reward = tmp_path / "const.py"
+    reward.write_text(ZERO_REWARD_FILE)
+
+    def boom(*a, **k):
+        raise AssertionError("the update ran a forward pass on a batch with no signal")
+
+    monkeypatch.setattr(trainer_mod, "logprobs_of", boom)
+    overrides = tiny_overrides(
+        tiny_model_dir, reward, **{"train.steps": 2, "algo.num_iterations": mu}
+    )
+    overrides = [(k, v) for k, v in overrides if k != "rewards"]
+    overrides.append(("rewards", [{"name": f"{reward}:constant"}]))
+    cfg = load_config(None, overrides)
+    run = tmp_path / "run"
+    train(cfg, run)
+    rows = [r for r in read_metrics(run) if "update/zero_signal_frac" in r]
+    assert [r["update/zero_signal_frac"] for r in rows] == [1.0, 1.0]
+    before, after = weights(tiny_model_dir), weights(ckpt.latest_checkpoint(run))
+    assert all(torch.equal(before[k], after[k]) for k in before)

