@@ -14,6 +14,12 @@ process after imports and a warm-up step on a toy copy of the model; printed onc
 
     python bench/memory.py                     # ~30M and ~150M models (the table)
     python bench/memory.py --sizes 30m         # just the small one
+    python bench/memory.py --allocator default # glibc's default policy (RSS keeps freed heap)
+
+By default the child runs with MALLOC_MMAP_THRESHOLD_=131072 so that RSS follows the live
+tensors (what the estimate models and CUDA's max-allocated reports); ``--allocator default``
+measures what a plain process shows, which is higher by what glibc's heap keeps after the
+activations are freed, and varies from run to run.
 
 Targets: GRPO peak <= 0.6 x PPO's; LoRA <= 0.5 x full fine-tuning with a reference copy;
 the estimate within 15% of the measured peak on every row.
@@ -85,6 +91,13 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument(
+        "--allocator",
+        choices=["returning", "default"],
+        default="returning",
+        help="glibc policy in the child: returning = freed blocks >= 128 KiB go back to the OS "
+        "(RSS follows live tensors); default = glibc's own (keeps freed activations in the heap)",
+    )
     args = ap.parse_args()
 
     from peergrade.config import load_config
@@ -93,7 +106,7 @@ def main() -> None:
     print(f"note: {load_note()}")
     print(
         "CPU, float32, AdamW; peak RSS above the child's baseline (imports + warm-up), "
-        f"max over {args.steps} steps; batch {args.prompts} x {args.group} completions, "
+        f"max over {args.steps} steps; allocator {args.allocator}; batch {args.prompts} x {args.group} completions, "
         f"{args.completion} completion tokens, beta {args.beta}"
     )
     summary = []
@@ -115,7 +128,10 @@ def main() -> None:
                 cfg = load_config(None, base + CONFIGS[name])
                 t0 = time.perf_counter()
                 m = measure_memory(
-                    cfg, steps=args.steps, env={"OMP_NUM_THREADS": str(args.threads)}
+                    cfg,
+                    steps=args.steps,
+                    allocator=args.allocator,
+                    env={"OMP_NUM_THREADS": str(args.threads)},
                 )
                 e = estimate_for_config(cfg, prompt_len=m["prompt_len"])
                 rows.append((name, m, e))

@@ -257,7 +257,7 @@ def cmd_memory(args, extra) -> int:
         return 0
     rows = []
     for label, c in variants:
-        m = measure_memory(c, steps=args.steps)
+        m = measure_memory(c, steps=args.steps, allocator=args.allocator)
         rows.append((label, m, estimate_for_config(c, prompt_len=m["prompt_len"])))
         print(
             f"  measured {label}: {m['peak'] / 2**20:.0f} MiB above a baseline of "
@@ -404,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--lora", action="store_true", help="also the other LoRA setting")
     mm.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
     mm.add_argument("--estimate-only", action="store_true", help="no measurement: the estimate")
+    mm.add_argument(
+        "--allocator",
+        choices=["returning", "default"],
+        default="returning",
+        help="CPU: glibc policy of the measured process (returning: RSS follows live tensors)",
+    )
     mm.add_argument(
         "--prompt-len",
         type=int,

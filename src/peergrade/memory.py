@@ -10,10 +10,16 @@ reports the peak per phase:
 * CPU: the process's resident set (``VmHWM`` from /proc/self/status, reset with
   ``/proc/self/clear_refs`` before each phase). torch's CPU allocations are invisible to
   Python's tracemalloc; the kernel's high-water mark is the honest measure. Every figure is
-  reported **above the baseline**: the RSS of the child after importing torch/transformers/
-  peergrade and building the task and tokenizer, before any model is loaded (that baseline,
-  typically 0.4-0.6 GB, is reported separately as ``baseline_bytes``; add it for the whole
-  process).
+  reported **above the baseline**: the RSS of the child after imports and a warm-up step on a
+  toy copy of the model, before the measured model is loaded (that baseline, typically
+  0.4-0.6 GB, is reported separately as ``baseline_bytes``; add it for the whole process).
+  ``allocator="returning"`` (the default) runs the child with glibc's
+  ``MALLOC_MMAP_THRESHOLD_=131072``: blocks of 128 KiB and more are mmapped and given back to
+  the OS when freed, so RSS follows the live tensors (the quantity the estimate models and
+  CUDA's max-allocated reports). ``allocator="default"`` keeps glibc's dynamic threshold,
+  under which freed activations stay in the heap; its peaks ran 5-35% higher (GRPO vs PPO
+  30M-150M, see bench/memory.py) and vary from run to run with fragmentation. Either way the
+  number is a real peak RSS of a real training step.
 * CUDA: ``torch.cuda.max_memory_allocated`` per phase (``reset_peak_memory_stats`` before each);
   the baseline is ``memory_allocated`` before loading (the CUDA context is not included).
 
@@ -50,9 +56,8 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
 
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
 that stops early) and the longest prompt for all rows.
-It counts live tensors. On CPU the measured RSS runs a few percent to ~15% higher (see
-bench/memory.py): glibc keeps freed activation memory in its heap, and first-call kernel
-buffers are not modelled.
+It counts live tensors (compare with ``allocator="returning"`` measurements, or CUDA's); with
+glibc's default allocator policy the process RSS is higher by what the heap keeps.
 
 ``format_table`` renders measured vs estimated rows with the error in percent.
 
@@ -567,15 +572,32 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
     }
 
 
-def measure_memory(cfg, *, steps: int = 2, timeout: float | None = None, env: dict | None = None):
+def measure_memory(
+    cfg,
+    *,
+    steps: int = 2,
+    allocator: str = "returning",
+    timeout: float | None = None,
+    env: dict | None = None,
+):
     """Run ``steps`` steps of ``cfg`` (a Config) in a fresh child process; return its report:
     ``phases`` (load / generate / reference / update peaks above the baseline, bytes), ``peak``,
-    ``baseline_bytes``, the sequence lengths it saw, parameter counts, ``seconds``."""
+    ``baseline_bytes``, the sequence lengths it saw, parameter counts, ``seconds``.
+
+    allocator (CPU, glibc): "returning" (freed blocks >= 128 KiB go back to the OS, so RSS
+    follows live memory) or "default" (glibc's own policy); see the module docstring.
+    """
     from peergrade.config import to_yaml
 
     if steps < 1:
         raise ValueError(f"steps={steps}: expected >= 1")
     full_env = dict(os.environ)
+    if allocator == "returning":
+        full_env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    elif allocator == "default":
+        full_env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else:
+        raise ValueError(f"allocator={allocator!r}: expected 'returning' or 'default'")
     full_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="peergrade-memory-") as tmp:
         path = Path(tmp) / "config.yaml"
@@ -592,7 +614,7 @@ def measure_memory(cfg, *, steps: int = 2, timeout: float | None = None, env: di
         raise RuntimeError(
             f"memory measurement child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
         )
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "allocator": allocator}
 
 
 # ----------------------------------------------------------------------------- report
