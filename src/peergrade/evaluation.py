@@ -140,15 +140,15 @@ def evaluate(
     s_ok = correct(sampled, k)
     c = s_ok.sum(dim=1).tolist()
     out: dict[str, Any] = {
-        "pass@1_greedy": g_ok.float().mean().item(),
-        "pass@1_sampled": s_ok.float().mean().item(),
+        "pass@1_greedy": g_ok.double().mean().item(),
+        "pass@1_sampled": s_ok.double().mean().item(),
         f"pass@{k}": sum(pass_at_k(k, int(ci), k) for ci in c) / n_rows,
         "n": n_rows,
         "k": k,
     }
     for spec in extra:  # e.g. the format reward's rate on the greedy answers
         s = scores(greedy, 1, [spec]).per_fn[spec.name]
-        out[f"{spec.name}_rate"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).float().mean().item()
+        out[f"{spec.name}_rate"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
     return out
 
 
