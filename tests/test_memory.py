@@ -99,7 +99,10 @@ def test_estimate_shows_the_grpo_ppo_and_lora_gaps_on_a_30m_model():
     grpo = estimate_memory(cfg, **kw)
     ppo = estimate_memory(cfg, algo="ppo", **kw)
     lora = estimate_memory(cfg, lora={"r": 16, "target_modules": LORA_TARGETS}, **kw)
-    assert 0.4 < grpo["peak"] / ppo["peak"] < 0.6
+    # PPO adds at least the critic's weights and AdamW state (3 x its parameters in fp32)
+    critic_params = param_counts(cfg)["total"]  # tied head: the backbone holds every tensor
+    assert ppo["peak"] - grpo["peak"] >= 3 * critic_params * 4
+    assert 0.5 < grpo["peak"] / ppo["peak"] < 0.7
     assert lora["peak"] / grpo["peak"] < 0.5
     ckpt = estimate_memory(cfg, gradient_checkpointing=True, **kw)
     assert ckpt["activations"] < grpo["activations"]

@@ -252,7 +252,9 @@ def estimate_memory(
     # the critic's weights and optimizer state are static; its grads exist during the update
     static = weights + reference + (critic_params * b * 3 if algo == "ppo" else 0) + optim
     critic_grads = critic_params * b if algo == "ppo" else 0
-    backward = activations + grad_transient + layer_act + critic_grads
+    # grads (policy's and critic's) are allocated as the backward frees activations: at its
+    # start only the chunked head's [V, H] buffers exist on top of the activations
+    backward = activations + grad_transient + layer_act
     step = grads + critic_grads + adam_tmp
     update = static + max(backward, step)
     generate = static + kv_cache + gen_logits
