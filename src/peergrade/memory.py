@@ -459,13 +459,12 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
     from peergrade.algo import group_advantages
     from peergrade.evaluation import columns_for, completion_id_lists, encode_prompts
     from peergrade.rewards import score_rewards
-    from peergrade.rollout import generate
     from peergrade.trainer import (
         build_rewards,
         build_task,
         ref_logprobs,
+        sample,
         setup_models,
-        step_seed,
         update,
     )
 
@@ -509,19 +508,7 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
     seq_lens, t0 = [], time.perf_counter()
     for step in range(1, steps + 1):
         meter.reset()
-        ro = generate(
-            policy,
-            tok,
-            prompt_ids[step - 1],
-            n=G,
-            max_new_tokens=r.max_completion_length,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=r.stop,
-            seed=step_seed(t.seed, step),
-            batch_size=r.generation_batch_size,
-        )
+        ro = sample(policy, tok, prompt_ids[step - 1], cfg, step)
         meter.record("generate")
         rows = all_rows[step - 1]
         prompts = [row["prompt"] for row in rows for _ in range(G)]
@@ -545,19 +532,8 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
             ).reshape(N)
             update(models, optimizer, scheduler, batch, adv.to(device), ref_lp, cfg, step)
         else:
-            ppo.ppo_update(
-                models,
-                critic,
-                optimizer,
-                scheduler,
-                batch,
-                pa["advantages"],
-                pa["returns"],
-                pa["old_values"],
-                pa["old_logp"],
-                ref_lp,
-                cfg,
-                step,
+            ppo.ppo_step(
+                models, critic, optimizer, scheduler, batch, scores.total, ref_lp, cfg, step, pa=pa
             )
         meter.record("update")
         del ro, batch, ref_lp

@@ -468,9 +468,11 @@ def ppo_update(
     return out
 
 
-def ppo_step(models, critic, optimizer, scheduler, batch, seq_rewards, ref_lp, cfg, step):
-    """Advantages from the critic, then the PPO update: what the trainer calls per step."""
-    pa = ppo_advantages(critic, models, batch, seq_rewards, ref_lp, cfg)
+def ppo_step(models, critic, optimizer, scheduler, batch, seq_rewards, ref_lp, cfg, step, pa=None):
+    """Advantages from the critic (unless given as ``pa``), then the PPO update: what the
+    trainer calls per step."""
+    if pa is None:
+        pa = ppo_advantages(critic, models, batch, seq_rewards, ref_lp, cfg)
     upd = ppo_update(
         models,
         critic,

@@ -12,6 +12,9 @@ Exact resume: everything random is derived from (seed, step) -- the prompts of s
 (seed, step), minibatch shuffles likewise -- so a run resumed from ``checkpoints/step-s`` (model,
 optimizer, scheduler, RNG states) produces the same metrics and weights as one never stopped.
 
+``algo.name: ppo`` swaps step 3 and 5 for the critic baseline (``peergrade.ppo``: per-token
+rewards, GAE, a value model with its own optimizer); everything else is shared.
+
 This is the only module that reads the whole config. It does not implement the math (algo),
 the sampler (rollout), log-probs and loading (models), rewards or tasks.
 """
@@ -175,6 +178,24 @@ def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=Fa
         temperature=cfg.rollout.temperature,
         chunk_size=cfg.model.logprob_chunk_size,
         with_entropy=with_entropy,
+    )
+
+
+def sample(policy, tokenizer, prompt_ids, cfg: Config, step: int):
+    """G completions for each prompt with the configured sampling settings, seeded by step."""
+    r = cfg.rollout
+    return generate(
+        policy,
+        tokenizer,
+        prompt_ids,
+        n=r.group_size,
+        max_new_tokens=r.max_completion_length,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop=r.stop,
+        seed=step_seed(cfg.train.seed, step),
+        batch_size=r.generation_batch_size,
     )
 
 
@@ -487,19 +508,7 @@ def train(
                 )
 
                 # 1. sample G completions per prompt
-                ro = generate(
-                    policy,
-                    tok,
-                    prompt_ids,
-                    n=G,
-                    max_new_tokens=r.max_completion_length,
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    top_k=r.top_k,
-                    stop=r.stop,
-                    seed=step_seed(t.seed, step),
-                    batch_size=r.generation_batch_size,
-                )
+                ro = sample(policy, tok, prompt_ids, cfg, step)
                 t1 = time.perf_counter()
 
                 # 2. score them
