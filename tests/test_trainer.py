@@ -236,5 +236,6 @@ def test_zero_signal_batch_skips_forward_and_leaves_weights(
     train(cfg, run)
     rows = [r for r in read_metrics(run) if "update/zero_signal_frac" in r]
     assert [r["update/zero_signal_frac"] for r in rows] == [1.0, 1.0]
+    assert [r["loss/policy"] for r in rows] == [0.0, 0.0]
     before, after = weights(tiny_model_dir), weights(ckpt.latest_checkpoint(run))
     assert all(torch.equal(before[k], after[k]) for k in before)

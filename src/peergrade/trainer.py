@@ -257,6 +257,7 @@ def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg:
             skip = no_signal(mini_idx)
             add("update/zero_signal_frac", float(skip))
             if skip:
+                add("loss/policy", 0.0, len(mini_idx))  # exactly: every token's loss is 0
                 for p in params:
                     p.grad = torch.zeros_like(p)
             for mb in [] if skip else micro_batches(mini_idx, micro):
