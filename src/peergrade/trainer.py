@@ -471,6 +471,7 @@ def train(
             metrics_log.write(
                 {"step": 0, **{f"eval/{k}": v for k, v in state["eval_before"].items()}}
             )
+    display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
     display = Display(t.display, t.steps, start_step)
 
     rows_iter = itertools.islice(task.train_rows(t.seed), start_step * P, None)
