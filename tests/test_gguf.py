@@ -18,8 +18,7 @@ import torch
 
 from peergrade import gguf
 from peergrade.evaluation import answer_format_spec, asks_for_answer_tags
-from peergrade.models import ModelLoadError
-from peergrade.trainer import resolve_model_path
+from peergrade.models import ModelLoadError, resolve_model_path
 
 # ----------------------------------------------------------------------------- fast: no package
 

@@ -7,10 +7,13 @@ key or argument at fault and what was expected. ``peergrade`` prints it as one l
 The concrete classes live next to the code that raises them (``ModelLoadError`` in models,
 ``DataError`` in tasks.files, ``RewardError`` in rewards, ``RunDirError`` in checkpoint); each
 also keeps its historical builtin base (``ValueError`` / ``RuntimeError``) so existing
-``except ValueError`` code still catches it. This module defines no behaviour.
+``except ValueError`` code still catches it. ``user_input`` turns a plain ValueError raised while
+resolving a user-given name into an ``InputError``.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 
 class PeergradeError(Exception):
@@ -19,3 +22,16 @@ class PeergradeError(Exception):
 
 class InputError(PeergradeError, ValueError):
     """Bad user input that has no more specific class (unknown task or reward name, bad option)."""
+
+
+@contextmanager
+def user_input(what: str):
+    """Re-raise a ValueError from resolving the user's ``what`` as an InputError (a clean CLI
+    message): load_task / make_reward_spec raise ValueError only for names, options and files
+    the user gave."""
+    try:
+        yield
+    except PeergradeError:
+        raise
+    except ValueError as e:
+        raise InputError(f"{what}: {e}") from e

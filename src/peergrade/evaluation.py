@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from peergrade.errors import InputError
+from peergrade.errors import InputError, user_input
 from peergrade.rewards import RewardSpec, resolve_reward, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import render_prompt
@@ -188,9 +188,14 @@ def run_eval_command(
     reward: str | None = None,
 ) -> dict[str, Any]:
     """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or ``data``)."""
-    from peergrade.models import load_model, load_tokenizer
+    from peergrade.models import (
+        load_model,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+        resolve_model_path,
+    )
     from peergrade.tasks import load_task
-    from peergrade.trainer import resolve_device, resolve_dtype, resolve_model_path, user_input
 
     if n < 1 or k < 1:
         raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")

@@ -278,8 +278,8 @@ def estimate_memory(
 def prompt_length(cfg, n: int = 64) -> int:
     """Longest prompt (tokens) among the first ``n`` training prompts of ``cfg``'s task."""
     from peergrade.evaluation import encode_prompts
-    from peergrade.models import load_tokenizer
-    from peergrade.trainer import build_task, resolve_model_path
+    from peergrade.models import load_tokenizer, resolve_model_path
+    from peergrade.trainer import build_task
 
     task = build_task(cfg)
     tok = load_tokenizer(resolve_model_path(cfg.model.path))
@@ -300,7 +300,7 @@ def prompt_length(cfg, n: int = 64) -> int:
 
 def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | None = None) -> dict:
     """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
-    from peergrade.trainer import resolve_model_path
+    from peergrade.models import resolve_model_path
 
     path = resolve_model_path(cfg.model.path)
     if device is None:
@@ -424,7 +424,7 @@ def _child(cfg_path: str, steps: int) -> dict:
     import torch
 
     from peergrade.config import load_config
-    from peergrade.trainer import resolve_device, resolve_model_path
+    from peergrade.models import resolve_device, resolve_model_path
 
     cfg = load_config(cfg_path)
     if cfg.train.threads:

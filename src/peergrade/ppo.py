@@ -55,14 +55,18 @@ import torch
 from torch import nn
 
 from peergrade.algo import gae, kl_divergence, value_loss
-from peergrade.models import find_backbone_and_head, load_model, position_ids_from_mask
+from peergrade.models import (
+    find_backbone_and_head,
+    load_model,
+    position_ids_from_mask,
+    resolve_dtype,
+    resolve_model_path,
+)
 from peergrade.trainer import (
     Models,
     frozen_logprobs,
     logprobs_of,
     micro_batches,
-    resolve_dtype,
-    resolve_model_path,
     step_seed,
     trim,
 )

