@@ -62,9 +62,9 @@ def test_estimate_hand_values():
     hidden = tokens * 8 * 4 * 3
     assert e["activations"] == layer_act + chunk + hidden
     static = 680 * 4 * (1 + 1 + 2)  # weights, reference, AdamW state
-    # + the chunked backward's float32 [V, H] accumulator and product, + one layer
-    backward = e["activations"] + 2 * 10 * 8 * 4 + layer_act
-    step = 680 * 4 + 2 * 80 * 4  # grads + AdamW temporaries of the largest tensor (embedding)
+    # + the chunked backward's float32 [V, H] accumulator (in place for float32), + one layer
+    backward = e["activations"] + 10 * 8 * 4 + layer_act
+    step = 680 * 4  # grads; fused AdamW has no temporaries
     assert e["phases"]["update"] == static + max(backward, step)
     gen = static + 2 * 1 * 4 * 4 * 6 * 4 + 2 * 4 * 10 * 4  # KV cache + [N, V] logits
     assert e["phases"]["generate"] == gen
@@ -88,6 +88,8 @@ def test_estimate_hand_values():
 
     bf16 = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, dtype="bfloat16")
     assert bf16["weights"] == 680 * 2 and bf16["reference"] == 0  # beta 0: no reference
+    # a bfloat16 lm_head adds one [V, H] product in bf16 to the float32 accumulator
+    assert bf16["transient"] == 10 * 8 * 4 + 10 * 8 * 2 + tokens * 148 * 2
 
 
 def test_estimate_shows_the_grpo_ppo_and_lora_gaps_on_a_30m_model():

@@ -59,7 +59,9 @@ def test_eval_rows_deterministic_distinct_and_held_out():
 
 
 def test_train_and_eval_are_disjoint():
-    t = ArithmeticTask(min_digits=1, max_digits=1, ops="+-*")  # small space: collisions would show up
+    t = ArithmeticTask(
+        min_digits=1, max_digits=1, ops="+-*"
+    )  # small space: collisions would show up
     train_keys = {(r["a"], r["op"], r["b"]) for r in take(t.train_rows(0), 5000)}
     eval_keys = {(r["a"], r["op"], r["b"]) for r in t.eval_rows(20)}
     assert train_keys.isdisjoint(eval_keys)

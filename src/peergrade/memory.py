@@ -43,16 +43,15 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
                  kernel; with gradient checkpointing only each layer's input H plus one layer)
                  + the [c, V] float32 chunk buffers of the chunked log-probs (3 live in the
                  backward, c = min(chunk_size, micro * completion_len))
-    transient    the largest single extra: when lm_head is trained, the chunked log-prob
-                 backward holds a float32 V x H gradient accumulator plus one V x H product
-                 (2 * V * H * 4 bytes) on top of all activations; or AdamW's per-tensor
-                 temporaries during its step (2 x the largest parameter on
-                 CPU's single-tensor path; 1 x all trainable parameters on CUDA's foreach path)
+    transient    when lm_head is trained, the chunked log-prob backward holds a float32
+                 V x H gradient accumulator (updated in place), plus one V x H product in the
+                 weight dtype when that is not float32, on top of all activations. AdamW is
+                 the fused kernel (``trainer.build_optimizer``), which has no temporaries.
 
     peak = weights + reference + critic + optimizer
-           + max(activations + 2*V*H*4 + one layer's activations,  # backward begins
-                 grads + adam temporaries,                          # optimizer step
-                 generation: KV cache + [N, V] logits)              # rollout
+           + max(activations + transient + one layer's activations,  # backward begins
+                 grads,                                               # optimizer step
+                 generation: KV cache + [N, V] logits)                # rollout
 
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
 that stops early) and the longest prompt for all rows.
@@ -237,14 +236,10 @@ def estimate_memory(
     activations = acts + chunk_bufs + hidden
     if algo == "ppo":  # the critic's own forward/backward on the same micro-batch
         activations += acts + hidden
-    # the chunked log-prob backward: a float32 [V, H] grad accumulator + one [V, H] product
-    grad_transient = 2 * V * H * f32 if not lora else 0
-    if device == "cpu":
-        adam_tmp = 2 * (pc["largest"] if not lora else 0) * tb
-    else:
-        adam_tmp = P_train * tb
-    if algo == "ppo" and device == "cuda":
-        adam_tmp = max(adam_tmp, critic_params * b)
+    # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
+    # addmm for float32 weights; a half-precision weight adds one [V, H] product per chunk)
+    grad_transient = (V * H * f32 + (V * H * b if b != f32 else 0)) if not lora else 0
+    # fused AdamW (trainer.build_optimizer) steps each tensor in one kernel: no temporaries
 
     # generation: KV cache for all sequences (no grad) + one step's [N, V] float32 logits
     kv_cache = 2 * nl * kv_dim * batch * seq_len * b
@@ -255,7 +250,7 @@ def estimate_memory(
     # grads (policy's and critic's) are allocated as the backward frees activations: at its
     # start only the chunked head's [V, H] buffers exist on top of the activations
     backward = activations + grad_transient + layer_act
-    step = grads + critic_grads + adam_tmp
+    step = grads + critic_grads
     update = static + max(backward, step)
     generate = static + kv_cache + gen_logits
     peak = max(update, generate)
@@ -268,7 +263,7 @@ def estimate_memory(
         "reference": reference,
         "critic": critic,
         "activations": activations,
-        "transient": max(grad_transient + layer_act, adam_tmp),
+        "transient": grad_transient + layer_act,
         "kv_cache": kv_cache,
         "phases": {"generate": generate, "update": update},
         "peak": peak,
@@ -460,6 +455,7 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
     from peergrade.evaluation import columns_for, completion_id_lists, encode_prompts
     from peergrade.rewards import score_rewards
     from peergrade.trainer import (
+        build_optimizer,
         build_rewards,
         build_task,
         ref_logprobs,
@@ -490,12 +486,7 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
         )
         for rows in all_rows
     ]
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.adam_betas),
-        weight_decay=cfg.optim.weight_decay,
-    )
+    optimizer = build_optimizer((p for p in policy.parameters() if p.requires_grad), cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
     critic = None
     if cfg.algo.name == "ppo":

@@ -539,7 +539,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 if need_h:
                     grad_h[s:e] = (g_w @ weight).to(hidden.dtype)
                 if need_w:
-                    grad_w.add_((g_w.t() @ h_c).to(acc))
+                    if g_w.dtype == acc:  # accumulate in place: no [V, H] product buffer
+                        grad_w.addmm_(g_w.t(), h_c)
+                    else:  # one [V, H] product in the weight's dtype, added with upcast
+                        grad_w.add_(g_w.t() @ h_c)
                 if grad_b is not None:
                     grad_b.add_(g.sum(0))
                 del g, g_w

@@ -64,6 +64,7 @@ from peergrade.models import (
 )
 from peergrade.trainer import (
     Models,
+    build_optimizer,
     frozen_logprobs,
     logprobs_of,
     micro_batches,
@@ -170,12 +171,7 @@ def build_critic(cfg, models: Models) -> Critic:
         path, dtype=dtype, device=models.device, gradient_checkpointing=gc, vocab_size=vocab
     )
     vm.train()
-    opt = torch.optim.AdamW(
-        [p for p in vm.parameters() if p.requires_grad],
-        lr=a.critic_lr if a.critic_lr is not None else cfg.optim.lr,
-        betas=tuple(cfg.optim.adam_betas),
-        weight_decay=cfg.optim.weight_decay,
-    )
+    opt = build_optimizer((p for p in vm.parameters() if p.requires_grad), cfg.optim, a.critic_lr)
     return Critic(vm, opt)
 
 

@@ -87,6 +87,27 @@ def build_rewards(cfg: Config, task) -> list[RewardSpec]:
     return specs
 
 
+def build_optimizer(params, cfg_optim, lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over ``params``; the fused kernel when every tensor is a float on CPU or CUDA.
+
+    Fused AdamW updates each parameter in one kernel with no temporaries, where the default
+    CPU path allocates two buffers the size of the largest parameter per tensor step (the
+    embedding, ~0.1 GB on a 30M model) and CUDA's foreach path one copy of all of them."""
+    params = list(params)
+    fused = bool(params) and all(
+        p.device.type in ("cpu", "cuda")
+        and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for p in params
+    )
+    return torch.optim.AdamW(
+        params,
+        lr=cfg_optim.lr if lr is None else lr,
+        betas=tuple(cfg_optim.adam_betas),
+        weight_decay=cfg_optim.weight_decay,
+        fused=fused or None,
+    )
+
+
 def lr_lambda(cfg_optim, total_updates: int):
     warm, kind, floor = cfg_optim.warmup_steps, cfg_optim.lr_schedule, cfg_optim.min_lr_ratio
 
@@ -353,12 +374,7 @@ def train(
     N = P * G
     mini = cfg.optim.minibatch_size or N
     updates_per_step = cfg.algo.num_iterations * (N // mini)
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.adam_betas),
-        weight_decay=cfg.optim.weight_decay,
-    )
+    optimizer = build_optimizer((p for p in policy.parameters() if p.requires_grad), cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim, t.steps * updates_per_step)
     )
