@@ -152,7 +152,7 @@ def cmd_train(args, extra) -> int:
 def cmd_eval(args, extra) -> int:
     if extra:
         raise UserError(f"unexpected arguments for eval: {' '.join(extra)}")
-    from peergrade.evaluation import run_eval_command
+    from peergrade.evaluation import FORMAT_KEYS, run_eval_command
 
     result = run_eval_command(
         model=args.model,
@@ -175,9 +175,9 @@ def cmd_eval(args, extra) -> int:
         print(
             f"model: {args.model}   task: {result['task']}   problems: {result['n']}   samples: {k}"
         )
-        for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", "format_rate"):
+        for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
             if key in result:
-                print(f"  {key:<16} {result[key]:.3f}")
+                print(f"  {key:<20} {result[key]:.3f}")
     return 0
 
 

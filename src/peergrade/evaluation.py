@@ -146,9 +146,10 @@ def evaluate(
         "n": n_rows,
         "k": k,
     }
-    for spec in extra:  # e.g. the format reward's rate on the greedy answers
-        s = scores(greedy, 1, [spec]).per_fn[spec.name]
-        out[f"{spec.name}_rate"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
+    for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
+        for key, ro, repeat in (("rate", greedy, 1), ("rate_sampled", sampled, k)):
+            s = scores(ro, repeat, [spec]).per_fn[spec.name]
+            out[f"{spec.name}_{key}"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
     return out
 
 
@@ -163,6 +164,9 @@ def asks_for_answer_tags(rows: list[dict]) -> bool:
         if any(isinstance(t, str) and "<answer>" in t for t in texts):
             return True
     return False
+
+
+FORMAT_KEYS = ("format_rate", "format_rate_sampled")  # answer_format_spec's rates in evaluate
 
 
 def answer_format_spec() -> RewardSpec:
