@@ -59,6 +59,8 @@ def test_int_widens_to_float_but_not_the_reverse():
         (("algo.beta.x", 1), "is a value, not a section"),
         (("model.lora.r", "big"), "model.lora.r: expected an integer"),
         (("train.on_reward_error", "ignore"), "choose one of 'fail', 'zero'"),
+        (("data.few_shot", -1), "data.few_shot must be >= 0"),
+        (("data.few_shot_fade_steps", -2), "data.few_shot_fade_steps must be >= 0"),
     ],
 )
 def test_bad_values_name_key_and_allowed(override, message):
@@ -113,3 +115,44 @@ def test_every_field_is_documented_in_yaml_and_markdown():
             and ":" in stripped
         ):
             assert lines[i - 1].strip().startswith("#"), f"undocumented: {line}"
+
+
+def test_base_file_is_read_first_and_overridden(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text(
+        "algo: {beta: 0.1, loss_type: dapo}\ndata: {task_options: {min_digits: 1, max_digits: 3}}\n"
+    )
+    (tmp_path / "sub/mid.yaml").write_text("base: ../root.yaml\nalgo: {beta: 0.2}\n")
+    (tmp_path / "sub/leaf.yaml").write_text(
+        "base: mid.yaml\ndata: {task_options: {max_digits: 2}}\n"
+    )
+    cfg = load_config(tmp_path / "sub/leaf.yaml", [("optim.lr", 0.5)])
+    assert cfg.algo.beta == 0.2 and cfg.algo.loss_type == "dapo" and cfg.optim.lr == 0.5
+    assert cfg.data.task_options == {"max_digits": 2}  # option dicts are replaced, as documented
+    # a run's saved config is the merged, standalone one
+    assert "base" not in yaml.safe_load(to_yaml(cfg))
+
+
+def test_base_errors_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: nope.yaml\n")
+    with pytest.raises(ConfigError, match=r"nope.yaml.*the base of .*c.yaml.*does not exist"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("base: [1]\n")
+    with pytest.raises(ConfigError, match="'base' must be a YAML file path"):
+        load_config(tmp_path / "d.yaml")
+
+
+def test_shipped_recipes_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    plain = load_config(root / "smollm2-arith.yaml")
+    kl = load_config(root / "smollm2-arith-kl.yaml")
+    assert plain.algo.beta == 0.0 and kl.algo.beta == 0.04
+    assert plain.data.few_shot == 1 and plain.data.few_shot_fade_steps > 0
+    plain.algo.beta = kl.algo.beta
+    assert to_yaml(plain) == to_yaml(kl)  # the variant differs in beta alone

@@ -41,3 +41,38 @@ def test_bad_prompts():
         render_prompt([{"content": "x"}], None)
     with pytest.raises(ValueError, match="string or a list of chat messages"):
         render_prompt(3, None)
+
+
+def test_with_examples_puts_solved_turns_before_the_question():
+    from peergrade.tasks.prompts import with_examples
+
+    out = with_examples("Q3", [("Q1", "A1"), ("Q2", "A2")])
+    assert out == [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+        {"role": "user", "content": "Q3"},
+    ]
+    # a row's own system message stays first; an example's system message is dropped
+    row = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    ex = [{"role": "system", "content": "S"}, {"role": "user", "content": "E"}]
+    assert with_examples(row, [(ex, "R")]) == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "E"},
+        {"role": "assistant", "content": "R"},
+        {"role": "user", "content": "Q"},
+    ]
+    assert with_examples("Q", []) == [{"role": "user", "content": "Q"}]
+    with pytest.raises(ValueError, match="message 0"):
+        with_examples("Q", [(["bad"], "R")])
+
+
+def test_with_examples_renders_as_a_multi_turn_chat(char_tokenizer):
+    from peergrade.tasks.prompts import with_examples
+
+    out = render_prompt(with_examples("2+2=", [("1+1=", "<answer>2</answer>")]), char_tokenizer)
+    assert out == (
+        "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n<answer>2</answer><|im_end|>\n"
+        "<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n"
+    )

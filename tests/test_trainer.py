@@ -267,3 +267,88 @@ def test_build_optimizer_is_fused_adamw_and_steps_like_the_reference():
     # float64 parameters (gradcheck-style use) fall back to the plain implementation
     f64 = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
     assert not build_optimizer(f64, cfg).defaults["fused"]
+
+
+class _Rows:
+    """A task stand-in: train_rows(seed) yields numbered problems."""
+
+    def __init__(self, n=None):
+        self.n = n
+
+    def train_rows(self, seed=0):
+        i = 0
+        while True:
+            k = i if self.n is None else i % self.n
+            yield {"prompt": f"q{seed}-{k}", "answer": str(k)}
+            i += 1
+
+
+def _few_shot(k=1, fade=0, reply="<answer>{answer}</answer>", n=None, seed=0):
+    from peergrade.config import DataConfig
+    from peergrade.trainer import FewShot
+
+    d = DataConfig(few_shot=k, few_shot_fade_steps=fade, few_shot_answer=reply)
+    return FewShot(d, _Rows(n), seed)
+
+
+def test_few_shot_schedule_and_examples():
+    off = _few_shot(k=0)
+    rows = [{"prompt": f"p{i}", "answer": "1"} for i in range(200)]
+    assert off.apply(rows, 1) == (rows, 0.0) and off.pool == []
+
+    always = _few_shot(k=2)
+    out, frac = always.apply(rows, 5)
+    assert frac == 1.0 and [r["answer"] for r in out] == [r["answer"] for r in rows]
+    first = out[0]["prompt"]
+    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant", "user"]
+    assert first[-1]["content"] == "p0"
+    # examples come from the separate stream (seed + 1), with their own answers as replies
+    for q, a in zip(first[0:4:2], first[1:4:2]):
+        assert q["content"].startswith("q1-")
+        assert a["content"] == f"<answer>{q['content'].split('-')[1]}</answer>"
+    assert rows[0]["prompt"] == "p0"  # the input rows are not modified
+    assert always.apply(rows, 5) == (out, 1.0)  # a function of (seed, step): resume-exact
+    assert always.apply(rows, 6)[0] != out
+
+    fading = _few_shot(k=1, fade=10)
+    assert [fading.chance(s) for s in (1, 6, 11, 50)] == [1.0, 0.5, 0.0, 0.0]
+    _, half = fading.apply(rows, 6)
+    assert 0.35 < half < 0.65
+    assert fading.apply(rows, 11) == (rows, 0.0)
+
+
+def test_few_shot_never_shows_the_question_itself():
+    shots = _few_shot(k=2, n=3)  # a 3-problem dataset: q1-0, q1-1, q1-2 repeated
+    rows = [{"prompt": "q1-1", "answer": "1"}] * 20
+    for step in range(1, 6):
+        out, _ = shots.apply(rows, step)
+        for r in out:
+            shown = [m["content"] for m in r["prompt"][:-1] if m["role"] == "user"]
+            assert "q1-1" not in shown and len(shown) == 2
+
+
+def test_few_shot_bad_reply_template_names_the_key():
+    from peergrade.errors import InputError
+
+    with pytest.raises(InputError, match=r"few_shot_answer.*row 0.*prompt, answer.*solution"):
+        _few_shot(reply="<answer>{solution}</answer>")
+
+
+def test_few_shot_run_logs_the_curriculum(tiny_model_dir, reward_file, tmp_path):
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_dir,
+            reward_file,
+            **{"train.steps": 3, "data.few_shot": 1, "data.few_shot_fade_steps": 2},
+        ),
+    )
+    train(cfg, tmp_path / "run")
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss/policy" in r]
+    fracs = [r["curriculum/few_shot_frac"] for r in rows]
+    assert fracs[0] == 1.0 and fracs[2] == 0.0  # step 2 is a coin flip per prompt (chance 0.5)
+    samples = [json.loads(x) for x in (tmp_path / "run/samples.jsonl").read_text().splitlines()]
+    first = samples[0]["prompt"]
+    assert isinstance(first, list) and first[1]["role"] == "assistant"
+    assert first[1]["content"].startswith("<answer>")
+    assert isinstance(samples[-1]["prompt"], str)  # step 3: zero-shot again

@@ -113,6 +113,21 @@ class DataConfig:
         "Render prompts with the tokenizer's chat template (plain text when it has none).", True
     )
     max_prompt_length: int = doc("Prompts longer than this many tokens are an error.", 256)
+    few_shot: int = doc(
+        "Solved example turns (user question, assistant reply) put before each *training* "
+        "prompt, drawn from the task's own training problems; evaluation stays zero-shot. "
+        "A bootstrap for a model that never produces the rewarded format on its own.",
+        0,
+    )
+    few_shot_answer: str = doc(
+        "The example turns' reply, formatted with the example row's columns.",
+        "<answer>{answer}</answer>",
+    )
+    few_shot_fade_steps: int = doc(
+        "Curriculum: the chance that a training prompt carries the examples falls linearly "
+        "from 1 at step 1 to 0 after this many steps (0 = every prompt, every step).",
+        0,
+    )
 
 
 @dataclass
@@ -432,24 +447,38 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
         cls = tp
 
 
+def _read_tree(p: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The mapping in YAML file ``p``; a top-level ``base: other.yaml`` (relative to ``p``)
+    is read first and ``p``'s own values are merged over it."""
+    if not p.is_file():
+        where = f" (the base of {str(seen[-1])!r})" if seen else ""
+        raise ConfigError(f"config file {str(p)!r}{where} does not exist")
+    if p.resolve() in seen:
+        chain = " -> ".join(str(x) for x in (*seen, p.resolve()))
+        raise ConfigError(f"config file {str(p)!r}: 'base' files form a cycle: {chain}")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"config file {str(p)!r}: 'base' must be a YAML file path, got {base!r}")
+    parent = _read_tree(p.parent / base, (*seen, p.resolve()))
+    return _deep_merge(parent, loaded)
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None
 ) -> Config:
-    """Defaults <- YAML file <- overrides ``[("algo.beta", 0.04), ...]``; then ``validate``."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
-        tree = loaded
+    """Defaults <- YAML file (and its ``base:`` chain) <- overrides ``[("algo.beta", 0.04),
+    ...]``; then ``validate``."""
+    tree: dict = _read_tree(Path(path)) if path is not None else {}
     for dotted, value in overrides or []:
         patch: dict = {}
         _set_path(patch, dotted, value)
@@ -549,6 +578,12 @@ def validate(cfg: Config) -> None:
     need(
         cfg.data.max_prompt_length >= 1,
         f"data.max_prompt_length must be >= 1, got {cfg.data.max_prompt_length}",
+    )
+    d = cfg.data
+    need(d.few_shot >= 0, f"data.few_shot must be >= 0, got {d.few_shot}")
+    need(
+        d.few_shot_fade_steps >= 0,
+        f"data.few_shot_fade_steps must be >= 0, got {d.few_shot_fade_steps}",
     )
     lora = cfg.model.lora
     need(

@@ -1,7 +1,8 @@
 """The GRPO training loop. It reads top to bottom: one function per phase, then ``train``.
 
 One step:
-  P prompts -> G completions each (``rollout.generate``) -> rewards (weighted reward functions)
+  P prompts (with solved example turns early on when ``data.few_shot`` is set: ``FewShot``)
+  -> G completions each (``rollout.generate``) -> rewards (weighted reward functions)
   -> group-relative advantages (``algo.group_advantages``) -> reference log-probs (beta > 0)
   -> mu passes of minibatch updates with ``algo.policy_loss`` (gradient accumulation over
   micro-batches, the loss normaliser is the minibatch's) -> clip grad norm -> AdamW + schedule
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import random
 import shutil
 import signal
 import time
@@ -39,7 +41,10 @@ from peergrade.algo import group_advantages, policy_loss
 from peergrade.config import Config, to_yaml
 from peergrade.errors import InputError, user_input
 from peergrade.evaluation import (
+    FORMAT_KEYS,
     accuracy_spec,
+    answer_format_spec,
+    asks_for_answer_tags,
     columns_for,
     completion_id_lists,
     encode_prompts,
@@ -59,6 +64,7 @@ from peergrade.models import (
 from peergrade.rewards import RewardSpec, make_reward_spec, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import load_task
+from peergrade.tasks.prompts import with_examples
 
 # ----------------------------------------------------------------------------- setup helpers
 
@@ -128,6 +134,61 @@ def lr_lambda(cfg_optim, total_updates: int):
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
+
+
+class FewShot:
+    """``data.few_shot``: solved example turns before training prompts, faded out over steps.
+
+    The examples come from a pool of the task's own training problems (a separate stream from
+    the prompts, so held-out problems never appear; an example never repeats the question it
+    precedes), with ``data.few_shot_answer`` as the reply. Which prompts get examples, and
+    which ones, depends on (seed, step) only, so a resumed run sees the same prompts."""
+
+    POOL = 256
+
+    def __init__(self, cfg_data, task, seed: int):
+        self.k, self.fade, self.seed = cfg_data.few_shot, cfg_data.few_shot_fade_steps, seed
+        self.pool: list[tuple[Any, str]] = []
+        if self.k:
+            rows = itertools.islice(task.train_rows(seed + 1), self.POOL)
+            self.pool = [
+                (row["prompt"], _reply(cfg_data.few_shot_answer, row, i))
+                for i, row in enumerate(rows)
+            ]
+
+    def chance(self, step: int) -> float:
+        """Probability that a prompt of ``step`` (1-based) carries the examples."""
+        if not self.k:
+            return 0.0
+        if not self.fade:
+            return 1.0
+        return max(0.0, 1.0 - (step - 1) / self.fade)
+
+    def apply(self, rows: list[dict], step: int) -> tuple[list[dict], float]:
+        """``rows`` with examples put into some prompts, and the fraction that got them."""
+        p = self.chance(step)
+        if p == 0.0:
+            return rows, 0.0
+        rng = random.Random(step_seed(self.seed, step, salt=7))
+        out, hits = [], 0
+        for row in rows:
+            if rng.random() < p:
+                others = [ex for ex in self.pool if ex[0] != row["prompt"]]
+                examples = rng.sample(others, min(self.k, len(others)))
+                row = {**row, "prompt": with_examples(row["prompt"], examples)}
+                hits += 1
+            out.append(row)
+        return out, hits / max(1, len(rows))
+
+
+def _reply(template: str, row: dict, i: int) -> str:
+    try:
+        return template.format(**row)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise InputError(
+            f"data.few_shot_answer {template!r} cannot be filled from training row {i} "
+            f"(its columns: {', '.join(row)}): {type(exc).__name__}: {exc}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- one step
@@ -360,6 +421,7 @@ def train(
 
     task = build_task(cfg)
     reward_specs = build_rewards(cfg, task)
+    few_shot = FewShot(cfg.data, task, t.seed)
     # 'accuracy' = the task's own verifier, or the first configured reward when it has none
     acc = accuracy_spec(task) if task.default_rewards else reward_specs[0]
     # When the verifier is already in the reward mix (the usual case), reuse its scores.
@@ -414,6 +476,7 @@ def train(
             seed=step_seed(t.seed, 0, salt=99),
             batch_size=r.generation_batch_size,
             stop=r.stop,
+            extra=[answer_format_spec()] if asks_for_answer_tags(eval_rows) else [],
         )
 
     start_step = 0
@@ -488,6 +551,7 @@ def train(
             for step in range(start_step + 1, t.steps + 1):
                 t0 = time.perf_counter()
                 rows = [next(rows_iter) for _ in range(P)]
+                rows, shot_frac = few_shot.apply(rows, step)
                 prompt_ids = encode_prompts(
                     rows,
                     tok,
@@ -555,6 +619,7 @@ def train(
                     "rollout/frac_truncated": truncated.float().mean().item(),
                     "rollout/frac_zero_std_groups": (std < 1e-6).float().mean().item(),
                     "advantage/std": adv.std().item(),
+                    **({"curriculum/few_shot_frac": shot_frac} if few_shot.k else {}),
                     **upd,
                     "time/generate_s": t1 - t0,
                     "time/reward_s": t2 - t1,
@@ -630,7 +695,8 @@ def train(
                 f"{after[name]:.3f}",
                 f"{after[name] - before[name]:+.3f}",
             ]
-            for name in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}")
+            for name in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS)
+            if name in before and name in after
         ],
     )
     display.print(f"run directory: {run_dir}   ({wall:.0f} s training)")

@@ -14,12 +14,16 @@ Without a chat template (``tokenizer.chat_template`` is unset, ``tokenizer`` is 
 blank lines (system first), with no role markers added. A base model prompted with
 ``"12+7="`` thus sees exactly ``"12+7="``.
 
+``with_examples(row_prompt, examples)`` puts solved example turns (a user message with the
+example's question, an assistant message with its reply) before the row's question, after a
+leading system message if the row has one: the few-shot prompt of ``data.few_shot``.
+
 This module does not tokenize (the rollout does).
 """
 
 from __future__ import annotations
 
-__all__ = ["render_prompt", "to_messages"]
+__all__ = ["render_prompt", "to_messages", "with_examples"]
 
 
 def to_messages(row_prompt, system_prompt: str | None = None) -> list[dict]:
@@ -61,3 +65,16 @@ def render_prompt(
             text = text[0]
         return text
     return "\n\n".join(str(m["content"]) for m in messages)
+
+
+def with_examples(row_prompt, examples: list[tuple[object, str]]) -> list[dict]:
+    """``row_prompt`` as chat messages with ``examples`` (``(question, reply)`` pairs; a question
+    is a string or a message list whose user turns are used) inserted before its first
+    non-system message."""
+    messages = to_messages(row_prompt)
+    head = 1 if messages[0]["role"] == "system" else 0
+    turns: list[dict] = []
+    for question, reply in examples:
+        asked = [m for m in to_messages(question) if m["role"] != "system"]
+        turns += asked + [{"role": "assistant", "content": reply}]
+    return messages[:head] + turns + messages[head:]
