@@ -82,6 +82,7 @@ def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
             },
             id="beta-mu2-minibatches",
         ),
+        pytest.param({"data.few_shot": 1, "data.few_shot_fade_steps": 3}, id="fading-few-shot"),
     ],
 )
 def test_resume_is_exact(tiny_model_dir, reward_file, tmp_path, extra):
