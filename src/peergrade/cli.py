@@ -83,7 +83,10 @@ def _split_overrides(extra: list[str]) -> list[tuple[str, object]]:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--config", "-c", help="YAML config file (keys as printed by `peergrade config`)"
+        "--config",
+        "-c",
+        help="YAML config file (keys as printed by `peergrade config`; a top-level "
+        "`base: other.yaml` starts from another file)",
     )
 
 
