@@ -183,3 +183,24 @@ def test_measure_memory_ppo_child(tiny_model_dir):
     assert m["completion_len"] <= 8 < m["seq_len"]
     # the critic is the policy's backbone (tied head: same parameters) plus a value head
     assert m["critic_params"] == m["params"] + 64 + 1
+
+
+def test_estimate_with_the_reference_offloaded():
+    kw = dict(batch=4, seq_len=6, completion_len=2, beta=0.1, dtype="bfloat16", device="cuda")
+    resident = estimate_memory(HAND, **kw)
+    off = estimate_memory(HAND, ref_offload=True, **kw)
+    ref = 680 * 2
+    assert off["reference"] == resident["reference"] == ref
+    # the reference leaves the generate and update phases, and has a phase of its own
+    for phase in ("generate", "update"):
+        assert resident["phases"][phase] - off["phases"][phase] == ref
+    assert off["phases"]["reference"] < resident["phases"]["update"]
+    assert off["peak"] == max(off["phases"].values()) < resident["peak"]
+    # no effect on CPU (nowhere to offload to), with LoRA (no copy) or with beta 0 (no reference)
+    assert estimate_memory(HAND, **{**kw, "device": "cpu"}, ref_offload=True) == estimate_memory(
+        HAND, **{**kw, "device": "cpu"}
+    )
+    lora = {"r": 2, "target_modules": ["q_proj"]}
+    assert estimate_memory(HAND, lora=lora, ref_offload=True, **kw) == estimate_memory(
+        HAND, lora=lora, **kw
+    )

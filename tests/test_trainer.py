@@ -353,3 +353,36 @@ def test_few_shot_run_logs_the_curriculum(tiny_model_dir, reward_file, tmp_path)
     assert isinstance(first, list) and first[1]["role"] == "assistant"
     assert first[1]["content"].startswith("<answer>")
     assert isinstance(samples[-1]["prompt"], str)  # step 3: zero-shot again
+
+
+def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypatch):
+    """model.ref_offload: the reference lives in host memory and visits the device for the
+    reference log-prob pass, and goes back even when the pass fails."""
+    from peergrade import trainer as tr
+
+    ref = torch.nn.Linear(2, 2)  # on the CPU, while the run's device is an accelerator
+    moves: list[str] = []
+    monkeypatch.setattr(ref, "to", lambda d: moves.append(str(d)) or ref)
+    during: list[list[str]] = []
+    fail = {"now": False}
+
+    def fake_frozen(model, batch, cfg, idx, micro):
+        assert model is ref
+        during.append(list(moves))
+        if fail["now"]:
+            raise RuntimeError("out of memory")
+        return "logprobs"
+
+    monkeypatch.setattr(tr, "frozen_logprobs", fake_frozen)
+    models = tr.Models(policy=None, tokenizer=None, reference=ref, device=torch.device("cuda"))
+    assert tr.ref_logprobs(models, None, None, None, 1) == "logprobs"
+    assert during == [["cuda"]] and moves == ["cuda", "cpu"]
+    fail["now"] = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tr.ref_logprobs(models, None, None, None, 1)
+    assert moves[-2:] == ["cuda", "cpu"]
+    # a resident reference (same device as the run) is never moved
+    moves.clear()
+    fail["now"] = False
+    resident = tr.Models(policy=None, tokenizer=None, reference=ref, device=torch.device("cpu"))
+    assert tr.ref_logprobs(resident, None, None, None, 1) == "logprobs" and moves == []

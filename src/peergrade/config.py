@@ -85,6 +85,13 @@ class ModelConfig:
         "this many positions at once.",
         1024,
     )
+    ref_offload: bool = doc(
+        "Keep the frozen reference copy (full fine-tuning with algo.beta > 0) in CPU memory and "
+        "move it to the accelerator only for the reference log-prob pass: one model's weights "
+        "less on the GPU during generation and the update, for two host<->device copies a "
+        "step. No effect on CPU or with LoRA (whose reference is the adapter disabled).",
+        False,
+    )
     lora: LoraConfig = doc("LoRA settings.", default_factory=LoraConfig)
 
 

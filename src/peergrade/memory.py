@@ -33,7 +33,9 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
     weights      P * b                          (tied embeddings counted once)
     grads        P_train * b                    (P_train = P, or the LoRA parameters)
     optimizer    2 * P_train * b                (AdamW exp_avg + exp_avg_sq, in the param dtype)
-    reference    P * b when beta > 0 and no LoRA (a frozen copy); 0 with LoRA (adapter off)
+    reference    P * b when beta > 0 and no LoRA (a frozen copy); 0 with LoRA (adapter off).
+                 With ``model.ref_offload`` on CUDA it is resident only in its own pass
+                 (phase "reference": static + reference + one layer + chunk buffers)
     critic       P_critic * b * 4               (PPO: weights + grads + AdamW state of the value
                                                  model = the backbone without an untied lm_head)
     activations  micro * L * layers * (4H + 5 q_dim + 4 I + n_heads * L) * 4 bytes
@@ -181,6 +183,7 @@ def estimate_memory(
     gradient_checkpointing: bool = False,
     micro_batch: int | None = None,
     device: str = "cpu",
+    ref_offload: bool = False,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -188,7 +191,8 @@ def estimate_memory(
     batch); seq_len: prompt + completion tokens; completion_len: completion tokens; dtype:
     "float32" | "bfloat16" | "float16"; lora: None or {"r": int, "target_modules": [...]};
     algo: "grpo" | "ppo"; beta: KL coefficient (> 0 loads a reference unless LoRA);
-    optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda".
+    optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda"; ref_offload:
+    the reference copy lives in host memory outside its own pass (counted on "cuda" only).
     Returns a dict of components plus ``phases`` (generate/update peaks) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
@@ -245,7 +249,10 @@ def estimate_memory(
     kv_cache = 2 * nl * kv_dim * batch * seq_len * b
     gen_logits = 2 * batch * V * f32
     # the critic's weights and optimizer state are static; its grads exist during the update
-    static = weights + reference + (critic_params * b * 3 if algo == "ppo" else 0) + optim
+    # ref_offload on an accelerator: the reference is resident only for its own pass
+    offloaded = ref_offload and device == "cuda" and reference > 0
+    resident_ref = 0 if offloaded else reference
+    static = weights + resident_ref + (critic_params * b * 3 if algo == "ppo" else 0) + optim
     critic_grads = critic_params * b if algo == "ppo" else 0
     # grads (policy's and critic's) are allocated as the backward frees activations: at its
     # start only the chunked head's [V, H] buffers exist on top of the activations
@@ -253,7 +260,10 @@ def estimate_memory(
     step = grads + critic_grads
     update = static + max(backward, step)
     generate = static + kv_cache + gen_logits
-    peak = max(update, generate)
+    phases = {"generate": generate, "update": update}
+    if offloaded:  # no grads in the reference pass: one layer's activations + the chunk buffers
+        phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
+    peak = max(phases.values())
     return {
         "params": P,
         "trainable_params": P_train,
@@ -265,7 +275,7 @@ def estimate_memory(
         "activations": activations,
         "transient": grad_transient + layer_act,
         "kv_cache": kv_cache,
-        "phases": {"generate": generate, "update": update},
+        "phases": phases,
         "peak": peak,
     }
 
@@ -331,6 +341,7 @@ def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | Non
         chunk_size=cfg.model.logprob_chunk_size,
         gradient_checkpointing=gc,
         device=device,
+        ref_offload=cfg.model.ref_offload,
     )
 
 

@@ -265,7 +265,15 @@ def ref_logprobs(models: Models, batch, cfg, idx_all, micro):
     if models.reference == "adapter":
         with disable_adapter(models.policy) as base:
             return frozen_logprobs(base, batch, cfg, idx_all, micro)
-    return frozen_logprobs(models.reference, batch, cfg, idx_all, micro)
+    ref = models.reference
+    home = next(ref.parameters()).device
+    if home == models.device:
+        return frozen_logprobs(ref, batch, cfg, idx_all, micro)
+    ref.to(models.device)  # model.ref_offload: on the device for this pass only
+    try:
+        return frozen_logprobs(ref, batch, cfg, idx_all, micro)
+    finally:
+        ref.to(home)
 
 
 def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg: Config, step: int):
@@ -400,6 +408,9 @@ def setup_models(cfg: Config) -> Models:
         )
         if cfg.algo.beta > 0:
             reference = "adapter"
+    elif cfg.algo.beta > 0 and cfg.model.ref_offload and device.type != "cpu":
+        # loaded straight into host memory: never two copies on the device
+        reference = load_model(path, dtype=dtype, device="cpu").eval().requires_grad_(False)
     elif cfg.algo.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     return Models(policy, tokenizer, reference, device)
