@@ -63,12 +63,13 @@ from peergrade.models import (
     resolve_model_path,
 )
 from peergrade.trainer import (
+    MeanMetrics,
     Models,
     build_optimizer,
     frozen_logprobs,
     logprobs_of,
     micro_batches,
-    step_seed,
+    minibatch_schedule,
     trim,
 )
 
@@ -400,70 +401,62 @@ def ppo_update(
     a = cfg.algo
     mini = cfg.optim.minibatch_size or N
     micro = min(cfg.optim.micro_batch_size, mini)
-    all_idx = torch.arange(N, device=cmask.device)
     params = [p for p in models.policy.parameters() if p.requires_grad]
     c_params = critic.parameters()
     # KL in the reward: the loss has no KL term, but kl/mean is still reported.
     loss_beta = 0.0 if a.kl_in_reward else a.beta
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-
-    def add(key, value, w=1):
-        sums[key] = sums.get(key, 0.0) + value * w
-        counts[key] = counts.get(key, 0) + w
+    metrics = MeanMetrics()
+    add = metrics.add
 
     models.policy.train()
     critic.model.train()
-    for it in range(a.num_iterations):
-        g = torch.Generator().manual_seed(step_seed(cfg.train.seed, step, salt=1 + it))
-        order = all_idx if mini == N else torch.randperm(N, generator=g).to(cmask.device)
-        for mini_idx in micro_batches(order, mini):
-            num_tokens = cmask[mini_idx].sum().clamp(min=1)
-            optimizer.zero_grad(set_to_none=True)
-            critic.optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(mini_idx, micro):
-                ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
-                Tc = cm.shape[1]
-                logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
-                old = logp.detach() if old_lp is None else old_lp[mb, :Tc]
-                ref = None if ref_lp is None else ref_lp[mb, :Tc]
-                pl, m = ppo_policy_loss(
-                    logp,
-                    old,
-                    advantages[mb, :Tc],
-                    cm,
-                    clip_eps=a.clip_eps,
-                    clip_eps_high=a.clip_eps_high,
-                    ref_logp=ref,
-                    beta=loss_beta,
-                    kl_estimator=a.kl_estimator,
-                    num_tokens=num_tokens,
-                )
-                v = critic.model(ii, am, Tc)  # [mb, Tc]
-                vl, vm = value_loss(
-                    v, old_values[mb, :Tc], returns[mb, :Tc], cm, clip_eps=a.value_clip_eps
-                )
-                # value_loss is this micro-batch's token mean: reweight to the minibatch's.
-                vl = vl * (cm.sum() / num_tokens)
-                (pl + a.vf_coef * vl).backward()
-                # Losses here are this micro-batch's share of the minibatch's token mean; the
-                # weighted average below times len(mini)/len(mb) sums the shares per minibatch.
-                w, share = len(mb), len(mini_idx) / len(mb)
-                add("loss/value", vl.item() * share, w)
-                for k, val in {**m, **vm}.items():
-                    add(k, float(val) * (share if k.startswith("loss/") else 1.0), w)
-                n_tok = cm.sum().item()
-                if n_tok > 0:
-                    add("entropy/mean", (ent.detach() * cm).sum().item() / n_tok, w)
-            add("grad/norm", float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            add("grad/critic_norm", float(torch.nn.utils.clip_grad_norm_(c_params, max_norm)))
-            optimizer.step()
-            scheduler.step()
-            critic.optimizer.step()
+    for mini_idx in minibatch_schedule(cfg, step, N, cmask.device):
+        num_tokens = cmask[mini_idx].sum().clamp(min=1)
+        optimizer.zero_grad(set_to_none=True)
+        critic.optimizer.zero_grad(set_to_none=True)
+        for mb in micro_batches(mini_idx, micro):
+            ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
+            Tc = cm.shape[1]
+            logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
+            old = logp.detach() if old_lp is None else old_lp[mb, :Tc]
+            ref = None if ref_lp is None else ref_lp[mb, :Tc]
+            pl, m = ppo_policy_loss(
+                logp,
+                old,
+                advantages[mb, :Tc],
+                cm,
+                clip_eps=a.clip_eps,
+                clip_eps_high=a.clip_eps_high,
+                ref_logp=ref,
+                beta=loss_beta,
+                kl_estimator=a.kl_estimator,
+                num_tokens=num_tokens,
+            )
+            v = critic.model(ii, am, Tc)  # [mb, Tc]
+            vl, vm = value_loss(
+                v, old_values[mb, :Tc], returns[mb, :Tc], cm, clip_eps=a.value_clip_eps
+            )
+            # value_loss is this micro-batch's token mean: reweight to the minibatch's.
+            vl = vl * (cm.sum() / num_tokens)
+            (pl + a.vf_coef * vl).backward()
+            # Losses here are this micro-batch's share of the minibatch's token mean; the
+            # weighted average below times len(mini)/len(mb) sums the shares per minibatch.
+            w, share = len(mb), len(mini_idx) / len(mb)
+            add("loss/value", vl.item() * share, w)
+            for k, val in {**m, **vm}.items():
+                add(k, float(val) * (share if k.startswith("loss/") else 1.0), w)
+            n_tok = cm.sum().item()
+            if n_tok > 0:
+                add("entropy/mean", (ent.detach() * cm).sum().item() / n_tok, w)
+        add("grad/norm", float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        add("grad/critic_norm", float(torch.nn.utils.clip_grad_norm_(c_params, max_norm)))
+        optimizer.step()
+        scheduler.step()
+        critic.optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     critic.optimizer.zero_grad(set_to_none=True)
-    out = {k: sums[k] / max(counts[k], 1) for k in sums}
+    out = metrics.means()
     out["optim/lr"] = scheduler.get_last_lr()[0]
     return out
 

@@ -276,6 +276,33 @@ def ref_logprobs(models: Models, batch, cfg, idx_all, micro):
         ref.to(home)
 
 
+class MeanMetrics:
+    """Weighted means of the scalar metrics of one update call."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, value: float, w: int = 1) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value * w
+        self.counts[key] = self.counts.get(key, 0) + w
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+
+
+def minibatch_schedule(cfg: Config, step: int, N: int, device):
+    """The minibatches (index tensors) of one update call: ``algo.num_iterations`` passes over
+    the N rows, each pass in an order seeded by (seed, step, pass), cut into
+    ``optim.minibatch_size`` pieces (one optimizer step each)."""
+    mini = cfg.optim.minibatch_size or N
+    all_idx = torch.arange(N, device=device)
+    for it in range(cfg.algo.num_iterations):
+        g = torch.Generator().manual_seed(step_seed(cfg.train.seed, step, salt=1 + it))
+        order = all_idx if mini == N else torch.randperm(N, generator=g).to(device)
+        yield from micro_batches(order, mini)
+
+
 def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg: Config, step: int):
     """mu passes of minibatch updates; returns averaged metrics."""
     input_ids, attention_mask, cmask = batch
@@ -297,65 +324,58 @@ def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg:
     need_old = not single_update and not no_signal(all_idx)
     old_lp = frozen_logprobs(models.policy, batch, cfg, all_idx, micro) if need_old else None
     params = [p for p in models.policy.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-
-    def add(key, value, w=1):
-        sums[key] = sums.get(key, 0.0) + value * w
-        counts[key] = counts.get(key, 0) + w
+    metrics = MeanMetrics()
+    add = metrics.add
 
     models.policy.train()
-    for it in range(mu):
-        g = torch.Generator().manual_seed(step_seed(cfg.train.seed, step, salt=1 + it))
-        order = all_idx if mini == N else torch.randperm(N, generator=g).to(cmask.device)
-        for mini_idx in micro_batches(order, mini):
-            num_tokens = cmask[mini_idx].sum()
-            optimizer.zero_grad(set_to_none=True)
-            skip = no_signal(mini_idx)
-            add("update/zero_signal_frac", float(skip))
-            if skip:
-                add("loss/policy", 0.0, len(mini_idx))  # exactly: every token's loss is 0
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-            for mb in [] if skip else micro_batches(mini_idx, micro):
-                ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
-                Tc = cm.shape[1]
-                logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
-                old = logp.detach() if old_lp is None else old_lp[mb, :Tc]
-                ref = None if ref_lp is None else ref_lp[mb, :Tc]
-                loss, m = policy_loss(
-                    logp,
-                    old,
-                    advantages[mb],
-                    cm,
-                    loss_type=cfg.algo.loss_type,
-                    ratio_level=cfg.algo.ratio_level,
-                    clip_eps=cfg.algo.clip_eps,
-                    clip_eps_high=cfg.algo.clip_eps_high,
-                    ref_logp=ref,
-                    beta=cfg.algo.beta,
-                    kl_estimator=cfg.algo.kl_estimator,
-                    max_completion_length=cfg.rollout.max_completion_length,
-                    num_tokens=num_tokens,
-                )
-                # dapo/cispo already divide by the minibatch's token count; the per-micro-batch
-                # normalised types are averaged over micro-batches weighted by their size.
-                scale = 1.0 if cfg.algo.loss_type in ("dapo", "cispo") else len(mb) / len(mini_idx)
-                (loss * scale).backward()
-                w = len(mb)
-                add("loss/policy", loss.item(), w)
-                for k, v in m.items():
-                    add(k, float(v), w)
-                n_tok = cm.sum().item()
-                if n_tok > 0:
-                    add("entropy/mean", (ent.detach() * cm).sum().item() / n_tok, w)
-            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            add("grad/norm", float(gnorm))
-            optimizer.step()
-            scheduler.step()
+    for mini_idx in minibatch_schedule(cfg, step, N, cmask.device):
+        num_tokens = cmask[mini_idx].sum()
+        optimizer.zero_grad(set_to_none=True)
+        skip = no_signal(mini_idx)
+        add("update/zero_signal_frac", float(skip))
+        if skip:
+            add("loss/policy", 0.0, len(mini_idx))  # exactly: every token's loss is 0
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        for mb in [] if skip else micro_batches(mini_idx, micro):
+            ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
+            Tc = cm.shape[1]
+            logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
+            old = logp.detach() if old_lp is None else old_lp[mb, :Tc]
+            ref = None if ref_lp is None else ref_lp[mb, :Tc]
+            loss, m = policy_loss(
+                logp,
+                old,
+                advantages[mb],
+                cm,
+                loss_type=cfg.algo.loss_type,
+                ratio_level=cfg.algo.ratio_level,
+                clip_eps=cfg.algo.clip_eps,
+                clip_eps_high=cfg.algo.clip_eps_high,
+                ref_logp=ref,
+                beta=cfg.algo.beta,
+                kl_estimator=cfg.algo.kl_estimator,
+                max_completion_length=cfg.rollout.max_completion_length,
+                num_tokens=num_tokens,
+            )
+            # dapo/cispo already divide by the minibatch's token count; the per-micro-batch
+            # normalised types are averaged over micro-batches weighted by their size.
+            scale = 1.0 if cfg.algo.loss_type in ("dapo", "cispo") else len(mb) / len(mini_idx)
+            (loss * scale).backward()
+            w = len(mb)
+            add("loss/policy", loss.item(), w)
+            for k, v in m.items():
+                add(k, float(v), w)
+            n_tok = cm.sum().item()
+            if n_tok > 0:
+                add("entropy/mean", (ent.detach() * cm).sum().item() / n_tok, w)
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        add("grad/norm", float(gnorm))
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    out = {k: sums[k] / max(counts[k], 1) for k in sums}
+    out = metrics.means()
     out["optim/lr"] = scheduler.get_last_lr()[0]
     return out
 
