@@ -275,3 +275,28 @@ def test_evaluate_reports_format_rate(smol):
     # 6 tokens cannot hold a reasoning step plus "<answer>N</answer>" and the base model never
     # starts with the tag, so the rate is a real 0 (and the key exists)
     assert out["format_rate"] == 0.0 and out["n"] == 2
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_recipe_few_shot_prompt_renders_as_a_smollm2_chat(smol):
+    """The recipe's curriculum prompt, rendered with SmolLM2's own chat template: the solved
+    example exchange, then the question, then the open assistant turn."""
+    from peergrade.config import load_config
+    from peergrade.tasks import load_task, render_prompt
+    from peergrade.trainer import FewShot
+
+    _, tok = smol
+    cfg = load_config(str(CONFIG))
+    task = load_task(cfg.data.task, **cfg.data.task_options)
+    rows, frac = FewShot(cfg.data, task, seed=0).apply(task.eval_rows(2), step=1)
+    assert frac == 1.0
+    text = render_prompt(rows[0]["prompt"], tok)
+    turns = text.split("<|im_start|>")
+    roles = [t.split("\n", 1)[0] for t in turns[1:]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    example_reply = turns[3].split("\n", 1)[1]
+    assert example_reply.startswith("<answer>") and example_reply.rstrip().endswith(
+        "</answer><|im_end|>"
+    )
+    assert rows[0]["prompt"][-1]["content"] in turns[4] and text.endswith("assistant\n")
