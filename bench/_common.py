@@ -8,6 +8,8 @@
   before the timed region so that model building does not count.
 - ``alternate``: run the sides A, B, A, B, ... so slow drifts of a shared machine hit both.
 - ``median``, ``format_table``, ``load_note``.
+- ``build_random_qwen2``: a Qwen2-shaped model with random weights plus a character tokenizer
+  padded to its vocabulary, saved as a model directory (nothing downloaded).
 
 This module knows nothing about any particular benchmark.
 """
@@ -35,6 +37,42 @@ def load_note() -> str:
     if busy:
         note += ": other processes were busy, so timings are noisy"
     return note
+
+
+def build_random_qwen2(out, shape: dict, dtype=None, rope_theta: float | None = None) -> int:
+    """Save a random Qwen2 model of ``shape`` (vocab, hidden, layers, heads, kv_heads, inter and
+    optionally max_pos) with a char tokenizer padded to the vocabulary into ``out``; returns
+    the parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from peergrade.tiny import CHARS, build_char_tokenizer, tiny_config
+
+    tok = build_char_tokenizer(CHARS + [f"<x{i}>" for i in range(shape["vocab"] - len(CHARS) - 4)])
+    extra = {"max_position_embeddings": shape["max_pos"]} if "max_pos" in shape else {}
+    cfg = tiny_config(
+        "qwen2",
+        vocab_size=len(tok),
+        hidden_size=shape["hidden"],
+        num_layers=shape["layers"],
+        num_heads=shape["heads"],
+        num_kv_heads=shape["kv_heads"],
+        intermediate_size=shape["inter"],
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        **extra,
+    )
+    if rope_theta is not None:
+        cfg.rope_theta = rope_theta
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _status_kib(field: str) -> int | None:

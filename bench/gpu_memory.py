@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
 QWEN25_05B = dict(
     vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, max_pos=32768
 )
@@ -37,35 +40,6 @@ CONFIGS = {
     "grpo-lora": [("model.lora.enabled", True)],
     "grpo-refoff": [("model.ref_offload", True)],  # reference in host memory between its passes
 }
-
-
-def build_model_dir(out: Path, shape: dict, dtype) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from peergrade.tiny import CHARS, build_char_tokenizer, tiny_config
-
-    tok = build_char_tokenizer(CHARS + [f"<x{i}>" for i in range(shape["vocab"] - len(CHARS) - 4)])
-    cfg = tiny_config(
-        "qwen2",
-        vocab_size=len(tok),
-        hidden_size=shape["hidden"],
-        num_layers=shape["layers"],
-        num_heads=shape["heads"],
-        num_kv_heads=shape["kv_heads"],
-        intermediate_size=shape["inter"],
-        max_position_embeddings=shape["max_pos"],
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    cfg.rope_theta = 1_000_000.0
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> int:
@@ -108,7 +82,7 @@ def main() -> int:
     rows, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="peergrade-gpu-bench-") as tmp:
         t0 = time.perf_counter()
-        n = build_model_dir(Path(tmp), shape, dtype)
+        n = _common.build_random_qwen2(Path(tmp), shape, dtype, rope_theta=1_000_000.0)
         print(
             f"model: Qwen2.5-0.5B-shaped ({n / 1e6:.0f}M parameters, vocab {shape['vocab']}), "
             f"{dtype_name}, random weights (built in {time.perf_counter() - t0:.0f} s); batch "

@@ -29,56 +29,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def load_note() -> str:
-    one, five, _ = os.getloadavg()
-    busy = ": other processes were busy (timings noisy; memory is per process)" if one > 1 else ""
-    return f"load average {one:.1f} (1 min), {five:.1f} (5 min) on {os.cpu_count()} CPUs{busy}"
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 SIZES = {
-    # name: (vocab, hidden, layers, heads, kv_heads, intermediate)
-    "30m": (32000, 512, 6, 8, 2, 1408),
-    "150m": (50000, 768, 12, 12, 4, 3072),
-    "tiny": (2000, 64, 2, 4, 2, 256),
+    "30m": dict(vocab=32000, hidden=512, layers=6, heads=8, kv_heads=2, inter=1408),
+    "150m": dict(vocab=50000, hidden=768, layers=12, heads=12, kv_heads=4, inter=3072),
+    "tiny": dict(vocab=2000, hidden=64, layers=2, heads=4, kv_heads=2, inter=256),
 }
 CONFIGS = {
     "grpo": [],
     "ppo": [("algo.name", "ppo")],
     "grpo-lora": [("model.lora.enabled", True)],
 }
-
-
-def build_model_dir(out: Path, vocab, hidden, layers, heads, kv_heads, inter) -> int:
-    """A random Qwen2 model + a char tokenizer padded with dummy tokens to ``vocab``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from peergrade.tiny import CHARS, build_char_tokenizer, tiny_config
-
-    tok = build_char_tokenizer(CHARS + [f"<x{i}>" for i in range(vocab - len(CHARS) - 4)])
-    cfg = tiny_config(
-        "qwen2",
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        intermediate_size=inter,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -103,7 +71,7 @@ def main() -> None:
     from peergrade.config import load_config
     from peergrade.memory import GB, estimate_for_config, format_table, measure_memory
 
-    print(f"note: {load_note()}")
+    print(f"note: {_common.load_note()}")
     print(
         "CPU, float32, AdamW; peak RSS above the child's baseline (imports + warm-up), "
         f"max over {args.steps} steps; allocator {args.allocator}; batch {args.prompts} x {args.group} completions, "
@@ -112,8 +80,10 @@ def main() -> None:
     summary = []
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"peergrade-bench-{size}-") as tmp:
-            n = build_model_dir(Path(tmp), *SIZES[size])
-            print(f"\n== {size}: Qwen2-shaped, {n / 1e6:.1f}M parameters, vocab {SIZES[size][0]}")
+            n = _common.build_random_qwen2(Path(tmp), SIZES[size])
+            print(
+                f"\n== {size}: Qwen2-shaped, {n / 1e6:.1f}M parameters, vocab {SIZES[size]['vocab']}"
+            )
             base = [
                 ("model.path", tmp),
                 ("model.device", "cpu"),
