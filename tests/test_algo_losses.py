@@ -598,3 +598,97 @@ def test_gspo_token_form_matches_sequence_objective_gradient():
     (g_ref,) = torch.autograd.grad(seq_loss, y)
     torch.testing.assert_close(loss, seq_loss, atol=1e-14, rtol=0)
     torch.testing.assert_close(g, g_ref, atol=1e-14, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# gradient accumulation (num_sequences) and per-token advantages
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_micro_batch_shares_add_up_to_the_minibatch_loss(loss_type, beta):
+    """Split a minibatch of 6 into micro-batches of 2 and 4: with num_sequences (and the
+    minibatch's num_tokens) the micro-batch losses and gradients sum to the whole-batch ones."""
+    logp, old, ref, adv, mask = _random_batch(3)
+    logp = logp.masked_fill(mask == 0, 0.0).requires_grad_(True)
+    kw = dict(loss_type=loss_type, beta=beta, max_completion_length=7)
+    n_tok = mask.sum()
+    whole, _ = policy_loss(logp, old, adv, mask, ref_logp=ref, num_tokens=n_tok, **kw)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    parts, grads = [], torch.zeros_like(logp)
+    for idx in (slice(0, 2), slice(2, 6)):
+        lp = logp[idx].detach().requires_grad_(True)
+        args = (lp, old[idx], adv[idx], mask[idx])
+        kw_i = dict(kw, ref_logp=ref[idx], num_tokens=n_tok)
+        part, m = policy_loss(*args, num_sequences=6, **kw_i)
+        unscaled, _ = policy_loss(*args, **kw_i)
+        if loss_type in ("dapo", "cispo"):  # already normalised by the minibatch's tokens
+            assert part.item() == unscaled.item()
+        else:
+            assert part.item() == pytest.approx(unscaled.item() * lp.shape[0] / 6, rel=1e-12)
+        assert m["loss/policy"] == pytest.approx(
+            unscaled.item() - (m["loss/kl"] if beta else 0.0), rel=1e-9, abs=1e-12
+        )
+        (g,) = torch.autograd.grad(part, lp)
+        grads[idx] = g
+        parts.append(part.item())
+    assert sum(parts) == pytest.approx(whole.item(), rel=1e-10)
+    assert torch.allclose(grads, g_whole, atol=1e-12)
+
+
+def test_bnpo_micro_batch_share_is_size_weighted():
+    logp, old, _, adv, mask = _random_batch(4)
+    part, _ = policy_loss(logp[:2], old[:2], adv[:2], mask[:2], loss_type="bnpo", num_sequences=6)
+    own, _ = policy_loss(logp[:2], old[:2], adv[:2], mask[:2], loss_type="bnpo")
+    assert part.item() == pytest.approx(own.item() * 2 / 6, rel=1e-12)
+
+
+def test_num_sequences_must_cover_the_rows():
+    logp, old, adv, mask = _ok_args()
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="num_sequences: expected an int >= B = 2"):
+            policy_loss(logp, old, adv, mask, num_sequences=bad)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_per_token_advantages_match_a_loop_reference(loss_type):
+    """[B, T] advantages (PPO): each token's surrogate uses its own advantage."""
+    g = torch.Generator().manual_seed(5)
+    logp, old, ref, _, mask = _random_batch(5)
+    adv_t = torch.randn(logp.shape, generator=g, dtype=torch.float64)
+    logp = logp.masked_fill(mask == 0, float("nan")).requires_grad_(True)  # padding garbage
+    loss, m = policy_loss(
+        logp, old, adv_t, mask, loss_type=loss_type, max_completion_length=7, clip_eps_high=0.28
+    )
+    eps, hi = 0.2, 0.28
+    B, T = logp.shape
+    seq = []
+    for i in range(B):
+        terms = []
+        for t in range(T):
+            if mask[i, t] != 1:
+                continue
+            x = logp[i, t]
+            r = torch.exp(x - old[i, t])
+            a = float(adv_t[i, t])
+            if loss_type == "cispo":
+                terms.append(-min(float(r.detach()), 1 + hi) * a * x)
+            else:
+                terms.append(-torch.minimum(r * a, r.clamp(1 - eps, 1 + hi) * a))
+        seq.append(terms)
+    n = sum(len(s) for s in seq)
+    total = sum(sum(s) for s in seq if s)
+    if loss_type == "grpo":
+        ref_loss = sum(sum(s) / len(s) for s in seq if s) / B
+    elif loss_type == "dr_grpo":
+        ref_loss = total / (B * 7)
+    else:
+        ref_loss = total / n
+    assert loss.item() == pytest.approx(float(ref_loss.detach()), rel=1e-10)
+    (g1,) = torch.autograd.grad(loss, logp)
+    (g2,) = torch.autograd.grad(ref_loss, logp)
+    assert torch.allclose(g1.nan_to_num(0.0), g2.nan_to_num(0.0), atol=1e-12)
+    assert torch.isfinite(g1).all()
+    adv_mean = float((adv_t * mask).sum() / mask.sum())
+    assert m["advantage/mean"] == pytest.approx(adv_mean, rel=1e-9)

@@ -52,18 +52,35 @@ Only tokens with ``mask == 1`` exist for the recursion: padded or masked positio
 bootstrapped after the last valid token is 0 (the episode ends there). Rewards and values at
 ``mask == 0`` positions are ignored, and advantages and returns there are 0.
 
+PPO's token-level pieces around ``gae``:
+
+- ``token_rewards(seq_rewards, mask, old_logp, ref_logp, beta)``: per-token rewards (Ouyang et
+  al. 2022, "InstructGPT"; Ziegler et al. 2019): ``r_t = -beta * (old_logp_t - ref_logp_t)`` on
+  counted tokens (k1 KL, when both log-probs are given and beta > 0), plus the sequence reward
+  on the row's last counted token (``last_token_index``); NaN sequence rewards count as 0.
+- ``whiten(x, mask)``: ``(x - mean) / (std + eps)`` over counted entries (population std), 0
+  elsewhere; ``masked_std`` is that std, the ``advantage/std`` PPO logs.
+
 What it deliberately does not do
 --------------------------------
-No whitening of GAE advantages (a trainer choice, applied by the caller), no reward shaping or
-KL-in-reward, no gradients (all outputs are constants for the loss), no I/O, no config objects.
-It imports torch only.
+No reward functions, no gradients (all outputs are constants for the loss), no I/O, no config
+objects. It imports torch only.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["gae", "group_advantages"]
+from peergrade.algo.losses import kl_divergence
+
+__all__ = [
+    "gae",
+    "group_advantages",
+    "last_token_index",
+    "masked_std",
+    "token_rewards",
+    "whiten",
+]
 
 _SCALES = ("group", "batch", "none")
 _BASELINES = ("mean", "leave_one_out")
@@ -216,3 +233,54 @@ def gae(
             next_value = torch.where(ok, v[:, t], next_value)
         returns = torch.where(valid, adv + v, torch.zeros_like(v))  # [B, T]
     return adv, returns
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Column of each row's last ``mask == 1`` token (-1 for a row with none).  # [B]"""
+    B, T = mask.shape
+    cols = torch.arange(T, device=mask.device).expand(B, T)
+    return torch.where(mask == 1, cols, torch.full_like(cols, -1)).amax(dim=1)
+
+
+def token_rewards(
+    seq_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards ``[B, T]``: ``-beta * (old_logp - ref_logp)`` on counted tokens (when
+    both log-probs are given and beta > 0) plus ``seq_rewards[b]`` on row b's last counted
+    token. NaN sequence rewards count as 0; a row with no counted token gets nothing."""
+    B, T = mask.shape
+    if seq_rewards.shape != (B,):
+        raise ValueError(f"seq_rewards: expected shape ({B},), got {tuple(seq_rewards.shape)}")
+    valid = mask == 1  # [B, T]
+    r = torch.zeros(B, T, dtype=torch.float32, device=mask.device)  # [B, T]
+    if beta > 0 and old_logp is not None and ref_logp is not None:
+        kl = kl_divergence(old_logp.float(), ref_logp.float(), "k1")  # [B, T]
+        r = torch.where(valid, -beta * kl, r)
+    last = last_token_index(mask)  # [B]
+    rows = torch.nonzero(last >= 0).squeeze(1)  # [B']
+    score = torch.nan_to_num(seq_rewards.float().to(mask.device), nan=0.0)  # [B]
+    r[rows, last[rows]] += score[rows]
+    return r
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) over ``mask == 1`` entries (population std); 0 elsewhere."""
+    valid = mask == 1
+    n = valid.sum().clamp(min=1)
+    xm = torch.where(valid, x, torch.zeros_like(x))
+    mean = xm.sum() / n
+    var = (torch.where(valid, x - mean, torch.zeros_like(x)) ** 2).sum() / n
+    return torch.where(valid, (x - mean) / (var.sqrt() + eps), torch.zeros_like(x))
+
+
+def masked_std(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Population std of ``x`` over ``mask == 1`` entries (0 with none)."""
+    valid = mask == 1
+    n = valid.sum().clamp(min=1)
+    mean = (x * valid).sum() / n
+    return (((x - mean) * valid) ** 2).sum().div(n).sqrt().item()

@@ -12,7 +12,8 @@ d = ref_logp - logp = log(pi_ref / pi):
 
 ``policy_loss(logp, old_logp, advantages, mask, ...)``: the clipped surrogate of PPO
 (Schulman et al. 2017) as used by GRPO (DeepSeekMath, Shao et al. 2024), per token t of
-sequence i, with A_i the sequence's advantage (one scalar per completion):
+sequence i, with A_i the sequence's advantage (one scalar per completion, ``[B]``; PPO passes
+one advantage per token, ``[B, T]``, and A_i becomes A_it below):
 
     rho_it = exp(logp_it - old_logp_it)                                  (ratio_level="token")
     l_it   = -min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps_high) A_i) + beta * KL_it
@@ -49,6 +50,14 @@ accumulation steps and processes) so that micro-batch losses add up to the globa
 it defaults to sum m (local). It is used by ``dapo`` and ``cispo`` only. A sequence with no
 active token contributes 0 to ``grpo`` but still counts in the mean over B (as in TRL).
 
+``num_sequences`` is the minibatch rule for gradient accumulation: when the B sequences here
+are one micro-batch of a minibatch of ``num_sequences`` sequences, the returned loss of the
+per-batch normalised types (``grpo``, ``bnpo``, ``dr_grpo``) is scaled by B / num_sequences,
+its share of the minibatch, so that the micro-batch gradients add up to the minibatch's
+(size-weighted for ``bnpo``, exact for the others). ``dapo`` and ``cispo`` are already
+normalised by the minibatch's ``num_tokens`` and are not scaled. The metrics stay this
+micro-batch's own normalised values.
+
 Metrics (python floats, computed without gradient over tokens with ``mask == 1``; a fraction
 over zero tokens is 0):
 
@@ -61,7 +70,8 @@ over zero tokens is 0):
   token carries its sequence's ratio, so the mean is token-weighted); all 0 with no tokens.
 - ``kl/mean``: token mean of the chosen KL estimator whenever ``ref_logp`` is given (also with
   ``beta == 0``, for monitoring), 0.0 when it is not.
-- ``advantage/mean``: mean of ``advantages`` over the B sequences (not token-weighted).
+- ``advantage/mean``: mean of ``advantages`` over the B sequences (not token-weighted); for
+  ``[B, T]`` advantages, their mean over active tokens.
 - ``loss/policy``: the aggregated surrogate part of the loss; ``loss/kl``: the aggregated
   ``beta * KL`` part (0.0 without a KL term). ``loss == loss/policy + loss/kl``.
 
@@ -172,13 +182,14 @@ def policy_loss(
     kl_estimator: str = "k3",
     max_completion_length: int | None = None,
     num_tokens: float | int | torch.Tensor | None = None,
+    num_sequences: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss over a batch of completions (see the module docstring).
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens under the current policy (with grad).
         old_logp: ``[B, T]`` log-probs under the policy that sampled them (detached here).
-        advantages: ``[B]`` one advantage per sequence.
+        advantages: ``[B]`` one advantage per sequence (GRPO), or ``[B, T]`` one per token (PPO).
         mask: ``[B, T]``, ``mask == 1`` marks completion tokens that count.
         loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"`` or ``"cispo"``.
         ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
@@ -189,6 +200,8 @@ def policy_loss(
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
         max_completion_length: the constant normaliser of ``dr_grpo`` (required there).
         num_tokens: global active-token count for ``dapo``/``cispo`` (default: ``mask.sum()``).
+        num_sequences: sequences in the minibatch these B belong to (gradient accumulation):
+            the loss of ``grpo``/``bnpo``/``dr_grpo`` is scaled by B / num_sequences.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
@@ -204,9 +217,12 @@ def policy_loss(
     _check_same_shape("mask", mask, "logp", logp)
     if ref_logp is not None:
         _check_same_shape("ref_logp", ref_logp, "logp", logp)
-    if not isinstance(advantages, torch.Tensor) or advantages.shape != (B,):
+    if not isinstance(advantages, torch.Tensor) or advantages.shape not in ((B,), (B, T)):
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
-        raise ValueError(f"advantages: expected shape ({B},) (one per sequence of logp), got {got}")
+        raise ValueError(
+            f"advantages: expected shape ({B},) (one per sequence of logp) or ({B}, {T}) "
+            f"(one per token), got {got}"
+        )
     if loss_type not in _LOSS_TYPES:
         raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
     if ratio_level not in _RATIO_LEVELS:
@@ -248,6 +264,15 @@ def policy_loss(
             ok = _is_number(num_tokens) and num_tokens > 0
         if not ok:
             raise ValueError(f"num_tokens: expected a positive count, got {num_tokens!r}")
+    if num_sequences is not None and not (
+        isinstance(num_sequences, numbers.Integral)
+        and not isinstance(num_sequences, bool)
+        and num_sequences >= B
+    ):
+        raise ValueError(
+            f"num_sequences: expected an int >= B = {B} (the minibatch these rows belong to), "
+            f"got {num_sequences!r}"
+        )
 
     # ---- per-token quantities ----------------------------------------------------------
     valid = _check_mask(mask)  # [B, T] bool
@@ -256,7 +281,10 @@ def policy_loss(
     # Padding may hold -inf/NaN: replace it before any arithmetic so it cannot poison grads.
     lp = torch.where(valid, logp, zero)  # [B, T]
     old = torch.where(valid, old_logp.detach().to(logp.dtype), zero)  # [B, T]
-    adv = advantages.detach().to(logp.dtype)[:, None]  # [B, 1]
+    if advantages.dim() == 1:
+        adv = advantages.detach().to(logp.dtype)[:, None]  # [B, 1]
+    else:
+        adv = torch.where(valid, advantages.detach().to(logp.dtype), zero)  # [B, T]
 
     log_ratio = lp - old  # [B, T], 0 on padding
     if ratio_level == "token":
@@ -323,6 +351,9 @@ def policy_loss(
 
     loss_pg = aggregate(pg)
     loss = loss_pg + beta * aggregate(kl) if use_kl else loss_pg
+    share = 1.0
+    if num_sequences is not None and loss_type in ("grpo", "bnpo", "dr_grpo"):
+        share = B / num_sequences  # this micro-batch's share of the minibatch
 
     # ---- metrics (no grad, one host sync) ------------------------------------------------
     with torch.no_grad():
@@ -343,7 +374,7 @@ def policy_loss(
                 torch.where(has_tokens, r_min, zero),
                 torch.where(has_tokens, r_max, zero),
                 (kl.detach() * m).sum() / denom if kl is not None else zero,
-                adv.mean(),
+                adv.mean() if advantages.dim() == 1 else (adv * m).sum() / denom,
                 loss_pg.detach(),
                 (loss - loss_pg).detach() if use_kl else zero,
             ]
@@ -360,7 +391,7 @@ def policy_loss(
         "loss/policy",
         "loss/kl",
     )
-    return loss, dict(zip(names, values))
+    return (loss * share if share != 1.0 else loss), dict(zip(names, values))
 
 
 def value_loss(
