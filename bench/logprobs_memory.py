@@ -44,7 +44,7 @@ def child(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from peergrade.models import naive_token_logprobs, token_logprobs
+    from peergrade.logprobs import naive_token_logprobs, token_logprobs
     from peergrade.tiny import tiny_config
 
     torch.set_num_threads(args.threads)

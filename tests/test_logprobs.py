@@ -15,13 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from peergrade.models import (
-    _ChunkedLogProbs,
-    apply_lora,
-    naive_token_logprobs,
-    position_ids_from_mask,
-    token_logprobs,
-)
+from peergrade.logprobs import _ChunkedLogProbs, naive_token_logprobs, token_logprobs
+from peergrade.models import apply_lora, position_ids_from_mask
 
 TOL = 1e-5
 

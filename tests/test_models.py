@@ -9,14 +9,13 @@ import shutil
 import pytest
 import torch
 
+from peergrade.logprobs import naive_token_logprobs, token_logprobs
 from peergrade.models import (
     ModelLoadError,
     apply_lora,
     disable_adapter,
     load_model,
     load_tokenizer,
-    naive_token_logprobs,
-    token_logprobs,
 )
 
 

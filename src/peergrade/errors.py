@@ -4,8 +4,8 @@ An error that subclasses ``PeergradeError`` carries a complete message: it names
 key or argument at fault and what was expected. ``peergrade`` prints it as one line
 ``error: <message>`` and exits with status 2. Anything else is a bug and keeps its traceback.
 
-The concrete classes live next to the code that raises them (``ModelLoadError`` in models,
-``DataError`` in tasks.files, ``RewardError`` in rewards, ``RunDirError`` in checkpoint); each
+The concrete classes live next to the code that raises them (``ModelLoadError`` here, shared
+by models and gguf; ``DataError`` in tasks.files, ``RewardError`` in rewards, ``RunDirError`` in checkpoint); each
 also keeps its historical builtin base (``ValueError`` / ``RuntimeError``) so existing
 ``except ValueError`` code still catches it. ``user_input`` turns a plain ValueError raised while
 resolving a user-given name into an ``InputError``.
@@ -22,6 +22,10 @@ class PeergradeError(Exception):
 
 class InputError(PeergradeError, ValueError):
     """Bad user input that has no more specific class (unknown task or reward name, bad option)."""
+
+
+class ModelLoadError(PeergradeError, ValueError):
+    """A model or tokenizer directory is missing something, or is not a causal LM."""
 
 
 @contextmanager

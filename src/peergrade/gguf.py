@@ -45,7 +45,9 @@ from pathlib import Path
 
 import torch
 
-from peergrade.models import DTYPES, ModelLoadError
+from peergrade.errors import ModelLoadError
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = [
     "PYPI_MODELS",
@@ -194,7 +196,7 @@ def convert_gguf(src, out_dir, *, dtype: str = "float32", overwrite: bool = Fals
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = load_gguf_tokenizer(f)
-    model = load_gguf_model(f, DTYPES[dtype])
+    model = load_gguf_model(f, getattr(torch, dtype))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -1,0 +1,306 @@
+"""The chunked log-prob engine: per-token log-probs (and entropies) of completion tokens,
+computed without ever materialising the ``[B, L, V]`` logits.
+
+``token_logprobs(model, input_ids, attention_mask, completion_mask, ...)`` is what the update,
+the reference pass and the PPO ratio all call; ``naive_token_logprobs`` is the plain reference
+(full logits), kept for tests and the memory benchmark.
+
+The log-prob computation
+------------------------
+For a sequence ``x`` of length ``L`` whose last ``C`` tokens are the completion, the log-prob of
+completion token ``j`` (column ``L-C+j``) comes from the logits at column ``L-C+j-1``::
+
+    z     = (h_{L-C+j-1} W^T + b) / temperature           # [V], float32
+    logp  = z[x_{L-C+j}] - logsumexp(z)
+    H     = -sum_v softmax(z)_v log softmax(z)_v           # entropy of the tempered distribution
+
+The backbone (everything up to and including the final norm) runs once on ``[B, L]`` with
+``position_ids = clamp(cumsum(attention_mask) - 1, min=0)`` so left padding does not shift the
+positions. Only the hidden states of positions whose ``completion_mask == 1`` are gathered
+(``[M, H]``), and ``lm_head`` + temperature + log-softmax run over chunks of ``chunk_size`` of
+those positions inside ``_ChunkedLogProbs``, a ``torch.autograd.Function`` that keeps only the
+selected log-prob, the entropy and the per-position logsumexp. Its backward recomputes each
+chunk's logits and uses
+
+    d logp / d z   = onehot(target) - p                       (p = softmax(z))
+    d H    / d z_k = -p_k (log p_k + H)
+
+so the gradient w.r.t. the hidden states, ``lm_head.weight`` and the bias is formed one chunk at a
+time as well. Peak extra memory is about two ``[chunk_size, V]`` float32 buffers instead of
+several ``[B, C, V]`` ones. The matmul runs in the weight's dtype and the logits are upcast to
+float32 per chunk (which is also what the naive path does with a bf16 model's logits). Tied
+embeddings need nothing special: ``lm_head.weight`` is passed to the Function as a tensor, and
+autograd adds its gradient to the embedding's.
+
+An ``lm_head`` that is not a plain ``nn.Linear`` (e.g. LoRA applied to ``lm_head``) falls back to
+calling the module per chunk under ``torch.utils.checkpoint``, which also recomputes per chunk in
+the backward.
+
+What it deliberately does not do
+--------------------------------
+* It does not read the training config: everything comes in as plain arguments.
+* Models whose logits are post-processed after ``lm_head`` (Gemma-2 logit soft-capping, Cohere's
+  ``logit_scale``) are refused (``find_backbone_and_head``) rather than silently computed wrong.
+* No loading (``peergrade.models``), no loss (``peergrade.algo``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from peergrade.models import find_backbone_and_head, position_ids_from_mask
+
+__all__ = ["token_logprobs", "naive_token_logprobs"]
+
+
+def _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size=1):
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L]; got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    B, L = input_ids.shape
+    if completion_mask.dim() != 2 or completion_mask.shape[0] != B:
+        raise ValueError(
+            f"completion_mask must be [B, C] with B={B}; got shape {tuple(completion_mask.shape)}"
+        )
+    C = completion_mask.shape[1]
+    if not 0 < C < L:
+        raise ValueError(
+            f"completion_mask covers C={C} columns of L={L}: need 0 < C < L (the first "
+            "completion token is predicted from the token before it)"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}: expected a positive number")
+    if int(chunk_size) != chunk_size or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r}: expected a positive integer")
+    return B, L, C
+
+
+def _acc_dtype(weight) -> torch.dtype:
+    """float32, or float64 for a float64 weight (so gradcheck can run in double precision)."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _chunk_logits(h, weight, bias, temperature):
+    """float32 logits / temperature of one chunk; the matmul runs in the weight's dtype."""
+    acc = _acc_dtype(weight)
+    z = (h.to(weight.dtype) @ weight.t()).to(acc)  # [c, V]
+    if bias is not None:
+        z = z + bias.to(acc)
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """logp (and entropy) of ``targets`` under ``softmax((hidden W^T + b) / T)``, chunk by chunk.
+
+    forward(hidden [M, H], weight [V, H], bias [V] | None, targets [M], temperature, chunk_size,
+    with_entropy) -> logp [M] (float32), plus entropy [M] when with_entropy.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+        M, acc = hidden.shape[0], _acc_dtype(weight)
+        logp = torch.empty(M, dtype=acc, device=hidden.device)  # [M]
+        lse = torch.empty(M, dtype=acc, device=hidden.device)  # [M]
+        ent = torch.empty(M, dtype=acc, device=hidden.device) if with_entropy else None
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            for s in range(0, M, chunk_size):
+                e = min(s + chunk_size, M)
+                z = _chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+                lse_c = torch.logsumexp(z, dim=-1)  # [c]
+                lse[s:e] = lse_c
+                z.sub_(lse_c[:, None])  # z is now log p   # [c, V]
+                logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
+                if with_entropy:
+                    ent[s:e] = -(z.exp().mul_(z)).sum(-1)  # -sum p log p, one extra buffer
+                del z
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        if with_entropy:
+            return logp, ent
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent=None):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        T, cs = ctx.temperature, ctx.chunk_size
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logp is None and grad_ent is None:
+            return (None,) * 7
+        M, acc = hidden.shape[0], _acc_dtype(weight)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = (
+            torch.zeros(bias.shape, dtype=acc, device=bias.device)
+            if need_b and bias is not None
+            else None
+        )
+        rows = torch.arange(min(cs, M), device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            for s in range(0, M, cs):
+                e = min(s + cs, M)
+                c = e - s
+                h_c = hidden[s:e].to(weight.dtype)  # [c, H]
+                logp_full = _chunk_logits(h_c, weight, bias, T)  # [c, V]
+                logp_full.sub_(lse[s:e, None])  # log p
+                # g = dL/dz = -p * (g_logp + g_ent * (log p + H)) + g_logp * onehot(target),
+                # built in place: at most two [c, V] buffers (log p and p) live at once.
+                if grad_ent is not None:
+                    p = logp_full.exp()  # [c, V]
+                    g = logp_full.add_(ent[s:e, None]).mul_(grad_ent[s:e, None])
+                    if grad_logp is not None:
+                        g.add_(grad_logp[s:e, None])
+                    g.mul_(p).neg_()
+                    del p
+                else:
+                    g = logp_full.exp_().mul_(-grad_logp[s:e, None])  # -p * g_logp
+                if grad_logp is not None:
+                    g[rows[:c], targets[s:e]] += grad_logp[s:e]
+                if T != 1.0:
+                    g.div_(T)  # z = raw / T
+                g_w = g.to(weight.dtype)  # [c, V]
+                if need_h:
+                    grad_h[s:e] = (g_w @ weight).to(hidden.dtype)
+                if need_w:
+                    if g_w.dtype == acc:  # accumulate in place: no [V, H] product buffer
+                        grad_w.addmm_(g_w.t(), h_c)
+                    else:  # one [V, H] product in the weight's dtype, added with upcast
+                        grad_w.add_(g_w.t() @ h_c)
+                if grad_b is not None:
+                    grad_b.add_(g.sum(0))
+                del g, g_w
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _module_chunk(head, h, targets, temperature, with_entropy):
+    """Fallback for a non-Linear lm_head: logp (and entropy) of one chunk via the module."""
+    z = head(h).float()  # [c, V]
+    if temperature != 1.0:
+        z = z / temperature
+    logp_full = torch.log_softmax(z, dim=-1)
+    logp = logp_full.gather(1, targets[:, None]).squeeze(1)
+    if with_entropy:
+        return logp, -(logp_full.exp() * logp_full).sum(-1)
+    return logp, torch.zeros_like(logp)
+
+
+def _backbone_hidden(model, input_ids, attention_mask):
+    backbone, head = find_backbone_and_head(model)
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden, head  # [B, L, H]
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """Per-token log-probs of the completion, chunked over positions (see the module docstring).
+
+    input_ids, attention_mask: [B, L] (left padding allowed; ``attention_mask == 1`` = real token).
+    completion_mask: [B, C] over the LAST C columns of input_ids; ``completion_mask == 1`` marks the
+    tokens whose log-prob is wanted. Returns logp [B, C] float32 (0 where completion_mask == 0),
+    or (logp, entropy), both [B, C], when with_entropy. Both are differentiable.
+
+    chunk_size: positions per lm_head chunk. Each chunk holds about two [chunk_size, V] float32
+    buffers: with V = 151936, 1024 positions are ~0.6 GB each.
+    """
+    B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size)
+    sel = completion_mask.bool()  # [B, C]
+    hidden, head = _backbone_hidden(model, input_ids, attention_mask)  # [B, L, H]
+    h_sel = hidden[:, L - C - 1 : L - 1][sel]  # [M, H]
+    targets = input_ids[:, L - C :][sel].long()  # [M]
+    if isinstance(head, nn.Linear):
+        out = _ChunkedLogProbs.apply(
+            h_sel,
+            head.weight,
+            head.bias,
+            targets,
+            float(temperature),
+            int(chunk_size),
+            with_entropy,
+        )
+        logp_sel, ent_sel = out if with_entropy else (out, None)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [
+            checkpoint(
+                _module_chunk,
+                head,
+                h_sel[s : s + chunk_size],
+                targets[s : s + chunk_size],
+                float(temperature),
+                with_entropy,
+                use_reentrant=False,
+            )
+            for s in range(0, h_sel.shape[0], chunk_size)
+        ]
+        if parts:
+            logp_sel = torch.cat([a for a, _ in parts])  # [M]
+            ent_sel = torch.cat([b for _, b in parts])  # [M]
+        else:  # no position selected at all
+            logp_sel = ent_sel = h_sel.new_zeros(0, dtype=torch.float32)
+    zeros = torch.zeros(B, C, dtype=torch.float32, device=input_ids.device)
+    logp = zeros.masked_scatter(sel, logp_sel)  # [B, C]
+    if with_entropy:
+        return logp, zeros.masked_scatter(sel, ent_sel)
+    return logp
+
+
+def naive_token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """Reference for ``token_logprobs``: the full model forward, full ``[B, C, V]`` float32
+    logits, log_softmax, gather. Same signature and outputs; ``chunk_size`` is ignored.
+
+    This is what most trainers do (with ``logits_to_keep = C + 1``); it is kept for tests and the
+    memory benchmark, not for training.
+    """
+    B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=C + 1,
+    )
+    logits = out.logits[:, -(C + 1) : -1].float()  # [B, C, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_full = torch.log_softmax(logits, dim=-1)  # [B, C, V]
+    logp = logp_full.gather(-1, input_ids[:, L - C :, None]).squeeze(-1)  # [B, C]
+    mask = completion_mask.to(logp.dtype)
+    if with_entropy:
+        ent = -(logp_full.exp() * logp_full).sum(-1)  # [B, C]
+        return logp * mask, ent * mask
+    return logp * mask
