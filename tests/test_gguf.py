@@ -204,14 +204,14 @@ def test_generate_matches_hf_greedy(smol):
 @pytest.mark.slow
 @needs_smollm2
 def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
-    """trainer.update on a group of two sampled completions with advantages (+1, -1): weights
+    """update.grpo_update on a group of two sampled completions with advantages (+1, -1): weights
     change, and the log-prob gap (better minus worse completion) grows."""
     import copy
 
     from peergrade.config import load_config
-    from peergrade.models import token_logprobs
+    from peergrade.logprobs import token_logprobs
     from peergrade.rollout import generate
-    from peergrade.trainer import Models, lr_lambda, update
+    from peergrade.update import Models, grpo_update, lr_lambda
 
     base, tok = smol
     model = copy.deepcopy(base)
@@ -234,7 +234,8 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
     w0 = model.model.layers[0].mlp.down_proj.weight.detach().clone()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, 1))
-    m = update(Models(model, tok, None, torch.device("cpu")), opt, sched, batch, adv, None, cfg, 1)
+    models = Models(model, tok, None, torch.device("cpu"))
+    m = grpo_update(models, opt, sched, batch, adv, None, cfg, 1)
     after = seq_logp()
 
     assert m["grad/norm"] > 0
@@ -284,12 +285,12 @@ def test_recipe_few_shot_prompt_renders_as_a_smollm2_chat(smol):
     example exchange, then the question, then the open assistant turn."""
     from peergrade.config import load_config
     from peergrade.tasks import load_task, render_prompt
-    from peergrade.trainer import FewShot
+    from peergrade.trainer import build_few_shot
 
     _, tok = smol
     cfg = load_config(str(CONFIG))
     task = load_task(cfg.data.task, **cfg.data.task_options)
-    rows, frac = FewShot(cfg.data, task, seed=0).apply(task.eval_rows(2), step=1)
+    rows, frac = build_few_shot(cfg, task).apply(task.eval_rows(2), step=1)
     assert frac == 1.0
     text = render_prompt(rows[0]["prompt"], tok)
     turns = text.split("<|im_start|>")

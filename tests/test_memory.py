@@ -204,3 +204,21 @@ def test_estimate_with_the_reference_offloaded():
     assert estimate_memory(HAND, lora=lora, ref_offload=True, **kw) == estimate_memory(
         HAND, lora=lora, **kw
     )
+
+
+@pytest.mark.slow
+def test_memory_follows_the_trainers_few_shot_prompts(tiny_model_dir):
+    """`peergrade memory` runs the trainer's own step: few-shot example turns lengthen the
+    prompts it measures and the prompts its estimate assumes, as they lengthen training's."""
+    from peergrade.memory import prompt_length
+
+    seen = {}
+    for k in (0, 2):
+        cfg = _cfg(tiny_model_dir, **{"data.few_shot": k, "algo.beta": 0.0})
+        measured = measure_memory(cfg, steps=1, timeout=600)
+        seen[k] = (measured["prompt_len"], prompt_length(cfg), estimate_for_config(cfg))
+    (m0, p0, e0), (m2, p2, e2) = seen[0], seen[2]
+    assert m2 > m0 + 10  # two solved examples: each a question and a reply of several tokens
+    assert p2 > p0 + 10
+    assert p0 >= m0 and p2 >= m2  # the estimate takes the longest of more prompts
+    assert e2["activations"] > e0["activations"]

@@ -12,18 +12,25 @@ import pytest
 import torch
 
 from peergrade.algo import policy_loss, value_loss
+from peergrade.algo.advantages import last_token_index, token_rewards, whiten
 from peergrade.config import ConfigError, load_config
-from peergrade.ppo import (
-    CriticCheckpointState,
-    build_critic,
-    last_token_index,
-    ppo_advantages,
-    ppo_policy_loss,
-    ppo_step,
-    token_rewards,
-    whiten,
-)
+from peergrade.ppo import CriticCheckpointState, build_critic, ppo_advantages, ppo_update
 from peergrade.trainer import setup_models
+
+
+def ppo_policy_loss(logp, old, adv, mask, **kw):
+    """PPO's surrogate: ``algo.policy_loss`` with per-token advantages, token mean (dapo)."""
+    return policy_loss(logp, old, adv, mask, loss_type="dapo", **kw)
+
+
+def ppo_step(models, critic, optimizer, scheduler, batch, seq_rewards, ref_lp, cfg, step):
+    """What the trainer's step does for PPO: critic advantages, then the update."""
+    pa = ppo_advantages(critic, models, batch, seq_rewards, ref_lp, cfg)
+    upd = ppo_update(
+        models, critic, optimizer, scheduler, batch, pa["advantages"], pa["returns"],
+        pa["old_values"], pa["old_logp"], ref_lp, cfg, step,
+    )  # fmt: skip
+    return {**pa["metrics"], **upd}
 
 
 def _cfg(model_dir, **over):
@@ -76,8 +83,8 @@ def test_whiten_masked_moments():
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3])
-def test_ppo_policy_loss_equals_grpo_dapo_for_sequence_constant_advantages(beta):
-    """With A_t = A_i on every token, the token-level surrogate is DAPO's token-mean loss."""
+def test_token_advantages_equal_sequence_advantages_when_constant(beta):
+    """With A_t = A_i on every token, the [B, T] form of policy_loss is the [B] form."""
     g = torch.Generator().manual_seed(0)
     B, T = 5, 7
     logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_(True)
@@ -96,7 +103,7 @@ def test_ppo_policy_loss_equals_grpo_dapo_for_sequence_constant_advantages(beta)
         assert m1[k] == pytest.approx(m2[k], abs=1e-6), k
 
 
-def test_ppo_policy_loss_token_advantages_hand_value():
+def test_policy_loss_token_advantages_hand_value():
     # one sequence, two tokens: rho = [e^0.5, e^-0.1], A = [+1, -1], eps 0.2
     logp = torch.tensor([[0.5, -0.1]], requires_grad=True)
     old = torch.zeros(1, 2)

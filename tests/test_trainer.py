@@ -135,7 +135,7 @@ def test_stop_flag_saves_last_completed_step_and_resumes(tiny_model_dir, reward_
 
     cfg = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **{"train.steps": 4}))
     run = tmp_path / "run"
-    real_update = trainer_mod.update
+    real_update = trainer_mod.grpo_update
     calls = []
 
     def update_then_interrupt(*args, **kwargs):
@@ -147,11 +147,11 @@ def test_stop_flag_saves_last_completed_step_and_resumes(tiny_model_dir, reward_
             signal.raise_signal(signal.SIGINT)
         return out
 
-    trainer_mod.update = update_then_interrupt
+    trainer_mod.grpo_update = update_then_interrupt
     try:
         summary = train(cfg, run)
     finally:
-        trainer_mod.update = real_update
+        trainer_mod.grpo_update = real_update
     assert summary["interrupted"] is True
     assert summary["step"] == 2
     assert [p.name for _, p in ckpt.list_checkpoints(run)] == ["step-2"]
@@ -218,7 +218,7 @@ def test_zero_signal_batch_skips_forward_and_leaves_weights(
     """All rewards equal and beta 0: the loss is exactly 0, so no forward/backward is run (the
     patched log-prob function would raise) and, with a fresh AdamW and no weight decay, the
     weights do not move at all."""
-    import peergrade.trainer as trainer_mod
+    import peergrade.update as update_mod
 
     reward = tmp_path / "const.py"
     reward.write_text(ZERO_REWARD_FILE)
@@ -226,7 +226,7 @@ def test_zero_signal_batch_skips_forward_and_leaves_weights(
     def boom(*a, **k):
         raise AssertionError("the update ran a forward pass on a batch with no signal")
 
-    monkeypatch.setattr(trainer_mod, "logprobs_of", boom)
+    monkeypatch.setattr(update_mod, "logprobs_of", boom)
     overrides = tiny_overrides(
         tiny_model_dir, reward, **{"train.steps": 2, "algo.num_iterations": mu}
     )
@@ -246,7 +246,7 @@ def test_build_optimizer_is_fused_adamw_and_steps_like_the_reference():
     """The trainer's AdamW is the fused kernel (no per-tensor temporaries) and takes the same
     step as torch's single-tensor AdamW to float32 rounding."""
     from peergrade.config import OptimConfig
-    from peergrade.trainer import build_optimizer
+    from peergrade.update import build_optimizer
 
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, adam_betas=[0.9, 0.99])
     torch.manual_seed(0)
@@ -285,11 +285,9 @@ class _Rows:
 
 
 def _few_shot(k=1, fade=0, reply="<answer>{answer}</answer>", n=None, seed=0):
-    from peergrade.config import DataConfig
-    from peergrade.trainer import FewShot
+    from peergrade.tasks.curriculum import FewShot
 
-    d = DataConfig(few_shot=k, few_shot_fade_steps=fade, few_shot_answer=reply)
-    return FewShot(d, _Rows(n), seed)
+    return FewShot(k, fade, reply, _Rows(n), seed)
 
 
 def test_few_shot_schedule_and_examples():
@@ -358,7 +356,7 @@ def test_few_shot_run_logs_the_curriculum(tiny_model_dir, reward_file, tmp_path)
 def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypatch):
     """model.ref_offload: the reference lives in host memory and visits the device for the
     reference log-prob pass, and goes back even when the pass fails."""
-    from peergrade import trainer as tr
+    from peergrade import update as tr
 
     ref = torch.nn.Linear(2, 2)  # on the CPU, while the run's device is an accelerator
     moves: list[str] = []
@@ -366,7 +364,7 @@ def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypa
     during: list[list[str]] = []
     fail = {"now": False}
 
-    def fake_frozen(model, batch, cfg, idx, micro):
+    def fake_frozen(model, batch, cfg):
         assert model is ref
         during.append(list(moves))
         if fail["now"]:
@@ -375,14 +373,14 @@ def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypa
 
     monkeypatch.setattr(tr, "frozen_logprobs", fake_frozen)
     models = tr.Models(policy=None, tokenizer=None, reference=ref, device=torch.device("cuda"))
-    assert tr.ref_logprobs(models, None, None, None, 1) == "logprobs"
+    assert tr.ref_logprobs(models, None, None) == "logprobs"
     assert during == [["cuda"]] and moves == ["cuda", "cpu"]
     fail["now"] = True
     with pytest.raises(RuntimeError, match="out of memory"):
-        tr.ref_logprobs(models, None, None, None, 1)
+        tr.ref_logprobs(models, None, None)
     assert moves[-2:] == ["cuda", "cpu"]
     # a resident reference (same device as the run) is never moved
     moves.clear()
     fail["now"] = False
     resident = tr.Models(policy=None, tokenizer=None, reference=ref, device=torch.device("cpu"))
-    assert tr.ref_logprobs(resident, None, None, None, 1) == "logprobs" and moves == []
+    assert tr.ref_logprobs(resident, None, None) == "logprobs" and moves == []

@@ -12,7 +12,11 @@ valid one), every value against its field's type, and ``validate`` checks the cr
 The defaults *are* the CPU demo (`peergrade train` with no arguments): the bundled tiny model
 on two-digit arithmetic. Recipes for real models live in configs/.
 
-This module knows nothing about torch or transformers; only ``trainer`` reads the whole config.
+Values derived from several keys (batch and minibatch sizes, updates per step, whether a
+reference is needed, the gradient-checkpointing default) are ``Config`` properties, computed in
+this one place. This module knows nothing about torch or transformers; the modules that run a
+step (``trainer``, ``update``, ``ppo``, ``memory``) read the config, while ``rollout``,
+``models``, ``algo``, ``rewards`` and ``tasks`` take plain arguments.
 """
 
 from __future__ import annotations
@@ -282,6 +286,39 @@ class Config:
     optim: OptimConfig = doc("Optimizer and batching.", default_factory=OptimConfig)
     train: TrainConfig = doc("Loop, evaluation, checkpoints.", default_factory=TrainConfig)
 
+    # ---- derived values: the one place each is computed (trainer, ppo, memory, validate)
+
+    @property
+    def batch_size(self) -> int:
+        """N = rollout.prompts_per_step * rollout.group_size completions per step."""
+        return self.rollout.prompts_per_step * self.rollout.group_size
+
+    @property
+    def minibatch_size(self) -> int:
+        """Completions per optimizer step: optim.minibatch_size, or the whole batch."""
+        mb = self.optim.minibatch_size
+        return self.batch_size if mb is None else mb
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Completions per forward/backward: optim.micro_batch_size, at most a minibatch."""
+        return min(self.optim.micro_batch_size, self.minibatch_size)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per training step: mu passes x minibatches per pass."""
+        return self.algo.num_iterations * (self.batch_size // max(1, self.minibatch_size))
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term toward a reference policy (algo.beta > 0) needs reference log-probs."""
+        return self.algo.beta > 0
+
+    def gradient_checkpointing_on(self, device_type: str) -> bool:
+        """model.gradient_checkpointing, with null resolved: on for GPUs, off for the CPU."""
+        gc = self.model.gradient_checkpointing
+        return device_type == "cuda" if gc is None else gc
+
 
 # ----------------------------------------------------------------------------- type checking
 
@@ -317,12 +354,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             )
         return value
     if origin in (Union, types.UnionType):
-        errors = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                continue
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if tp is type(None):
         if value is not None:
@@ -411,10 +447,6 @@ def _deep_merge(base: dict, update: dict) -> dict:
         else:
             out[k] = v
     return out
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def parse_override_value(text: str) -> Any:
@@ -557,8 +589,7 @@ def validate(cfg: Config) -> None:
         len(o.adam_betas) == 2 and all(0 <= b < 1 for b in o.adam_betas),
         f"optim.adam_betas must be two numbers in [0, 1), got {o.adam_betas}",
     )
-    batch = r.prompts_per_step * r.group_size
-    mb = o.minibatch_size if o.minibatch_size is not None else batch
+    batch, mb = cfg.batch_size, cfg.minibatch_size
     need(mb >= 1, f"optim.minibatch_size must be >= 1 or null, got {o.minibatch_size}")
     need(
         batch % mb == 0,
@@ -566,7 +597,7 @@ def validate(cfg: Config) -> None:
         f"rollout.group_size = {r.prompts_per_step} * {r.group_size} = {batch}",
     )
     need(o.micro_batch_size >= 1, f"optim.micro_batch_size must be >= 1, got {o.micro_batch_size}")
-    micro = min(o.micro_batch_size, mb)
+    micro = cfg.micro_batch_size
     need(
         mb % micro == 0,
         f"optim.micro_batch_size ({o.micro_batch_size}) must divide the minibatch size ({mb})",

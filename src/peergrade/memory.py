@@ -2,10 +2,10 @@
 
 What this module does
 ---------------------
-``measure_memory(cfg)`` runs training steps of ``cfg`` (the same functions the trainer uses:
-rollout, rewards, reference log-probs, the GRPO ``update`` or PPO's ``ppo_advantages`` +
-``ppo_update``) in a *fresh child process*, so the numbers are that configuration's alone, and
-reports the peak per phase:
+``measure_memory(cfg)`` runs training steps of ``cfg`` -- the trainer's own ``setup`` and
+``train_step``, with a meter that brackets its generate / reference / update phases -- in a
+*fresh child process*, so the numbers are that configuration's alone (every data and algo key
+the trainer follows, few-shot prompts included), and reports the peak per phase:
 
 * CPU: the process's resident set (``VmHWM`` from /proc/self/status, reset with
   ``/proc/self/clear_refs`` before each phase). torch's CPU allocations are invisible to
@@ -48,7 +48,7 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
     transient    when lm_head is trained, the chunked log-prob backward holds a float32
                  V x H gradient accumulator (updated in place), plus one V x H product in the
                  weight dtype when that is not float32, on top of all activations. AdamW is
-                 the fused kernel (``trainer.build_optimizer``), which has no temporaries.
+                 the fused kernel (``update.build_optimizer``), which has no temporaries.
 
     peak = weights + reference + critic + optimizer
            + max(activations + transient + one layer's activations,  # backward begins
@@ -243,7 +243,7 @@ def estimate_memory(
     # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
     # addmm for float32 weights; a half-precision weight adds one [V, H] product per chunk)
     grad_transient = (V * H * f32 + (V * H * b if b != f32 else 0)) if not lora else 0
-    # fused AdamW (trainer.build_optimizer) steps each tensor in one kernel: no temporaries
+    # fused AdamW (update.build_optimizer) steps each tensor in one kernel: no temporaries
 
     # generation: KV cache for all sequences (no grad) + one step's [N, V] float32 logits
     kv_cache = 2 * nl * kv_dim * batch * seq_len * b
@@ -281,57 +281,40 @@ def estimate_memory(
 
 
 def prompt_length(cfg, n: int = 64) -> int:
-    """Longest prompt (tokens) among the first ``n`` training prompts of ``cfg``'s task."""
-    from peergrade.evaluation import encode_prompts
+    """Longest prompt (tokens) among the first ``n`` training prompts of ``cfg``'s task, as the
+    trainer builds them at step 1 (few-shot examples included)."""
+    import itertools
+
     from peergrade.models import load_tokenizer, resolve_model_path
-    from peergrade.trainer import build_task
+    from peergrade.trainer import build_few_shot, build_task, encode_rows
 
     task = build_task(cfg)
     tok = load_tokenizer(resolve_model_path(cfg.model.path))
-    rows = []
-    for row in task.train_rows(cfg.train.seed):
-        rows.append(row)
-        if len(rows) >= n:
-            break
-    ids = encode_prompts(
-        rows,
-        tok,
-        system_prompt=cfg.data.system_prompt or task.system_prompt,
-        use_chat_template=cfg.data.use_chat_template,
-        max_prompt_length=cfg.data.max_prompt_length,
-    )
-    return max(len(x) for x in ids)
+    rows = list(itertools.islice(task.train_rows(cfg.train.seed), n))
+    rows, _ = build_few_shot(cfg, task).apply(rows, step=1)
+    return max(len(x) for x in encode_rows(cfg, task, tok, rows))
 
 
 def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | None = None) -> dict:
     """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
-    from peergrade.models import resolve_model_path
+    import torch
+
+    from peergrade.models import resolve_device, resolve_dtype, resolve_model_path
 
     path = resolve_model_path(cfg.model.path)
     if device is None:
-        device = "cuda" if cfg.model.device.startswith("cuda") else "cpu"
-        if cfg.model.device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        device = resolve_device(cfg.model.device).type
+    dtype = resolve_dtype(cfg.model.dtype, torch.device(device))
     if prompt_len is None:
         prompt_len = prompt_length(cfg)
     r = cfg.rollout
-    N = r.prompts_per_step * r.group_size
-    mini = cfg.optim.minibatch_size or N
-    gc = cfg.model.gradient_checkpointing
-    if gc is None:
-        gc = device == "cuda"
     lora = None
     if cfg.model.lora.enabled:
         lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
     return estimate_memory(
         path,
-        batch=N,
-        micro_batch=min(cfg.optim.micro_batch_size, mini),
+        batch=cfg.batch_size,
+        micro_batch=cfg.micro_batch_size,
         seq_len=prompt_len + r.max_completion_length,
         completion_len=r.max_completion_length,
         dtype=dtype,
@@ -339,7 +322,7 @@ def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | Non
         algo=cfg.algo.name,
         beta=cfg.algo.beta,
         chunk_size=cfg.model.logprob_chunk_size,
-        gradient_checkpointing=gc,
+        gradient_checkpointing=cfg.gradient_checkpointing_on(device),
         device=device,
         ref_offload=cfg.model.ref_offload,
     )
@@ -390,14 +373,6 @@ class _Meter:
         self.phases[name] = max(self.phases.get(name, 0), self.peak() - self.base)
 
 
-class _NoMeter:
-    def reset(self) -> None:
-        pass
-
-    def record(self, name: str) -> None:
-        pass
-
-
 def _shrunk_copy(path: str, out: Path) -> Path:
     """The model in ``path`` at a toy size (1 layer, 8-dim heads), same class and tokenizer."""
     import torch
@@ -431,6 +406,7 @@ def _child(cfg_path: str, steps: int) -> dict:
 
     from peergrade.config import load_config
     from peergrade.models import resolve_device, resolve_model_path
+    from peergrade.trainer import NO_METER
 
     cfg = load_config(cfg_path)
     if cfg.train.threads:
@@ -441,13 +417,13 @@ def _child(cfg_path: str, steps: int) -> dict:
         warm.model.path = str(_shrunk_copy(resolve_model_path(cfg.model.path), Path(tmp)))
         if warm.algo.critic_path is not None:
             warm.algo.critic_path = warm.model.path
-        _run_steps(warm, 1, _NoMeter(), device)
+        _run_steps(warm, 1, NO_METER)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     meter = _Meter(device)
     meter.reset()
-    out = _run_steps(cfg, steps, meter, device)
+    out = _run_steps(cfg, steps, meter)
     return {
         "device": device.type,
         "baseline_bytes": meter.base,
@@ -457,96 +433,26 @@ def _child(cfg_path: str, steps: int) -> dict:
     }
 
 
-def _run_steps(cfg, steps: int, meter, device) -> dict:
+def _run_steps(cfg, steps: int, meter) -> dict:
+    """``steps`` steps of the trainer's own ``train_step`` on ``cfg``, phases metered."""
     import time
 
-    import torch
+    from peergrade.trainer import setup, train_step
 
-    from peergrade.algo import group_advantages
-    from peergrade.evaluation import columns_for, completion_id_lists, encode_prompts
-    from peergrade.rewards import score_rewards
-    from peergrade.trainer import (
-        build_optimizer,
-        build_rewards,
-        build_task,
-        ref_logprobs,
-        sample,
-        setup_models,
-        update,
-    )
-
-    t, r = cfg.train, cfg.rollout
-    torch.manual_seed(t.seed)
-    task = build_task(cfg)
-    reward_specs = build_rewards(cfg, task)
-    system_prompt = cfg.data.system_prompt or task.system_prompt
-    P, G = r.prompts_per_step, r.group_size
-    N = P * G
-    rows_iter = iter(task.train_rows(t.seed))
-    all_rows = [[next(rows_iter) for _ in range(P)] for _ in range(steps)]
-
-    models = setup_models(cfg)
-    policy, tok = models.policy, models.tokenizer
-    prompt_ids = [
-        encode_prompts(
-            rows,
-            tok,
-            system_prompt=system_prompt,
-            use_chat_template=cfg.data.use_chat_template,
-            max_prompt_length=cfg.data.max_prompt_length,
-        )
-        for rows in all_rows
-    ]
-    optimizer = build_optimizer((p for p in policy.parameters() if p.requires_grad), cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
-    critic = None
-    if cfg.algo.name == "ppo":
-        from peergrade import ppo
-
-        critic = ppo.build_critic(cfg, models)
+    run = setup(cfg)
     meter.record("load")
-    mini = cfg.optim.minibatch_size or N
-    micro = min(cfg.optim.micro_batch_size, mini)
-    seq_lens, t0 = [], time.perf_counter()
+    P = cfg.rollout.prompts_per_step
+    rows = iter(run.task.train_rows(cfg.train.seed))
+    shapes, t0 = [], time.perf_counter()
     for step in range(1, steps + 1):
-        meter.reset()
-        ro = sample(policy, tok, prompt_ids[step - 1], cfg, step)
-        meter.record("generate")
-        rows = all_rows[step - 1]
-        prompts = [row["prompt"] for row in rows for _ in range(G)]
-        columns = {**columns_for(rows, G), "completion_ids": completion_id_lists(ro)}
-        scores = score_rewards(
-            reward_specs, prompts, ro.completion_text, columns, on_error=t.on_reward_error
-        )
-        input_ids, attention_mask, cmask = ro.training_batch(tok.pad_token_id)
-        seq_lens.append((input_ids.shape[1], cmask.shape[1]))
-        batch = (input_ids.to(device), attention_mask.to(device), cmask.to(device))
-        meter.reset()
-        ref_lp = ref_logprobs(models, batch, cfg, torch.arange(N, device=device), micro)
-        if critic is not None:
-            pa = ppo.ppo_advantages(critic, models, batch, scores.total, ref_lp, cfg)
-        meter.record("reference")
-        meter.reset()
-        if critic is None:
-            rewards = scores.total.view(P, G).to(torch.float32)
-            adv = group_advantages(
-                rewards, scale=cfg.algo.advantage_scale, baseline=cfg.algo.advantage_baseline
-            ).reshape(N)
-            update(models, optimizer, scheduler, batch, adv.to(device), ref_lp, cfg, step)
-        else:
-            ppo.ppo_step(
-                models, critic, optimizer, scheduler, batch, scores.total, ref_lp, cfg, step, pa=pa
-            )
-        meter.record("update")
-        del ro, batch, ref_lp
+        shapes.append(train_step(run, step, [next(rows) for _ in range(P)], meter).shapes)
+    policy = run.models.policy
     return {
-        "seq_len": max(s for s, _ in seq_lens),
-        "completion_len": max(c for _, c in seq_lens),
-        "prompt_len": max(len(x) for ids in prompt_ids for x in ids),
+        **{k: max(s[k] for s in shapes) for k in ("seq_len", "completion_len", "prompt_len")},
         "params": sum(p.numel() for p in policy.parameters()),
         "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         "critic_params": (
-            sum(p.numel() for p in critic.model.parameters()) if critic is not None else 0
+            sum(p.numel() for p in run.critic.model.parameters()) if run.critic is not None else 0
         ),
         "seconds": time.perf_counter() - t0,
     }

@@ -61,6 +61,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,11 +102,6 @@ class Rollout:
     finish_reason: list[str]
     completion_text: list[str]
     prompt_index: torch.Tensor  # [N] long
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:
-        """``[N]`` long: number of tokens that count per sequence."""
-        return self.completion_mask.sum(-1).long()
 
     @property
     def num_generated_tokens(self) -> int:
@@ -196,14 +192,6 @@ def _slab_cache(num_layers: int, capacity: int):
                 new = old.new_empty((indices.numel(),) + tuple(old.shape[1:]))
                 new[:, :, :end].copy_(old[:, :, :end].index_select(0, indices))
                 setattr(self, name, new)
-
-        def batch_repeat_interleave(self, repeats: int) -> None:  # pragma: no cover - unused
-            idx = torch.arange(self.keys.shape[0], device=self.keys.device)
-            self.batch_select_indices(idx.repeat_interleave(repeats))
-
-        def reset(self) -> None:  # pragma: no cover - unused
-            super().reset()
-            self.length = 0
 
     return Cache(layers=[_SlabLayer() for _ in range(num_layers)])
 
@@ -498,11 +486,29 @@ def generate(
     )
 
 
+@dataclass
 class _Runner:
-    """Generates one micro-batch of sequences [start, end) (global indices)."""
+    """Generates one micro-batch of sequences [start, end) (global indices) with the sampling
+    settings of one ``generate`` call."""
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    n: int  # samples per prompt
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+    top_p: float
+    top_k: int
+    stop: Sequence[str]
+    eos_token_ids: torch.Tensor  # [E] long
+    ignore_eos: bool
+    check_every: int  # host-side stop checks every this many tokens
+    fast: bool  # every layer full attention with sdpa/eager: the in-place slab cache
+    cache_kw: str  # the forward's name for the KV cache argument
+    bool_mask: bool  # sdpa takes a boolean attention mask
+    logits_to_keep: bool  # the forward accepts logits_to_keep
+    num_layers: int
 
     def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
         kwargs = {
