@@ -624,12 +624,13 @@ SCRIPT = """
 
 def render_report(runs: list[Run], extra: list[Section] | None = None, title: str | None = None) -> str:
     """The whole page as a string: summary, alerts, extra sections, plots, config, samples."""
-    sections = [summary_section(runs)]
+    sections = [summary_section(runs)] if runs else []
     alerts = alerts_section(runs)
     if alerts:
         sections.append(alerts)
     sections.extend(extra or [])
-    sections += [plots_section(runs), config_section(runs), samples_section(runs)]
+    if runs:  # a page of extra sections alone (e.g. `memory --budget -o`) has no run parts
+        sections += [plots_section(runs), config_section(runs), samples_section(runs)]
     title = title or "peergrade report: " + ", ".join(r.name for r in runs)
     nav = "".join(
         f'<a href="#{s.anchor or "s%d" % i}">{html.escape(s.title)}</a>' for i, s in enumerate(sections)
@@ -655,7 +656,7 @@ def write_report(
 ) -> Path:
     """Read the run dirs in ``paths`` and write the report to ``out`` (atomically)."""
     paths = [Path(p) for p in paths]
-    if not paths:
+    if not paths and not extra:
         raise InputError("report: give at least one run directory")
     names = unique_names(paths)
     runs = [load_run(p, n) for p, n in zip(paths, names)]
