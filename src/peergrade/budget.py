@@ -61,7 +61,9 @@ def parse_size(text: str) -> int:
 
 def _has_tokenizer(model_dir: str) -> bool:
     p = Path(model_dir)
-    return any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return any(
+        (p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
 
 
 def budget_rows(cfg, *, device: str = "cuda", prompt_len: int | None = None):
@@ -124,7 +126,10 @@ def format_budget(rows, budget: int) -> str:
         )
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = [
-        "  ".join(c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        "  ".join(
+            c.ljust(w) if i in (0, len(header) - 1) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
         for r in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -294,8 +294,10 @@ def _memory_budget(args, cfg) -> int:
     budget = parse_size(args.budget)
     device = args.device
     rows, prompt_len = budget_rows(cfg, device=device, prompt_len=args.prompt_len)
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else (
-        "bfloat16" if device == "cuda" else "float32"
+    dtype = (
+        cfg.model.dtype
+        if cfg.model.dtype != "auto"
+        else ("bfloat16" if device == "cuda" else "float32")
     )
     r = cfg.rollout
     head = (
@@ -308,20 +310,28 @@ def _memory_budget(args, cfg) -> int:
     print(f"budget: {budget / 2**30:.2f} GiB")
     table = format_budget(rows, budget)
     print(table)
-    print("(GiB; estimates from the model config, see peergrade.memory; a phase's peak is what "
-          "is resident while it runs)")
+    print(
+        "(GiB; estimates from the model config, see peergrade.memory; a phase's peak is what "
+        "is resident while it runs)"
+    )
     if args.output:
         import html
 
         from peergrade.report import Section, memory_chart, write_report
 
-        svg = memory_chart(rows, budget, title=f"{Path(str(cfg.model.path)).name}: estimated peak per phase")
+        svg = memory_chart(
+            rows, budget, title=f"{Path(str(cfg.model.path)).name}: estimated peak per phase"
+        )
         body = (
             f"<p>{html.escape(head)}</p><pre>{html.escape(table)}</pre>"
             f'<div class="grid"><figure class="plot" data-panel="memory">{svg}</figure></div>'
         )
-        out = write_report([], Path(args.output), [Section("Memory budget", body, "memory")],
-                           title=f"peergrade memory: {cfg.model.path} in {args.budget}")
+        out = write_report(
+            [],
+            Path(args.output),
+            [Section("Memory budget", body, "memory")],
+            title=f"peergrade memory: {cfg.model.path} in {args.budget}",
+        )
         print(f"wrote {out}")
     return 0
 
@@ -397,7 +407,9 @@ def cmd_sweep(args, extra) -> int:
     for _, values in axes:
         n *= len(values)
     print(f"sweep: {n} variant(s) of {' x '.join(k for k, _ in axes)} into {out_dir}", flush=True)
-    results = run_sweep(load=load, axes=axes, out_dir=out_dir, train=train, overwrite=args.overwrite)
+    results = run_sweep(
+        load=load, axes=axes, out_dir=out_dir, train=train, overwrite=args.overwrite
+    )
     runs = [load_run(out_dir / r["run_dir"]) for r in results]
     summary = summarize(runs, metric=args.metric, time_budget_s=args.time_budget)
     print(format_summary(summary))
@@ -568,7 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --budget: the device the estimate is for (default cuda: bfloat16 weights, "
         "gradient checkpointing unless the config says otherwise)",
     )
-    mm.add_argument("-o", "--output", help="with --budget: also write an HTML page with a bar chart")
+    mm.add_argument(
+        "-o", "--output", help="with --budget: also write an HTML page with a bar chart"
+    )
     mm.set_defaults(func=cmd_memory)
 
     rp = sub.add_parser(

@@ -56,9 +56,7 @@ __all__ = [
     "PANELS",
 ]
 
-CSP = (
-    "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
-)
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
 # groups per run in the completions table; beyond it, evenly spaced steps are kept
 MAX_GROUPS_PER_RUN = 1500
 
@@ -123,7 +121,9 @@ def read_jsonl(path: Path, notes: list[str]) -> list[dict]:
         except json.JSONDecodeError as e:
             last = i == len(lines)  # no newline after it: the writer was interrupted
             if last:
-                notes.append(f"{path.name}: last line {i} is incomplete (run still going or killed); ignored")
+                notes.append(
+                    f"{path.name}: last line {i} is incomplete (run still going or killed); ignored"
+                )
             else:
                 notes.append(f"{path.name}: line {i} is not valid JSON ({e.msg}); skipped")
             continue
@@ -254,10 +254,19 @@ def line_figure(
     for label, xs, ys, kw in series:
         ax.plot(xs, ys, label=label, **{"linewidth": 1.4, **kw})
     ax.set_title(title)
+    if xlabel == "step":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    if logx:
+    if logx:  # e.g. group sizes 2, 4, 8, 16: ticks at the values, written plainly
+        from matplotlib.ticker import NullMinorFormatter, ScalarFormatter
+
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({x for _, xs, _, _ in series for x in xs}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullMinorFormatter())
     if len(series) > 1 or (series and series[0][0]):
         ax.legend(fontsize=7, loc="best")
     return figure_svg(fig)
@@ -339,7 +348,9 @@ def train_seconds(rows: list[dict]) -> list[float]:
     which leaves out held-out evaluation and logging, so runs with other eval settings compare."""
     out, total = [], 0.0
     for m in rows:
-        parts = [m.get(k) for k in ("time/generate_s", "time/reward_s", "time/ref_s", "time/update_s")]
+        parts = [
+            m.get(k) for k in ("time/generate_s", "time/reward_s", "time/ref_s", "time/update_s")
+        ]
         if all(_finite(p) for p in parts):
             total += sum(parts)
         elif _finite(m.get("time/step_s")):
@@ -388,14 +399,20 @@ def summary_section(runs: list[Run]) -> Section:
         evals = run.eval_rows()
         for k in eval_keys:
             vals = [m[k] for m in evals if _finite(m.get(k))]
-            row.append(f"{vals[0]:.3f} -> {vals[-1]:.3f}" if len(vals) > 1 else (_fmt(vals[0]) if vals else "-"))
+            row.append(
+                f"{vals[0]:.3f} -> {vals[-1]:.3f}"
+                if len(vals) > 1
+                else (_fmt(vals[0]) if vals else "-")
+            )
         rows.append(row)
     body = _table(header, rows, "summary")
     notes = [(run.name, n) for run in runs for n in run.notes]
     if notes:
-        body += '<ul class="notes">' + "".join(
-            f"<li>{html.escape(r)}: {html.escape(n)}</li>" for r, n in notes
-        ) + "</ul>"
+        body += (
+            '<ul class="notes">'
+            + "".join(f"<li>{html.escape(r)}: {html.escape(n)}</li>" for r, n in notes)
+            + "</ul>"
+        )
     return Section("Runs", body, "runs")
 
 
@@ -408,7 +425,14 @@ def alerts_section(runs: list[Run]) -> Section | None:
                 if not k.startswith("alert/") or v in (None, 0, 0.0, False, "", [], {}):
                     continue
                 text = v if isinstance(v, str) else json.dumps(v)
-                rows.append([html.escape(run.name), str(m.get("step", "?")), html.escape(k), html.escape(text)])
+                rows.append(
+                    [
+                        html.escape(run.name),
+                        str(m.get("step", "?")),
+                        html.escape(k),
+                        html.escape(text),
+                    ]
+                )
     if not rows:
         return None
     return Section("Alerts", _table(["run", "step", "alert", "value"], rows, "alerts"), "alerts")
@@ -434,8 +458,12 @@ def config_section(runs: list[Run]) -> Section:
         keys = sorted(set().union(*flat))
         diff = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
         if diff:
-            rows = [[html.escape(k), *(html.escape(json.dumps(f.get(k))) for f in flat)] for k in diff]
-            parts.append("<h3>Keys that differ</h3>" + _table(["key", *(r.name for r in runs)], rows))
+            rows = [
+                [html.escape(k), *(html.escape(json.dumps(f.get(k))) for f in flat)] for k in diff
+            ]
+            parts.append(
+                "<h3>Keys that differ</h3>" + _table(["key", *(r.name for r in runs)], rows)
+            )
         else:
             parts.append("<p>The runs' configs are identical.</p>")
     for run in runs:
@@ -451,11 +479,19 @@ def _per_fn(sample: dict, G: int) -> dict[str, list]:
     of name -> list of G values (e.g. ``rewards_per_fn``), or keys ``reward/<fn>`` with lists."""
     out: dict[str, list] = {}
     for k, v in sample.items():
-        if isinstance(v, dict) and v and all(isinstance(x, list) and len(x) == G for x in v.values()):
+        if (
+            isinstance(v, dict)
+            and v
+            and all(isinstance(x, list) and len(x) == G for x in v.values())
+        ):
             out.update({str(n): x for n, x in v.items()})
         elif k.startswith("reward/") and isinstance(v, list) and len(v) == G:
             out[k[len("reward/") :]] = v
     return out
+
+
+def _fn_cell(per_fn: dict[str, list], i: int) -> str:
+    return "<br>".join(f"{html.escape(n)}&nbsp;{_fmt(v[i])}" for n, v in per_fn.items())
 
 
 def _pick_groups(samples: list[dict]) -> tuple[list[dict], bool]:
@@ -478,22 +514,21 @@ def samples_section(runs: list[Run]) -> Section:
         groups, thin = _pick_groups(run.samples)
         if thin:
             thinned.append(run.name)
-        for gi, s in enumerate(groups):
+        for s in groups:
             comps = s.get("completions")
             if not isinstance(comps, list):
                 continue
             G = len(comps)
             rewards = s.get("rewards") if isinstance(s.get("rewards"), list) else [None] * G
             advs = s.get("advantages") if isinstance(s.get("advantages"), list) else [None] * G
-            finish = s.get("finish_reason") if isinstance(s.get("finish_reason"), list) else [""] * G
+            finish = (
+                s.get("finish_reason") if isinstance(s.get("finish_reason"), list) else [""] * G
+            )
             per_fn = _per_fn(s, G)
             step = s.get("step", "?")
             steps_all.add(step)
             n_groups += 1
             search = " ".join(str(x) for x in [s.get("prompt", ""), s.get("answer", ""), *comps])
-            fn_text = lambda i: "<br>".join(  # noqa: E731
-                f"{html.escape(n)}&nbsp;{_fmt(v[i])}" for n, v in per_fn.items()
-            )
             for i, c in enumerate(comps):
                 a = advs[i] if i < len(advs) else None
                 cls = "pos" if _finite(a) and a > 0 else ("neg" if _finite(a) and a < 0 else "")
@@ -502,18 +537,26 @@ def samples_section(runs: list[Run]) -> Section:
                     ans = s.get("answer")
                     head = (
                         f'<td rowspan="{G}" class="prompt"><pre>{html.escape(str(s.get("prompt", "")))}</pre>'
-                        + (f'<div class="muted">answer: {html.escape(str(ans))}</div>' if ans is not None else "")
+                        + (
+                            f'<div class="muted">answer: {html.escape(str(ans))}</div>'
+                            if ans is not None
+                            else ""
+                        )
                         + "</td>"
                     )
                 rows_html.append(
                     f'<tr class="g{n_groups}{" first" if i == 0 else ""}" data-run="{html.escape(run.name)}" '
                     f'data-step="{html.escape(str(step))}" data-group="{n_groups}" '
                     f'data-text="{html.escape(search.lower())}">'
-                    + (f'<td rowspan="{G}">{html.escape(run.name)}</td><td rowspan="{G}">{html.escape(str(step))}</td>' if i == 0 else "")
+                    + (
+                        f'<td rowspan="{G}">{html.escape(run.name)}</td><td rowspan="{G}">{html.escape(str(step))}</td>'
+                        if i == 0
+                        else ""
+                    )
                     + head
                     + f"<td><pre>{html.escape(str(c))}</pre></td>"
                     + f"<td>{_fmt(rewards[i] if i < len(rewards) else None)}</td>"
-                    + f"<td>{fn_text(i)}</td>"
+                    + f"<td>{_fn_cell(per_fn, i)}</td>"
                     + f'<td class="{cls}">{_fmt(a)}</td>'
                     + f"<td>{html.escape(str(finish[i] if i < len(finish) else ''))}</td></tr>"
                 )
@@ -524,9 +567,16 @@ def samples_section(runs: list[Run]) -> Section:
             "set train.log_samples &gt; 0).</p>",
             "samples",
         )
-    steps_sorted = sorted(steps_all, key=lambda x: (not isinstance(x, int), x if isinstance(x, int) else 0))
-    opts = "".join(f'<option value="{html.escape(str(s))}">{html.escape(str(s))}</option>' for s in steps_sorted)
-    run_opts = "".join(f'<option value="{html.escape(r.name)}">{html.escape(r.name)}</option>' for r in runs)
+    steps_sorted = sorted(
+        steps_all, key=lambda x: (not isinstance(x, int), x if isinstance(x, int) else 0)
+    )
+    opts = "".join(
+        f'<option value="{html.escape(str(s))}">{html.escape(str(s))}</option>'
+        for s in steps_sorted
+    )
+    run_opts = "".join(
+        f'<option value="{html.escape(r.name)}">{html.escape(r.name)}</option>' for r in runs
+    )
     controls = (
         '<div class="controls"><input id="q" type="search" placeholder="search prompts, answers, completions">'
         f'<label>run <select id="run"><option value="">all</option>{run_opts}</select></label>'
@@ -542,7 +592,7 @@ def samples_section(runs: list[Run]) -> Section:
     table = (
         f'<table id="samples-table" data-groups="{n_groups}"><thead><tr><th>run</th><th>step</th><th>prompt</th>'
         "<th>completion</th><th>reward</th><th>per function</th><th>advantage</th><th>finish</th>"
-        f'</tr></thead><tbody>{"".join(rows_html)}</tbody></table>'
+        f"</tr></thead><tbody>{''.join(rows_html)}</tbody></table>"
     )
     return Section("Sampled groups", controls + note + table, "samples")
 
@@ -550,7 +600,9 @@ def samples_section(runs: list[Run]) -> Section:
 # ----------------------------------------------------------------------------- memory chart
 
 
-def memory_chart(rows: list[tuple[str, dict]], budget_bytes: float | None = None, title: str = "") -> str:
+def memory_chart(
+    rows: list[tuple[str, dict]], budget_bytes: float | None = None, title: str = ""
+) -> str:
     """Grouped bars per variant: the estimated peak of each phase (generate / reference /
     update), in GiB, with the budget as a horizontal line. rows = [(label, estimate)] where
     estimate is ``memory.estimate_memory``'s dict."""
@@ -567,8 +619,13 @@ def memory_chart(rows: list[tuple[str, dict]], budget_bytes: float | None = None
         ys = [est["phases"].get(ph, 0) / 2**30 for _, est in rows]
         ax.bar(xs, ys, width=width, label=ph, color=COLORS[pi % len(COLORS)])
     if budget_bytes:
-        ax.axhline(budget_bytes / 2**30, color="black", linestyle="--", linewidth=1.2,
-                   label=f"budget {budget_bytes / 2**30:.1f} GiB")
+        ax.axhline(
+            budget_bytes / 2**30,
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"budget {budget_bytes / 2**30:.1f} GiB",
+        )
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([label for label, _ in rows])
     ax.set_ylabel("estimated peak (GiB)")
@@ -622,7 +679,9 @@ SCRIPT = """
 """
 
 
-def render_report(runs: list[Run], extra: list[Section] | None = None, title: str | None = None) -> str:
+def render_report(
+    runs: list[Run], extra: list[Section] | None = None, title: str | None = None
+) -> str:
     """The whole page as a string: summary, alerts, extra sections, plots, config, samples."""
     sections = [summary_section(runs)] if runs else []
     alerts = alerts_section(runs)
@@ -633,14 +692,15 @@ def render_report(runs: list[Run], extra: list[Section] | None = None, title: st
         sections += [plots_section(runs), config_section(runs), samples_section(runs)]
     title = title or "peergrade report: " + ", ".join(r.name for r in runs)
     nav = "".join(
-        f'<a href="#{s.anchor or "s%d" % i}">{html.escape(s.title)}</a>' for i, s in enumerate(sections)
+        f'<a href="#{s.anchor or f"s{i}"}">{html.escape(s.title)}</a>'
+        for i, s in enumerate(sections)
     )
     body = "".join(
-        f'<section id="{s.anchor or "s%d" % i}"><h2>{html.escape(s.title)}</h2>{s.html}</section>'
+        f'<section id="{s.anchor or f"s{i}"}"><h2>{html.escape(s.title)}</h2>{s.html}</section>'
         for i, s in enumerate(sections)
     )
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"

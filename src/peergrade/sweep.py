@@ -38,8 +38,9 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from peergrade.errors import InputError
 from peergrade.report import (
@@ -49,11 +50,18 @@ from peergrade.report import (
     _table,
     completions_per_step,
     line_figure,
-    load_run,
     train_seconds,
 )
 
-__all__ = ["parse_sets", "grid", "variant_name", "run_sweep", "summarize", "sweep_section", "baseline_se"]
+__all__ = [
+    "parse_sets",
+    "grid",
+    "variant_name",
+    "run_sweep",
+    "summarize",
+    "sweep_section",
+    "baseline_se",
+]
 
 
 def _split_values(text: str) -> list[str]:
@@ -81,11 +89,15 @@ def parse_sets(specs: list[str]) -> list[tuple[str, list[Any]]]:
     axes = []
     for spec in specs:
         if "=" not in spec:
-            raise InputError(f"--set {spec!r}: expected KEY=V1,V2,... (e.g. rollout.group_size=2,4,8)")
+            raise InputError(
+                f"--set {spec!r}: expected KEY=V1,V2,... (e.g. rollout.group_size=2,4,8)"
+            )
         key, text = spec.split("=", 1)
         key = key.strip().removeprefix("--")
         if key not in keys:
-            raise InputError(f"--set {spec!r}: {key!r} is not a config key (see `peergrade config`)")
+            raise InputError(
+                f"--set {spec!r}: {key!r} is not a config key (see `peergrade config`)"
+            )
         values = _split_values(text)
         if not values or any(v == "" for v in values):
             raise InputError(f"--set {spec!r}: empty value in the list")
@@ -127,7 +139,9 @@ def run_sweep(
     (and so validated) before the first run starts, so a bad value fails at once."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise InputError(f"{out_dir}: sweep directory exists and is not empty (pass --overwrite, or -o NEW_DIR)")
+        raise InputError(
+            f"{out_dir}: sweep directory exists and is not empty (pass --overwrite, or -o NEW_DIR)"
+        )
     variants = []
     for ov in grid(axes):
         name = variant_name(ov)
@@ -149,7 +163,9 @@ def run_sweep(
                 "interrupted": bool(summary.get("interrupted")),
             }
         )
-        _write_json(out_dir / "sweep.json", {"axes": [[k, v] for k, v in axes], "variants": results})
+        _write_json(
+            out_dir / "sweep.json", {"axes": [[k, v] for k, v in axes], "variants": results}
+        )
         if summary.get("interrupted"):
             log("sweep interrupted; the finished variants are kept")
             break
@@ -209,13 +225,19 @@ def _eval_points(run: Run, metric: str) -> list[tuple[int, float, int, float]]:
     return pts
 
 
-def summarize(runs: list[Run], *, metric: str = "pass@1_sampled", time_budget_s: float | None = None) -> dict:
+def summarize(
+    runs: list[Run], *, metric: str = "pass@1_sampled", time_budget_s: float | None = None
+) -> dict:
     """Per variant: final accuracy, training time, completions, baseline noise; and the best."""
     rows = []
     for run in runs:
         pts = _eval_points(run, metric)
         se, n_groups = baseline_se(run.samples)
-        zero = [m["rollout/frac_zero_std_groups"] for m in run.train_rows if isinstance(m.get("rollout/frac_zero_std_groups"), (int, float))]
+        zero = [
+            m["rollout/frac_zero_std_groups"]
+            for m in run.train_rows
+            if isinstance(m.get("rollout/frac_zero_std_groups"), (int, float))
+        ]
         secs = train_seconds(run.train_rows)
         within = [p for p in pts if time_budget_s is None or p[1] <= time_budget_s]
         rows.append(
@@ -242,19 +264,51 @@ def summarize(runs: list[Run], *, metric: str = "pass@1_sampled", time_budget_s:
     return {"metric": metric, "time_budget_s": time_budget_s, "variants": rows, "best": best}
 
 
+def _num(x, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
 def format_summary(s: dict) -> str:
     """The sweep's comparison as plain text, ending with the best variant."""
     m = s["metric"]
-    header = ["variant", "steps", "train s", "completions", f"{m} before", f"{m} after", "baseline se", "groups", "zero-signal"]
+    header = [
+        "variant",
+        "steps",
+        "train s",
+        "completions",
+        f"{m} before",
+        f"{m} after",
+        "baseline se",
+        "groups",
+        "zero-signal",
+    ]
     cells = [header]
     for r in s["variants"]:
-        f = lambda x, spec=".3f": "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)  # noqa: E731
-        cells.append([r["name"], str(r["steps"]), f(r["train_s"], ".1f"), str(r["completions"]), f(r["acc_before"]), f(r["acc_final"]), f(r["baseline_se"]), str(r["groups_logged"]), f(r["zero_signal_frac"])])
+        cells.append(
+            [
+                r["name"],
+                str(r["steps"]),
+                _num(r["train_s"], ".1f"),
+                str(r["completions"]),
+                _num(r["acc_before"]),
+                _num(r["acc_final"]),
+                _num(r["baseline_se"]),
+                str(r["groups_logged"]),
+                _num(r["zero_signal_frac"]),
+            ]
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if s["best"]:
-        budget = f"within {s['time_budget_s']:.0f} s of training" if s["time_budget_s"] else "at the same number of steps"
+        budget = (
+            f"within {s['time_budget_s']:.0f} s of training"
+            if s["time_budget_s"]
+            else "at the same number of steps"
+        )
         lines.append(f"best {m} {budget}: {s['best']}")
     else:
         lines.append(f"no held-out {m} logged: no best variant named")
@@ -275,26 +329,62 @@ def sweep_section(runs: list[Run], s: dict) -> Section:
         acc_c.append((r["name"], [p[2] for p in pts], [p[3] for p in pts], kw))
     figs = []
     if acc_t:
-        figs.append(line_figure(acc_t, title=f"Held-out {m} vs training time", xlabel="training time (s)", ylabel=m))
-        figs.append(line_figure(acc_c, title=f"Held-out {m} vs completions generated", xlabel="completions", ylabel=m))
-    noise = [(r["group_size"], r["baseline_se"]) for r in s["variants"] if isinstance(r["group_size"], int) and not math.isnan(r["baseline_se"])]
+        figs.append(
+            line_figure(
+                acc_t, title=f"Held-out {m} vs training time", xlabel="training time (s)", ylabel=m
+            )
+        )
+        figs.append(
+            line_figure(
+                acc_c,
+                title=f"Held-out {m} vs completions generated",
+                xlabel="completions",
+                ylabel=m,
+            )
+        )
+    noise = [
+        (r["group_size"], r["baseline_se"])
+        for r in s["variants"]
+        if isinstance(r["group_size"], int) and not math.isnan(r["baseline_se"])
+    ]
     if len({g for g, _ in noise}) > 1:
         noise.sort()
         figs.append(
             line_figure(
-                [("baseline s.e. (RMS over logged groups)", [g for g, _ in noise], [v for _, v in noise], {"marker": "o", "color": COLORS[0]})],
+                [
+                    (
+                        "baseline s.e. (RMS over logged groups)",
+                        [g for g, _ in noise],
+                        [v for _, v in noise],
+                        {"marker": "o", "color": COLORS[0]},
+                    )
+                ],
                 title="Noise of the group-mean baseline vs group size",
                 xlabel="group size G",
                 ylabel="s / sqrt(G)",
                 logx=True,
             )
         )
-    fig_html = '<div class="grid">' + "".join(
-        f'<figure class="plot" data-panel="sweep {i}">{svg}</figure>' for i, svg in enumerate(figs)
-    ) + "</div>"
-    text = html.escape(format_summary(s))
+    fig_html = (
+        '<div class="grid">'
+        + "".join(
+            f'<figure class="plot" data-panel="sweep {i}">{svg}</figure>'
+            for i, svg in enumerate(figs)
+        )
+        + "</div>"
+    )
+    best = html.escape(format_summary(s).splitlines()[-1])
     table = _table(
-        ["variant", "steps", "train s", "completions", f"{m} before", f"{m} final", "baseline s.e.", "zero-signal frac"],
+        [
+            "variant",
+            "steps",
+            "train s",
+            "completions",
+            f"{m} before",
+            f"{m} final",
+            "baseline s.e.",
+            "zero-signal frac",
+        ],
         [
             [
                 html.escape(r["name"]) + (" <b>(best)</b>" if r["name"] == s["best"] else ""),
@@ -311,13 +401,9 @@ def sweep_section(runs: list[Run], s: dict) -> Section:
         "sweep",
     )
     expl = (
-        "<p class=\"muted\">Training time: generate + reward + reference + update, evaluation left out. "
+        '<p class="muted">Training time: generate + reward + reference + update, evaluation left out. '
         "Baseline s.e.: each advantage is measured against its group's mean reward, an estimate "
         "from G samples whose standard error is s/&radic;G (s: the group's reward standard "
         "deviation); shown is its root mean square over the groups in samples.jsonl.</p>"
     )
-    return Section("Sweep", table + expl + fig_html + f"<pre>{text}</pre>", "sweep")
-
-
-def load_runs(paths: list[Path]) -> list[Run]:
-    return [load_run(p) for p in paths]
+    return Section("Sweep", f"<p><b>{best}</b></p>" + table + expl + fig_html, "sweep")
