@@ -261,12 +261,12 @@ def line_figure(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if logx:  # e.g. group sizes 2, 4, 8, 16: ticks at the values, written plainly
-        from matplotlib.ticker import NullMinorFormatter, ScalarFormatter
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
 
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({x for _, xs, _, _ in series for x in xs}))
         ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullMinorFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     if len(series) > 1 or (series and series[0][0]):
         ax.legend(fontsize=7, loc="best")
     return figure_svg(fig)
