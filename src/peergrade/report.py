@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peergrade.errors import InputError
+from peergrade.errors import InputError, PeergradeError
 
 __all__ = [
     "Run",
@@ -227,8 +227,18 @@ def figure_svg(fig) -> str:
     return svg
 
 
+class MissingPlotLibrary(PeergradeError):
+    """matplotlib is an optional dependency (the ``report`` extra)."""
+
+
 def _mpl():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingPlotLibrary(
+            "the HTML report draws its plots with matplotlib, which is not installed: "
+            "pip install 'peergrade[report]' (or pip install matplotlib)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
