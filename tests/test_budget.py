@@ -139,3 +139,18 @@ def test_cli_budget_errors(capsys, tmp_path):
     assert "no config.json" in capsys.readouterr().err
     assert main(["memory", "--model", str(MODELS / "qwen2.5-7b"), "--budget", "lots"]) == 2
     assert "--budget 'lots'" in capsys.readouterr().err
+
+
+def test_report_budget_section_for_a_runs_config(tmp_path, capsys):
+    from peergrade.config import load_config, to_yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(None)))  # the bundled demo config
+    (run / "metrics.jsonl").write_text("")
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--budget", "1MiB", "-o", str(out)]) == 0
+    html = out.read_text()
+    assert '<figure class="plot" data-panel="memory">' in html
+    # the 0.75M-parameter demo model does not fit in 1 MiB in any variant
+    assert html.count(" over)") == 3

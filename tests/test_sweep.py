@@ -156,3 +156,15 @@ def test_sweep_end_to_end_subprocess(tiny_model_dir, tmp_path):
     )
     assert res2.returncode == 2 and "not empty" in res2.stderr
     assert (sw / "sweep.json").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "cmd,flag", [("sweep", "--set"), ("report", "RUN_DIR"), ("memory", "--budget")]
+)
+def test_help_mentions_the_new_options(cmd, flag, capsys):
+    from peergrade.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    assert flag in capsys.readouterr().out
