@@ -10,8 +10,9 @@ note naming the file and line. ``write_report(runs, out)`` renders one HTML file
 * a summary per run (steps logged, finished or not, training time, completions generated,
   held-out accuracy before/after), and any ``alert/*`` metrics the run logged;
 * plots (matplotlib, inlined as SVG) of reward per function, held-out accuracy (``eval/*``),
-  KL, entropy, completion length, zero-signal fraction, clip fractions, tokens/s and time per
-  phase; several runs are overlaid in one colour each;
+  KL, entropy, completion length, zero-signal fraction, clip fractions, importance ratio,
+  tokens/s, time per phase, losses and gradient norms; several runs are overlaid, one colour
+  each;
 * the resolved ``config.yaml`` of each run and the keys that differ between runs;
 * a searchable table of the sampled groups in ``samples.jsonl``: prompt, each completion with
   its total reward, per-function rewards when logged, advantage and finish reason.
@@ -197,10 +198,11 @@ PANELS: list[tuple[str, str, list[str]]] = [
         "fraction",
         [r"rollout/frac_zero_std_groups", r"update/zero_signal_frac", r"rollout/frac_truncated"],
     ),
-    ("Clip fractions", "fraction", [r"clip/.+"]),
+    ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
+    ("Importance ratio", "ratio", [r"ratio/.+"]),
     ("Tokens per second", "tokens / s", [r"perf/.+"]),
     ("Time per phase", "seconds", [r"time/.+_s"]),
-    ("Losses and gradient norm", "value", [r"loss/(?!kl$).+", r"grad/norm", r"value/.+"]),
+    ("Losses and gradient norm", "value", [r"loss/(?!kl$).+", r"grad/.+", r"value/(?!clip_frac$).+"]),
 ]
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
