@@ -340,14 +340,16 @@ def cmd_report(args, extra) -> int:
     if extra:
         raise UserError(f"unexpected arguments for report: {' '.join(extra)}")
     from peergrade.report import is_run_dir, load_run, unique_names, write_report
-    from peergrade.sweep import read_sweep, summarize, sweep_section
+    from peergrade.sweep import format_summary, read_sweep, summarize, sweep_section
 
     paths, sections = [], []
     for p in map(Path, args.run_dirs):
         if (p / "sweep.json").exists() and not is_run_dir(p):
             runs, _info = read_sweep(p)
             loaded = [load_run(d, n) for d, n in zip(runs, unique_names(runs))]
-            sections.append(sweep_section(loaded, summarize(loaded, metric=args.metric)))
+            summary = summarize(loaded, metric=args.metric, time_budget_s=args.time_budget)
+            print(format_summary(summary))
+            sections.append(sweep_section(loaded, summary))
             paths.extend(runs)
         else:
             paths.append(p)
@@ -600,6 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--metric",
         default="pass@1_sampled",
         help="held-out metric the sweep section compares (default pass@1_sampled)",
+    )
+    rp.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="sweep section: the best accuracy reached within this much training time",
     )
     rp.add_argument(
         "--budget",

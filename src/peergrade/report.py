@@ -202,7 +202,11 @@ PANELS: list[tuple[str, str, list[str]]] = [
     ("Importance ratio", "ratio", [r"ratio/.+"]),
     ("Tokens per second", "tokens / s", [r"perf/.+"]),
     ("Time per phase", "seconds", [r"time/.+_s"]),
-    ("Losses and gradient norm", "value", [r"loss/(?!kl$).+", r"grad/.+", r"value/(?!clip_frac$).+"]),
+    (
+        "Losses and gradient norm",
+        "value",
+        [r"loss/(?!kl$).+", r"grad/.+", r"value/(?!clip_frac$).+"],
+    ),
 ]
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
