@@ -246,3 +246,24 @@ def test_a_panel_with_nothing_logged_is_named_not_drawn(tmp_path):
     html = render_report([load_run(run)])
     assert 'data-panel="KL to the reference"' not in html
     assert "Not logged in these runs: KL to the reference." in html
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"rewards_per_fn": {"acc": [1.0, 0.0], "fmt": [0.5, 0.25]}},
+        {"per_fn": [{"acc": 1.0, "fmt": 0.5}, {"acc": 0.0, "fmt": 0.25}]},
+        {"reward/acc": [1.0, 0.0], "reward/fmt": [0.5, 0.25]},
+    ],
+)
+def test_per_function_rewards_in_any_logged_shape(tmp_path, field):
+    from peergrade.report import samples_section
+
+    run = synthetic_run(tmp_path / "run", steps=1)
+    s = json.loads((run / "samples.jsonl").read_text())
+    s.pop("rewards_per_fn")
+    s.update(field)
+    (run / "samples.jsonl").write_text(json.dumps(s) + "\n")
+    html = samples_section([load_run(run)]).html
+    for cell in ("acc&nbsp;1.000<br>fmt&nbsp;0.500", "acc&nbsp;0.000<br>fmt&nbsp;0.250"):
+        assert cell in html

@@ -492,7 +492,8 @@ def config_section(runs: list[Run]) -> Section:
 
 def _per_fn(sample: dict, G: int) -> dict[str, list]:
     """Per-function rewards of one logged group, whatever the writer called the field: a dict
-    of name -> list of G values (e.g. ``rewards_per_fn``), or keys ``reward/<fn>`` with lists."""
+    of name -> list of G values (e.g. ``rewards_per_fn``), a list of G ``{name: value}`` dicts,
+    or keys ``reward/<fn>`` holding lists."""
     out: dict[str, list] = {}
     for k, v in sample.items():
         if (
@@ -501,6 +502,10 @@ def _per_fn(sample: dict, G: int) -> dict[str, list]:
             and all(isinstance(x, list) and len(x) == G for x in v.values())
         ):
             out.update({str(n): x for n, x in v.items()})
+        elif isinstance(v, list) and len(v) == G and v and all(isinstance(x, dict) for x in v):
+            # one {fn: value} per completion
+            for name in dict.fromkeys(n for x in v for n in x):
+                out[str(name)] = [x.get(name) for x in v]
         elif k.startswith("reward/") and isinstance(v, list) and len(v) == G:
             out[k[len("reward/") :]] = v
     return out
