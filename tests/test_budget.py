@@ -78,6 +78,11 @@ def test_fit_decision_at_the_boundary():
     assert line.startswith("GRPO") and line.endswith("yes (0.00 free)")
     over = format_budget(rows, peak - 2**30).splitlines()[2]
     assert over.endswith("NO (1.00 over)")
+    assert format_budget(rows, peak).splitlines()[-1].startswith("(GiB;")
+    # under 1 GiB everywhere: MiB. peak 3 MiB against 4 MiB -> 1.00 MiB free
+    small = {**est, "peak": 3 * 2**20, "phases": {"generate": 2 * 2**20, "update": 3 * 2**20}}
+    table = format_budget([("GRPO", small)], 4 * 2**20).splitlines()
+    assert table[2].endswith("yes (1.00 free)") and table[-1].startswith("(MiB;")
 
 
 def _row(out: str, label: str) -> list[str]:

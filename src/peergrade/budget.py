@@ -97,13 +97,16 @@ def budget_rows(cfg, *, device: str = "cuda", prompt_len: int | None = None):
     return rows, prompt_len
 
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f}"
-
-
 def format_budget(rows, budget: int) -> str:
-    """A plain-text table in GiB: the breakdown, each phase's estimated peak, the peak, and
-    ``fits`` (yes with the headroom left, or no with how much is missing)."""
+    """A plain-text table: the breakdown, each phase's estimated peak, the peak, and ``fits``
+    (yes with the headroom left, or NO with how much is missing); in GiB, or in MiB when the
+    budget and every peak are under 1 GiB; a last line names the unit."""
+    big = max([budget, *(est["peak"] for _, est in rows)]) >= 2**30
+    scale, unit = (2**30, "GiB") if big else (2**20, "MiB")
+
+    def _size(x: float) -> str:
+        return f"{x / scale:.2f}"
+
     phases: list[str] = []
     for _, est in rows:
         for p in est["phases"]:
@@ -114,13 +117,13 @@ def format_budget(rows, budget: int) -> str:
     cells = [header]
     for label, est in rows:
         free = budget - est["peak"]
-        fits = f"yes ({_gib(free)} free)" if free >= 0 else f"NO ({_gib(-free)} over)"
+        fits = f"yes ({_size(free)} free)" if free >= 0 else f"NO ({_size(-free)} over)"
         cells.append(
             [
                 label,
-                *(_gib(est[k]) for k in keys),
-                *(_gib(est["phases"][p]) if p in est["phases"] else "-" for p in phases),
-                _gib(est["peak"]),
+                *(_size(est[k]) for k in keys),
+                *(_size(est["phases"][p]) if p in est["phases"] else "-" for p in phases),
+                _size(est["peak"]),
                 fits,
             ]
         )
@@ -133,4 +136,8 @@ def format_budget(rows, budget: int) -> str:
         for r in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(
+        f"({unit}; estimates from the model config, see peergrade.memory; a phase's peak is "
+        "what is resident while it runs)"
+    )
     return "\n".join(lines)

@@ -310,10 +310,6 @@ def _memory_budget(args, cfg) -> int:
     print(f"budget: {budget / 2**30:.2f} GiB")
     table = format_budget(rows, budget)
     print(table)
-    print(
-        "(GiB; estimates from the model config, see peergrade.memory; a phase's peak is what "
-        "is resident while it runs)"
-    )
     if args.output:
         import html
 
