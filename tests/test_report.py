@@ -201,12 +201,12 @@ def real_run(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="headless Chromium not installed (Debian: apt-get install chromium; .ci/run does it); "
+    "the report's browser test needs it",
+)
 def test_report_renders_in_headless_chromium(real_run, tmp_path):
-    if _chromium() is None:
-        pytest.skip(
-            "headless Chromium not installed (Debian: apt-get install chromium); "
-            "the report's browser test needs it"
-        )
     synth = synthetic_run(tmp_path / "synthetic")
     out = tmp_path / "report.html"
     assert main(["report", str(real_run), str(synth), "-o", str(out)]) == 0
