@@ -267,3 +267,16 @@ def test_per_function_rewards_in_any_logged_shape(tmp_path, field):
     html = samples_section([load_run(run)]).html
     for cell in ("acc&nbsp;1.000<br>fmt&nbsp;0.500", "acc&nbsp;0.000<br>fmt&nbsp;0.250"):
         assert cell in html
+
+
+def test_no_per_function_column_when_none_logged(tmp_path):
+    from peergrade.report import samples_section
+
+    run = synthetic_run(tmp_path / "run", steps=2)
+    rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert "<th>per function</th>" in samples_section([load_run(run)]).html
+    for r in rows:
+        r.pop("rewards_per_fn")
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = samples_section([load_run(run)]).html
+    assert "<th>per function</th>" not in html and html.count("<tr class=") == 4

@@ -527,6 +527,12 @@ def _pick_groups(samples: list[dict]) -> tuple[list[dict], bool]:
 
 
 def samples_section(runs: list[Run]) -> Section:
+    # the per-function column only when some group logged per-function rewards
+    any_fn = any(
+        isinstance(g.get("completions"), list) and _per_fn(g, len(g["completions"]))
+        for run in runs
+        for g in run.samples
+    )
     rows_html = []
     n_groups = 0
     thinned = []
@@ -577,7 +583,7 @@ def samples_section(runs: list[Run]) -> Section:
                     + head
                     + f"<td><pre>{html.escape(str(c))}</pre></td>"
                     + f"<td>{_fmt(rewards[i] if i < len(rewards) else None)}</td>"
-                    + f"<td>{_fn_cell(per_fn, i)}</td>"
+                    + (f"<td>{_fn_cell(per_fn, i)}</td>" if any_fn else "")
                     + f'<td class="{cls}">{_fmt(a)}</td>'
                     + f"<td>{html.escape(str(finish[i] if i < len(finish) else ''))}</td></tr>"
                 )
@@ -612,7 +618,9 @@ def samples_section(runs: list[Run]) -> Section:
         )
     table = (
         f'<table id="samples-table" data-groups="{n_groups}"><thead><tr><th>run</th><th>step</th><th>prompt</th>'
-        "<th>completion</th><th>reward</th><th>per function</th><th>advantage</th><th>finish</th>"
+        "<th>completion</th><th>reward</th>"
+        + ("<th>per function</th>" if any_fn else "")
+        + "<th>advantage</th><th>finish</th>"
         f"</tr></thead><tbody>{''.join(rows_html)}</tbody></table>"
     )
     return Section("Sampled groups", controls + note + table, "samples")
