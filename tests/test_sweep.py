@@ -168,3 +168,33 @@ def test_help_mentions_the_new_options(cmd, flag, capsys):
         main([cmd, "--help"])
     assert e.value.code == 0
     assert flag in capsys.readouterr().out
+
+
+def test_run_sweep_validates_every_variant_before_training(tmp_path):
+    from peergrade.config import ConfigError, load_config
+    from peergrade.sweep import run_sweep
+
+    calls = []
+
+    def train(cfg, run_dir, overwrite=False):
+        calls.append((cfg.rollout.group_size, cfg.train.seed, cfg.train.steps, Path(run_dir).name))
+        return {}
+
+    def load(ov):
+        return load_config(None, [("train.steps", 5), *ov])
+
+    axes = parse_sets(["rollout.group_size=2,0"])  # 0 is not a valid group size
+    with pytest.raises(ConfigError):
+        run_sweep(load=load, axes=axes, out_dir=tmp_path / "a", train=train, log=lambda s: None)
+    assert calls == [] and not (tmp_path / "a").exists()
+
+    axes = parse_sets(["rollout.group_size=2,4", "train.seed=0,1"])
+    res = run_sweep(load=load, axes=axes, out_dir=tmp_path / "b", train=train, log=lambda s: None)
+    assert calls == [
+        (2, 0, 5, "group_size=2_seed=0"),
+        (2, 1, 5, "group_size=2_seed=1"),
+        (4, 0, 5, "group_size=4_seed=0"),
+        (4, 1, 5, "group_size=4_seed=1"),
+    ]
+    info = json.loads((tmp_path / "b" / "sweep.json").read_text())
+    assert [v["name"] for v in info["variants"]] == [r["name"] for r in res]
