@@ -198,3 +198,24 @@ def test_run_sweep_validates_every_variant_before_training(tmp_path):
     ]
     info = json.loads((tmp_path / "b" / "sweep.json").read_text())
     assert [v["name"] for v in info["variants"]] == [r["name"] for r in res]
+    assert {v["status"] for v in info["variants"]} == {"done"}
+
+    # killed in the second variant: sweep.json already lists it as running
+    def dies(cfg, run_dir, overwrite=False):
+        if cfg.rollout.group_size == 4:
+            raise KeyboardInterrupt
+        return {}
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(
+            load=load,
+            axes=parse_sets(["rollout.group_size=2,4,8"]),
+            out_dir=tmp_path / "c",
+            train=dies,
+            log=lambda s: None,
+        )
+    info = json.loads((tmp_path / "c" / "sweep.json").read_text())
+    assert [(v["name"], v["status"]) for v in info["variants"]] == [
+        ("group_size=2", "done"),
+        ("group_size=4", "running"),
+    ]

@@ -6,8 +6,9 @@ What it does
 (every combination, in the order given). ``run_sweep`` trains each variant one after another
 with the same seed and the same number of steps, each in its own run directory under the sweep
 directory, through the ``train`` function it is handed (the CLI passes ``trainer.train``: this
-module never imports the trainer, so there is one training step, not a copy). It writes
-``sweep.json`` after every variant, so a killed sweep keeps what finished.
+module never imports the trainer, so there is one training step, not a copy). ``sweep.json``
+lists each variant as it starts and is updated when it ends, so a killed sweep still reports
+what finished and the partial run it was in.
 
 ``summarize(runs)`` compares the variants from their run directories alone:
 
@@ -148,25 +149,22 @@ def run_sweep(
         cfg = load(ov)
         variants.append((name, ov, cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results: list[dict] = []
+    axes_json = [[k, v] for k, v in axes]
     for i, (name, ov, cfg) in enumerate(variants, 1):
         run_dir = out_dir / name
         log(f"[{i}/{len(variants)}] {name}: training into {run_dir}")
+        # listed before it starts, so a sweep killed mid-variant still reports that partial run
+        entry = {"name": name, "overrides": dict(ov), "run_dir": name, "status": "running"}
+        results.append(entry)
+        _write_json(out_dir / "sweep.json", {"axes": axes_json, "variants": results})
         t0 = time.perf_counter()
         summary = train(cfg, run_dir, overwrite=overwrite)
-        results.append(
-            {
-                "name": name,
-                "overrides": {k: v for k, v in ov},
-                "run_dir": name,
-                "wall_s": time.perf_counter() - t0,
-                "interrupted": bool(summary.get("interrupted")),
-            }
-        )
-        _write_json(
-            out_dir / "sweep.json", {"axes": [[k, v] for k, v in axes], "variants": results}
-        )
-        if summary.get("interrupted"):
+        entry["wall_s"] = time.perf_counter() - t0
+        entry["interrupted"] = bool(summary.get("interrupted"))
+        entry["status"] = "interrupted" if entry["interrupted"] else "done"
+        _write_json(out_dir / "sweep.json", {"axes": axes_json, "variants": results})
+        if entry["interrupted"]:
             log("sweep interrupted; the finished variants are kept")
             break
     return results
