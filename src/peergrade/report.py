@@ -1,0 +1,773 @@
+"""The HTML run report: one self-contained file with plots, the config and the sampled groups.
+
+What it does
+------------
+``load_run(dir)`` reads a run directory (``config.yaml``, ``metrics.jsonl``, ``samples.jsonl``)
+as written by ``peergrade train``, tolerating a run that is still going or was killed: a
+truncated last line is dropped (and said so), a damaged line in the middle is skipped with a
+note naming the file and line. ``write_report(runs, out)`` renders one HTML file:
+
+* a summary per run (steps logged, finished or not, training time, completions generated,
+  held-out accuracy before/after), and any ``alert/*`` metrics the run logged;
+* plots (matplotlib, inlined as SVG) of reward per function, held-out accuracy (``eval/*``),
+  KL, entropy, completion length, zero-signal fraction, clip fractions, importance ratio,
+  tokens/s, time per phase, losses and gradient norms; several runs are overlaid, one colour
+  each;
+* the resolved ``config.yaml`` of each run and the keys that differ between runs;
+* a searchable table of the sampled groups in ``samples.jsonl``: prompt, each completion with
+  its total reward, per-function rewards when logged, advantage and finish reason.
+
+Extra sections (a sweep comparison, a memory chart) are passed in as ``Section`` objects built
+by their own modules with the helpers here (``figure_svg``, ``memory_chart``).
+
+The page opens with no network: no external script, style, font or image; a Content Security
+Policy meta tag (``default-src 'none'``) makes the browser refuse any request the page might
+still try. The search box is a few lines of inline JavaScript.
+
+What it deliberately does not do
+--------------------------------
+It computes no training metric (those come from the trainer) and never imports the trainer
+or model code; it does not watch a run live (re-run it to refresh) and does not serve pages.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peergrade.errors import InputError, PeergradeError
+
+__all__ = [
+    "Run",
+    "Section",
+    "load_run",
+    "read_jsonl",
+    "is_run_dir",
+    "figure_svg",
+    "line_figure",
+    "memory_chart",
+    "render_report",
+    "write_report",
+    "PANELS",
+]
+
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+# groups per run in the completions table; beyond it, evenly spaced steps are kept
+MAX_GROUPS_PER_RUN = 1500
+
+
+@dataclass
+class Run:
+    """One run directory, read."""
+
+    path: Path
+    name: str
+    config_text: str
+    config: dict
+    metrics: list[dict]
+    samples: list[dict]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def train_rows(self) -> list[dict]:
+        """Metric rows of training steps (the eval-only rows at step 0 and the end excluded)."""
+        return [m for m in self.metrics if "time/step_s" in m or "loss/policy" in m]
+
+    @property
+    def finished(self) -> bool:
+        return any(m.get("final") for m in self.metrics)
+
+    @property
+    def last_step(self) -> int:
+        rows = self.train_rows
+        return int(rows[-1]["step"]) if rows else 0
+
+    def eval_rows(self) -> list[dict]:
+        return [m for m in self.metrics if any(k.startswith("eval/") for k in m)]
+
+
+@dataclass
+class Section:
+    """A block of the report: a title and its inner HTML (already escaped)."""
+
+    title: str
+    html: str
+    anchor: str = ""
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_jsonl(path: Path, notes: list[str]) -> list[dict]:
+    """Rows of a JSON-lines file. A last line without its newline that does not parse is a
+    write cut short (a run killed or still writing): dropped, with a note. Any other line that
+    does not parse is skipped with a note naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            last = i == len(lines)  # no newline after it: the writer was interrupted
+            if last:
+                notes.append(
+                    f"{path.name}: last line {i} is incomplete (run still going or killed); ignored"
+                )
+            else:
+                notes.append(f"{path.name}: line {i} is not valid JSON ({e.msg}); skipped")
+            continue
+        if not isinstance(obj, dict):
+            notes.append(f"{path.name}: line {i} is not a JSON object; skipped")
+            continue
+        rows.append(obj)
+    return rows
+
+
+def is_run_dir(path: Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and ((path / "metrics.jsonl").exists() or (path / "config.yaml").exists())
+
+
+def load_run(path: Path, name: str | None = None) -> Run:
+    """Read a run directory; raises ``InputError`` naming the path when it is not one."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such run directory")
+    if not path.is_dir():
+        raise InputError(f"{path}: not a directory (expected a run directory from peergrade train)")
+    if not is_run_dir(path):
+        raise InputError(
+            f"{path}: not a peergrade run directory (expected config.yaml and metrics.jsonl "
+            "as written by `peergrade train`)"
+        )
+    notes: list[str] = []
+    config_text = ""
+    config: dict = {}
+    if (path / "config.yaml").exists():
+        config_text = (path / "config.yaml").read_text(encoding="utf-8", errors="replace")
+        try:
+            loaded = yaml.safe_load(config_text)
+            config = loaded if isinstance(loaded, dict) else {}
+        except yaml.YAMLError as e:
+            notes.append(f"config.yaml does not parse as YAML ({e}); shown as text only")
+    else:
+        notes.append("no config.yaml")
+    metrics = read_jsonl(path / "metrics.jsonl", notes)
+    samples = read_jsonl(path / "samples.jsonl", notes)
+    if not metrics:
+        notes.append("metrics.jsonl has no rows yet")
+    return Run(path, name or path.name, config_text, config, metrics, samples, notes)
+
+
+def unique_names(paths: list[Path]) -> list[str]:
+    """Short labels for run dirs: the folder name, with parents added until they differ."""
+    paths = [Path(p).resolve() for p in paths]
+    depth = 1
+    while True:
+        names = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(names)) == len(names) or depth > 8:
+            return names
+        depth += 1
+
+
+# ----------------------------------------------------------------------------- plots
+
+# (title, y label, key patterns). A pattern is a regex over metric names; each match is a line.
+PANELS: list[tuple[str, str, list[str]]] = [
+    ("Reward per function", "mean reward", [r"reward/.+/mean", r"reward/accuracy"]),
+    ("Held-out accuracy", "accuracy", [r"eval/(?!n$|k$).+"]),
+    ("KL to the reference", "KL", [r"kl/mean", r"loss/kl"]),
+    ("Entropy", "nats / token", [r"entropy/mean"]),
+    ("Completion length", "tokens", [r"rollout/len_mean", r"rollout/len_max"]),
+    (
+        "Zero-signal and truncated fractions",
+        "fraction",
+        [r"rollout/frac_zero_std_groups", r"update/zero_signal_frac", r"rollout/frac_truncated"],
+    ),
+    ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
+    ("Importance ratio", "ratio", [r"ratio/.+"]),
+    ("Tokens per second", "tokens / s", [r"perf/.+"]),
+    ("Time per phase", "seconds", [r"time/.+_s"]),
+    (
+        "Losses and gradient norm",
+        "value",
+        [r"loss/(?!kl$).+", r"grad/.+", r"value/(?!clip_frac$).+"],
+    ),
+]
+
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
+STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def figure_svg(fig) -> str:
+    """A matplotlib figure as inline SVG (no XML header, no metadata block with its URLs)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    plt.close(fig)
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg") :]
+    # the RDF metadata names its schemas by URL; harmless, but the page should hold no URLs
+    svg = re.sub(r"<metadata>.*?</metadata>", "", svg, flags=re.S)
+    # inline in HTML the parser puts <svg> and xlink:href in their namespaces by itself
+    svg = re.sub(r'\s+xmlns(:xlink)?="[^"]*"', "", svg)
+    return svg
+
+
+class MissingPlotLibrary(PeergradeError):
+    """matplotlib is an optional dependency (the ``report`` extra)."""
+
+
+def _mpl():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingPlotLibrary(
+            "the HTML report draws its plots with matplotlib, which is not installed: "
+            "pip install 'peergrade[report]' (or pip install matplotlib)"
+        ) from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update(
+        {"svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3}
+    )
+    return plt
+
+
+def line_figure(
+    series: list[tuple[str, list[float], list[float], dict]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    size=(6.0, 3.2),
+    logx: bool = False,
+) -> str:
+    """series = [(label, xs, ys, matplotlib line kwargs)] -> inline SVG."""
+    plt = _mpl()
+    fig, ax = plt.subplots(figsize=size)
+    for label, xs, ys, kw in series:
+        ax.plot(xs, ys, label=label, **{"linewidth": 1.4, **kw})
+    ax.set_title(title)
+    if xlabel == "step":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logx:  # e.g. group sizes 2, 4, 8, 16: ticks at the values, written plainly
+        from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({x for _, xs, _, _ in series for x in xs}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    if len(series) > 1 or (series and series[0][0]):
+        ax.legend(fontsize=7, loc="best")
+    return figure_svg(fig)
+
+
+def panel_series(runs: list[Run], patterns: list[str]):
+    """Lines of one panel: per run, per metric key matching a pattern, (step, value) points."""
+    out = []
+    regexes = [re.compile(p + "$") for p in patterns]
+    for ri, run in enumerate(runs):
+        keys: list[str] = []
+        for m in run.metrics:
+            for k in m:
+                if k not in keys and any(r.match(k) for r in regexes):
+                    keys.append(k)
+        for ki, key in enumerate(keys):
+            pts = [(m["step"], m[key]) for m in run.metrics if _finite(m.get(key)) and "step" in m]
+            if not pts:
+                continue
+            label = key if len(runs) == 1 else f"{run.name}: {key}"
+            if len(runs) == 1:  # one run: a colour per metric
+                kw = {"color": COLORS[ki % len(COLORS)]}
+            else:  # overlay: a colour per run, a line style per metric
+                kw = {"color": COLORS[ri % len(COLORS)], "linestyle": STYLES[ki % len(STYLES)]}
+            if key.startswith("eval/") or len(pts) <= 3:
+                kw["marker"] = "o"
+                kw["markersize"] = 3
+            out.append((label, [p[0] for p in pts], [p[1] for p in pts], kw))
+    return out
+
+
+def plots_section(runs: list[Run]) -> Section:
+    figs, missing = [], []
+    for title, ylabel, patterns in PANELS:
+        series = panel_series(runs, patterns)
+        if not series:
+            missing.append(title)
+            continue
+        svg = line_figure(series, title=title, xlabel="step", ylabel=ylabel)
+        figs.append(f'<figure class="plot" data-panel="{html.escape(title)}">{svg}</figure>')
+    body = '<div class="grid">' + "".join(figs) + "</div>"
+    if missing:
+        body += f'<p class="muted">Not logged in these runs: {html.escape(", ".join(missing))}.</p>'
+    return Section("Training curves", body, "plots")
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-" if v is None else str(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "-"
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+    return html.escape(str(v))
+
+
+def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
+    h = "".join(f"<th>{html.escape(x)}</th>" for x in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _cfg(run: Run, *keys, default=None):
+    node: Any = run.config
+    for k in keys:
+        if not isinstance(node, dict) or k not in node:
+            return default
+        node = node[k]
+    return node
+
+
+def train_seconds(rows: list[dict]) -> list[float]:
+    """Cumulative compute time of the training steps (generate + reward + reference + update),
+    which leaves out held-out evaluation and logging, so runs with other eval settings compare."""
+    out, total = [], 0.0
+    for m in rows:
+        parts = [
+            m.get(k) for k in ("time/generate_s", "time/reward_s", "time/ref_s", "time/update_s")
+        ]
+        if all(_finite(p) for p in parts):
+            total += sum(parts)
+        elif _finite(m.get("time/step_s")):
+            total += m["time/step_s"]
+        out.append(total)
+    return out
+
+
+def completions_per_step(run: Run) -> int | None:
+    P = _cfg(run, "rollout", "prompts_per_step")
+    G = _cfg(run, "rollout", "group_size")
+    return P * G if isinstance(P, int) and isinstance(G, int) else None
+
+
+def summary_section(runs: list[Run]) -> Section:
+    eval_keys: list[str] = []
+    for run in runs:
+        for m in run.eval_rows():
+            for k in m:
+                if k.startswith("eval/") and k not in ("eval/n", "eval/k") and k not in eval_keys:
+                    eval_keys.append(k)
+    header = ["run", "algo", "G", "status", "steps", "train time (s)", "completions"]
+    for k in eval_keys:
+        header.append(f"{k[5:]} before -> last")
+    rows = []
+    for run in runs:
+        tr = run.train_rows
+        total_steps = _cfg(run, "train", "steps")
+        if run.finished:
+            status = "finished"
+        elif tr:
+            status = f"stopped or running at step {run.last_step}/{total_steps}"
+        else:
+            status = "no training step logged yet"
+        secs = train_seconds(tr)
+        cps = completions_per_step(run)
+        row = [
+            html.escape(run.name),
+            _fmt(_cfg(run, "algo", "name")),
+            _fmt(_cfg(run, "rollout", "group_size")),
+            html.escape(status),
+            str(run.last_step),
+            f"{secs[-1]:.1f}" if secs else "-",
+            str(cps * run.last_step) if cps else "-",
+        ]
+        evals = run.eval_rows()
+        for k in eval_keys:
+            vals = [m[k] for m in evals if _finite(m.get(k))]
+            row.append(
+                f"{vals[0]:.3f} -> {vals[-1]:.3f}"
+                if len(vals) > 1
+                else (_fmt(vals[0]) if vals else "-")
+            )
+        rows.append(row)
+    body = _table(header, rows, "summary")
+    notes = [(run.name, n) for run in runs for n in run.notes]
+    if notes:
+        body += (
+            '<ul class="notes">'
+            + "".join(f"<li>{html.escape(r)}: {html.escape(n)}</li>" for r, n in notes)
+            + "</ul>"
+        )
+    return Section("Runs", body, "runs")
+
+
+def alerts_section(runs: list[Run]) -> Section | None:
+    """``alert/*`` metrics (from the failure-mode detectors) that fired: step, key, value."""
+    rows = []
+    for run in runs:
+        for m in run.metrics:
+            for k, v in m.items():
+                if not k.startswith("alert/") or v in (None, 0, 0.0, False, "", [], {}):
+                    continue
+                text = v if isinstance(v, str) else json.dumps(v)
+                rows.append(
+                    [
+                        html.escape(run.name),
+                        str(m.get("step", "?")),
+                        html.escape(k),
+                        html.escape(text),
+                    ]
+                )
+    if not rows:
+        return None
+    return Section("Alerts", _table(["run", "step", "alert", "value"], rows, "alerts"), "alerts")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def config_section(runs: list[Run]) -> Section:
+    parts = []
+    if len(runs) > 1:
+        flat = [_flatten(r.config) for r in runs]
+        keys = sorted(set().union(*flat))
+        diff = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+        if diff:
+            rows = [
+                [html.escape(k), *(html.escape(json.dumps(f.get(k))) for f in flat)] for k in diff
+            ]
+            parts.append(
+                "<h3>Keys that differ</h3>" + _table(["key", *(r.name for r in runs)], rows)
+            )
+        else:
+            parts.append("<p>The runs' configs are identical.</p>")
+    for run in runs:
+        parts.append(
+            f"<details{' open' if len(runs) == 1 else ''}><summary>{html.escape(run.name)}/config.yaml"
+            f"</summary><pre>{html.escape(run.config_text or '(none)')}</pre></details>"
+        )
+    return Section("Resolved config", "".join(parts), "config")
+
+
+def _per_fn(sample: dict, G: int) -> dict[str, list]:
+    """Per-function rewards of one logged group, whatever the writer called the field: a dict
+    of name -> list of G values (e.g. ``rewards_per_fn``), a list of G ``{name: value}`` dicts,
+    or keys ``reward/<fn>`` holding lists."""
+    out: dict[str, list] = {}
+    for k, v in sample.items():
+        if (
+            isinstance(v, dict)
+            and v
+            and all(isinstance(x, list) and len(x) == G for x in v.values())
+        ):
+            out.update({str(n): x for n, x in v.items()})
+        elif isinstance(v, list) and len(v) == G and v and all(isinstance(x, dict) for x in v):
+            # one {fn: value} per completion
+            for name in dict.fromkeys(n for x in v for n in x):
+                out[str(name)] = [x.get(name) for x in v]
+        elif k.startswith("reward/") and isinstance(v, list) and len(v) == G:
+            out[k[len("reward/") :]] = v
+    return out
+
+
+def _fn_cell(per_fn: dict[str, list], i: int) -> str:
+    return "<br>".join(f"{html.escape(n)}&nbsp;{_fmt(v[i])}" for n, v in per_fn.items())
+
+
+def _pick_groups(samples: list[dict]) -> tuple[list[dict], bool]:
+    if len(samples) <= MAX_GROUPS_PER_RUN:
+        return samples, False
+    steps = sorted({s.get("step") for s in samples}, key=lambda x: (x is None, x))
+    per_step = max(1, len(samples) // max(len(steps), 1))
+    keep_n = max(1, MAX_GROUPS_PER_RUN // per_step)
+    stride = len(steps) / keep_n
+    keep = {steps[int(i * stride)] for i in range(keep_n)} | {steps[-1]}
+    return [s for s in samples if s.get("step") in keep], True
+
+
+def samples_section(runs: list[Run]) -> Section:
+    # the per-function column only when some group logged per-function rewards
+    any_fn = any(
+        isinstance(g.get("completions"), list) and _per_fn(g, len(g["completions"]))
+        for run in runs
+        for g in run.samples
+    )
+    rows_html = []
+    n_groups = 0
+    thinned = []
+    steps_all: set = set()
+    for run in runs:
+        groups, thin = _pick_groups(run.samples)
+        if thin:
+            thinned.append(run.name)
+        for s in groups:
+            comps = s.get("completions")
+            if not isinstance(comps, list):
+                continue
+            G = len(comps)
+            rewards = s.get("rewards") if isinstance(s.get("rewards"), list) else [None] * G
+            advs = s.get("advantages") if isinstance(s.get("advantages"), list) else [None] * G
+            finish = (
+                s.get("finish_reason") if isinstance(s.get("finish_reason"), list) else [""] * G
+            )
+            per_fn = _per_fn(s, G)
+            step = s.get("step", "?")
+            steps_all.add(step)
+            n_groups += 1
+            search = " ".join(str(x) for x in [s.get("prompt", ""), s.get("answer", ""), *comps])
+            for i, c in enumerate(comps):
+                a = advs[i] if i < len(advs) else None
+                cls = "pos" if _finite(a) and a > 0 else ("neg" if _finite(a) and a < 0 else "")
+                head = ""
+                if i == 0:
+                    ans = s.get("answer")
+                    head = (
+                        f'<td rowspan="{G}" class="prompt"><pre>{html.escape(str(s.get("prompt", "")))}</pre>'
+                        + (
+                            f'<div class="muted">answer: {html.escape(str(ans))}</div>'
+                            if ans is not None
+                            else ""
+                        )
+                        + "</td>"
+                    )
+                rows_html.append(
+                    f'<tr class="g{n_groups}{" first" if i == 0 else ""}" data-run="{html.escape(run.name)}" '
+                    f'data-step="{html.escape(str(step))}" data-group="{n_groups}" '
+                    f'data-text="{html.escape(search.lower())}">'
+                    + (
+                        f'<td rowspan="{G}">{html.escape(run.name)}</td><td rowspan="{G}">{html.escape(str(step))}</td>'
+                        if i == 0
+                        else ""
+                    )
+                    + head
+                    + f"<td><pre>{html.escape(str(c))}</pre></td>"
+                    + f"<td>{_fmt(rewards[i] if i < len(rewards) else None)}</td>"
+                    + (f"<td>{_fn_cell(per_fn, i)}</td>" if any_fn else "")
+                    + f'<td class="{cls}">{_fmt(a)}</td>'
+                    + f"<td>{html.escape(str(finish[i] if i < len(finish) else ''))}</td></tr>"
+                )
+    if not n_groups:
+        return Section(
+            "Sampled groups",
+            '<p id="no-samples">No samples logged (samples.jsonl is empty or missing; '
+            "set train.log_samples &gt; 0).</p>",
+            "samples",
+        )
+    steps_sorted = sorted(
+        steps_all, key=lambda x: (not isinstance(x, int), x if isinstance(x, int) else 0)
+    )
+    opts = "".join(
+        f'<option value="{html.escape(str(s))}">{html.escape(str(s))}</option>'
+        for s in steps_sorted
+    )
+    run_opts = "".join(
+        f'<option value="{html.escape(r.name)}">{html.escape(r.name)}</option>' for r in runs
+    )
+    controls = (
+        '<div class="controls"><input id="q" type="search" placeholder="search prompts, answers, completions">'
+        f'<label>run <select id="run"><option value="">all</option>{run_opts}</select></label>'
+        f'<label>step <select id="step"><option value="">all</option>{opts}</select></label>'
+        '<span id="shown"></span></div>'
+    )
+    note = ""
+    if thinned:
+        note = (
+            f'<p class="muted">Many groups logged in {html.escape(", ".join(thinned))}: '
+            f"the table keeps evenly spaced steps (about {MAX_GROUPS_PER_RUN} groups per run).</p>"
+        )
+    table = (
+        f'<table id="samples-table" data-groups="{n_groups}"><thead><tr><th>run</th><th>step</th><th>prompt</th>'
+        "<th>completion</th><th>reward</th>"
+        + ("<th>per function</th>" if any_fn else "")
+        + "<th>advantage</th><th>finish</th>"
+        f"</tr></thead><tbody>{''.join(rows_html)}</tbody></table>"
+    )
+    return Section("Sampled groups", controls + note + table, "samples")
+
+
+# ----------------------------------------------------------------------------- memory chart
+
+
+def memory_chart(
+    rows: list[tuple[str, dict]], budget_bytes: float | None = None, title: str = ""
+) -> str:
+    """Grouped bars per variant: the estimated peak of each phase (generate / reference /
+    update), in GiB, with the budget as a horizontal line. rows = [(label, estimate)] where
+    estimate is ``memory.estimate_memory``'s dict."""
+    plt = _mpl()
+    phases: list[str] = []
+    for _, est in rows:
+        for p in est["phases"]:
+            if p not in phases:
+                phases.append(p)
+    fig, ax = plt.subplots(figsize=(6.0, 3.2))
+    width = 0.8 / max(len(phases), 1)
+    for pi, ph in enumerate(phases):
+        xs = [i + (pi - (len(phases) - 1) / 2) * width for i in range(len(rows))]
+        ys = [est["phases"].get(ph, 0) / 2**30 for _, est in rows]
+        ax.bar(xs, ys, width=width, label=ph, color=COLORS[pi % len(COLORS)])
+    if budget_bytes:
+        ax.axhline(
+            budget_bytes / 2**30,
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"budget {budget_bytes / 2**30:.1f} GiB",
+        )
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([label for label, _ in rows])
+    ax.set_ylabel("estimated peak (GiB)")
+    ax.set_title(title or "Estimated peak memory per phase")
+    ax.legend(fontsize=7)
+    return figure_svg(fig)
+
+
+# ----------------------------------------------------------------------------- page
+
+STYLE = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0 auto;max-width:1500px;padding:0 18px 40px;color:#222}
+h1{font-size:22px;margin:18px 0 4px} h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:3px;margin-top:28px}
+nav a{margin-right:12px} .muted{color:#777} pre{margin:0;white-space:pre-wrap;word-break:break-word;font:12px/1.35 ui-monospace,Menlo,Consolas,monospace}
+table{border-collapse:collapse;font-size:13px;margin:6px 0} th,td{border:1px solid #ddd;padding:3px 7px;vertical-align:top;text-align:left}
+th{background:#f4f4f4;position:sticky;top:0} .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:10px}
+figure{margin:0;border:1px solid #eee;padding:4px} figure svg{width:100%;height:auto}
+td.pos{background:#e6f4e6} td.neg{background:#fbe9e9} td.prompt{max-width:420px;background:#fafafa}
+tr.first td{border-top:2px solid #999} .controls{margin:8px 0;display:flex;gap:14px;align-items:center}
+.controls input{width:340px;padding:4px} table.alerts td{background:#fff4e5} ul.notes{color:#a15c00}
+details pre{background:#fafafa;padding:8px;border:1px solid #eee;max-height:480px;overflow:auto}
+"""
+
+SCRIPT = """
+(function(){
+  var q=document.getElementById('q'), run=document.getElementById('run'), step=document.getElementById('step');
+  var shown=document.getElementById('shown'), table=document.getElementById("samples-table");
+  function apply(){
+    if(!table) return;
+    var text=(q.value||'').toLowerCase(), r=run.value, s=step.value, groups={}, n=0;
+    var rows=table.tBodies[0].rows;
+    for(var i=0;i<rows.length;i++){
+      var tr=rows[i], g=tr.getAttribute('data-group');
+      if(!(g in groups)){
+        groups[g]=(!r||tr.getAttribute('data-run')===r)&&(!s||tr.getAttribute('data-step')===s)&&
+                  (!text||tr.getAttribute('data-text').indexOf(text)>=0);
+        if(groups[g]) n++;
+      }
+      tr.style.display=groups[g]?'':'none';
+    }
+    shown.textContent=n+' of '+table.getAttribute('data-groups')+' groups shown';
+  }
+  if(table){ q.addEventListener('input',apply); run.addEventListener('change',apply); step.addEventListener('change',apply); apply(); }
+  // a record in the DOM that the figures were laid out with a size (read by the tests' DOM dump)
+  var figs=document.querySelectorAll('figure.plot svg'), ok=0;
+  for(var j=0;j<figs.length;j++){ var b=figs[j].getBoundingClientRect(); if(b.width>0&&b.height>0){ok++; figs[j].parentNode.setAttribute('data-rendered','1');} }
+  document.body.setAttribute('data-plots-rendered', String(ok));
+  var res=(window.performance&&performance.getEntriesByType)?performance.getEntriesByType('resource').length:-1;
+  document.body.setAttribute('data-resource-requests', String(res));
+})();
+"""
+
+
+def render_report(
+    runs: list[Run], extra: list[Section] | None = None, title: str | None = None
+) -> str:
+    """The whole page as a string: summary, alerts, extra sections, plots, config, samples."""
+    sections = [summary_section(runs)] if runs else []
+    alerts = alerts_section(runs)
+    if alerts:
+        sections.append(alerts)
+    sections.extend(extra or [])
+    if runs:  # a page of extra sections alone (e.g. `memory --budget -o`) has no run parts
+        sections += [plots_section(runs), config_section(runs), samples_section(runs)]
+    title = title or "peergrade report: " + ", ".join(r.name for r in runs)
+    nav = "".join(
+        f'<a href="#{s.anchor or f"s{i}"}">{html.escape(s.title)}</a>'
+        for i, s in enumerate(sections)
+    )
+    body = "".join(
+        f'<section id="{s.anchor or f"s{i}"}"><h2>{html.escape(s.title)}</h2>{s.html}</section>'
+        for i, s in enumerate(sections)
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1>"
+        f'<p class="muted">{len(runs)} run(s): '
+        + ", ".join(html.escape(str(r.path)) for r in runs)
+        + f"</p><nav>{nav}</nav>{body}<script>{SCRIPT}</script></body></html>\n"
+    )
+
+
+def write_report(
+    paths: list[Path], out: Path, extra: list[Section] | None = None, title: str | None = None
+) -> Path:
+    """Read the run dirs in ``paths`` and write the report to ``out`` (atomically)."""
+    paths = [Path(p) for p in paths]
+    if not paths and not extra:
+        raise InputError("report: give at least one run directory")
+    names = unique_names(paths)
+    runs = [load_run(p, n) for p, n in zip(paths, names)]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out, render_report(runs, extra, title))
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Temp file + rename: a report being rewritten is never seen half-written (and this module
+    stays free of checkpoint's torch import)."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is for sharing
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,161 @@
+"""`peergrade memory --budget`: sizes parsed by hand, the Qwen2.5-1.5B / 7B shapes counted
+against their published parameter counts, the fit decision at the boundary, and the CLI."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from peergrade.budget import format_budget, parse_size
+from peergrade.cli import main
+from peergrade.errors import InputError
+from peergrade.memory import estimate_memory, param_counts
+
+MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("24GiB", 24 * 2**30),
+        ("24 GiB", 24 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("16G", 16 * 2**30),
+        ("1.5TiB", int(1.5 * 2**40)),
+        ("512MiB", 512 * 2**20),
+        ("1000", 1000),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "24 parsecs", "-3GiB", "0GiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(InputError, match="--budget"):
+        parse_size(text)
+
+
+def test_qwen25_shapes_match_the_published_parameter_counts():
+    # Qwen2.5-1.5B: embedding 151936 * 1536 = 233,373,696 (tied); per layer q/o 1536^2 each,
+    # k/v 1536 * 256 each, MLP 3 * 1536 * 8960, norms 2 * 1536, q/k/v biases 1536 + 2 * 256
+    # = 46,797,824; 28 layers + final norm 1536 -> 1,543,714,304 ("1.54B").
+    assert param_counts(MODELS / "qwen2.5-1.5b")["total"] == 1_543_714_304
+    # Qwen2.5-7B: untied, 2 * 152064 * 3584 = 1,089,994,752; per layer 233,057,792; -> 7.62B
+    pc = param_counts(MODELS / "qwen2.5-7b")
+    assert pc["total"] == 7_615_616_512
+    # LoRA r=16 on all 7 projections: per layer 16 * (in + out) summed = 1,441,792; x 28
+    lora = {
+        "r": 16,
+        "target_modules": [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    }
+    assert param_counts(MODELS / "qwen2.5-7b", lora)["lora"] == 40_370_176
+
+
+def test_fit_decision_at_the_boundary():
+    est = estimate_memory(
+        MODELS / "qwen2.5-7b",
+        batch=8,
+        seq_len=96,
+        completion_len=64,
+        dtype="bfloat16",
+        device="cuda",
+    )
+    assert est["weights"] == 7_615_616_512 * 2  # bfloat16
+    peak = est["peak"]
+    rows = [("GRPO", est)]
+    line = format_budget(rows, peak).splitlines()[2]
+    assert line.startswith("GRPO") and line.endswith("yes (0.00 free)")
+    over = format_budget(rows, peak - 2**30).splitlines()[2]
+    assert over.endswith("NO (1.00 over)")
+    assert format_budget(rows, peak).splitlines()[-1].startswith("(GiB;")
+    # under 1 GiB everywhere: MiB. peak 3 MiB against 4 MiB -> 1.00 MiB free
+    small = {**est, "peak": 3 * 2**20, "phases": {"generate": 2 * 2**20, "update": 3 * 2**20}}
+    table = format_budget([("GRPO", small)], 4 * 2**20).splitlines()
+    assert table[2].endswith("yes (1.00 free)") and table[-1].startswith("(MiB;")
+
+
+def _row(out: str, label: str) -> list[str]:
+    line = next(ln for ln in out.splitlines() if ln.startswith(label + " "))
+    return line.split()
+
+
+BATCH = [
+    "--rollout.prompts_per_step",
+    "8",
+    "--rollout.group_size",
+    "8",
+    "--rollout.max_completion_length",
+    "512",
+    "--optim.micro_batch_size",
+    "4",
+    "--algo.beta",
+    "0.04",
+]
+
+
+def test_cli_budget_7b_and_1_5b(capsys, tmp_path):
+    out_html = tmp_path / "mem.html"
+    rc = main(
+        [
+            "memory",
+            "--model",
+            str(MODELS / "qwen2.5-7b"),
+            "--budget",
+            "24GiB",
+            *BATCH,
+            "-o",
+            str(out_html),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "prompt: 256 + completion: 512" in out  # no tokenizer: data.max_prompt_length
+    grpo, ppo, lora = _row(out, "GRPO"), _row(out, "PPO"), _row(out, "GRPO+LoRA")
+    # weights 7,615,616,512 * 2 B = 14.19 GiB; AdamW state twice that; PPO adds a critic
+    assert grpo[1] == "14.19" and grpo[3] == "28.37"
+    assert grpo[-3] == "NO" and ppo[-3] == "NO" and lora[-3] == "yes"
+    # LoRA: adapter grads 40,370,176 * 4 B (float32) = 0.15 GiB
+    assert lora[2] == "0.15"
+    html = out_html.read_text()
+    assert '<figure class="plot" data-panel="memory">' in html and "<svg" in html
+    assert not re.search(r"https?:", html)
+
+    assert (
+        main(["memory", "--model", str(MODELS / "qwen2.5-1.5b"), "--budget", "24GiB", *BATCH]) == 0
+    )
+    out = capsys.readouterr().out
+    assert _row(out, "GRPO")[-3] == "yes" and _row(out, "PPO")[-3] == "NO"
+    assert _row(out, "GRPO+LoRA")[-3] == "yes"
+
+
+def test_cli_budget_errors(capsys, tmp_path):
+    assert main(["memory", "--model", str(tmp_path), "--budget", "24GiB"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["memory", "--model", str(MODELS / "qwen2.5-7b"), "--budget", "lots"]) == 2
+    assert "--budget 'lots'" in capsys.readouterr().err
+
+
+def test_report_budget_section_for_a_runs_config(tmp_path, capsys):
+    from peergrade.config import load_config, to_yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(None)))  # the bundled demo config
+    (run / "metrics.jsonl").write_text("")
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--budget", "1MiB", "-o", str(out)]) == 0
+    html = out.read_text()
+    assert '<figure class="plot" data-panel="memory">' in html
+    # the 0.75M-parameter demo model does not fit in 1 MiB in any variant
+    assert html.count(" over)") == 3

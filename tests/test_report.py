@@ -1,0 +1,282 @@
+"""The HTML run report: reading run dirs (partial, killed, damaged, not a run), what the page
+holds (plots, config, sampled groups with per-function rewards, alerts, no URLs), and the page
+rendered by real headless Chromium from a real tiny training run, with a screenshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from peergrade.cli import main
+from peergrade.report import PANELS, load_run, read_jsonl, render_report
+
+TINY = {
+    "rollout.prompts_per_step": "2",
+    "rollout.group_size": "3",
+    "rollout.max_completion_length": "4",
+    "train.eval_size": "4",
+    "train.eval_samples": "2",
+    "train.eval_every": "2",
+    "train.display": "none",
+    "train.threads": "1",
+    "train.log_samples": "2",
+    "train.save_every": "0",
+}
+
+
+def cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "peergrade.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def synthetic_run(path: Path, *, steps: int = 4, G: int = 2, alert_at: int | None = 3) -> Path:
+    """A run dir written by hand: what the trainer writes, plus the per-function rewards in
+    samples and an ``alert/*`` metric (issue 15 items 1 and 3, built elsewhere)."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(
+        f"rollout:\n  group_size: {G}\n  prompts_per_step: 1\nalgo:\n  name: grpo\ntrain:\n  steps: {steps}\n"
+    )
+    rows = [{"step": 0, "eval/pass@1_greedy": 0.25, "eval/n": 4, "eval/k": 2}]
+    for s in range(1, steps + 1):
+        m = {
+            "step": s,
+            "reward/acc/mean": 0.1 * s,
+            "reward/fmt/mean": 0.5,
+            "reward/total/mean": 0.1 * s + 0.5,
+            "kl/mean": 0.01 * s,
+            "entropy/mean": 1.0 / s,
+            "rollout/len_mean": 3.0,
+            "rollout/frac_zero_std_groups": 0.5,
+            "clip/frac": 0.0,
+            "ratio/max": 1.0 + 0.01 * s,
+            "perf/tokens_per_s": 100.0,
+            "time/generate_s": 1.0,
+            "time/reward_s": 0.5,
+            "time/ref_s": 0.0,
+            "time/update_s": 2.0,
+            "time/step_s": 4.0,
+            "loss/policy": 0.0,
+        }
+        if s == alert_at:
+            m["alert/entropy_collapse"] = "entropy fell below 0.4; try a higher temperature"
+        rows.append(m)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = [
+        {
+            "step": s,
+            "prompt": f"{s}+{s}= <b>not a tag</b>",
+            "answer": str(2 * s),
+            "completions": [str(2 * s), "x"][:G],
+            "rewards": [1.5, 0.0][:G],
+            "rewards_per_fn": {"acc": [1.0, 0.0][:G], "fmt": [0.5, 0.0][:G]},
+            "advantages": [0.7071, -0.7071][:G],
+            "finish_reason": ["eos", "length"][:G],
+        }
+        for s in range(1, steps + 1)
+    ]
+    (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    return path
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def test_read_jsonl_tolerates_a_cut_last_line_and_names_a_damaged_one(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n{"step": 4, "x": 1')
+    notes: list[str] = []
+    rows = read_jsonl(p, notes)
+    assert [r["step"] for r in rows] == [1, 3]
+    assert any("line 2" in n and "skipped" in n for n in notes), notes
+    assert any("last line 4" in n and "incomplete" in n for n in notes), notes
+    assert read_jsonl(tmp_path / "missing.jsonl", notes) == []
+
+
+def test_killed_run_loads_with_its_complete_steps(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "reward/acc/me')  # killed mid-write
+    r = load_run(run)
+    assert r.last_step == 4 and not r.finished
+    assert len(r.samples) == 4
+    html = render_report([r])
+    assert "stopped or running at step 4/4" in html
+    assert "incomplete" in html
+
+
+@pytest.mark.parametrize("make", ["missing", "file", "empty_dir"])
+def test_not_a_run_dir_is_a_clear_error(tmp_path, capsys, make):
+    target = tmp_path / "x"
+    if make == "file":
+        target.write_text("hi")
+    elif make == "empty_dir":
+        target.mkdir()
+    assert main(["report", str(target), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(target) in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_content_and_overlay(tmp_path, capsys):
+    a = synthetic_run(tmp_path / "A")
+    b = synthetic_run(tmp_path / "B", G=2, alert_at=None)
+    out = tmp_path / "report.html"
+    assert main(["report", str(a), str(b), "-o", str(out)]) == 0
+    html = out.read_text()
+    # per-function rewards from samples, escaped prompts, alert highlighted, both runs overlaid
+    assert "acc&nbsp;1.000" in html and "fmt&nbsp;0.500" in html
+    assert "&lt;b&gt;not a tag&lt;/b&gt;" in html and "<b>not a tag</b>" not in html
+    assert "alert/entropy_collapse" in html and "try a higher temperature" in html
+    assert "A: reward/acc/mean" in html and "B: reward/acc/mean" in html
+    # every panel with data is a figure; the one with nothing logged is named as such
+    figures = re.findall(r'<figure class="plot" data-panel="([^"]+)">', html)
+    assert "Reward per function" in figures and "Held-out accuracy" in figures
+    assert "Time per phase" in figures and "Clip fractions" in figures
+    # the synthetic runs log something for every panel: each is drawn exactly once
+    assert sorted(figures) == sorted(title for title, _, _ in PANELS)
+    # 4 steps x 2 completions per run; the table holds all 16 rows
+    assert html.count('data-group="') == 16
+    # nothing that could fetch: no http(s) anywhere, CSP forbids any request
+    assert not re.search(r"https?:", html)
+    assert "Content-Security-Policy" in html and "default-src 'none'" in html
+
+
+# ----------------------------------------------------------------------------- Chromium
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _chrome(args: list[str]) -> subprocess.CompletedProcess:
+    exe = _chromium()
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(
+            [
+                exe,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+
+@pytest.fixture(scope="module")
+def real_run(tiny_model_dir, tmp_path_factory):
+    """A real 4-step training run of the tiny model (eval at steps 0, 2, 4)."""
+    cwd = tmp_path_factory.mktemp("realrun")
+    flags = [x for k, v in {**TINY, "train.steps": "4"}.items() for x in (f"--{k}", v)]
+    res = cli(["train", "--model", str(tiny_model_dir), *flags, "-o", "run"], cwd)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return cwd / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    _chromium() is None,
+    reason="headless Chromium not installed (Debian: apt-get install chromium; .ci/run does it); "
+    "the report's browser test needs it",
+)
+def test_report_renders_in_headless_chromium(real_run, tmp_path):
+    synth = synthetic_run(tmp_path / "synthetic")
+    out = tmp_path / "report.html"
+    assert main(["report", str(real_run), str(synth), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html)
+    n_fig = html.count('<figure class="plot"')
+    n_rows = html.count('data-group="')
+    real_groups = [json.loads(x) for x in (real_run / "samples.jsonl").read_text().splitlines()]
+    assert n_rows == sum(len(g["completions"]) for g in real_groups) + 4 * 2
+
+    dom = _chrome(["--dump-dom", out.as_uri()])
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    d = dom.stdout
+    # the page's script ran: every figure was laid out with a size, the table filtered to all
+    assert d.count('data-rendered="1"') == n_fig >= 10
+    assert f'data-plots-rendered="{n_fig}"' in d
+    n_groups = len(real_groups) + 4
+    assert f"{n_groups} of {n_groups} groups shown" in d
+    assert d.count("<svg") >= n_fig
+    # the browser's own record of fetched resources: none
+    assert 'data-resource-requests="0"' in d
+
+    shots = Path(tempfile.mkdtemp(prefix="peergrade-report-shot-"))
+    png = shots / "report.png"
+    shot = _chrome(["--window-size=1400,2400", f"--screenshot={png}", out.as_uri()])
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    print(f"screenshot: {png}")
+
+
+def test_a_panel_with_nothing_logged_is_named_not_drawn(tmp_path):
+    run = synthetic_run(tmp_path / "run")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.pop("kl/mean", None)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = render_report([load_run(run)])
+    assert 'data-panel="KL to the reference"' not in html
+    assert "Not logged in these runs: KL to the reference." in html
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"rewards_per_fn": {"acc": [1.0, 0.0], "fmt": [0.5, 0.25]}},
+        {"per_fn": [{"acc": 1.0, "fmt": 0.5}, {"acc": 0.0, "fmt": 0.25}]},
+        {"reward/acc": [1.0, 0.0], "reward/fmt": [0.5, 0.25]},
+    ],
+)
+def test_per_function_rewards_in_any_logged_shape(tmp_path, field):
+    from peergrade.report import samples_section
+
+    run = synthetic_run(tmp_path / "run", steps=1)
+    s = json.loads((run / "samples.jsonl").read_text())
+    s.pop("rewards_per_fn")
+    s.update(field)
+    (run / "samples.jsonl").write_text(json.dumps(s) + "\n")
+    html = samples_section([load_run(run)]).html
+    for cell in ("acc&nbsp;1.000<br>fmt&nbsp;0.500", "acc&nbsp;0.000<br>fmt&nbsp;0.250"):
+        assert cell in html
+
+
+def test_no_per_function_column_when_none_logged(tmp_path):
+    from peergrade.report import samples_section
+
+    run = synthetic_run(tmp_path / "run", steps=2)
+    rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert "<th>per function</th>" in samples_section([load_run(run)]).html
+    for r in rows:
+        r.pop("rewards_per_fn")
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = samples_section([load_run(run)]).html
+    assert "<th>per function</th>" not in html and html.count("<tr class=") == 4
