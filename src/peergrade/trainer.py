@@ -61,6 +61,7 @@ from peergrade.models import (
     resolve_model_path,
     token_logprobs,
 )
+from peergrade.reward_models import reward_or_model
 from peergrade.rewards import RewardSpec, make_reward_spec, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import load_task
@@ -83,7 +84,15 @@ def build_rewards(cfg: Config, task) -> list[RewardSpec]:
     """The configured reward mix, or the task's default rewards when none is configured."""
     with user_input("rewards"):
         if cfg.rewards:
-            specs = [make_reward_spec(i.name, i.weight, i.kwargs) for i in cfg.rewards]
+            # a directory is a reward model (loaded on the training device), else a function
+            device = resolve_device(cfg.model.device)
+            dtype = resolve_dtype(cfg.model.dtype, device)
+            specs = [
+                make_reward_spec(
+                    reward_or_model(i.name, device=device, dtype=dtype), i.weight, i.kwargs
+                )
+                for i in cfg.rewards
+            ]
         else:
             specs = [make_reward_spec(name, w) for name, w in task.default_rewards]
     if not specs:
