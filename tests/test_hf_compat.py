@@ -155,6 +155,16 @@ def test_bundled_model_autotokenizer_ids_equal_ours():
     assert auto_tokenizer_mismatches(BUNDLED_MODEL, ours, texts) == []
 
 
+def test_bundled_tokenizer_files_are_what_sft_writes(tmp_path):
+    """The README's `peergrade sft --init qwen2 ...` writes these tokenizer files byte for byte
+    (the weights take a full SFT run to check; see README, "The bundled model")."""
+    from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer
+
+    save_tokenizer(build_char_tokenizer(chat_template=COMPACT_CHAT_TEMPLATE), tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / name).read_bytes() == (BUNDLED_MODEL / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tiny_model_dirs_round_trip_through_autotokenizer(arch, tmp_path):
     from peergrade.tiny import save_tiny_model

@@ -40,6 +40,7 @@ examples:
   peergrade train                                   # the CPU demo: bundled tiny model, arithmetic
   peergrade train --config configs/smollm2-arith.yaml --algo.beta 0.04 --train.steps 50
   peergrade train --data my.jsonl --reward my_rewards.py:my_fn --model path/to/hf_model
+  peergrade train --data my.jsonl --reward path/to/reward_model --reward format=0.2
   peergrade train --resume runs/20260101-120000     # continue from the last checkpoint
   peergrade config > my.yaml                        # every key, documented, with its default
   peergrade eval --model runs/X/checkpoints/step-200 --task arithmetic --n 500 --k 8
@@ -316,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward",
         action="append",
         metavar="SPEC",
-        help="reward function: built-in name, module:fn or file.py:fn, optionally =WEIGHT; repeatable",
+        help="reward: built-in name, module:fn, file.py:fn or a reward-model dir "
+        "(AutoModelForSequenceClassification), optionally =WEIGHT; repeatable",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
     t.add_argument("--seed", type=int, help="random seed (= --train.seed)")

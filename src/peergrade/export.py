@@ -193,7 +193,12 @@ def export_checkpoint(src, out, *, merge_lora: bool = False, log=print) -> Path:
                 (tmp / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=2) + "\n")
                 kind = f"LoRA adapter (base {base})"
         else:
-            _copy_globs(ckpt, tmp, MODEL_FILE_GLOBS)
+            copied = _copy_globs(ckpt, tmp, MODEL_FILE_GLOBS)
+            if not any(n.endswith((".safetensors", ".bin")) for n in copied):
+                raise ExportError(
+                    f"export: checkpoint {str(ckpt)!r} has config.json but no weights file "
+                    "(*.safetensors or pytorch_model*.bin)"
+                )
             kind = "full model"
         save_tokenizer(tok, tmp)
         if (ckpt / "config.yaml").is_file():

@@ -149,9 +149,10 @@ def _tokenizer_class(p: Path):
     ``AutoTokenizer`` in transformers v5 picks the tokenizer class from config.json's
     ``model_type`` for some architectures (Qwen2 among them) even when tokenizer_config.json
     declares the generic ``TokenizersBackend``; that class then rebuilds the pre-tokenizer and
-    normaliser and silently changes how a custom tokenizer.json (e.g. our character-level one)
-    splits text. A directory that declares a generic class is therefore loaded with exactly that
-    class; anything else goes through ``AutoTokenizer``.
+    normaliser and silently changes how a custom tokenizer.json (e.g. the older word-level form
+    of our character tokenizer) splits text. A directory that declares a generic class is
+    therefore loaded with exactly that class (so directories written before ``save_tokenizer``
+    existed still load right here); anything else goes through ``AutoTokenizer``.
     """
     import transformers
 

@@ -119,8 +119,8 @@ def is_word_level_char_tokenizer(tok) -> bool:
     (``WordLevel`` model, one-character ``Split`` pre-tokenizer), which ``AutoTokenizer``
     misreads for a Qwen2 directory."""
     backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        return False
+    if backend is None or type(backend.model).__name__ != "WordLevel":
+        return False  # cheap test first: a real BPE vocabulary's JSON is megabytes
     import json
 
     spec = json.loads(backend.to_str())
