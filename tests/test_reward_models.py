@@ -215,3 +215,38 @@ def test_cli_trains_with_a_reward_model(rm_dir, tmp_path):
     assert bad.returncode == 2
     assert str(tmp_path / "run") in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "run2").exists()
+
+
+@pytest.mark.slow
+def test_measured_memory_includes_the_reward_model(tiny_model_dir, tmp_path):
+    """A ~50 MiB reward model next to a ~0.1 MiB policy: the measured peak is the reward
+    model's, and the estimate (which counts it) lands within 25% of it."""
+    from transformers import Qwen2ForSequenceClassification
+
+    from peergrade.config import load_config
+    from peergrade.memory import estimate_for_config, measure_memory
+    from peergrade.tiny import build_char_tokenizer, tiny_config
+
+    tok = build_char_tokenizer()
+    cfg = tiny_config("qwen2", vocab_size=len(tok), hidden_size=384, num_layers=6)
+    cfg.num_labels = 1
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    c = load_config(
+        None,
+        [
+            ("model.path", str(tiny_model_dir)),
+            ("model.device", "cpu"),
+            ("rollout.prompts_per_step", 2),
+            ("rollout.group_size", 4),
+            ("rollout.max_completion_length", 8),
+            ("train.threads", 1),
+            ("rewards", [{"name": str(tmp_path / "rm"), "kwargs": {"batch_size": 8}}]),
+        ],
+    )
+    m = measure_memory(c, steps=2, timeout=900)
+    e = estimate_for_config(c, prompt_len=m["prompt_len"])
+    assert "rewards" in m["phases"] and "rewards" in e["phases"]
+    assert m["peak"] >= 0.9 * e["reward_models"] > 40 * 2**20
+    assert abs(e["peak"] - m["peak"]) <= 0.25 * m["peak"], (e["phases"], m["phases"])
