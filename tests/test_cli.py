@@ -395,7 +395,7 @@ def test_help(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("train", "eval", "sft", "config"):
+    for cmd in ("train", "eval", "sft", "config", "memory", "convert", "export"):
         assert cmd in out
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])
@@ -403,6 +403,11 @@ def test_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--resume", "--overwrite", "--reward", "--data", "--model", "--config"):
         assert flag in out
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "RUN_OR_CKPT" in out and "--merge-lora" in out and "AutoPeftModelForCausalLM" in out
     assert main([]) == 0  # no command: the help, exit 0
     assert "train" in capsys.readouterr().out
 

@@ -176,7 +176,7 @@ def test_cli_memory_estimate_only(tiny_model_dir, capsys):
 def test_measure_memory_ppo_child(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, **{"algo.name": "ppo"})
     m = measure_memory(cfg, steps=2, timeout=600)
-    assert set(m["phases"]) == {"load", "generate", "reference", "update"}
+    assert set(m["phases"]) == {"load", "generate", "rewards", "reference", "update"}
     assert m["peak"] == max(m["phases"].values()) > 0
     assert m["baseline_bytes"] > 50 * 2**20  # a Python process with torch loaded
     assert m["device"] == "cpu"

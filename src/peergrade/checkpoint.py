@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from peergrade.errors import PeergradeError
+from peergrade.models import save_tokenizer
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -104,7 +105,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)  # in the form plain AutoTokenizer reads back exactly
     torch.save(
         {
             "optimizer": optimizer.state_dict(),

@@ -4,6 +4,7 @@
   peergrade eval --model DIR --task arithmetic --n 500 --k 8  held-out pass@1 / pass@k
   peergrade sft ...                                           supervised warm-up (builds the demo model)
   peergrade convert MODEL.gguf OUT_DIR [--dtype bfloat16]     GGUF file -> Hugging Face model dir
+  peergrade export RUN_OR_CKPT OUT [--merge-lora]             checkpoint -> standalone HF model dir
   peergrade config [--config X.yaml] [--KEY.PATH VALUE ...]   print the resolved config as YAML
   peergrade memory [--config X.yaml] [--lora] [--estimate-only]  peak memory: GRPO vs PPO, measured vs estimated
   peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB   GRPO / PPO / GRPO+LoRA: which fits
@@ -43,6 +44,7 @@ examples:
   peergrade train                                   # the CPU demo: bundled tiny model, arithmetic
   peergrade train --config configs/smollm2-arith.yaml --algo.beta 0.04 --train.steps 50
   peergrade train --data my.jsonl --reward my_rewards.py:my_fn --model path/to/hf_model
+  peergrade train --data my.jsonl --reward path/to/reward_model --reward format=0.2
   peergrade train --resume runs/20260101-120000     # continue from the last checkpoint
   peergrade config > my.yaml                        # every key, documented, with its default
   peergrade eval --model runs/X/checkpoints/step-200 --task arithmetic --n 500 --k 8
@@ -50,6 +52,7 @@ examples:
   peergrade report runs/A runs/B -o compare.html    # plots, config, completions; runs overlaid
   peergrade sweep --set rollout.group_size=2,4,8,16 --steps 40 -o runs/g-sweep
   peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB
+  peergrade export runs/X exported/my-model        # latest checkpoint -> AutoModelForCausalLM dir
 """
 
 
@@ -227,6 +230,15 @@ def cmd_convert(args, extra) -> int:
     t0 = time.perf_counter()
     out = convert_gguf(args.src, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out} ({args.dtype}) in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def cmd_export(args, extra) -> int:
+    if extra:
+        raise UserError(f"unexpected arguments for export: {' '.join(extra)}")
+    from peergrade.export import export_checkpoint
+
+    export_checkpoint(args.src, args.out, merge_lora=args.merge_lora)
     return 0
 
 
@@ -450,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward",
         action="append",
         metavar="SPEC",
-        help="reward function: built-in name, module:fn or file.py:fn, optionally =WEIGHT; repeatable",
+        help="reward: built-in name, module:fn, file.py:fn or a reward-model dir "
+        "(AutoModelForSequenceClassification), optionally =WEIGHT; repeatable",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
     t.add_argument("--seed", type=int, help="random seed (= --train.seed)")
@@ -666,6 +679,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     v.set_defaults(func=cmd_convert)
+
+    x = sub.add_parser(
+        "export",
+        help="write a checkpoint as a standalone Hugging Face model directory",
+        description="Write a checkpoint (a run dir means its latest checkpoints/step-N) as a "
+        "directory that plain AutoModelForCausalLM + AutoTokenizer load (vLLM, lm-eval and TRL "
+        "load through them). A LoRA checkpoint is written as an adapter that peft's "
+        "AutoPeftModelForCausalLM loads, or with --merge-lora as a merged full model. "
+        "Training state (optimizer, RNG) is left out.",
+    )
+    x.add_argument("src", metavar="RUN_OR_CKPT", help="a run directory or a checkpoint directory")
+    x.add_argument("out", metavar="OUT", help="output directory (must not exist or be empty)")
+    x.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="LoRA checkpoints: merge the adapter into the base weights, write a full model",
+    )
+    x.set_defaults(func=cmd_export)
     return p
 
 

@@ -145,7 +145,9 @@ class DataConfig:
 class RewardItem:
     name: str = doc(
         "A built-in reward name, 'module:function', or 'path/to/file.py:function' "
-        "(TRL signature: fn(prompts, completions, **columns) -> list[float | None]).",
+        "(TRL signature: fn(prompts, completions, **columns) -> list[float | None]), or a "
+        "local AutoModelForSequenceClassification directory with num_labels=1 (a reward "
+        "model: scores prompt + completion; kwargs: {batch_size: N}, default 32).",
         "arithmetic",
     )
     weight: float = doc("Weight of this reward in the total.", 1.0)

@@ -3,7 +3,7 @@
 What this module does
 ---------------------
 ``measure_memory(cfg)`` runs training steps of ``cfg`` -- the trainer's own ``setup`` and
-``train_step``, with a meter that brackets its generate / reference / update phases -- in a
+``train_step``, with a meter that brackets its generate / rewards / reference / update phases -- in a
 *fresh child process*, so the numbers are that configuration's alone (every data and algo key
 the trainer follows, few-shot prompts included), and reports the peak per phase:
 
@@ -38,6 +38,8 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
                  (phase "reference": static + reference + one layer + chunk buffers)
     critic       P_critic * b * 4               (PPO: weights + grads + AdamW state of the value
                                                  model = the backbone without an untied lm_head)
+    reward_models  P_rm * b per reward model    (resident all run; its no-grad scoring forward
+                                                 is phase "rewards": see reward_model_memory)
     activations  micro * L * layers * (4H + 5 q_dim + 4 I + n_heads * L) * 4 bytes
                  (saved for backward per token per decoder layer: two RMSNorm inputs/outputs,
                  q, k, v repeated to all heads (GQA with a padding mask), attention output twice,
@@ -184,6 +186,7 @@ def estimate_memory(
     micro_batch: int | None = None,
     device: str = "cpu",
     ref_offload: bool = False,
+    reward_models: list[dict] | None = None,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -192,8 +195,10 @@ def estimate_memory(
     "float32" | "bfloat16" | "float16"; lora: None or {"r": int, "target_modules": [...]};
     algo: "grpo" | "ppo"; beta: KL coefficient (> 0 loads a reference unless LoRA);
     optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda"; ref_offload:
-    the reference copy lives in host memory outside its own pass (counted on "cuda" only).
-    Returns a dict of components plus ``phases`` (generate/update peaks) and ``peak``.
+    the reference copy lives in host memory outside its own pass (counted on "cuda" only);
+    reward_models: ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward
+    models among the rewards. Returns a dict of components plus ``phases`` (generate/update
+    peaks, and "rewards" with a reward model) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -253,6 +258,8 @@ def estimate_memory(
     offloaded = ref_offload and device == "cuda" and reference > 0
     resident_ref = 0 if offloaded else reference
     static = weights + resident_ref + (critic_params * b * 3 if algo == "ppo" else 0) + optim
+    rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
+    static += rm_weights
     critic_grads = critic_params * b if algo == "ppo" else 0
     # grads (policy's and critic's) are allocated as the backward frees activations: at its
     # start only the chunked head's [V, H] buffers exist on top of the activations
@@ -261,6 +268,8 @@ def estimate_memory(
     update = static + max(backward, step)
     generate = static + kv_cache + gen_logits
     phases = {"generate": generate, "update": update}
+    if reward_models:  # scoring: one reward model's micro-batch forward at a time
+        phases["rewards"] = static + max(m["activations"] for m in reward_models)
     if offloaded:  # no grads in the reference pass: one layer's activations + the chunk buffers
         phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
     peak = max(phases.values())
@@ -272,6 +281,7 @@ def estimate_memory(
         "optimizer": optim,
         "reference": reference,
         "critic": critic,
+        "reward_models": rm_weights,
         "activations": activations,
         "transient": grad_transient + layer_act,
         "kv_cache": kv_cache,
@@ -311,6 +321,23 @@ def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | Non
     lora = None
     if cfg.model.lora.enabled:
         lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
+    from peergrade.reward_models import (
+        DEFAULT_BATCH_SIZE,
+        is_reward_model_name,
+        reward_model_memory,
+    )
+
+    reward_models = [
+        reward_model_memory(
+            i.name.strip(),
+            dtype=dtype,
+            seq_len=prompt_len + r.max_completion_length,
+            batch_size=int((i.kwargs or {}).get("batch_size") or DEFAULT_BATCH_SIZE),
+            device=device,
+        )
+        for i in cfg.rewards
+        if is_reward_model_name(i.name)
+    ]
     return estimate_memory(
         path,
         batch=cfg.batch_size,
@@ -325,6 +352,7 @@ def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | Non
         gradient_checkpointing=cfg.gradient_checkpointing_on(device),
         device=device,
         ref_offload=cfg.model.ref_offload,
+        reward_models=reward_models,
     )
 
 
@@ -467,7 +495,7 @@ def measure_memory(
     env: dict | None = None,
 ):
     """Run ``steps`` steps of ``cfg`` (a Config) in a fresh child process; return its report:
-    ``phases`` (load / generate / reference / update peaks above the baseline, bytes), ``peak``,
+    ``phases`` (load / generate / rewards / reference / update peaks above the baseline, bytes), ``peak``,
     ``baseline_bytes``, the sequence lengths it saw, parameter counts, ``seconds``.
 
     allocator (CPU, glibc): "returning" (freed blocks >= 128 KiB go back to the OS, so RSS
@@ -566,7 +594,8 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
 
 def format_estimates(rows: list[tuple[str, dict]]) -> str:
     """``rows`` = [(label, estimate)] -> a plain-text table of the estimated breakdown (MiB)."""
-    keys = ["weights", "grads", "optimizer", "reference", "critic", "activations", "kv_cache"]
+    keys = ["weights", "grads", "optimizer", "reference", "critic", "reward_models"]
+    keys += ["activations", "kv_cache"]
     cells = [["config", *keys, "peak"]]
     for label, est in rows:
         cells.append([label, *(_mib(est[k]) for k in keys), _mib(est["peak"])])

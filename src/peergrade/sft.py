@@ -75,7 +75,7 @@ def run_sft(
     on_step=None,
 ) -> Path:
     """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
-    from peergrade.models import load_model, load_tokenizer
+    from peergrade.models import load_model, load_tokenizer, save_tokenizer
     from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 
     out_path = Path(out)
@@ -123,7 +123,7 @@ def run_sft(
     if tmp.exists():
         shutil.rmtree(tmp)
     net.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    save_tokenizer(tok, tmp)
     info = {
         "task": task,
         "task_options": task_options or {},

@@ -6,6 +6,17 @@ ChatML-style chat template, and the model is a standard ``Qwen2ForCausalLM`` or
 ``LlamaForCausalLM`` with random weights. The bundled demo model and the test-suite fixtures
 are both made here, so they take exactly the code path a real checkpoint takes.
 
+The character-level tokenizer is written in the *byte-level BPE* form that Qwen2/GPT-2
+tokenizers use (vocabulary symbols in the byte-level alphabet, so ``" "`` is ``"Ġ"`` and
+``"\n"`` is ``"Ċ"``; no merges, so every character stays one token), with exactly the
+normaliser and pre-tokenizer that ``Qwen2Tokenizer`` builds. That is what makes a saved
+directory load with the same token ids through plain ``AutoTokenizer``: transformers v5 loads
+a ``model_type: qwen2`` directory with ``Qwen2Tokenizer`` whatever ``tokenizer_config.json``
+declares, and that class rebuilds the pipeline around the saved vocabulary (a plain
+word-level vocabulary lost every space and newline there). ``to_byte_level`` converts a
+tokenizer of the older word-level form (same ids) so that what peergrade saves from one
+round-trips too. Characters outside the vocabulary (non-ASCII) are dropped, as before.
+
 This module does not train anything (``peergrade sft`` does).
 """
 
@@ -31,28 +42,108 @@ SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
 
 
+# Qwen2Tokenizer's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2): written
+# out here because the saved tokenizer.json must match what that class rebuilds on load.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _byte_symbols(text: str) -> str:
+    """``text`` in the byte-level alphabet (GPT-2's bytes_to_unicode): ``" "`` -> ``"Ġ"``."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in text.encode("utf-8"))
+
+
+def _char_tokenizer_from_vocab(
+    vocab: dict[str, int], special_tokens: list[str], *, pad: str, eos: str, chat_template
+):
+    """A byte-level BPE tokenizer without merges over ``vocab`` (plain text -> id)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers as pt
+    from transformers import PreTrainedTokenizerFast
+
+    specials = set(special_tokens)
+    bl_vocab = {(t if t in specials else _byte_symbols(t)): i for t, i in vocab.items()}
+    if len(bl_vocab) != len(vocab):
+        raise ValueError("character vocabulary has entries that collide in byte-level form")
+    tk = Tokenizer(
+        models.BPE(
+            vocab=bl_vocab,
+            merges=[],
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pt.Sequence(
+        [
+            pt.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pt.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token=pad, eos_token=eos, padding_side="left"
+    )
+    tok.chat_template = chat_template
+    return tok
+
+
 def build_char_tokenizer(chars: list[str] | None = None, chat_template: str = CHAT_TEMPLATE):
     """A fast character-level tokenizer: one token per character, ChatML special tokens.
 
-    pad = ``<pad>`` (id 0), eos = ``<|im_end|>`` (the end of an assistant turn).
+    pad = ``<pad>`` (id 0), eos = ``<|im_end|>`` (the end of an assistant turn). Ids are the
+    special tokens, then ``chars`` in order. Saved with ``save_pretrained`` it loads with the
+    same ids through ``AutoTokenizer`` (see the module docstring).
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     chars = CHARS if chars is None else chars
     vocab = {
         tok: i
         for i, tok in enumerate(SPECIAL_TOKENS + [c for c in chars if c not in SPECIAL_TOKENS])
     }
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.add_special_tokens(SPECIAL_TOKENS)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>", padding_side="left"
+    return _char_tokenizer_from_vocab(
+        vocab, SPECIAL_TOKENS, pad="<pad>", eos="<|im_end|>", chat_template=chat_template
     )
-    tok.chat_template = chat_template
-    return tok
+
+
+def is_word_level_char_tokenizer(tok) -> bool:
+    """Whether ``tok`` is the older word-level character tokenizer this module once built
+    (``WordLevel`` model, one-character ``Split`` pre-tokenizer), which ``AutoTokenizer``
+    misreads for a Qwen2 directory."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "WordLevel":
+        return False  # cheap test first: a real BPE vocabulary's JSON is megabytes
+    import json
+
+    spec = json.loads(backend.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return (
+        spec.get("model", {}).get("type") == "WordLevel"
+        and pre.get("type") == "Split"
+        and pre.get("pattern", {}).get("Regex") == r"[\s\S]"
+    )
+
+
+def to_byte_level(tok):
+    """The byte-level form of a word-level character tokenizer (same ids, same special tokens,
+    pad/eos and chat template); any other tokenizer is returned unchanged."""
+    if not is_word_level_char_tokenizer(tok):
+        return tok
+    specials = [t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values()]
+    vocab = tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    new = _char_tokenizer_from_vocab(
+        vocab, specials, pad=tok.pad_token, eos=tok.eos_token, chat_template=tok.chat_template
+    )
+    new.padding_side = tok.padding_side
+    return new
 
 
 def tiny_config(

@@ -57,6 +57,7 @@ from peergrade.models import (
     resolve_dtype,
     resolve_model_path,
 )
+from peergrade.reward_models import reward_or_model
 from peergrade.rewards import RewardSpec, make_reward_spec, score_rewards
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
@@ -87,7 +88,15 @@ def build_rewards(cfg: Config, task) -> list[RewardSpec]:
     """The configured reward mix, or the task's default rewards when none is configured."""
     with user_input("rewards"):
         if cfg.rewards:
-            specs = [make_reward_spec(i.name, i.weight, i.kwargs) for i in cfg.rewards]
+            # a directory is a reward model (loaded on the training device), else a function
+            device = resolve_device(cfg.model.device)
+            dtype = resolve_dtype(cfg.model.dtype, device)
+            specs = [
+                make_reward_spec(
+                    reward_or_model(i.name, device=device, dtype=dtype), i.weight, i.kwargs
+                )
+                for i in cfg.rewards
+            ]
         else:
             specs = [make_reward_spec(name, w) for name, w in task.default_rewards]
     if not specs:
@@ -256,7 +265,7 @@ NO_METER = NoMeter()
 
 def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepResult:
     """One step on ``rows`` (P prompts): sample, score, advantages, reference, update.
-    ``meter`` brackets the generate / reference / update phases (``peergrade memory``)."""
+    ``meter`` brackets the generate / rewards / reference / update phases (``peergrade memory``)."""
     cfg, models = run.cfg, run.models
     P, G = len(rows), cfg.rollout.group_size
     device = models.device
@@ -270,8 +279,10 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     meter.record("generate")
     t_generated = time.perf_counter()
 
-    # 2. score them
+    # 2. score them (a reward model's forward is the memory here)
+    meter.reset()
     scores, acc_values = score(run, rows, rollout)
+    meter.record("rewards")
     rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     t_scored = time.perf_counter()
 
