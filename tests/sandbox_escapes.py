@@ -3,7 +3,8 @@ privilege levels (root, an unprivileged uid, root without capabilities).
 
     python sandbox_escapes.py <dir holding the peergrade package>
 
-It must be started with ``PEERGRADE_ESCAPE_SECRET`` in its environment and ``$HOME`` pointing
+``PEERGRADE_ESCAPE_MECHANISM=none`` runs the same programs unsandboxed: the control that shows
+the checks catch escapes. It must be started with ``PEERGRADE_ESCAPE_SECRET`` in its environment and ``$HOME`` pointing
 at a directory it may write. It asks the sandbox to pass its self-test (``require_sandbox``),
 then runs every hostile program below through ``run_program`` (mechanism ``auto``, as the code
 reward does) and checks from outside what each one managed: files written outside, secrets in
@@ -31,6 +32,15 @@ sys.path.insert(0, sys.argv[1])
 from peergrade.rewards import sandbox  # noqa: E402
 
 LIMITS = {"timeout_s": 3.0, "memory_mb": 256}
+# Unsandboxed as root a fork bomb is not capped (root ignores RLIMIT_NPROC) and a setsid child
+# outlives the group kill: the control run leaves those out.
+CONTROL_SAFE = (
+    "write_outside",
+    "read_home_and_parent_env",
+    "network",
+    "see_other_processes",
+    "kill_others",
+)
 
 
 def cmdlines() -> dict[int, str]:
@@ -69,13 +79,18 @@ def main() -> None:
     with open("/proc/self/status") as f:
         cap_eff = next(ln.split()[1] for ln in f if ln.startswith("CapEff:"))
     report: dict = {"uid": os.geteuid(), "cap_eff": cap_eff, "programs": []}
+    mechanism = os.environ.get("PEERGRADE_ESCAPE_MECHANISM", "auto")  # "none": a control run
     try:
-        report["mechanism"] = sandbox.require_sandbox()
+        report["mechanism"] = sandbox.require_sandbox(mechanism)
         report["refused"] = None
     except sandbox.SandboxUnavailable as exc:
         report["mechanism"] = None
         report["refused"] = str(exc)
 
+    if mechanism == "none":
+        targets_to_kill = f"({sleeper.pid},)"
+    else:
+        targets_to_kill = f"(-1, {sleeper.pid}, {os.getpid()}, os.getppid(), 1)"
     hostile = {
         "write_outside": f"""
             for p in {targets!r}:
@@ -116,9 +131,11 @@ def main() -> None:
                     except OSError:
                         pass
         """,
+        # The control run (no sandbox) only aims at the sleeper: kill(-1) or our own pid
+        # unsandboxed would really kill them (as root: every process on the machine).
         "kill_others": f"""
             import os, signal
-            for target in (-1, {sleeper.pid}, {os.getpid()}, os.getppid(), 1):
+            for target in {targets_to_kill}:
                 try:
                     os.kill(target, signal.SIGKILL)
                     print("sent", target)
@@ -149,10 +166,16 @@ def main() -> None:
         "memory_bomb": "x = bytearray(10 ** 10)\n",
         "infinite_loop": "while True:\n    pass\n",
     }
+    if mechanism == "none":  # the control: only what is harmless when it really escapes
+        hostile = {k: hostile[k] for k in CONTROL_SAFE}
     for name, code in hostile.items():
         argv_mark = f"pgrun{secrets.token_hex(6)}"
         res = sandbox.run_program(
-            textwrap.dedent(code), args=[argv_mark], max_processes=8, **LIMITS
+            textwrap.dedent(code),
+            args=[argv_mark],
+            max_processes=8,
+            mechanism=mechanism,
+            **LIMITS,
         )
         out = res.stdout + res.stderr
         escaped = []

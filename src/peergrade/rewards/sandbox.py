@@ -580,9 +580,10 @@ def _unavailable(failures: dict[str, str]) -> str:
 
 
 _CANARY = r"""
-import json, os, socket, sys
+import hashlib, json, os, socket, sys
 cfg = json.loads(sys.argv[1])
-found = {"wrote": [], "read": [], "environs": []}
+wanted = set(cfg["env"])
+found = {"wrote": [], "read": [], "env_hits": 0}
 for path in cfg["write"]:
     try:
         with open(path, "w") as f:
@@ -601,7 +602,9 @@ for pid in pids:
     if int(pid) != os.getpid():
         try:
             with open("/proc/%s/environ" % pid, "rb") as f:
-                found["environs"].append(f.read().decode("latin-1"))
+                for entry in f.read().split(b"\0"):
+                    if hashlib.sha256(entry).hexdigest()[:32] in wanted:
+                        found["env_hits"] += 1
         except OSError:
             pass
 try:
@@ -622,10 +625,6 @@ print(json.dumps(found))
 """
 
 
-def _env_entries(blob: str) -> set[str]:
-    return {e for e in blob.split("\0") if e}
-
-
 def self_test(
     python: str = sys.executable, *, mechanism: str = "auto", network: bool = False
 ) -> dict:
@@ -638,6 +637,7 @@ def self_test(
     and to see any network interface but ``lo``. Returns ``{"mechanism", "escapes": [what it
     did], "error": why it could not run or None, "enforced"}``; contained when both are empty.
     """
+    import hashlib
     import socket
 
     if mechanism == "auto":
@@ -669,7 +669,12 @@ def self_test(
         listener.listen(1)
         listener.settimeout(0.05)
         port = listener.getsockname()[1]
+    with open("/proc/self/environ", "rb") as f:  # what this process started with
+        ours = {e for e in f.read().split(b"\0") if e}
+    ours -= {b"PATH=/usr/local/bin:/usr/bin:/bin", b"LANG=C.UTF-8"}  # what the sandbox sets
     cfg = {
+        # hashed: the canary looks for our environment without being handed it
+        "env": [hashlib.sha256(e).hexdigest()[:32] for e in ours],
         "write": targets,
         "read": created,
         "pid": os.getpid(),
@@ -710,10 +715,7 @@ def self_test(
         return out
     if any(token in text for text in found["read"]):
         escapes.append(f"read a secret file in $HOME ({home_secret})")
-    with open("/proc/self/environ", "rb") as f:
-        ours = _env_entries(f.read().decode("latin-1"))
-    ours -= {"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"}  # what the sandbox sets
-    if any(ours & _env_entries(blob) for blob in found["environs"]):
+    if found["env_hits"]:
         escapes.append("read this process's environment through /proc/<pid>/environ")
     if found["sees_trainer"]:
         escapes.append(f"see this process (pid {os.getpid()}) in /proc")
