@@ -522,7 +522,10 @@ def _with_prompt(code: str, prompt, entry_point) -> str:
     try:
         if entry_point in _defined_functions(ast.parse(code)):
             return code
-        joined = prompt + code
+    except SyntaxError:
+        pass  # an indented function body on its own does not parse
+    joined = prompt + code
+    try:
         if entry_point in _defined_functions(ast.parse(joined)):
             return joined
     except SyntaxError:
