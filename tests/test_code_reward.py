@@ -470,6 +470,13 @@ def test_building_the_reward_runs_the_self_test_and_fails_closed(monkeypatch, ca
     )
     with pytest.raises(sb.SandboxUnavailable, match=r"could: write outside \(/x\).*sandbox: none"):
         make_reward_spec("code_tests")
+    # ... and a reward built without the preflight refuses on its first call, whatever the
+    # on_reward_error policy (never a batch of silent zeros)
+    from peergrade.rewards import RewardSpec, score_rewards
+
+    bare = RewardSpec(name="code_tests", fn=code_tests, kwargs=FAST)
+    with pytest.raises(sb.SandboxUnavailable):
+        score_rewards([bare], [None], ["print(4)"], {"tests": [DOUBLE_IO]}, on_error="zero")
     # the explicit opt-out runs no self-test and warns, at build time and on every call
     make_reward_spec("code_tests", kwargs={"sandbox": "none"})
     out = code_tests(None, ["print(4)"], [[{"input": "", "output": "4"}]], sandbox="none", **FAST)

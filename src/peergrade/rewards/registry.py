@@ -341,6 +341,8 @@ def score_rewards(
                 problems.append(f"reward {spec.name!r} on the batch of {n}: {exc}")
                 bad = [True] * n
         except Exception as exc:
+            if getattr(exc, "stops_run", False):
+                raise  # e.g. no sandbox for the code reward: no policy may score that as 0
             culprit = _locate_failure(call, prompts, completions, cols)
             problems.append(
                 f"reward {spec.name!r} raised on the batch of {n}"

@@ -494,7 +494,10 @@ _FIX = (
 
 class SandboxUnavailable(PeergradeError, RuntimeError):
     """The sandbox cannot contain untrusted programs here (``require_sandbox``): says what is
-    missing and how to fix it."""
+    missing and how to fix it. ``score_rewards`` re-raises it whatever ``on_reward_error``
+    says (``stops_run``): training must not go on with a reward that cannot run."""
+
+    stops_run = True
 
 
 def _hidden_dirs() -> list[str]:
@@ -728,7 +731,8 @@ def self_test(
     return out
 
 
-_required: dict[tuple, str] = {}  # (mechanism, python, network) -> the mechanism that passed
+# (mechanism, python, network) -> the mechanism that passed, or the error to raise again
+_required: dict[tuple, str | SandboxUnavailable] = {}
 
 
 def require_sandbox(
@@ -737,8 +741,7 @@ def require_sandbox(
     """Fail closed: the mechanism that contained the self-test canary, or SandboxUnavailable.
 
     ``mechanism="none"`` (the explicit opt-out) runs no test and prints a warning on stderr
-    every time it is asked for. A passing result is cached per process; a failing one is
-    tested again on the next call (the fix may have been applied meanwhile).
+    every time it is asked for. The outcome, pass or fail, is cached per process.
     """
     if mechanism not in MECHANISMS:
         raise ValueError(f"sandbox must be one of {MECHANISMS}, got {mechanism!r}")
@@ -751,22 +754,24 @@ def require_sandbox(
         )
         return "none"
     key = (mechanism, python, network)
-    if key in _required:
-        return _required[key]
-    report = self_test(python, mechanism=mechanism, network=network)
-    where = f"the code sandbox ({report['mechanism'] or mechanism})"
-    if report["error"]:
-        raise SandboxUnavailable(
-            f"{where} failed its self-test: {report['error']}"
-            + ("" if _FIX in report["error"] else f". {_FIX}")
-        )
-    if report["escapes"]:
-        raise SandboxUnavailable(
-            f"{where} did not contain its self-test canary, which could: "
-            f"{'; '.join(report['escapes'])}. {_FIX}"
-        )
-    _required[key] = report["mechanism"]
-    return report["mechanism"]
+    if key not in _required:
+        report = self_test(python, mechanism=mechanism, network=network)
+        where = f"the code sandbox ({report['mechanism'] or mechanism})"
+        if report["error"]:
+            _required[key] = SandboxUnavailable(
+                f"{where} failed its self-test: {report['error']}"
+                + ("" if _FIX in report["error"] else f". {_FIX}")
+            )
+        elif report["escapes"]:
+            _required[key] = SandboxUnavailable(
+                f"{where} did not contain its self-test canary, which could: "
+                f"{'; '.join(report['escapes'])}. {_FIX}"
+            )
+        else:
+            _required[key] = report["mechanism"]
+    if isinstance(_required[key], SandboxUnavailable):
+        raise _required[key]
+    return _required[key]
 
 
 def _uid_processes(uid: int) -> list[int]:
