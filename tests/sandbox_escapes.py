@@ -3,14 +3,15 @@ privilege levels (root, an unprivileged uid, root without capabilities).
 
     python sandbox_escapes.py <dir holding the peergrade package>
 
-``PEERGRADE_ESCAPE_MECHANISM=none`` runs the same programs unsandboxed: the control that shows
-the checks catch escapes. It must be started with ``PEERGRADE_ESCAPE_SECRET`` in its environment and ``$HOME`` pointing
+It must be started with ``PEERGRADE_ESCAPE_SECRET`` in its environment and ``$HOME`` pointing
 at a directory it may write. It asks the sandbox to pass its self-test (``require_sandbox``),
 then runs every hostile program below through ``run_program`` (mechanism ``auto``, as the code
 reward does) and checks from outside what each one managed: files written outside, secrets in
 its output, a connection to our listener, a neighbour killed, a process left running. It
 prints one JSON object: the mechanism (or the refusal message), and per program its status,
 reason and ``escaped`` (a list of what it got away with; must be empty).
+``PEERGRADE_ESCAPE_MECHANISM=none`` runs the harmless ones unsandboxed: the control that shows
+the checks catch escapes.
 
 It does not assert anything itself: the test reads the report.
 """
@@ -64,9 +65,7 @@ def main() -> None:
         f.write(f"home-secret-{token}")
     os.chmod(home_secret, 0o600)
     marker = f"pgsleep{token}"
-    sleeper = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; time.sleep(120)", marker]
-    )
+    sleeper = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(120)", marker])
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)

@@ -370,7 +370,9 @@ APPS = [
     {  # LeetCode style (TACO): a Solution class
         "problem_id": 3,
         "question": "Return the length of the list.",
-        "input_output": json.dumps({"fn_name": "size", "inputs": [[[1, 2]], [[]]], "outputs": [2, 0]}),
+        "input_output": json.dumps(
+            {"fn_name": "size", "inputs": [[[1, 2]], [[]]], "outputs": [2, 0]}
+        ),
         "solution": "class Solution:\n    def size(self, xs):\n        return len(xs)\n",
         "wrong": "class Solution:\n    def size(self, xs):\n        return None\n",
     },

@@ -498,7 +498,8 @@ def test_escape_suite_catches_escapes_without_a_sandbox():
     """The control: the same hostile programs with no sandbox are caught escaping."""
     report = _run_escape_suite([], sys.executable, mechanism="none")
     escaped = {p["name"] for p in report["programs"] if p["escaped"]}
-    assert {"write_outside", "read_home_and_parent_env", "network", "see_other_processes"} <= escaped
+    want = {"write_outside", "read_home_and_parent_env", "network", "see_other_processes"}
+    assert want <= escaped
     assert "kill_others" in escaped  # it killed the neighbouring sleeper
 
 
@@ -527,7 +528,8 @@ def test_escape_suite_as_an_unprivileged_uid():
 @needs_root
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "drop, python", [("-all", sys.executable), ("-sys_admin", sys.executable), ("-sys_admin", SYSTEM_PYTHON)]
+    "drop, python",
+    [("-all", sys.executable), ("-sys_admin", sys.executable), ("-sys_admin", SYSTEM_PYTHON)],
 )
 def test_escape_suite_as_root_with_capabilities_dropped(drop, python):
     """Root with no capability at all cannot switch programs to another uid: the sandbox must

@@ -2,26 +2,50 @@
 
 TRL-style signature: ``code_tests(prompts, completions, tests, **columns) -> list[float | None]``.
 Every program runs in ``peergrade.rewards.sandbox`` (separate process, limits, no network, ...).
+Before the first use (``preflight``, run when the reward is built, and again on the first call)
+the sandbox must pass its self-test, or ``SandboxUnavailable`` stops the run with what is
+missing and how to fix it; ``sandbox="none"`` runs unsandboxed, with a warning every time.
 
 Code extraction (``extract_code``): the last fenced block tagged ``python``/``py``/``python3``;
 else the last fenced block with no language tag; else the whole completion text. A fence left
 open at the very end (a truncated generation) counts as a block running to the end of the text.
 Blocks tagged with another language (```bash, ```text) are never taken.
 
-Test specifications (the ``tests`` column, one entry per sample; a JSON string of any of these
-is accepted too):
+Where the tests come from (``test_format``; ``"auto"``, the default, takes the first present):
+
+- ``"tests"``: a ``tests`` column, one spec per sample (the forms below);
+- ``"apps"``: APPS / TACO's ``input_output`` (a JSON string ``{"inputs", "outputs"}``; with
+  ``fn_name`` the rows are call-based: each (arguments, expected value) pair is one test, the
+  function taken from the module or from a ``Solution`` class, the expected value compared
+  as is or unwrapped from its one-element list);
+- ``"codecontests"``: CodeContests' ``public_tests`` and ``private_tests`` (each
+  ``{"input": [...], "output": [...]}``), merged; ``generated_tests`` are not used;
+- ``"humaneval"``: HumanEval's ``test`` program (defines ``check(candidate)``) and
+  ``entry_point``: the whole program then ``check(<entry_point>)`` is ONE test;
+- ``"mbpp"``: MBPP's ``test_list`` (each assert one test), run after ``test_imports`` and
+  ``test_setup_code``; ``challenge_test_list`` is not used.
+
+With an ``entry_point`` column and a prompt that defines that function, a completion that only
+continues the prompt (a function body, as base models write it) runs after the prompt's code.
+
+Test specifications (one entry per sample; a JSON string of any of these is accepted too):
 
 - stdin/stdout cases: ``[{"input": "...", "output": "..."}, ...]`` or the APPS/TACO layout
   ``{"inputs": [...], "outputs": [...]}``. One process per case, with the case's input on stdin.
   A case passes when the program exits 0 and its output equals the expected output after
   normalisation: ``\\r\\n`` -> ``\\n``, trailing whitespace removed from every line, and leading and
   trailing blank lines removed (``normalise_output``).
-- assert statements: a string (one or more lines of Python, each top-level statement being one
-  test) or a list of strings (each entry one test). One process per sample: a harness runs the
-  candidate's code as module ``solution`` (so an ``if __name__ == "__main__":`` block does NOT
-  run), then each test in that namespace, reporting each one on stdout tagged with a random
-  nonce the program cannot see in its source or stdin (the harness reads it from a file that it
-  deletes before the candidate runs). A test passes when it ran without raising (SystemExit
+- assert statements: a string or a list of strings. Only real tests count: a top-level
+  statement (or list entry) is a test when it contains an ``assert`` or calls a check function
+  the tests themselves define (``check(f)``); everything else (imports, ``METADATA = ...``,
+  ``def check``) is setup, run in order and never counted, so ``fraction`` cannot be earned by
+  plain statements. A string that defines ``check`` and calls nothing is a HumanEval program:
+  with an ``entry_point`` column it is ONE test (above), without one it is an error. One
+  process per sample: a harness runs the candidate's code as module ``solution`` (so an
+  ``if __name__ == "__main__":`` block does NOT run), then the steps in a namespace holding the
+  candidate's names except its shadows of builtins, reporting each test on stdout tagged with
+  a random nonce the program cannot see in its source or stdin (the harness reads it from a
+  file that it deletes before the candidate runs). A test passes when it ran without raising (SystemExit
   included). A program that exits early, or crashes, passes none of the remaining tests. Tests
   reported before a timeout still count.
 - ``None``: the sample has no tests; its reward is ``None`` (not applicable).
@@ -35,7 +59,10 @@ Diagnostics: after each call the module-level ``last_report`` holds one dict per
 ``reasons`` (why tests failed)). It is overwritten by the next call (not thread-safe across
 concurrent calls). A malformed test specification is a dataset error: it raises ValueError
 naming the sample index and what was expected. Anything the program does scores 0 for that
-test, never raises.
+test, never raises. A program the sandbox itself could not run (``sandbox_error``) is not the
+program's fault and is never scored 0 silently: ``code_tests`` raises ``SandboxError`` (a
+``RewardSampleErrors``) carrying the other samples' scores, and ``score_rewards`` puts those
+samples through ``on_reward_error`` and counts them in ``reward/code_tests/sandbox_errors``.
 
 Reward-hacking guard for assert tests: every operand of a comparison in a test is checked
 before comparing; a value whose class was defined by the candidate with its own ``__eq__`` or
@@ -567,7 +594,9 @@ def code_tests(
     if mode not in ("fraction", "all"):
         raise ValueError(f"code_tests: mode must be 'fraction' or 'all', got {mode!r}")
     if test_format not in TEST_FORMATS:
-        raise ValueError(f"code_tests: test_format must be one of {TEST_FORMATS}, got {test_format!r}")
+        raise ValueError(
+            f"code_tests: test_format must be one of {TEST_FORMATS}, got {test_format!r}"
+        )
     if sandbox not in MECHANISMS:
         raise ValueError(f"code_tests: sandbox must be one of {MECHANISMS}, got {sandbox!r}")
     n = len(completions)

@@ -26,6 +26,14 @@ counts them in ``num_errors``. When a batch call raises, the function is called 
 sample at a time, in order, until a sample raises, to name the culprit in the report (this
 diagnostic only runs on failure; a function with side effects runs more than once then).
 
+A function that could score some samples but not others raises ``RewardSampleErrors`` with
+the scores it has: only the failed samples go through ``on_error``, and they are also counted
+under ``reward/<fn>/<kind>`` (the code reward's ``sandbox_errors``; a function listing kinds in
+its ``error_metrics`` attribute reports them every step, 0 included). An exception with
+``stops_run = True`` (no sandbox for the code reward) is re-raised whatever ``on_error`` says.
+A function with a ``preflight`` attribute has it called by ``make_reward_spec`` with the
+configured keyword arguments, before the first step (the code reward's sandbox self-test).
+
 The weighted total is ``total[i] = sum_f w_f * r_f[i]`` over the functions that scored sample
 ``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. Metrics: the mean and the
 population standard deviation (ddof = 0) over scored samples; a function that scored no sample

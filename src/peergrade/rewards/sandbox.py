@@ -5,32 +5,52 @@ untrusted code runs. ``run_program`` runs one program and always returns a ``San
 (it never raises for anything the program does); ``run_many`` runs a list of programs through
 a bounded pool of supervising threads, each of which owns one child process at a time.
 
+Mechanisms, and failing closed
+------------------------------
+``mechanism="auto"`` (the default) uses the first of these that works here (``select_mechanism``
+probes them once per process, in this order):
+
+1. ``root``: we are root with CAP_SYS_ADMIN. The launcher unshares mount, PID, network, IPC
+   and UTS namespaces directly and the program runs under a per-program host uid.
+2. ``userns``: an unprivileged user namespace, created together with the others, the way
+   bubblewrap and nsjail do it. It maps one id onto itself (all an ordinary user may map); the
+   launcher holds every capability inside the namespace until the program's ``execve`` drops
+   them. Root without CAP_SYS_ADMIN (a default container) first switches to the per-program uid,
+   so a program never runs as host uid 0.
+
+When neither works, every program ends ``sandbox_error`` without running, with a reason that
+says what is missing and how to fix it: nothing runs unsandboxed unless asked for with
+``mechanism="none"`` (``isolate=False``): rlimits, a new session and a group kill only. The
+code reward goes one step further before its first use: ``require_sandbox`` runs a canary
+(``self_test``) that tries to write outside, read a secret file in ``$HOME`` and this process's
+environment, see this process and reach a listener of ours, and raises ``SandboxUnavailable``
+(one message: what escaped or is missing, and the fixes) unless everything was contained.
+
 How one program runs
 --------------------
 The supervisor (this process) writes the program to ``main.py`` in a fresh temp directory and
 starts a *launcher*: this same file run as ``python -I -S sandbox.py <config>``, in a new
-session (its own process group). When we are root and the kernel allows it, the launcher:
+session (its own process group). Under ``root`` or ``userns`` the launcher:
 
-1. unshares new mount, PID, network, IPC and UTS namespaces (``unshare(2)`` through ctypes;
-   Python 3.11 has no ``os.unshare``);
-2. makes every mount private and remounts each one read-only and nosuid inside the new mount
-   namespace, so nothing outside the work directory can be written (``/tmp``, ``/dev/shm`` and
-   the repository included); directories on the interpreter's path that an unprivileged uid
-   cannot traverse (``/root`` is 0700 here) are replaced by an empty tmpfs into which only the
-   interpreter's prefix directories are bind-mounted back, which also hides the rest of them;
-3. mounts a size-capped tmpfs (``disk_mb``) owned by the sandbox uid over the work directory
-   and copies ``main.py`` (and any ``files``) into it: the program's files never touch the disk
-   and vanish with it;
-4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` and
-   forks the program (PID 2). The program's process sets the resource limits, drops to a
-   per-program unprivileged uid/gid (no supplementary groups), sets ``PR_SET_NO_NEW_PRIVS`` and
-   ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a minimal environment. The init
-   reaps orphans and reports the program's wait status and CPU time on a private pipe; the
-   launcher stays outside the namespace and waits for the init.
+1. reads the work directory's files into memory and unshares the namespaces (above);
+2. makes every mount private, covers the homes (``/root``, ``/home``, the trainer's ``$HOME``),
+   the temp directories (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``$TMPDIR``) and ``/run``
+   (sockets such as docker.sock or D-Bus, reachable without a network) with an empty tmpfs,
+   into which only the interpreter's prefix directories are bind-mounted back, then remounts
+   every mount read-only and nosuid; a mount that cannot be made read-only is a setup error;
+3. mounts a size-capped tmpfs (``disk_mb``) owned by the program's uid over the work directory
+   and writes the files back into it: the program's files never touch the disk;
+4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` (only
+   the namespace's processes) and forks the program (PID 2). The program's process sets the
+   resource limits, under ``root`` drops to the per-program uid/gid (no supplementary groups),
+   sets ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a
+   minimal environment. The init reaps orphans and reports the program's wait status and CPU
+   time on a private pipe; the launcher stays outside the PID namespace and waits for the init.
 
 Resource limits (``setrlimit``): RLIMIT_CPU (CPU seconds, per process), RLIMIT_AS (address
-space, per process), RLIMIT_NPROC (processes of the sandbox uid, which is unique per running
-program, so it is a per-program count), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE = 0.
+space, per process), RLIMIT_NPROC (processes of the program's uid: unique per program under
+``root``; under ``userns`` counted per user namespace since Linux 5.14, so also per program),
+RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE = 0.
 
 The supervisor reads stdout and stderr with a byte cap (beyond it: kill, ``output_limit``) and a
 wall-clock deadline (beyond it: kill, ``timeout``). Killing is SIGKILL to the namespace's init,
@@ -41,18 +61,18 @@ The temp directory is removed afterwards.
 Threat model
 ------------
 Adversary: a program that tries to hang, exhaust CPU/memory/processes/output/disk, write or
-read outside its directory, read the trainer's secrets (environment), reach the network, or
-signal the trainer or other programs. See docs/sandbox.md for the table of what is enforced on
-which setup. Not defended against: kernel exploits (no seccomp filter, no VM boundary), reading
-world-readable files (they are visible, only read-only), total memory of a program that forks
-(RLIMIT_AS is per process: up to ``max_processes * memory_mb``), and CPU time of the pool as a
-whole beyond ``workers`` cores. Where ``unshare`` is refused (root without CAP_SYS_ADMIN), the
-uid drop and rlimits still apply but files and network are reachable; without root (or with
-``isolate=False``) it falls back to rlimits + a new session + process-group kill. What was in
-force is recorded in ``SandboxResult.enforced``; the non-root mode is NOT a security boundary.
+read outside its directory, read the trainer's secrets (environment, files in ``$HOME``), reach
+the network, or signal the trainer or other programs. See docs/sandbox.md for what is enforced
+on which setup. Not defended against: kernel exploits (no seccomp filter, no VM boundary),
+reading world-readable files outside the covered directories (they are visible, only
+read-only; under ``userns`` the program is the trainer's own uid, so the trainer's files there
+are readable too), total memory of a program that forks (RLIMIT_AS is per process), and CPU
+time of the pool as a whole beyond ``workers`` cores. What was in force is recorded in
+``SandboxResult.enforced``.
 
 What this module deliberately does not do: score programs (see ``peergrade.rewards.code``),
-install packages for programs, or run anything but Python.
+install packages for programs, run anything but Python, or use bubblewrap or setuid helpers
+(the kernel interfaces they use are called directly, so there is nothing to install).
 """
 
 from __future__ import annotations
