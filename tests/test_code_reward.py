@@ -484,3 +484,55 @@ def test_building_the_reward_runs_the_self_test_and_fails_closed(monkeypatch, ca
     out = code_tests(None, ["print(4)"], [[{"input": "", "output": "4"}]], sandbox="none", **FAST)
     assert out == [1.0]
     assert capsys.readouterr().err.count("UNSANDBOXED") == 2
+
+
+# --- end to end: peergrade train on a HumanEval-shaped JSONL -----------------------------------
+
+
+def _train(tmp_path, model_dir, prefix=(), run="run"):
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "he.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in HUMANEVAL))
+    args = ["train", "--data", str(data), "--reward", "code_tests", "--model", str(model_dir)]
+    args += ["--steps", "1", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    args += ["--rollout.max_completion_length", "8", "--train.display", "none"]
+    args += ["--train.threads", "1", "-o", str(tmp_path / run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "peergrade.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_train_on_humaneval_rows_reports_sandbox_errors_every_step(tiny_model_dir, tmp_path):
+    proc = _train(tmp_path, tiny_model_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    step = [r for r in rows if "loss/policy" in r][0]
+    assert step["reward/code_tests/sandbox_errors"] == 0.0 and step["reward/errors"] == 0.0
+    assert step["reward/code_tests/mean"] == 0.0  # the tiny model's gibberish passes nothing
+
+
+@pytest.mark.slow
+def test_train_without_a_usable_sandbox_stops_with_one_error_line(tiny_model_dir, tmp_path):
+    """Root with every capability dropped can isolate nothing: one error before the model
+    loads, no traceback, nothing run."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop every capability")
+    proc = _train(tmp_path, tiny_model_dir, ["setpriv", "--bounding-set=-all", "--inh-caps=-all"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: the code sandbox"), lines
+    assert "sandbox: none" in lines[0] and "CAP_SETUID" in lines[0]
+    assert "Traceback" not in proc.stderr
