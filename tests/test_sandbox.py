@@ -117,8 +117,9 @@ def test_infinite_loop_times_out(tracked_dirs):
 
 def test_cpu_limit_ends_busy_loop_before_wall_limit(tracked_dirs):
     res = run_hostile("while True:\n    pass\n", tracked_dirs, cpu_time_s=1, timeout_s=6)
-    assert res.status == "timeout" and "CPU" in res.reason
-    assert res.wall_s < 4
+    # The reason proves the CPU limit ended it (the wall-clock one says "wall-clock"); no bound
+    # on wall time, which on a loaded machine can exceed the 1 s of CPU several times.
+    assert res.status == "timeout" and "CPU time limit" in res.reason
 
 
 def test_sleep_past_limit(tracked_dirs):
