@@ -4,7 +4,7 @@ Prints, for each worker count N, the wall time, programs per second, the sandbox
 and the mean reward. Every program is distinct (a numbered comment) so none is deduplicated,
 and every sample has one stdin/stdout case, so 200 programs = 200 sandboxed processes.
 
-    python bench/sandbox.py --workers 1 2 4 --timeout 1.0
+    python bench/sandbox.py --workers 1 2 4 --timeout 1.0 [--sandbox auto|root|userns]
 
 The hostile share is dominated by programs that run until the wall-clock limit, so the figure
 depends on ``--timeout`` and on how busy the machine is.
@@ -66,11 +66,20 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=1.0, help="wall-clock limit per program (s)")
     ap.add_argument("--memory-mb", type=int, default=256)
+    ap.add_argument(
+        "--sandbox",
+        default="auto",
+        choices=["auto", "root", "userns"],  # never none: the hostile programs are real
+        help="isolation mechanism: compares their cost",
+    )
     args = ap.parse_args()
 
     programs, kinds = make_programs(args.n)
     tests = [[{"input": "21", "output": "42"}]] * len(programs)
-    print(f"{len(programs)} programs: {dict(Counter(kinds))}, timeout {args.timeout:g} s")
+    print(
+        f"{len(programs)} programs: {dict(Counter(kinds))}, timeout {args.timeout:g} s, "
+        f"sandbox {args.sandbox}"
+    )
     print(f"{'workers':>7} {'wall_s':>7} {'prog/s':>7} {'reward':>7}  statuses")
     for n in args.workers:
         t0 = time.perf_counter()
@@ -81,6 +90,7 @@ def main() -> None:
             timeout_s=args.timeout,
             memory_mb=args.memory_mb,
             workers=n,
+            sandbox=args.sandbox,
         )
         wall = time.perf_counter() - t0
         statuses = Counter()

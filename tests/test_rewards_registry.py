@@ -250,3 +250,36 @@ def test_exception_in_batch_only_reports_unknown_sample():
     with pytest.raises(RewardError) as ei:
         score_rewards([RewardSpec("b", batch_only)], P, C)
     assert "batch too big" in str(ei.value) and "first failing sample" not in str(ei.value)
+
+
+def test_partial_failures_keep_the_other_scores_and_are_counted_by_kind(capsys):
+    """RewardSampleErrors: the samples that failed go through on_error, the others keep their
+    scores, and the failures are counted under reward/<fn>/<kind> (0 when declared and none)."""
+    from peergrade.metrics import Display
+    from peergrade.rewards import RewardSampleErrors
+
+    def flaky(prompts, completions, **kw):
+        raise RewardSampleErrors("1 of 3 failed", [0.5, None, 1.0], {1: "boom"}, kind="x_errors")
+
+    flaky.error_metrics = ("x_errors",)
+    spec = RewardSpec(name="flaky", fn=flaky)
+    scores = score_rewards([spec], ["p"] * 3, ["a", "b", "c"], on_error="zero")
+    assert scores.per_fn["flaky"].tolist() == [0.5, 0.0, 1.0]
+    m = scores.metrics()
+    assert m["reward/flaky/x_errors"] == 1.0 and m["reward/errors"] == 1.0
+    assert scores.errors == ["reward 'flaky' sample 1: boom"]
+    with pytest.raises(RewardError, match="sample 1: boom"):
+        score_rewards([spec], ["p"] * 3, ["a", "b", "c"], on_error="fail")
+
+    def fine(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    fine.error_metrics = ("x_errors",)
+    ok = score_rewards([RewardSpec(name="fine", fn=fine)], ["p"], ["a"]).metrics()
+    assert ok["reward/fine/x_errors"] == 0.0
+
+    display = Display("plain", total_steps=2)
+    display.update(1, {**m, "reward/flaky/sandbox_errors": 1.0})
+    display.update(2, ok)
+    lines = capsys.readouterr().out.splitlines()
+    assert "reward errors 1 (sandbox 1)" in lines[0] and "errors" not in lines[1]

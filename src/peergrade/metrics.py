@@ -61,6 +61,18 @@ def _eta(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def _error_note(metrics: dict[str, Any]) -> str:
+    """``  reward errors N (sandbox M)`` when a reward failed this step (scored 0 under
+    on_reward_error: zero), else nothing: a failing reward never looks like a low score."""
+    errors = metrics.get("reward/errors") or 0
+    sandbox = sum(
+        v for k, v in metrics.items() if k.endswith("/sandbox_errors") and isinstance(v, float)
+    )
+    if not errors and not sandbox:
+        return ""
+    return f"  reward errors {int(errors)}" + (f" (sandbox {int(sandbox)})" if sandbox else "")
+
+
 class Display:
     """Live progress: ``mode`` is 'rich', 'plain', 'none' or 'auto' (rich on a terminal)."""
 
@@ -120,7 +132,7 @@ class Display:
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         stats = "  ".join(
             f"{name} {_fmt(metrics.get(key), spec)}" for name, key, spec in self.COLUMNS
-        )
+        ) + _error_note(metrics)
         if self.mode == "rich":
             self._progress.update(self._task, completed=step, stats=stats)
         elif self.mode == "plain":

@@ -11,6 +11,7 @@ This package does not load models or tokenizers and does not compute advantages.
 from .registry import (
     BUILTIN_REWARDS,
     RewardError,
+    RewardSampleErrors,
     RewardScores,
     RewardSpec,
     available_rewards,
@@ -22,6 +23,7 @@ from .registry import (
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
+    "RewardSampleErrors",
     "RewardScores",
     "RewardSpec",
     "available_rewards",

@@ -26,6 +26,14 @@ counts them in ``num_errors``. When a batch call raises, the function is called 
 sample at a time, in order, until a sample raises, to name the culprit in the report (this
 diagnostic only runs on failure; a function with side effects runs more than once then).
 
+A function that could score some samples but not others raises ``RewardSampleErrors`` with
+the scores it has: only the failed samples go through ``on_error``, and they are also counted
+under ``reward/<fn>/<kind>`` (the code reward's ``sandbox_errors``; a function listing kinds in
+its ``error_metrics`` attribute reports them every step, 0 included). An exception with
+``stops_run = True`` (no sandbox for the code reward) is re-raised whatever ``on_error`` says.
+A function with a ``preflight`` attribute has it called by ``make_reward_spec`` with the
+configured keyword arguments, before the first step (the code reward's sandbox self-test).
+
 The weighted total is ``total[i] = sum_f w_f * r_f[i]`` over the functions that scored sample
 ``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. Metrics: the mean and the
 population standard deviation (ddof = 0) over scored samples; a function that scored no sample
@@ -57,6 +65,7 @@ if TYPE_CHECKING:  # torch is imported when scoring, so importing this package s
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
+    "RewardSampleErrors",
     "RewardScores",
     "RewardSpec",
     "available_rewards",
@@ -81,6 +90,23 @@ BUILTIN_REWARDS: dict[str, str] = {
 
 class RewardError(PeergradeError, RuntimeError):
     """A reward function failed (raised, wrong length, non-list, non-finite) under on_error=fail."""
+
+
+class RewardSampleErrors(RewardError):
+    """Raised by a reward function that could score some samples but not others.
+
+    ``scores``: one entry per completion (the failed ones' entries are ignored); ``failed``:
+    {sample index: why}; ``kind``: the metric the failures are also counted under,
+    ``reward/<fn>/<kind>`` (e.g. ``sandbox_errors``). ``score_rewards`` keeps the other samples'
+    scores and puts the failed ones through the ``on_error`` policy; a caller that does not know
+    this class still sees a RewardError that names the failures.
+    """
+
+    def __init__(self, message: str, scores: list, failed: dict[int, str], kind: str = "errors"):
+        super().__init__(message)
+        self.scores = list(scores)
+        self.failed = dict(failed)
+        self.kind = kind
 
 
 def available_rewards() -> list[str]:
@@ -213,6 +239,11 @@ def make_reward_spec(
 ) -> RewardSpec:
     """Resolve ``spec`` and wrap it: the name defaults to the built-in name or function name."""
     fn = resolve_reward(spec)
+    # A function that must check its environment before the first step (the code reward's
+    # sandbox self-test) does so now, with its configured keyword arguments.
+    preflight = getattr(fn, "preflight", None)
+    if callable(preflight):
+        preflight(**(kwargs or {}))
     if name is None:
         if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
             name = spec.strip()
@@ -229,9 +260,11 @@ class RewardScores:
     total: torch.Tensor  # [N] float32, NaN where no function scored the sample
     num_errors: int = 0  # affected samples, summed over functions
     errors: list[str] = field(default_factory=list)
+    counts: dict[str, float] = field(default_factory=dict)  # e.g. reward/<fn>/sandbox_errors
 
     def metrics(self) -> dict[str, float]:
-        """``reward/<name>/mean|std``, ``reward/total/mean|std``, ``reward/errors``."""
+        """``reward/<name>/mean|std``, ``reward/total/mean|std``, ``reward/errors``, and the
+        per-function failure counts (``reward/<fn>/sandbox_errors``)."""
         import torch
 
         out: dict[str, float] = {}
@@ -241,7 +274,11 @@ class RewardScores:
                 out[f"reward/{name}/mean"] = v.double().mean().item()
                 out[f"reward/{name}/std"] = v.double().std(correction=0).item()
         out["reward/errors"] = float(self.num_errors)
+        out.update(self.counts)
         return out
+
+
+_RAISED = object()  # score_rewards: the call raised, there is no output to check
 
 
 def _format_exc(exc: BaseException) -> str:
@@ -284,16 +321,36 @@ def score_rewards(
 
     per_fn: dict[str, torch.Tensor] = {}
     errors: list[str] = []
+    counts: dict[str, float] = {}
     num_errors = 0
     for spec in specs:
+        # A function that declares the failures it counts always reports them (0 included).
+        for kind in getattr(spec.fn, "error_metrics", ()):
+            counts[f"reward/{spec.name}/{kind}"] = 0.0
         call = spec.bound
         cols = {k: v for k, v in columns.items() if k not in spec.kwargs}
         problems: list[str] = []
         bad = [False] * n  # samples to zero under on_error="zero"
         values = [math.nan] * n
+        failed: dict[int, str] = {}
+        out = _RAISED
         try:
             out = call(prompts=prompts, completions=completions, **cols)
+        except RewardSampleErrors as exc:
+            # Some samples failed (e.g. a program the sandbox could not run): keep the others.
+            key = f"reward/{spec.name}/{exc.kind}"
+            counts[key] = counts.get(key, 0.0) + len(exc.failed)
+            if len(exc.scores) == n:
+                out, failed = exc.scores, exc.failed
+                for i, why in sorted(failed.items()):
+                    problems.append(f"reward {spec.name!r} sample {i}: {why}")
+                    bad[i] = True
+            else:
+                problems.append(f"reward {spec.name!r} on the batch of {n}: {exc}")
+                bad = [True] * n
         except Exception as exc:
+            if getattr(exc, "stops_run", False):
+                raise  # e.g. no sandbox for the code reward: no policy may score that as 0
             culprit = _locate_failure(call, prompts, completions, cols)
             problems.append(
                 f"reward {spec.name!r} raised on the batch of {n}"
@@ -301,7 +358,7 @@ def score_rewards(
                 + f": {_format_exc(exc)}"
             )
             bad = [True] * n
-        else:
+        if out is not _RAISED:
             if not isinstance(out, (list, tuple)):
                 problems.append(
                     f"reward {spec.name!r} returned a {type(out).__name__}, expected a list of "
@@ -316,7 +373,7 @@ def score_rewards(
                 bad = [True] * n
             else:
                 for i, v in enumerate(out):
-                    if v is None:
+                    if v is None or i in failed:
                         continue
                     try:
                         if isinstance(v, (str, bytes)):
@@ -353,7 +410,9 @@ def score_rewards(
         r = per_fn[spec.name].double()  # [N]
         scored = ~torch.isnan(r)
         total = torch.where(scored, torch.nan_to_num(total, nan=0.0) + spec.weight * r, total)
-    return RewardScores(per_fn=per_fn, total=total.float(), num_errors=num_errors, errors=errors)
+    return RewardScores(
+        per_fn=per_fn, total=total.float(), num_errors=num_errors, errors=errors, counts=counts
+    )
 
 
 def _locate_failure(call, prompts, completions, cols) -> tuple[int, str] | None:

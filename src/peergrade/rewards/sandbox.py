@@ -5,32 +5,52 @@ untrusted code runs. ``run_program`` runs one program and always returns a ``San
 (it never raises for anything the program does); ``run_many`` runs a list of programs through
 a bounded pool of supervising threads, each of which owns one child process at a time.
 
+Mechanisms, and failing closed
+------------------------------
+``mechanism="auto"`` (the default) uses the first of these that works here (``select_mechanism``
+probes them once per process, in this order):
+
+1. ``root``: we are root with CAP_SYS_ADMIN. The launcher unshares mount, PID, network, IPC
+   and UTS namespaces directly and the program runs under a per-program host uid.
+2. ``userns``: an unprivileged user namespace, created together with the others, the way
+   bubblewrap and nsjail do it. It maps one id onto itself (all an ordinary user may map); the
+   launcher holds every capability inside the namespace until the program's ``execve`` drops
+   them. Root without CAP_SYS_ADMIN (a default container) first switches to the per-program uid,
+   so a program never runs as host uid 0.
+
+When neither works, every program ends ``sandbox_error`` without running, with a reason that
+says what is missing and how to fix it: nothing runs unsandboxed unless asked for with
+``mechanism="none"`` (``isolate=False``): rlimits, a new session and a group kill only. The
+code reward goes one step further before its first use: ``require_sandbox`` runs a canary
+(``self_test``) that tries to write outside, read a secret file in ``$HOME`` and this process's
+environment, see this process and reach a listener of ours, and raises ``SandboxUnavailable``
+(one message: what escaped or is missing, and the fixes) unless everything was contained.
+
 How one program runs
 --------------------
 The supervisor (this process) writes the program to ``main.py`` in a fresh temp directory and
 starts a *launcher*: this same file run as ``python -I -S sandbox.py <config>``, in a new
-session (its own process group). When we are root and the kernel allows it, the launcher:
+session (its own process group). Under ``root`` or ``userns`` the launcher:
 
-1. unshares new mount, PID, network, IPC and UTS namespaces (``unshare(2)`` through ctypes;
-   Python 3.11 has no ``os.unshare``);
-2. makes every mount private and remounts each one read-only and nosuid inside the new mount
-   namespace, so nothing outside the work directory can be written (``/tmp``, ``/dev/shm`` and
-   the repository included); directories on the interpreter's path that an unprivileged uid
-   cannot traverse (``/root`` is 0700 here) are replaced by an empty tmpfs into which only the
-   interpreter's prefix directories are bind-mounted back, which also hides the rest of them;
-3. mounts a size-capped tmpfs (``disk_mb``) owned by the sandbox uid over the work directory
-   and copies ``main.py`` (and any ``files``) into it: the program's files never touch the disk
-   and vanish with it;
-4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` and
-   forks the program (PID 2). The program's process sets the resource limits, drops to a
-   per-program unprivileged uid/gid (no supplementary groups), sets ``PR_SET_NO_NEW_PRIVS`` and
-   ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a minimal environment. The init
-   reaps orphans and reports the program's wait status and CPU time on a private pipe; the
-   launcher stays outside the namespace and waits for the init.
+1. reads the work directory's files into memory and unshares the namespaces (above);
+2. makes every mount private, covers the homes (``/root``, ``/home``, the trainer's ``$HOME``),
+   the temp directories (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``$TMPDIR``) and ``/run``
+   (sockets such as docker.sock or D-Bus, reachable without a network) with an empty tmpfs,
+   into which only the interpreter's prefix directories are bind-mounted back, then remounts
+   every mount read-only and nosuid; a mount that cannot be made read-only is a setup error;
+3. mounts a size-capped tmpfs (``disk_mb``) owned by the program's uid over the work directory
+   and writes the files back into it: the program's files never touch the disk;
+4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` (only
+   the namespace's processes) and forks the program (PID 2). The program's process sets the
+   resource limits, under ``root`` drops to the per-program uid/gid (no supplementary groups),
+   sets ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a
+   minimal environment. The init reaps orphans and reports the program's wait status and CPU
+   time on a private pipe; the launcher stays outside the PID namespace and waits for the init.
 
 Resource limits (``setrlimit``): RLIMIT_CPU (CPU seconds, per process), RLIMIT_AS (address
-space, per process), RLIMIT_NPROC (processes of the sandbox uid, which is unique per running
-program, so it is a per-program count), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE = 0.
+space, per process), RLIMIT_NPROC (processes of the program's uid: unique per program under
+``root``; under ``userns`` counted per user namespace since Linux 5.14, so also per program),
+RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE = 0.
 
 The supervisor reads stdout and stderr with a byte cap (beyond it: kill, ``output_limit``) and a
 wall-clock deadline (beyond it: kill, ``timeout``). Killing is SIGKILL to the namespace's init,
@@ -41,18 +61,18 @@ The temp directory is removed afterwards.
 Threat model
 ------------
 Adversary: a program that tries to hang, exhaust CPU/memory/processes/output/disk, write or
-read outside its directory, read the trainer's secrets (environment), reach the network, or
-signal the trainer or other programs. See docs/sandbox.md for the table of what is enforced on
-which setup. Not defended against: kernel exploits (no seccomp filter, no VM boundary), reading
-world-readable files (they are visible, only read-only), total memory of a program that forks
-(RLIMIT_AS is per process: up to ``max_processes * memory_mb``), and CPU time of the pool as a
-whole beyond ``workers`` cores. Where ``unshare`` is refused (root without CAP_SYS_ADMIN), the
-uid drop and rlimits still apply but files and network are reachable; without root (or with
-``isolate=False``) it falls back to rlimits + a new session + process-group kill. What was in
-force is recorded in ``SandboxResult.enforced``; the non-root mode is NOT a security boundary.
+read outside its directory, read the trainer's secrets (environment, files in ``$HOME``), reach
+the network, or signal the trainer or other programs. See docs/sandbox.md for what is enforced
+on which setup. Not defended against: kernel exploits (no seccomp filter, no VM boundary),
+reading world-readable files outside the covered directories (they are visible, only
+read-only; under ``userns`` the program is the trainer's own uid, so the trainer's files there
+are readable too), total memory of a program that forks (RLIMIT_AS is per process), and CPU
+time of the pool as a whole beyond ``workers`` cores. What was in force is recorded in
+``SandboxResult.enforced``.
 
 What this module deliberately does not do: score programs (see ``peergrade.rewards.code``),
-install packages for programs, or run anything but Python.
+install packages for programs, run anything but Python, or use bubblewrap or setuid helpers
+(the kernel interfaces they use are called directly, so there is nothing to install).
 """
 
 from __future__ import annotations
@@ -95,6 +115,8 @@ _MS_STRICTATIME = 1 << 24
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9  # the launcher avoids importing `signal` (and with it `enum`): start-up time
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_DUMPABLE = 4
+_CLONE_NEWUSER = 0x10000000
 _MOUNT_OPT_FLAGS = {
     "nosuid": _MS_NOSUID,
     "nodev": _MS_NODEV,
@@ -130,13 +152,27 @@ def _mount(libc, source, target: str, fstype, flags: int, data) -> None:
     _check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+def _unescape(field: str) -> str:
+    """Undo mountinfo's octal escapes (``\\040`` = space). Not the ``unicode_escape`` codec: a
+    launcher that dropped its uid may no longer reach the codec's module."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
 def _mountinfo_points() -> list[tuple[str, int]]:
     """(mount point, per-mount flags) of every mount, in /proc/self/mountinfo order."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
+            point = _unescape(fields[4])
             flags = 0
             for opt in fields[5].split(","):
                 flags |= _MOUNT_OPT_FLAGS.get(opt, 0)
@@ -157,23 +193,77 @@ def _blocked_ancestors(paths: list[str]) -> dict[str, list[str]]:
     return blocked
 
 
-def _expose(libc, paths: list[str]) -> list[str]:
-    """Make ``paths`` traversable by an unprivileged uid inside this mount namespace.
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
 
-    For each path, the first ancestor without the others-execute bit is covered by a tmpfs and
-    the path is bind-mounted back into it; everything else in that ancestor becomes invisible.
-    Returns the covered ancestors.
+
+def _hide(libc, hide: list[str], expose: list[str]) -> list[str]:
+    """Cover directories with an empty tmpfs, bind-mounting the interpreter's back into them.
+
+    Covered: each existing directory of ``hide`` that does not lie inside an ``expose`` path, and
+    each ancestor of an ``expose`` path that others cannot traverse (``/root`` holding pyenv);
+    only the outermost of nested ones. Every ``expose`` path under a cover is bind-mounted back,
+    so the interpreter still starts and everything else there becomes invisible. Returns the
+    covered directories.
     """
-    blocked = _blocked_ancestors(paths)
-    for anc, inner in blocked.items():
-        fds = {p: os.open(p, os.O_PATH) for p in inner}  # keep the real dirs reachable
-        _mount(libc, "tmpfs", anc, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
+    wanted = [d for d in hide if os.path.isdir(d) and not any(_inside(d, p) for p in expose)]
+    wanted += list(_blocked_ancestors(expose))
+    covers = sorted({d for d in wanted if d != "/"})
+    covers = [d for d in covers if not any(_inside(d, o) and d != o for o in covers)]
+    for cover in covers:
+        inner = [p for p in expose if _inside(p, cover)]
+        try:
+            fds = {p: os.open(p, os.O_PATH) for p in inner}  # keep the real dirs reachable
+        except PermissionError:
+            raise OSError(
+                13,
+                f"the interpreter ({', '.join(inner)}) lies under {cover}, which uid "
+                f"{os.geteuid()} cannot traverse: install Python where other users can read it, "
+                "or run the trainer as root with CAP_SYS_ADMIN",
+            ) from None
+        _mount(libc, "tmpfs", cover, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k")
         for p, fd in fds.items():
-            if p != anc:
+            if p != cover:
                 os.makedirs(p, exist_ok=True)
             _mount(libc, f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC, None)
             os.close(fd)
-    return sorted(blocked)
+    return covers
+
+
+def _write_map(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _enter_user_namespace(libc, uid: int, flags: int) -> tuple[int, int]:
+    """Unshare a user namespace together with ``flags``; returns the program's (uid, gid).
+
+    Root (here without CAP_SYS_ADMIN, or the ``root`` mechanism would have been used) first
+    becomes the per-program ``uid``, so the program never runs as host uid 0. The namespace
+    maps just that one id onto itself (all an unprivileged process may map); the launcher holds
+    every capability inside it until the program's ``execve``, which, as a non-zero uid, drops
+    them all.
+    """
+    if os.geteuid() == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"root without CAP_SETUID cannot switch to an unprivileged uid ({exc})"
+            ) from None
+        # setuid made us non-dumpable, which makes /proc/self/uid_map root-owned (unwritable).
+        _check(libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(DUMPABLE)")
+    uid, gid = os.geteuid(), os.getegid()
+    _check(libc.unshare(_CLONE_NEWUSER | flags), "unshare(user, mount, PID, IPC, UTS, network)")
+    _write_map("/proc/self/setgroups", "deny")
+    _write_map("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write_map("/proc/self/gid_map", f"{gid} {gid} 1")
+    return uid, gid
 
 
 def _launcher_main(config_hex: str) -> None:
@@ -185,100 +275,103 @@ def _launcher_main(config_hex: str) -> None:
         os.write(report, marshal.dumps(obj).hex().encode() + b"\n")
 
     libc = _libc()
-    enforced: dict[str, object] = {}
-    workdir, uid = cfg["workdir"], cfg["uid"]
-    isolate = cfg["isolate"] and os.geteuid() == 0
+    import resource  # noqa: F401 - now: after a uid switch the stdlib may be out of reach
+
+    mech = cfg["mechanism"]
+    workdir = cfg["workdir"]
+    enforced: dict[str, object] = {"mechanism": mech}
+    if mech == "none":
+        enforced["unprivileged_uid"] = False
+        send({"enforced": enforced})
+        _spawn_and_wait(libc, cfg, None, send, report_pid=True)
+        os._exit(0)
     try:
-        pid_ns = False
-        if isolate:
-            # Network first on its own: it is the one a kernel config most often lacks.
-            if cfg["network_namespace"]:
-                enforced["network_namespace"] = libc.unshare(_CLONE_NEWNET) == 0
-            else:
-                enforced["network_namespace"] = False
-            enforced["mount_namespace"] = libc.unshare(_CLONE_NEWNS | _CLONE_NEWIPC) == 0
-            enforced["uts_namespace"] = libc.unshare(_CLONE_NEWUTS) == 0
-            pid_ns = libc.unshare(_CLONE_NEWPID) == 0
-            enforced["pid_namespace"] = pid_ns
-        if enforced.get("mount_namespace"):
-            _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
-            enforced["hidden_dirs"] = _expose(libc, cfg["expose"])
-            files = {}
-            for name in os.listdir(workdir):
-                with open(os.path.join(workdir, name), "rb") as f:
-                    files[name] = f.read()
-            ro_failed = []
-            for point, flags in _mountinfo_points():
-                try:
-                    _mount(
-                        libc,
-                        None,
-                        point,
-                        None,
-                        _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | flags,
-                        None,
-                    )
-                except OSError:
-                    ro_failed.append(point)
-            enforced["read_only_mounts_failed"] = ro_failed
-            enforced["read_only_root"] = not ro_failed
-            data = f"size={int(cfg['disk_mb'])}m,mode=0700,uid={uid},gid={uid}"
-            _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, data)
-            for name, content in files.items():
-                fd = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT, 0o644)
-                os.write(fd, content)
-                os.close(fd)
-                os.chown(os.path.join(workdir, name), uid, uid)
-            enforced["tmpfs_workdir_mb"] = int(cfg["disk_mb"])
+        files = {}  # read now: the work directory's parent (/tmp) is about to be covered
+        for name in os.listdir(workdir):
+            with open(os.path.join(workdir, name), "rb") as f:
+                files[name] = f.read()
+        flags = _CLONE_NEWNS | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWPID
+        if cfg["network_namespace"]:
+            flags |= _CLONE_NEWNET
+        if mech == "root":
+            if os.geteuid() != 0:
+                raise OSError(1, "the 'root' mechanism needs root")
+            _check(libc.unshare(flags), "unshare(mount, PID, IPC, UTS, network)")
+            setuid_to, uid, gid = cfg["uid"], cfg["uid"], cfg["uid"]
+        elif mech == "userns":
+            uid, gid = _enter_user_namespace(libc, cfg["uid"], flags)
+            setuid_to = None  # already the program's uid; execve drops the capabilities
         else:
-            enforced["read_only_root"] = False
-            blocked = _blocked_ancestors(cfg["expose"]) if isolate else {}
-            if blocked:
-                enforced["unprivileged_uid"] = True
-                send(
-                    {
-                        "enforced": enforced,
-                        "setup_error": f"the interpreter lies under {sorted(blocked)}, which an "
-                        "unprivileged uid cannot traverse, and no mount namespace is available to "
-                        "expose it: install Python where other users can read it, or pass "
-                        "isolate=False (not a security boundary)",
-                    }
+            raise OSError(22, f"unknown mechanism {mech!r}")
+        enforced.update(
+            user_namespace=mech == "userns",
+            network_namespace=bool(cfg["network_namespace"]),
+            mount_namespace=True,
+            pid_namespace=True,
+        )
+        _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
+        enforced["hidden_dirs"] = _hide(libc, cfg["hide"], cfg["expose"])
+        os.makedirs(workdir, exist_ok=True)  # inside a cover now: an empty mount point
+        ro_failed = []
+        for point, mflags in _mountinfo_points():
+            try:
+                _mount(
+                    libc,
+                    None,
+                    point,
+                    None,
+                    _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | mflags,
+                    None,
                 )
-                os._exit(127)
+            except OSError:
+                ro_failed.append(point)
+        if ro_failed:  # fail closed: a writable mount is a way out
+            raise OSError(30, f"could not make these mounts read-only: {ro_failed}")
+        enforced["read_only_root"] = True
+        data = f"size={int(cfg['disk_mb'])}m,mode=0700,uid={uid},gid={gid}"
+        _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, data)
+        for name, content in files.items():
+            path = os.path.join(workdir, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, content)
+            os.close(fd)
+            if mech == "root":
+                os.chown(path, uid, gid)
+        enforced["tmpfs_workdir_mb"] = int(cfg["disk_mb"])
+        enforced["unprivileged_uid"] = True
     except OSError as exc:
-        send({"setup_error": f"launcher: {exc}"})
+        send({"enforced": enforced, "setup_error": f"{mech} sandbox: {exc}"})
         os._exit(127)
-    enforced["unprivileged_uid"] = isolate
     send({"enforced": enforced})
 
-    if not pid_ns:
-        _spawn_and_wait(libc, cfg, isolate, send, report_pid=True)
-        os._exit(0)
     pid = os.fork()
     if pid == 0:
-        # PID 1 of the new namespace: a minimal init that stays root, mounts a /proc showing only
-        # the namespace, runs the program as PID 2 and reaps orphans. The program is not PID 1
+        # PID 1 of the new namespace: a minimal init that mounts a /proc showing only the
+        # namespace, runs the program as PID 2 and reaps orphans. The program is not PID 1
         # because the kernel ignores default-action signals (SIGXCPU, SIGABRT) sent to PID 1.
         try:
             _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
             _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
-            _spawn_and_wait(libc, cfg, isolate, send, report_pid=False)
+            _spawn_and_wait(libc, cfg, setuid_to, send, report_pid=False)
         except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
             send({"setup_error": f"init: {type(exc).__name__}: {exc}"})
             os._exit(127)
         os._exit(0)  # every other process in the namespace is killed with us
     # Launcher: stay outside the PID namespace; killing `pid` (the init) ends the namespace.
     send({"child_pid": pid})
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    # Under `userns` the program shares the init's uid and may kill it: say so, so that it is
+    # scored as the program's doing, not as a sandbox failure.
+    send({"init_status": status})
     os._exit(0)
 
 
-def _spawn_and_wait(libc, cfg: dict, isolate: bool, send, report_pid: bool) -> None:
+def _spawn_and_wait(libc, cfg: dict, setuid_to, send, report_pid: bool) -> None:
     """Fork the program, reap every child until it exits, and report its wait status."""
     pid = os.fork()
     if pid == 0:
         try:
-            _child_exec(libc, cfg, isolate)
+            _child_exec(libc, cfg, setuid_to)
         except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
             send({"setup_error": f"child: {type(exc).__name__}: {exc}"})
         os._exit(127)
@@ -291,10 +384,10 @@ def _spawn_and_wait(libc, cfg: dict, isolate: bool, send, report_pid: bool) -> N
     send({"wait_status": status, "cpu_s": usage.ru_utime + usage.ru_stime})
 
 
-def _child_exec(libc, cfg: dict, isolate: bool) -> None:
+def _child_exec(libc, cfg: dict, setuid_to) -> None:
     import resource
 
-    workdir, uid = cfg["workdir"], cfg["uid"]
+    workdir = cfg["workdir"]
     lim = cfg["limits"]
     cpu = int(lim["cpu_s"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -307,10 +400,10 @@ def _child_exec(libc, cfg: dict, isolate: bool) -> None:
     nproc = int(lim["nproc"])
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     os.chdir(workdir)
-    if isolate:
+    if setuid_to is not None:
         os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
+        os.setgid(setuid_to)
+        os.setuid(setuid_to)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
     # After setuid (which clears it): die with the launcher, which dies with the supervisor.
     _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
@@ -330,6 +423,7 @@ if __name__ == "__main__":
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import secrets  # noqa: E402
 import selectors  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -339,6 +433,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+from peergrade.errors import PeergradeError  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -402,6 +498,300 @@ def _python_dirs(python: str) -> list[str]:
         keep = sorted(d for d in dirs if not any(d.startswith(o + "/") for o in dirs if o != d))
         _prefix_cache[python] = keep
     return _prefix_cache[python]
+
+
+MECHANISMS = ("auto", "root", "userns", "none")
+"""``run_program``'s ``mechanism`` values; see ``select_mechanism`` for the order ``auto`` tries."""
+
+_FIX = (
+    "Fix: enable unprivileged user namespaces (`sysctl -w user.max_user_namespaces=15000`, and "
+    "`kernel.unprivileged_userns_clone=1` where that sysctl exists; in Docker or Podman allow "
+    "them, e.g. `--security-opt seccomp=unconfined --security-opt apparmor=unconfined`), or run "
+    "the trainer as root with CAP_SYS_ADMIN; or, for trusted code only, give the code reward "
+    "`sandbox: none` to run programs unsandboxed"
+)
+
+
+class SandboxUnavailable(PeergradeError, RuntimeError):
+    """The sandbox cannot contain untrusted programs here (``require_sandbox``): says what is
+    missing and how to fix it. ``score_rewards`` re-raises it whatever ``on_reward_error``
+    says (``stops_run``): training must not go on with a reward that cannot run."""
+
+    stops_run = True
+
+
+def _hidden_dirs() -> list[str]:
+    """Directories covered by an empty tmpfs inside the sandbox: homes (the trainer's
+    ``$HOME`` included), temp directories (the trainer's files, other programs' work dirs),
+    and ``/run`` (sockets such as docker.sock or D-Bus, reachable even with no network)."""
+    dirs = ["/root", "/home", "/tmp", "/var/tmp", "/dev/shm", "/run", tempfile.gettempdir()]
+    for home in (os.environ.get("HOME"), os.path.expanduser("~")):
+        if home:
+            dirs.append(home)
+    return sorted({os.path.realpath(d) for d in dirs} - {"/"})
+
+
+def _has_capability(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return False
+
+
+_CAP_SYS_ADMIN = 21
+_CAPS_TO_SWITCH_UID = (0, 6, 7)  # CAP_CHOWN, CAP_SETGID, CAP_SETUID
+_select_lock = threading.Lock()
+_selected: dict[tuple, tuple[str | None, dict[str, str]]] = {}
+
+
+def select_mechanism(
+    python: str = sys.executable, *, network: bool = False
+) -> tuple[str | None, dict[str, str]]:
+    """The isolation mechanism ``auto`` uses here, and why each earlier candidate was refused.
+
+    Tried in order, the first under which a probe program runs isolated wins (cached per
+    process): ``root`` (we are root with CAP_SYS_ADMIN: namespaces directly, a per-program host
+    uid), then ``userns`` (an unprivileged user namespace; root without CAP_SYS_ADMIN first
+    switches to the per-program uid). ``(None, reasons)`` when none works: the caller fails
+    closed. ``none`` is never chosen automatically.
+    """
+    key = (python, network)
+    with _select_lock:
+        if key not in _selected:
+            failures: dict[str, str] = {}
+            chosen = None
+            candidates = []
+            if os.geteuid() != 0:
+                failures["root"] = "not root"
+            elif not _has_capability(_CAP_SYS_ADMIN):
+                failures["root"] = "root without CAP_SYS_ADMIN"
+            else:
+                candidates.append("root")
+            if os.geteuid() == 0 and not all(map(_has_capability, _CAPS_TO_SWITCH_UID)):
+                # A user namespace may not map host uid 0 without CAP_SETFCAP, and the program
+                # must not run as host uid 0 anyway: root has to switch it to another uid.
+                failures["userns"] = (
+                    "root without CAP_SETUID, CAP_SETGID and CAP_CHOWN cannot give programs "
+                    "an unprivileged uid (run the trainer as an ordinary user instead)"
+                )
+            else:
+                candidates.append("userns")
+            for mech in candidates:
+                res = run_program(
+                    "print('peergrade-probe')",
+                    mechanism=mech,
+                    python=python,
+                    network=network,
+                    timeout_s=20.0,
+                    memory_mb=512,
+                )
+                if res.ok and res.stdout.strip() == "peergrade-probe":
+                    chosen = mech
+                    break
+                failures[mech] = res.reason or res.status
+            _selected[key] = (chosen, failures)
+        return _selected[key]
+
+
+def _unavailable(failures: dict[str, str]) -> str:
+    tried = "; ".join(f"{m}: {why}" for m, why in failures.items())
+    return f"no sandbox mechanism can isolate programs here ({tried}). {_FIX}"
+
+
+_CANARY = r"""
+import hashlib, json, os, socket, sys
+cfg = json.loads(sys.argv[1])
+wanted = set(cfg["env"])
+found = {"wrote": [], "read": [], "env_hits": 0}
+for path in cfg["write"]:
+    try:
+        with open(path, "w") as f:
+            f.write("escaped")
+        found["wrote"].append(path)
+    except OSError:
+        pass
+for path in cfg["read"]:
+    try:
+        with open(path, "rb") as f:
+            found["read"].append(f.read(4096).decode("latin-1"))
+    except OSError:
+        pass
+pids = [n for n in os.listdir("/proc") if n.isdigit()]
+for pid in pids:
+    if int(pid) != os.getpid():
+        try:
+            with open("/proc/%s/environ" % pid, "rb") as f:
+                for entry in f.read().split(b"\0"):
+                    if hashlib.sha256(entry).hexdigest()[:32] in wanted:
+                        found["env_hits"] += 1
+        except OSError:
+            pass
+try:
+    with open("/proc/%d/stat" % cfg["pid"]) as f:
+        stat = f.read()
+    found["sees_trainer"] = stat[stat.rindex(")") + 2:].split()[19] == cfg["start"]
+except (OSError, IndexError, ValueError):
+    found["sees_trainer"] = False
+found["pids"] = len(pids)
+if cfg["port"]:
+    try:
+        socket.create_connection(("127.0.0.1", cfg["port"]), timeout=1).close()
+        found["connected"] = True
+    except OSError:
+        found["connected"] = False
+    found["interfaces"] = [name for _, name in socket.if_nameindex()]
+print(json.dumps(found))
+"""
+
+
+def self_test(
+    python: str = sys.executable, *, mechanism: str = "auto", network: bool = False
+) -> dict:
+    """Run a canary that tries to escape; report what it managed.
+
+    The canary tries to write into ``$HOME``, the temp directory, ``/dev/shm``, ``/var/tmp``
+    and the current directory; to read a secret file placed in ``$HOME``; to read every visible
+    process's environment (looking for this process's variables); to see this process in
+    ``/proc``; and (unless ``network``) to connect to a listener of this process on 127.0.0.1
+    and to see any network interface but ``lo``. Returns ``{"mechanism", "escapes": [what it
+    did], "error": why it could not run or None, "enforced"}``; contained when both are empty.
+    """
+    import hashlib
+    import socket
+
+    if mechanism == "auto":
+        chosen, failures = select_mechanism(python, network=network)
+        if chosen is None:
+            return {"mechanism": None, "escapes": [], "error": _unavailable(failures)}
+        mechanism = chosen
+    token = secrets.token_hex(16)
+    created: list[str] = []
+    targets = []
+    for d in {os.path.expanduser("~"), tempfile.gettempdir(), "/dev/shm", "/var/tmp", os.getcwd()}:
+        if os.path.isdir(d) and os.access(d, os.W_OK):
+            targets.append(os.path.join(d, f".peergrade-canary-w-{token}"))
+    home_secret = os.path.join(os.path.expanduser("~"), f".peergrade-canary-{token}")
+    try:
+        fd = os.open(home_secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, token.encode())
+        os.close(fd)
+        created.append(home_secret)
+    except OSError:
+        pass  # an unwritable $HOME holds nothing we put there; the other checks still run
+    with open("/proc/self/stat") as f:
+        stat = f.read()
+    listener = None
+    port = 0
+    if not network:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.settimeout(0.05)
+        port = listener.getsockname()[1]
+    with open("/proc/self/environ", "rb") as f:  # what this process started with
+        ours = {e for e in f.read().split(b"\0") if e}
+    ours -= {b"PATH=/usr/local/bin:/usr/bin:/bin", b"LANG=C.UTF-8"}  # what the sandbox sets
+    cfg = {
+        # hashed: the canary looks for our environment without being handed it
+        "env": [hashlib.sha256(e).hexdigest()[:32] for e in ours],
+        "write": targets,
+        "read": created,
+        "pid": os.getpid(),
+        "start": stat[stat.rindex(")") + 2 :].split()[19],
+        "port": port,
+    }
+    escapes: list[str] = []
+    try:
+        res = run_program(
+            _CANARY,
+            args=[json.dumps(cfg)],
+            mechanism=mechanism,
+            python=python,
+            network=network,
+            timeout_s=20.0,
+            memory_mb=512,
+        )
+        written = [t for t in targets if os.path.exists(t)]
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.accept()[0].close()
+                escapes.append("connect to this process over the network (127.0.0.1)")
+    finally:
+        for path in created + targets:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        if listener is not None:
+            listener.close()
+    out = {"mechanism": mechanism, "escapes": escapes, "error": None, "enforced": res.enforced}
+    if written:
+        escapes.append(f"write outside its directory ({', '.join(written)})")
+    try:
+        found = json.loads(res.stdout.strip().splitlines()[-1]) if res.ok else None
+    except (ValueError, IndexError):
+        found = None
+    if found is None:
+        out["error"] = f"the self-test canary did not run: {res.status}: {res.reason}"
+        return out
+    if any(token in text for text in found["read"]):
+        escapes.append(f"read a secret file in $HOME ({home_secret})")
+    if found["env_hits"]:
+        escapes.append("read this process's environment through /proc/<pid>/environ")
+    if found["sees_trainer"]:
+        escapes.append(f"see this process (pid {os.getpid()}) in /proc")
+    if not network:
+        if found.get("connected") and not any("network" in e for e in escapes):
+            escapes.append("connect to a listener on 127.0.0.1")
+        others = [n for n in found.get("interfaces", []) if n != "lo"]
+        if others:
+            escapes.append(f"see the host's network interfaces ({', '.join(others)})")
+    return out
+
+
+# (mechanism, python, network) -> the mechanism that passed, or the error to raise again
+_required: dict[tuple, str | SandboxUnavailable] = {}
+
+
+def require_sandbox(
+    mechanism: str = "auto", python: str = sys.executable, *, network: bool = False
+) -> str:
+    """Fail closed: the mechanism that contained the self-test canary, or SandboxUnavailable.
+
+    ``mechanism="none"`` (the explicit opt-out) runs no test and prints a warning on stderr
+    every time it is asked for. The outcome, pass or fail, is cached per process.
+    """
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"sandbox must be one of {MECHANISMS}, got {mechanism!r}")
+    if mechanism == "none":
+        print(
+            "warning: the code reward runs model-written programs UNSANDBOXED (sandbox: none): "
+            "they can read and write your files, use the network and signal your processes",
+            file=sys.stderr,
+            flush=True,
+        )
+        return "none"
+    key = (mechanism, python, network)
+    if key not in _required:
+        report = self_test(python, mechanism=mechanism, network=network)
+        where = f"the code sandbox ({report['mechanism'] or mechanism})"
+        if report["error"]:
+            _required[key] = SandboxUnavailable(
+                f"{where} failed its self-test: {report['error']}"
+                + ("" if _FIX in report["error"] else f". {_FIX}")
+            )
+        elif report["escapes"]:
+            _required[key] = SandboxUnavailable(
+                f"{where} did not contain its self-test canary, which could: "
+                f"{'; '.join(report['escapes'])}. {_FIX}"
+            )
+        else:
+            _required[key] = report["mechanism"]
+    if isinstance(_required[key], SandboxUnavailable):
+        raise _required[key]
+    return _required[key]
 
 
 def _uid_processes(uid: int) -> list[int]:
@@ -469,6 +859,7 @@ def run_program(
     python: str = sys.executable,
     network: bool = False,
     isolate: bool = True,
+    mechanism: str = "auto",
 ) -> SandboxResult:
     """Run ``code`` as ``python -I main.py *args`` with ``stdin`` as its input, under the limits.
 
@@ -477,10 +868,17 @@ def run_program(
     (default: ``timeout_s`` rounded up). memory_mb: RLIMIT_AS per process. max_processes:
     RLIMIT_NPROC for the program's uid (the program itself counts). max_output_bytes: cap on
     stdout + stderr together. disk_mb: size of the tmpfs work directory (and the RLIMIT_FSIZE of
-    any one file). network=True keeps the host network (no network namespace). isolate=False
-    skips namespaces and the uid switch (rlimits, new session and group kill only).
+    any one file). network=True keeps the host network (no network namespace). mechanism:
+    ``"auto"`` (the first of ``select_mechanism``'s candidates that works here; when none does,
+    every program ends ``sandbox_error`` without running), ``"root"``, ``"userns"`` (force one),
+    or ``"none"``: no namespaces and no uid switch (rlimits, new session and group kill only; NOT
+    a security boundary). ``isolate=False`` is the older spelling of ``mechanism="none"``.
     Never raises for anything the program does; bad arguments raise ValueError.
     """
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"run_program: mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+    if not isolate:
+        mechanism = "none"
     if not isinstance(code, str):
         raise ValueError(f"run_program: code must be a str, got {type(code).__name__}")
     if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0 or max_output_bytes <= 0:
@@ -493,6 +891,13 @@ def run_program(
             raise ValueError(f"run_program: bad file name {name!r} (a plain name, not main.py)")
     cpu_s = max(1, int(-(-(cpu_time_s if cpu_time_s is not None else timeout_s) // 1)))
     t0 = time.monotonic()
+    if mechanism == "auto":
+        try:
+            mechanism, failures = select_mechanism(python, network=network)
+        except OSError as exc:
+            return SandboxResult("sandbox_error", None, "", "", f"supervisor: {exc}", 0.0)
+        if mechanism is None:
+            return SandboxResult("sandbox_error", None, "", "", _unavailable(failures), 0.0)
     uid = _acquire_uid()
     workdir = tempfile.mkdtemp(prefix="peergrade-sbx-")
     env = {
@@ -510,25 +915,32 @@ def run_program(
             with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
                 f.write(content)
             os.chmod(os.path.join(workdir, name), 0o644)
-            if isolate and os.geteuid() == 0:
-                os.chown(os.path.join(workdir, name), uid, uid)
         root = os.geteuid() == 0
-        if isolate and root:
+        # A per-program host uid wherever we can switch to one (root, even without CAP_SYS_ADMIN).
+        own_uid = root and mechanism != "none"
+        if own_uid:
+            for name in os.listdir(workdir):
+                os.chown(os.path.join(workdir, name), uid, uid)
             os.chown(workdir, uid, uid)
         nproc = max_processes
-        if not root:
+        if mechanism == "userns":
+            # Since Linux 5.14 RLIMIT_NPROC counts per user namespace and uid: the program's
+            # processes plus the launcher and the init, which share its namespace and uid.
+            nproc += 2
+        elif not own_uid:
             # RLIMIT_NPROC counts every process of our uid: allow what already runs.
             nproc += len(_uid_processes(os.getuid()))
         cfg = {
             "workdir": workdir,
             "uid": uid,
-            "isolate": bool(isolate),
+            "mechanism": mechanism,
             "python": python,
             "args": [str(a) for a in args],
             "env": env,
             "disk_mb": disk_mb,
             "network_namespace": not network,
-            "expose": _python_dirs(python) if isolate and root else [],
+            "expose": _python_dirs(python) if mechanism != "none" else [],
+            "hide": _hidden_dirs() if mechanism != "none" else [],
             "limits": {
                 "cpu_s": cpu_s,
                 "memory_mb": memory_mb,
@@ -554,12 +966,14 @@ def run_program(
             )
         os.close(report_w)
         report_w = -1
-        return _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes)
+        return _supervise(
+            proc, report_r, uid if own_uid else None, t0, timeout_s, cpu_s, max_output_bytes
+        )
     except OSError as exc:
         return SandboxResult("sandbox_error", None, "", "", f"supervisor: {exc}", 0.0)
     finally:
         if proc is not None:
-            _kill_all(proc, uid if isolate else None)
+            _kill_all(proc, uid if own_uid else None)
         for fd in (report_r, report_w):
             if fd >= 0:
                 os.close(fd)
@@ -659,6 +1073,9 @@ def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> S
         return result("output_limit", None, f"output exceeded {max_output_bytes} bytes")
     if timed_out:
         return result("timeout", None, f"wall-clock limit of {timeout_s:g} s exceeded")
+    if "wait_status" not in info and "init_status" in info and os.WIFSIGNALED(info["init_status"]):
+        sig = os.WTERMSIG(info["init_status"])  # only the program shares the init's uid
+        return result("killed", -sig, f"the sandbox's init was killed by {_signal_name(sig)}")
     if "wait_status" not in info:
         return result(
             "sandbox_error", None, f"launcher ended without a report (rc {proc.returncode})"
