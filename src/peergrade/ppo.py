@@ -49,6 +49,7 @@ critic (it is always fully fine-tuned), no entropy bonus.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -449,11 +450,16 @@ def ppo_update(
             n_tok = cm.sum().item()
             if n_tok > 0:
                 add("entropy/mean", (ent.detach() * cm).sum().item() / n_tok, w)
-        add("grad/norm", float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-        add("grad/critic_norm", float(torch.nn.utils.clip_grad_norm_(c_params, max_norm)))
-        optimizer.step()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        c_gnorm = float(torch.nn.utils.clip_grad_norm_(c_params, max_norm))
+        add("grad/norm", gnorm)
+        add("grad/critic_norm", c_gnorm)
+        nonfinite = not math.isfinite(gnorm + c_gnorm)  # NaN/inf: leave both models as they are
+        add("update/nonfinite_frac", float(nonfinite))
+        if not nonfinite:
+            optimizer.step()
+            critic.optimizer.step()
         scheduler.step()
-        critic.optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     critic.optimizer.zero_grad(set_to_none=True)
     out = metrics.means()

@@ -38,7 +38,8 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade.algo import group_advantages, policy_loss
-from peergrade.config import Config, to_yaml
+from peergrade.config import Config, to_dict, to_yaml
+from peergrade.detectors import Detectors, repetition_rate
 from peergrade.errors import InputError, user_input
 from peergrade.evaluation import (
     FORMAT_KEYS,
@@ -50,7 +51,7 @@ from peergrade.evaluation import (
     encode_prompts,
     evaluate,
 )
-from peergrade.metrics import Display, JsonlWriter
+from peergrade.metrics import Display, JsonlWriter, MetricLogger, check_backends, read_jsonl
 from peergrade.models import (
     apply_lora,
     disable_adapter,
@@ -372,7 +373,10 @@ def update(models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg:
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         add("grad/norm", float(gnorm))
-        optimizer.step()
+        nonfinite = not math.isfinite(float(gnorm))  # NaN/inf loss or grads: leave params as is
+        add("update/nonfinite_frac", float(nonfinite))
+        if not nonfinite:
+            optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     out = metrics.means()
@@ -446,6 +450,7 @@ def train(
     run_dir = Path(run_dir)
     ckpt.check_run_dir(run_dir, resume=resume, overwrite=overwrite)
     t, r = cfg.train, cfg.rollout
+    check_backends(t.report_to)  # a missing logging package fails here, before the model loads
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
@@ -490,6 +495,7 @@ def train(
     )
     config_yaml = to_yaml(cfg)
     display = Display(t.display, t.steps)
+    detectors = Detectors(t.alerts, updates_per_step)
 
     def run_eval(step_for_seed: int) -> dict[str, float] | None:
         if not eval_rows:
@@ -529,13 +535,21 @@ def train(
         ckpt.set_rng_state(training["rng"])
         for name in ("metrics.jsonl", "samples.jsonl"):
             ckpt.truncate_jsonl(run_dir / name, start_step)
+        detectors.replay(read_jsonl(run_dir / "metrics.jsonl"))  # windows continue
         display.print(f"resuming {run_dir} from {last.name}")
     else:
         if overwrite and run_dir.exists():
             shutil.rmtree(run_dir)  # only now: a failure while loading left the old run intact
         run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write_text(run_dir / "config.yaml", config_yaml)
-    metrics_log = JsonlWriter(run_dir / "metrics.jsonl")
+    metrics_log = MetricLogger(
+        run_dir,
+        t.report_to,
+        project=t.project,
+        config=to_dict(cfg),
+        resume=resume,
+        start_step=start_step,
+    )
     samples_log = JsonlWriter(run_dir / "samples.jsonl")
 
     if not eval_rows:
@@ -549,9 +563,8 @@ def train(
             display.print("evaluating the starting model on the held-out split ...")
         state["eval_before"] = run_eval(0)
         if state["eval_before"]:
-            metrics_log.write(
-                {"step": 0, **{f"eval/{k}": v for k, v in state["eval_before"].items()}}
-            )
+            line = {"step": 0, **{f"eval/{k}": v for k, v in state["eval_before"].items()}}
+            metrics_log.write({**line, **detectors.update(line)})
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
     display = Display(t.display, t.steps, start_step)
 
@@ -649,6 +662,7 @@ def train(
                     "rollout/len_max": lens.max().item(),
                     "rollout/frac_truncated": truncated.float().mean().item(),
                     "rollout/frac_zero_std_groups": (std < 1e-6).float().mean().item(),
+                    "rollout/repetition": repetition_rate(columns["completion_ids"]),
                     "advantage/std": adv.std().item(),
                     **({"curriculum/few_shot_frac": shot_frac} if few_shot.k else {}),
                     **upd,
@@ -671,6 +685,9 @@ def train(
                                 "answer": rows[pi].get("answer"),
                                 "completions": ro.completion_text[sl],
                                 "rewards": scores.total[sl].tolist(),
+                                "rewards_by_fn": {
+                                    k: v[sl].tolist() for k, v in scores.per_fn.items()
+                                },
                                 "advantages": adv[sl].tolist(),
                                 "finish_reason": ro.finish_reason[sl],
                             }
@@ -678,6 +695,7 @@ def train(
                 if eval_rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
                     m.update({f"eval/{k}": v for k, v in run_eval(step).items()})
                 m["time/step_s"] = time.perf_counter() - t0
+                m.update(detectors.update(m))  # alert/<name> keys and their messages
                 metrics_log.write(m)
                 display.update(step, m)
                 if t.save_every and step % t.save_every == 0:
@@ -704,16 +722,16 @@ def train(
         )
         return {"interrupted": True, "step": done_step, "run_dir": str(run_dir)}
 
-    metrics_log.close()
     samples_log.close()
     wall = time.perf_counter() - t_run
     before = state["eval_before"]
     if not eval_rows:
+        metrics_log.close()
         display.print(f"run directory: {run_dir}   ({wall:.0f} s)")
         return {"interrupted": False, "step": t.steps, "run_dir": str(run_dir), "wall_s": wall}
     display.print("evaluating the trained model on the held-out split ...")
     after = run_eval(t.steps)
-    with JsonlWriter(run_dir / "metrics.jsonl") as log:
+    with metrics_log as log:
         log.write({"step": t.steps, **{f"eval/{k}": v for k, v in after.items()}, "final": True})
     k = t.eval_samples
     display.table(
