@@ -236,12 +236,10 @@ def test_silent_on_the_real_demo_run():
     steps = [m for m in lines if "rollout/len_mean" in m]
     assert len(steps) == 250 and sum("eval/pass@1_sampled" in m for m in lines) >= 5
     assert all("rollout/repetition" in m and "entropy/mean" in m for m in steps)
-    out = {}
+    assert lines[-1].get("final") and "eval/pass@1_sampled" in lines[-1]
     d = Detectors(AlertConfig())
-    for m in lines:
-        if not m.get("final"):
-            out[m["step"]] = d.update(m)
-    assert fired(out) == {}
+    out = [(m["step"], d.update(m)) for m in lines]
+    assert [(s, a) for s, a in out if a] == []
     # and the run wrote no alert while it trained either
     assert not any(k.startswith("alert") for m in lines for k in m)
 
@@ -267,3 +265,15 @@ def test_display_none_still_reports_alerts_on_stderr(capsys):
 def test_alert_lines_are_json():
     out = run(stream(nonfinite))
     json.dumps(out[40])  # what metrics.jsonl receives
+
+
+def test_the_final_evaluation_line_is_checked():
+    """The trainer feeds the after-training evaluation (``"final": true``, no step metrics)
+    too: a drop there, with the reward up, is the last chance to see reward hacking."""
+    lines = stream(reward_up, {0: 0.40, 30: 0.45})
+    d = Detectors(AlertConfig())
+    for m in lines:
+        assert d.update(m) == {}
+    last = d.update({"step": STEPS, "eval/pass@1_sampled": 0.30, "eval/n": 200, "final": True})
+    assert set(last["alerts"]) == {"reward_vs_eval"}
+    assert "from 0.450 (step 30) to 0.300 (step 80)" in last["alerts"]["reward_vs_eval"]

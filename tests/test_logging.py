@@ -272,7 +272,7 @@ def test_train_feeds_tensorboard_and_logs_rewards_per_function(
 
 
 def test_nonfinite_loss_skips_the_step_and_is_reported(
-    tiny_model_dir, reward_file, tmp_path, monkeypatch
+    tiny_model_dir, reward_file, tmp_path, monkeypatch, capsys
 ):
     """A NaN loss gives NaN gradients: every optimizer step is skipped (weights bit-identical
     to the start, AdamW state untouched), counted, and the nonfinite alert is logged."""
@@ -300,6 +300,8 @@ def test_nonfinite_loss_skips_the_step_and_is_reported(
     assert [m["update/skipped_total"] for m in steps] == [2, 4]  # two minibatches a step
     assert all(m["alert/nonfinite"] == 1.0 for m in steps)
     assert "skipped with the parameters untouched" in steps[0]["alerts"]["nonfinite"]
+    # shown once, when it starts, even with train.display none
+    assert capsys.readouterr().err.count("[alert] step 1: non-finite loss") == 1
     before, after = load_file(str(tiny_model_dir / "model.safetensors")), weights(run)
     assert all(torch.equal(before[k], after[k]) for k in before)
     state = ckpt.load_training_state(ckpt.latest_checkpoint(run))["optimizer"]["state"]

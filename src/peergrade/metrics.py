@@ -284,17 +284,7 @@ class Display:
         stats = "  ".join(
             f"{name} {_fmt(metrics.get(key), spec)}" for name, key, spec in self.COLUMNS
         )
-        alerts = metrics.get("alerts") or {}
-        for name, message in alerts.items():
-            if name not in self._alerts:
-                # even with display none: a user who silenced progress still needs to know
-                self.print(
-                    f"[bold yellow]alert[/] step {step}: {_escape(message)}"
-                    if self.mode == "rich"
-                    else f"[alert] step {step}: {message}",
-                    always=True,
-                )
-        self._alerts = set(alerts)
+        alerts = self.show_alerts(step, metrics)
         if alerts:
             stats += "  " + (
                 f"[yellow]alerts: {', '.join(alerts)}[/]"
@@ -308,6 +298,22 @@ class Display:
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(done, 1) * (self.total - step)
             print(f"step {step}/{self.total}  {stats}  eta {_eta(eta)}", flush=True)
+
+    def show_alerts(self, step: int, metrics: dict[str, Any]) -> dict[str, str]:
+        """Print the message of each alert in ``metrics`` that was not active on the previous
+        line; returns the active alerts."""
+        alerts = metrics.get("alerts") or {}
+        for name, message in alerts.items():
+            if name not in self._alerts:
+                # even with display none: a user who silenced progress still needs to know
+                self.print(
+                    f"[bold yellow]alert[/] step {step}: {_escape(message)}"
+                    if self.mode == "rich"
+                    else f"[alert] step {step}: {message}",
+                    always=True,
+                )
+        self._alerts = set(alerts)
+        return alerts
 
     def close(self) -> None:
         if self._progress is not None:

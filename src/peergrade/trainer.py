@@ -731,8 +731,11 @@ def train(
         return {"interrupted": False, "step": t.steps, "run_dir": str(run_dir), "wall_s": wall}
     display.print("evaluating the trained model on the held-out split ...")
     after = run_eval(t.steps)
+    final = {"step": t.steps, **{f"eval/{k}": v for k, v in after.items()}, "final": True}
+    final.update(detectors.update(final))  # the last eval can show reward hacking too
     with metrics_log as log:
-        log.write({"step": t.steps, **{f"eval/{k}": v for k, v in after.items()}, "final": True})
+        log.write(final)
+    display.show_alerts(t.steps, final)
     k = t.eval_samples
     display.table(
         f"held-out accuracy ({before['n']} problems)",
