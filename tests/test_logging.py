@@ -154,6 +154,23 @@ def test_tensorboard_event_file_reads_back(tmp_path):
     assert read_jsonl(tmp_path / "metrics.jsonl") == LINES
 
 
+def test_tensorboard_resume_replaces_the_steps_after_the_checkpoint(tmp_path):
+    """A run resumed from step 1 rewrites step 2: TensorBoard keeps the new value only."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricLogger(tmp_path, ["tensorboard"]) as log:
+        for line in LINES:
+            log.write(line)
+    with MetricLogger(tmp_path, ["tensorboard"], resume=True, start_step=1) as log:
+        log.write({"step": 2, "reward/total/mean": 0.25})
+        log.write({"step": 3, "reward/total/mean": 1.0})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("reward/total/mean")]
+    assert got == [(1, 0.5), (2, 0.25), (3, 1.0)]
+
+
 def _subprocess_env(tmp_path: Path) -> dict:
     env = dict(os.environ)
     env.update(
@@ -271,26 +288,34 @@ def test_train_feeds_tensorboard_and_logs_rewards_per_function(
         assert s["rewards"] == pytest.approx(weighted, rel=1e-6)
 
 
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_nonfinite_loss_skips_the_step_and_is_reported(
-    tiny_model_dir, reward_file, tmp_path, monkeypatch, capsys
+    tiny_model_dir, reward_file, tmp_path, monkeypatch, capsys, algo
 ):
     """A NaN loss gives NaN gradients: every optimizer step is skipped (weights bit-identical
     to the start, AdamW state untouched), counted, and the nonfinite alert is logged."""
+    import peergrade.ppo as ppo_mod
     import peergrade.trainer as trainer_mod
 
-    real = trainer_mod.policy_loss
+    mod, name = (trainer_mod, "policy_loss") if algo == "grpo" else (ppo_mod, "ppo_policy_loss")
+    real = getattr(mod, name)
 
     def nan_loss(*a, **k):
         loss, m = real(*a, **k)
         return loss * float("nan"), m
 
-    monkeypatch.setattr(trainer_mod, "policy_loss", nan_loss)
+    monkeypatch.setattr(mod, name, nan_loss)
     cfg = load_config(
         None,
         tiny_overrides(
             tiny_model_dir,
             reward_file,
-            **{"train.steps": 2, "optim.minibatch_size": 2, "optim.weight_decay": 0.1},
+            **{
+                "algo.name": algo,
+                "train.steps": 2,
+                "optim.minibatch_size": 2,
+                "optim.weight_decay": 0.1,
+            },
         ),
     )
     run = tmp_path / "run"
@@ -304,8 +329,9 @@ def test_nonfinite_loss_skips_the_step_and_is_reported(
     assert capsys.readouterr().err.count("[alert] step 1: non-finite loss") == 1
     before, after = load_file(str(tiny_model_dir / "model.safetensors")), weights(run)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    state = ckpt.load_training_state(ckpt.latest_checkpoint(run))["optimizer"]["state"]
-    assert state == {}  # AdamW never stepped: no moments were created
+    if algo == "grpo":
+        state = ckpt.load_training_state(ckpt.latest_checkpoint(run))["optimizer"]["state"]
+        assert state == {}  # AdamW never stepped: no moments were created
 
 
 def read_metrics_steps(run: Path) -> list[dict]:
