@@ -250,6 +250,61 @@ class OptimConfig:
 
 
 @dataclass
+class AlertConfig:
+    """Failure-mode detectors (``peergrade.detectors``): each active one adds ``alert/<name>: 1``
+    and a message saying what it saw and what to try to metrics.jsonl, and shows in the live
+    display. They never stop the run."""
+
+    enabled: bool = doc("Run the detectors.", True)
+    window: int = doc(
+        "Steps a condition must persist (no_signal, length_cap), and the window that the trend "
+        "detectors average over.",
+        10,
+    )
+    zero_signal_frac: float = doc(
+        "no_signal: fraction of groups with all-equal rewards (rollout/frac_zero_std_groups) "
+        "at or above which a step counts as having no learning signal.",
+        0.9,
+    )
+    eval_drop: float = doc(
+        "reward_vs_eval: held-out accuracy drop between two evaluations (absolute) that, with "
+        "a training-reward rise of reward_rise, flags possible reward hacking.",
+        0.05,
+    )
+    reward_rise: float = doc(
+        "reward_vs_eval: rise of the training reward (window mean, reward units) between two "
+        "evaluations.",
+        0.05,
+    )
+    component_drop: float = doc(
+        "reward_imbalance: fall of one reward function's window mean below its best (in its "
+        "units) while another is saturated (std ~0).",
+        0.3,
+    )
+    length_collapse: float = doc(
+        "length_collapse: window-mean completion length below this fraction of its best.", 0.3
+    )
+    truncated_frac: float = doc(
+        "length_cap: fraction of completions cut at rollout.max_completion_length, held for "
+        "window steps.",
+        0.5,
+    )
+    repetition: float = doc(
+        "repetition: window mean of rollout/repetition (repeated 4-gram share) at or above "
+        "this, and up by half of it since the first window.",
+        0.5,
+    )
+    entropy_collapse: float = doc(
+        "entropy_collapse: window-mean entropy below this fraction of the first window's.", 0.1
+    )
+    kl_max: float = doc("kl_blowup: kl/mean above this on any step.", 1.0)
+    ratio_max: float = doc(
+        "ratio_blowup: largest per-token importance ratio (ratio/max) above this on any step.",
+        10.0,
+    )
+
+
+@dataclass
 class TrainConfig:
     steps: int = doc("Training steps (one step = one generated batch).", 250)
     seed: int = doc("Random seed (data order, sampling, init).", 0)
@@ -271,6 +326,19 @@ class TrainConfig:
     threads: int = doc("CPU threads for torch (0 = torch's default).", 0)
     display: Literal["auto", "rich", "plain", "none"] = doc(
         "Live progress display: rich (interactive terminals), plain lines, or none.", "auto"
+    )
+    report_to: list[Literal["tensorboard", "trackio", "wandb"]] = doc(
+        "Logging backends fed the same metrics as metrics.jsonl (always written): tensorboard "
+        "(<run>/tensorboard), trackio (its local store, TRACKIO_DIR), wandb (<run>/wandb; set "
+        "WANDB_MODE=offline to log without an account). Each needs its pip package.",
+        default_factory=list,
+    )
+    project: str = doc(
+        "Project name for trackio and wandb runs (the run is the run directory's name).",
+        "peergrade",
+    )
+    alerts: AlertConfig = doc(
+        "Failure-mode detectors and their thresholds.", default_factory=AlertConfig
     )
 
 
@@ -611,6 +679,18 @@ def validate(cfg: Config) -> None:
     need(t.eval_size >= 1, f"train.eval_size must be >= 1, got {t.eval_size}")
     need(t.eval_samples >= 1, f"train.eval_samples must be >= 1, got {t.eval_samples}")
     need(t.threads >= 0, f"train.threads must be >= 0, got {t.threads}")
+    al = t.alerts
+    need(al.window >= 1, f"train.alerts.window must be >= 1, got {al.window}")
+    for k in ("zero_signal_frac", "truncated_frac", "length_collapse", "entropy_collapse"):
+        v = getattr(al, k)
+        need(0 < v <= 1, f"train.alerts.{k} must be in (0, 1], got {v}")
+    for k in ("eval_drop", "reward_rise", "component_drop", "repetition", "kl_max", "ratio_max"):
+        v = getattr(al, k)
+        need(v > 0, f"train.alerts.{k} must be > 0, got {v}")
+    need(
+        len(set(t.report_to)) == len(t.report_to),
+        f"train.report_to lists a backend twice: {t.report_to}",
+    )
     need(
         cfg.model.logprob_chunk_size >= 1,
         f"model.logprob_chunk_size must be >= 1, got {cfg.model.logprob_chunk_size}",

@@ -1,23 +1,51 @@
-"""What a user watches: metrics.jsonl, samples.jsonl and the live progress display.
+"""What a user watches: metrics.jsonl, samples.jsonl, logging backends and the live display.
 
 ``JsonlWriter`` appends one JSON object per line and flushes it, so a crash loses at most the
-line being written. ``Display`` shows the run: a rich live panel in an interactive terminal
-(step, reward, accuracy, KL, completion length, tokens/s, ETA), plain one-line-per-step output
-otherwise (CI logs, pipes), or nothing. TensorBoard is fed when ``tensorboard`` is installed and
-asked for; it is never required.
+line being written. ``MetricLogger`` writes metrics.jsonl (always) and feeds the same lines, under
+the same names, to the backends of ``train.report_to``: TensorBoard (event files in
+``<run>/tensorboard``), trackio (its local store, ``TRACKIO_DIR``) and W&B (``<run>/wandb``;
+``WANDB_MODE=offline`` logs without an account or network). Each backend is imported only when
+selected; ``check_backends`` names the missing pip package before anything is loaded.
+``Display`` shows the run: a rich live panel in an interactive terminal (step, reward, accuracy,
+KL, completion length, tokens/s, ETA), plain one-line-per-step output otherwise (CI logs,
+pipes), or nothing; alerts are printed when they start and listed while they last.
 
-Metric names are namespaced (``reward/<fn>/mean``, ``loss/policy``, ``rollout/len_mean``,
-``perf/tokens_per_s``, ``time/generate_s``). This module computes no metric itself.
+What the files hold (what the run report reads):
+
+- metrics.jsonl: one object per step, ``{"step": s, <name>: value, ...}`` with namespaced names
+  (``reward/<fn>/mean|std``, ``reward/total/mean``, ``reward/accuracy``, ``loss/policy``,
+  ``kl/mean``, ``entropy/mean``, ``rollout/len_mean``, ``rollout/frac_zero_std_groups``,
+  ``rollout/repetition``, ``update/nonfinite_frac``, ``perf/tokens_per_s``, ``time/<phase>_s``;
+  ``eval/<metric>`` on evaluation steps, step 0 = before training, ``"final": true`` = after);
+  NaN/inf are written as null. Active detectors (``peergrade.detectors``) add
+  ``alert/<name>: 1.0`` and ``"alerts": {<name>: <message>}`` to the step's line, and
+  ``update/skipped_total`` counts optimizer steps skipped for a non-finite loss or gradient.
+- samples.jsonl: per logged prompt, ``{"step", "prompt", "answer", "completions": [G],
+  "rewards": [G] (weighted total), "rewards_by_fn": {<fn>: [G]} (each function's raw score,
+  null where it gave none), "advantages": [G], "finish_reason": [G]}``.
+
+Backends get only the numeric values (``alerts`` and flags stay in the JSON). This module
+computes no metric and no alert itself.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from peergrade.errors import InputError
+
+# backend -> (module to import, pip package that provides it)
+BACKENDS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "trackio": ("trackio", "trackio"),
+    "wandb": ("wandb", "wandb"),
+}
 
 
 class JsonlWriter:
@@ -39,6 +67,134 @@ class JsonlWriter:
         self.close()
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (none when it does not exist); a torn last line (a crash
+    mid-write) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def check_backends(report_to: list[str]) -> None:
+    """Raise InputError naming the pip package of each selected backend that is not installed
+    (without importing any: a run fails here, before the model loads, not after)."""
+    missing = []
+    for name in report_to:
+        if name not in BACKENDS:
+            raise InputError(
+                f"train.report_to: unknown backend {name!r}; choose from {', '.join(BACKENDS)}"
+            )
+        module, package = BACKENDS[name]
+        if importlib.util.find_spec(module) is None:
+            missing.append(package)
+    if missing:
+        raise InputError(
+            f"train.report_to asks for {', '.join(missing)}, which is not installed: "
+            f"pip install {' '.join(missing)}  (or pip install 'peergrade[logging]'; "
+            "or drop it from train.report_to)"
+        )
+
+
+def _scalars(obj: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a metrics line, minus its step (what the backends plot)."""
+    return {
+        k: float(v)
+        for k, v in obj.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+class MetricLogger:
+    """metrics.jsonl plus the ``report_to`` backends; ``write`` feeds one metrics line to all.
+
+    ``resume`` continues the run's backend records: TensorBoard drops events after the resumed
+    step (``purge_step``), W&B and trackio reopen the same run."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        report_to: list[str] | None = None,
+        *,
+        project: str = "peergrade",
+        config: dict | None = None,
+        resume: bool = False,
+        start_step: int = 0,
+    ):
+        run_dir = Path(run_dir)
+        report_to = list(report_to or [])
+        check_backends(report_to)
+        self.jsonl = JsonlWriter(run_dir / "metrics.jsonl")
+        self._tb = self._wandb = self._trackio = None
+        name = run_dir.resolve().name
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(run_dir / "tensorboard"), purge_step=start_step + 1 if resume else None
+            )
+        if "wandb" in report_to:
+            import wandb
+
+            # the run id lives in the run directory, so --resume reopens the same W&B run
+            id_file = run_dir / "wandb" / "peergrade-run-id"
+            id_file.parent.mkdir(parents=True, exist_ok=True)
+            run_id = id_file.read_text().strip() if resume and id_file.exists() else None
+            self._wandb = wandb.init(
+                project=project,
+                name=name,
+                dir=str(run_dir),
+                config=config,
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
+            id_file.write_text(self._wandb.id)
+        if "trackio" in report_to:
+            import trackio
+
+            self._trackio = trackio.init(
+                project=project, name=name, config=config, resume="allow" if resume else "never"
+            )
+
+    def write(self, obj: dict[str, Any]) -> None:
+        self.jsonl.write(obj)
+        values = _scalars(obj)
+        step = obj.get("step")
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, global_step=step)
+            self._tb.flush()  # a killed run keeps what it logged
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if self._trackio is not None:
+            self._trackio.log(values, step=step)
+
+    def close(self) -> None:
+        """Close every backend (once; later calls do nothing)."""
+        if self.jsonl is None:
+            return
+        self.jsonl.close()
+        self.jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._trackio is not None:
+            self._trackio.finish()
+
+    def __enter__(self) -> MetricLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _clean(obj: Any) -> Any:
     """NaN/inf are not JSON: write them as null."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -54,6 +210,12 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
     return format(v, spec)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def _eta(seconds: float) -> str:
@@ -94,6 +256,7 @@ class Display:
         self.title = title
         self._live = None
         self._progress = None
+        self._alerts: set[str] = set()  # active last step: a message is printed when one starts
         if mode == "rich":
             from rich.console import Console
             from rich.progress import (
@@ -133,6 +296,13 @@ class Display:
         stats = "  ".join(
             f"{name} {_fmt(metrics.get(key), spec)}" for name, key, spec in self.COLUMNS
         ) + _error_note(metrics)
+        alerts = self.show_alerts(step, metrics)
+        if alerts:
+            stats += "  " + (
+                f"[yellow]alerts: {', '.join(alerts)}[/]"
+                if self.mode == "rich"
+                else f"alerts: {', '.join(alerts)}"
+            )
         if self.mode == "rich":
             self._progress.update(self._task, completed=step, stats=stats)
         elif self.mode == "plain":
@@ -140,6 +310,22 @@ class Display:
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(done, 1) * (self.total - step)
             print(f"step {step}/{self.total}  {stats}  eta {_eta(eta)}", flush=True)
+
+    def show_alerts(self, step: int, metrics: dict[str, Any]) -> dict[str, str]:
+        """Print the message of each alert in ``metrics`` that was not active on the previous
+        line; returns the active alerts."""
+        alerts = metrics.get("alerts") or {}
+        for name, message in alerts.items():
+            if name not in self._alerts:
+                # even with display none: a user who silenced progress still needs to know
+                self.print(
+                    f"[bold yellow]alert[/] step {step}: {_escape(message)}"
+                    if self.mode == "rich"
+                    else f"[alert] step {step}: {message}",
+                    always=True,
+                )
+        self._alerts = set(alerts)
+        return alerts
 
     def close(self) -> None:
         if self._progress is not None:

@@ -22,6 +22,7 @@ sampler (``rollout``), log-probs and loading (``logprobs``, ``models``), rewards
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import shutil
 import signal
@@ -37,6 +38,7 @@ from peergrade import checkpoint as ckpt
 from peergrade import ppo
 from peergrade.algo import group_advantages
 from peergrade.config import Config, to_yaml
+from peergrade.detectors import Detectors, repetition_rate
 from peergrade.errors import InputError, user_input
 from peergrade.evaluation import (
     FORMAT_KEYS,
@@ -48,7 +50,7 @@ from peergrade.evaluation import (
     encode_prompts,
     evaluate,
 )
-from peergrade.metrics import Display, JsonlWriter
+from peergrade.metrics import Display, JsonlWriter, MetricLogger, check_backends, read_jsonl
 from peergrade.models import (
     apply_lora,
     load_model,
@@ -228,11 +230,11 @@ def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
     )
 
 
-def score(run: Run, rows: list[dict], rollout: Rollout):
+def score(run: Run, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]]):
     """Every reward function on every completion, and the accuracy verifier's scores."""
     G = run.cfg.rollout.group_size
     prompts = [row["prompt"] for row in rows for _ in range(G)]
-    columns = {**columns_for(rows, G), "completion_ids": completion_id_lists(rollout)}
+    columns = {**columns_for(rows, G), "completion_ids": completion_ids}
     texts = rollout.completion_text
     scores = score_rewards(
         run.rewards, prompts, texts, columns, on_error=run.cfg.train.on_reward_error
@@ -280,8 +282,9 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     t_generated = time.perf_counter()
 
     # 2. score them (a reward model's forward is the memory here)
+    completion_ids = completion_id_lists(rollout)  # the counted tokens of each completion
     meter.reset()
-    scores, acc_values = score(run, rows, rollout)
+    scores, acc_values = score(run, rows, rollout, completion_ids)
     meter.record("rewards")
     rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     t_scored = time.perf_counter()
@@ -341,6 +344,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
         "rollout/len_max": lens.max().item(),
         "rollout/frac_truncated": truncated.float().mean().item(),
         "rollout/frac_zero_std_groups": (group_std < 1e-6).float().mean().item(),
+        "rollout/repetition": repetition_rate(completion_ids),
         **({"advantage/std": adv.std().item()} if ppo_out is None else {}),
         **({"curriculum/few_shot_frac": few_shot_frac} if run.few_shot.k else {}),
         **upd,
@@ -363,6 +367,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
                 "answer": rows[p].get("answer"),
                 "completions": rollout.completion_text[group],
                 "rewards": scores.total[group].tolist(),
+                "rewards_by_fn": {k: v[group].tolist() for k, v in scores.per_fn.items()},
                 "advantages": (adv[group].tolist() if ppo_out is None else None),
                 "finish_reason": rollout.finish_reason[group],
             }
@@ -469,9 +474,18 @@ class RunDir:
     trainer_state: dict[str, Any]
     last_saved: int = -1
 
-    def open_logs(self) -> tuple[JsonlWriter, JsonlWriter]:
+    def open_logs(self, cfg: Config, *, resume: bool) -> tuple[MetricLogger, JsonlWriter]:
+        """metrics.jsonl plus the ``train.report_to`` backends; samples.jsonl."""
         ckpt.atomic_write_text(self.path / "config.yaml", self.config_yaml)
-        return JsonlWriter(self.path / "metrics.jsonl"), JsonlWriter(self.path / "samples.jsonl")
+        metrics = MetricLogger(
+            self.path,
+            cfg.train.report_to,
+            project=cfg.train.project,
+            config=dataclasses.asdict(cfg),
+            resume=resume,
+            start_step=max(self.last_saved, 0),
+        )
+        return metrics, JsonlWriter(self.path / "samples.jsonl")
 
     def save(self, run: Run, step: int) -> None:
         ckpt.save_checkpoint(
@@ -522,20 +536,23 @@ def train(
     it, once everything has loaded)."""
     t, P = cfg.train, cfg.rollout.prompts_per_step
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
+    check_backends(t.report_to)  # a missing logging package fails here, before the model loads
     run = setup(cfg)
     held_out = HeldOut.of(run)
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
     display = Display(t.display, t.steps)
+    detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = 0
     if resume:
         last = resume_from_checkpoint(run, out)
         start_step = out.last_saved
+        detectors.replay(read_jsonl(out.path / "metrics.jsonl"))  # windows continue
         display.print(f"resuming {out.path} from {last.name}")
     else:
         if overwrite and out.path.exists():
             shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
         out.path.mkdir(parents=True, exist_ok=True)
-    metrics_log, samples_log = out.open_logs()
+    metrics_log, samples_log = out.open_logs(cfg, resume=resume)
     if not held_out.rows:
         display.print(
             "no held-out split (set data.eval_path or task_options.eval_fraction): "
@@ -547,7 +564,8 @@ def train(
             display.print("evaluating the starting model on the held-out split ...")
         before = out.trainer_state["eval_before"] = held_out.evaluate()
         if before:
-            metrics_log.write({"step": 0, **{f"eval/{k}": v for k, v in before.items()}})
+            line = {"step": 0, **{f"eval/{k}": v for k, v in before.items()}}
+            metrics_log.write({**line, **detectors.update(line)})
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
     display = Display(t.display, t.steps, start_step)
 
@@ -564,6 +582,7 @@ def train(
                 if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
                     m.update({f"eval/{k}": v for k, v in held_out.evaluate().items()})
                 m["time/step_s"] = time.perf_counter() - t_step
+                m.update(detectors.update(m))  # alert/<name> keys and their messages
                 metrics_log.write(m)
                 display.update(step, m)
                 if t.save_every and step % t.save_every == 0:
@@ -576,22 +595,25 @@ def train(
         step -= 1  # the step in flight did not finish; the last complete one is saved below
     finally:
         display.close()
-        metrics_log.close()
         samples_log.close()
     if step > out.last_saved and step > 0:
         out.save(run, step)
     if interrupted:
+        metrics_log.close()
         display.print(
             f"interrupted: checkpoint saved at step {step} in {out.path}; "
             f"continue with: peergrade train --resume {out.path}",
             always=True,
         )
         return {"interrupted": True, "step": step, "run_dir": str(out.path)}
-    return finish(run, held_out, out, display, time.perf_counter() - t_run)
+    with metrics_log:
+        return finish(
+            run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
+        )
 
 
-def finish(run: Run, held_out: HeldOut, out: RunDir, display: Display, wall: float) -> dict:
-    """Evaluate the trained model and print the before/after table."""
+def finish(run: Run, held_out: HeldOut, out: RunDir, display, metrics_log, detectors, wall: float):
+    """Evaluate the trained model, log it, and print the before/after table."""
     t = run.cfg.train
     summary = {"interrupted": False, "step": t.steps, "run_dir": str(out.path), "wall_s": wall}
     if not held_out.rows:
@@ -599,8 +621,10 @@ def finish(run: Run, held_out: HeldOut, out: RunDir, display: Display, wall: flo
         return summary
     display.print("evaluating the trained model on the held-out split ...")
     before, after = out.trainer_state["eval_before"], held_out.evaluate()
-    with JsonlWriter(out.path / "metrics.jsonl") as log:
-        log.write({"step": t.steps, **{f"eval/{k}": v for k, v in after.items()}, "final": True})
+    final = {"step": t.steps, **{f"eval/{k}": v for k, v in after.items()}, "final": True}
+    final.update(detectors.update(final))  # the last evaluation can show reward hacking too
+    metrics_log.write(final)
+    display.show_alerts(t.steps, final)
     results_table(display, before, after, t.eval_samples)
     display.print(f"run directory: {out.path}   ({wall:.0f} s training)")
     return {**summary, "eval_before": before, "eval_after": after}

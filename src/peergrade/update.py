@@ -227,7 +227,8 @@ def run_update(
     minibatch's counted-token total (the dapo/cispo/PPO normaliser). ``skip(mini_idx)`` true
     means the minibatch's gradient is exactly zero: it gets zero gradients without a
     forward/backward (the optimizer still steps, as it would have), counted in
-    ``update/zero_signal_frac``."""
+    ``update/zero_signal_frac``. A minibatch whose gradient norm is not finite steps no
+    optimizer (``update/nonfinite_frac``)."""
     input_ids, attention_mask, cmask = batch
     N = cmask.shape[0]
     micro = cfg.micro_batch_size
@@ -248,10 +249,16 @@ def run_update(
         for mb in [] if skipped else micro_batches(mini_idx, micro):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
             micro_loss(mb, mini_idx, trimmed, num_tokens, metrics).backward()
+        norms = [float(torch.nn.utils.clip_grad_norm_(t.params, max_norm)) for t in trainees]
+        for t, norm in zip(trainees, norms):
+            metrics.add(t.norm_metric, norm)
+        # A NaN/inf loss or gradient: no network steps (parameters and AdamW state untouched);
+        # the schedule still advances, so it stays aligned with the batch count.
+        nonfinite = not all(math.isfinite(n) for n in norms)
+        metrics.add("update/nonfinite_frac", float(nonfinite))
         for t in trainees:
-            metrics.add(t.norm_metric, float(torch.nn.utils.clip_grad_norm_(t.params, max_norm)))
-        for t in trainees:
-            t.optimizer.step()
+            if not nonfinite:
+                t.optimizer.step()
             if t.scheduler is not None:
                 t.scheduler.step()
     for t in trainees:
