@@ -305,6 +305,8 @@ def test_run_dir_that_cannot_be_written(tmp_path):
         ckpt.check_run_dir(afile / "sub" / "run", resume=False, overwrite=False)
     with pytest.raises(RunDirError, match="exists and is not a directory"):
         ckpt.check_run_dir(afile, resume=False, overwrite=True)
+    with pytest.raises(RunDirError, match="cannot create output dir .*afile' is a file"):
+        ckpt.check_writable(afile / "out", "output dir")  # what `peergrade sft --out` checks
     # the probe leaves nothing behind in a writable parent
     ckpt.check_run_dir(tmp_path / "new" / "run", resume=False, overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

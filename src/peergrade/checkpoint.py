@@ -340,6 +340,16 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
     exactly when the trainer's writes would: a read-only mount, missing permission, or a path
     below a regular file."""
     run_dir = Path(run_dir)
+    try:
+        return _check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    except OSError as exc:  # e.g. a parent we may not even look into (EACCES on stat)
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise RunDirError(
+            f"run directory {str(run_dir)!r} cannot be used: {exc.strerror or exc}{where}"
+        ) from None
+
+
+def _check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run directory {str(run_dir)!r} exists and is not a directory")
     if resume:
@@ -367,27 +377,37 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
             f"run directory {str(run_dir)!r} already exists and is not empty; pass --overwrite "
             "to replace it or --resume to continue it"
         )
-    # the directory itself when it exists, else the nearest ancestor that does (mkdir's target)
-    existing = run_dir if run_dir.exists() else run_dir.absolute().parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise RunDirError(
-            f"cannot create run directory {str(run_dir)!r}: {str(existing)!r} is a file, "
-            "not a directory"
-        )
-    _check_writable(run_dir, existing)
-    if existing == run_dir and overwrite and any(run_dir.iterdir()):
+    check_writable(run_dir)
+    if overwrite and run_dir.is_dir() and any(run_dir.iterdir()):
         _check_writable(run_dir, run_dir.absolute().parent)  # --overwrite deletes and recreates it
     return []
 
 
-def _check_writable(run_dir: Path, directory: Path) -> None:
+def check_writable(out_dir: Path, what: str = "run directory") -> None:
+    """``RunDirError`` unless ``out_dir`` can be created (or, when it exists, written in):
+    probed in the directory itself or its nearest existing ancestor (where mkdir would go)."""
+    out_dir = Path(out_dir)
     try:
-        tempfile.TemporaryDirectory(dir=directory, prefix=".peergrade-write-test-").cleanup()
+        existing = out_dir if out_dir.exists() else out_dir.absolute().parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+    except OSError as exc:  # a parent we may not even look into (EACCES on stat)
+        raise RunDirError(
+            f"{what} {str(out_dir)!r} cannot be used: {exc.strerror or exc} ({exc.filename})"
+        ) from None
+    if not existing.is_dir():
+        raise RunDirError(
+            f"cannot create {what} {str(out_dir)!r}: {str(existing)!r} is a file, not a directory"
+        )
+    _check_writable(out_dir, existing, what)
+
+
+def _check_writable(out_dir: Path, directory: Path, what: str = "run directory") -> None:
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=directory, prefix=".peergrade-write-test-"))
     except OSError as exc:
         raise RunDirError(
-            f"run directory {str(run_dir)!r} cannot be written: creating a directory in "
+            f"{what} {str(out_dir)!r} cannot be written: creating a directory in "
             f"{str(directory)!r} failed ({exc.strerror or exc}); choose another "
-            "--output-dir or fix the permissions"
+            "output directory or fix the permissions"
         ) from None

@@ -10,7 +10,8 @@ One step:
 
 Exact resume: everything random is derived from (seed, step) -- the prompts of step s are rows
 [s*P, (s+1)*P) of the task's seeded stream, the sampling seed of step s is a function of
-(seed, step), minibatch shuffles likewise -- so a run resumed from ``checkpoints/step-s`` (model,
+(seed, step), minibatch shuffles and the global random/numpy generators that reward functions
+may use (``ckpt.seed_step_rngs``) likewise -- so a run resumed from ``checkpoints/step-s`` (model,
 optimizer, scheduler, RNG states) produces the same metrics and weights as one never stopped.
 
 ``algo.name: ppo`` swaps step 3 and 5 for the critic baseline (``peergrade.ppo``: per-token
@@ -449,6 +450,7 @@ def train(
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
+    ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=1000))  # random/numpy: see the loop
 
     task = build_task(cfg)
     reward_specs = build_rewards(cfg, task)
@@ -581,6 +583,8 @@ def train(
         with stop.installed(display):
             for step in range(start_step + 1, t.steps + 1):
                 t0 = time.perf_counter()
+                # Python's random and numpy's global RNG, for reward functions (rank 0's stream)
+                ckpt.seed_step_rngs(step_seed(t.seed, step, salt=1000))
                 rows = [next(rows_iter) for _ in range(P)]
                 rows, shot_frac = few_shot.apply(rows, step)
                 prompt_ids = encode_prompts(
