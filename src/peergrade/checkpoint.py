@@ -221,7 +221,10 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     deleting leaves only a hidden directory that no listing sees and the next resume sweeps."""
     ckpt_root = Path(run_dir) / "checkpoints"
     for step, path in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
-        path.rename(ckpt_root / f"{PRUNE_PREFIX}{step}")
+        doomed = ckpt_root / f"{PRUNE_PREFIX}{step}"
+        if doomed.exists():  # a stale leftover of the same name: rename cannot replace it
+            shutil.rmtree(doomed)
+        path.rename(doomed)
     for p in sorted(ckpt_root.glob(f"{PRUNE_PREFIX}*")):
         shutil.rmtree(p)
 
