@@ -1,9 +1,11 @@
 """The ``peergrade`` command line, end to end.
 
 Smoke runs of ``peergrade train`` in a subprocess on a tiny model (the run directory's files,
-parameters that moved, a loadable checkpoint), Ctrl-C -> exit 130 -> ``--resume``, a user's
+parameters that moved, a loadable checkpoint), Ctrl-C -> exit 130 -> ``--resume``, a SIGKILL
+inside checkpoint pruning (eval and resume see only complete checkpoints), a user's
 TRL-style reward file with a JSONL dataset (issue 5), every bad input giving one ``error:`` line
-and exit 2 with the existing run untouched, and the ``config`` / ``eval`` / ``--help`` commands.
+and exit 2 with the existing run untouched (an unwritable run dir too, before any model loads),
+and the ``config`` / ``eval`` / ``--help`` commands.
 """
 
 from __future__ import annotations
@@ -261,6 +263,61 @@ def test_ctrl_c_saves_and_resumes(tiny_model_dir, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["step"] for r in train_rows(run)] == list(range(1, total + 1))
     assert (run / f"checkpoints/step-{total}/trainer_state.json").is_file()
+
+
+SIGKILL_IN_PRUNE = """
+import os, shutil, signal, sys
+from pathlib import Path
+
+real_rmtree = shutil.rmtree
+
+
+def rmtree(path, *a, **kw):
+    # the prune's delete: lose one file, then die the way `kill -9` does (no cleanup runs)
+    if Path(path).name.startswith(("step-", ".prune-step-")):
+        (Path(path) / "model.safetensors").unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_rmtree(path, *a, **kw)
+
+
+shutil.rmtree = rmtree
+from peergrade.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_inside_prune_then_eval_and_resume(tiny_model_dir, rewards_py, tmp_path, capsys):
+    """A real SIGKILL in the middle of deleting an old checkpoint (keep_last 1): `peergrade
+    eval` of the run and `--resume` only see the complete checkpoint; resume sweeps the rest."""
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tiny_model_dir), *flags(TINY), "--steps", "3", "-o", str(run)]
+    args += ["--reward", f"{rewards_py}:my_fn", "--train.save_every", "1", "--train.keep_last", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGKILL_IN_PRUNE, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".prune-step-1", "step-2"]
+    assert not (root / ".prune-step-1/model.safetensors").exists()
+
+    ev = ["eval", "--n", "2", "--k", "1", "--max-new-tokens", "2", "--json"]
+    assert main([*ev, "--model", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(root / "step-2")
+    assert main([*ev, "--model", str(root / ".prune-step-1")]) == 2
+    assert "complete checkpoints of this run: step-2" in capsys.readouterr().err
+
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "checkpoints: removed .prune-step-1" in capsys.readouterr().err
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3]
 
 
 # ----------------------------------------------------------------------------- bad input
