@@ -1,5 +1,7 @@
 """Checkpoint files: atomic save (temp dir renamed, trainer_state.json last), interrupted saves
-ignored, keep-last pruning, run-dir checks, JSONL truncation on resume, RNG round trip."""
+ignored, keep-last pruning (rename first, so a kill mid-prune leaves no half-deleted step-N),
+completeness against the file list, the resume sweep, run-dir checks (writability included),
+JSONL truncation on resume, RNG round trip and per-step seeding."""
 
 from __future__ import annotations
 

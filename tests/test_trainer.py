@@ -1,5 +1,7 @@
 """In-process trainer tests: exact resume (metrics and weights bit-identical to an uninterrupted
-run), Ctrl-C handling through the stop flag, and the overwrite / no-eval paths.
+run), Ctrl-C handling through the stop flag, the overwrite / no-eval paths, and (issue 13) a
+reward function drawing from random/numpy repeating under one seed and across a resume, a
+reward beyond float32 going through on_reward_error, and a kill inside checkpoint pruning.
 
 A random tiny model scores ~0 on arithmetic, so every group has zero reward spread and the
 weights would never move; these runs use a user reward file (TRL signature) that scores the
