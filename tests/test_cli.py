@@ -1,9 +1,11 @@
 """The ``peergrade`` command line, end to end.
 
 Smoke runs of ``peergrade train`` in a subprocess on a tiny model (the run directory's files,
-parameters that moved, a loadable checkpoint), Ctrl-C -> exit 130 -> ``--resume``, a user's
+parameters that moved, a loadable checkpoint), Ctrl-C -> exit 130 -> ``--resume``, a SIGKILL
+inside checkpoint pruning (eval and resume see only complete checkpoints), a user's
 TRL-style reward file with a JSONL dataset (issue 5), every bad input giving one ``error:`` line
-and exit 2 with the existing run untouched, and the ``config`` / ``eval`` / ``--help`` commands.
+and exit 2 with the existing run untouched (an unwritable run dir too, before any model loads),
+and the ``config`` / ``eval`` / ``--help`` commands.
 """
 
 from __future__ import annotations
@@ -263,6 +265,61 @@ def test_ctrl_c_saves_and_resumes(tiny_model_dir, tmp_path):
     assert (run / f"checkpoints/step-{total}/trainer_state.json").is_file()
 
 
+SIGKILL_IN_PRUNE = """
+import os, shutil, signal, sys
+from pathlib import Path
+
+real_rmtree = shutil.rmtree
+
+
+def rmtree(path, *a, **kw):
+    # the prune's delete: lose one file, then die the way `kill -9` does (no cleanup runs)
+    if Path(path).name.startswith(("step-", ".prune-step-")):
+        (Path(path) / "model.safetensors").unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_rmtree(path, *a, **kw)
+
+
+shutil.rmtree = rmtree
+from peergrade.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_inside_prune_then_eval_and_resume(tiny_model_dir, rewards_py, tmp_path, capsys):
+    """A real SIGKILL in the middle of deleting an old checkpoint (keep_last 1): `peergrade
+    eval` of the run and `--resume` only see the complete checkpoint; resume sweeps the rest."""
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tiny_model_dir), *flags(TINY), "--steps", "3", "-o", str(run)]
+    args += ["--reward", f"{rewards_py}:my_fn", "--train.save_every", "1", "--train.keep_last", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGKILL_IN_PRUNE, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".prune-step-1", "step-2"]
+    assert not (root / ".prune-step-1/model.safetensors").exists()
+
+    ev = ["eval", "--n", "2", "--k", "1", "--max-new-tokens", "2", "--json"]
+    assert main([*ev, "--model", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(root / "step-2")
+    assert main([*ev, "--model", str(root / ".prune-step-1")]) == 2
+    assert "complete checkpoints of this run: step-2" in capsys.readouterr().err
+
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "checkpoints: removed .prune-step-1" in capsys.readouterr().err
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -353,6 +410,93 @@ def test_run_dir_rules(tiny_model_dir, existing_run, tmp_path, capsys, monkeypat
         json.loads((existing_run / "checkpoints/step-1/trainer_state.json").read_text())["step"]
         == 1
     )
+
+
+def test_unwritable_run_dir_is_one_error_before_the_model_loads(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """As root a chmod'd directory is still writable, so the path lies below a regular file."""
+    import peergrade.trainer as trainer_mod
+
+    def no_model(cfg):
+        raise AssertionError("the model was loaded before the run directory was checked")
+
+    monkeypatch.setattr(trainer_mod, "setup_models", no_model)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    m = ["--model", str(tiny_model_dir), *flags(TINY), "--steps", "1"]
+    assert main(["train", *m, "-o", "afile/runs/a"]) == 2
+    err = capsys.readouterr().err
+    assert [x for x in err.splitlines() if x.strip()] == [
+        "error: cannot create run directory 'afile/runs/a': "
+        f"'{tmp_path / 'afile'}' is a file, not a directory"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def _as_unwritable(kind: str, target: Path, argv: list[str]) -> list[str]:
+    """A command line that runs ``argv`` where ``target`` cannot be written (or pytest.skip)."""
+    import shutil
+
+    if kind == "read-only bind mount":
+        if not shutil.which("unshare"):
+            pytest.skip("no unshare")
+        t = str(target)
+        probe = subprocess.run(
+            [
+                "unshare",
+                "-m",
+                "sh",
+                "-c",
+                f"mount --bind {t} {t} && mount -o remount,ro,bind {t} {t}",
+            ],
+            capture_output=True,
+        )
+        if probe.returncode != 0:
+            pytest.skip(f"cannot make a read-only bind mount here: {probe.stderr.decode()[-200:]}")
+        script = f'mount --bind {t} {t} && mount -o remount,ro,bind {t} {t} && exec "$@"'
+        return ["unshare", "-m", "sh", "-c", script, "sh", *argv]
+    # an ordinary uid, for which a root-owned 0755 directory is read-only
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv")
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if subprocess.run([*drop, sys.executable, "-c", "import peergrade"]).returncode != 0:
+        pytest.skip("uid 65534 cannot run this interpreter / import peergrade")
+    return [*drop, *argv]
+
+
+@pytest.mark.parametrize("kind", ["read-only bind mount", "uid 65534"])
+def test_unwritable_run_dir_subprocess(kind):
+    """A directory that really cannot be written (new run and --resume): one error line, exit 2,
+    no traceback, nothing loaded. Outside pytest's private tmp dir so uid 65534 can reach it."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="peergrade-ro-"))
+    try:
+        d.chmod(0o755)
+        (d / "old").mkdir()
+        (d / "old/config.yaml").write_text("train:\n  steps: 1\n")
+        for args, what in (
+            (["train", "-o", str(d / "run"), "--steps", "1"], str(d)),
+            (["train", "--resume", str(d / "old")], str(d / "old")),
+        ):
+            argv = [sys.executable, "-m", "peergrade.cli", *args]
+            proc = subprocess.run(
+                _as_unwritable(kind, d, argv),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=d,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(d)},
+            )
+            lines = [x for x in proc.stderr.splitlines() if x.strip()]
+            assert proc.returncode == 2, proc.stderr
+            assert len(lines) == 1 and lines[0].startswith("error: run directory"), proc.stderr
+            assert f"creating a directory in '{what}' failed" in lines[0]
+            assert sorted(p.name for p in d.iterdir()) == ["old"]
+    finally:
+        shutil.rmtree(d)
 
 
 def test_bad_input_subprocess_has_no_traceback(tmp_path):

@@ -195,6 +195,12 @@ def test_config_kwarg_wins_over_column():
             2,
         ),
         (lambda prompts, completions, **k: [1.0, "1", 1.0, 1.0], "sample 1: '1' \\(str\\)", 1),
+        (  # finite in float64, inf in the float32 reward tensors
+            lambda prompts, completions, **k: [1.0, 1e300, 1.0, -1e300],
+            r"'bad' sample 1: score 1e\+300 is outside the float32 range",
+            2,
+        ),
+        (lambda prompts, completions, **k: [3.5e38, 1.0, 1.0, 1.0], "sample 0: score 3.5e", 1),
     ],
 )
 def test_error_policies(fn, pattern, n_bad):
@@ -209,6 +215,25 @@ def test_error_policies(fn, pattern, n_bad):
     assert int((bad == 0).sum()) >= n_bad
     assert torch.equal(scores.per_fn["good"], torch.full((4,), 0.5))
     assert scores.metrics()["reward/errors"] == float(n_bad)
+
+
+def test_float32_range_edge_and_weighted_total_overflow():
+    from peergrade.algo import group_advantages
+    from peergrade.rewards.registry import FLOAT32_MAX
+
+    big = [RewardSpec("a", const(FLOAT32_MAX)), RewardSpec("b", const(-1.0))]
+    s = score_rewards(big, P, C)  # the largest float32 itself is a valid score
+    assert torch.isfinite(s.total).all() and s.num_errors == 0
+    # each score in range, the weighted sum not: same policy, the sample is named
+    over = [RewardSpec("a", const(3e38)), RewardSpec("b", const(1e38), weight=2.0)]
+    with pytest.raises(RewardError, match="weighted reward total of sample 0: 5e"):
+        score_rewards(over, P, C, on_error="fail")
+    s = score_rewards(over, P, C, on_error="zero")
+    assert s.total.tolist() == [0.0] * 4
+    assert s.num_errors == 4 and "float32" in s.errors[0]
+    assert all(math.isfinite(v) for v in s.metrics().values())
+    # what the trainer does next with the totals no longer meets an inf
+    assert torch.isfinite(group_advantages(s.total.view(2, 2))).all()
 
 
 def test_zero_policy_keeps_valid_scores_of_partially_bad_list():

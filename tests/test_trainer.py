@@ -1,5 +1,7 @@
 """In-process trainer tests: exact resume (metrics and weights bit-identical to an uninterrupted
-run), Ctrl-C handling through the stop flag, and the overwrite / no-eval paths.
+run), Ctrl-C handling through the stop flag, the overwrite / no-eval paths, and (issue 13) a
+reward function drawing from random/numpy repeating under one seed and across a resume, a
+reward beyond float32 going through on_reward_error, and a kill inside checkpoint pruning.
 
 A random tiny model scores ~0 on arithmetic, so every group has zero reward spread and the
 weights would never move; these runs use a user reward file (TRL signature) that scores the
@@ -384,3 +386,133 @@ def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypa
     fail["now"] = False
     resident = tr.Models(policy=None, tokenizer=None, reference=ref, device=torch.device("cpu"))
     assert tr.ref_logprobs(resident, None, None) == "logprobs" and moves == []
+
+
+# ----------------------------------------------------------------------------- issue 13 item 4
+
+RANDOM_REWARD_FILE = """
+import random
+
+try:
+    import numpy
+except ImportError:
+    numpy = None
+
+
+def noisy(prompts, completions, **kwargs):
+    # a reward drawn from the global generators, as user code often does
+    out = []
+    for c in completions:
+        r = random.random()
+        if numpy is not None:
+            r += float(numpy.random.random())
+        out.append(r)
+    return out
+"""
+
+
+def test_reward_fn_using_random_repeats_under_seed_and_resume(tiny_model_dir, tmp_path):
+    """Python's random and numpy's global generator are seeded per step from (seed, step):
+    the same rewards in a second run with the same seed, across a resume, and not with
+    another seed."""
+    reward = tmp_path / "noisy.py"
+    reward.write_text(RANDOM_REWARD_FILE)
+
+    def cfg(steps, seed=0):
+        overrides = dict(tiny_overrides(tiny_model_dir, reward, **{"train.steps": steps}))
+        overrides["rewards"] = [{"name": f"{reward}:noisy"}]
+        overrides["train.seed"] = seed
+        overrides["train.eval_size"] = 1
+        return load_config(None, list(overrides.items()))
+
+    def rewards(run):
+        samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+        rows = [r for r in read_metrics(run) if "loss/policy" in r]
+        return [s["rewards"] for s in samples], [r["reward/noisy/mean"] for r in rows]
+
+    train(cfg(3), tmp_path / "a")
+    train(cfg(3), tmp_path / "b")  # same process: the generators were not reset in between
+    train(cfg(1), tmp_path / "c")
+    train(
+        load_config(tmp_path / "c/config.yaml", [("train.steps", 3)]), tmp_path / "c", resume=True
+    )
+    train(cfg(3, seed=1), tmp_path / "d")
+    a = rewards(tmp_path / "a")
+    assert len(a[0]) == 3 and len(set(map(tuple, a[0]))) == 3  # random, different every step
+    assert rewards(tmp_path / "b") == a
+    assert rewards(tmp_path / "c") == a
+    assert rewards(tmp_path / "d")[0][0] != a[0][0]
+
+
+HUGE_REWARD_FILE = """
+def huge(prompts, completions, **kwargs):
+    return [1e300] + [0.25 * i for i in range(1, len(completions))]
+"""
+
+
+def test_reward_beyond_float32_follows_on_reward_error(tiny_model_dir, tmp_path):
+    """1e300 is finite in float64 but inf in float32: a RewardError under fail, a zero and a
+    count under zero -- never an inf in the loop."""
+    from peergrade.rewards import RewardError
+
+    reward = tmp_path / "huge.py"
+    reward.write_text(HUGE_REWARD_FILE)
+    base = dict(tiny_overrides(tiny_model_dir, reward, **{"train.steps": 2}))
+    base["rewards"] = [{"name": f"{reward}:huge"}]
+    with pytest.raises(RewardError, match=r"'huge' sample 0: score 1e\+300 is outside the float32"):
+        train(load_config(None, list(base.items())), tmp_path / "fail")
+    base["train.on_reward_error"] = "zero"
+    train(load_config(None, list(base.items())), tmp_path / "zero")
+    rows = [r for r in read_metrics(tmp_path / "zero") if "loss/policy" in r]
+    assert [r["reward/errors"] for r in rows] == [1.0, 1.0]
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    samples = [json.loads(x) for x in (tmp_path / "zero/samples.jsonl").read_text().splitlines()]
+    assert [s["rewards"] for s in samples] == [[0.0, 0.25], [0.0, 0.25]]
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL: nothing in the trainer catches it."""
+
+
+def test_kill_while_pruning_then_resume_and_eval(tiny_model_dir, reward_file, tmp_path, capsys):
+    """Stopped inside the prune of an old checkpoint (after it lost its weights): resume and
+    `peergrade eval` only ever see complete checkpoints, and resume sweeps the leftover."""
+    from peergrade.cli import main
+
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tiny_model_dir,
+            reward_file,
+            **{"train.steps": 3, "train.save_every": 1, "train.keep_last": 1},
+        ),
+    )
+    run = tmp_path / "run"
+    real_rmtree = ckpt.shutil.rmtree
+
+    def dying_rmtree(path, *a, **kw):  # the prune of step-1, during save(2)
+        if Path(path).name.startswith("step-") or Path(path).name.startswith(".prune-"):
+            (Path(path) / "model.safetensors").unlink()
+            raise _Killed(str(path))
+        return real_rmtree(path, *a, **kw)
+
+    ckpt.shutil.rmtree = dying_rmtree
+    try:
+        with pytest.raises(_Killed, match="prune-step-1"):
+            train(cfg, run)
+    finally:
+        ckpt.shutil.rmtree = real_rmtree
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".prune-step-1", "step-2"]
+    assert [p.name for _, p in ckpt.list_checkpoints(run)] == ["step-2"]
+
+    args = ["eval", "--n", "2", "--k", "1", "--max-new-tokens", "2", "--json"]
+    assert main([*args, "--model", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(root / "step-2")
+    assert main([*args, "--model", str(root / ".prune-step-1")]) == 2
+    err = capsys.readouterr().err
+    assert "is not complete" in err and "complete checkpoints of this run: step-2" in err
+
+    train(load_config(run / "config.yaml"), run, resume=True)
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+    assert [r["step"] for r in read_metrics(run) if "loss/policy" in r] == [1, 2, 3]

@@ -8,8 +8,18 @@ counters, human-readable).
 
 Atomicity: a checkpoint is written into ``checkpoints/.tmp-step-N`` and renamed into place only
 when complete, so a kill mid-save never leaves a half-written ``step-N`` and never touches the
-previous one. Text files that are rewritten (config, truncated metrics on resume) go through
-``atomic_write_text`` (temp file + ``os.replace``).
+previous one. ``trainer_state.json`` is written last and lists every file of the checkpoint; a
+``step-N`` counts as complete only when that list is there and every file in it is
+(``checkpoint_problem``). Pruning renames ``step-N`` to ``.prune-step-N`` (atomic) before
+deleting it, so a kill mid-delete leaves a hidden directory, never a half-deleted ``step-N``;
+``sweep_leftovers`` (run on resume) removes such leftovers and interrupted temp saves. Text
+files that are rewritten (config, truncated metrics on resume) go through ``atomic_write_text``
+(temp file + ``os.replace``).
+
+RNG: ``seed_step_rngs`` seeds Python's ``random`` and numpy's global generator for each step
+from the trainer's per-step seed, so user reward functions that draw from them are
+reproducible; ``rng_state`` / ``set_rng_state`` carry those states (and torch's) in the
+checkpoint.
 
 This module does not decide *when* to save (the trainer does) and does not build models.
 """
@@ -31,6 +41,17 @@ from peergrade.errors import PeergradeError
 from peergrade.models import save_tokenizer
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+#: hidden names of interrupted saves / prunes (never listed as checkpoints)
+TMP_PREFIX, OLD_PREFIX, PRUNE_PREFIX = ".tmp-step-", ".old-step-", ".prune-step-"
+#: any of these marks a model directory (full weights, sharded index, or a LoRA adapter)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
 
 
 class RunDirError(PeergradeError, ValueError):
@@ -52,8 +73,30 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def _numpy_random():
+    """numpy's legacy global generator module, or None when numpy is not installed."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random
+
+
+def seed_step_rngs(seed: int) -> None:
+    """Seed Python's ``random`` and numpy's global generator (when numpy is installed) with
+    ``seed``, the trainer's seed for this step and rank: user reward functions that draw from
+    them then repeat under the same ``train.seed`` and across a resume."""
+    random.seed(seed)
+    np_random = _numpy_random()
+    if np_random is not None:
+        np_random.seed(seed % 2**32)  # numpy's legacy seed is 32-bit
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np_random = _numpy_random()
+    if np_random is not None:
+        state["numpy"] = np_random.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -62,19 +105,60 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    np_random = _numpy_random()
+    if "numpy" in state and np_random is not None:  # absent in checkpoints saved without numpy
+        np_random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _file_names(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` is not a complete checkpoint (``None`` when it is).
+
+    Complete means: ``trainer_state.json`` (written last) is readable and every file it lists
+    exists (a kill deletes or leaves whole files; sizes are not compared, so editing e.g. a
+    checkpoint's ``config.json`` by hand keeps it complete). Checkpoints written before the
+    list existed are judged by the files every checkpoint has (weights, model config,
+    ``training_state.pt``)."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return "not a directory"
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+    except FileNotFoundError:
+        return "no trainer_state.json"
+    except (OSError, ValueError) as exc:
+        return f"unreadable trainer_state.json ({exc})"
+    files = state.get("files") if isinstance(state, dict) else None
+    if isinstance(files, list):
+        for name in files:
+            if not (ckpt / str(name)).is_file():
+                return f"missing {name}"
+        return None
+    # no file list: an older checkpoint
+    if not any((ckpt / f).is_file() for f in WEIGHT_FILES):
+        return "no weights file"
+    if not ((ckpt / "config.json").is_file() or (ckpt / "adapter_config.json").is_file()):
+        return "missing config.json"
+    if not (ckpt / "training_state.pt").is_file():
+        return "missing training_state.pt"
+    return None
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first (temp dirs of interrupted saves are ignored)."""
+    """Complete checkpoints of a run, oldest first: hidden dirs of interrupted saves and
+    prunes, and any ``step-N`` that is not complete (``checkpoint_problem``), are left out."""
     ckpt_root = Path(run_dir) / "checkpoints"
     if not ckpt_root.is_dir():
         return []
     found = []
     for p in ckpt_root.iterdir():
         m = STEP_RE.match(p.name)
-        if m and (p / "trainer_state.json").is_file():
+        if m and checkpoint_problem(p) is None:
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -115,18 +199,104 @@ def save_checkpoint(
         tmp / "training_state.pt",
     )
     (tmp / "config.yaml").write_text(config_yaml)
-    # trainer_state.json last: its presence marks a complete checkpoint.
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+    # trainer_state.json last, listing every file: checkpoint_problem checks against the list.
+    state = {"step": step, **trainer_state, "files": _file_names(tmp)}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
-        old = ckpt_root / f".old-step-{step}"
+        old = ckpt_root / f"{OLD_PREFIX}{step}"
+        if old.exists():
+            shutil.rmtree(old)
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    for _, path in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+    prune_checkpoints(run_dir, keep_last)
     return final
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the last ``keep_last`` complete checkpoints (and stale prune leftovers).
+
+    Each ``step-N`` is first renamed to ``.prune-step-N`` (atomic), then deleted: a kill while
+    deleting leaves only a hidden directory that no listing sees and the next resume sweeps."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    for step, path in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+        doomed = ckpt_root / f"{PRUNE_PREFIX}{step}"
+        if doomed.exists():  # a stale leftover of the same name: rename cannot replace it
+            shutil.rmtree(doomed)
+        path.rename(doomed)
+    for p in sorted(ckpt_root.glob(f"{PRUNE_PREFIX}*")):
+        shutil.rmtree(p)
+
+
+def sweep_leftovers(run_dir: Path) -> list[str]:
+    """Clean ``checkpoints/`` after a kill; returns what was done, one line per directory.
+
+    Removes interrupted saves (``.tmp-step-N``), interrupted prunes (``.prune-step-N``) and
+    incomplete ``step-N`` directories older than the newest complete checkpoint (what a prune
+    killed by an older version left; a newer incomplete one is left alone, and unlisted). A
+    ``.old-step-N`` (a re-save of step N killed between its two renames) is put back as
+    ``step-N`` when that is missing or incomplete, else removed. Run on resume
+    (``check_run_dir``), never by readers such as ``peergrade eval`` (a save may be in
+    flight)."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    if not ckpt_root.is_dir():
+        return []
+    done = []
+    for p in sorted(ckpt_root.iterdir()):
+        if not p.is_dir():
+            continue
+        if p.name.startswith(OLD_PREFIX):
+            final = ckpt_root / f"step-{p.name[len(OLD_PREFIX) :]}"
+            if checkpoint_problem(final) is not None and checkpoint_problem(p) is None:
+                if final.exists():
+                    shutil.rmtree(final)
+                p.rename(final)
+                done.append(f"restored {final.name} from {p.name}")
+                continue
+            shutil.rmtree(p)
+            done.append(f"removed {p.name}")
+    complete = list_checkpoints(run_dir)
+    newest = complete[-1][0] if complete else -1
+    for p in sorted(ckpt_root.iterdir()):
+        if not p.is_dir():
+            continue
+        m = STEP_RE.match(p.name)
+        if p.name.startswith((TMP_PREFIX, PRUNE_PREFIX)):
+            shutil.rmtree(p)
+            done.append(f"removed {p.name}")
+        elif m and int(m.group(1)) < newest and (problem := checkpoint_problem(p)) is not None:
+            shutil.rmtree(p)
+            done.append(f"removed incomplete {p.name} ({problem})")
+    return done
+
+
+def resolve_model_dir(path: str) -> str:
+    """What a reader (``peergrade eval``) loads for ``path``: a run directory -> its latest
+    complete checkpoint; a checkpoint directory that is incomplete, or a hidden one (an
+    interrupted save or prune) -> ``RunDirError`` naming the complete ones; else ``path``.
+    Never sweeps: a training process may be saving into the run right now."""
+    p = Path(path)
+    if not p.is_dir():
+        return path
+    if (p / "config.yaml").is_file() and (p / "checkpoints").is_dir():
+        last = latest_checkpoint(p)
+        if last is None:
+            raise RunDirError(
+                f"{path!r} is a peergrade run without a complete checkpoint under checkpoints/step-N"
+            )
+        return str(last)
+    hidden = p.name.startswith((TMP_PREFIX, OLD_PREFIX, PRUNE_PREFIX))
+    if p.parent.name == "checkpoints" and (hidden or STEP_RE.match(p.name)):
+        problem = "an interrupted save or prune" if hidden else checkpoint_problem(p)
+        if problem is not None:
+            complete = [c.name for _, c in list_checkpoints(p.parent.parent)]
+            raise RunDirError(
+                f"checkpoint {path!r} is not complete ({problem}); complete checkpoints of "
+                f"this run: {', '.join(complete) or 'none'}"
+            )
+    return path
 
 
 def load_training_state(ckpt: Path) -> dict[str, Any]:
@@ -160,13 +330,32 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
-def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber an existing run, and refuse to resume something that is not a run.
+def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
+    """Refuse to clobber an existing run, to resume something that is not a run, and to start
+    a run whose directory cannot be written.
+
+    On resume, leftovers of a kill (interrupted saves and prunes) are swept first
+    (``sweep_leftovers``); what was swept is returned, one line each (else ``[]``).
 
     With ``overwrite`` an existing directory passes the check but is *not* deleted here: the
     trainer removes it only once the config, data, rewards and model have loaded, so a run
-    that fails on bad input leaves the old directory untouched."""
+    that fails on bad input leaves the old directory untouched. Writability is probed by
+    creating (and removing) a hidden directory, so it fails here -- before any model loads --
+    exactly when the trainer's writes would: a read-only mount, missing permission, or a path
+    below a regular file."""
     run_dir = Path(run_dir)
+    try:
+        return _check_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    except OSError as exc:  # e.g. a parent we may not even look into (EACCES on stat)
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise RunDirError(
+            f"run directory {str(run_dir)!r} cannot be used: {exc.strerror or exc}{where}"
+        ) from None
+
+
+def _check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run directory {str(run_dir)!r} exists and is not a directory")
     if resume:
         if not run_dir.is_dir():
             raise RunDirError(f"cannot resume: {str(run_dir)!r} does not exist")
@@ -174,13 +363,55 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
             raise RunDirError(
                 f"cannot resume: {str(run_dir)!r} is not a peergrade run (no config.yaml)"
             )
+        _check_writable(run_dir, run_dir)
+        if (run_dir / "checkpoints").is_dir():
+            _check_writable(run_dir, run_dir / "checkpoints")
+        swept = sweep_leftovers(run_dir)
         if latest_checkpoint(run_dir) is None:
+            root = run_dir / "checkpoints"
+            steps = sorted(p for p in root.glob("step-*") if STEP_RE.match(p.name))
+            why = "; ".join(f"{p.name}: {checkpoint_problem(p)}" for p in steps)
             raise RunDirError(
-                f"cannot resume: {str(run_dir)!r} has no complete checkpoint under checkpoints/step-N"
+                f"cannot resume: {str(run_dir)!r} has no complete checkpoint under "
+                "checkpoints/step-N" + (f" ({why})" if why else "")
             )
-        return
+        return swept
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise RunDirError(
             f"run directory {str(run_dir)!r} already exists and is not empty; pass --overwrite "
             "to replace it or --resume to continue it"
         )
+    check_writable(run_dir)
+    if overwrite and run_dir.is_dir() and any(run_dir.iterdir()):
+        _check_writable(run_dir, run_dir.absolute().parent)  # --overwrite deletes and recreates it
+    return []
+
+
+def check_writable(out_dir: Path, what: str = "run directory") -> None:
+    """``RunDirError`` unless ``out_dir`` can be created (or, when it exists, written in):
+    probed in the directory itself or its nearest existing ancestor (where mkdir would go)."""
+    out_dir = Path(out_dir)
+    try:
+        existing = out_dir if out_dir.exists() else out_dir.absolute().parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+    except OSError as exc:  # a parent we may not even look into (EACCES on stat)
+        raise RunDirError(
+            f"{what} {str(out_dir)!r} cannot be used: {exc.strerror or exc} ({exc.filename})"
+        ) from None
+    if not existing.is_dir():
+        raise RunDirError(
+            f"cannot create {what} {str(out_dir)!r}: {str(existing)!r} is a file, not a directory"
+        )
+    _check_writable(out_dir, existing, what)
+
+
+def _check_writable(out_dir: Path, directory: Path, what: str = "run directory") -> None:
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=directory, prefix=".peergrade-write-test-"))
+    except OSError as exc:
+        raise RunDirError(
+            f"{what} {str(out_dir)!r} cannot be written: creating a directory in "
+            f"{str(directory)!r} failed ({exc.strerror or exc}); choose another "
+            "output directory or fix the permissions"
+        ) from None

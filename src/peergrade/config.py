@@ -307,7 +307,11 @@ class AlertConfig:
 @dataclass
 class TrainConfig:
     steps: int = doc("Training steps (one step = one generated batch).", 250)
-    seed: int = doc("Random seed (data order, sampling, init).", 0)
+    seed: int = doc(
+        "Random seed (data order, sampling, init; Python's random and numpy's global generator "
+        "are reseeded every step from it, for reward functions that use them).",
+        0,
+    )
     output_dir: str | None = doc(
         "Run directory; null = runs/<timestamp>. Never overwritten unless --overwrite.", None
     )
@@ -320,7 +324,8 @@ class TrainConfig:
     keep_last: int = doc("Keep only the last K checkpoints.", 2)
     log_samples: int = doc("Prompts (with their whole group) written to samples.jsonl per step.", 2)
     on_reward_error: Literal["fail", "zero"] = doc(
-        "A reward function that raises or returns bad values: stop the run, or score 0 and count it.",
+        "A reward function that raises or returns bad values (not a number, NaN/inf, beyond "
+        "the float32 range): stop the run, or score 0 and count it.",
         "fail",
     )
     threads: int = doc("CPU threads for torch (0 = torch's default).", 0)

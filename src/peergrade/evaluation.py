@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from peergrade import checkpoint as ckpt
 from peergrade.errors import InputError, user_input
 from peergrade.rewards import RewardSpec, resolve_reward, score_rewards
 from peergrade.rollout import generate
@@ -211,7 +212,8 @@ def run_eval_command(
             if data
             else load_task(task, **(task_options or {}))
         )
-    path = resolve_model_path(model)
+    given = resolve_model_path(model)
+    path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
     tok = load_tokenizer(path)
     dev = resolve_device(device)
     net = load_model(path, dtype=resolve_dtype("auto", dev), device=str(dev)).eval()
@@ -236,4 +238,6 @@ def run_eval_command(
     )
     result["task"] = data or task
     result["model"] = model
+    if path != given:
+        result["checkpoint"] = path
     return result

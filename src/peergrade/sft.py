@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from peergrade.checkpoint import RunDirError
+from peergrade.checkpoint import RunDirError, check_writable
 from peergrade.tasks import load_task, render_prompt
 
 
@@ -81,6 +81,7 @@ def run_sft(
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:
         raise RunDirError(f"output dir {str(out_path)!r} exists and is not empty; pass --overwrite")
+    check_writable(out_path, "output dir")  # before any model is built or loaded
     if steps < 1 or batch_size < 1 or lr <= 0:
         raise ValueError(
             f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"

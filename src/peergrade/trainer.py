@@ -11,7 +11,8 @@ One step (``train_step``; the loop and ``peergrade memory`` both call it):
 
 Exact resume: everything random is derived from (seed, step) (``peergrade.seeds``) -- the
 prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, the sampling seed of
-step s is a function of (seed, step), minibatch shuffles likewise -- so a run resumed from
+step s is a function of (seed, step), minibatch shuffles and the global random/numpy generators
+that reward functions may use likewise -- so a run resumed from
 ``checkpoints/step-s`` (model, optimizer, scheduler, RNG states) produces the same metrics and
 weights as one never stopped.
 
@@ -185,6 +186,7 @@ def setup(cfg: Config) -> Run:
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
+    ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
     task = build_task(cfg)
     rewards = build_rewards(cfg, task)
     few_shot = build_few_shot(cfg, task)
@@ -210,6 +212,8 @@ def setup(cfg: Config) -> Run:
 
 
 # ----------------------------------------------------------------------------- one step
+
+REWARD_RNG_SALT = 1000  # peergrade.seeds: the stream of the global random/numpy generators
 
 
 def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
@@ -270,6 +274,8 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     ``meter`` brackets the generate / rewards / reference / update phases (``peergrade memory``)."""
     cfg, models = run.cfg, run.models
     P, G = len(rows), cfg.rollout.group_size
+    # Python's random and numpy's global generator, which reward functions may use
+    ckpt.seed_step_rngs(step_seed(cfg.train.seed, step, salt=REWARD_RNG_SALT))
     device = models.device
     t_start = time.perf_counter()
     rows, few_shot_frac = run.few_shot.apply(rows, step)

@@ -19,7 +19,8 @@ Scoring (``score_rewards``): each ``RewardSpec`` is called once on the whole bat
 configured keyword arguments bound by ``functools.partial`` (a configured keyword wins over a
 dataset column of the same name). A function that raises, returns something other than a
 list/tuple, returns a list of the wrong length (never broadcast), or returns a value that is
-not a finite real number, is reported with the function name, the sample index and the
+not a real number finite in float32 (``|v| <= FLOAT32_MAX``: scores are stored as float32, so
+1e300 is as bad as inf), is reported with the function name, the sample index and the
 exception; then ``on_error="fail"`` raises ``RewardError`` and ``on_error="zero"`` scores 0
 for the affected samples (for an exception or a wrong length: every sample of that call) and
 counts them in ``num_errors``. When a batch call raises, the function is called again one
@@ -37,7 +38,9 @@ configured keyword arguments, before the first step (the code reward's sandbox s
 The weighted total is ``total[i] = sum_f w_f * r_f[i]`` over the functions that scored sample
 ``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. Metrics: the mean and the
 population standard deviation (ddof = 0) over scored samples; a function that scored no sample
-has no mean/std key (JSON has no NaN).
+has no mean/std key (JSON has no NaN). A weighted total beyond the float32 range (each score
+in range, the weights too large) goes through the same policy: ``fail`` raises, ``zero`` sets
+that sample's total to 0 and counts it in ``num_errors``.
 
 This module knows nothing about tokenizers, models, or advantages.
 """
@@ -86,6 +89,10 @@ BUILTIN_REWARDS: dict[str, str] = {
     "overlong_penalty": "peergrade.rewards.penalties:overlong_penalty",
     "repetition_penalty": "peergrade.rewards.penalties:repetition_penalty",
 }
+
+
+#: the largest finite float32; a score beyond it would become inf in the float32 reward tensors
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RewardError(PeergradeError, RuntimeError):
@@ -390,6 +397,13 @@ def score_rewards(
                         problems.append(f"reward {spec.name!r} sample {i}: non-finite score {f}")
                         bad[i] = True
                         continue
+                    if abs(f) > FLOAT32_MAX:  # finite in float64, inf once stored as float32
+                        problems.append(
+                            f"reward {spec.name!r} sample {i}: score {f!r} is outside the "
+                            f"float32 range (|score| <= {FLOAT32_MAX:.4g})"
+                        )
+                        bad[i] = True
+                        continue
                     values[i] = f
         if problems:
             if on_error == "fail":
@@ -410,6 +424,21 @@ def score_rewards(
         r = per_fn[spec.name].double()  # [N]
         scored = ~torch.isnan(r)
         total = torch.where(scored, torch.nan_to_num(total, nan=0.0) + spec.weight * r, total)
+    # Scores within float32 can still sum (with weights) past it: same policy, sample named.
+    over = (total.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
+    if over:
+        problems = [
+            f"weighted reward total of sample {i}: {total[i].item():.4g} is outside the float32 "
+            f"range (|total| <= {FLOAT32_MAX:.4g}; check the reward weights and scales)"
+            for i in over
+        ]
+        if on_error == "fail":
+            raise RewardError(
+                "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(problems[:10])
+            )
+        errors.extend(problems)
+        total[over] = 0.0
+        num_errors += len(over)
     return RewardScores(
         per_fn=per_fn, total=total.float(), num_errors=num_errors, errors=errors, counts=counts
     )
