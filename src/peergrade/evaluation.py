@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from peergrade.errors import InputError, user_input
-from peergrade.rewards import RewardSpec, resolve_reward, score_rewards
+from peergrade.rewards import RewardSpec, TrainerState, resolve_reward, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import render_prompt
 
@@ -30,10 +30,10 @@ def encode_prompts(
     tokenizer,
     *,
     system_prompt: str | None = None,
-    use_chat_template: bool = True,
+    use_chat_template: bool | str = "auto",
     max_prompt_length: int | None = None,
 ) -> list[list[int]]:
-    """Token ids of each row's prompt, rendered with the chat template."""
+    """Token ids of each row's prompt, rendered by ``render_prompt`` (chat template or not)."""
     ids = []
     for i, row in enumerate(rows):
         text = render_prompt(
@@ -53,9 +53,17 @@ def encode_prompts(
 
 
 def columns_for(rows: list[dict], repeat: int) -> dict[str, list]:
-    """Dataset columns other than the prompt, each repeated so it aligns with the completions."""
-    keys = [k for k in rows[0] if k != "prompt"]
+    """Dataset columns for the reward functions, each repeated so it aligns with the
+    completions: every column but ``prompt``, ``completion`` and ``completion_ids`` (TRL's
+    rule: the trainer passes its own completions and ids)."""
+    keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+
+
+def reward_state(task, step: int, max_steps: int, prompts: int, group: int) -> TrainerState:
+    """The ``trainer_state`` reward functions get while step ``step`` (1-based) is scored."""
+    num_rows = len(task) if hasattr(task, "__len__") else None
+    return TrainerState.at_step(step, max_steps, prompts * group, prompts, num_rows)
 
 
 def completion_id_lists(ro) -> list[list[int]]:
@@ -95,8 +103,11 @@ def evaluate(
     top_p: float = 1.0,
     stop=(),
     extra: list[RewardSpec] = (),
+    trainer_state: TrainerState | None = None,
 ) -> dict[str, Any]:
-    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k."""
+    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k.
+
+    ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
     prompts = [r["prompt"] for r in rows]
 
@@ -107,6 +118,7 @@ def evaluate(
             ro.completion_text,
             {**columns_for(rows, repeat), "completion_ids": completion_id_lists(ro)},
             on_error="zero",
+            trainer_state=trainer_state,
         )
 
     def correct(ro, repeat):

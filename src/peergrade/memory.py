@@ -463,7 +463,7 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
     import torch
 
     from peergrade.algo import group_advantages
-    from peergrade.evaluation import columns_for, completion_id_lists, encode_prompts
+    from peergrade.evaluation import columns_for, completion_id_lists, encode_prompts, reward_state
     from peergrade.rewards import score_rewards
     from peergrade.trainer import (
         build_optimizer,
@@ -516,7 +516,12 @@ def _run_steps(cfg, steps: int, meter, device) -> dict:
         prompts = [row["prompt"] for row in rows for _ in range(G)]
         columns = {**columns_for(rows, G), "completion_ids": completion_id_lists(ro)}
         scores = score_rewards(
-            reward_specs, prompts, ro.completion_text, columns, on_error=t.on_reward_error
+            reward_specs,
+            prompts,
+            ro.completion_text,
+            columns,
+            on_error=t.on_reward_error,
+            trainer_state=reward_state(task, step, t.steps, P, G),
         )
         input_ids, attention_mask, cmask = ro.training_batch(tok.pad_token_id)
         seq_lens.append((input_ids.shape[1], cmask.shape[1]))

@@ -49,6 +49,7 @@ from peergrade.evaluation import (
     completion_id_lists,
     encode_prompts,
     evaluate,
+    reward_state,
 )
 from peergrade.metrics import Display, JsonlWriter
 from peergrade.models import (
@@ -61,7 +62,7 @@ from peergrade.models import (
     resolve_model_path,
     token_logprobs,
 )
-from peergrade.rewards import RewardSpec, make_reward_spec, score_rewards
+from peergrade.rewards import RewardSpec, make_reward_specs, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import load_task
 from peergrade.tasks.prompts import with_examples
@@ -83,9 +84,10 @@ def build_rewards(cfg: Config, task) -> list[RewardSpec]:
     """The configured reward mix, or the task's default rewards when none is configured."""
     with user_input("rewards"):
         if cfg.rewards:
-            specs = [make_reward_spec(i.name, i.weight, i.kwargs) for i in cfg.rewards]
+            items = [(i.name, i.weight, i.kwargs, i.display_name) for i in cfg.rewards]
         else:
-            specs = [make_reward_spec(name, w) for name, w in task.default_rewards]
+            items = [(name, w, {}, None) for name, w in task.default_rewards]
+        specs = make_reward_specs(items)
     if not specs:
         raise InputError(
             f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
@@ -508,6 +510,7 @@ def train(
             batch_size=r.generation_batch_size,
             stop=r.stop,
             extra=[answer_format_spec()] if asks_for_answer_tags(eval_rows) else [],
+            trainer_state=reward_state(task, step_for_seed + 1, t.steps, P, G),
         )
 
     start_step = 0
@@ -598,14 +601,25 @@ def train(
                 # 2. score them
                 prompts = [row["prompt"] for row in rows for _ in range(G)]
                 columns = {**columns_for(rows, G), "completion_ids": completion_id_lists(ro)}
+                state = reward_state(task, step, t.steps, P, G)
                 scores = score_rewards(
-                    reward_specs, prompts, ro.completion_text, columns, on_error=t.on_reward_error
+                    reward_specs,
+                    prompts,
+                    ro.completion_text,
+                    columns,
+                    on_error=t.on_reward_error,
+                    trainer_state=state,
                 )
                 if acc_in_mix:
                     acc_values = scores.per_fn[acc.name]
                 else:
                     acc_values = score_rewards(
-                        [acc], prompts, ro.completion_text, columns, on_error="zero"
+                        [acc],
+                        prompts,
+                        ro.completion_text,
+                        columns,
+                        on_error="zero",
+                        trainer_state=state,
                     ).per_fn[acc.name]
                 t2 = time.perf_counter()
 
@@ -644,7 +658,6 @@ def train(
                     "step": step,
                     **scores.metrics(),
                     "reward/accuracy": acc_values.nan_to_num(0.0).mean().item(),
-                    "reward/total/std": torch.nan_to_num(scores.total, nan=0.0).std().item(),
                     "rollout/len_mean": lens.float().mean().item(),
                     "rollout/len_max": lens.max().item(),
                     "rollout/frac_truncated": truncated.float().mean().item(),
@@ -673,6 +686,7 @@ def train(
                                 "rewards": scores.total[sl].tolist(),
                                 "advantages": adv[sl].tolist(),
                                 "finish_reason": ro.finish_reason[sl],
+                                **scores.sample_fields(sl),
                             }
                         )
                 if eval_rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
