@@ -55,7 +55,7 @@ def test_csv(tmp_path):
     p = tmp_path / "d.csv"
     p.write_text(
         "question,solution,level\n"
-        + "".join(f"{r['question']},\"{r['solution']}\",{r['level']}\n" for r in ROWS)
+        + "".join(f'{r["question"]},"{r["solution"]}",{r["level"]}\n' for r in ROWS)
     )
     # typed as datasets types them: the quoted "6" is the integer 6 there too
     check_loaded(load_task(str(p), **MAP), answer_type=int)

@@ -6,7 +6,6 @@ import pytest
 
 from peergrade.tasks import render_prompt
 
-
 CHAT = "<|im_start|>user\n12+7=<|im_end|>\n<|im_start|>assistant\n"
 
 

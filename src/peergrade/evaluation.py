@@ -23,6 +23,7 @@ from peergrade.errors import InputError, user_input
 from peergrade.rewards import RewardSpec, TrainerState, resolve_reward, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import render_prompt
+from peergrade.tasks.prompts import uses_chat_template
 
 
 def encode_prompts(
@@ -33,7 +34,9 @@ def encode_prompts(
     use_chat_template: bool | str = "auto",
     max_prompt_length: int | None = None,
 ) -> list[list[int]]:
-    """Token ids of each row's prompt, rendered by ``render_prompt`` (chat template or not)."""
+    """Token ids of each row's prompt, as TRL makes them: a chat-template prompt as
+    ``apply_chat_template(..., tokenize=True)`` gives them (the template writes any special
+    tokens), a plain-text prompt as ``tokenizer(text)`` does (special tokens added, e.g. BOS)."""
     ids = []
     for i, row in enumerate(rows):
         text = render_prompt(
@@ -42,7 +45,8 @@ def encode_prompts(
             system_prompt=system_prompt,
             use_chat_template=use_chat_template,
         )
-        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        templated = uses_chat_template(row["prompt"], tokenizer, system_prompt, use_chat_template)
+        toks = tokenizer(text, add_special_tokens=not templated)["input_ids"]
         if max_prompt_length is not None and len(toks) > max_prompt_length:
             raise InputError(
                 f"prompt of row {i} has {len(toks)} tokens, more than data.max_prompt_length="

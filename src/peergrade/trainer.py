@@ -601,14 +601,14 @@ def train(
                 # 2. score them
                 prompts = [row["prompt"] for row in rows for _ in range(G)]
                 columns = {**columns_for(rows, G), "completion_ids": completion_id_lists(ro)}
-                state = reward_state(task, step, t.steps, P, G)
+                progress = reward_state(task, step, t.steps, P, G)
                 scores = score_rewards(
                     reward_specs,
                     prompts,
                     ro.completion_text,
                     columns,
                     on_error=t.on_reward_error,
-                    trainer_state=state,
+                    trainer_state=progress,
                 )
                 if acc_in_mix:
                     acc_values = scores.per_fn[acc.name]
@@ -619,7 +619,7 @@ def train(
                         ro.completion_text,
                         columns,
                         on_error="zero",
-                        trainer_state=state,
+                        trainer_state=progress,
                     ).per_fn[acc.name]
                 t2 = time.perf_counter()
 

@@ -31,7 +31,7 @@ This module does not tokenize (the rollout does).
 
 from __future__ import annotations
 
-__all__ = ["chat_prompt", "render_prompt", "to_messages", "with_examples"]
+__all__ = ["chat_prompt", "render_prompt", "to_messages", "uses_chat_template", "with_examples"]
 
 
 def chat_prompt(text: str, system_prompt: str | None = None) -> list[dict]:
@@ -66,6 +66,23 @@ def to_messages(row_prompt, system_prompt: str | None = None) -> list[dict]:
     return messages
 
 
+def uses_chat_template(
+    row_prompt, tokenizer, system_prompt: str | None = None, use_chat_template: bool | str = "auto"
+) -> bool:
+    """Whether ``render_prompt`` puts ``row_prompt`` through ``tokenizer``'s chat template.
+
+    A prompt that does not goes to the tokenizer as plain text, special tokens added as TRL
+    adds them (``tokenizer(text)``: e.g. a BOS); a templated one brings its own."""
+    if use_chat_template == "auto":
+        use_chat_template = not isinstance(row_prompt, str) or bool(system_prompt)
+    elif not isinstance(use_chat_template, bool):
+        raise ValueError(
+            f"use_chat_template={use_chat_template!r} is not valid; expected 'auto', True or False"
+        )
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return bool(use_chat_template and template)
+
+
 def render_prompt(
     row_prompt,
     tokenizer=None,
@@ -74,15 +91,8 @@ def render_prompt(
     use_chat_template: bool | str = "auto",
 ) -> str:
     """The text the model is given for ``row_prompt`` (see the module docstring)."""
-    if use_chat_template == "auto":
-        use_chat_template = not isinstance(row_prompt, str) or bool(system_prompt)
-    elif not isinstance(use_chat_template, bool):
-        raise ValueError(
-            f"use_chat_template={use_chat_template!r} is not valid; expected 'auto', True or False"
-        )
     messages = to_messages(row_prompt, system_prompt)
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if use_chat_template and template:
+    if uses_chat_template(row_prompt, tokenizer, system_prompt, use_chat_template):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(text, str):  # defensive: some versions return a list for one conv
             text = text[0]
