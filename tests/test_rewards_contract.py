@@ -217,9 +217,11 @@ def test_duplicate_names_are_made_unique_and_display_names_are_checked(tmp_path)
     s = score_rewards(specs, ["p"], ["12"], {"answer": ["12"]})
     assert set(s.per_fn) == {s.name for s in specs}
     for bad in ("a/b", "total", "", "x" * 65, 3):
-        with pytest.raises(ValueError, match="display_name .* is not valid"):
+        with pytest.raises(ValueError, match=r"rewards\[0\]\.display_name .* is not valid"):
             make_reward_specs([("arithmetic", 1.0, {}, bad)])
-    with pytest.raises(ValueError, match="display_name 'acc' is used by two rewards"):
+    with pytest.raises(
+        ValueError, match=r"rewards\[1\]\.display_name 'acc' is used by two rewards"
+    ):
         make_reward_specs([("arithmetic", 1.0, {}, "acc"), ("format", 1.0, {}, "acc")])
     with pytest.raises(ValueError, match=r"kwargs \['trainer_state'\] are reserved"):
         make_reward_specs([("arithmetic", 1.0, {"trainer_state": 1}, None)])

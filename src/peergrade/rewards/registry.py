@@ -291,11 +291,11 @@ def callable_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def check_display_name(name) -> str:
+def check_display_name(name, where: str = "display_name") -> str:
     """``name`` if it is a valid reward display name, else ``ValueError`` saying what is valid."""
     if not isinstance(name, str) or not _DISPLAY_NAME_RE.fullmatch(name) or name == "total":
         raise ValueError(
-            f"display_name {name!r} is not valid: use 1-64 letters, digits, '_', '-' or '.' "
+            f"{where} {name!r} is not valid: use 1-64 letters, digits, '_', '-' or '.' "
             "(no '/', which separates metric names; not 'total', which is the weighted sum), "
             "e.g. display_name: accuracy_gsm8k"
         )
@@ -316,7 +316,8 @@ def make_reward_spec(
 
 
 def make_reward_specs(items: Sequence[tuple]) -> list[RewardSpec]:
-    """Specs with unique names from ``(spec, weight, kwargs, display_name)`` tuples.
+    """Specs with unique names from ``(spec, weight, kwargs, display_name)`` tuples (errors
+    name the item as ``rewards[i]``, its place in the config's list).
 
     A given ``display_name`` is checked (``check_display_name``) and must be unique; the others
     get their default name (``make_reward_spec``), made unique by appending ``_2``, ``_3``, ...
@@ -325,10 +326,7 @@ def make_reward_specs(items: Sequence[tuple]) -> list[RewardSpec]:
     for i, item in enumerate(items):
         spec, weight, kwargs, display = (tuple(item) + (None,) * 4)[:4]
         if display is not None:
-            try:
-                check_display_name(display)
-            except ValueError as exc:
-                raise ValueError(f"reward {i} ({spec!r}): {exc}") from None
+            check_display_name(display, where=f"rewards[{i}].display_name")
         specs.append(make_reward_spec(spec, 1.0 if weight is None else weight, kwargs, display))
         given.append(display is not None)
     taken: set[str] = set()
@@ -336,7 +334,7 @@ def make_reward_specs(items: Sequence[tuple]) -> list[RewardSpec]:
         if g:
             if s.name in taken:
                 raise ValueError(
-                    f"reward {i}: display_name {s.name!r} is used by two rewards; each needs "
+                    f"rewards[{i}].display_name {s.name!r} is used by two rewards; each needs "
                     "its own (it names reward/<display_name>/... in the metrics)"
                 )
             taken.add(s.name)
