@@ -23,9 +23,10 @@ from peergrade.trainer import train
 
 REWARD_FILE = '''
 def char_score(prompts, completions, **kwargs):
-    """A dense, deterministic score of the completion text (TRL signature)."""
+    """A dense, deterministic score of the completion text (TRL signature; the arithmetic
+    task's prompts are chat messages, so a completion is [{"role": "assistant", ...}])."""
     assert len(prompts) == len(completions)
-    return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
+    return [(sum(ord(ch) for ch in c[0]["content"]) % 97) / 97.0 for c in completions]
 '''
 
 
