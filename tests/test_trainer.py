@@ -23,10 +23,11 @@ from peergrade.trainer import train
 
 REWARD_FILE = '''
 def char_score(prompts, completions, **kwargs):
-    """A dense, deterministic score of the completion text (TRL signature; the arithmetic
-    task's prompts are chat messages, so a completion is [{"role": "assistant", ...}])."""
+    """A dense, deterministic score of the completion text (TRL signature: chat prompts, as
+    the arithmetic task's, give [{"role": "assistant", "content": ...}], text prompts text)."""
     assert len(prompts) == len(completions)
-    return [(sum(ord(ch) for ch in c[0]["content"]) % 97) / 97.0 for c in completions]
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(sum(ord(ch) for ch in t) % 97) / 97.0 for t in texts]
 '''
 
 
