@@ -40,7 +40,9 @@ REWARDS_PY = '''
 def my_fn(prompts, completions, answer=None, **kwargs):
     """TRL-style: prompts, completions and the dataset's other columns as keyword lists."""
     assert len(prompts) == len(completions) == len(answer) == len(kwargs["completion_ids"])
-    return [(sum(ord(ch) for ch in c) % 97) / 97.0 + (a in c) for c, a in zip(completions, answer)]
+    # chat prompts (the built-in tasks) get [{"role": "assistant", "content": ...}], text ones text
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(sum(ord(ch) for ch in t) % 97) / 97.0 + (a in t) for t, a in zip(texts, answer)]
 '''
 
 

@@ -87,3 +87,25 @@ def test_columns_for_aligns_with_completions():
     rows = [{"prompt": "a", "answer": "1", "x": 5}, {"prompt": "b", "answer": "2", "x": 6}]
     cols = columns_for(rows, 3)
     assert cols == {"answer": ["1"] * 3 + ["2"] * 3, "x": [5] * 3 + [6] * 3}
+
+
+def test_prompt_tokens_as_trl_makes_them(char_tokenizer):
+    """Plain text: ``tokenizer(text)`` (a BOS-adding tokenizer adds its BOS); chat messages:
+    ``apply_chat_template(tokenize=True)`` (the template's tokens only)."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(char_tokenizer)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    chat = [{"role": "user", "content": "12+7="}]
+    rows = [{"prompt": "12+7="}, {"prompt": chat}]
+    plain_ids, chat_ids = encode_prompts(rows, tok)
+    assert plain_ids == tok("12+7=")["input_ids"] and plain_ids[0] == bos
+    trl_chat = tok.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert chat_ids == list(trl_chat)  # no second BOS before the template's own tokens

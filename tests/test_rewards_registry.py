@@ -140,10 +140,14 @@ def test_weighted_total_and_none_handling():
     assert torch.allclose(scores.total, expected, equal_nan=True)
     m = scores.metrics()
     assert m["reward/acc/mean"] == pytest.approx(1.0)
-    assert m["reward/acc/std"] == pytest.approx(math.sqrt(((0 - 1) ** 2 + 0 + (2 - 1) ** 2) / 3))
+    # ddof 1 over the scored samples only, as TRL's nanstd
+    assert m["reward/acc/std"] == pytest.approx(math.sqrt(((0 - 1) ** 2 + 0 + (2 - 1) ** 2) / 2))
     assert m["reward/fmt/mean"] == pytest.approx(0.375)
     assert "reward/na/mean" not in m
     assert m["reward/total/mean"] == pytest.approx((1.25 + 0 + 2.125) / 3)
+    # the unscored sample 1 is not counted as a 0
+    assert m["reward/total/std"] == pytest.approx(torch.tensor([1.25, 0.0, 2.125]).std().item())
+    assert "reward/fmt/std" in m and "reward/na/std" not in m
     assert m["reward/errors"] == 0.0
     assert scores.num_errors == 0 and scores.errors == []
 
@@ -163,7 +167,7 @@ def test_columns_and_completion_ids_are_passed_by_keyword():
         {"answer": ["1", "2"], "completion_ids": [[1, 2], [3]], "tests": ["t1", "t2"]},
     )
     assert seen["ids"] == [[1, 2], [3]] and seen["answer"] == ["1", "2"]
-    assert seen["extra"] == ["scale", "tests"]
+    assert seen["extra"] == ["log_extra", "log_metric", "scale", "tests", "trainer_state"]
 
 
 def test_config_kwarg_wins_over_column():

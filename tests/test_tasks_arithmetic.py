@@ -30,7 +30,7 @@ def test_rows_shape_and_answers_are_exact():
         # independent re-computation (not via solve)
         expected = {"+": a + b, "-": a - b, "*": a * b}[op]
         assert row["answer"] == str(expected)
-        assert row["prompt"] == f"{a}{op}{b}="
+        assert row["prompt"] == [{"role": "user", "content": f"{a}{op}{b}="}]
         assert 0 <= a <= 99 and 0 <= b <= 99
 
 
@@ -92,7 +92,7 @@ def test_instruct_template():
     t = ArithmeticTask(template=INSTRUCT_TEMPLATE)
     row = take(t.train_rows(0), 1)[0]
     assert (
-        row["prompt"]
+        row["prompt"][0]["content"]
         == f"What is {row['a']} {row['op']} {row['b']}? Put the final number inside <answer></answer>."
     )
 

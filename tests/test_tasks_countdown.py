@@ -28,7 +28,9 @@ def test_generated_solutions_score_one_and_respect_ranges():
     for r in rows:
         assert 3 <= len(r["numbers"]) <= 5 and all(1 <= x <= 20 for x in r["numbers"])
         assert 1 <= r["target"] <= 50
-        assert str(r["numbers"]) in r["prompt"] and str(r["target"]) in r["prompt"]
+        (msg,) = r["prompt"]  # one user message
+        assert msg["role"] == "user"
+        assert str(r["numbers"]) in msg["content"] and str(r["target"]) in msg["content"]
     assert task.default_rewards == [("countdown", 1.0)]
 
 

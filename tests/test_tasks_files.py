@@ -27,12 +27,12 @@ def take(it, n):
     return list(itertools.islice(it, n))
 
 
-def check_loaded(task, level_type=int):
+def check_loaded(task, answer_type=str):
     rows = take(task.train_rows(0), 4)
     assert sorted(r["prompt"] for r in rows) == [r["question"] for r in ROWS]
     by_prompt = {r["prompt"]: r for r in rows}
-    assert by_prompt["3+3?"]["answer"] == "6"
-    assert by_prompt["3+3?"]["level"] == level_type(3)
+    assert by_prompt["3+3?"]["answer"] == answer_type("6")
+    assert by_prompt["3+3?"]["level"] == 3
     assert set(task.columns) == {"answer", "level"}
     assert task.default_rewards == [("math_accuracy", 1.0)]
 
@@ -51,12 +51,40 @@ def test_json(tmp_path):
 
 
 def test_csv(tmp_path):
+    pytest.importorskip("pandas", reason="pandas is not installed (pip install pandas)")
     p = tmp_path / "d.csv"
     p.write_text(
         "question,solution,level\n"
-        + "".join(f"{r['question']},{r['solution']},{r['level']}\n" for r in ROWS)
+        + "".join(f'{r["question"]},"{r["solution"]}",{r["level"]}\n' for r in ROWS)
     )
-    check_loaded(load_task(str(p), **MAP), level_type=str)
+    # typed as datasets types them: the quoted "6" is the integer 6 there too
+    check_loaded(load_task(str(p), **MAP), answer_type=int)
+
+
+# a CSV with what type inference must get right: JSON text, ints with leading zeros, missing
+# values (empty, NA), floats, bools, a blank line, a quoted multi-line cell
+CSV_TEXT = (
+    "prompt,answer,level,score,flag,meta,note\n"
+    '"[{""role"": ""user"", ""content"": ""hi""}]",46,1,0.5,True,"{""a"": 1}",NA\n'
+    "plain q,007,2,,False,x,\n"
+    "\n"
+    'third,-3,3,1e3,True,y,"multi\nline"\n'
+)
+
+
+def test_csv_reads_as_datasets_load_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    p = tmp_path / "d.csv"
+    p.write_text(CSV_TEXT)
+    theirs = datasets.load_dataset(
+        "csv", data_files=str(p), split="train", cache_dir=str(tmp_path / "cache")
+    ).to_list()
+    task = load_task(str(p))
+    ours = sorted(take(task.train_rows(0), 3), key=lambda r: r["level"])
+    assert ours == theirs
+    assert ours[0]["prompt"] == '[{"role": "user", "content": "hi"}]'  # JSON text stays text
+    assert ours[0]["answer"] == 46 and ours[1]["answer"] == 7 and ours[1]["score"] is None
 
 
 def test_parquet(tmp_path):
@@ -99,13 +127,13 @@ def test_chat_prompts_and_system_prompt(tmp_path):
     assert got["3"] == [{"role": "system", "content": "SYS"}, {"role": "user", "content": "plain"}]
 
 
-def test_csv_chat_prompt_cell(tmp_path):
-    p = tmp_path / "c.csv"
-    cell = json.dumps([{"role": "user", "content": "hi"}]).replace('"', '""')
-    p.write_text(f'prompt,answer\n"{cell}",1\n')
-    assert take(load_task(str(p)).train_rows(0), 1)[0]["prompt"] == [
-        {"role": "user", "content": "hi"}
-    ]
+def test_reserved_column_names_are_refused(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "trainer_state": 1}])
+    with pytest.raises(DataError, match=r"d\.jsonl: line 1: column 'trainer_state'.*rename"):
+        load_task(str(p))
+    # mapped away, it is fine
+    task = load_task(str(p), columns={"state": "trainer_state"})
+    assert take(task.train_rows(0), 1)[0]["state"] == 1
 
 
 def test_eval_fraction_split_is_disjoint_and_seeded(tmp_path):

@@ -27,7 +27,7 @@ def test_rows_determinism_and_disjoint(task):
     rows = take(task.train_rows(0), 150)
     assert rows == take(task.train_rows(0), 150)
     assert {"prompt", "answer", "question", "metadata"} <= set(rows[0])
-    assert rows[0]["prompt"].endswith("<answer></answer>.")
+    assert rows[0]["prompt"][-1]["content"].endswith("<answer></answer>.")
     ev = task.eval_rows(10)
     assert ev == task.eval_rows(10)
     assert {r["question"] for r in ev}.isdisjoint({r["question"] for r in rows})

@@ -6,10 +6,28 @@ import pytest
 
 from peergrade.tasks import render_prompt
 
+CHAT = "<|im_start|>user\n12+7=<|im_end|>\n<|im_start|>assistant\n"
 
-def test_plain_string_becomes_user_message(char_tokenizer):
-    out = render_prompt("12+7=", char_tokenizer)
-    assert out == "<|im_start|>user\n12+7=<|im_end|>\n<|im_start|>assistant\n"
+
+def test_auto_templates_messages_and_feeds_plain_text_raw(char_tokenizer):
+    # TRL's rule: a conversational prompt through the chat template, a plain one as it is
+    assert render_prompt([{"role": "user", "content": "12+7="}], char_tokenizer) == CHAT
+    assert render_prompt("12+7=", char_tokenizer) == "12+7="
+    assert render_prompt("12+7=", char_tokenizer, use_chat_template="auto") == "12+7="
+    # true: a plain string becomes one user message; false: no template even for messages
+    assert render_prompt("12+7=", char_tokenizer, use_chat_template=True) == CHAT
+    msgs = [{"role": "user", "content": "12+7="}]
+    assert render_prompt(msgs, char_tokenizer, use_chat_template=False) == "12+7="
+    with pytest.raises(ValueError, match="use_chat_template='yes'"):
+        render_prompt("x", char_tokenizer, use_chat_template="yes")
+
+
+def test_builtin_task_prompts_render_as_before(char_tokenizer):
+    from peergrade.tasks import load_task
+
+    row = load_task("arithmetic").make_row(12, "+", 7)
+    assert row["prompt"] == [{"role": "user", "content": "12+7="}]
+    assert render_prompt(row["prompt"], char_tokenizer) == CHAT
 
 
 def test_system_prompt_and_chat_list(char_tokenizer):

@@ -25,9 +25,11 @@ from peergrade.trainer import train
 
 REWARD_FILE = '''
 def char_score(prompts, completions, **kwargs):
-    """A dense, deterministic score of the completion text (TRL signature)."""
+    """A dense, deterministic score of the completion text (TRL signature: chat prompts, as
+    the arithmetic task's, give [{"role": "assistant", "content": ...}], text prompts text)."""
     assert len(prompts) == len(completions)
-    return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(sum(ord(ch) for ch in t) % 97) / 97.0 for t in texts]
 '''
 
 
@@ -352,7 +354,7 @@ def test_few_shot_run_logs_the_curriculum(tiny_model_dir, reward_file, tmp_path)
     first = samples[0]["prompt"]
     assert isinstance(first, list) and first[1]["role"] == "assistant"
     assert first[1]["content"].startswith("<answer>")
-    assert isinstance(samples[-1]["prompt"], str)  # step 3: zero-shot again
+    assert [m["role"] for m in samples[-1]["prompt"]] == ["user"]  # step 3: zero-shot again
 
 
 def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypatch):

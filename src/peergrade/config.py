@@ -120,8 +120,12 @@ class DataConfig:
         default_factory=dict,
     )
     system_prompt: str | None = doc("System message prepended to every prompt.", None)
-    use_chat_template: bool = doc(
-        "Render prompts with the tokenizer's chat template (plain text when it has none).", True
+    use_chat_template: bool | Literal["auto"] = doc(
+        "auto: as TRL, chat-message prompts go through the tokenizer's chat template and "
+        "plain-text prompts are fed as they are (built-in tasks give chat messages); true: "
+        "every prompt through the template (text as one user message); false: none (message "
+        "contents joined). Without a chat template in the tokenizer, prompts are plain text.",
+        "auto",
     )
     max_prompt_length: int = doc("Prompts longer than this many tokens are an error.", 256)
     few_shot: int = doc(
@@ -145,13 +149,20 @@ class DataConfig:
 class RewardItem:
     name: str = doc(
         "A built-in reward name, 'module:function', or 'path/to/file.py:function' "
-        "(TRL signature: fn(prompts, completions, **columns) -> list[float | None]), or a "
+        "(TRL's contract: fn(prompts, completions, completion_ids, trainer_state, log_extra, "
+        "log_metric, **columns) -> list[float | None]; async def functions are awaited), or a "
         "local AutoModelForSequenceClassification directory with num_labels=1 (a reward "
         "model: scores prompt + completion; kwargs: {batch_size: N}, default 32).",
         "arithmetic",
     )
     weight: float = doc("Weight of this reward in the total.", 1.0)
     kwargs: dict[str, Any] = doc("Keyword arguments bound to the function.", default_factory=dict)
+    display_name: str | None = doc(
+        "The name its metrics and samples are logged under (reward/<display_name>/mean); "
+        "null = the built-in name or the function's __name__, with _2, _3, ... appended to a "
+        "name already taken.",
+        None,
+    )
 
 
 @dataclass

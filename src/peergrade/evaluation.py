@@ -21,9 +21,10 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade.errors import InputError, user_input
-from peergrade.rewards import RewardSpec, resolve_reward, score_rewards
+from peergrade.rewards import RewardSpec, TrainerState, resolve_reward, score_rewards
 from peergrade.rollout import generate
 from peergrade.tasks import render_prompt
+from peergrade.tasks.prompts import uses_chat_template
 
 
 def encode_prompts(
@@ -31,10 +32,12 @@ def encode_prompts(
     tokenizer,
     *,
     system_prompt: str | None = None,
-    use_chat_template: bool = True,
+    use_chat_template: bool | str = "auto",
     max_prompt_length: int | None = None,
 ) -> list[list[int]]:
-    """Token ids of each row's prompt, rendered with the chat template."""
+    """Token ids of each row's prompt, as TRL makes them: a chat-template prompt as
+    ``apply_chat_template(..., tokenize=True)`` gives them (the template writes any special
+    tokens), a plain-text prompt as ``tokenizer(text)`` does (special tokens added, e.g. BOS)."""
     ids = []
     for i, row in enumerate(rows):
         text = render_prompt(
@@ -43,7 +46,8 @@ def encode_prompts(
             system_prompt=system_prompt,
             use_chat_template=use_chat_template,
         )
-        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        templated = uses_chat_template(row["prompt"], tokenizer, system_prompt, use_chat_template)
+        toks = tokenizer(text, add_special_tokens=not templated)["input_ids"]
         if max_prompt_length is not None and len(toks) > max_prompt_length:
             raise InputError(
                 f"prompt of row {i} has {len(toks)} tokens, more than data.max_prompt_length="
@@ -54,9 +58,17 @@ def encode_prompts(
 
 
 def columns_for(rows: list[dict], repeat: int) -> dict[str, list]:
-    """Dataset columns other than the prompt, each repeated so it aligns with the completions."""
-    keys = [k for k in rows[0] if k != "prompt"]
+    """Dataset columns for the reward functions, each repeated so it aligns with the
+    completions: every column but ``prompt``, ``completion`` and ``completion_ids`` (TRL's
+    rule: the trainer passes its own completions and ids)."""
+    keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
     return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+
+
+def reward_state(task, step: int, max_steps: int, prompts: int, group: int) -> TrainerState:
+    """The ``trainer_state`` reward functions get while step ``step`` (1-based) is scored."""
+    num_rows = len(task) if hasattr(task, "__len__") else None
+    return TrainerState.at_step(step, max_steps, prompts * group, prompts, num_rows)
 
 
 def completion_id_lists(ro) -> list[list[int]]:
@@ -96,8 +108,11 @@ def evaluate(
     top_p: float = 1.0,
     stop=(),
     extra: list[RewardSpec] = (),
+    trainer_state: TrainerState | None = None,
 ) -> dict[str, Any]:
-    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k."""
+    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k.
+
+    ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
     prompts = [r["prompt"] for r in rows]
 
@@ -108,6 +123,7 @@ def evaluate(
             ro.completion_text,
             {**columns_for(rows, repeat), "completion_ids": completion_id_lists(ro)},
             on_error="zero",
+            trainer_state=trainer_state,
         )
 
     def correct(ro, repeat):

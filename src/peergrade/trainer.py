@@ -50,6 +50,7 @@ from peergrade.evaluation import (
     completion_id_lists,
     encode_prompts,
     evaluate,
+    reward_state,
 )
 from peergrade.metrics import Display, JsonlWriter, MetricLogger, check_backends, read_jsonl
 from peergrade.models import (
@@ -61,7 +62,7 @@ from peergrade.models import (
     resolve_model_path,
 )
 from peergrade.reward_models import reward_or_model
-from peergrade.rewards import RewardSpec, make_reward_spec, score_rewards
+from peergrade.rewards import RewardSpec, make_reward_specs, score_rewards
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
 from peergrade.tasks import load_task
@@ -94,14 +95,18 @@ def build_rewards(cfg: Config, task) -> list[RewardSpec]:
             # a directory is a reward model (loaded on the training device), else a function
             device = resolve_device(cfg.model.device)
             dtype = resolve_dtype(cfg.model.dtype, device)
-            specs = [
-                make_reward_spec(
-                    reward_or_model(i.name, device=device, dtype=dtype), i.weight, i.kwargs
+            items = [
+                (
+                    reward_or_model(i.name, device=device, dtype=dtype),
+                    i.weight,
+                    i.kwargs,
+                    i.display_name,
                 )
                 for i in cfg.rewards
             ]
         else:
-            specs = [make_reward_spec(name, w) for name, w in task.default_rewards]
+            items = [(name, w, {}, None) for name, w in task.default_rewards]
+        specs = make_reward_specs(items)
     if not specs:
         raise InputError(
             f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
@@ -234,19 +239,28 @@ def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
     )
 
 
-def score(run: Run, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]]):
-    """Every reward function on every completion, and the accuracy verifier's scores."""
-    G = run.cfg.rollout.group_size
+def score(run: Run, step: int, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]]):
+    """Every reward function on every completion (TRL's contract: the dataset columns,
+    ``completion_ids``, ``trainer_state`` at this step), and the accuracy verifier's scores."""
+    cfg = run.cfg
+    G = cfg.rollout.group_size
     prompts = [row["prompt"] for row in rows for _ in range(G)]
     columns = {**columns_for(rows, G), "completion_ids": completion_ids}
     texts = rollout.completion_text
+    state = reward_state(run.task, step, cfg.train.steps, cfg.rollout.prompts_per_step, G)
     scores = score_rewards(
-        run.rewards, prompts, texts, columns, on_error=run.cfg.train.on_reward_error
+        run.rewards,
+        prompts,
+        texts,
+        columns,
+        on_error=cfg.train.on_reward_error,
+        trainer_state=state,
     )
     acc = run.accuracy
     if run.accuracy_in_mix:
         return scores, scores.per_fn[acc.name]
-    return scores, score_rewards([acc], prompts, texts, columns, on_error="zero").per_fn[acc.name]
+    acc_scores = score_rewards([acc], prompts, texts, columns, on_error="zero", trainer_state=state)
+    return scores, acc_scores.per_fn[acc.name]
 
 
 class NoMeter:
@@ -290,7 +304,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     # 2. score them (a reward model's forward is the memory here)
     completion_ids = completion_id_lists(rollout)  # the counted tokens of each completion
     meter.reset()
-    scores, acc_values = score(run, rows, rollout, completion_ids)
+    scores, acc_values = score(run, step, rows, rollout, completion_ids)
     meter.record("rewards")
     rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     t_scored = time.perf_counter()
@@ -345,7 +359,6 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
         "step": step,
         **scores.metrics(),
         "reward/accuracy": acc_values.nan_to_num(0.0).mean().item(),
-        "reward/total/std": torch.nan_to_num(scores.total, nan=0.0).std().item(),
         "rollout/len_mean": lens.float().mean().item(),
         "rollout/len_max": lens.max().item(),
         "rollout/frac_truncated": truncated.float().mean().item(),
@@ -373,7 +386,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
                 "answer": rows[p].get("answer"),
                 "completions": rollout.completion_text[group],
                 "rewards": scores.total[group].tolist(),
-                "rewards_by_fn": {k: v[group].tolist() for k, v in scores.per_fn.items()},
+                **scores.sample_fields(group),  # rewards_by_fn, and log_extra columns
                 "advantages": (adv[group].tolist() if ppo_out is None else None),
                 "finish_reason": rollout.finish_reason[group],
             }
@@ -404,11 +417,15 @@ class HeldOut:
         rows = run.task.eval_rows(n) if getattr(run.task, "has_eval", True) else []
         return cls(run, rows, run.encode(rows))
 
-    def evaluate(self) -> dict[str, float] | None:
+    def evaluate(self, after_step: int) -> dict[str, float] | None:
+        """Scores after ``after_step`` training steps (reward functions see that global_step)."""
         if not self.rows:
             return None
         cfg, models = self.run.cfg, self.run.models
         r = cfg.rollout
+        state = reward_state(
+            self.run.task, after_step + 1, cfg.train.steps, r.prompts_per_step, r.group_size
+        )
         return evaluate(
             models.policy,
             models.tokenizer,
@@ -423,6 +440,7 @@ class HeldOut:
             batch_size=r.generation_batch_size,
             stop=r.stop,
             extra=[answer_format_spec()] if asks_for_answer_tags(self.rows) else [],
+            trainer_state=state,
         )
 
 
@@ -568,7 +586,7 @@ def train(
     if "eval_before" not in out.trainer_state:
         if held_out.rows:
             display.print("evaluating the starting model on the held-out split ...")
-        before = out.trainer_state["eval_before"] = held_out.evaluate()
+        before = out.trainer_state["eval_before"] = held_out.evaluate(0)
         if before:
             line = {"step": 0, **{f"eval/{k}": v for k, v in before.items()}}
             metrics_log.write({**line, **detectors.update(line)})
@@ -586,7 +604,7 @@ def train(
                 for sample_row in result.samples:
                     samples_log.write(sample_row)
                 if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    m.update({f"eval/{k}": v for k, v in held_out.evaluate().items()})
+                    m.update({f"eval/{k}": v for k, v in held_out.evaluate(step).items()})
                 m["time/step_s"] = time.perf_counter() - t_step
                 m.update(detectors.update(m))  # alert/<name> keys and their messages
                 metrics_log.write(m)
@@ -626,7 +644,7 @@ def finish(run: Run, held_out: HeldOut, out: RunDir, display, metrics_log, detec
         display.print(f"run directory: {out.path}   ({wall:.0f} s)")
         return summary
     display.print("evaluating the trained model on the held-out split ...")
-    before, after = out.trainer_state["eval_before"], held_out.evaluate()
+    before, after = out.trainer_state["eval_before"], held_out.evaluate(t.steps)
     final = {"step": t.steps, **{f"eval/{k}": v for k, v in after.items()}, "final": True}
     final.update(detectors.update(final))  # the last evaluation can show reward hacking too
     metrics_log.write(final)

@@ -10,24 +10,30 @@ This package does not load models or tokenizers and does not compute advantages.
 
 from .registry import (
     BUILTIN_REWARDS,
+    CONTRACT_KWARGS,
     RewardError,
     RewardSampleErrors,
     RewardScores,
     RewardSpec,
+    TrainerState,
     available_rewards,
     make_reward_spec,
+    make_reward_specs,
     resolve_reward,
     score_rewards,
 )
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "CONTRACT_KWARGS",
     "RewardError",
     "RewardSampleErrors",
     "RewardScores",
     "RewardSpec",
+    "TrainerState",
     "available_rewards",
     "make_reward_spec",
+    "make_reward_specs",
     "resolve_reward",
     "score_rewards",
 ]

@@ -1,19 +1,36 @@
 """The reward-function contract, name resolution, and safe scoring of a batch.
 
-Contract (TRL-compatible, so users bring their reward functions unchanged)::
+Contract (TRL's ``GRPOTrainer``, so users bring their reward functions unchanged)::
 
-    fn(prompts: list, completions: list, **columns) -> list[float | None]
+    fn(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **columns)
+        -> list[float | None]
 
-``prompts`` and ``completions`` are aligned lists of length N (a completion is a string or a
-TRL conversational message list ``[{"role": "assistant", "content": ...}]``). ``columns`` are
-the dataset's other columns (``answer``, ``tests``, ...) as lists of length N, plus
-``completion_ids`` (the token ids of each completion). The function returns one score per
-completion; ``None`` means "not applicable to this sample" (excluded from that function's
-mean and from the weighted total). Every argument is passed by keyword.
+Every argument is passed by keyword; the N-long lists are aligned with the completions:
+
+- ``prompts``: each row's prompt as the dataset holds it (a string, or a chat message list);
+- ``completions``: for a conversational row (its prompt is a message list) the completion is
+  ``[{"role": "assistant", "content": text}]``; for a plain-text prompt it is the text;
+- ``completion_ids``: the completion's token ids (a list of ints);
+- ``trainer_state``: a ``TrainerState`` (``global_step``, ``max_steps``, ``epoch``, ... : the
+  parts of ``transformers.TrainerState`` a reward reads, e.g. for a curriculum);
+- ``log_extra(column, values)``: one value per completion, written into ``samples.jsonl``;
+- ``log_metric(name, value)``: a scalar, averaged over the batch into ``metrics.jsonl``;
+- every other dataset column (``answer``, ``tests``, ...) by its name.
+
+The function returns one score per completion; ``None`` means "not applicable to this sample"
+(excluded from that function's mean and from the weighted total). An ``async def`` function
+(or one returning an awaitable) is awaited: the async functions of a batch run concurrently
+(``asyncio.gather``) on one event loop that lives in a background thread for the whole process
+(as TRL's), after the synchronous ones.
 
 Resolution (``resolve_reward``): a built-in name (``BUILTIN_REWARDS``), ``module:function``
 (an importable module), or ``path/to/file.py:function`` (a file, loaded under a private module
 name). Built-ins are imported lazily: resolving one name imports only its module.
+
+Names (``make_reward_specs``): a reward is logged as ``reward/<name>/...``; the name is its
+``display_name`` when given (letters, digits, ``_ - .``; unique; not ``total``), else the
+built-in name or the function's ``__name__`` (``functools.partial`` unwrapped), with ``_2``,
+``_3``, ... appended to a name already taken (two files that both define ``accuracy``).
 
 Scoring (``score_rewards``): each ``RewardSpec`` is called once on the whole batch with its
 configured keyword arguments bound by ``functools.partial`` (a configured keyword wins over a
@@ -23,9 +40,10 @@ not a real number finite in float32 (``|v| <= FLOAT32_MAX``: scores are stored a
 1e300 is as bad as inf), is reported with the function name, the sample index and the
 exception; then ``on_error="fail"`` raises ``RewardError`` and ``on_error="zero"`` scores 0
 for the affected samples (for an exception or a wrong length: every sample of that call) and
-counts them in ``num_errors``. When a batch call raises, the function is called again one
-sample at a time, in order, until a sample raises, to name the culprit in the report (this
-diagnostic only runs on failure; a function with side effects runs more than once then).
+counts them in ``num_errors``; what a failed function logged is dropped. When a batch call
+raises, the function is called again one sample at a time, in order, until a sample raises, to
+name the culprit in the report (this diagnostic only runs on failure, with logging switched
+off; a function with side effects runs more than once then).
 
 A function that could score some samples but not others raises ``RewardSampleErrors`` with
 the scores it has: only the failed samples go through ``on_error``, and they are also counted
@@ -36,24 +54,31 @@ A function with a ``preflight`` attribute has it called by ``make_reward_spec`` 
 configured keyword arguments, before the first step (the code reward's sandbox self-test).
 
 The weighted total is ``total[i] = sum_f w_f * r_f[i]`` over the functions that scored sample
-``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. Metrics: the mean and the
-population standard deviation (ddof = 0) over scored samples; a function that scored no sample
-has no mean/std key (JSON has no NaN). A weighted total beyond the float32 range (each score
-in range, the weights too large) goes through the same policy: ``fail`` raises, ``zero`` sets
-that sample's total to 0 and counts it in ``num_errors``.
+``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. Metrics, as TRL logs them: the
+mean and the sample standard deviation (ddof = 1, TRL's ``nanstd``) over the scored samples
+only, per function and for the total; a key is left out when it is undefined (no scored sample
+for a mean, fewer than two for a std: JSON has no NaN).
+A weighted total beyond the float32 range (each score in range, the weights too large) goes
+through the same policy: ``fail`` raises, ``zero`` sets that sample's total to 0 and counts it.
 
 This module knows nothing about tokenizers, models, or advantages.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import difflib
 import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
+import json
 import math
+import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,15 +92,50 @@ if TYPE_CHECKING:  # torch is imported when scoring, so importing this package s
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "CONTRACT_KWARGS",
     "RewardError",
     "RewardSampleErrors",
     "RewardScores",
     "RewardSpec",
+    "TrainerState",
     "available_rewards",
     "make_reward_spec",
+    "make_reward_specs",
     "resolve_reward",
     "score_rewards",
 ]
+
+#: the keyword arguments the trainer passes besides the dataset columns (TRL's names); a
+#: dataset column or a configured kwarg may not take one of these names
+CONTRACT_KWARGS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+)
+#: metric namespaces the trainer writes; a reward's ``log_metric`` name may not start with one
+RESERVED_METRIC_PREFIXES = (
+    "reward/",
+    "loss/",
+    "rollout/",
+    "advantage/",
+    "entropy/",
+    "grad/",
+    "optim/",
+    "update/",
+    "kl/",
+    "clip/",
+    "ratio/",
+    "value/",
+    "returns/",
+    "time/",
+    "perf/",
+    "eval/",
+    "curriculum/",
+)
+_DISPLAY_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")
 
 #: built-in reward name -> "module:attribute", imported only when resolved
 BUILTIN_REWARDS: dict[str, str] = {
@@ -234,11 +294,45 @@ class RewardSpec:
             raise ValueError(f"reward {self.name!r}: weight must be finite, got {self.weight!r}")
         self.weight = w
         self.kwargs = dict(self.kwargs or {})
+        reserved = sorted(k for k in self.kwargs if k in CONTRACT_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"reward {self.name!r}: kwargs {reserved} are reserved (the trainer passes "
+                f"{', '.join(CONTRACT_KWARGS)} itself)"
+            )
 
     @property
     def bound(self) -> Callable:
         """``fn`` with the configured keyword arguments bound (``functools.partial``)."""
         return functools.partial(self.fn, **self.kwargs) if self.kwargs else self.fn
+
+    @property
+    def is_async(self) -> bool:
+        """Whether calling ``fn`` gives a coroutine (``async def``, also as a ``__call__``)."""
+        fn = self.fn
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - an instance with async __call__
+        )
+
+
+def callable_name(fn: Callable) -> str:
+    """A function's display name: its ``__name__`` (a partial unwrapped), else its class name."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def check_display_name(name, where: str = "display_name") -> str:
+    """``name`` if it is a valid reward display name, else ``ValueError`` saying what is valid."""
+    if not isinstance(name, str) or not _DISPLAY_NAME_RE.fullmatch(name) or name == "total":
+        raise ValueError(
+            f"{where} {name!r} is not valid: use 1-64 letters, digits, '_', '-' or '.' "
+            "(no '/', which separates metric names; not 'total', which is the weighted sum), "
+            "e.g. display_name: accuracy_gsm8k"
+        )
+    return name
 
 
 def make_reward_spec(
@@ -255,37 +349,139 @@ def make_reward_spec(
         if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
             name = spec.strip()
         else:
-            name = getattr(fn, "__name__", None) or type(fn).__name__
+            name = callable_name(fn)
     return RewardSpec(name=name, fn=fn, weight=weight, kwargs=kwargs or {})
+
+
+def make_reward_specs(items: Sequence[tuple]) -> list[RewardSpec]:
+    """Specs with unique names from ``(spec, weight, kwargs, display_name)`` tuples (errors
+    name the item as ``rewards[i]``, its place in the config's list).
+
+    A given ``display_name`` is checked (``check_display_name``) and must be unique; the others
+    get their default name (``make_reward_spec``), made unique by appending ``_2``, ``_3``, ...
+    (in order; a given display name is never taken)."""
+    specs, given = [], []
+    for i, item in enumerate(items):
+        spec, weight, kwargs, display = (tuple(item) + (None,) * 4)[:4]
+        if display is not None:
+            check_display_name(display, where=f"rewards[{i}].display_name")
+        specs.append(make_reward_spec(spec, 1.0 if weight is None else weight, kwargs, display))
+        given.append(display is not None)
+    taken: set[str] = set()
+    for i, (s, g) in enumerate(zip(specs, given)):
+        if g:
+            if s.name in taken:
+                raise ValueError(
+                    f"rewards[{i}].display_name {s.name!r} is used by two rewards; each needs "
+                    "its own (it names reward/<display_name>/... in the metrics)"
+                )
+            taken.add(s.name)
+    for s, g in zip(specs, given):
+        if not g:
+            base, k = s.name, 2
+            while s.name in taken or s.name == "total":
+                s.name, k = f"{base}_{k}", k + 1
+            taken.add(s.name)
+    return specs
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function reads from ``trainer_state``: the parts of
+    ``transformers.TrainerState`` that describe training progress, with the same names.
+
+    A step is one peergrade training step (one batch of prompts x group completions); while a
+    batch is scored, ``global_step`` counts the steps completed before it (0 in the first step,
+    as in TRL, where the trainer's state is read before the step's optimizer update)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    #: passes over the training rows completed; a task without a length (a generator) counts
+    #: the whole run as one epoch, as transformers does for a dataset without a length
+    epoch: float = 0.0
+    num_train_epochs: int = 0
+    #: completions per step (prompts_per_step x group_size)
+    train_batch_size: int | None = None
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+
+    def __getattr__(self, name: str):
+        # only reached for a missing attribute: say what exists instead of a bare AttributeError
+        fields = ", ".join(f.name for f in dataclasses.fields(TrainerState))
+        raise AttributeError(
+            f"trainer_state has no attribute {name!r}; peergrade's trainer_state has {fields} "
+            "(the parts of transformers.TrainerState that describe training progress)"
+        )
+
+    @classmethod
+    def at_step(
+        cls, step: int, max_steps: int, batch_size: int, prompts_per_step: int, num_rows=None
+    ) -> TrainerState:
+        """The state while step ``step`` (1-based) is scored, ``num_rows`` training rows (or
+        ``None`` for an endless task) consumed ``prompts_per_step`` at a time."""
+        done = max(0, step - 1)
+        if num_rows:
+            epoch = done * prompts_per_step / num_rows
+            epochs = math.ceil(max_steps * prompts_per_step / num_rows)
+        else:
+            epoch = done / max_steps if max_steps else 0.0
+            epochs = 1
+        return cls(
+            global_step=done,
+            max_steps=max_steps,
+            epoch=float(epoch),
+            num_train_epochs=epochs,
+            train_batch_size=batch_size,
+        )
 
 
 @dataclass
 class RewardScores:
-    """Scores of one batch: per function (NaN = not scored), weighted total, and failures."""
+    """Scores of one batch: per function (NaN = not scored), weighted total, and failures;
+    plus what the functions logged (``log_extra`` columns, ``log_metric`` means)."""
 
     per_fn: dict[str, torch.Tensor]  # name -> [N] float32, NaN where None or not scored
     total: torch.Tensor  # [N] float32, NaN where no function scored the sample
     num_errors: int = 0  # affected samples, summed over functions
     errors: list[str] = field(default_factory=list)
+    extra: dict[str, list] = field(default_factory=dict)  # log_extra: column -> N values
+    logged: dict[str, float] = field(default_factory=dict)  # log_metric: name -> batch mean
     counts: dict[str, float] = field(default_factory=dict)  # e.g. reward/<fn>/sandbox_errors
 
     def metrics(self) -> dict[str, float]:
-        """``reward/<name>/mean|std``, ``reward/total/mean|std``, ``reward/errors``, and the
-        per-function failure counts (``reward/<fn>/sandbox_errors``)."""
+        """``reward/<name>/mean|std``, ``reward/total/mean|std``, ``reward/errors``, the
+        per-function failure counts (``reward/<fn>/sandbox_errors``) and the ``log_metric``
+        values under their own names. Over scored samples only; std with ddof 1 (TRL's
+        ``nanstd``), left out below two scored samples."""
         import torch
 
         out: dict[str, float] = {}
         for name, values in list(self.per_fn.items()) + [("total", self.total)]:
-            v = values[~torch.isnan(values)]
+            v = values[~torch.isnan(values)].double()
             if v.numel():
-                out[f"reward/{name}/mean"] = v.double().mean().item()
-                out[f"reward/{name}/std"] = v.double().std(correction=0).item()
+                out[f"reward/{name}/mean"] = v.mean().item()
+            if v.numel() > 1:
+                out[f"reward/{name}/std"] = v.std(correction=1).item()
         out["reward/errors"] = float(self.num_errors)
         out.update(self.counts)
+        out.update(self.logged)
+        return out
+
+    def sample_fields(self, rows: slice) -> dict:
+        """The per-completion record of ``rows`` for ``samples.jsonl``: each function's scores
+        (``None`` = not scored) and the ``log_extra`` columns."""
+        out: dict = {
+            "rewards_by_fn": {
+                name: [None if math.isnan(x) else x for x in v[rows].tolist()]
+                for name, v in self.per_fn.items()
+            }
+        }
+        if self.extra:
+            out["extra"] = {col: values[rows] for col, values in self.extra.items()}
         return out
 
 
-_RAISED = object()  # score_rewards: the call raised, there is no output to check
+_REPORTED = object()  # score_rewards: the outcome is already reported, nothing to check
 
 
 def _format_exc(exc: BaseException) -> str:
@@ -294,8 +490,135 @@ def _format_exc(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _slice_columns(columns: dict, i: int) -> dict:
-    return {k: [v[i]] for k, v in columns.items()}
+def _is_conversational(prompt) -> bool:
+    """TRL's test: a prompt is conversational when it is a list of messages (dicts with a role)."""
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(m, dict) and "role" in m for m in prompt)
+    )
+
+
+def as_trl_completions(prompts: Sequence, completions: Sequence) -> list:
+    """Completions in the form TRL gives reward functions: ``[{"role": "assistant", "content":
+    text}]`` where the row's prompt is conversational, the text otherwise (an item that is not
+    a string already is kept as it is)."""
+    return [
+        [{"role": "assistant", "content": c}] if isinstance(c, str) and _is_conversational(p) else c
+        for p, c in zip(prompts, completions)
+    ]
+
+
+# ----------------------------------------------------------------------------- async functions
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's reward event loop, started on first use in a daemon thread.
+
+    One loop for the whole run (as TRL's ``async_loop``), so that clients an async reward keeps
+    between calls (HTTP sessions bound to a loop) stay valid, and so that scoring works when
+    the caller is itself inside a running loop (a notebook), where ``asyncio.run`` refuses."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="peergrade-rewards", daemon=True).start()
+            _loop = loop
+    return _loop
+
+
+def _run_awaitables(awaitables: list) -> list:
+    """Results of ``awaitables`` awaited concurrently; an exception is returned, not raised."""
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    return asyncio.run_coroutine_threadsafe(gather(), _event_loop()).result()
+
+
+def _call_now(call: Callable, kwargs: dict):
+    """``call(**kwargs)``, an awaitable result awaited (on the reward loop); raises."""
+    out = call(**kwargs)
+    if inspect.isawaitable(out):
+        (out,) = _run_awaitables([out])
+        if isinstance(out, BaseException):
+            raise out
+    return out
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class _Log:
+    """The ``log_extra`` / ``log_metric`` of one function's call; kept only if the call succeeds."""
+
+    def __init__(self, fn_name: str, n: int, claimed: dict[str, str]):
+        self.fn_name, self.n, self.claimed = fn_name, n, claimed
+        self.extra: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values) -> None:
+        if not isinstance(column, str) or not column:
+            raise ValueError(f"log_extra: column must be a non-empty string, got {column!r}")
+        owner = self.claimed.get(column)
+        if owner is not None:
+            raise ValueError(
+                f"log_extra: column {column!r} was already logged for this batch"
+                + (f" by reward {owner!r}" if owner != self.fn_name else "")
+            )
+        if not isinstance(values, (list, tuple)) or len(values) != self.n:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else repr(values)
+            raise ValueError(
+                f"log_extra({column!r}, ...): expected a list of {self.n} values (one per "
+                f"completion), got {got}"
+            )
+        values = list(values)
+        try:
+            json.dumps(values)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"log_extra({column!r}, ...): values must be JSON-serialisable (they are "
+                f"written to samples.jsonl): {exc}"
+            ) from None
+        self.claimed[column] = self.fn_name
+        self.extra[column] = values
+
+    def log_metric(self, name: str, value) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"log_metric: name must be a non-empty string, got {name!r}")
+        if name in ("step", "final") or name.startswith(RESERVED_METRIC_PREFIXES):
+            raise ValueError(
+                f"log_metric: name {name!r} is reserved for the trainer's own metrics "
+                f"(step, final, {', '.join(p + '...' for p in RESERVED_METRIC_PREFIXES)})"
+            )
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            v = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"log_metric({name!r}, ...): value must be a real number, got "
+                f"{type(value).__name__} {value!r:.40}"
+            ) from None
+        if not math.isfinite(v):
+            raise ValueError(f"log_metric({name!r}, ...): value must be finite, got {v}")
+        self.metrics.setdefault(name, []).append(v)
+
+    def drop(self) -> None:
+        for column in self.extra:
+            self.claimed.pop(column, None)
+        self.extra.clear()
+        self.metrics.clear()
+
+
+def _no_log(*args, **kwargs) -> None:
+    """``log_extra`` / ``log_metric`` while a failed function is re-run to find the culprit."""
+
+
+# ----------------------------------------------------------------------------- scoring
 
 
 def score_rewards(
@@ -305,8 +628,14 @@ def score_rewards(
     columns: dict | None = None,
     *,
     on_error: str = "fail",
+    trainer_state: TrainerState | None = None,
 ) -> RewardScores:
-    """Call every reward function on the batch and combine the scores (see module docstring)."""
+    """Call every reward function on the batch and combine the scores (see module docstring).
+
+    ``completions`` are texts (or already TRL-form items); they reach the functions in TRL's
+    form for each row (``as_trl_completions``). ``columns`` holds the dataset columns and
+    ``completion_ids``. ``trainer_state`` defaults to ``TrainerState()`` (step 0 of 0: scoring
+    outside a training run)."""
     import torch
 
     if on_error not in ("fail", "zero"):
@@ -316,7 +645,7 @@ def score_rewards(
         raise ValueError(f"score_rewards: {len(prompts)} prompts but {n} completions")
     columns = dict(columns or {})
     for key, col in columns.items():
-        if key in ("prompts", "completions"):
+        if key in CONTRACT_KWARGS and key != "completion_ids":
             raise ValueError(f"score_rewards: column name {key!r} is reserved")
         if len(col) != n:
             raise ValueError(f"score_rewards: column {key!r} has {len(col)} entries, expected {n}")
@@ -324,87 +653,128 @@ def score_rewards(
     dupes = sorted({x for x in names if names.count(x) > 1})
     if dupes:
         raise ValueError(f"score_rewards: reward names must be unique, repeated: {dupes}")
-    prompts, completions = list(prompts), list(completions)
+    prompts = list(prompts)
+    completions = as_trl_completions(prompts, completions)
+    state = trainer_state if trainer_state is not None else TrainerState()
+
+    claimed: dict[str, str] = {}
+    logs = [_Log(spec.name, n, claimed) for spec in specs]
+    calls = []
+    for spec, log in zip(specs, logs):
+        cols = {k: v for k, v in columns.items() if k not in spec.kwargs}
+        kwargs = {
+            "prompts": prompts,
+            "completions": completions,
+            **cols,
+            "trainer_state": state,
+            "log_extra": log.log_extra,
+            "log_metric": log.log_metric,
+        }
+        calls.append((spec.bound, kwargs))
+
+    # synchronous functions in order, then the async ones concurrently (TRL's order)
+    outcomes: list = [None] * len(specs)
+    pending: list[int] = []
+    for j, (spec, (call, kwargs)) in enumerate(zip(specs, calls)):
+        if spec.is_async:
+            pending.append(j)
+            continue
+        try:
+            outcomes[j] = _call_now(call, kwargs)
+        except Exception as exc:
+            outcomes[j] = exc
+    if pending:
+        coros = []
+        for j in pending:
+            call, kwargs = calls[j]
+            try:
+                coros.append(call(**kwargs))
+            except Exception as exc:  # raised before its first await (e.g. a bad signature)
+                coros.append(_raise_later(exc))
+        for j, out in zip(pending, _run_awaitables(coros)):
+            outcomes[j] = out
 
     per_fn: dict[str, torch.Tensor] = {}
     errors: list[str] = []
-    counts: dict[str, float] = {}
     num_errors = 0
-    for spec in specs:
+    counts: dict[str, float] = {}
+    extra: dict[str, list] = {}
+    logged: dict[str, list[float]] = {}
+    for spec, (call, kwargs), log, out in zip(specs, calls, logs, outcomes):
         # A function that declares the failures it counts always reports them (0 included).
         for kind in getattr(spec.fn, "error_metrics", ()):
             counts[f"reward/{spec.name}/{kind}"] = 0.0
-        call = spec.bound
-        cols = {k: v for k, v in columns.items() if k not in spec.kwargs}
         problems: list[str] = []
         bad = [False] * n  # samples to zero under on_error="zero"
         values = [math.nan] * n
         failed: dict[int, str] = {}
-        out = _RAISED
-        try:
-            out = call(prompts=prompts, completions=completions, **cols)
-        except RewardSampleErrors as exc:
+        if isinstance(out, RewardSampleErrors):
             # Some samples failed (e.g. a program the sandbox could not run): keep the others.
-            key = f"reward/{spec.name}/{exc.kind}"
-            counts[key] = counts.get(key, 0.0) + len(exc.failed)
-            if len(exc.scores) == n:
-                out, failed = exc.scores, exc.failed
+            key = f"reward/{spec.name}/{out.kind}"
+            counts[key] = counts.get(key, 0.0) + len(out.failed)
+            if len(out.scores) == n:
+                failed = out.failed
                 for i, why in sorted(failed.items()):
                     problems.append(f"reward {spec.name!r} sample {i}: {why}")
                     bad[i] = True
+                out = out.scores
             else:
-                problems.append(f"reward {spec.name!r} on the batch of {n}: {exc}")
+                problems.append(f"reward {spec.name!r} on the batch of {n}: {out}")
                 bad = [True] * n
-        except Exception as exc:
-            if getattr(exc, "stops_run", False):
-                raise  # e.g. no sandbox for the code reward: no policy may score that as 0
-            culprit = _locate_failure(call, prompts, completions, cols)
+                out = _REPORTED
+        if out is _REPORTED:
+            pass
+        elif isinstance(out, BaseException):
+            if not isinstance(out, Exception):  # KeyboardInterrupt, SystemExit: not ours
+                raise out
+            if getattr(out, "stops_run", False):
+                raise out  # e.g. no sandbox for the code reward: no policy may score that as 0
+            culprit = _locate_failure(call, kwargs, n)
             problems.append(
                 f"reward {spec.name!r} raised on the batch of {n}"
                 + (f" (first failing sample index {culprit[0]}: {culprit[1]})" if culprit else "")
-                + f": {_format_exc(exc)}"
+                + f": {_format_exc(out)}"
             )
             bad = [True] * n
-        if out is not _RAISED:
-            if not isinstance(out, (list, tuple)):
-                problems.append(
-                    f"reward {spec.name!r} returned a {type(out).__name__}, expected a list of "
-                    f"{n} floats or None"
-                )
-                bad = [True] * n
-            elif len(out) != n:
-                problems.append(
-                    f"reward {spec.name!r} returned {len(out)} scores for {n} completions "
-                    "(a wrong length is never broadcast)"
-                )
-                bad = [True] * n
-            else:
-                for i, v in enumerate(out):
-                    if v is None or i in failed:
-                        continue
-                    try:
-                        if isinstance(v, (str, bytes)):
-                            raise TypeError
-                        f = float(v)
-                    except (TypeError, ValueError):
-                        problems.append(
-                            f"reward {spec.name!r} sample {i}: {v!r} ({type(v).__name__}) is "
-                            "not a number or None"
-                        )
-                        bad[i] = True
-                        continue
-                    if not math.isfinite(f):
-                        problems.append(f"reward {spec.name!r} sample {i}: non-finite score {f}")
-                        bad[i] = True
-                        continue
-                    if abs(f) > FLOAT32_MAX:  # finite in float64, inf once stored as float32
-                        problems.append(
-                            f"reward {spec.name!r} sample {i}: score {f!r} is outside the "
-                            f"float32 range (|score| <= {FLOAT32_MAX:.4g})"
-                        )
-                        bad[i] = True
-                        continue
-                    values[i] = f
+        elif not isinstance(out, (list, tuple)):
+            problems.append(
+                f"reward {spec.name!r} returned a {type(out).__name__}, expected a list of "
+                f"{n} floats or None"
+            )
+            bad = [True] * n
+        elif len(out) != n:
+            problems.append(
+                f"reward {spec.name!r} returned {len(out)} scores for {n} completions "
+                "(a wrong length is never broadcast)"
+            )
+            bad = [True] * n
+        else:
+            for i, v in enumerate(out):
+                if v is None or i in failed:
+                    continue
+                try:
+                    if isinstance(v, (str, bytes)):
+                        raise TypeError
+                    f = float(v)
+                except (TypeError, ValueError):
+                    problems.append(
+                        f"reward {spec.name!r} sample {i}: {v!r} ({type(v).__name__}) is "
+                        "not a number or None"
+                    )
+                    bad[i] = True
+                    continue
+                if not math.isfinite(f):
+                    problems.append(f"reward {spec.name!r} sample {i}: non-finite score {f}")
+                    bad[i] = True
+                    continue
+                if abs(f) > FLOAT32_MAX:  # finite in float64, inf once stored as float32
+                    problems.append(
+                        f"reward {spec.name!r} sample {i}: score {f!r} is outside the "
+                        f"float32 range (|score| <= {FLOAT32_MAX:.4g})"
+                    )
+                    bad[i] = True
+                    continue
+                values[i] = f
         if problems:
             if on_error == "fail":
                 shown = problems[:10]
@@ -417,6 +787,11 @@ def score_rewards(
                 if bad[i]:
                     values[i] = 0.0
             num_errors += sum(bad)
+            if all(bad):  # the call itself failed: what it logged is not trusted
+                log.drop()
+        extra.update(log.extra)
+        for name, vs in log.metrics.items():
+            logged.setdefault(name, []).extend(vs)
         per_fn[spec.name] = torch.tensor(values, dtype=torch.float32)  # [N]
 
     total = torch.full((n,), math.nan, dtype=torch.float64)  # [N]
@@ -440,15 +815,29 @@ def score_rewards(
         total[over] = 0.0
         num_errors += len(over)
     return RewardScores(
-        per_fn=per_fn, total=total.float(), num_errors=num_errors, errors=errors, counts=counts
+        per_fn=per_fn,
+        total=total.float(),
+        num_errors=num_errors,
+        errors=errors,
+        extra=extra,
+        logged={k: sum(v) / len(v) for k, v in logged.items()},  # TRL: the mean of the calls
+        counts=counts,
     )
 
 
-def _locate_failure(call, prompts, completions, cols) -> tuple[int, str] | None:
+async def _raise_later(exc: Exception):
+    raise exc
+
+
+def _locate_failure(call, kwargs: dict, n: int) -> tuple[int, str] | None:
     """Re-run ``call`` one sample at a time; the first sample that raises, else ``None``."""
-    for i in range(len(completions)):
+    shared = ("trainer_state", "log_extra", "log_metric")
+    per_sample = [k for k in kwargs if k not in shared]
+    for i in range(n):
+        one = {k: [kwargs[k][i]] for k in per_sample}
+        one.update(trainer_state=kwargs["trainer_state"], log_extra=_no_log, log_metric=_no_log)
         try:
-            call(prompts=[prompts[i]], completions=[completions[i]], **_slice_columns(cols, i))
+            _call_now(call, one)
         except Exception as exc:
             return i, _format_exc(exc)
     return None

@@ -1,6 +1,7 @@
 """The built-in ``arithmetic`` task: seeded multi-digit ``+``, ``-``, ``*`` problems.
 
-Each row is ``{"prompt": str, "answer": str, "a": int, "b": int, "op": str}`` where ``answer``
+Each row is ``{"prompt": [{"role": "user", "content": "12+7="}], "answer": str, "a": int,
+"b": int, "op": str}`` (the prompt is a chat message list, see ``prompts.chat_prompt``) where ``answer``
 is the exact integer result as text (``"-12"``, ``"1036"``) and ``op`` is ``"+"``, ``"-"`` or
 ``"*"``. The verifier is the built-in reward ``arithmetic`` (``peergrade.rewards.math``).
 
@@ -15,8 +16,8 @@ drawn uniformly from ``ops``. Subtraction: by default the operands are ordered s
 Prompts: ``template`` is a Python format string over ``{a}``, ``{op}``, ``{b}``. The default
 ``"{a}{op}{b}="`` suits a base / character-level model that answers with the bare number;
 ``INSTRUCT_TEMPLATE`` suits an instruct model and asks for ``<answer></answer>`` tags (the
-reward's ``extract="auto"`` grades both forms). With ``system_prompt`` the prompt becomes a chat
-message list ``[system, user]``.
+reward's ``extract="auto"`` grades both forms). With ``system_prompt`` the message list is
+``[system, user]``.
 
 Held-out split, disjoint by construction: a problem ``(a, op, b)`` belongs to the eval split
 iff ``blake2b(f"{a}{op}{b}") mod 10 == 0`` (about 10% of all problems; stable across Python
@@ -35,6 +36,7 @@ import random
 from collections.abc import Iterator
 
 from .base import Task
+from .prompts import chat_prompt
 
 __all__ = ["ArithmeticTask", "DEFAULT_TEMPLATE", "INSTRUCT_TEMPLATE", "is_eval_problem", "solve"]
 
@@ -124,14 +126,8 @@ class ArithmeticTask(Task):
 
     def make_row(self, a: int, op: str, b: int) -> dict:
         """The row of one problem (no split check: use for hand-made examples)."""
-        prompt = self.template.format(a=a, op=op, b=b)
-        if self.system_prompt:
-            prompt = [
-                {"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": prompt},
-            ]
         return {
-            "prompt": prompt,
+            "prompt": chat_prompt(self.template.format(a=a, op=op, b=b), self.system_prompt),
             "answer": str(solve(a, op, b)),
             "a": a,
             "b": b,

@@ -1,6 +1,7 @@
 """The built-in ``countdown`` task: reach a target with given numbers and + - * /.
 
-Each row is ``{"prompt": str, "target": int, "numbers": list[int], "answer": str}``; ``answer``
+Each row is ``{"prompt": [{"role": "user", "content": ...}], "target": int, "numbers":
+list[int], "answer": str}`` (a chat message list, ``[system, user]`` with ``system_prompt``); ``answer``
 is one solution (any equation that ``peergrade.rewards.countdown`` accepts also scores).
 
 Generation: draw ``k`` numbers (``k`` uniform in ``[min_numbers, max_numbers]``, each uniform in
@@ -23,6 +24,7 @@ import random
 from collections.abc import Iterator
 
 from .base import Task
+from .prompts import chat_prompt
 
 __all__ = ["CountdownTask", "DEFAULT_TEMPLATE", "is_eval_problem"]
 
@@ -107,12 +109,9 @@ class CountdownTask(Task):
                 return nums, value, expr
 
     def make_row(self, numbers: list[int], target: int, solution: str) -> dict:
-        prompt = self.template.format(numbers=numbers, target=target)
-        if self.system_prompt:
-            prompt = [
-                {"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": prompt},
-            ]
+        prompt = chat_prompt(
+            self.template.format(numbers=numbers, target=target), self.system_prompt
+        )
         return {"prompt": prompt, "target": target, "numbers": list(numbers), "answer": solution}
 
     def train_rows(self, seed: int = 0) -> Iterator[dict]:

@@ -7,9 +7,13 @@ Formats (by suffix; a directory is a ``datasets.save_to_disk`` layout):
 - ``.jsonl``: one JSON object per line; blank lines are skipped; rows are numbered by their
   1-based line number.
 - ``.json``: a list of objects (rows numbered 1, 2, ... in list order).
-- ``.csv``: a header row then one row per line (``csv.DictReader``; row numbers are the
-  1-based line numbers, the header being line 1). Every value is a string; a prompt cell that
-  holds a JSON list (starts with ``[``) is read as chat messages.
+- ``.csv``: read as ``datasets.load_dataset("csv", ...)`` reads it: ``pandas.read_csv`` with
+  its defaults, then Arrow (imported lazily; ``pip install 'peergrade[data]'``). So values are
+  typed as pandas infers them per column (a column of integers gives ints, of numbers floats,
+  ``True``/``False`` bools, anything else strings), an empty cell (or ``NA``, ``null``, ...)
+  is ``None``, and a cell holding JSON text stays that string (a prompt cell too: it is fed as
+  text, as TRL does). A row with more cells than the header is an error; rows are numbered by
+  their line (the header being line 1).
 - ``.parquet``: read with ``pyarrow`` (imported lazily; rows numbered 1, 2, ...).
 - directory: ``datasets.load_from_disk`` (imported lazily); a ``DatasetDict`` gives its
   ``train`` split, and its ``test`` or ``validation`` split as the eval split unless
@@ -19,7 +23,9 @@ Columns: ``columns={"prompt": "question", "answer": "solution"}`` maps our names
 column names; ``prompt_column=``/``answer_column=`` are shorthands for the two common ones.
 Every row must have the prompt column and each mapped column (else: file, row number and the
 missing column). The other columns are kept as they are and passed to reward functions
-(``Task.columns`` lists them; a row lacking one gets ``None``). Prompts are a non-empty string
+(``Task.columns`` lists them; a row lacking one gets ``None``); a column may not be named like
+an argument the trainer passes itself (``prompts``, ``completions``, ``trainer_state``,
+``log_extra``, ``log_metric``). Prompts are a non-empty string
 or a non-empty list of ``{"role": "system"|"user"|"assistant", "content": str}`` messages.
 ``system_prompt`` turns each prompt into a message list that starts with that system message
 (unless the row's messages already start with a system message).
@@ -39,7 +45,6 @@ This module does not tokenize or apply chat templates.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import random
@@ -48,6 +53,7 @@ from pathlib import Path
 
 from peergrade.errors import PeergradeError
 
+from ..rewards.registry import CONTRACT_KWARGS
 from .base import Task
 
 __all__ = ["FileTask", "DataError", "read_rows"]
@@ -85,25 +91,47 @@ def _read_json(path: Path) -> list[tuple[int, object]]:
     return list(enumerate(data, start=1))
 
 
-def _read_csv(path: Path) -> list[tuple[int, object]]:
-    out = []
+def _csv_line_numbers(path: Path) -> list[int]:
+    """The line each CSV record ends on (``csv`` module), checking that none has more cells
+    than the header (pandas would take an extra leading column as the index, or fail)."""
+    lines = []
     with path.open(encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
             raise DataError(f"{path}: empty CSV file (expected a header row)")
-        for row in reader:
-            if None in row:  # more cells than header fields
+        for cells in reader:
+            if not cells:
+                continue  # a blank line, skipped by pandas too
+            if len(cells) > len(header):
                 raise DataError(
-                    f"{path}: line {reader.line_num}: {len(reader.fieldnames) + len(row[None])} "
-                    f"cells but the header has {len(reader.fieldnames)} columns"
+                    f"{path}: line {reader.line_num}: {len(cells)} cells but the header has "
+                    f"{len(header)} columns"
                 )
-            if any(v is None for v in row.values()):
-                raise DataError(
-                    f"{path}: line {reader.line_num}: fewer cells than the "
-                    f"{len(reader.fieldnames)} header columns"
-                )
-            out.append((reader.line_num, dict(row)))
-    return out
+            lines.append(reader.line_num)
+    return lines
+
+
+def _read_csv(path: Path) -> list[tuple[int, object]]:
+    try:
+        import pandas as pd
+        import pyarrow as pa
+    except ImportError as exc:
+        raise ImportError(
+            f"reading {path} needs pandas and pyarrow (CSV is read as datasets reads it): "
+            "pip install 'peergrade[data]'"
+        ) from exc
+    lines = _csv_line_numbers(path)
+    try:
+        # datasets' CSV builder: pd.read_csv with pandas' defaults, then pa.Table.from_pandas
+        rows = pa.Table.from_pandas(pd.read_csv(path)).to_pylist()
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{path}: empty CSV file (expected a header row)") from None
+    except Exception as exc:
+        raise DataError(f"{path}: cannot read CSV: {type(exc).__name__}: {exc}") from exc
+    if len(lines) != len(rows):  # the two parsers disagree on an odd file: number the rows
+        lines = [i + 2 for i in range(len(rows))]
+    return list(zip(lines, rows))
 
 
 def _read_parquet(path: Path) -> list[tuple[int, object]]:
@@ -170,10 +198,9 @@ def read_rows(path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] 
         )
 
 
-def _check_prompt(prompt, where: str, from_csv: bool):
-    if from_csv and isinstance(prompt, str) and prompt.lstrip().startswith("["):
-        with contextlib.suppress(json.JSONDecodeError):  # else: text that starts with '['
-            prompt = json.loads(prompt)
+def _check_prompt(prompt, where: str):
+    if prompt is None:
+        raise DataError(f"{where}: empty prompt (no value)")
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DataError(f"{where}: empty prompt")
@@ -282,7 +309,6 @@ class FileTask(Task):
     def _convert(self, raw: list[tuple[int, object]], path: Path) -> list[dict]:
         is_jsonl_or_csv = path.suffix.lower() in (".jsonl", ".csv")
         unit = "line" if is_jsonl_or_csv else "row"
-        from_csv = path.suffix.lower() == ".csv"
         inverse = {v: k for k, v in self.mapping.items()}
         out = []
         for num, obj in raw:
@@ -297,7 +323,14 @@ class FileTask(Task):
                         + f"; the row has {sorted(obj)}"
                     )
             row = {inverse.get(k, k): v for k, v in obj.items()}
-            row["prompt"] = _check_prompt(row["prompt"], where, from_csv)
+            reserved = sorted(k for k in row if k in CONTRACT_KWARGS)
+            if reserved:
+                raise DataError(
+                    f"{where}: column {reserved[0]!r} has the name of an argument the trainer "
+                    f"passes reward functions itself ({', '.join(CONTRACT_KWARGS)}); rename it "
+                    "in the file or map it with data.columns"
+                )
+            row["prompt"] = _check_prompt(row["prompt"], where)
             if self.system_prompt:
                 msgs = (
                     [{"role": "user", "content": row["prompt"]}]

@@ -3,8 +3,9 @@
 ``load_task("logic", dataset="leg_counting", **options)`` wraps any procedural dataset of
 reasoning-gym (``reasoning_gym.create_dataset(name, size=, seed=, **dataset_options)``; its
 names are listed by ``available_datasets()``). Rows are
-``{"prompt": str, "answer": str, "question": str, "metadata": dict}``; the prompt is the
-question followed by ``instruction`` (by default: put the final answer inside
+``{"prompt": list, "answer": str, "question": str, "metadata": dict}``; the prompt is a chat
+message list (``[system, user]`` with ``system_prompt``) whose user message is the question
+followed by ``instruction`` (by default: put the final answer inside
 ``<answer></answer>``). Scoring uses the package's own ``score_answer`` for the row's source
 dataset (``reasoning_gym.get_score_answer_fn``), which may give partial credit in [0, 1].
 
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 
 from ..rewards.extract import answer_tag, completion_text
 from .base import Task
+from .prompts import chat_prompt
 
 __all__ = ["LogicTask", "available_datasets", "reasoning_gym_reward"]
 
@@ -107,12 +109,7 @@ class LogicTask(Task):
             ) from exc
 
     def _row(self, entry: dict) -> dict:
-        prompt = entry["question"] + self.instruction
-        if self.system_prompt:
-            prompt = [
-                {"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": prompt},
-            ]
+        prompt = chat_prompt(entry["question"] + self.instruction, self.system_prompt)
         return {
             "prompt": prompt,
             "answer": "" if entry["answer"] is None else str(entry["answer"]),

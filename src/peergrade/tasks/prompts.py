@@ -1,18 +1,26 @@
 """Prompt rendering: a row's prompt (text or chat messages) -> the string the model sees.
 
-``render_prompt(row_prompt, tokenizer, *, system_prompt=None, use_chat_template=True)``:
+``render_prompt(row_prompt, tokenizer, *, system_prompt=None, use_chat_template="auto")``:
 
-- a plain string becomes one user message ``{"role": "user", "content": text}``;
-- a chat message list is kept as is (each message must be a dict with a ``role`` and ``content``);
-- ``system_prompt`` is prepended as a system message, unless the messages already start with one
-  (then the row's own system message wins: it was written for that row);
-- the tokenizer's chat template is applied with ``add_generation_prompt=True`` and
-  ``tokenize=False``, so the string ends where the assistant's answer starts.
+- ``"auto"`` (default; TRL's rule): a chat message list goes through the tokenizer's chat
+  template, a plain string is fed as it is -- unless ``system_prompt`` is given, which makes
+  it a chat (a system message only exists in one);
+- ``True``: every prompt goes through the template, a plain string as one user message
+  ``{"role": "user", "content": text}``;
+- ``False``: no template.
 
-Without a chat template (``tokenizer.chat_template`` is unset, ``tokenizer`` is ``None``, or
-``use_chat_template=False``) the prompt is plain text: the contents of the messages joined by
-blank lines (system first), with no role markers added. A base model prompted with
-``"12+7="`` thus sees exactly ``"12+7="``.
+A chat message list is kept as is (each message must be a dict with a ``role`` and
+``content``); ``system_prompt`` is prepended as a system message, unless the messages already
+start with one (then the row's own system message wins: it was written for that row). The
+template is applied with ``add_generation_prompt=True`` and ``tokenize=False``, so the string
+ends where the assistant's answer starts.
+
+Without a template (``tokenizer.chat_template`` is unset, ``tokenizer`` is ``None``, or the
+rule above says none) the prompt is plain text: the contents of the messages joined by blank
+lines (system first), with no role markers added. A base model prompted with ``"12+7="`` thus
+sees exactly ``"12+7="``.
+
+``chat_prompt(text, system_prompt)`` is the message list a built-in task gives as its prompt.
 
 ``with_examples(row_prompt, examples)`` puts solved example turns (a user message with the
 example's question, an assistant message with its reply) before the row's question, after a
@@ -23,7 +31,16 @@ This module does not tokenize (the rollout does).
 
 from __future__ import annotations
 
-__all__ = ["render_prompt", "to_messages", "with_examples"]
+__all__ = ["chat_prompt", "render_prompt", "to_messages", "uses_chat_template", "with_examples"]
+
+
+def chat_prompt(text: str, system_prompt: str | None = None) -> list[dict]:
+    """A built-in task's prompt: ``text`` as one user message, after ``system_prompt`` if given.
+
+    Built-in tasks give chat messages, so that by the ``"auto"`` rule they go through the chat
+    template (and reward functions get TRL's conversational completions)."""
+    user = {"role": "user", "content": text}
+    return [{"role": "system", "content": system_prompt}, user] if system_prompt else [user]
 
 
 def to_messages(row_prompt, system_prompt: str | None = None) -> list[dict]:
@@ -49,17 +66,33 @@ def to_messages(row_prompt, system_prompt: str | None = None) -> list[dict]:
     return messages
 
 
+def uses_chat_template(
+    row_prompt, tokenizer, system_prompt: str | None = None, use_chat_template: bool | str = "auto"
+) -> bool:
+    """Whether ``render_prompt`` puts ``row_prompt`` through ``tokenizer``'s chat template.
+
+    A prompt that does not goes to the tokenizer as plain text, special tokens added as TRL
+    adds them (``tokenizer(text)``: e.g. a BOS); a templated one brings its own."""
+    if use_chat_template == "auto":
+        use_chat_template = not isinstance(row_prompt, str) or bool(system_prompt)
+    elif not isinstance(use_chat_template, bool):
+        raise ValueError(
+            f"use_chat_template={use_chat_template!r} is not valid; expected 'auto', True or False"
+        )
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return bool(use_chat_template and template)
+
+
 def render_prompt(
     row_prompt,
     tokenizer=None,
     *,
     system_prompt: str | None = None,
-    use_chat_template: bool = True,
+    use_chat_template: bool | str = "auto",
 ) -> str:
     """The text the model is given for ``row_prompt`` (see the module docstring)."""
     messages = to_messages(row_prompt, system_prompt)
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    if use_chat_template and template:
+    if uses_chat_template(row_prompt, tokenizer, system_prompt, use_chat_template):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(text, str):  # defensive: some versions return a list for one conv
             text = text[0]
