@@ -91,7 +91,8 @@ def hf_greedy_accuracy(path, n: int, max_new_tokens: int = 16) -> float:
     texts = []
     for r in rows:
         msgs = [{"role": "system", "content": task.system_prompt}] if task.system_prompt else []
-        msgs.append({"role": "user", "content": r["prompt"]})
+        p = r["prompt"]  # the built-in tasks give chat messages, as a TRL dataset would
+        msgs += p if isinstance(p, list) else [{"role": "user", "content": p}]
         prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():

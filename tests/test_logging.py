@@ -57,11 +57,14 @@ def tiny_overrides(model_dir: Path, reward_path: Path, **extra) -> list[tuple[st
 
 
 REWARD_FILE = """
+def _text(c):  # chat completions (the built-in tasks' prompts are messages) or plain text
+    return c[0]["content"] if isinstance(c, list) else c
+
 def char_score(prompts, completions, **kwargs):
-    return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
+    return [(sum(ord(ch) for ch in _text(c)) % 97) / 97.0 for c in completions]
 
 def length_score(prompts, completions, **kwargs):
-    return [float(len(c)) for c in completions]
+    return [float(len(_text(c))) for c in completions]
 """
 
 

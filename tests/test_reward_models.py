@@ -207,8 +207,19 @@ def test_cli_trains_with_a_reward_model(rm_dir, tmp_path):
     assert len(train) == 2 and all("reward/tiny-rm/mean" in r for r in train)
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4
+    from peergrade.models import load_tokenizer
+
+    tok = load_tokenizer(rm_dir)
     for s in samples:  # the logged total is the reward model's score of prompt + completion
-        expected = direct_scores(rm_dir, [s["prompt"] + c for c in s["completions"]])
+        # the built-in task's prompts are chat messages: the model reads the rendered chat
+        assert isinstance(s["prompt"], list)
+        texts = [
+            tok.apply_chat_template(
+                s["prompt"] + [{"role": "assistant", "content": c}], tokenize=False
+            )
+            for c in s["completions"]
+        ]
+        expected = direct_scores(rm_dir, texts)
         assert s["rewards"] == pytest.approx(expected, abs=1e-4)
 
     bad = cli(["train", *TINY, "--reward", str(tmp_path / "run"), "-o", "run2"], tmp_path)
