@@ -8,9 +8,10 @@ import itertools
 import pytest
 
 from peergrade.errors import InputError
-from peergrade.evaluation import columns_for, encode_prompts, evaluate, pass_at_k
-from peergrade.rewards import RewardSpec
+from peergrade.evaluation import evaluate, pass_at_k
+from peergrade.rewards import RewardSpec, columns_for
 from peergrade.rollout import generate
+from peergrade.tasks.prompts import encode_prompts
 
 
 @pytest.mark.parametrize(

@@ -252,9 +252,10 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
 @pytest.mark.slow
 @needs_smollm2
 def test_evaluate_reports_format_rate(smol):
-    from peergrade.evaluation import accuracy_spec, encode_prompts, evaluate
+    from peergrade.evaluation import accuracy_spec, evaluate
     from peergrade.tasks import load_task
     from peergrade.tasks.arithmetic import INSTRUCT_TEMPLATE
+    from peergrade.tasks.prompts import encode_prompts
 
     model, tok = smol
     task = load_task("arithmetic", min_digits=2, max_digits=2, template=INSTRUCT_TEMPLATE)

@@ -477,3 +477,20 @@ def test_tokenizer_without_pad_or_eos(tiny_qwen2):
     no_eos.eos_token = None
     with pytest.raises(ValueError, match="no eos token"):
         generate(model, no_eos, ["hi"], n=1, max_new_tokens=2)
+
+
+def test_completion_id_lists_keep_only_counted_tokens():
+    """Rollout.completion_id_lists: each row's ids up to its counted length (the reward
+    contract's completion_ids), never the padding after an early EOS."""
+    from peergrade.rollout import Rollout
+
+    ro = Rollout(
+        prompt_ids=[[1], [2], [3]],
+        completion_ids=torch.tensor([[5, 6, 7], [8, 0, 0], [0, 0, 0]]),
+        completion_mask=torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+        logprobs=torch.zeros(3, 3),
+        finish_reason=["length", "eos", "eos"],
+        completion_text=["abc", "d", ""],
+        prompt_index=torch.tensor([0, 1, 2]),
+    )
+    assert ro.completion_id_lists() == [[5, 6, 7], [8], []]

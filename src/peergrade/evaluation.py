@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy pass@1, sampled pass@1 and pass@k; plus prompt encoding.
+"""Held-out evaluation: greedy pass@1, sampled pass@1 and pass@k.
 
 Correctness is the task's *accuracy reward* (its first default reward, e.g. ``arithmetic``
 for the arithmetic task) scoring 1.0. ``pass@k`` uses the unbiased estimator of Chen et al.
@@ -8,8 +8,8 @@ for the arithmetic task) scoring 1.0. ``pass@k`` uses the unbiased estimator of 
 greedy answers that the ``format`` reward in mode ``answer_only`` accepts (one final non-empty
 ``<answer>...</answer>`` block).
 
-This module holds the helpers the trainer shares with ``peergrade eval`` (prompt encoding,
-reward columns); it does not train.
+Prompts are encoded by ``tasks.prompts.encode_prompts`` and reward columns built by
+``rewards.columns_for``, as in training; this module does not train.
 """
 
 from __future__ import annotations
@@ -21,60 +21,15 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade.errors import InputError, user_input
-from peergrade.rewards import RewardSpec, TrainerState, resolve_reward, score_rewards
+from peergrade.rewards import RewardSpec, TrainerState, columns_for, resolve_reward, score_rewards
 from peergrade.rollout import generate
-from peergrade.tasks import render_prompt
-from peergrade.tasks.prompts import uses_chat_template
-
-
-def encode_prompts(
-    rows: list[dict],
-    tokenizer,
-    *,
-    system_prompt: str | None = None,
-    use_chat_template: bool | str = "auto",
-    max_prompt_length: int | None = None,
-) -> list[list[int]]:
-    """Token ids of each row's prompt, as TRL makes them: a chat-template prompt as
-    ``apply_chat_template(..., tokenize=True)`` gives them (the template writes any special
-    tokens), a plain-text prompt as ``tokenizer(text)`` does (special tokens added, e.g. BOS)."""
-    ids = []
-    for i, row in enumerate(rows):
-        text = render_prompt(
-            row["prompt"],
-            tokenizer,
-            system_prompt=system_prompt,
-            use_chat_template=use_chat_template,
-        )
-        templated = uses_chat_template(row["prompt"], tokenizer, system_prompt, use_chat_template)
-        toks = tokenizer(text, add_special_tokens=not templated)["input_ids"]
-        if max_prompt_length is not None and len(toks) > max_prompt_length:
-            raise InputError(
-                f"prompt of row {i} has {len(toks)} tokens, more than data.max_prompt_length="
-                f"{max_prompt_length}: {text[:80]!r}..."
-            )
-        ids.append(toks)
-    return ids
-
-
-def columns_for(rows: list[dict], repeat: int) -> dict[str, list]:
-    """Dataset columns for the reward functions, each repeated so it aligns with the
-    completions: every column but ``prompt``, ``completion`` and ``completion_ids`` (TRL's
-    rule: the trainer passes its own completions and ids)."""
-    keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
-    return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
+from peergrade.tasks.prompts import encode_prompts
 
 
 def reward_state(task, step: int, max_steps: int, prompts: int, group: int) -> TrainerState:
     """The ``trainer_state`` reward functions get while step ``step`` (1-based) is scored."""
     num_rows = len(task) if hasattr(task, "__len__") else None
     return TrainerState.at_step(step, max_steps, prompts * group, prompts, num_rows)
-
-
-def completion_id_lists(ro) -> list[list[int]]:
-    """The counted completion token ids of a Rollout, one list per sequence."""
-    lens = ro.completion_mask.sum(dim=1).long().tolist()
-    return [ro.completion_ids[i, :n].tolist() for i, n in enumerate(lens)]
 
 
 def accuracy_spec(task, reward: str | None = None) -> RewardSpec:
@@ -121,7 +76,7 @@ def evaluate(
             specs,
             [p for p in prompts for _ in range(repeat)],
             ro.completion_text,
-            {**columns_for(rows, repeat), "completion_ids": completion_id_lists(ro)},
+            {**columns_for(rows, repeat), "completion_ids": ro.completion_id_lists()},
             on_error="zero",
             trainer_state=trainer_state,
         )

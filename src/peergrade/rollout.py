@@ -103,6 +103,12 @@ class Rollout:
     completion_text: list[str]
     prompt_index: torch.Tensor  # [N] long
 
+    def completion_id_lists(self) -> list[list[int]]:
+        """The counted completion token ids, one list per sequence (``completion_ids`` of the
+        reward contract)."""
+        lens = self.completion_mask.sum(dim=1).long().tolist()
+        return [self.completion_ids[i, :n].tolist() for i, n in enumerate(lens)]
+
     @property
     def num_generated_tokens(self) -> int:
         return int(self.completion_mask.sum().item())

@@ -46,9 +46,6 @@ from peergrade.evaluation import (
     accuracy_spec,
     answer_format_spec,
     asks_for_answer_tags,
-    columns_for,
-    completion_id_lists,
-    encode_prompts,
     evaluate,
     reward_state,
 )
@@ -62,11 +59,12 @@ from peergrade.models import (
     resolve_model_path,
 )
 from peergrade.reward_models import reward_or_model
-from peergrade.rewards import RewardSpec, make_reward_specs, score_rewards
+from peergrade.rewards import RewardSpec, columns_for, make_reward_specs, score_rewards
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
+from peergrade.tasks.prompts import encode_prompts
 from peergrade.update import (
     Models,
     build_optimizer,
@@ -302,7 +300,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     t_generated = time.perf_counter()
 
     # 2. score them (a reward model's forward is the memory here)
-    completion_ids = completion_id_lists(rollout)  # the counted tokens of each completion
+    completion_ids = rollout.completion_id_lists()  # the counted tokens of each completion
     meter.reset()
     scores, acc_values = score(run, step, rows, rollout, completion_ids)
     meter.record("rewards")

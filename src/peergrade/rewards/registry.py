@@ -99,6 +99,7 @@ __all__ = [
     "RewardSpec",
     "TrainerState",
     "available_rewards",
+    "columns_for",
     "make_reward_spec",
     "make_reward_specs",
     "resolve_reward",
@@ -619,6 +620,14 @@ def _no_log(*args, **kwargs) -> None:
 
 
 # ----------------------------------------------------------------------------- scoring
+
+
+def columns_for(rows: list[dict], repeat: int) -> dict[str, list]:
+    """Dataset columns for the reward functions, each repeated so it aligns with the
+    completions: every column but ``prompt``, ``completion`` and ``completion_ids`` (TRL's
+    rule: the trainer passes its own completions and ids)."""
+    keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
+    return {k: [r.get(k) for r in rows for _ in range(repeat)] for k in keys}
 
 
 def score_rewards(

@@ -26,12 +26,24 @@ sees exactly ``"12+7="``.
 example's question, an assistant message with its reply) before the row's question, after a
 leading system message if the row has one: the few-shot prompt of ``data.few_shot``.
 
-This module does not tokenize (the rollout does).
+``encode_prompts(rows, tokenizer, ...)`` turns rows into the token ids the model sees, as TRL
+makes them; training and evaluation both encode through it.
+
+It takes a tokenizer as a plain argument and loads no model.
 """
 
 from __future__ import annotations
 
-__all__ = ["chat_prompt", "render_prompt", "to_messages", "uses_chat_template", "with_examples"]
+from peergrade.errors import InputError
+
+__all__ = [
+    "chat_prompt",
+    "encode_prompts",
+    "render_prompt",
+    "to_messages",
+    "uses_chat_template",
+    "with_examples",
+]
 
 
 def chat_prompt(text: str, system_prompt: str | None = None) -> list[dict]:
@@ -111,3 +123,33 @@ def with_examples(row_prompt, examples: list[tuple[object, str]]) -> list[dict]:
         asked = [m for m in to_messages(question) if m["role"] != "system"]
         turns += asked + [{"role": "assistant", "content": reply}]
     return messages[:head] + turns + messages[head:]
+
+
+def encode_prompts(
+    rows: list[dict],
+    tokenizer,
+    *,
+    system_prompt: str | None = None,
+    use_chat_template: bool | str = "auto",
+    max_prompt_length: int | None = None,
+) -> list[list[int]]:
+    """Token ids of each row's prompt, as TRL makes them: a chat-template prompt as
+    ``apply_chat_template(..., tokenize=True)`` gives them (the template writes any special
+    tokens), a plain-text prompt as ``tokenizer(text)`` does (special tokens added, e.g. BOS)."""
+    ids = []
+    for i, row in enumerate(rows):
+        text = render_prompt(
+            row["prompt"],
+            tokenizer,
+            system_prompt=system_prompt,
+            use_chat_template=use_chat_template,
+        )
+        templated = uses_chat_template(row["prompt"], tokenizer, system_prompt, use_chat_template)
+        toks = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        if max_prompt_length is not None and len(toks) > max_prompt_length:
+            raise InputError(
+                f"prompt of row {i} has {len(toks)} tokens, more than data.max_prompt_length="
+                f"{max_prompt_length}: {text[:80]!r}..."
+            )
+        ids.append(toks)
+    return ids
