@@ -146,9 +146,11 @@ def cmd_train(args, extra) -> int:
         cfg = _config_from(args, extra)
         run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
         ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
+    from peergrade.distributed import main_guard
     from peergrade.trainer import train
 
-    summary = train(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    # under torchrun: a failure names its rank, and the process group is torn down either way
+    summary = main_guard(train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
     return 130 if summary.get("interrupted") else 0
 
 
