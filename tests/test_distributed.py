@@ -143,6 +143,9 @@ CASES = {
 }
 
 
+FSDP_CASE = "grpo-kl-mu2-batchscale"
+
+
 def write_spec(path: Path, runs: list, fixed: bool = True) -> Path:
     path.write_text(json.dumps({"fixed_rollouts": fixed, "runs": runs}))
     return path
@@ -150,7 +153,8 @@ def write_spec(path: Path, runs: list, fixed: bool = True) -> Path:
 
 def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     """2 ranks x P/2 prompts == 1 process x P: every logged metric per step and the weights
-    after 3 steps (float32, atol 1e-5), for grpo+KL+mu 2+minibatches+batch scaling, dapo, PPO."""
+    after 3 steps (float32, atol 1e-5), for grpo+KL+mu 2+minibatches+batch scaling, dapo, PPO;
+    and FSDP2 on 2 ranks == DDP on 2 ranks, its checkpoint a plain from_pretrained directory."""
     runs = {
         layout: [
             {"dir": str(tmp_path / layout / name), "overrides": overrides(tiny_model_dir, reward_file, **extra)}
@@ -158,6 +162,11 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
         ]
         for layout in ("one", "two")
     }  # fmt: skip
+    # FSDP2 on the same 2 ranks, the first case: it must match too
+    fsdp_case = {**CASES[FSDP_CASE], "dist.strategy": "fsdp"}
+    runs["two"].append(
+        {"dir": str(tmp_path / "fsdp"), "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case)}
+    )  # fmt: skip
     one = run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))])
     check(one)
     two = run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"]))))
@@ -177,3 +186,15 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
         # rank 0 alone wrote: one metrics line per step (plus evals), samples of rank 0's prompts
         assert len(mb) == len(ma)
         assert (a / "samples.jsonl").read_text() == (b / "samples.jsonl").read_text()
+
+    # FSDP2: same metrics and weights as ddp (and so as one process); a plain HF checkpoint
+    from transformers import AutoModelForCausalLM
+
+    f, d = tmp_path / "fsdp", tmp_path / "two" / FSDP_CASE
+    assert_same_metrics(read_metrics(d), read_metrics(f))
+    wf = weights(f / "checkpoints/step-3")
+    assert_same_weights(weights(d / "checkpoints/step-3"), wf)
+    model = AutoModelForCausalLM.from_pretrained(f / "checkpoints/step-3")
+    loaded = model.state_dict()
+    for k, v in wf.items():
+        assert torch.equal(loaded[k], v), k

@@ -83,7 +83,7 @@ __all__ = [
     "is_sharded",
     "pad_micro_batches",
     "full_weights",
-    "grad_norm_value",
+    "clip_grad_norm",
     "checkpoint_state",
     "load_weights",
     "load_optimizer",
@@ -105,7 +105,8 @@ def init(cfg) -> bool:
     """Join torchrun's process group (no-op without torchrun); True when a group is active.
 
     Checks that the P prompts split into whole blocks per rank."""
-    if tdist.is_initialized():
+    if tdist.is_initialized():  # a later run in the same processes (tests): its strategy
+        _state["strategy"] = cfg.dist.strategy
         return True
     if not launched():
         return False
@@ -333,15 +334,19 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 # ----------------------------------------------------------------------------- gradients
 
 
-def sync_grads(params: list, *, sharded: bool = False) -> None:
+def _is_dtensor(p) -> bool:
+    return hasattr(p, "to_local")
+
+
+def sync_grads(params: list) -> None:
     """Sum every parameter's gradient over the ranks (before clipping and the optimizer step).
 
     A parameter no rank gave a gradient stays ``None`` (so AdamW skips it, as in one process);
-    one that some ranks lack gets zeros there. ``sharded`` parameters (FSDP2) were already
-    reduce-scattered in backward: nothing to do."""
-    if not parallel() or sharded:
+    one that some ranks lack gets zeros there. FSDP2-sharded parameters (DTensors) were
+    reduce-scattered in backward already and are left alone."""
+    if not parallel():
         return
-    params = list(params)
+    params = [p for p in params if not _is_dtensor(p)]
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
     has = all_sum(has).tolist()
     live = []
@@ -373,11 +378,20 @@ def sync_grads(params: list, *, sharded: bool = False) -> None:
             size += p.grad.numel() * p.grad.element_size()
 
 
-def grad_norm_value(norm) -> float:
-    """``clip_grad_norm_``'s result as a float (a DTensor under FSDP2)."""
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+def clip_grad_norm(params: list, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` (returned as a float); under FSDP2, where some
+    gradients are shards (DTensor) and some whole, the norm sums the shards' squares over ranks."""
+    params = list(params)
+    if not any(_is_dtensor(p) for p in params):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grads = [p.grad for p in params if p.grad is not None]
+    shard_sq = sum((g.to_local().float() ** 2).sum() for g in grads if _is_dtensor(g))
+    whole_sq = sum((g.float() ** 2).sum() for g in grads if not _is_dtensor(g))
+    total = (all_sum(torch.as_tensor(shard_sq, dtype=torch.float32)) + whole_sq).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        (g.to_local() if _is_dtensor(g) else g).mul_(coef.to(g.device))
+    return float(total)
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -395,10 +409,16 @@ def is_sharded(model) -> bool:
 
 def prepare(model):
     """Under ``dist.strategy: fsdp`` with several ranks, shard ``model`` with FSDP2: each
-    decoder layer (HF's ``_no_split_modules`` classes) then the root. Otherwise ``model``."""
+    decoder layer (HF's ``_no_split_modules`` classes) is one FSDP unit, and the backbone is
+    the root unit. The parameters outside the layers (embedding, final norm, lm_head) stay
+    whole on every rank and are all-reduced like ddp's: the log-prob engine calls the backbone
+    and then the head's weight itself, chunk by chunk, which no FSDP hook would see.
+    Otherwise ``model`` unchanged."""
     if strategy() != "fsdp" or not isinstance(model, torch.nn.Module):
         return model
     from torch.distributed.fsdp import fully_shard
+
+    from peergrade.models import find_backbone_and_head
 
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
@@ -407,12 +427,17 @@ def prepare(model):
             f"dist.strategy=fsdp: cannot find the decoder layers of {type(model).__name__} "
             "(its _no_split_modules is empty): use dist.strategy=ddp"
         )
+    backbone, _ = find_backbone_and_head(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    outside = {p for p in model.parameters() if id(p) not in in_layers}
     for layer in layers:
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(backbone, ignored_params=outside)
     for m in _fsdp_modules(model):
         # The losses are normalised over the global batch already: reduce-scatter sums.
+        # (plain SUM: gloo has no PREMUL_SUM)
         m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
     return model
 
 

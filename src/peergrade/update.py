@@ -163,12 +163,14 @@ def build_optimizer(params, cfg_optim, lr: float | None = None) -> torch.optim.A
         and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
         for p in params
     )
+    # FSDP2 mixes sharded (DTensor) and whole parameters, which the multi-tensor kernels refuse
+    sharded = any(hasattr(p, "to_local") for p in params)
     return torch.optim.AdamW(
         params,
         lr=cfg_optim.lr if lr is None else lr,
         betas=tuple(cfg_optim.adam_betas),
         weight_decay=cfg_optim.weight_decay,
-        fused=fused or None,
+        **({"foreach": False} if sharded else {"fused": fused or None}),
     )
 
 
@@ -208,7 +210,6 @@ class Trainee:
     optimizer: Any
     scheduler: Any = None
     norm_metric: str = "grad/norm"
-    module: Any = None  # the network itself (FSDP2 reduces its gradients in backward)
 
 
 # micro_loss(mb, mini_idx, (input_ids, attention_mask, cmask) trimmed, num_tokens, metrics)
@@ -272,9 +273,8 @@ def run_update(
             (micro_loss(one, mini_idx, trimmed, num_tokens, MeanMetrics()) * 0.0).backward()
         for t in trainees:
             if not skipped:
-                dist.sync_grads(t.params, sharded=dist.is_sharded(t.module))
-            norm = torch.nn.utils.clip_grad_norm_(t.params, max_norm)
-            metrics.add(t.norm_metric, dist.grad_norm_value(norm))
+                dist.sync_grads(t.params)  # summed over ranks (identity in one process)
+            metrics.add(t.norm_metric, dist.clip_grad_norm(t.params, max_norm))
         for t in trainees:
             t.optimizer.step()
             if t.scheduler is not None:
@@ -334,6 +334,6 @@ def grpo_update(
 
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
-    trainee = Trainee(params, optimizer, scheduler, module=models.policy)
+    trainee = Trainee(params, optimizer, scheduler)
     metrics = run_update(batch, cfg, step, [trainee], micro_loss, skip=no_signal)
     return {**metrics.means(), "optim/lr": scheduler.get_last_lr()[0]}
