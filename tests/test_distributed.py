@@ -198,3 +198,75 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     loaded = model.state_dict()
     for k, v in wf.items():
         assert torch.equal(loaded[k], v), k
+
+
+def cli_args(model_dir, reward_file, run_dir, fn="char_score", **extra) -> list:
+    """``peergrade train`` flags for a tiny 2-rank run with the real (per-rank seeded) sampler."""
+    args = ["-m", "peergrade", "train", "--train.output_dir", str(run_dir)]
+    for k, v in overrides(model_dir, reward_file, **extra):
+        if k == "rewards":
+            args += ["--reward", f"{reward_file}:{fn}"]
+            continue
+        args += [f"--{k}", json.dumps(v)]
+    return args
+
+
+def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file, tmp_path):
+    """Two torchrun launchers (--nnodes 2, rendezvous on 127.0.0.1) train 2 steps and save;
+    --resume on 2 ranks continues to step 4 and ends bit-identical to an uninterrupted 2-rank
+    run (metrics and weights)."""
+    steps = {"train.save_every": 1, "train.keep_last": 5}
+    port = free_port()
+    legs = []
+    for node in (0, 1):
+        cmd = torchrun(1, *cli_args(tiny_model_dir, reward_file, tmp_path / "b", **steps,
+                                    **{"train.steps": 2}), nnodes=2, node_rank=node, port=port)
+        legs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))  # fmt: skip
+    for p in legs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    assert (tmp_path / "b" / "checkpoints" / "step-2" / "model.safetensors").exists()
+    check(run(torchrun(2, "-m", "peergrade", "train", "--resume", str(tmp_path / "b"),
+                       "--train.steps", "4")))  # fmt: skip
+    check(run(torchrun(2, *cli_args(tiny_model_dir, reward_file, tmp_path / "a", **steps,
+                                    **{"train.steps": 4}))))  # fmt: skip
+
+    def per_step(d):
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+            for r in read_metrics(d)
+            if "loss/policy" in r
+        ]
+
+    assert [r["step"] for r in per_step(tmp_path / "a")] == [1, 2, 3, 4]
+    assert per_step(tmp_path / "a") == per_step(tmp_path / "b")
+    wa, wb = weights(tmp_path / "a/checkpoints/step-4"), weights(tmp_path / "b/checkpoints/step-4")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
+    tiny_model_dir, reward_file, tmp_path
+):
+    """Rank 1's reward function raises at step 3: the job exits non-zero within the collective
+    timeout, the error names rank 1, checkpoint step-2 loads, and --resume finishes the run."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "r"
+    args = cli_args(tiny_model_dir, reward_file, run_dir, fn="flaky", **{
+        "train.save_every": 1, "train.steps": 4, "dist.timeout_s": 60})  # fmt: skip
+    t0 = time.monotonic()
+    e = env()
+    e["PEERGRADE_TEST_FAIL_RANK"] = "1"
+    out = subprocess.run(torchrun(2, *args), env=e, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 300  # bounded: no hang until some outer timeout
+    assert "peergrade: rank 1 of 2" in out.stderr and "injected reward failure" in out.stderr
+    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-1", "step-2"]
+    AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-2")
+    assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2]
+    check(run(torchrun(2, "-m", "peergrade", "train", "--resume", str(run_dir))))
+    assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "step-4").exists()
