@@ -40,9 +40,6 @@ def flaky(prompts, completions, **kwargs):
     return char_score(prompts, completions)
 '''
 
-pytestmark = pytest.mark.slow
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -151,6 +148,7 @@ def write_spec(path: Path, runs: list, fixed: bool = True) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     """2 ranks x P/2 prompts == 1 process x P: every logged metric per step and the weights
     after 3 steps (float32, atol 1e-5), for grpo+KL+mu 2+minibatches+batch scaling, dapo, PPO;
@@ -211,6 +209,7 @@ def cli_args(model_dir, reward_file, run_dir, fn="char_score", **extra) -> list:
     return args
 
 
+@pytest.mark.slow
 def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file, tmp_path):
     """Two torchrun launchers (--nnodes 2, rendezvous on 127.0.0.1) train 2 steps and save;
     --resume on 2 ranks continues to step 4 and ends bit-identical to an uninterrupted 2-rank
@@ -245,6 +244,7 @@ def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file,
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
     tiny_model_dir, reward_file, tmp_path
 ):
@@ -270,3 +270,54 @@ def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
     check(run(torchrun(2, "-m", "peergrade", "train", "--resume", str(run_dir))))
     assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "step-4").exists()
+
+
+# ----------------------------------------------------------------------------- in-process units
+
+
+def test_single_process_helpers_are_the_identity():
+    from peergrade import distributed as dist
+
+    assert not dist.launched() or dist.world() >= 1
+    t = torch.arange(6.0).reshape(3, 2)
+    assert dist.gather_rows(t) is t and dist.local_rows(t) is t and dist.all_sum(t) is t
+    assert dist.shard_rows([1, 2, 3]) == [1, 2, 3]
+    assert dist.rank_seed(1234) == 1234
+    assert dist.all_true(False) is False and dist.all_true(True) is True
+    assert dist.strategy() == "none" and dist.is_main()
+
+
+def test_prompts_not_divisible_by_world_is_a_clear_error(monkeypatch):
+    from peergrade import distributed as dist
+    from peergrade.config import load_config
+    from peergrade.errors import InputError
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_config(None, [("rollout.prompts_per_step", 4), ("model.device", "cpu")])
+    with pytest.raises(InputError, match=r"prompts_per_step = 4 is not divisible by the 3"):
+        dist.init(cfg)
+    cfg = load_config(None, [("rollout.prompts_per_step", 6), ("dist.strategy", "fsdp"), ("algo.name", "ppo")])
+    with pytest.raises(InputError, match="fsdp"):
+        dist.init(cfg)
+
+
+def test_memory_estimate_per_rank():
+    from peergrade.memory import estimate_memory
+
+    qwen_1_5b = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                     tie_word_embeddings=True, model_type="qwen2")  # fmt: skip
+    kw = dict(batch=128, micro_batch=8, seq_len=768, completion_len=512, dtype="bfloat16",
+              device="cuda", gradient_checkpointing=True)  # fmt: skip
+    one = estimate_memory(qwen_1_5b, **kw)
+    ddp = estimate_memory(qwen_1_5b, world=8, strategy="ddp", **kw)
+    fsdp = estimate_memory(qwen_1_5b, world=8, strategy="fsdp", **kw)
+    # ddp: every rank holds everything; its KV cache is for 1/8 of the sequences
+    assert ddp["weights"] == one["weights"] and ddp["optimizer"] == one["optimizer"]
+    assert ddp["kv_cache"] * 8 == one["kv_cache"]
+    # fsdp: the decoder layers (all but the 0.23B embedding) are sharded 8 ways
+    assert one["weights"] / 5 < fsdp["weights"] < one["weights"] / 3
+    assert fsdp["optimizer"] < one["optimizer"] / 3 and fsdp["peak"] < ddp["peak"]
+    # the rollout unshards: the generate phase holds the full weights again
+    assert fsdp["phases"]["generate"] > one["weights"]

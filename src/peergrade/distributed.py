@@ -87,6 +87,7 @@ __all__ = [
     "checkpoint_state",
     "load_weights",
     "load_optimizer",
+    "rank_memory",
     "main_guard",
 ]
 
@@ -521,6 +522,42 @@ def load_optimizer(model, optimizer, state: dict) -> None:
     set_optimizer_state_dict(
         model, optimizer, state, options=StateDictOptions(full_state_dict=True)
     )
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def rank_memory(
+    phases: dict, parts: dict, *, static: int, world: int, strategy: str, lora: bool,
+    layer_fraction: float, layer_bytes: int,
+) -> tuple[dict, dict]:  # fmt: skip
+    """Per-rank memory of a strategy, from the one-rank figures of a rank's batch share (bytes).
+
+    ``parts``: weights, grads, optimizer, reference; ``static``: what stays resident through
+    the step (weights, reference, optimizer, critic); ``layer_fraction``: the share of the
+    parameters inside decoder layers (what FSDP2 shards here: embedding, final norm and lm_head
+    stay whole); ``layer_bytes``: one layer's weights.
+    ddp: everything whole on every rank, plus one gradient bucket flattened for the all-reduce.
+    fsdp: the sharded share of each part divided by ``world``; the update all-gathers a layer
+    and prefetches the next (2 x ``layer_bytes``); the rollout unshards every layer."""
+    if strategy == "ddp" or lora:
+        bucket = min(parts["grads"], int(_state["bucket_mb"] * 2**20))
+        return {k: v + bucket if k == "update" else v for k, v in phases.items()}, parts
+    if strategy != "fsdp":
+        raise ValueError(f"strategy={strategy!r}: expected 'ddp' or 'fsdp'")
+    keep = 1 - layer_fraction + layer_fraction / world
+    new = {k: int(v * keep) for k, v in parts.items()}
+    static_saved = sum(parts[k] - new[k] for k in ("weights", "optimizer", "reference"))
+    unsharded = int(parts["weights"] * layer_fraction * (1 - 1 / world))
+    out = dict(phases)
+    out["generate"] = phases["generate"] - static_saved + unsharded
+    # update = static + max(backward, grads): the activations stay, the grads shrink
+    above = phases["update"] - static
+    backward = above if above > parts["grads"] else 0
+    out["update"] = static - static_saved + max(backward, new["grads"]) + 2 * layer_bytes
+    if "reference" in out:
+        out["reference"] = phases["reference"] - static_saved + 2 * layer_bytes
+    return out, new
 
 
 # ----------------------------------------------------------------------------- failure

@@ -184,6 +184,8 @@ def estimate_memory(
     micro_batch: int | None = None,
     device: str = "cpu",
     ref_offload: bool = False,
+    world: int = 1,
+    strategy: str = "ddp",
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -192,7 +194,11 @@ def estimate_memory(
     "float32" | "bfloat16" | "float16"; lora: None or {"r": int, "target_modules": [...]};
     algo: "grpo" | "ppo"; beta: KL coefficient (> 0 loads a reference unless LoRA);
     optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda"; ref_offload:
-    the reference copy lives in host memory outside its own pass (counted on "cuda" only).
+    the reference copy lives in host memory outside its own pass (counted on "cuda" only);
+    world, strategy: ranks under torchrun and ``dist.strategy`` -- the figures are then per
+    rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
+    layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
+    gathered at a time in the update, and all of them for the rollout).
     Returns a dict of components plus ``phases`` (generate/update peaks) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
@@ -208,6 +214,7 @@ def estimate_memory(
     a = _arch(model_config)
     pc = param_counts(model_config, lora)
     b = DTYPE_BYTES[dtype]
+    batch = batch // max(1, world)  # this rank's sequences
     f32 = 4
     H, inter, V, nl = a["H"], a["I"], a["V"], a["layers"]
     q_dim, kv_dim = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
@@ -261,6 +268,16 @@ def estimate_memory(
     update = static + max(backward, step)
     generate = static + kv_cache + gen_logits
     phases = {"generate": generate, "update": update}
+    if world > 1:  # per-rank sharding and communication buffers (peergrade.distributed)
+        from peergrade.distributed import rank_memory
+
+        parts = dict(weights=weights, grads=grads, optimizer=optim, reference=resident_ref)
+        phases, parts = rank_memory(
+            phases, parts, static=static, world=world, strategy=strategy, lora=bool(lora),
+            layer_fraction=nl * pc["per_layer"] / P, layer_bytes=pc["per_layer"] * b,
+        )  # fmt: skip
+        weights, grads, optim = parts["weights"], parts["grads"], parts["optimizer"]
+        reference = parts["reference"] if not offloaded else reference
     if offloaded:  # no grads in the reference pass: one layer's activations + the chunk buffers
         phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
     peak = max(phases.values())
@@ -295,7 +312,9 @@ def prompt_length(cfg, n: int = 64) -> int:
     return max(len(x) for x in encode_rows(cfg, task, tok, rows))
 
 
-def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | None = None) -> dict:
+def estimate_for_config(
+    cfg, *, prompt_len: int | None = None, device: str | None = None, world: int = 1
+) -> dict:
     """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
     import torch
 
@@ -325,6 +344,8 @@ def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | Non
         gradient_checkpointing=cfg.gradient_checkpointing_on(device),
         device=device,
         ref_offload=cfg.model.ref_offload,
+        world=world,
+        strategy=cfg.dist.strategy,
     )
 
 
