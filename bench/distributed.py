@@ -38,10 +38,10 @@ SIZES = {
     "30m": dict(vocab=32000, hidden=512, layers=6, heads=8, kv_heads=2, inter=1408),
     "tiny": dict(vocab=2000, hidden=64, layers=2, heads=4, kv_heads=2, inter=256),
 }
-REWARD = '''
+REWARD = """
 def char_score(prompts, completions, **kwargs):
     return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
-'''
+"""
 
 
 def free_port() -> int:
@@ -126,11 +126,7 @@ def main() -> None:
         f"{args.micro}, {args.threads} thread(s) per process; medians of {args.passes} runs "
         f"x {args.steps - 1} timed steps"
     )
-    print(
-        _common.format_table(
-            ["side", "steps/s", "tokens/s", "speed-up", "efficiency"], rows
-        )
-    )
+    print(_common.format_table(["side", "steps/s", "tokens/s", "speed-up", "efficiency"], rows))
     print(_common.load_note(), flush=True)
 
 

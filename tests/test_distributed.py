@@ -40,6 +40,7 @@ def flaky(prompts, completions, **kwargs):
     return char_score(prompts, completions)
 '''
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,7 +108,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def weights(ckpt_dir: Path) -> dict:
-    return load_file(str(Path(ckpt_dir) / "model.safetensors"))
+    """The checkpoint's weights (a LoRA checkpoint: its adapter)."""
+    adapter = Path(ckpt_dir) / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else Path(ckpt_dir) / "model.safetensors"))
 
 
 def assert_same_metrics(a: list[dict], b: list[dict], atol=1e-5) -> None:
@@ -137,6 +140,8 @@ CASES = {
     "dapo": {"algo.loss_type": "dapo", "optim.micro_batch_size": 2},
     # PPO: critic, GAE, whitening over every rank's tokens, KL in the reward, minibatches
     "ppo": {"algo.name": "ppo", "algo.beta": 0.05, "optim.minibatch_size": 4},
+    # LoRA: only the adapters train and are all-reduced; the reference is the adapter disabled
+    "lora": {"model.lora.enabled": True, "model.lora.r": 4, "algo.beta": 0.1, "optim.lr": 1e-2},
 }
 
 
@@ -179,7 +184,10 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
         assert any(r.get("update/zero_signal_frac", 0.0) < 1 for r in steps), name
         assert_same_metrics(ma, mb)
         wa, wb = weights(a / "checkpoints/step-3"), weights(b / "checkpoints/step-3")
-        assert any(not torch.equal(wa[k], start[k]) for k in wa), name
+        if name == "lora":  # the adapters' B matrices start at zero
+            assert any(k.endswith("lora_B.weight") and wa[k].abs().max() > 0 for k in wa)
+        else:
+            assert any(not torch.equal(wa[k], start[k]) for k in wa), name
         assert_same_weights(wa, wb)
         # rank 0 alone wrote: one metrics line per step (plus evals), samples of rank 0's prompts
         assert len(mb) == len(ma)
@@ -218,8 +226,13 @@ def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file,
     port = free_port()
     legs = []
     for node in (0, 1):
-        cmd = torchrun(1, *cli_args(tiny_model_dir, reward_file, tmp_path / "b", **steps,
-                                    **{"train.steps": 2}), nnodes=2, node_rank=node, port=port)
+        cmd = torchrun(
+            1,
+            *cli_args(tiny_model_dir, reward_file, tmp_path / "b", **steps, **{"train.steps": 2}),
+            nnodes=2,
+            node_rank=node,
+            port=port,
+        )
         legs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
     for p in legs:
@@ -292,12 +305,19 @@ def test_prompts_not_divisible_by_world_is_a_clear_error(monkeypatch):
     from peergrade.config import load_config
     from peergrade.errors import InputError
 
-    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     cfg = load_config(None, [("rollout.prompts_per_step", 4), ("model.device", "cpu")])
     with pytest.raises(InputError, match=r"prompts_per_step = 4 is not divisible by the 3"):
         dist.init(cfg)
-    cfg = load_config(None, [("rollout.prompts_per_step", 6), ("dist.strategy", "fsdp"), ("algo.name", "ppo")])
+    cfg = load_config(
+        None, [("rollout.prompts_per_step", 6), ("dist.strategy", "fsdp"), ("algo.name", "ppo")]
+    )
     with pytest.raises(InputError, match="fsdp"):
         dist.init(cfg)
 

@@ -288,9 +288,7 @@ class DistConfig:
         "fails: a hung or dead rank brings everyone down within this bound.",
         600.0,
     )
-    bucket_mb: float = doc(
-        "ddp: gradients are all-reduced in buckets of about this many MB.", 25.0
-    )
+    bucket_mb: float = doc("ddp: gradients are all-reduced in buckets of about this many MB.", 25.0)
 
 
 @dataclass

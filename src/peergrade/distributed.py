@@ -70,6 +70,7 @@ __all__ = [
     "local_rows",
     "all_sum",
     "all_true",
+    "any_true",
     "merge_sums",
     "sum_int",
     "gather_scores",
@@ -236,6 +237,11 @@ def all_true(flag: bool) -> bool:
     return bool(x.item())
 
 
+def any_true(flag: bool) -> bool:
+    """True when ``flag`` is true on some rank (e.g. a Ctrl-C seen by one rank first)."""
+    return not all_true(not flag)
+
+
 def merge_sums(sums: dict[str, float], counts: dict[str, int]) -> tuple[dict, dict]:
     """Per-key sums and counts of every rank added up (keys missing on a rank count 0)."""
     if not parallel():
@@ -311,7 +317,6 @@ def masked_std(x: torch.Tensor, mask: torch.Tensor) -> float:
 
     if not parallel():
         return local_std(x, mask)
-    valid = mask == 1
     n, s = masked_moments(x, mask)
     mean = (s / n.clamp(min=1)).to(x.dtype)
     _, ss = masked_moments((x - mean) ** 2, mask)
@@ -362,8 +367,11 @@ def sync_grads(params: list) -> None:
     size = 0
     for p in live + [None]:
         flush = p is None or (
-            bucket and (size + p.grad.numel() * p.grad.element_size() > limit
-                        or p.grad.dtype != bucket[0].grad.dtype)
+            bucket
+            and (
+                size + p.grad.numel() * p.grad.element_size() > limit
+                or p.grad.dtype != bucket[0].grad.dtype
+            )
         )
         if flush and bucket:
             flat = torch.cat([q.grad.reshape(-1) for q in bucket]).to(_state["comm"])
@@ -575,8 +583,11 @@ def main_guard(fn, *args, **kwargs):
             where += f" (local rank {os.environ.get('LOCAL_RANK', '?')}, {socket.gethostname()})"
             last = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
             at = f" at {os.path.basename(last[0].filename)}:{last[0].lineno}" if last else ""
-            print(f"peergrade: {where} failed: {type(e).__name__}: {e}{at}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"peergrade: {where} failed: {type(e).__name__}: {e}{at}",
+                file=sys.stderr,
+                flush=True,
+            )
         raise
     finally:
         shutdown()

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from peergrade.algo import gae, kl_divergence, policy_loss, value_loss
 from peergrade import distributed as dist
+from peergrade.algo import gae, kl_divergence, policy_loss, value_loss
 from peergrade.algo.advantages import token_rewards
 from peergrade.models import (
     find_backbone_and_head,

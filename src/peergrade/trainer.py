@@ -395,10 +395,8 @@ class HeldOut:
     def evaluate(self) -> dict[str, float] | None:
         if not self.rows:
             return None
-        cfg, models = self.run.cfg, self.run.models
-        r = cfg.rollout
         # Under torchrun every rank evaluates the same rows (rank 0 logs); FSDP2 unshards.
-        with dist.full_weights(models.policy) as policy:
+        with dist.full_weights(self.run.models.policy) as policy:
             return self._evaluate(policy)
 
     def _evaluate(self, policy) -> dict[str, float]:
@@ -584,7 +582,7 @@ def train(
                 display.update(step, m)
                 if t.save_every and step % t.save_every == 0:
                     out.save(run, step)
-                if stop.requested:
+                if dist.any_true(stop.requested):  # all ranks stop after the same step
                     interrupted = True
                     break
     except KeyboardInterrupt:
