@@ -36,6 +36,8 @@ def flaky(prompts, completions, **kwargs):
     """char_score, but the rank named by PEERGRADE_TEST_FAIL_RANK raises on its 3rd call."""
     CALLS.append(1)
     if os.environ.get("PEERGRADE_TEST_FAIL_RANK") == os.environ.get("RANK") and len(CALLS) == 3:
+        if os.environ.get("PEERGRADE_TEST_FAIL_MODE") == "kill":
+            os.kill(os.getpid(), 9)
         raise RuntimeError("injected reward failure")
     return char_score(prompts, completions)
 '''
@@ -258,11 +260,15 @@ def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
-    tiny_model_dir, reward_file, tmp_path
+    tiny_model_dir, reward_file, tmp_path, mode
 ):
-    """Rank 1's reward function raises at step 3: the job exits non-zero within the collective
-    timeout, the error names rank 1, checkpoint step-2 loads, and --resume finishes the run."""
+    """Rank 1's reward function raises (or rank 1 is SIGKILLed) at step 3: the job exits
+    non-zero within the collective timeout, the error names rank 1, checkpoint step-2 is intact
+    and loads, and --resume finishes the run (here on ONE process: a ddp checkpoint resumes on
+    another world size)."""
+    import re
     import time
 
     from transformers import AutoModelForCausalLM
@@ -273,14 +279,21 @@ def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
     t0 = time.monotonic()
     e = env()
     e["PEERGRADE_TEST_FAIL_RANK"] = "1"
+    e["PEERGRADE_TEST_FAIL_MODE"] = mode
     out = subprocess.run(torchrun(2, *args), env=e, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0
     assert time.monotonic() - t0 < 300  # bounded: no hang until some outer timeout
-    assert "peergrade: rank 1 of 2" in out.stderr and "injected reward failure" in out.stderr
+    if mode == "raise":  # our own line, from the failing rank
+        assert "peergrade: rank 1 of 2" in out.stderr and "injected reward failure" in out.stderr
+    else:  # a killed rank cannot speak: torchrun's summary names it
+        assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", out.stderr), out.stderr[-3000:]
+        assert "SIGKILL" in out.stderr or "Signal 9" in out.stderr
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-1", "step-2"]
     AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-2")
     assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2]
-    check(run(torchrun(2, "-m", "peergrade", "train", "--resume", str(run_dir))))
+    if mode == "kill":
+        return
+    check(run([sys.executable, "-m", "peergrade", "train", "--resume", str(run_dir)]))
     assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2, 3, 4]
     assert (run_dir / "checkpoints" / "step-4").exists()
 
