@@ -158,8 +158,9 @@ def write_spec(path: Path, runs: list, fixed: bool = True) -> Path:
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     """2 ranks x P/2 prompts == 1 process x P: every logged metric per step and the weights
-    after 3 steps (float32, atol 1e-5), for grpo+KL+mu 2+minibatches+batch scaling, dapo, PPO;
-    and FSDP2 on 2 ranks == DDP on 2 ranks, its checkpoint a plain from_pretrained directory."""
+    after 3 steps (float32, atol 1e-5), for grpo+KL+mu 2+minibatches+batch scaling, dapo, PPO,
+    LoRA; FSDP2 on 2 ranks == DDP on 2 ranks, its checkpoint a plain from_pretrained directory,
+    and its resume exact."""
     runs = {
         layout: [
             {"dir": str(tmp_path / layout / name), "overrides": overrides(tiny_model_dir, reward_file, **extra)}
@@ -172,6 +173,13 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     runs["two"].append(
         {"dir": str(tmp_path / "fsdp"), "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case)}
     )  # fmt: skip
+    # ... and resumes exactly: 2 steps, then --resume to 3 (full weights + optimizer reloaded)
+    runs["two"] += [
+        {"dir": str(tmp_path / "fsdp-r"),
+         "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case, **{"train.steps": 2})},
+        {"dir": str(tmp_path / "fsdp-r"), "config": str(tmp_path / "fsdp-r" / "config.yaml"),
+         "overrides": [["train.steps", 3]], "resume": True},
+    ]  # fmt: skip
     one = run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))])
     check(one)
     two = run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"]))))
@@ -206,6 +214,20 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     loaded = model.state_dict()
     for k, v in wf.items():
         assert torch.equal(loaded[k], v), k
+    # FSDP2 resume under 2 ranks is exact: the same per-step metrics and bit-identical weights
+    r = tmp_path / "fsdp-r"
+
+    def per_step(d):
+        return [
+            {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+            for row in read_metrics(d)
+            if "loss/policy" in row
+        ]
+
+    assert [row["step"] for row in per_step(r)] == [1, 2, 3]
+    assert per_step(r) == per_step(f)
+    wr = weights(r / "checkpoints/step-3")
+    assert all(torch.equal(wr[k], wf[k]) for k in wf)
 
 
 def cli_args(model_dir, reward_file, run_dir, fn="char_score", **extra) -> list:
