@@ -15,6 +15,11 @@ step s is a function of (seed, step), minibatch shuffles likewise -- so a run re
 ``checkpoints/step-s`` (model, optimizer, scheduler, RNG states) produces the same metrics and
 weights as one never stopped.
 
+Under torchrun (``peergrade.distributed``) the same loop runs on every rank: ``train_step``
+keeps this rank's whole groups of the step's P prompts, batch statistics and metrics span every
+rank, and rank 0 alone writes logs and checkpoints. In one process every ``dist.*`` call is the
+identity.
+
 This module does not implement the math (``algo``), the update (``update``, ``ppo``), the
 sampler (``rollout``), log-probs and loading (``logprobs``, ``models``), rewards or tasks.
 """
