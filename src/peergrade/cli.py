@@ -157,9 +157,11 @@ def cmd_train(args, extra) -> int:
         cfg = _config_from(args, extra)
         run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
         ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
+    from peergrade.distributed import main_guard
     from peergrade.trainer import train
 
-    summary = train(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    # under torchrun: a failure names its rank, and the process group is torn down either way
+    summary = main_guard(train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
     return 130 if summary.get("interrupted") else 0
 
 
@@ -275,10 +277,15 @@ def cmd_memory(args, extra) -> int:
         f"{cfg.rollout.group_size}   completion: {cfg.rollout.max_completion_length} tokens   "
         f"beta: {cfg.algo.beta}"
     )
-    if args.estimate_only:
+    if args.world < 1:
+        raise UserError(f"--world must be >= 1, got {args.world}")
+    if args.estimate_only or args.world > 1:
         rows = [
-            (label, estimate_for_config(c, prompt_len=args.prompt_len)) for label, c in variants
+            (label, estimate_for_config(c, prompt_len=args.prompt_len, world=args.world))
+            for label, c in variants
         ]
+        if args.world > 1:
+            print(f"per rank: {args.world} ranks, dist.strategy {cfg.dist.strategy}")
         print(format_estimates(rows))
         return 0
     rows = []
@@ -571,6 +578,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["returning", "default"],
         default="returning",
         help="CPU: glibc policy of the measured process (returning: RSS follows live tensors)",
+    )
+    mm.add_argument(
+        "--world",
+        type=int,
+        default=1,
+        help="ranks under torchrun: per-rank estimate for dist.strategy (ddp or fsdp); "
+        "implies --estimate-only",
     )
     mm.add_argument(
         "--prompt-len",

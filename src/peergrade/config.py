@@ -359,6 +359,25 @@ class TrainConfig:
 
 
 @dataclass
+class DistConfig:
+    strategy: Literal["ddp", "fsdp"] = doc(
+        "Under torchrun: 'ddp' (every rank holds the whole model; gradients all-reduced) or "
+        "'fsdp' (PyTorch FSDP2: weights, gradients and optimizer state sharded across ranks). "
+        "Ignored in a single process.",
+        "ddp",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = doc(
+        "torch.distributed backend; 'auto' = nccl on CUDA, gloo on the CPU.", "auto"
+    )
+    timeout_s: float = doc(
+        "Seconds any collective (and the barrier while rank 0 saves) may wait before the job "
+        "fails: a hung or dead rank brings everyone down within this bound.",
+        600.0,
+    )
+    bucket_mb: float = doc("ddp: gradients are all-reduced in buckets of about this many MB.", 25.0)
+
+
+@dataclass
 class Config:
     """The whole run configuration."""
 
@@ -371,6 +390,9 @@ class Config:
     algo: AlgoConfig = doc("Loss and advantages.", default_factory=AlgoConfig)
     optim: OptimConfig = doc("Optimizer and batching.", default_factory=OptimConfig)
     train: TrainConfig = doc("Loop, evaluation, checkpoints.", default_factory=TrainConfig)
+    dist: DistConfig = doc(
+        "Several processes under torchrun (see README, Scaling out).", default_factory=DistConfig
+    )
 
     # ---- derived values: the one place each is computed (trainer, ppo, memory, validate)
 
@@ -707,6 +729,8 @@ def validate(cfg: Config) -> None:
         len(set(t.report_to)) == len(t.report_to),
         f"train.report_to lists a backend twice: {t.report_to}",
     )
+    need(cfg.dist.timeout_s > 0, f"dist.timeout_s must be > 0, got {cfg.dist.timeout_s}")
+    need(cfg.dist.bucket_mb > 0, f"dist.bucket_mb must be > 0, got {cfg.dist.bucket_mb}")
     need(
         cfg.model.logprob_chunk_size >= 1,
         f"model.logprob_chunk_size must be >= 1, got {cfg.model.logprob_chunk_size}",

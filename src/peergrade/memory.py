@@ -187,6 +187,8 @@ def estimate_memory(
     device: str = "cpu",
     ref_offload: bool = False,
     reward_models: list[dict] | None = None,
+    world: int = 1,
+    strategy: str = "ddp",
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -197,8 +199,13 @@ def estimate_memory(
     optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda"; ref_offload:
     the reference copy lives in host memory outside its own pass (counted on "cuda" only);
     reward_models: ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward
-    models among the rewards. Returns a dict of components plus ``phases`` (generate/update
-    peaks, and "rewards" with a reward model) and ``peak``.
+    models among the rewards.
+    world, strategy: ranks under torchrun and ``dist.strategy`` -- the figures are then per
+    rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
+    layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
+    gathered at a time in the update, and all of them for the rollout).
+    Returns a dict of components plus ``phases`` (generate/update peaks, and "rewards" with a
+    reward model) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -213,6 +220,7 @@ def estimate_memory(
     a = _arch(model_config)
     pc = param_counts(model_config, lora)
     b = DTYPE_BYTES[dtype]
+    batch = batch // max(1, world)  # this rank's sequences
     f32 = 4
     H, inter, V, nl = a["H"], a["I"], a["V"], a["layers"]
     q_dim, kv_dim = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
@@ -270,6 +278,16 @@ def estimate_memory(
     phases = {"generate": generate, "update": update}
     if reward_models:  # scoring: one reward model's micro-batch forward at a time
         phases["rewards"] = static + max(m["activations"] for m in reward_models)
+    if world > 1:  # per-rank sharding and communication buffers (peergrade.distributed)
+        from peergrade.distributed import rank_memory
+
+        parts = dict(weights=weights, grads=grads, optimizer=optim, reference=resident_ref)
+        phases, parts = rank_memory(
+            phases, parts, static=static, world=world, strategy=strategy, lora=bool(lora),
+            layer_fraction=nl * pc["per_layer"] / P, layer_bytes=pc["per_layer"] * b,
+        )  # fmt: skip
+        weights, grads, optim = parts["weights"], parts["grads"], parts["optimizer"]
+        reference = parts["reference"] if not offloaded else reference
     if offloaded:  # no grads in the reference pass: one layer's activations + the chunk buffers
         phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
     peak = max(phases.values())
@@ -305,7 +323,9 @@ def prompt_length(cfg, n: int = 64) -> int:
     return max(len(x) for x in encode_rows(cfg, task, tok, rows))
 
 
-def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | None = None) -> dict:
+def estimate_for_config(
+    cfg, *, prompt_len: int | None = None, device: str | None = None, world: int = 1
+) -> dict:
     """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
     import torch
 
@@ -353,6 +373,8 @@ def estimate_for_config(cfg, *, prompt_len: int | None = None, device: str | Non
         device=device,
         ref_offload=cfg.model.ref_offload,
         reward_models=reward_models,
+        world=world,
+        strategy=cfg.dist.strategy,
     )
 
 

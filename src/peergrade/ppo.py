@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from peergrade import distributed as dist
 from peergrade.algo import gae, kl_divergence, policy_loss, value_loss
-from peergrade.algo.advantages import masked_std, token_rewards, whiten
+from peergrade.algo.advantages import token_rewards
 from peergrade.models import (
     find_backbone_and_head,
     load_model,
@@ -217,19 +218,19 @@ def ppo_advantages(critic: Critic, models: Models, batch, seq_rewards, ref_lp, c
         beta=a.beta if kl_reward else 0.0,
     )  # [N, C]
     adv, returns = gae(rewards, values, cmask, gamma=a.gamma, lam=a.lam)  # [N, C] each
-    valid = cmask == 1
-    n = valid.sum().clamp(min=1)
+    # Token means and the whitening statistics span every rank's tokens (distributed: identity
+    # in one process).
     metrics = {
-        "value/rollout_mean": ((values * valid).sum() / n).item(),
-        "returns/mean": ((returns * valid).sum() / n).item(),
-        "advantage/raw_mean": ((adv * valid).sum() / n).item(),
-        "advantage/std": masked_std(adv, cmask),
+        "value/rollout_mean": dist.masked_mean(values, cmask),
+        "returns/mean": dist.masked_mean(returns, cmask),
+        "advantage/raw_mean": dist.masked_mean(adv, cmask),
+        "advantage/std": dist.masked_std(adv, cmask),
     }
     if kl_reward:
         kl = kl_divergence(old_lp, ref_lp, "k1")  # [N, C]
-        metrics["reward/kl_penalty_mean"] = (-a.beta * (kl * valid).sum() / n).item()
+        metrics["reward/kl_penalty_mean"] = dist.masked_mean(kl, cmask, -a.beta)
     return {
-        "advantages": whiten(adv, cmask),
+        "advantages": dist.whiten(adv, cmask),
         "returns": returns,
         "old_values": values,
         "old_logp": old_lp,

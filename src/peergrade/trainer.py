@@ -16,6 +16,11 @@ that reward functions may use likewise -- so a run resumed from
 ``checkpoints/step-s`` (model, optimizer, scheduler, RNG states) produces the same metrics and
 weights as one never stopped.
 
+Under torchrun (``peergrade.distributed``) the same loop runs on every rank: ``train_step``
+keeps this rank's whole groups of the step's P prompts, batch statistics and metrics span every
+rank, and rank 0 alone writes logs and checkpoints. In one process every ``dist.*`` call is the
+identity.
+
 This module does not implement the math (``algo``), the update (``update``, ``ppo``), the
 sampler (``rollout``), log-probs and loading (``logprobs``, ``models``), rewards or tasks.
 """
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from peergrade import checkpoint as ckpt
+from peergrade import distributed as dist
 from peergrade import ppo
 from peergrade.algo import group_advantages
 from peergrade.config import Config, to_yaml
@@ -154,7 +160,8 @@ def setup_models(cfg: Config) -> Models:
         reference = load_model(path, dtype=dtype, device="cpu").eval().requires_grad_(False)
     elif cfg.uses_reference:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    return Models(policy, tokenizer, reference, device)
+    # FSDP2 under torchrun shards both (before the optimizer sees the parameters)
+    return Models(dist.prepare(policy), tokenizer, dist.prepare(reference), device)
 
 
 @dataclass
@@ -222,19 +229,20 @@ REWARD_RNG_SALT = 1000  # peergrade.seeds: the stream of the global random/numpy
 def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
     """G completions for each prompt with the configured sampling settings, seeded by step."""
     r = run.cfg.rollout
-    return generate(
-        run.models.policy,
-        run.models.tokenizer,
-        prompt_ids,
-        n=r.group_size,
-        max_new_tokens=r.max_completion_length,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop=r.stop,
-        seed=step_seed(run.cfg.train.seed, step),
-        batch_size=r.generation_batch_size,
-    )
+    with dist.full_weights(run.models.policy) as policy:  # FSDP2: unsharded for sampling
+        return generate(
+            policy,
+            run.models.tokenizer,
+            prompt_ids,
+            n=r.group_size,
+            max_new_tokens=r.max_completion_length,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop=r.stop,
+            seed=dist.rank_seed(step_seed(run.cfg.train.seed, step)),
+            batch_size=r.generation_batch_size,
+        )
 
 
 def score(run: Run, step: int, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]]):
@@ -286,11 +294,14 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     ``meter`` brackets the generate / rewards / reference / update phases (``peergrade memory``)."""
     cfg, models = run.cfg, run.models
     P, G = len(rows), cfg.rollout.group_size
-    # Python's random and numpy's global generator, which reward functions may use
-    ckpt.seed_step_rngs(step_seed(cfg.train.seed, step, salt=REWARD_RNG_SALT))
+    # Python's random and numpy's global generator, which reward functions may use (a stream
+    # per rank under torchrun; rank 0's is the single-process one)
+    ckpt.seed_step_rngs(dist.rank_seed(step_seed(cfg.train.seed, step, salt=REWARD_RNG_SALT)))
     device = models.device
     t_start = time.perf_counter()
     rows, few_shot_frac = run.few_shot.apply(rows, step)
+    rows = dist.shard_rows(rows)  # under torchrun: this rank's P / world whole prompts
+    P = len(rows)
     prompt_ids = run.encode(rows)
 
     # 1. sample G completions per prompt
@@ -319,8 +330,11 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     ref_lp = ref_logprobs(models, batch, cfg)  # [N, C] or None
     if run.critic is None:  # GRPO: one group-relative advantage per completion
         a = cfg.algo
-        adv = group_advantages(rewards, scale=a.advantage_scale, baseline=a.advantage_baseline)
-        adv = adv.reshape(P * G).to(device)  # [N]
+        # over every rank's groups ([P_global, G]; batch scaling needs them all), then ours
+        adv = group_advantages(
+            dist.gather_rows(rewards), scale=a.advantage_scale, baseline=a.advantage_baseline
+        )
+        adv = dist.local_rows(adv).reshape(P * G).to(device)  # [N]
         ppo_out = None
     else:  # PPO: token-level GAE advantages from the critic
         ppo_out = ppo.ppo_advantages(run.critic, models, batch, scores.total, ref_lp, cfg)
@@ -349,20 +363,22 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     meter.record("update")
     t_updated = time.perf_counter()
 
-    # 6. metrics and sampled groups
-    gen_tokens = rollout.num_generated_tokens
-    lens = rollout.completion_mask.sum(dim=1)  # [N]
-    group_std = torch.nan_to_num(rewards, nan=0.0).std(dim=1)  # [P]
+    # 6. metrics (over every rank's rows under torchrun) and sampled groups
+    g = dist.gather_rows
+    gen_tokens = dist.sum_int(rollout.num_generated_tokens)
+    lens = g(rollout.completion_mask.sum(dim=1))  # [N]
+    group_std = torch.nan_to_num(g(rewards), nan=0.0).std(dim=1)  # [P]
+    all_scores, truncated = dist.gather_scores(scores), g(truncated)
     metrics = {
         "step": step,
-        **scores.metrics(),
-        "reward/accuracy": acc_values.nan_to_num(0.0).mean().item(),
+        **all_scores.metrics(),
+        "reward/accuracy": g(acc_values).nan_to_num(0.0).mean().item(),
         "rollout/len_mean": lens.float().mean().item(),
         "rollout/len_max": lens.max().item(),
         "rollout/frac_truncated": truncated.float().mean().item(),
         "rollout/frac_zero_std_groups": (group_std < 1e-6).float().mean().item(),
-        "rollout/repetition": repetition_rate(completion_ids),
-        **({"advantage/std": adv.std().item()} if ppo_out is None else {}),
+        "rollout/repetition": dist.mean_over_ranks(repetition_rate(completion_ids)),
+        **({"advantage/std": g(adv).std().item()} if ppo_out is None else {}),
         **({"curriculum/few_shot_frac": few_shot_frac} if run.few_shot.k else {}),
         **upd,
         "time/generate_s": t_generated - t_start,
@@ -419,13 +435,18 @@ class HeldOut:
         """Scores after ``after_step`` training steps (reward functions see that global_step)."""
         if not self.rows:
             return None
+        # Under torchrun every rank evaluates the same rows (rank 0 logs); FSDP2 unshards.
+        with dist.full_weights(self.run.models.policy) as policy:
+            return self._evaluate(policy, after_step)
+
+    def _evaluate(self, policy, after_step: int) -> dict[str, float]:
         cfg, models = self.run.cfg, self.run.models
         r = cfg.rollout
         state = reward_state(
             self.run.task, after_step + 1, cfg.train.steps, r.prompts_per_step, r.group_size
         )
         return evaluate(
-            models.policy,
+            policy,
             models.tokenizer,
             self.rows,
             self.prompt_ids,
@@ -496,8 +517,11 @@ class RunDir:
     trainer_state: dict[str, Any]
     last_saved: int = -1
 
-    def open_logs(self, cfg: Config, *, resume: bool) -> tuple[MetricLogger, JsonlWriter]:
-        """metrics.jsonl plus the ``train.report_to`` backends; samples.jsonl."""
+    def open_logs(self, cfg: Config, *, resume: bool):
+        """metrics.jsonl plus the ``train.report_to`` backends; samples.jsonl (rank 0 alone
+        writes: the other ranks get writers that write nothing)."""
+        if not dist.is_main():
+            return dist.NullWriter(), dist.NullWriter()
         ckpt.atomic_write_text(self.path / "config.yaml", self.config_yaml)
         metrics = MetricLogger(
             self.path,
@@ -510,17 +534,21 @@ class RunDir:
         return metrics, JsonlWriter(self.path / "samples.jsonl")
 
     def save(self, run: Run, step: int) -> None:
-        ckpt.save_checkpoint(
-            self.path,
-            step,
-            model=run.models.policy,
-            tokenizer=run.models.tokenizer,
-            optimizer=run.optimizer_state,
-            scheduler=run.scheduler,
-            trainer_state=self.trainer_state,
-            config_yaml=self.config_yaml,
-            keep_last=run.cfg.train.keep_last,
-        )
+        # FSDP2: gathering the full weights and optimizer state is a collective (all ranks)
+        model, optimizer = dist.checkpoint_state(run.models.policy, run.optimizer_state)
+        if dist.is_main():
+            ckpt.save_checkpoint(
+                self.path,
+                step,
+                model=model,
+                tokenizer=run.models.tokenizer,
+                optimizer=optimizer,
+                scheduler=run.scheduler,
+                trainer_state=self.trainer_state,
+                config_yaml=self.config_yaml,
+                keep_last=run.cfg.train.keep_last,
+            )
+        dist.barrier()  # the others wait until the checkpoint is complete
         self.last_saved = step
 
 
@@ -534,14 +562,15 @@ def resume_from_checkpoint(run: Run, run_dir: RunDir) -> Path:
     loaded = load_model(
         str(last), dtype=resolve_dtype(run.cfg.model.dtype, device), device=str(device)
     )
-    run.models.policy.load_state_dict(loaded.state_dict())
+    dist.load_weights(run.models.policy, loaded.state_dict())
     del loaded
     training = ckpt.load_training_state(last)
-    run.optimizer_state.load_state_dict(training["optimizer"])
+    dist.load_optimizer(run.models.policy, run.optimizer_state, training["optimizer"])
     run.scheduler.load_state_dict(training["scheduler"])
     ckpt.set_rng_state(training["rng"])
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        ckpt.truncate_jsonl(run_dir.path / name, step)
+    if dist.is_main():
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            ckpt.truncate_jsonl(run_dir.path / name, step)
     run_dir.last_saved = step
     return last
 
@@ -557,12 +586,15 @@ def train(
     A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
     it, once everything has loaded)."""
     t, P = cfg.train, cfg.rollout.prompts_per_step
+    dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
     check_backends(t.report_to)  # a missing logging package fails here, before the model loads
+    dist.barrier()  # every rank has checked the run dir before rank 0 creates it
     run = setup(cfg)
     held_out = HeldOut.of(run)
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
-    display = Display(t.display, t.steps)
+    display_mode = t.display if dist.is_main() else "none"
+    display = Display(display_mode, t.steps)
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = 0
     if resume:
@@ -570,7 +602,7 @@ def train(
         start_step = out.last_saved
         detectors.replay(read_jsonl(out.path / "metrics.jsonl"))  # windows continue
         display.print(f"resuming {out.path} from {last.name}")
-    else:
+    elif dist.is_main():
         if overwrite and out.path.exists():
             shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
         out.path.mkdir(parents=True, exist_ok=True)
@@ -589,7 +621,7 @@ def train(
             line = {"step": 0, **{f"eval/{k}": v for k, v in before.items()}}
             metrics_log.write({**line, **detectors.update(line)})
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
-    display = Display(t.display, t.steps, start_step)
+    display = Display(display_mode, t.steps, start_step)
 
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
     stop, step, interrupted, t_run = _StopFlag(), start_step, False, time.perf_counter()
@@ -609,7 +641,7 @@ def train(
                 display.update(step, m)
                 if t.save_every and step % t.save_every == 0:
                     out.save(run, step)
-                if stop.requested:
+                if dist.any_true(stop.requested):  # all ranks stop after the same step
                     interrupted = True
                     break
     except KeyboardInterrupt:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from peergrade import distributed as dist
 from peergrade.algo import policy_loss
 from peergrade.logprobs import token_logprobs
 from peergrade.models import disable_adapter
@@ -162,12 +163,14 @@ def build_optimizer(params, cfg_optim, lr: float | None = None) -> torch.optim.A
         and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
         for p in params
     )
+    # FSDP2 mixes sharded (DTensor) and whole parameters, which the multi-tensor kernels refuse
+    sharded = any(hasattr(p, "to_local") for p in params)
     return torch.optim.AdamW(
         params,
         lr=cfg_optim.lr if lr is None else lr,
         betas=tuple(cfg_optim.adam_betas),
         weight_decay=cfg_optim.weight_decay,
-        fused=fused or None,
+        **({"foreach": False} if sharded else {"fused": fused or None}),
     )
 
 
@@ -227,34 +230,59 @@ def run_update(
     minibatch's counted-token total (the dapo/cispo/PPO normaliser). ``skip(mini_idx)`` true
     means the minibatch's gradient is exactly zero: it gets zero gradients without a
     forward/backward (the optimizer still steps, as it would have), counted in
-    ``update/zero_signal_frac``. A minibatch whose gradient norm is not finite steps no
-    optimizer (``update/nonfinite_frac``)."""
+    ``update/zero_signal_frac``.
+
+    Under torchrun ``batch`` is this rank's rows [r*n, (r+1)*n) of the global batch of N = n*W:
+    the schedule is the global one (the same on every rank), each rank runs the micro-batches
+    of its own rows of each minibatch, ``num_tokens`` and ``mini_idx`` (so ``num_sequences``)
+    are the global minibatch's, gradients are summed over ranks before clipping
+    (``distributed.sync_grads``), the skip is one decision, and the metrics are every rank's.
+    A minibatch whose (global) gradient norm is not finite steps no optimizer
+    (``update/nonfinite_frac``)."""
     input_ids, attention_mask, cmask = batch
-    N = cmask.shape[0]
+    n = cmask.shape[0]
+    W, offset = dist.world(), dist.rank() * n
     micro = cfg.micro_batch_size
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     metrics = MeanMetrics()
-    for mini_idx in minibatch_schedule(cfg, step, N, cmask.device):
-        num_tokens = cmask[mini_idx].sum().clamp(min=1)
+    # Each row's counted tokens, for every rank's rows: the global minibatch normaliser.
+    row_tokens = dist.gather_rows(cmask.sum(dim=1)) if W > 1 else None  # [N]
+    for mini_idx in minibatch_schedule(cfg, step, n * W, cmask.device):
+        if W > 1:  # this rank's rows of the global minibatch, in schedule order
+            mine = mini_idx[(mini_idx >= offset) & (mini_idx < offset + n)] - offset
+            num_tokens = row_tokens[mini_idx].sum().clamp(min=1)
+        else:
+            mine = mini_idx
+            num_tokens = cmask[mini_idx].sum().clamp(min=1)
         for t in trainees:
             t.optimizer.zero_grad(set_to_none=True)
-        skipped = skip is not None and skip(mini_idx)
+        skipped = skip is not None and dist.all_true(skip(mine))
         if skip is not None:
             metrics.add("update/zero_signal_frac", float(skipped))
         if skipped:
-            metrics.add("loss/policy", 0.0, len(mini_idx))  # exactly: every token's loss is 0
+            metrics.add("loss/policy", 0.0, len(mine))  # exactly: every token's loss is 0
             for t in trainees:
                 for p in t.params:
                     p.grad = torch.zeros_like(p)
-        for mb in [] if skipped else micro_batches(mini_idx, micro):
+        for mb in [] if skipped else micro_batches(mine, micro):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
             micro_loss(mb, mini_idx, trimmed, num_tokens, metrics).backward()
-        norms = [float(torch.nn.utils.clip_grad_norm_(t.params, max_norm)) for t in trainees]
-        for t, norm in zip(trainees, norms):
-            metrics.add(t.norm_metric, norm)
+        # FSDP2: every rank runs as many forward/backward passes (each one communicates); a
+        # rank with fewer rows in this minibatch adds zero-weight passes on its first row.
+        for _ in range(0 if skipped else dist.pad_micro_batches(mini_idx, n, micro)):
+            one = torch.arange(1, device=cmask.device)
+            trimmed = trim(input_ids[one], attention_mask[one], cmask[one])
+            (micro_loss(one, mini_idx, trimmed, num_tokens, MeanMetrics()) * 0.0).backward()
+        norms = []
+        for t in trainees:
+            if not skipped:
+                dist.sync_grads(t.params)  # summed over ranks (identity in one process)
+            norms.append(dist.clip_grad_norm(t.params, max_norm))
+            metrics.add(t.norm_metric, norms[-1])
         # A NaN/inf loss or gradient: no network steps (parameters and AdamW state untouched);
-        # the schedule still advances, so it stays aligned with the batch count.
-        nonfinite = not all(math.isfinite(n) for n in norms)
+        # the schedule still advances, so it stays aligned with the batch count. The norm is
+        # the global one, so every rank decides alike.
+        nonfinite = not all(math.isfinite(x) for x in norms)
         metrics.add("update/nonfinite_frac", float(nonfinite))
         for t in trainees:
             if not nonfinite:
@@ -263,6 +291,7 @@ def run_update(
                 t.scheduler.step()
     for t in trainees:
         t.optimizer.zero_grad(set_to_none=True)
+    metrics.sums, metrics.counts = dist.merge_sums(metrics.sums, metrics.counts)
     return metrics
 
 
@@ -284,7 +313,8 @@ def grpo_update(
 
     all_idx = torch.arange(N, device=cmask.device)
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
-    need_old = cfg.updates_per_step > 1 and not no_signal(all_idx)
+    # (Under torchrun: zero signal on every rank, one decision.)
+    need_old = cfg.updates_per_step > 1 and not dist.all_true(no_signal(all_idx))
     old_lp = frozen_logprobs(models.policy, batch, cfg) if need_old else None
 
     def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor:
@@ -314,7 +344,6 @@ def grpo_update(
 
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
-    metrics = run_update(
-        batch, cfg, step, [Trainee(params, optimizer, scheduler)], micro_loss, skip=no_signal
-    )
+    trainee = Trainee(params, optimizer, scheduler)
+    metrics = run_update(batch, cfg, step, [trainee], micro_loss, skip=no_signal)
     return {**metrics.means(), "optim/lr": scheduler.get_last_lr()[0]}

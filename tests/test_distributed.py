@@ -1,0 +1,378 @@
+"""Scale-out under torchrun on the CPU (gloo): 2 ranks x P/2 prompts train the same objective as
+1 process x P (same per-step metrics and weights, given the same completions), FSDP2 matches
+DDP, two "nodes" rendezvous on 127.0.0.1, a failing rank brings the job down naming itself, and
+resume under 2 ranks is exact.
+
+The runs happen in subprocesses (``tests/dist/worker.py``, or ``python -m peergrade``), launched
+with ``python -m torch.distributed.run``; every address is loopback. Each launch costs seconds of
+interpreter start-up, so several configurations share one launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist" / "worker.py"
+REWARD_FILE = '''
+import os
+
+def char_score(prompts, completions, **kwargs):
+    """A dense, deterministic score of the completion text (TRL signature)."""
+    return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
+
+CALLS = []
+
+def flaky(prompts, completions, **kwargs):
+    """char_score, but the rank named by PEERGRADE_TEST_FAIL_RANK raises on its 3rd call."""
+    CALLS.append(1)
+    if os.environ.get("PEERGRADE_TEST_FAIL_RANK") == os.environ.get("RANK") and len(CALLS) == 3:
+        if os.environ.get("PEERGRADE_TEST_FAIL_MODE") == "kill":
+            os.kill(os.getpid(), 9)
+        raise RuntimeError("injected reward failure")
+    return char_score(prompts, completions)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), e.get("PYTHONPATH", "")])
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(k, None)
+    return e
+
+
+def torchrun(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port=None) -> list:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={port or free_port()}",
+        "--monitor-interval=0.5", *args,
+    ]  # fmt: skip
+
+
+def run(cmd: list, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout, **kw)
+    return out
+
+
+def check(out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("rewards") / "dist_rewards.py"
+    p.write_text(REWARD_FILE)
+    return p
+
+
+def overrides(model_dir, reward_file, **extra) -> list:
+    base = {
+        "model.path": str(model_dir),
+        "rewards": [{"name": f"{reward_file}:char_score", "weight": 1.0}],
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 2,
+        "rollout.max_completion_length": 5,
+        "optim.lr": 1e-3,
+        "optim.micro_batch_size": 1,
+        "train.steps": 3,
+        "train.save_every": 0,
+        "train.eval_size": 2,
+        "train.eval_samples": 2,
+        "train.display": "none",
+        "train.log_samples": 1,
+        "train.threads": 1,
+        "dist.timeout_s": 120,
+    }
+    base.update(extra)
+    return [[k, v] for k, v in base.items()]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(ckpt_dir: Path) -> dict:
+    """The checkpoint's weights (a LoRA checkpoint: its adapter)."""
+    adapter = Path(ckpt_dir) / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else Path(ckpt_dir) / "model.safetensors"))
+
+
+def assert_same_metrics(a: list[dict], b: list[dict], atol=1e-5) -> None:
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        ka = {k for k in ra if not k.startswith(("time/", "perf/"))}
+        assert ka == {k for k in rb if not k.startswith(("time/", "perf/"))}
+        for k in ka:
+            assert ra[k] == pytest.approx(rb[k], abs=atol, rel=1e-5), (ra["step"], k)
+
+
+def assert_same_weights(wa: dict, wb: dict, atol=1e-5) -> None:
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+CASES = {
+    # grpo loss, KL to the reference, two passes of shuffled minibatches, batch-level scaling
+    "grpo-kl-mu2-batchscale": {
+        "algo.beta": 0.1,
+        "algo.num_iterations": 2,
+        "optim.minibatch_size": 4,
+        "algo.advantage_scale": "batch",
+    },
+    # dapo's global token normaliser with 2-row micro-batches (aligned with the rank blocks)
+    "dapo": {"algo.loss_type": "dapo", "optim.micro_batch_size": 2},
+    # PPO: critic, GAE, whitening over every rank's tokens, KL in the reward, minibatches
+    "ppo": {"algo.name": "ppo", "algo.beta": 0.05, "optim.minibatch_size": 4},
+    # LoRA: only the adapters train and are all-reduced; the reference is the adapter disabled
+    "lora": {"model.lora.enabled": True, "model.lora.r": 4, "algo.beta": 0.1, "optim.lr": 1e-2},
+}
+
+
+FSDP_CASE = "grpo-kl-mu2-batchscale"
+
+
+def write_spec(path: Path, runs: list, fixed: bool = True) -> Path:
+    path.write_text(json.dumps({"fixed_rollouts": fixed, "runs": runs}))
+    return path
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
+    """2 ranks x P/2 prompts == 1 process x P: every logged metric per step and the weights
+    after 3 steps (float32, atol 1e-5), for grpo+KL+mu 2+minibatches+batch scaling, dapo, PPO,
+    LoRA; FSDP2 on 2 ranks == DDP on 2 ranks, its checkpoint a plain from_pretrained directory,
+    and its resume exact."""
+    runs = {
+        layout: [
+            {"dir": str(tmp_path / layout / name), "overrides": overrides(tiny_model_dir, reward_file, **extra)}
+            for name, extra in CASES.items()
+        ]
+        for layout in ("one", "two")
+    }  # fmt: skip
+    # FSDP2 on the same 2 ranks, the first case: it must match too
+    fsdp_case = {**CASES[FSDP_CASE], "dist.strategy": "fsdp"}
+    runs["two"].append(
+        {"dir": str(tmp_path / "fsdp"), "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case)}
+    )  # fmt: skip
+    # ... and resumes exactly: 2 steps, then --resume to 3 (full weights + optimizer reloaded)
+    runs["two"] += [
+        {"dir": str(tmp_path / "fsdp-r"),
+         "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case, **{"train.steps": 2})},
+        {"dir": str(tmp_path / "fsdp-r"), "config": str(tmp_path / "fsdp-r" / "config.yaml"),
+         "overrides": [["train.steps", 3]], "resume": True},
+    ]  # fmt: skip
+    one = run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))])
+    check(one)
+    two = run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"]))))
+    check(two)
+    start = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    for name in CASES:
+        a, b = tmp_path / "one" / name, tmp_path / "two" / name
+        ma, mb = read_metrics(a), read_metrics(b)
+        steps = [r for r in ma if "loss/policy" in r]
+        assert [r["step"] for r in steps] == [1, 2, 3], name
+        # the runs learn something: not every minibatch was skipped, the weights moved
+        assert any(r.get("update/zero_signal_frac", 0.0) < 1 for r in steps), name
+        assert_same_metrics(ma, mb)
+        wa, wb = weights(a / "checkpoints/step-3"), weights(b / "checkpoints/step-3")
+        if name == "lora":  # the adapters' B matrices start at zero
+            assert any(k.endswith("lora_B.weight") and wa[k].abs().max() > 0 for k in wa)
+        else:
+            assert any(not torch.equal(wa[k], start[k]) for k in wa), name
+        assert_same_weights(wa, wb)
+        # rank 0 alone wrote: one metrics line per step (plus evals), samples of rank 0's prompts
+        assert len(mb) == len(ma)
+        assert (a / "samples.jsonl").read_text() == (b / "samples.jsonl").read_text()
+
+    # FSDP2: same metrics and weights as ddp (and so as one process); a plain HF checkpoint
+    from transformers import AutoModelForCausalLM
+
+    f, d = tmp_path / "fsdp", tmp_path / "two" / FSDP_CASE
+    assert_same_metrics(read_metrics(d), read_metrics(f))
+    wf = weights(f / "checkpoints/step-3")
+    assert_same_weights(weights(d / "checkpoints/step-3"), wf)
+    model = AutoModelForCausalLM.from_pretrained(f / "checkpoints/step-3")
+    loaded = model.state_dict()
+    for k, v in wf.items():
+        assert torch.equal(loaded[k], v), k
+    # FSDP2 resume under 2 ranks is exact: the same per-step metrics and bit-identical weights
+    r = tmp_path / "fsdp-r"
+
+    def per_step(d):
+        return [
+            {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+            for row in read_metrics(d)
+            if "loss/policy" in row
+        ]
+
+    assert [row["step"] for row in per_step(r)] == [1, 2, 3]
+    assert per_step(r) == per_step(f)
+    wr = weights(r / "checkpoints/step-3")
+    assert all(torch.equal(wr[k], wf[k]) for k in wf)
+
+
+def cli_args(model_dir, reward_file, run_dir, fn="char_score", **extra) -> list:
+    """``peergrade train`` flags for a tiny 2-rank run with the real (per-rank seeded) sampler."""
+    args = ["-m", "peergrade", "train", "--train.output_dir", str(run_dir)]
+    for k, v in overrides(model_dir, reward_file, **extra):
+        if k == "rewards":
+            args += ["--reward", f"{reward_file}:{fn}"]
+            continue
+        args += [f"--{k}", json.dumps(v)]
+    return args
+
+
+@pytest.mark.slow
+def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file, tmp_path):
+    """Two torchrun launchers (--nnodes 2, rendezvous on 127.0.0.1) train 2 steps and save;
+    --resume on 2 ranks continues to step 4 and ends bit-identical to an uninterrupted 2-rank
+    run (metrics and weights)."""
+    steps = {"train.save_every": 1, "train.keep_last": 5}
+    port = free_port()
+    legs = []
+    for node in (0, 1):
+        cmd = torchrun(
+            1,
+            *cli_args(tiny_model_dir, reward_file, tmp_path / "b", **steps, **{"train.steps": 2}),
+            nnodes=2,
+            node_rank=node,
+            port=port,
+        )
+        legs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))  # fmt: skip
+    for p in legs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
+    assert (tmp_path / "b" / "checkpoints" / "step-2" / "model.safetensors").exists()
+    check(run(torchrun(2, "-m", "peergrade", "train", "--resume", str(tmp_path / "b"),
+                       "--train.steps", "4")))  # fmt: skip
+    check(run(torchrun(2, *cli_args(tiny_model_dir, reward_file, tmp_path / "a", **steps,
+                                    **{"train.steps": 4}))))  # fmt: skip
+
+    def per_step(d):
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+            for r in read_metrics(d)
+            if "loss/policy" in r
+        ]
+
+    assert [r["step"] for r in per_step(tmp_path / "a")] == [1, 2, 3, 4]
+    assert per_step(tmp_path / "a") == per_step(tmp_path / "b")
+    wa, wb = weights(tmp_path / "a/checkpoints/step-4"), weights(tmp_path / "b/checkpoints/step-4")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
+    tiny_model_dir, reward_file, tmp_path, mode
+):
+    """Rank 1's reward function raises (or rank 1 is SIGKILLed) at step 3: the job exits
+    non-zero within the collective timeout, the error names rank 1, checkpoint step-2 is intact
+    and loads, and --resume finishes the run (here on ONE process: a ddp checkpoint resumes on
+    another world size)."""
+    import re
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "r"
+    args = cli_args(tiny_model_dir, reward_file, run_dir, fn="flaky", **{
+        "train.save_every": 1, "train.steps": 4, "dist.timeout_s": 60})  # fmt: skip
+    t0 = time.monotonic()
+    e = env()
+    e["PEERGRADE_TEST_FAIL_RANK"] = "1"
+    e["PEERGRADE_TEST_FAIL_MODE"] = mode
+    out = subprocess.run(torchrun(2, *args), env=e, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 300  # bounded: no hang until some outer timeout
+    if mode == "raise":  # our own line, from the failing rank
+        assert "peergrade: rank 1 of 2" in out.stderr and "injected reward failure" in out.stderr
+    else:  # a killed rank cannot speak: torchrun's summary names it
+        assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", out.stderr), out.stderr[-3000:]
+        assert "SIGKILL" in out.stderr or "Signal 9" in out.stderr
+    assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step-1", "step-2"]
+    AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-2")
+    assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2]
+    if mode == "kill":
+        return
+    check(run([sys.executable, "-m", "peergrade", "train", "--resume", str(run_dir)]))
+    assert [r["step"] for r in read_metrics(run_dir) if "loss/policy" in r] == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "step-4").exists()
+
+
+# ----------------------------------------------------------------------------- in-process units
+
+
+def test_single_process_helpers_are_the_identity():
+    from peergrade import distributed as dist
+
+    assert not dist.launched() or dist.world() >= 1
+    t = torch.arange(6.0).reshape(3, 2)
+    assert dist.gather_rows(t) is t and dist.local_rows(t) is t and dist.all_sum(t) is t
+    assert dist.shard_rows([1, 2, 3]) == [1, 2, 3]
+    assert dist.rank_seed(1234) == 1234
+    assert dist.all_true(False) is False and dist.all_true(True) is True
+    assert dist.strategy() == "none" and dist.is_main()
+
+
+def test_prompts_not_divisible_by_world_is_a_clear_error(monkeypatch):
+    from peergrade import distributed as dist
+    from peergrade.config import load_config
+    from peergrade.errors import InputError
+
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_config(None, [("rollout.prompts_per_step", 4), ("model.device", "cpu")])
+    with pytest.raises(InputError, match=r"prompts_per_step = 4 is not divisible by the 3"):
+        dist.init(cfg)
+    cfg = load_config(
+        None, [("rollout.prompts_per_step", 6), ("dist.strategy", "fsdp"), ("algo.name", "ppo")]
+    )
+    with pytest.raises(InputError, match="fsdp"):
+        dist.init(cfg)
+
+
+def test_memory_estimate_per_rank():
+    from peergrade.memory import estimate_memory
+
+    qwen_1_5b = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                     tie_word_embeddings=True, model_type="qwen2")  # fmt: skip
+    kw = dict(batch=128, micro_batch=8, seq_len=768, completion_len=512, dtype="bfloat16",
+              device="cuda", gradient_checkpointing=True)  # fmt: skip
+    one = estimate_memory(qwen_1_5b, **kw)
+    ddp = estimate_memory(qwen_1_5b, world=8, strategy="ddp", **kw)
+    fsdp = estimate_memory(qwen_1_5b, world=8, strategy="fsdp", **kw)
+    # ddp: every rank holds everything; its KV cache is for 1/8 of the sequences
+    assert ddp["weights"] == one["weights"] and ddp["optimizer"] == one["optimizer"]
+    assert ddp["kv_cache"] * 8 == one["kv_cache"]
+    # fsdp: the decoder layers (all but the 0.23B embedding) are sharded 8 ways
+    assert one["weights"] / 5 < fsdp["weights"] < one["weights"] / 3
+    assert fsdp["optimizer"] < one["optimizer"] / 3 and fsdp["peak"] < ddp["peak"]
+    # the rollout unshards: the generate phase holds the full weights again
+    assert fsdp["phases"]["generate"] > one["weights"]
