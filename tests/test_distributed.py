@@ -3,7 +3,7 @@
 DDP, two "nodes" rendezvous on 127.0.0.1, a failing rank brings the job down naming itself, and
 resume under 2 ranks is exact.
 
-The runs happen in subprocesses (``tests/dist/worker.py``, or ``python -m peergrade``), launched
+The runs happen in subprocesses (``tests/dist_worker.py``, or ``python -m peergrade``), launched
 with ``python -m torch.distributed.run``; every address is loopback. Each launch costs seconds of
 interpreter start-up, so several configurations share one launch.
 """
@@ -22,13 +22,16 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "dist" / "worker.py"
+WORKER = ROOT / "tests" / "dist_worker.py"
 REWARD_FILE = '''
 import os
 
+def _text(c):  # a chat completion (the built-in tasks' prompts are messages) or plain text
+    return c[0]["content"] if isinstance(c, list) else c
+
 def char_score(prompts, completions, **kwargs):
     """A dense, deterministic score of the completion text (TRL signature)."""
-    return [(sum(ord(ch) for ch in c) % 97) / 97.0 for c in completions]
+    return [(sum(ord(ch) for ch in _text(c)) % 97) / 97.0 for c in completions]
 
 CALLS = []
 

@@ -1,0 +1,77 @@
+"""A training driver for the distributed tests: runs ``trainer.train`` for each run in a JSON
+spec, in one plain process or under torchrun (the same script either way).
+
+With ``"fixed_rollouts": true`` the sampler is replaced by one that samples each prompt on its
+own, seeded by (train.seed, step, the prompt's GLOBAL index), so 1 x P and N x P/N draw the same
+completions: the test hook the equivalence tests need (the real sampler seeds per rank).
+Not collected by pytest (no test_ prefix); run as ``python tests/dist_worker.py SPEC.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from peergrade import distributed as dist
+from peergrade import trainer
+from peergrade.config import load_config
+from peergrade.rollout import Rollout, generate
+from peergrade.seeds import step_seed
+
+
+def concat(parts: list[Rollout], pad_id: int) -> Rollout:
+    """One Rollout from per-prompt ones (completions right-padded to the longest)."""
+    C = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
+
+    n = parts[0].completion_ids.shape[0]
+    return Rollout(
+        prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+        completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
+        completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
+        logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
+        finish_reason=[f for p in parts for f in p.finish_reason],
+        completion_text=[t for p in parts for t in p.completion_text],
+        prompt_index=torch.arange(n * len(parts)) // n,
+    )
+
+
+def per_prompt_sample(run, prompt_ids, step):
+    r = run.cfg.rollout
+    first = dist.rank() * len(prompt_ids)  # this rank's first prompt in the step's P
+    parts = []
+    with dist.full_weights(run.models.policy) as policy:
+        for i, ids in enumerate(prompt_ids):
+            parts.append(
+                generate(
+                    policy,
+                    run.models.tokenizer,
+                    [ids],
+                    n=r.group_size,
+                    max_new_tokens=r.max_completion_length,
+                    temperature=r.temperature,
+                    stop=r.stop,
+                    seed=step_seed(run.cfg.train.seed, step, salt=1000 + first + i),
+                )
+            )
+    return concat(parts, run.models.tokenizer.pad_token_id)
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    if spec.get("fixed_rollouts"):
+        trainer.sample = per_prompt_sample
+    for run in spec["runs"]:
+        cfg = load_config(run.get("config"), [tuple(kv) for kv in run["overrides"]])
+        trainer.train(cfg, run["dir"], resume=run.get("resume", False))
+    dist.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
