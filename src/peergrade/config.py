@@ -200,6 +200,13 @@ class AlgoConfig:
     mask_truncated_completions: bool = doc(
         "DAPO overlong filtering: completions cut by max_completion_length get no loss.", False
     )
+    skip_zero_advantage: bool = doc(
+        "GRPO with beta = 0: leave completions whose advantage is exactly 0 out of the update's "
+        "forward/backward (their loss and gradient are exactly 0; every normaliser still counts "
+        "them, so the update is the same up to float summation order). With beta > 0 they keep "
+        "their KL term and are computed. false = compute every completion.",
+        True,
+    )
     gamma: float = doc("PPO: GAE discount gamma in [0, 1].", 1.0)
     lam: float = doc("PPO: GAE lambda in [0, 1].", 0.95)
     vf_coef: float = doc(

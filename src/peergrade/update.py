@@ -21,7 +21,7 @@ checkpoints, no loop. It reads the config (batch sizes, loss options) but never 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "Trainee",
     "MeanMetrics",
     "micro_batches",
+    "by_length",
     "trim",
     "logprobs_of",
     "frozen_logprobs",
@@ -46,6 +47,8 @@ __all__ = [
     "build_scheduler",
     "lr_lambda",
     "run_update",
+    "elided_rows",
+    "grpo_plan",
     "grpo_update",
 ]
 
@@ -61,6 +64,16 @@ class Models:
 def micro_batches(idx: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     for i in range(0, len(idx), size):
         yield idx[i : i + size]
+
+
+def by_length(rows: torch.Tensor, cmask: torch.Tensor) -> torch.Tensor:
+    """``rows`` ordered longest completion first (stable: ties keep their order, so a group's
+    completions stay together), so that consecutive micro-batches hold similar lengths and
+    ``trim`` cuts more padding from each. Completion extent = last counted column + 1."""
+    C = cmask.shape[1]
+    cols = torch.arange(1, C + 1, device=cmask.device)
+    extent = ((cmask[rows] > 0) * cols).amax(dim=1) if C else torch.zeros_like(rows)  # [n]
+    return rows[torch.sort(extent, descending=True, stable=True).indices]
 
 
 def trim(input_ids, attention_mask, cmask):
@@ -87,13 +100,14 @@ def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=Fa
 
 
 @torch.no_grad()
-def frozen_logprobs(model, batch, cfg):
+def frozen_logprobs(model, batch, cfg, rows: torch.Tensor | None = None):
     """Log-probs of ``model`` (no grad) for every sequence, [N, C]: the reference, the old
-    policy (mu > 1 or minibatches) and PPO's KL reward use it."""
+    policy (mu > 1 or minibatches) and PPO's KL reward use it. ``rows``: only these (the
+    others stay 0), longest first into micro-batches (``by_length``)."""
     input_ids, attention_mask, cmask = batch
     out = torch.zeros(cmask.shape, dtype=torch.float32, device=cmask.device)
-    idx_all = torch.arange(cmask.shape[0], device=cmask.device)
-    for mb in micro_batches(idx_all, cfg.micro_batch_size):
+    idx_all = torch.arange(cmask.shape[0], device=cmask.device) if rows is None else rows
+    for mb in micro_batches(by_length(idx_all, cmask), cfg.micro_batch_size):
         ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
         out[mb, : cm.shape[1]] = logprobs_of(model, ii, am, cm, cfg).float()
     return out
@@ -210,7 +224,9 @@ class Trainee:
 
 
 # micro_loss(mb, mini_idx, (input_ids, attention_mask, cmask) trimmed, num_tokens, metrics)
-MicroLoss = Callable[[torch.Tensor, torch.Tensor, tuple, torch.Tensor, MeanMetrics], torch.Tensor]
+MicroLoss = Callable[
+    [torch.Tensor, torch.Tensor, tuple, torch.Tensor, MeanMetrics], torch.Tensor | None
+]
 
 
 def run_update(
@@ -221,18 +237,29 @@ def run_update(
     micro_loss: MicroLoss,
     *,
     skip: Callable[[torch.Tensor], bool] | None = None,
+    plan: Callable[[torch.Tensor], Iterable[torch.Tensor]] | None = None,
 ) -> MeanMetrics:
     """mu passes of minibatch updates (module docstring). ``micro_loss`` returns one
     micro-batch's share of its minibatch's loss and adds its own metrics; ``num_tokens`` is the
     minibatch's counted-token total (the dapo/cispo/PPO normaliser). ``skip(mini_idx)`` true
     means the minibatch's gradient is exactly zero: it gets zero gradients without a
     forward/backward (the optimizer still steps, as it would have), counted in
-    ``update/zero_signal_frac``."""
+    ``update/zero_signal_frac``.
+
+    ``plan(mini_idx)`` cuts a minibatch into the row sets of its micro-batches; the default is
+    ``by_length`` then chunks of ``optim.micro_batch_size`` (less padding per micro-batch; the
+    float summation order differs from the unsorted order when a minibatch has more than one
+    micro-batch). ``micro_loss`` may return None: that micro-batch adds no gradient."""
     input_ids, attention_mask, cmask = batch
     N = cmask.shape[0]
     micro = cfg.micro_batch_size
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     metrics = MeanMetrics()
+    if plan is None:
+
+        def plan(idx):
+            return micro_batches(by_length(idx, cmask), micro)
+
     for mini_idx in minibatch_schedule(cfg, step, N, cmask.device):
         num_tokens = cmask[mini_idx].sum().clamp(min=1)
         for t in trainees:
@@ -245,9 +272,11 @@ def run_update(
             for t in trainees:
                 for p in t.params:
                     p.grad = torch.zeros_like(p)
-        for mb in [] if skipped else micro_batches(mini_idx, micro):
+        for mb in [] if skipped else plan(mini_idx):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
-            micro_loss(mb, mini_idx, trimmed, num_tokens, metrics).backward()
+            loss = micro_loss(mb, mini_idx, trimmed, num_tokens, metrics)
+            if loss is not None:
+                loss.backward()
         for t in trainees:
             metrics.add(t.norm_metric, float(torch.nn.utils.clip_grad_norm_(t.params, max_norm)))
         for t in trainees:
@@ -259,55 +288,124 @@ def run_update(
     return metrics
 
 
+def elided_rows(advantages: torch.Tensor, kl_on: bool, enabled: bool = True) -> torch.Tensor:
+    """``[N]`` bool: the completions the GRPO update leaves out of its forward/backward.
+
+    A completion whose advantage is exactly 0 has loss exactly 0 on every token when there is
+    no KL term (every loss type multiplies the ratio or log-prob by the advantage), so its
+    gradient is exactly 0. With a KL term (beta > 0) it still pulls toward the reference, so
+    nothing is left out."""
+    if kl_on or not enabled:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool, device=advantages.device)
+    return advantages == 0
+
+
+def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.Tensor]:
+    """The micro-batches of one GRPO minibatch.
+
+    ``bnpo`` normalises by each micro-batch's own token count, so its micro-batches keep the
+    composition of the unsorted plan (rows are left out inside ``micro_loss``, which passes the
+    full micro-batch's counts on). Every other loss type normalises by minibatch-wide counts,
+    so the kept rows are packed, longest first, into as few micro-batches as they need."""
+    if loss_type == "bnpo":
+        return list(micro_batches(mini_idx, micro))
+    return list(micro_batches(by_length(mini_idx[~drop[mini_idx]], cmask), micro))
+
+
 def grpo_update(
     models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg, step: int
 ) -> dict[str, float]:
     """The GRPO update of one step: ``algo.policy_loss`` with one advantage per completion
-    (``[N]``), over ``run_update``; returns the averaged metrics."""
+    (``[N]``), over ``run_update``; returns the averaged metrics.
+
+    Exact elision (``algo.skip_zero_advantage``, no KL term): completions with advantage 0 are
+    never forwarded (``elided_rows``); ``policy_loss`` gets ``stands_for`` / ``batch_tokens`` so
+    every normaliser still counts them, and the gradient is the one of the full batch up to
+    float summation order. ``update/elided_frac`` is the fraction left out. The clip, ratio,
+    KL and entropy statistics are then over the computed completions only."""
     input_ids, attention_mask, cmask = batch
     N = cmask.shape[0]
     a = cfg.algo
+    kl_on = cfg.uses_reference and ref_lp is not None
+    drop = elided_rows(advantages, kl_on, a.skip_zero_advantage)  # [N]
+
     # Zero advantages and no KL term make every token's loss exactly 0, so the gradient is 0:
     # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
     # a model never earns any reward.
-    kl_on = cfg.uses_reference and ref_lp is not None
-
     def no_signal(idx) -> bool:
         return not kl_on and bool((advantages[idx] == 0).all())
 
     all_idx = torch.arange(N, device=cmask.device)
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
     need_old = cfg.updates_per_step > 1 and not no_signal(all_idx)
-    old_lp = frozen_logprobs(models.policy, batch, cfg) if need_old else None
+    old_lp = frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~drop]) if need_old else None
 
-    def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor:
+    def plan(mini_idx):
+        return grpo_plan(mini_idx, drop, cmask, cfg.micro_batch_size, a.loss_type)
+
+    def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
+        keep = mb[~drop[mb]]
+        if len(keep) == 0:
+            return None  # every row's gradient is exactly 0
+        elide = {}  # policy_loss's elision arguments, only when rows were left out
+        if a.loss_type == "bnpo":  # the full micro-batch's counts; its kept rows only
+            stands_for = len(mb)
+            if len(keep) < len(mb):
+                elide = {"stands_for": stands_for, "batch_tokens": cmask[mb].sum()}
+                trimmed = trim(input_ids[keep], attention_mask[keep], cmask[keep])
+        else:  # the minibatch's left-out rows, spread over its micro-batches by size
+            kept = int((~drop[mini_idx]).sum())
+            stands_for = len(keep) * len(mini_idx) / kept
+            if kept < len(mini_idx):
+                elide = {"stands_for": stands_for}
         ii, am, cm = trimmed
         Tc = cm.shape[1]
         logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
         loss, m = policy_loss(
             logp,
-            logp.detach() if old_lp is None else old_lp[mb, :Tc],
-            advantages[mb],
+            logp.detach() if old_lp is None else old_lp[keep, :Tc],
+            advantages[keep],
             cm,
             loss_type=a.loss_type,
             ratio_level=a.ratio_level,
             clip_eps=a.clip_eps,
             clip_eps_high=a.clip_eps_high,
-            ref_logp=None if ref_lp is None else ref_lp[mb, :Tc],
+            ref_logp=None if ref_lp is None else ref_lp[keep, :Tc],
             beta=a.beta,
             kl_estimator=a.kl_estimator,
             max_completion_length=cfg.rollout.max_completion_length,
             num_tokens=num_tokens,
             num_sequences=len(mini_idx),
+            **elide,
         )
+        # dapo/cispo losses are this micro-batch's share of the minibatch's: scaled so that
+        # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
+        shared = a.loss_type in ("dapo", "cispo")
         for k, v in m.items():
-            metrics.add(k, float(v), len(mb))
-        metrics.add_entropy(ent, cm, len(mb))
+            # whole-batch values weigh what they stand for; the others what was computed
+            if k in ("loss/policy", "loss/kl"):
+                scale = len(mini_idx) / stands_for if shared else 1.0
+                metrics.add(k, float(v) * scale, stands_for)
+            elif k == "advantage/mean":
+                metrics.add(k, float(v), stands_for)
+            else:
+                metrics.add(k, float(v), len(keep))
+        metrics.add_entropy(ent, cm, len(keep))
         return loss
 
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
     metrics = run_update(
-        batch, cfg, step, [Trainee(params, optimizer, scheduler)], micro_loss, skip=no_signal
+        batch,
+        cfg,
+        step,
+        [Trainee(params, optimizer, scheduler)],
+        micro_loss,
+        skip=no_signal,
+        plan=plan,
     )
-    return {**metrics.means(), "optim/lr": scheduler.get_last_lr()[0]}
+    return {
+        **metrics.means(),
+        "update/elided_frac": float(drop.float().mean()),
+        "optim/lr": scheduler.get_last_lr()[0],
+    }
