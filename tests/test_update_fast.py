@@ -155,26 +155,29 @@ def test_by_length_is_stable_longest_first():
 
 
 @pytest.mark.parametrize(
-    "loss_type,ratio_level",
-    [(t, "token") for t in LOSS_TYPES] + [(t, "sequence") for t in LOSS_TYPES],
+    "loss_type,ratio_level,shared",
+    [(t, "token", False) for t in LOSS_TYPES]
+    + [(t, "sequence", False) for t in LOSS_TYPES]
+    + [(t, "token", True) for t in LOSS_TYPES],
 )
-def test_elision_gives_the_same_gradients(tiny_qwen2, loss_type, ratio_level):
+def test_elision_gives_the_same_gradients(tiny_qwen2, loss_type, ratio_level, shared):
+    """The fast update (elision; with the shared-prompt forward too) against the plain one."""
     model, tok = tiny_qwen2
     batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6)
     # group 0 scores alike (all 0), group 1 has two completions at its mean, group 2 none
     adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
     over = {"algo.loss_type": loss_type, "algo.ratio_level": ratio_level}
-    ref, m_ref, rows_ref = _update(
-        model, tok, batch, adv, _cfg(**over, **{"algo.skip_zero_advantage": False})
-    )
-    got, m_got, rows_got = _update(model, tok, batch, adv, _cfg(**over))
+    plain = {"algo.skip_zero_advantage": False, "model.shared_prompt_forward": False}
+    ref, m_ref, rows_ref = _update(model, tok, batch, adv, _cfg(**over, **plain))
+    fast = {"model.shared_prompt_forward": shared}
+    got, m_got, rows_got = _update(model, tok, batch, adv, _cfg(**over, **fast))
     assert len(got) == len(ref) == 2
     for step_ref, step_got in zip(ref, got):
         for a, b in zip(step_ref, step_got):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in got[0])  # the test compares something
-    # the zero-advantage rows were never forwarded (old-policy pass and update)
-    assert rows_got == rows_ref - 2 * 6
+    if not shared:  # the zero-advantage rows were never forwarded (old-policy pass, update)
+        assert rows_got == rows_ref - 2 * 6
     assert m_got["update/elided_frac"] == pytest.approx(0.5)
     for k in ("loss/policy", "advantage/mean"):
         assert m_got[k] == pytest.approx(m_ref[k], rel=1e-4, abs=1e-6), k
@@ -184,7 +187,7 @@ def test_elision_keeps_rows_with_a_kl_term(tiny_qwen2):
     model, tok = tiny_qwen2
     batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=2)
     adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
-    cfg = _cfg(**{"algo.beta": 0.1, "algo.loss_type": "dapo"})
+    cfg = _cfg(**{"algo.beta": 0.1, "algo.loss_type": "dapo", "model.shared_prompt_forward": False})
     ref_lp = torch.randn(12, 6) * 0.1 - 1.0
     policy = copy.deepcopy(model)
     counter = RowCounter(policy.model)
@@ -201,3 +204,46 @@ def test_trim_after_by_length_keeps_every_counted_token():
     for mb in (rows[:3], rows[3:]):
         _, _, c = trim(ids[mb], am[mb], cm[mb])
         assert c.sum() == cm[mb].sum()
+
+
+# ----------------------------------------------------------------------------- shared prompt
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
+def test_shared_prompt_forward_matches_plain(request, fixture):
+    """Each distinct prompt run once, its KV cache expanded to its completions: the same
+    log-probs, entropies and gradients (prompt weights included) as the plain forward, with
+    prompts of different lengths (left padding) and ragged completions."""
+    from peergrade.logprobs import token_logprobs
+
+    model, _ = request.getfixturevalue(fixture)
+    model = copy.deepcopy(model).train()
+    ids, am, cm = _batch(model.config.vocab_size, [3, 7, 5], group=4, max_c=6, seed=5)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    ids, am, cm = ids[perm], am[perm], cm[perm]  # groups need not be adjacent
+    w = torch.randn(12, 6, generator=torch.Generator().manual_seed(1))
+    results = []
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_logprobs(model, ids, am, cm, with_entropy=True, share_prompts=share)
+        ((lp * w).sum() + 0.3 * ent.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((lp.detach(), ent.detach(), grads))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-5)
+    assert lp0.abs().sum() > 0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_shared_prompt_forward_runs_each_prompt_once(tiny_qwen2):
+    from peergrade.logprobs import token_logprobs
+
+    model, _ = tiny_qwen2
+    model = copy.deepcopy(model)
+    counter = RowCounter(model.model)
+    ids, am, cm = _batch(model.config.vocab_size, [3, 7, 5], group=4, max_c=6, seed=6)
+    with torch.no_grad():
+        token_logprobs(model, ids, am, cm, share_prompts=True)
+    assert counter.rows == 3 + 12  # 3 prompts once, then 12 completions

@@ -89,6 +89,14 @@ class ModelConfig:
         "this many positions at once.",
         1024,
     )
+    shared_prompt_forward: bool = doc(
+        "Log-prob passes (update, reference, old policy) run each distinct prompt of a "
+        "micro-batch once and its completions against the expanded KV cache, kept in the "
+        "autograd graph: the same values and gradients up to float summation order, for "
+        "(G - 1) / G of the prompt's compute. Off under gradient checkpointing and for "
+        "sliding-window models (the plain forward runs).",
+        True,
+    )
     ref_offload: bool = doc(
         "Keep the frozen reference copy (full fine-tuning with algo.beta > 0) in CPU memory and "
         "move it to the accelerator only for the reference log-prob pass: one model's weights "

@@ -96,6 +96,7 @@ def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=Fa
         temperature=cfg.rollout.temperature,
         chunk_size=cfg.model.logprob_chunk_size,
         with_entropy=with_entropy,
+        share_prompts=cfg.model.shared_prompt_forward,
     )
 
 
