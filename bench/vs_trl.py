@@ -317,6 +317,12 @@ def main() -> None:
         metavar="KEY=JSON",
         help="extra peergrade config override, e.g. algo.skip_zero_advantage=false",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also time another peergrade checkout's src/ (e.g. main's) as a third side",
+    )
+    ap.add_argument("--baseline-label", default="", help="how RESULTS.md names the baseline")
     ap.add_argument("--profile", action="store_true", help="profile one peergrade child")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     a = ap.parse_args()
@@ -346,14 +352,18 @@ def main() -> None:
                         profile(a, model, setting)
                         return
 
-                    def side(fw, setting=setting, model=model):
+                    def side(fw, setting=setting, model=model, extra_env=None):
                         return lambda: _common.run_child(
-                            _child_argv(fw, a, model, setting), env=env, timeout=3600
+                            _child_argv(fw, a, model, setting),
+                            env={**env, **(extra_env or {})},
+                            timeout=3600,
                         )
 
-                    res = _common.alternate(
-                        {"peergrade": side("peergrade"), "trl": side("trl")}, a.passes
-                    )
+                    sides = {"peergrade": side("peergrade"), "trl": side("trl")}
+                    if a.baseline:
+                        base_env = {"PYTHONPATH": os.path.abspath(a.baseline)}
+                        sides["baseline"] = side("peergrade", extra_env=base_env)
+                    res = _common.alternate(sides, a.passes)
                     med = {
                         fw: {
                             k: _common.median([r[k] for r in rs])
@@ -366,6 +376,7 @@ def main() -> None:
                         k: _common.median([r["phases"][k] for r in res["peergrade"]])
                         for k in ("generate", "ref", "update")
                     }
+                    base = med.get("baseline")
                     row = [
                         f"{size} ({n_params / 1e6:.1f}M)",
                         setting,
@@ -378,6 +389,8 @@ def main() -> None:
                         f"{pg['peak_rss'] / trl['peak_rss']:.2f}",
                         f"{ph['generate']:.2f}/{ph['ref']:.2f}/{ph['update']:.2f}",
                     ]
+                    if base:
+                        row += [f"{base['step_s']:.2f}", f"{base['step_s'] / trl['step_s']:.2f}"]
                     rows.append(row)
                     print(" | ".join(row), flush=True)
     headers = [
@@ -392,6 +405,8 @@ def main() -> None:
         "RSS ratio",
         "pg gen/ref/update s",
     ]
+    if a.baseline:
+        headers += ["baseline s/step", "baseline ratio"]
     load = _common.load_note()
     print()
     print(_common.format_table(headers, rows))
@@ -418,7 +433,9 @@ def write_results(headers, rows, load, a, wall) -> None:
         f"torch {torch.__version__}, TRL {trl_v}; {a.threads} thread(s) per child, "
         f"{a.passes} alternating passes x {a.steps} steps (first = warm-up), medians; "
         f"P = {a.prompts}, G = {a.group}, {a.new_tokens} new tokens, "
-        f"{a.prompt_len}-token prompts, loss dapo, lr 1e-5. Wall {wall / 60:.0f} min.\n\n"
+        f"{a.prompt_len}-token prompts, loss dapo, lr 1e-5. Wall {wall / 60:.0f} min."
+        + (f" Baseline: {a.baseline} ({a.baseline_label})." if a.baseline else "")
+        + "\n\n"
         f"Machine: {load}.\n\n" + "\n".join(md) + "\n\n"
         "ratio = peergrade / TRL seconds per step (< 1: peergrade faster); gen tok/s ratio = "
         "peergrade / TRL generated tokens per second of generation; RSS = peak resident memory "
