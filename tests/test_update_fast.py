@@ -247,3 +247,17 @@ def test_shared_prompt_forward_runs_each_prompt_once(tiny_qwen2):
     with torch.no_grad():
         token_logprobs(model, ids, am, cm, share_prompts=True)
     assert counter.rows == 3 + 12  # 3 prompts once, then 12 completions
+
+
+def test_bf16_autocast_update_is_close_to_fp32(tiny_qwen2):
+    """model.autocast: bf16 forwards, fp32 weights and gradients, the same update direction."""
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=7)
+    adv = torch.tensor([0.2, -0.5, 0.3, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    over = {"optim.minibatch_size": 12, "optim.micro_batch_size": 12}
+    g32, _, _ = _update(model, tok, batch, adv, _cfg(**over))
+    g16, _, _ = _update(model, tok, batch, adv, _cfg(**over, **{"model.autocast": "bf16"}))
+    a = torch.cat([g.flatten() for g in g32[0]])
+    b = torch.cat([g.flatten() for g in g16[0]])
+    assert b.dtype == torch.float32 and not torch.equal(a, b)  # it did run in bf16
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.98

@@ -89,6 +89,13 @@ class ModelConfig:
         "this many positions at once.",
         1024,
     )
+    autocast: Literal["off", "bf16"] = doc(
+        "Mixed precision: run training rollouts and the log-prob forwards (update, reference, "
+        "old policy) under torch.autocast in bfloat16, weights and optimizer staying in "
+        "model.dtype (fp32 master weights). The chunked lm_head keeps the weights' dtype. "
+        "Evaluation stays in model.dtype. See bench/bf16_cpu.py for what it buys on a CPU.",
+        "off",
+    )
     shared_prompt_forward: bool = doc(
         "Log-prob passes (update, reference, old policy) run each distinct prompt of a "
         "micro-batch once and its completions against the expanded KV cache, kept in the "

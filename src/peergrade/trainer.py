@@ -64,6 +64,7 @@ from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
 from peergrade.update import (
     Models,
+    autocast,
     build_optimizer,
     build_scheduler,
     grpo_update,
@@ -266,7 +267,8 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
 
     # 1. sample G completions per prompt
     meter.reset()
-    rollout = sample(run, prompt_ids, step)
+    with autocast(cfg, device):  # model.autocast: bf16 rollouts when asked
+        rollout = sample(run, prompt_ids, step)
     meter.record("generate")
     t_generated = time.perf_counter()
 

@@ -20,6 +20,7 @@ checkpoints, no loop. It reads the config (batch sizes, loss options) but never 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "micro_batches",
     "by_length",
     "trim",
+    "autocast",
     "logprobs_of",
     "frozen_logprobs",
     "ref_logprobs",
@@ -87,7 +89,21 @@ def trim(input_ids, attention_mask, cmask):
     return input_ids[:, first:end], attention_mask[:, first:end], cmask[:, :keep_c]
 
 
+def autocast(cfg, device) -> contextlib.AbstractContextManager:
+    """``model.autocast``: torch.autocast in bfloat16 on ``device``, or nothing."""
+    if cfg.model.autocast == "off":
+        return contextlib.nullcontext()
+    if cfg.model.autocast == "bf16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    raise ValueError(f"model.autocast={cfg.model.autocast!r}: expected off or bf16")
+
+
 def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=False):
+    with autocast(cfg, input_ids.device):
+        return _logprobs_of(model, input_ids, attention_mask, cmask, cfg, with_entropy)
+
+
+def _logprobs_of(model, input_ids, attention_mask, cmask, cfg, with_entropy):
     return token_logprobs(
         model,
         input_ids,
