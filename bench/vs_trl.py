@@ -303,6 +303,11 @@ def main() -> None:
         "-ckpt: gradient checkpointing on)",
     )
     ap.add_argument("--signal", default="mix,all", help="comma-separated of mix, all")
+    ap.add_argument(
+        "--rows",
+        help="only these setting:signal pairs, comma-separated (e.g. kl:mix,nokl:all); "
+        "default: every setting x every signal",
+    )
     ap.add_argument("--passes", type=int, default=3, help="alternating passes (medians)")
     ap.add_argument("--steps", type=int, default=3, help="steps per child (first = warm-up)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
@@ -348,6 +353,8 @@ def main() -> None:
                     for p in make_prompts(n, a.prompt_len, signal):
                         f.write(json.dumps({"prompt": p}) + "\n")
                 for setting in a.settings.split(","):
+                    if a.rows and f"{setting}:{signal}" not in a.rows.split(","):
+                        continue
                     if a.profile:
                         profile(a, model, setting)
                         return

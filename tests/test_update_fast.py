@@ -261,3 +261,20 @@ def test_bf16_autocast_update_is_close_to_fp32(tiny_qwen2):
     b = torch.cat([g.flatten() for g in g16[0]])
     assert b.dtype == torch.float32 and not torch.equal(a, b)  # it did run in bf16
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.98
+
+
+def test_autocast_setting_resolves(tiny_qwen2, monkeypatch):
+    from peergrade import update
+
+    model, _ = tiny_qwen2
+    assert update.use_bf16_autocast("bf16", "cpu", model)
+    assert not update.use_bf16_autocast("off", "cpu", model)
+    assert not update.use_bf16_autocast("auto", "cpu", model)  # ~0.1M parameters: too small
+    monkeypatch.setattr(update, "AUTO_BF16_MIN_PARAMS", 1)
+    monkeypatch.setattr(update, "cpu_has_amx_bf16", lambda: True)
+    assert update.use_bf16_autocast("auto", "cpu", model)
+    assert not update.use_bf16_autocast("auto", "cuda", model)  # GPUs: the weights' dtype
+    monkeypatch.setattr(update, "cpu_has_amx_bf16", lambda: False)
+    assert not update.use_bf16_autocast("auto", "cpu", model)
+    with pytest.raises(ValueError, match="model.autocast"):
+        update.use_bf16_autocast("fp8", "cpu", model)

@@ -267,7 +267,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
 
     # 1. sample G completions per prompt
     meter.reset()
-    with autocast(cfg, device):  # model.autocast: bf16 rollouts when asked
+    with autocast(cfg, device, models.policy):  # model.autocast: bf16 rollouts where it pays
         rollout = sample(run, prompt_ids, step)
     meter.record("generate")
     t_generated = time.perf_counter()

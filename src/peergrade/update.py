@@ -8,6 +8,13 @@ The update of one training step (``run_update``):
         for each micro-batch: trim its padding, loss = micro_loss(...), loss.backward()
         clip each network's gradient norm, optimizer.step(), scheduler.step()
 
+Micro-batches come from a ``plan``: by default the minibatch's rows longest completion first
+(``by_length``), so each micro-batch's ``trim`` cuts more padding. GRPO's plan (``grpo_plan``)
+also leaves out the completions whose gradient is exactly zero (advantage 0, no KL term:
+``elided_rows``) while ``policy_loss`` still counts them in every normaliser, and every
+log-prob pass runs each distinct prompt once (``model.shared_prompt_forward``). All three give
+the plain update's gradient up to float summation order.
+
 ``grpo_update`` is that skeleton with ``algo.policy_loss`` on one advantage per completion;
 PPO's update (``peergrade.ppo.ppo_update``) is the same skeleton with per-token advantages and a
 value loss for its critic. Minibatch orders are derived from (seed, step, pass) only
@@ -89,17 +96,45 @@ def trim(input_ids, attention_mask, cmask):
     return input_ids[:, first:end], attention_mask[:, first:end], cmask[:, :keep_c]
 
 
-def autocast(cfg, device) -> contextlib.AbstractContextManager:
-    """``model.autocast``: torch.autocast in bfloat16 on ``device``, or nothing."""
-    if cfg.model.autocast == "off":
-        return contextlib.nullcontext()
-    if cfg.model.autocast == "bf16":
+AUTO_BF16_MIN_PARAMS = 10_000_000  # below this, bf16 autocast measured slower on the CPU
+
+
+def cpu_has_amx_bf16() -> bool:
+    """The CPU has AMX bf16 tiles (Linux: the ``amx_bf16`` flag of /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def use_bf16_autocast(setting: str, device, model) -> bool:
+    """``model.autocast`` resolved: bf16, off, or auto (module docstring of the config key)."""
+    if setting == "off":
+        return False
+    if setting == "bf16":
+        return True
+    if setting != "auto":
+        raise ValueError(f"model.autocast={setting!r}: expected auto, off or bf16")
+    if torch.device(device).type != "cpu" or model is None:
+        return False
+    params = list(model.parameters())
+    return (
+        all(p.dtype == torch.float32 for p in params)
+        and sum(p.numel() for p in params) >= AUTO_BF16_MIN_PARAMS
+        and cpu_has_amx_bf16()
+    )
+
+
+def autocast(cfg, device, model=None) -> contextlib.AbstractContextManager:
+    """torch.autocast in bfloat16 on ``device`` when ``model.autocast`` resolves to bf16."""
+    if use_bf16_autocast(cfg.model.autocast, device, model):
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-    raise ValueError(f"model.autocast={cfg.model.autocast!r}: expected off or bf16")
+    return contextlib.nullcontext()
 
 
 def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=False):
-    with autocast(cfg, input_ids.device):
+    with autocast(cfg, input_ids.device, model):
         return _logprobs_of(model, input_ids, attention_mask, cmask, cfg, with_entropy)
 
 
