@@ -278,3 +278,25 @@ def test_autocast_setting_resolves(tiny_qwen2, monkeypatch):
     assert not update.use_bf16_autocast("auto", "cpu", model)
     with pytest.raises(ValueError, match="model.autocast"):
         update.use_bf16_autocast("fp8", "cpu", model)
+
+
+def test_bnpo_micro_batch_left_out_entirely(tiny_qwen2):
+    """bnpo keeps its micro-batches: [0, 1, 2] is all zero advantages and is never run, yet
+    the gradient and the loss metric are the plain update's."""
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=8)
+    adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    over = {
+        "algo.loss_type": "bnpo",
+        "optim.minibatch_size": 12,
+        "model.shared_prompt_forward": False,
+    }
+    ref, m_ref, rows_ref = _update(
+        model, tok, batch, adv, _cfg(**over, **{"algo.skip_zero_advantage": False})
+    )
+    got, m_got, rows_got = _update(model, tok, batch, adv, _cfg(**over))
+    for a, b in zip(ref[0], got[0]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert rows_got == rows_ref - 6
+    assert m_got["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-7)
+    assert m_got["advantage/mean"] == pytest.approx(m_ref["advantage/mean"], rel=1e-6)

@@ -397,8 +397,10 @@ def grpo_update(
 
     def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
         keep = mb[~drop[mb]]
-        if len(keep) == 0:
-            return None  # every row's gradient is exactly 0
+        if len(keep) == 0:  # (bnpo only) every row's loss and gradient are exactly 0
+            for k in ("loss/policy", "loss/kl", "advantage/mean"):
+                metrics.add(k, 0.0, len(mb))
+            return None
         elide = {}  # policy_loss's elision arguments, only when rows were left out
         if a.loss_type == "bnpo":  # the full micro-batch's counts; its kept rows only
             stands_for = len(mb)
