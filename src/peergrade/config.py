@@ -89,6 +89,23 @@ class ModelConfig:
         "this many positions at once.",
         1024,
     )
+    autocast: Literal["auto", "off", "bf16"] = doc(
+        "Mixed precision: run training rollouts and the log-prob forwards (update, reference, "
+        "old policy) under torch.autocast in bfloat16, weights and optimizer staying in "
+        "model.dtype (fp32 master weights); the chunked lm_head keeps the weights' dtype and "
+        "evaluation stays in model.dtype. auto = bf16 on a CPU with AMX bf16 units for a "
+        "float32 model of at least 10M parameters (where it measured 0.6x the time), off "
+        "otherwise (tiny models run slower in bf16). See bench/bf16_cpu.py.",
+        "auto",
+    )
+    shared_prompt_forward: bool = doc(
+        "Log-prob passes (update, reference, old policy) run each distinct prompt of a "
+        "micro-batch once and its completions against the expanded KV cache, kept in the "
+        "autograd graph: the same values and gradients up to float summation order, for "
+        "(G - 1) / G of the prompt's compute. Off under gradient checkpointing and for "
+        "sliding-window models (the plain forward runs).",
+        True,
+    )
     ref_offload: bool = doc(
         "Keep the frozen reference copy (full fine-tuning with algo.beta > 0) in CPU memory and "
         "move it to the accelerator only for the reference log-prob pass: one model's weights "
@@ -212,6 +229,13 @@ class AlgoConfig:
     num_iterations: int = doc("mu: optimisation passes over each generated batch.", 1)
     mask_truncated_completions: bool = doc(
         "DAPO overlong filtering: completions cut by max_completion_length get no loss.", False
+    )
+    skip_zero_advantage: bool = doc(
+        "GRPO with beta = 0: leave completions whose advantage is exactly 0 out of the update's "
+        "forward/backward (their loss and gradient are exactly 0; every normaliser still counts "
+        "them, so the update is the same up to float summation order). With beta > 0 they keep "
+        "their KL term and are computed. false = compute every completion.",
+        True,
     )
     gamma: float = doc("PPO: GAE discount gamma in [0, 1].", 1.0)
     lam: float = doc("PPO: GAE lambda in [0, 1].", 0.95)

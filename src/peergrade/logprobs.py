@@ -32,6 +32,19 @@ float32 per chunk (which is also what the naive path does with a bf16 model's lo
 embeddings need nothing special: ``lm_head.weight`` is passed to the Function as a tensor, and
 autograd adds its gradient to the embedding's.
 
+The shared prompt (``share_prompts=True``)
+------------------------------------------
+The G completions of a group share their prompt, so the backbone's work on the prompt columns
+is the same for all G rows. With ``share_prompts`` the distinct prompts of the batch (rows whose
+first ``L-C`` columns of ids and mask are equal) run once with ``use_cache=True``; the KV cache
+stays in the autograd graph and is expanded (``index_select``) to the B rows, then only the C
+completion columns run against it. The hidden state that predicts completion token 0 is the
+prompt's last one, expanded the same way. Gradients reach the prompt through the cache and that
+hidden state (``index_select``'s backward sums the G rows' contributions), so values and
+gradients equal the plain forward's up to float summation order. Used when every row shares its
+prompt with another row, the model's layers all use full attention and gradient checkpointing
+is off (HF turns the cache off under checkpointing); otherwise the plain forward runs.
+
 An ``lm_head`` that is not a plain ``nn.Linear`` (e.g. LoRA applied to ``lm_head``) falls back to
 calling the module per chunk under ``torch.utils.checkpoint``, which also recomputes per chunk in
 the backward.
@@ -45,6 +58,8 @@ What it deliberately does not do
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -207,6 +222,63 @@ def _backbone_hidden(model, input_ids, attention_mask):
     return hidden, head  # [B, L, H]
 
 
+def _full_attention_only(model) -> bool:
+    cfg = getattr(model, "config", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return all(t == "full_attention" for t in types)
+    return not getattr(cfg, "use_sliding_window", False)
+
+
+def _checkpointing(model) -> bool:
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # v6 renames it
+        if hasattr(type(model), name) or hasattr(model, name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _shared_prompt_hidden(model, input_ids, attention_mask, C: int):
+    """The hidden states that predict the C completion columns, ``[B, C, H]``, with each
+    distinct prompt run once (module docstring), or None when no prompt is shared or the model
+    cannot share (sliding-window layers, gradient checkpointing)."""
+    B, L = input_ids.shape
+    if _checkpointing(model) and torch.is_grad_enabled():
+        return None
+    if not _full_attention_only(model):
+        return None
+    Lp = L - C
+    key = torch.cat([input_ids[:, :Lp], attention_mask[:, :Lp].to(input_ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)  # [U, 2 Lp], [B]
+    if uniq.shape[0] == B:
+        return None  # nothing shared: the plain forward is cheaper
+    backbone, _ = find_backbone_and_head(model)
+    p_ids, p_mask = uniq[:, :Lp], uniq[:, Lp:].to(attention_mask.dtype)  # [U, Lp]
+    real = p_mask.sum(dim=0) > 0
+    first = int(real.nonzero().min()) if real.any() else 0  # all-padding columns of the uniques
+    p_ids, p_mask = p_ids[:, first:], p_mask[:, first:]
+    out = backbone(
+        input_ids=p_ids,
+        attention_mask=p_mask,
+        position_ids=position_ids_from_mask(p_mask),
+        use_cache=True,
+    )
+    cache = getattr(out, "cache", None)
+    cache = out.past_key_values if cache is None else cache
+    cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], in the graph
+    kw = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
+    mask = torch.cat([p_mask[inverse], attention_mask[:, Lp:]], dim=1)  # [B, Lp' + C]
+    pos = position_ids_from_mask(mask)[:, -C:]  # [B, C]
+    out_c = backbone(
+        input_ids=input_ids[:, Lp:],
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=True,
+        **{kw: cache},
+    )
+    last = out.last_hidden_state[:, -1:].index_select(0, inverse)  # [B, 1, H]
+    return torch.cat([last, out_c.last_hidden_state[:, :-1]], dim=1)  # [B, C, H]
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -216,6 +288,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    share_prompts: bool = False,
 ):
     """Per-token log-probs of the completion, chunked over positions (see the module docstring).
 
@@ -226,11 +299,19 @@ def token_logprobs(
 
     chunk_size: positions per lm_head chunk. Each chunk holds about two [chunk_size, V] float32
     buffers: with V = 151936, 1024 positions are ~0.6 GB each.
+
+    share_prompts: run each distinct prompt once (rows with equal prompt columns), the
+    completions against its expanded KV cache (module docstring); same values and gradients.
     """
     B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size)
     sel = completion_mask.bool()  # [B, C]
-    hidden, head = _backbone_hidden(model, input_ids, attention_mask)  # [B, L, H]
-    h_sel = hidden[:, L - C - 1 : L - 1][sel]  # [M, H]
+    h_pred = _shared_prompt_hidden(model, input_ids, attention_mask, C) if share_prompts else None
+    if h_pred is None:
+        hidden, head = _backbone_hidden(model, input_ids, attention_mask)  # [B, L, H]
+        h_pred = hidden[:, L - C - 1 : L - 1]  # [B, C, H]
+    else:
+        head = find_backbone_and_head(model)[1]
+    h_sel = h_pred[sel]  # [M, H]
     targets = input_ids[:, L - C :][sel].long()  # [M]
     if isinstance(head, nn.Linear):
         out = _ChunkedLogProbs.apply(

@@ -73,6 +73,7 @@ from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import encode_prompts
 from peergrade.update import (
     Models,
+    autocast,
     build_optimizer,
     build_scheduler,
     grpo_update,
@@ -306,7 +307,8 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
 
     # 1. sample G completions per prompt
     meter.reset()
-    rollout = sample(run, prompt_ids, step)
+    with autocast(cfg, device, models.policy):  # model.autocast: bf16 rollouts where it pays
+        rollout = sample(run, prompt_ids, step)
     meter.record("generate")
     t_generated = time.perf_counter()
 

@@ -8,6 +8,13 @@ The update of one training step (``run_update``):
         for each micro-batch: trim its padding, loss = micro_loss(...), loss.backward()
         clip each network's gradient norm, optimizer.step(), scheduler.step()
 
+Micro-batches come from a ``plan``: by default the minibatch's rows longest completion first
+(``by_length``), so each micro-batch's ``trim`` cuts more padding. GRPO's plan (``grpo_plan``)
+also leaves out the completions whose gradient is exactly zero (advantage 0, no KL term:
+``elided_rows``) while ``policy_loss`` still counts them in every normaliser, and every
+log-prob pass runs each distinct prompt once (``model.shared_prompt_forward``). All three give
+the plain update's gradient up to float summation order.
+
 ``grpo_update`` is that skeleton with ``algo.policy_loss`` on one advantage per completion;
 PPO's update (``peergrade.ppo.ppo_update``) is the same skeleton with per-token advantages and a
 value loss for its critic. Minibatch orders are derived from (seed, step, pass) only
@@ -20,8 +27,9 @@ checkpoints, no loop. It reads the config (batch sizes, loss options) but never 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +46,9 @@ __all__ = [
     "Trainee",
     "MeanMetrics",
     "micro_batches",
+    "by_length",
     "trim",
+    "autocast",
     "logprobs_of",
     "frozen_logprobs",
     "ref_logprobs",
@@ -47,6 +57,8 @@ __all__ = [
     "build_scheduler",
     "lr_lambda",
     "run_update",
+    "elided_rows",
+    "grpo_plan",
     "grpo_update",
 ]
 
@@ -64,6 +76,16 @@ def micro_batches(idx: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
         yield idx[i : i + size]
 
 
+def by_length(rows: torch.Tensor, cmask: torch.Tensor) -> torch.Tensor:
+    """``rows`` ordered longest completion first (stable: ties keep their order, so a group's
+    completions stay together), so that consecutive micro-batches hold similar lengths and
+    ``trim`` cuts more padding from each. Completion extent = last counted column + 1."""
+    C = cmask.shape[1]
+    cols = torch.arange(1, C + 1, device=cmask.device)
+    extent = ((cmask[rows] > 0) * cols).amax(dim=1) if C else torch.zeros_like(rows)  # [n]
+    return rows[torch.sort(extent, descending=True, stable=True).indices]
+
+
 def trim(input_ids, attention_mask, cmask):
     """Drop all-padding columns of a micro-batch: leading prompt padding, trailing completion padding."""
     C = cmask.shape[1]
@@ -75,7 +97,49 @@ def trim(input_ids, attention_mask, cmask):
     return input_ids[:, first:end], attention_mask[:, first:end], cmask[:, :keep_c]
 
 
+AUTO_BF16_MIN_PARAMS = 10_000_000  # below this, bf16 autocast measured slower on the CPU
+
+
+def cpu_has_amx_bf16() -> bool:
+    """The CPU has AMX bf16 tiles (Linux: the ``amx_bf16`` flag of /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def use_bf16_autocast(setting: str, device, model) -> bool:
+    """``model.autocast`` resolved: bf16, off, or auto (module docstring of the config key)."""
+    if setting == "off":
+        return False
+    if setting == "bf16":
+        return True
+    if setting != "auto":
+        raise ValueError(f"model.autocast={setting!r}: expected auto, off or bf16")
+    if torch.device(device).type != "cpu" or model is None:
+        return False
+    params = list(model.parameters())
+    return (
+        all(p.dtype == torch.float32 for p in params)
+        and sum(p.numel() for p in params) >= AUTO_BF16_MIN_PARAMS
+        and cpu_has_amx_bf16()
+    )
+
+
+def autocast(cfg, device, model=None) -> contextlib.AbstractContextManager:
+    """torch.autocast in bfloat16 on ``device`` when ``model.autocast`` resolves to bf16."""
+    if use_bf16_autocast(cfg.model.autocast, device, model):
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=False):
+    with autocast(cfg, input_ids.device, model):
+        return _logprobs_of(model, input_ids, attention_mask, cmask, cfg, with_entropy)
+
+
+def _logprobs_of(model, input_ids, attention_mask, cmask, cfg, with_entropy):
     return token_logprobs(
         model,
         input_ids,
@@ -84,17 +148,19 @@ def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=Fa
         temperature=cfg.rollout.temperature,
         chunk_size=cfg.model.logprob_chunk_size,
         with_entropy=with_entropy,
+        share_prompts=cfg.model.shared_prompt_forward,
     )
 
 
 @torch.no_grad()
-def frozen_logprobs(model, batch, cfg):
+def frozen_logprobs(model, batch, cfg, rows: torch.Tensor | None = None):
     """Log-probs of ``model`` (no grad) for every sequence, [N, C]: the reference, the old
-    policy (mu > 1 or minibatches) and PPO's KL reward use it."""
+    policy (mu > 1 or minibatches) and PPO's KL reward use it. ``rows``: only these (the
+    others stay 0), longest first into micro-batches (``by_length``)."""
     input_ids, attention_mask, cmask = batch
     out = torch.zeros(cmask.shape, dtype=torch.float32, device=cmask.device)
-    idx_all = torch.arange(cmask.shape[0], device=cmask.device)
-    for mb in micro_batches(idx_all, cfg.micro_batch_size):
+    idx_all = torch.arange(cmask.shape[0], device=cmask.device) if rows is None else rows
+    for mb in micro_batches(by_length(idx_all, cmask), cfg.micro_batch_size):
         ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
         out[mb, : cm.shape[1]] = logprobs_of(model, ii, am, cm, cfg).float()
     return out
@@ -213,7 +279,9 @@ class Trainee:
 
 
 # micro_loss(mb, mini_idx, (input_ids, attention_mask, cmask) trimmed, num_tokens, metrics)
-MicroLoss = Callable[[torch.Tensor, torch.Tensor, tuple, torch.Tensor, MeanMetrics], torch.Tensor]
+MicroLoss = Callable[
+    [torch.Tensor, torch.Tensor, tuple, torch.Tensor, MeanMetrics], torch.Tensor | None
+]
 
 
 def run_update(
@@ -224,6 +292,7 @@ def run_update(
     micro_loss: MicroLoss,
     *,
     skip: Callable[[torch.Tensor], bool] | None = None,
+    plan: Callable[[torch.Tensor], Iterable[torch.Tensor]] | None = None,
 ) -> MeanMetrics:
     """mu passes of minibatch updates (module docstring). ``micro_loss`` returns one
     micro-batch's share of its minibatch's loss and adds its own metrics; ``num_tokens`` is the
@@ -238,13 +307,23 @@ def run_update(
     are the global minibatch's, gradients are summed over ranks before clipping
     (``distributed.sync_grads``), the skip is one decision, and the metrics are every rank's.
     A minibatch whose (global) gradient norm is not finite steps no optimizer
-    (``update/nonfinite_frac``)."""
+    (``update/nonfinite_frac``).
+
+    ``plan(mini_idx)`` cuts a minibatch into the row sets of its micro-batches; the default is
+    ``by_length`` then chunks of ``optim.micro_batch_size`` (less padding per micro-batch; the
+    float summation order differs from the unsorted order when a minibatch has more than one
+    micro-batch). ``micro_loss`` may return None: that micro-batch adds no gradient."""
     input_ids, attention_mask, cmask = batch
     n = cmask.shape[0]
     W, offset = dist.world(), dist.rank() * n
     micro = cfg.micro_batch_size
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
     metrics = MeanMetrics()
+    if plan is None:  # longest first: less padding (one process; ranks keep their order)
+
+        def plan(idx):
+            return micro_batches(by_length(idx, cmask) if W == 1 else idx, micro)
+
     # Each row's counted tokens, for every rank's rows: the global minibatch normaliser.
     row_tokens = dist.gather_rows(cmask.sum(dim=1)) if W > 1 else None  # [N]
     for mini_idx in minibatch_schedule(cfg, step, n * W, cmask.device):
@@ -264,9 +343,11 @@ def run_update(
             for t in trainees:
                 for p in t.params:
                     p.grad = torch.zeros_like(p)
-        for mb in [] if skipped else micro_batches(mine, micro):
+        for mb in [] if skipped else plan(mine):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
-            micro_loss(mb, mini_idx, trimmed, num_tokens, metrics).backward()
+            loss = micro_loss(mb, mini_idx, trimmed, num_tokens, metrics)
+            if loss is not None:
+                loss.backward()
         # FSDP2: every rank runs as many forward/backward passes (each one communicates); a
         # rank with fewer rows in this minibatch adds zero-weight passes on its first row.
         for _ in range(0 if skipped else dist.pad_micro_batches(mini_idx, n, micro)):
@@ -295,19 +376,53 @@ def run_update(
     return metrics
 
 
+def elided_rows(advantages: torch.Tensor, kl_on: bool, enabled: bool = True) -> torch.Tensor:
+    """``[N]`` bool: the completions the GRPO update leaves out of its forward/backward.
+
+    A completion whose advantage is exactly 0 has loss exactly 0 on every token when there is
+    no KL term (every loss type multiplies the ratio or log-prob by the advantage), so its
+    gradient is exactly 0. With a KL term (beta > 0) it still pulls toward the reference, so
+    nothing is left out."""
+    if kl_on or not enabled:
+        return torch.zeros(advantages.shape[0], dtype=torch.bool, device=advantages.device)
+    return advantages == 0
+
+
+def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.Tensor]:
+    """The micro-batches of one GRPO minibatch.
+
+    ``bnpo`` normalises by each micro-batch's own token count, so its micro-batches keep the
+    composition of the unsorted plan (rows are left out inside ``micro_loss``, which passes the
+    full micro-batch's counts on). Every other loss type normalises by minibatch-wide counts,
+    so the kept rows are packed, longest first, into as few micro-batches as they need."""
+    if loss_type == "bnpo":
+        return list(micro_batches(mini_idx, micro))
+    return list(micro_batches(by_length(mini_idx[~drop[mini_idx]], cmask), micro))
+
+
 def grpo_update(
     models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg, step: int
 ) -> dict[str, float]:
     """The GRPO update of one step: ``algo.policy_loss`` with one advantage per completion
-    (``[N]``), over ``run_update``; returns the averaged metrics."""
+    (``[N]``), over ``run_update``; returns the averaged metrics.
+
+    Exact elision (``algo.skip_zero_advantage``, no KL term): completions with advantage 0 are
+    never forwarded (``elided_rows``); ``policy_loss`` gets ``stands_for`` / ``batch_tokens`` so
+    every normaliser still counts them, and the gradient is the one of the full batch up to
+    float summation order. ``update/elided_frac`` is the fraction left out. The clip, ratio,
+    KL and entropy statistics are then over the computed completions only."""
     input_ids, attention_mask, cmask = batch
     N = cmask.shape[0]
     a = cfg.algo
+    kl_on = cfg.uses_reference and ref_lp is not None
+    # Elision and the length-sorted plan count rows of the whole minibatch: one process only
+    # (under torchrun each rank computes all of its rows, in schedule order).
+    parallel = dist.world() > 1
+    drop = elided_rows(advantages, kl_on, a.skip_zero_advantage and not parallel)  # [N]
+
     # Zero advantages and no KL term make every token's loss exactly 0, so the gradient is 0:
     # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
     # a model never earns any reward.
-    kl_on = cfg.uses_reference and ref_lp is not None
-
     def no_signal(idx) -> bool:
         return not kl_on and bool((advantages[idx] == 0).all())
 
@@ -315,35 +430,76 @@ def grpo_update(
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
     # (Under torchrun: zero signal on every rank, one decision.)
     need_old = cfg.updates_per_step > 1 and not dist.all_true(no_signal(all_idx))
-    old_lp = frozen_logprobs(models.policy, batch, cfg) if need_old else None
+    old_lp = frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~drop]) if need_old else None
 
-    def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor:
+    def plan(mini_idx):
+        return grpo_plan(mini_idx, drop, cmask, cfg.micro_batch_size, a.loss_type)
+
+    def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
+        keep = mb[~drop[mb]]
+        if len(keep) == 0:  # (bnpo only) every row's loss and gradient are exactly 0
+            for k in ("loss/policy", "loss/kl", "advantage/mean"):
+                metrics.add(k, 0.0, len(mb))
+            return None
+        elide = {}  # policy_loss's elision arguments, only when rows were left out
+        if a.loss_type == "bnpo":  # the full micro-batch's counts; its kept rows only
+            stands_for = len(mb)
+            if len(keep) < len(mb):
+                elide = {"stands_for": stands_for, "batch_tokens": cmask[mb].sum()}
+                trimmed = trim(input_ids[keep], attention_mask[keep], cmask[keep])
+        else:  # the minibatch's left-out rows, spread over its micro-batches by size
+            kept = int((~drop[mini_idx]).sum())
+            stands_for = len(keep) * len(mini_idx) / kept
+            if kept < len(mini_idx):
+                elide = {"stands_for": stands_for}
         ii, am, cm = trimmed
         Tc = cm.shape[1]
         logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
         loss, m = policy_loss(
             logp,
-            logp.detach() if old_lp is None else old_lp[mb, :Tc],
-            advantages[mb],
+            logp.detach() if old_lp is None else old_lp[keep, :Tc],
+            advantages[keep],
             cm,
             loss_type=a.loss_type,
             ratio_level=a.ratio_level,
             clip_eps=a.clip_eps,
             clip_eps_high=a.clip_eps_high,
-            ref_logp=None if ref_lp is None else ref_lp[mb, :Tc],
+            ref_logp=None if ref_lp is None else ref_lp[keep, :Tc],
             beta=a.beta,
             kl_estimator=a.kl_estimator,
             max_completion_length=cfg.rollout.max_completion_length,
             num_tokens=num_tokens,
             num_sequences=len(mini_idx),
+            **elide,
         )
+        # dapo/cispo losses are this micro-batch's share of the minibatch's: scaled so that
+        # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
+        shared = a.loss_type in ("dapo", "cispo")
         for k, v in m.items():
-            metrics.add(k, float(v), len(mb))
-        metrics.add_entropy(ent, cm, len(mb))
+            # whole-batch values weigh what they stand for; the others what was computed
+            if k in ("loss/policy", "loss/kl"):
+                scale = len(mini_idx) / stands_for if shared else 1.0
+                metrics.add(k, float(v) * scale, stands_for)
+            elif k == "advantage/mean":
+                metrics.add(k, float(v), stands_for)
+            else:
+                metrics.add(k, float(v), len(keep))
+        metrics.add_entropy(ent, cm, len(keep))
         return loss
 
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
-    trainee = Trainee(params, optimizer, scheduler)
-    metrics = run_update(batch, cfg, step, [trainee], micro_loss, skip=no_signal)
-    return {**metrics.means(), "optim/lr": scheduler.get_last_lr()[0]}
+    metrics = run_update(
+        batch,
+        cfg,
+        step,
+        [Trainee(params, optimizer, scheduler)],
+        micro_loss,
+        skip=no_signal,
+        plan=None if parallel else plan,
+    )
+    return {
+        **metrics.means(),
+        "update/elided_frac": float(drop.float().mean()),
+        "optim/lr": scheduler.get_last_lr()[0],
+    }

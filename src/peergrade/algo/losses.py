@@ -58,6 +58,16 @@ its share of the minibatch, so that the micro-batch gradients add up to the mini
 normalised by the minibatch's ``num_tokens`` and are not scaled. The metrics stay this
 micro-batch's own normalised values.
 
+``stands_for`` and ``batch_tokens`` are the exact-elision rule: a sequence whose every token
+has loss 0 (advantage 0 and no KL term) has zero gradient, so a caller may leave it out of the
+forward/backward. The B rows given then *stand for* ``stands_for`` sequences (>= B; the others
+have loss 0) holding ``batch_tokens`` counted tokens, and these replace B and ``sum m`` in
+every normaliser: grpo's mean over sequences, bnpo's token count, dr_grpo's B, and the share
+B / num_sequences. The loss and its gradient are then those of the full batch (up to float
+summation order). ``stands_for`` may be fractional when several micro-batches share the left-out
+rows of a minibatch: grpo and dr_grpo divide by it and the share multiplies by it, so it cancels
+in the loss; it only sets the metrics' normalisation.
+
 Metrics (python floats, computed without gradient over tokens with ``mask == 1``; a fraction
 over zero tokens is 0):
 
@@ -70,8 +80,12 @@ over zero tokens is 0):
   token carries its sequence's ratio, so the mean is token-weighted); all 0 with no tokens.
 - ``kl/mean``: token mean of the chosen KL estimator whenever ``ref_logp`` is given (also with
   ``beta == 0``, for monitoring), 0.0 when it is not.
-- ``advantage/mean``: mean of ``advantages`` over the B sequences (not token-weighted); for
-  ``[B, T]`` advantages, their mean over active tokens.
+- ``advantage/mean``: mean of ``advantages`` over the B sequences (not token-weighted), or
+  over ``stands_for`` sequences whose left-out ones have advantage 0; for ``[B, T]``
+  advantages, their mean over active tokens.
+- With ``stands_for`` (elision), ``loss/policy``, ``loss/kl`` and ``advantage/mean`` are those
+  of the full batch; the clip, ratio and KL statistics are over the tokens of the B rows given
+  (the only ones computed).
 - ``loss/policy``: the aggregated surrogate part of the loss; ``loss/kl``: the aggregated
   ``beta * KL`` part (0.0 without a KL term). ``loss == loss/policy + loss/kl``.
 
@@ -183,6 +197,8 @@ def policy_loss(
     max_completion_length: int | None = None,
     num_tokens: float | int | torch.Tensor | None = None,
     num_sequences: int | None = None,
+    stands_for: float | None = None,
+    batch_tokens: float | int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss over a batch of completions (see the module docstring).
 
@@ -202,6 +218,10 @@ def policy_loss(
         num_tokens: global active-token count for ``dapo``/``cispo`` (default: ``mask.sum()``).
         num_sequences: sequences in the minibatch these B belong to (gradient accumulation):
             the loss of ``grpo``/``bnpo``/``dr_grpo`` is scaled by B / num_sequences.
+        stands_for: sequences these B rows stand for (>= B) when rows whose loss is exactly 0
+            were left out (exact elision); replaces B in grpo/dr_grpo and the share.
+        batch_tokens: counted tokens of the batch these rows stand for; bnpo's normaliser
+            (default ``mask.sum()``).
 
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
@@ -274,6 +294,21 @@ def policy_loss(
             f"got {num_sequences!r}"
         )
 
+    if stands_for is not None and not (_is_number(stands_for) and stands_for >= B):
+        raise ValueError(
+            f"stands_for: expected a number >= B = {B} (the sequences these rows stand for), "
+            f"got {stands_for!r}"
+        )
+    if batch_tokens is not None:
+        bt = batch_tokens
+        if isinstance(bt, torch.Tensor):
+            bt = bt.detach().reshape(()).to(mask.device)
+        if not (isinstance(bt, torch.Tensor) or _is_number(bt)) or bool(bt < (mask == 1).sum()):
+            raise ValueError(
+                f"batch_tokens: expected a count >= the counted tokens of mask, got {batch_tokens!r}"
+            )
+    B_all = B if stands_for is None else stands_for  # the sequences the normalisers count
+
     # ---- per-token quantities ----------------------------------------------------------
     valid = _check_mask(mask)  # [B, T] bool
     m = valid.to(logp.dtype)  # [B, T]
@@ -323,17 +358,24 @@ def policy_loss(
     if loss_type == "grpo":
 
         def aggregate(x: torch.Tensor) -> torch.Tensor:
-            return ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean()
+            per_seq = (x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [B]
+            return per_seq.mean() if stands_for is None else per_seq.sum() / B_all
 
     elif loss_type == "bnpo":
+        if batch_tokens is None:
+            bnpo_norm = n_active.clamp(min=1)
+        elif isinstance(batch_tokens, torch.Tensor):
+            bnpo_norm = batch_tokens.detach().reshape(()).to(logp.device, logp.dtype).clamp(min=1)
+        else:
+            bnpo_norm = max(float(batch_tokens), 1.0)
 
         def aggregate(x: torch.Tensor) -> torch.Tensor:
-            return (x * m).sum() / n_active.clamp(min=1)
+            return (x * m).sum() / bnpo_norm
 
     elif loss_type == "dr_grpo":
 
         def aggregate(x: torch.Tensor) -> torch.Tensor:
-            return (x * m).sum() / (B * max_completion_length)
+            return (x * m).sum() / (B_all * max_completion_length)
 
     elif loss_type in ("dapo", "cispo"):
         if num_tokens is None:
@@ -353,7 +395,7 @@ def policy_loss(
     loss = loss_pg + beta * aggregate(kl) if use_kl else loss_pg
     share = 1.0
     if num_sequences is not None and loss_type in ("grpo", "bnpo", "dr_grpo"):
-        share = B / num_sequences  # this micro-batch's share of the minibatch
+        share = B_all / num_sequences  # this micro-batch's share of the minibatch
 
     # ---- metrics (no grad, one host sync) ------------------------------------------------
     with torch.no_grad():
@@ -374,7 +416,9 @@ def policy_loss(
                 torch.where(has_tokens, r_min, zero),
                 torch.where(has_tokens, r_max, zero),
                 (kl.detach() * m).sum() / denom if kl is not None else zero,
-                adv.mean() if advantages.dim() == 1 else (adv * m).sum() / denom,
+                (adv.mean() if stands_for is None else adv.sum() / B_all)
+                if advantages.dim() == 1
+                else (adv * m).sum() / denom,
                 loss_pg.detach(),
                 (loss - loss_pg).detach() if use_kl else zero,
             ]

@@ -1,0 +1,302 @@
+"""The faster update (issue 17): exact elision of zero-advantage completions, length-bucketed
+micro-batches, and the shared-prompt forward all give the gradient of the plain update up to
+float summation order."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from peergrade.algo import policy_loss
+from peergrade.config import load_config
+from peergrade.update import Models, by_length, elided_rows, grpo_update, trim
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def _batch(vocab: int, prompt_lens, group: int, max_c: int, seed: int = 0):
+    """Left-padded prompts (each repeated for its group), right-padded completions of random
+    lengths: (input_ids, attention_mask, completion_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    P, Lp = len(prompt_lens), max(prompt_lens)
+    N = P * group
+    ids = torch.zeros(N, Lp + max_c, dtype=torch.long)
+    am = torch.zeros(N, Lp + max_c, dtype=torch.long)
+    cm = torch.zeros(N, max_c)
+    for p, n in enumerate(prompt_lens):
+        prompt = torch.randint(3, vocab, (n,), generator=g)
+        for i in range(p * group, (p + 1) * group):
+            ids[i, Lp - n : Lp] = prompt
+            am[i, Lp - n : Lp] = 1
+            c = int(torch.randint(1, max_c + 1, (1,), generator=g))
+            ids[i, Lp : Lp + c] = torch.randint(3, vocab, (c,), generator=g)
+            am[i, Lp : Lp + c] = 1
+            cm[i, :c] = 1
+    return ids, am, cm
+
+
+class RecordingOptimizer:
+    """Stands in for AdamW: records the gradient at every step and leaves the weights alone."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.grads: list[list[torch.Tensor]] = []
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.grads.append(
+            [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
+        )
+
+
+class ConstantSchedule:
+    def step(self):
+        pass
+
+    def get_last_lr(self):
+        return [0.0]
+
+
+class RowCounter:
+    """Counts the sequences the model is run on (a forward pre-hook)."""
+
+    def __init__(self, model):
+        self.rows = 0
+        model.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        self.rows += x.shape[0]
+
+
+def _update(model, tok, batch, adv, cfg):
+    policy = copy.deepcopy(model)
+    counter = RowCounter(policy.model)
+    opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
+    models = Models(policy, tok, None, torch.device("cpu"))
+    metrics = grpo_update(models, opt, ConstantSchedule(), batch, adv, None, cfg, step=3)
+    return opt.grads, metrics, counter.rows
+
+
+def _cfg(**over):
+    base = {
+        "model.device": "cpu",
+        "rollout.prompts_per_step": 3,
+        "rollout.group_size": 4,
+        "rollout.max_completion_length": 6,
+        "optim.minibatch_size": 6,  # two optimizer steps: the old-policy pass runs too
+        "optim.micro_batch_size": 3,
+        "optim.max_grad_norm": 0.0,
+    }
+    base.update(over)
+    return load_config(None, list(base.items()))
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("ratio_level", ("token", "sequence"))
+def test_policy_loss_on_kept_rows_equals_full_batch(loss_type, ratio_level):
+    """Rows with advantage 0 left out, stands_for/batch_tokens given: same loss, same gradient
+    on the kept rows, and whole-batch loss metrics."""
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 5
+    logp = (-torch.rand(B, T, generator=g) * 2).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.tensor([0.0, 1.5, 0.0, -0.7, 0.0, 2.0])
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    kw = dict(loss_type=loss_type, ratio_level=ratio_level, max_completion_length=T,
+              num_tokens=mask.sum() + 7, num_sequences=9)  # fmt: skip
+    full, m_full = policy_loss(logp, old, adv, mask, **kw)
+    (g_full,) = torch.autograd.grad(full, logp)
+    keep = adv != 0
+    lp_k = logp.detach()[keep].requires_grad_()
+    part, m_part = policy_loss(
+        lp_k, old[keep], adv[keep], mask[keep], stands_for=B, batch_tokens=mask.sum(), **kw
+    )
+    (g_part,) = torch.autograd.grad(part, lp_k)
+    torch.testing.assert_close(part, full, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g_part, g_full[keep], rtol=1e-6, atol=1e-7)
+    assert torch.count_nonzero(g_full[~keep]) == 0  # what was left out had no gradient
+    for k in ("loss/policy", "loss/kl", "advantage/mean"):
+        assert m_part[k] == pytest.approx(m_full[k], rel=1e-6, abs=1e-7), k
+
+
+def test_policy_loss_checks_elision_arguments():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="stands_for"):
+        policy_loss(x, x, torch.ones(2), torch.ones(2, 3), stands_for=1)
+    with pytest.raises(ValueError, match="batch_tokens"):
+        policy_loss(x, x, torch.ones(2), torch.ones(2, 3), loss_type="bnpo", batch_tokens=5)
+
+
+def test_elided_rows_only_without_kl():
+    adv = torch.tensor([0.0, 1.0, -0.0, 2.0])
+    assert elided_rows(adv, kl_on=False).tolist() == [True, False, True, False]
+    assert not elided_rows(adv, kl_on=True).any()  # the KL term still pulls them
+    assert not elided_rows(adv, kl_on=False, enabled=False).any()
+
+
+def test_by_length_is_stable_longest_first():
+    cm = torch.tensor([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])
+    assert by_length(rows, cm).tolist() == [1, 5, 2, 0, 3, 4]
+    assert by_length(torch.tensor([3, 0, 4]), cm).tolist() == [3, 0, 4]
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+@pytest.mark.parametrize(
+    "loss_type,ratio_level,shared",
+    [(t, "token", False) for t in LOSS_TYPES]
+    + [(t, "sequence", False) for t in LOSS_TYPES]
+    + [(t, "token", True) for t in LOSS_TYPES],
+)
+def test_elision_gives_the_same_gradients(tiny_qwen2, loss_type, ratio_level, shared):
+    """The fast update (elision; with the shared-prompt forward too) against the plain one."""
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6)
+    # group 0 scores alike (all 0), group 1 has two completions at its mean, group 2 none
+    adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    over = {"algo.loss_type": loss_type, "algo.ratio_level": ratio_level}
+    plain = {"algo.skip_zero_advantage": False, "model.shared_prompt_forward": False}
+    ref, m_ref, rows_ref = _update(model, tok, batch, adv, _cfg(**over, **plain))
+    fast = {"model.shared_prompt_forward": shared}
+    got, m_got, rows_got = _update(model, tok, batch, adv, _cfg(**over, **fast))
+    assert len(got) == len(ref) == 2
+    for step_ref, step_got in zip(ref, got):
+        for a, b in zip(step_ref, step_got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in got[0])  # the test compares something
+    if not shared:  # the zero-advantage rows were never forwarded (old-policy pass, update)
+        assert rows_got == rows_ref - 2 * 6
+    assert m_got["update/elided_frac"] == pytest.approx(0.5)
+    for k in ("loss/policy", "advantage/mean"):
+        assert m_got[k] == pytest.approx(m_ref[k], rel=1e-4, abs=1e-6), k
+
+
+def test_elision_keeps_rows_with_a_kl_term(tiny_qwen2):
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=2)
+    adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    cfg = _cfg(**{"algo.beta": 0.1, "algo.loss_type": "dapo", "model.shared_prompt_forward": False})
+    ref_lp = torch.randn(12, 6) * 0.1 - 1.0
+    policy = copy.deepcopy(model)
+    counter = RowCounter(policy.model)
+    opt = RecordingOptimizer(policy.parameters())
+    models = Models(policy, tok, None, torch.device("cpu"))
+    m = grpo_update(models, opt, ConstantSchedule(), batch, adv, ref_lp, cfg, step=1)
+    assert m["update/elided_frac"] == 0.0
+    assert counter.rows == 2 * 12  # old-policy pass and update, every row
+
+
+def test_trim_after_by_length_keeps_every_counted_token():
+    ids, am, cm = _batch(50, [2, 6], group=3, max_c=5, seed=4)
+    rows = by_length(torch.arange(6), cm)
+    for mb in (rows[:3], rows[3:]):
+        _, _, c = trim(ids[mb], am[mb], cm[mb])
+        assert c.sum() == cm[mb].sum()
+
+
+# ----------------------------------------------------------------------------- shared prompt
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
+def test_shared_prompt_forward_matches_plain(request, fixture):
+    """Each distinct prompt run once, its KV cache expanded to its completions: the same
+    log-probs, entropies and gradients (prompt weights included) as the plain forward, with
+    prompts of different lengths (left padding) and ragged completions."""
+    from peergrade.logprobs import token_logprobs
+
+    model, _ = request.getfixturevalue(fixture)
+    model = copy.deepcopy(model).train()
+    ids, am, cm = _batch(model.config.vocab_size, [3, 7, 5], group=4, max_c=6, seed=5)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    ids, am, cm = ids[perm], am[perm], cm[perm]  # groups need not be adjacent
+    w = torch.randn(12, 6, generator=torch.Generator().manual_seed(1))
+    results = []
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_logprobs(model, ids, am, cm, with_entropy=True, share_prompts=share)
+        ((lp * w).sum() + 0.3 * ent.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((lp.detach(), ent.detach(), grads))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-5)
+    assert lp0.abs().sum() > 0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_shared_prompt_forward_runs_each_prompt_once(tiny_qwen2):
+    from peergrade.logprobs import token_logprobs
+
+    model, _ = tiny_qwen2
+    model = copy.deepcopy(model)
+    counter = RowCounter(model.model)
+    ids, am, cm = _batch(model.config.vocab_size, [3, 7, 5], group=4, max_c=6, seed=6)
+    with torch.no_grad():
+        token_logprobs(model, ids, am, cm, share_prompts=True)
+    assert counter.rows == 3 + 12  # 3 prompts once, then 12 completions
+
+
+def test_bf16_autocast_update_is_close_to_fp32(tiny_qwen2):
+    """model.autocast: bf16 forwards, fp32 weights and gradients, the same update direction."""
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=7)
+    adv = torch.tensor([0.2, -0.5, 0.3, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    over = {"optim.minibatch_size": 12, "optim.micro_batch_size": 12}
+    g32, _, _ = _update(model, tok, batch, adv, _cfg(**over))
+    g16, _, _ = _update(model, tok, batch, adv, _cfg(**over, **{"model.autocast": "bf16"}))
+    a = torch.cat([g.flatten() for g in g32[0]])
+    b = torch.cat([g.flatten() for g in g16[0]])
+    assert b.dtype == torch.float32 and not torch.equal(a, b)  # it did run in bf16
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.98
+
+
+def test_autocast_setting_resolves(tiny_qwen2, monkeypatch):
+    from peergrade import update
+
+    model, _ = tiny_qwen2
+    assert update.use_bf16_autocast("bf16", "cpu", model)
+    assert not update.use_bf16_autocast("off", "cpu", model)
+    assert not update.use_bf16_autocast("auto", "cpu", model)  # ~0.1M parameters: too small
+    monkeypatch.setattr(update, "AUTO_BF16_MIN_PARAMS", 1)
+    monkeypatch.setattr(update, "cpu_has_amx_bf16", lambda: True)
+    assert update.use_bf16_autocast("auto", "cpu", model)
+    assert not update.use_bf16_autocast("auto", "cuda", model)  # GPUs: the weights' dtype
+    monkeypatch.setattr(update, "cpu_has_amx_bf16", lambda: False)
+    assert not update.use_bf16_autocast("auto", "cpu", model)
+    with pytest.raises(ValueError, match="model.autocast"):
+        update.use_bf16_autocast("fp8", "cpu", model)
+
+
+def test_bnpo_micro_batch_left_out_entirely(tiny_qwen2):
+    """bnpo keeps its micro-batches: [0, 1, 2] is all zero advantages and is never run, yet
+    the gradient and the loss metric are the plain update's."""
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=8)
+    adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    over = {
+        "algo.loss_type": "bnpo",
+        "optim.minibatch_size": 12,
+        "model.shared_prompt_forward": False,
+    }
+    ref, m_ref, rows_ref = _update(
+        model, tok, batch, adv, _cfg(**over, **{"algo.skip_zero_advantage": False})
+    )
+    got, m_got, rows_got = _update(model, tok, batch, adv, _cfg(**over))
+    for a, b in zip(ref[0], got[0]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert rows_got == rows_ref - 6
+    assert m_got["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-7)
+    assert m_got["advantage/mean"] == pytest.approx(m_ref["advantage/mean"], rel=1e-6)
