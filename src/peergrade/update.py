@@ -448,7 +448,8 @@ def grpo_update(
                 elide = {"stands_for": stands_for, "batch_tokens": cmask[mb].sum()}
                 trimmed = trim(input_ids[keep], attention_mask[keep], cmask[keep])
         else:  # the minibatch's left-out rows, spread over its micro-batches by size
-            kept = int((~drop[mini_idx]).sum())
+            # (under torchrun nothing is left out and mini_idx is the global minibatch)
+            kept = len(mini_idx) if parallel else int((~drop[mini_idx]).sum())
             stands_for = len(keep) * len(mini_idx) / kept
             if kept < len(mini_idx):
                 elide = {"stands_for": stands_for}
