@@ -23,6 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from cli_helper import cli
 from peergrade.cli import main
 from peergrade.config import Config, load_config, parse_override_value
 
@@ -48,18 +49,6 @@ def my_fn(prompts, completions, answer=None, **kwargs):
 
 def flags(d: dict[str, str]) -> list[str]:
     return [x for k, v in d.items() for x in (f"--{k}", v)]
-
-
-def cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "peergrade.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def metrics(run: Path) -> list[dict]:

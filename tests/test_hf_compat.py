@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_helper import cli
 from peergrade.config import load_config
 from peergrade.models import (
     BUNDLED_MODEL,
@@ -58,18 +56,6 @@ def demo_texts(tok, n: int = 60) -> list[str]:
         prompt = render_prompt(r["prompt"], tok, system_prompt=task.system_prompt)
         out += [prompt, prompt + str(r["answer"])]
     return out
-
-
-def cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "peergrade.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def flags(d: dict[str, str]) -> list[str]:

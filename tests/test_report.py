@@ -5,16 +5,15 @@ rendered by real headless Chromium from a real tiny training run, with a screens
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from cli_helper import cli
 from peergrade.cli import main
 from peergrade.report import PANELS, load_run, read_jsonl, render_report
 
@@ -30,18 +29,6 @@ TINY = {
     "train.log_samples": "2",
     "train.save_every": "0",
 }
-
-
-def cli(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "peergrade.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def synthetic_run(path: Path, *, steps: int = 4, G: int = 2, alert_at: int | None = 3) -> Path:

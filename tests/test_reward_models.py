@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helper import cli
 from peergrade.models import ModelLoadError
 from peergrade.reward_models import (
     RewardModel,
@@ -179,14 +179,6 @@ def test_memory_counts_the_reward_model(rm_dir, tiny_model_dir):
     assert e1["reward_models"] == 4 * n_params
     assert e1["phases"]["generate"] - e0["phases"]["generate"] == 4 * n_params
     assert e1["phases"]["rewards"] > e1["phases"]["rewards"] - m["activations"] > 0
-
-
-def cli(args, cwd, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "peergrade.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
 
 
 TINY = [
