@@ -53,6 +53,7 @@ examples:
   peergrade sweep --set rollout.group_size=2,4,8,16 --steps 40 -o runs/g-sweep
   peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB
   peergrade export runs/X exported/my-model        # latest checkpoint -> AutoModelForCausalLM dir
+  torchrun --nproc-per-node 2 -m peergrade train   # several processes (dist.strategy: ddp | fsdp)
 """
 
 
