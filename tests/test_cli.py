@@ -586,8 +586,11 @@ def test_eval_json(tiny_model_dir, capsys):
         "pass@3",
     ]
     # bad arguments are clean errors
+    one_digit = ["--task-option", "min_digits=1", "--task-option", "max_digits=1"]
     assert main(["eval", "--model", str(tiny_model_dir), "--n", "0"]) == 2
     assert "--n and --k must be >= 1" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_model_dir), "--n", "500", *one_digit]) == 2
+    assert "task: arithmetic: asked for 500 held-out problems" in capsys.readouterr().err
     assert main(["eval", "--model", str(tiny_model_dir), "--task", "nosuch"]) == 2
     assert "unknown task 'nosuch'" in capsys.readouterr().err
 

@@ -242,17 +242,18 @@ def run_eval_command(
             if data
             else load_task(task, **(task_options or {}))
         )
-    given = resolve_model_path(model)
-    path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
-    tok = load_tokenizer(path)
-    dev = resolve_device(device)
-    net = load_model(path, dtype=resolve_dtype("auto", dev), device=str(dev)).eval()
-    rows = the_task.eval_rows(n)
+        # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
+        rows = the_task.eval_rows(n)
     if few_shot:
         from peergrade.tasks.curriculum import FewShot
 
         # fade 0: every prompt carries the examples; the pool is training problems only
         rows, _ = FewShot(few_shot, 0, few_shot_answer, the_task, seed).apply(rows, step=1)
+    given = resolve_model_path(model)
+    path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
+    tok = load_tokenizer(path)
+    dev = resolve_device(device)
+    net = load_model(path, dtype=resolve_dtype("auto", dev), device=str(dev)).eval()
     ids = encode_prompts(rows, tok, system_prompt=the_task.system_prompt)
     if max_new_tokens is None:
         max_new_tokens = 16 if model == "bundled" else 128
