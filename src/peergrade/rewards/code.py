@@ -302,10 +302,8 @@ def _call_based(fn_name, ins, outs, where: str) -> TestSpec:
     for args, want in zip(ins, outs):
         args = args if isinstance(args, list) else [args]
         steps.append(
-            (
-                "test",
-                f"assert _pg_apps_case({fn_name!r}, {json.dumps(args)!r}, {json.dumps(want)!r})",
-            )
+            ("test", f"assert _pg_apps_case({fn_name!r}, {json.dumps(args)!r}, "
+             f"{json.dumps(want)!r})")
         )
     return TestSpec("assert", steps=steps)
 
@@ -402,7 +400,9 @@ def _specs(columns: dict, n: int, test_format: str) -> list[TestSpec | None]:
         tests = _column(columns, "input_output", n)
         if tests is None:
             raise ValueError("code_tests: APPS rows need an 'input_output' column")
-        return [None if t in (None, "") else parse_tests(t, index=i) for i, t in enumerate(tests)]
+        return [
+            None if t in (None, "") else parse_tests(t, index=i) for i, t in enumerate(tests)
+        ]
     if fmt == "codecontests":
         groups = [_column(columns, k, n) for k in ("public_tests", "private_tests")]
         out = []
