@@ -561,9 +561,27 @@ def test_eval_json(tiny_model_dir, capsys):
     for key in ("pass@1_greedy", "pass@1_sampled", "pass@2"):
         assert 0.0 <= out[key] <= 1.0
     assert out["pass@2"] >= out["pass@1_sampled"] - 1e-9
+    assert "pass@1" not in out  # the curve only with --curve
+    # --curve: pass@1 .. pass@k from the same samples, in JSON and in the text table
+    assert main([*args, "--max-new-tokens", "4", "--k", "3", "--curve"]) == 0
+    curve = json.loads(capsys.readouterr().out)
+    assert [curve[f"pass@{j}"] <= curve[f"pass@{j + 1}"] + 1e-12 for j in (1, 2)] == [True] * 2
+    assert curve["pass@1"] == pytest.approx(curve["pass@1_sampled"], abs=1e-12)
+    text = [a for a in args if a != "--json"]
+    assert main([*text, "--max-new-tokens", "4", "--k", "3", "--curve", "--few-shot", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "few-shot: 1" in shown and "pass@j curve" in shown
+    assert [line.split()[0] for line in shown.splitlines() if line.startswith("  pass@")][-3:] == [
+        "pass@1",
+        "pass@2",
+        "pass@3",
+    ]
     # bad arguments are clean errors
+    one_digit = ["--task-option", "min_digits=1", "--task-option", "max_digits=1"]
     assert main(["eval", "--model", str(tiny_model_dir), "--n", "0"]) == 2
     assert "--n and --k must be >= 1" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_model_dir), "--n", "500", *one_digit]) == 2
+    assert "task: arithmetic: asked for 500 held-out problems" in capsys.readouterr().err
     assert main(["eval", "--model", str(tiny_model_dir), "--task", "nosuch"]) == 2
     assert "unknown task 'nosuch'" in capsys.readouterr().err
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from peergrade.errors import InputError
-from peergrade.evaluation import evaluate, pass_at_k
+from peergrade.evaluation import evaluate, pass_at_k, pass_at_k_curve, run_eval_command
 from peergrade.rewards import RewardSpec, columns_for
 from peergrade.rollout import generate
 from peergrade.tasks.prompts import encode_prompts
@@ -47,6 +47,24 @@ def test_pass_at_k_rejects_bad_counts(n, c, k):
         pass_at_k(n, c, k)
 
 
+def test_pass_at_k_curve_hand_values():
+    # three problems, 4 samples each, with 0, 1 and 4 correct
+    curve = pass_at_k_curve([0, 1, 4], 4)
+    assert list(curve) == ["pass@1", "pass@2", "pass@3", "pass@4"]
+    expected = {
+        "pass@1": (0 + 1 / 4 + 1) / 3,  # c / n per problem
+        "pass@2": (0 + (1 - 3 / 6) + 1) / 3,  # 1 - C(3,2)/C(4,2) for the middle one
+        "pass@3": (0 + (1 - 1 / 4) + 1) / 3,  # 1 - C(3,3)/C(4,3)
+        "pass@4": (0 + 1 + 1) / 3,
+    }
+    for key, value in expected.items():
+        assert curve[key] == pytest.approx(value, abs=1e-12)
+    # 16 samples, 2 correct: pass@8 = 1 - C(14,8)/C(16,8) = 1 - 3003/12870
+    assert pass_at_k_curve([2], 16)["pass@8"] == pytest.approx(1 - 3003 / 12870, abs=1e-12)
+    with pytest.raises(ValueError, match="at least one problem"):
+        pass_at_k_curve([], 4)
+
+
 def _first_char_even(prompts, completions, **kw):
     """Deterministic 'correctness' for a random model: about half the completions pass."""
     return [float(bool(c) and ord(c[0]) % 2 == 0) for c in completions]
@@ -74,6 +92,23 @@ def test_evaluate_matches_reference(tiny_qwen2):
     # the check is not vacuous: some samples pass and some fail
     assert 0 < sum(s) < len(s)
     assert out[f"pass@{k}"] >= out["pass@1_sampled"] - 1e-9
+    assert "pass@1" not in out  # the curve is opt-in: the trainer's metrics stay as they were
+
+    # the curve, from the same samples: each pass@j is the share of j-subsets of a problem's
+    # samples that hold a correct one, averaged over problems (brute force, not the formula)
+    full = evaluate(
+        model, tok, rows, ids, acc, k=k, temperature=1.0, max_new_tokens=3, seed=seed, curve=True
+    )
+    assert {key: full[key] for key in out} == out
+    for j in range(1, k + 1):
+        per_problem = []
+        for i in range(len(rows)):
+            subsets = list(itertools.combinations(s[i * k : (i + 1) * k], j))
+            per_problem.append(sum(any(x) for x in subsets) / len(subsets))
+        assert full[f"pass@{j}"] == pytest.approx(sum(per_problem) / len(rows), abs=1e-9)
+    assert full["pass@1"] == pytest.approx(full["pass@1_sampled"], abs=1e-12)
+    assert full[f"pass@{k}"] == out[f"pass@{k}"]
+    assert all(full[f"pass@{j}"] <= full[f"pass@{j + 1}"] + 1e-12 for j in range(1, k))
 
 
 def test_encode_prompts_too_long_names_row(char_tokenizer):
@@ -110,3 +145,40 @@ def test_prompt_tokens_as_trl_makes_them(char_tokenizer):
         chat, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     assert chat_ids == list(trl_chat)  # no second BOS before the template's own tokens
+
+
+def test_eval_few_shot_prompts_carry_training_examples(tiny_model_dir, monkeypatch):
+    """``--few-shot 2``: every held-out prompt gets two solved examples drawn from training
+    problems (never a held-out one); the default stays zero-shot."""
+    import peergrade.evaluation as ev
+
+    seen = {}
+
+    def fake_evaluate(model, tokenizer, rows, prompt_ids, acc, **kw):
+        seen["rows"], seen["ids"] = rows, prompt_ids
+        return {"n": len(rows), "k": kw["k"]}
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    common = dict(model=str(tiny_model_dir), n=6, k=1)
+    zero = run_eval_command(**common)
+    assert "few_shot" not in zero
+    # the built-in task's prompts are chat messages: one user turn each, zero-shot
+    assert all([m["role"] for m in r["prompt"]] == ["user"] for r in seen["rows"])
+    held_out = {r["prompt"][-1]["content"] for r in seen["rows"]}
+    zero_ids = seen["ids"]
+
+    out = run_eval_command(**common, few_shot=2, few_shot_answer="<answer>{answer}</answer>")
+    assert out["few_shot"] == 2
+    rows = seen["rows"]
+    assert {r["prompt"][-1]["content"] for r in rows} == held_out  # same problems, same order
+    for row, ids0, ids in zip(rows, zero_ids, seen["ids"]):
+        turns = row["prompt"][:-1]
+        assert [t["role"] for t in turns] == ["user", "assistant"] * 2
+        for question, reply in zip(turns[::2], turns[1::2]):
+            assert question["content"] not in held_out
+            assert reply["content"].startswith("<answer>") and reply["content"].endswith(
+                "</answer>"
+            )
+        assert len(ids) > len(ids0)  # the examples are in the encoded prompt too
+    with pytest.raises(InputError, match="--few-shot must be >= 0"):
+        run_eval_command(**common, few_shot=-1)

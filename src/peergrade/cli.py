@@ -184,16 +184,27 @@ def cmd_eval(args, extra) -> int:
         batch_size=args.batch_size,
         device=args.device,
         reward=args.reward,
+        curve=args.curve,
+        few_shot=args.few_shot,
+        few_shot_answer=args.few_shot_answer,
     )
     if args.json:
         print(json.dumps(result))
     else:
         k = result["k"]
         model = args.model + (f" ({result['checkpoint']})" if "checkpoint" in result else "")
-        print(f"model: {model}   task: {result['task']}   problems: {result['n']}   samples: {k}")
+        shots = f"   few-shot: {result['few_shot']}" if "few_shot" in result else ""
+        print(
+            f"model: {model}   task: {result['task']}   problems: {result['n']}   samples: {k}"
+            + shots
+        )
         for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
             if key in result:
                 print(f"  {key:<20} {result[key]:.3f}")
+        if args.curve:
+            print(f"pass@j curve (unbiased, from {k} samples per problem):")
+            for j in range(1, k + 1):
+                print(f"  pass@{j:<15} {result[f'pass@{j}']:.3f}")
     return 0
 
 
@@ -523,6 +534,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8,
         help="samples per problem for sampled pass@1 and pass@k (default 8)",
+    )
+    e.add_argument(
+        "--curve",
+        action="store_true",
+        help="also report pass@j for every j = 1..k from the same samples (JSON keys "
+        "pass@1 .. pass@k)",
+    )
+    e.add_argument(
+        "--few-shot",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N solved training examples before each prompt (default 0: zero-shot)",
+    )
+    e.add_argument(
+        "--few-shot-answer",
+        default="<answer>{answer}</answer>",
+        metavar="TEMPLATE",
+        help="the examples' reply, filled from the row's columns (default "
+        "'<answer>{answer}</answer>')",
     )
     e.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)"

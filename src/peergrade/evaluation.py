@@ -4,6 +4,16 @@ Correctness is the task's *accuracy reward* (its first default reward, e.g. ``ar
 for the arithmetic task) scoring 1.0. ``pass@k`` uses the unbiased estimator of Chen et al.
 (2021), ``1 - C(n - c, k) / C(n, k)`` for n samples with c correct (here n == k).
 
+The pass@k curve (``evaluate(..., curve=True)``, ``peergrade eval --curve``): from the same k
+samples per problem, ``pass@j`` for every j = 1..k, each averaged over problems. It costs no
+extra generation; ``pass@1`` equals ``pass@1_sampled`` and ``pass@k`` is the usual key. The
+gap between pass@k and pass@1 is the headroom GRPO can turn into pass@1 (docs/recipes.md).
+
+``peergrade eval --few-shot N`` puts N solved example turns before every held-out prompt (the
+training curriculum's examples, ``peergrade.tasks.curriculum.FewShot``, drawn from training
+problems only), to measure how a model does when shown the format; it is reported as
+``few_shot`` and is never the default: held-out accuracy is zero-shot.
+
 ``format_rate`` (``peergrade eval``, when the prompts ask for ``<answer>`` tags): the share of
 greedy answers that the ``format`` reward in mode ``answer_only`` accepts (one final non-empty
 ``<answer>...</answer>`` block).
@@ -47,6 +57,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def pass_at_k_curve(counts: list[int], n: int) -> dict[str, float]:
+    """``{"pass@1": ..., ..., "pass@n": ...}``: the unbiased pass@j for j = 1..n, averaged over
+    problems, from each problem's count of correct samples among its ``n``."""
+    if not counts:
+        raise ValueError("pass_at_k_curve needs at least one problem")
+    return {
+        f"pass@{j}": sum(pass_at_k(n, c, j) for c in counts) / len(counts) for j in range(1, n + 1)
+    }
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -64,8 +84,10 @@ def evaluate(
     stop=(),
     extra: list[RewardSpec] = (),
     trainer_state: TrainerState | None = None,
+    curve: bool = False,
 ) -> dict[str, Any]:
-    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k.
+    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k; with
+    ``curve``, also pass@j for every j = 1..k (keys ``pass@1`` .. ``pass@{k}``).
 
     ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
@@ -118,6 +140,8 @@ def evaluate(
         "n": n_rows,
         "k": k,
     }
+    if curve:
+        out.update(pass_at_k_curve([int(ci) for ci in c], k))
     for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
         for key, ro, repeat in (("rate", greedy, 1), ("rate_sampled", sampled, k)):
             s = scores(ro, repeat, [spec]).per_fn[spec.name]
@@ -162,8 +186,12 @@ def run_eval_command(
     batch_size: int | None = None,
     device: str = "auto",
     reward: str | None = None,
+    curve: bool = False,
+    few_shot: int = 0,
+    few_shot_answer: str = "<answer>{answer}</answer>",
 ) -> dict[str, Any]:
-    """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or ``data``)."""
+    """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or
+    ``data``); ``few_shot`` solved training examples before each prompt (default none)."""
     from peergrade.models import (
         load_model,
         load_tokenizer,
@@ -175,6 +203,8 @@ def run_eval_command(
 
     if n < 1 or k < 1:
         raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
+    if few_shot < 0:
+        raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
     if temperature <= 0:
         raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
     with user_input("data" if data else "task"):
@@ -183,12 +213,18 @@ def run_eval_command(
             if data
             else load_task(task, **(task_options or {}))
         )
+        # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
+        rows = the_task.eval_rows(n)
+    if few_shot:
+        from peergrade.tasks.curriculum import FewShot
+
+        # fade 0: every prompt carries the examples; the pool is training problems only
+        rows, _ = FewShot(few_shot, 0, few_shot_answer, the_task, seed).apply(rows, step=1)
     given = resolve_model_path(model)
     path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
     tok = load_tokenizer(path)
     dev = resolve_device(device)
     net = load_model(path, dtype=resolve_dtype("auto", dev), device=str(dev)).eval()
-    rows = the_task.eval_rows(n)
     ids = encode_prompts(rows, tok, system_prompt=the_task.system_prompt)
     if max_new_tokens is None:
         max_new_tokens = 16 if model == "bundled" else 128
@@ -206,9 +242,12 @@ def run_eval_command(
         seed=seed,
         batch_size=batch_size,
         extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
+        curve=curve,
     )
     result["task"] = data or task
     result["model"] = model
+    if few_shot:
+        result["few_shot"] = few_shot
     if path != given:
         result["checkpoint"] = path
     return result
