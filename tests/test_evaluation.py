@@ -182,3 +182,50 @@ def test_eval_few_shot_prompts_carry_training_examples(tiny_model_dir, monkeypat
         assert len(ids) > len(ids0)  # the examples are in the encoded prompt too
     with pytest.raises(InputError, match="--few-shot must be >= 0"):
         run_eval_command(**common, few_shot=-1)
+
+
+def test_eval_reward_options_and_samples_file(tiny_model_dir, tmp_path):
+    """``--reward-option extract=last_number`` reaches the correctness reward, ``--samples``
+    writes every problem's answers with the verdicts behind the pass@1 figures, and a misspelt
+    option fails before anything is generated."""
+    import json
+
+    from peergrade.rewards.math import extract_integer
+
+    common = dict(model=str(tiny_model_dir), n=4, k=3, max_new_tokens=4)
+    out_file = tmp_path / "answers.jsonl"
+    out = run_eval_command(
+        **common, reward_options={"extract": "last_number"}, samples=str(out_file)
+    )
+    assert out["reward_options"] == {"extract": "last_number"}
+    lines = [json.loads(x) for x in out_file.read_text().splitlines()]
+    assert len(lines) == 4 and not (tmp_path / "answers.jsonl.tmp").exists()
+    assert all(len(x["sampled"]) == 3 == len(x["sampled_correct"]) for x in lines)
+    greedy = sum(x["greedy_correct"] for x in lines) / 4
+    sampled = sum(sum(x["sampled_correct"]) for x in lines) / 12
+    assert out["pass@1_greedy"] == pytest.approx(greedy)
+    assert out["pass@1_sampled"] == pytest.approx(sampled)
+    # the verdicts are the last-number rule's, applied to the written answers
+    for x in lines:
+        want = int(x["columns"]["answer"])
+        assert x["greedy_correct"] == (extract_integer(x["greedy"], "last_number") == want)
+        for text, ok in zip(x["sampled"], x["sampled_correct"]):
+            assert ok == (extract_integer(text, "last_number") == want)
+
+    with pytest.raises(InputError, match="has no option 'extrct'.*extract"):
+        run_eval_command(**common, reward_options={"extrct": "tag"})
+
+
+def test_reward_option_scoring_differs_by_extract():
+    """The option changes the verdict: a worked reply without tags is wrong for the default
+    extraction and right for ``extract=last_number`` (what the recipe's before/after table
+    reports as 'last-number accuracy')."""
+    from peergrade.evaluation import accuracy_spec
+    from peergrade.tasks import load_task
+
+    task = load_task("arithmetic")
+    strict, lenient = accuracy_spec(task), accuracy_spec(task, None, {"extract": "last_number"})
+    completions = ["12 + 7 = 19", "<answer>19</answer>", "12 + 7 = 18"]
+    answer = ["19"] * 3
+    assert strict.fn(["q"] * 3, completions, answer=answer, **strict.kwargs) == [0.0, 1.0, 0.0]
+    assert lenient.fn(["q"] * 3, completions, answer=answer, **lenient.kwargs) == [1.0, 1.0, 0.0]

@@ -187,6 +187,8 @@ def cmd_eval(args, extra) -> int:
         curve=args.curve,
         few_shot=args.few_shot,
         few_shot_answer=args.few_shot_answer,
+        reward_options=dict(_kv(o, "--reward-option") for o in args.reward_option),
+        samples=args.samples,
     )
     if args.json:
         print(json.dumps(result))
@@ -208,9 +210,9 @@ def cmd_eval(args, extra) -> int:
     return 0
 
 
-def _kv(text: str) -> tuple[str, object]:
+def _kv(text: str, flag: str = "--task-option") -> tuple[str, object]:
     if "=" not in text:
-        raise UserError(f"--task-option {text!r}: expected key=value")
+        raise UserError(f"{flag} {text!r}: expected key=value")
     k, v = text.split("=", 1)
     return k, parse_override_value(v)
 
@@ -528,6 +530,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--data", help="evaluate on a user dataset file instead of a task")
     e.add_argument("--reward", help="correctness reward (default: the task's accuracy reward)")
+    e.add_argument(
+        "--reward-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the correctness reward, e.g. extract=last_number; repeatable",
+    )
+    e.add_argument(
+        "--samples",
+        metavar="FILE",
+        help="write every problem's greedy and sampled answers, with their correctness, "
+        "to FILE (JSONL)",
+    )
     e.add_argument("--n", type=int, default=200, help="held-out problems (default 200)")
     e.add_argument(
         "--k",

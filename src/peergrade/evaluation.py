@@ -42,10 +42,35 @@ def reward_state(task, step: int, max_steps: int, prompts: int, group: int) -> T
     return TrainerState.at_step(step, max_steps, prompts * group, prompts, num_rows)
 
 
-def accuracy_spec(task, reward: str | None = None) -> RewardSpec:
-    """Correctness: ``reward`` if given, else the task's first default reward; 1.0 = correct."""
+def accuracy_spec(task, reward: str | None = None, options: dict | None = None) -> RewardSpec:
+    """Correctness: ``reward`` if given, else the task's first default reward, called with
+    ``options`` as keyword arguments (e.g. ``extract="last_number"``); 1.0 = correct."""
     name = reward or task.default_rewards[0][0]
-    return RewardSpec(name=name, fn=resolve_reward(name), weight=1.0, kwargs={})
+    return RewardSpec(name=name, fn=resolve_reward(name), weight=1.0, kwargs=dict(options or {}))
+
+
+def check_options(spec: RewardSpec) -> None:
+    """Raise ``ValueError`` naming an option that ``spec.fn`` has no keyword parameter for."""
+    import inspect
+
+    try:
+        params = inspect.signature(spec.fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and C functions: nothing to check against
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        # peergrade's built-ins take the dataset's columns as **kwargs and their own options
+        # keyword-only; a user's function may read options from **kwargs: not checked
+        named = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        if not named or not getattr(spec.fn, "__module__", "").startswith("peergrade."):
+            return
+    else:
+        named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    unknown = sorted(set(spec.kwargs) - named)
+    if unknown:
+        raise ValueError(
+            f"reward {spec.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(sorted(named)) or 'none'}"
+        )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -85,9 +110,12 @@ def evaluate(
     extra: list[RewardSpec] = (),
     trainer_state: TrainerState | None = None,
     curve: bool = False,
+    keep_completions: bool = False,
 ) -> dict[str, Any]:
     """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k; with
-    ``curve``, also pass@j for every j = 1..k (keys ``pass@1`` .. ``pass@{k}``).
+    ``curve``, also pass@j for every j = 1..k (keys ``pass@1`` .. ``pass@{k}``); with
+    ``keep_completions``, the key ``completions``: one dict per problem with its greedy and
+    sampled answers and whether each is correct.
 
     ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
@@ -146,6 +174,18 @@ def evaluate(
         for key, ro, repeat in (("rate", greedy, 1), ("rate_sampled", sampled, k)):
             s = scores(ro, repeat, [spec]).per_fn[spec.name]
             out[f"{spec.name}_{key}"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
+    if keep_completions:
+        out["completions"] = [
+            {
+                "prompt": prompts[i],
+                "columns": {key: v for key, v in rows[i].items() if key != "prompt"},
+                "greedy": greedy.completion_text[i],
+                "greedy_correct": bool(g_ok[i, 0]),
+                "sampled": sampled.completion_text[i * k : (i + 1) * k],
+                "sampled_correct": [bool(x) for x in s_ok[i].tolist()],
+            }
+            for i in range(n_rows)
+        ]
     return out
 
 
@@ -189,9 +229,14 @@ def run_eval_command(
     curve: bool = False,
     few_shot: int = 0,
     few_shot_answer: str = "<answer>{answer}</answer>",
+    reward_options: dict | None = None,
+    samples: str | None = None,
 ) -> dict[str, Any]:
     """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or
-    ``data``); ``few_shot`` solved training examples before each prompt (default none)."""
+    ``data``); ``few_shot`` solved training examples before each prompt (default none).
+
+    ``reward_options`` are keyword arguments for the correctness reward; ``samples`` is a JSONL
+    file written with one line per problem (its answers, see ``evaluate``'s completions)."""
     from peergrade.models import (
         load_model,
         load_tokenizer,
@@ -229,7 +274,8 @@ def run_eval_command(
     if max_new_tokens is None:
         max_new_tokens = 16 if model == "bundled" else 128
     with user_input("reward"):
-        acc = accuracy_spec(the_task, reward)
+        acc = accuracy_spec(the_task, reward, reward_options)
+        check_options(acc)  # a wrong option name fails now, not after minutes of generation
     result = evaluate(
         net,
         tok,
@@ -243,11 +289,29 @@ def run_eval_command(
         batch_size=batch_size,
         extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
         curve=curve,
+        keep_completions=samples is not None,
     )
+    if samples is not None:
+        write_completions(samples, result.pop("completions"))
     result["task"] = data or task
     result["model"] = model
     if few_shot:
         result["few_shot"] = few_shot
+    if reward_options:
+        result["reward_options"] = dict(reward_options)
     if path != given:
         result["checkpoint"] = path
     return result
+
+
+def write_completions(path: str, records: list[dict]) -> None:
+    """``records`` as JSONL at ``path``, written to a temporary file first and renamed, so an
+    interrupted run never leaves half a file under the name."""
+    import json
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
