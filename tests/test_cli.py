@@ -595,3 +595,20 @@ def test_ctrl_c_outside_the_loop_exits_130(monkeypatch, capsys):
     monkeypatch.setattr(cli_mod, "cmd_config", interrupted)
     assert main(["config"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_override_values_with_a_colon_stay_strings():
+    """A prompt template is a sentence and may hold ': ' (found by issue 16's probes: YAML read
+    'like this: <answer>0</answer>.' as a one-key mapping); explicit YAML still parses."""
+    text = "What is {a} {op} {b}? Answer like this: <answer>0</answer>."
+    assert parse_override_value(text) == text
+    assert parse_override_value("Q: {a}") == "Q: {a}"
+    assert parse_override_value("{min_animals: 1, max_animals: 2}") == {
+        "min_animals": 1,
+        "max_animals": 2,
+    }
+    assert parse_override_value("[a, b]") == ["a", "b"]
+    assert parse_override_value("a: 1\nb: 2") == {"a": 1, "b": 2}
+    assert parse_override_value("0.04") == 0.04 and parse_override_value("null") is None
+    cfg = load_config(None, [("data.task_options.template", parse_override_value(text))])
+    assert cfg.data.task_options["template"] == text

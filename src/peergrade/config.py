@@ -582,11 +582,18 @@ def _deep_merge(base: dict, update: dict) -> dict:
 
 
 def parse_override_value(text: str) -> Any:
-    """Parse a command-line value as YAML (``0.04`` -> float, ``[a, b]`` -> list, ``null``)."""
+    """Parse a command-line value as YAML (``0.04`` -> float, ``[a, b]`` -> list, ``null``).
+
+    A mapping or list must be written as one (``{k: v}``, ``[a, b]``, or YAML block text): a
+    sentence such as ``Answer like this: <answer>7</answer>`` stays the string it is."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("{", "[", "-", "\n")):
+        if "\n" not in text:  # a one-line "key: value" sentence, not a YAML document
+            return text
+    return value
 
 
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
