@@ -518,3 +518,21 @@ def test_kill_while_pruning_then_resume_and_eval(tiny_model_dir, reward_file, tm
     train(load_config(run / "config.yaml"), run, resume=True)
     assert sorted(p.name for p in root.iterdir()) == ["step-3"]
     assert [r["step"] for r in read_metrics(run) if "loss/policy" in r] == [1, 2, 3]
+
+
+def test_held_out_accuracy_uses_the_verifier_as_configured(tiny_model_dir):
+    """A recipe that configures the task's verifier with options (issue 16's arithmetic with
+    ``extract: last_number``) is evaluated with those options too, and the training accuracy
+    reuses the reward's own scores; without it, the task's default verifier."""
+    import peergrade.trainer as trainer
+
+    base = [("model.path", str(tiny_model_dir)), ("train.threads", 1)]
+    lenient = [{"name": "arithmetic", "weight": 1.0, "kwargs": {"extract": "last_number"}}]
+    run = trainer.setup(load_config(None, base + [("rewards", lenient)]))
+    assert run.accuracy.name == "arithmetic" and run.accuracy.kwargs == {"extract": "last_number"}
+    assert run.accuracy_in_mix
+    scores = run.accuracy.fn(["q"], ["12 + 7 = 19"], answer=["19"], **run.accuracy.kwargs)
+    assert scores == [1.0]
+    default = trainer.setup(load_config(None, base))
+    assert default.accuracy.kwargs == {}
+    assert default.accuracy.fn(["q"], ["12 + 7 = 19"], answer=["19"]) == [0.0]

@@ -174,7 +174,7 @@ class Run:
     cfg: Config
     task: Any
     rewards: list[RewardSpec]
-    accuracy: RewardSpec  # the task's verifier, or the first configured reward
+    accuracy: RewardSpec  # the task's verifier (with its options if configured), or rewards[0]
     accuracy_in_mix: bool  # the verifier is one of the rewards: reuse its scores
     few_shot: FewShot
     models: Models
@@ -205,6 +205,8 @@ def setup(cfg: Config) -> Run:
     rewards = build_rewards(cfg, task)
     few_shot = build_few_shot(cfg, task)
     acc = accuracy_spec(task) if task.default_rewards else rewards[0]
+    # the verifier as the recipe configures it (e.g. arithmetic with extract: last_number)
+    acc = next((s for s in rewards if s.name == acc.name and s.fn is acc.fn), acc)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
     models = setup_models(cfg)
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
