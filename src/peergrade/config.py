@@ -98,15 +98,6 @@ class ModelConfig:
         "otherwise (tiny models run slower in bf16). See bench/bf16_cpu.py.",
         "auto",
     )
-    rollout_weights: Literal["auto", "policy", "bf16"] = doc(
-        "Which weights sample the training rollouts: the policy itself (under model.autocast), "
-        "or a bfloat16 copy of it, refreshed from the policy before every step's generation "
-        "(no per-operation casts; 2 more bytes of memory per parameter). The log-prob passes "
-        "and evaluation always use the policy. auto = the copy where model.autocast resolves "
-        "to bf16 (an AMX CPU, a float32 model of >= 10M parameters), the policy is not a "
-        "LoRA/peft model and not FSDP-sharded; the policy otherwise. See bench/recipe_step.py.",
-        "auto",
-    )
     shared_prompt_forward: bool = doc(
         "Log-prob passes (update, reference, old policy) run each distinct prompt of a "
         "micro-batch once and its completions against the expanded KV cache, kept in the "

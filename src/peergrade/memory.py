@@ -40,8 +40,6 @@ dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' d
                                                  model = the backbone without an untied lm_head)
     reward_models  P_rm * b per reward model    (resident all run; its no-grad scoring forward
                                                  is phase "rewards": see reward_model_memory)
-    rollout_copy P * 2                          (``model.rollout_weights``: the bf16 copy that
-                                                 samples the rollouts, resident all run)
     activations  micro * L * layers * (4H + 5 q_dim + 4 I + n_heads * L) * 4 bytes
                  (saved for backward per token per decoder layer: two RMSNorm inputs/outputs,
                  q, k, v repeated to all heads (GQA with a padding mask), attention output twice,
@@ -191,7 +189,6 @@ def estimate_memory(
     reward_models: list[dict] | None = None,
     world: int = 1,
     strategy: str = "ddp",
-    rollout_copy: bool = False,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -271,8 +268,6 @@ def estimate_memory(
     static = weights + resident_ref + (critic_params * b * 3 if algo == "ppo" else 0) + optim
     rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
     static += rm_weights
-    copy_bytes = P * DTYPE_BYTES["bfloat16"] if rollout_copy else 0
-    static += copy_bytes
     critic_grads = critic_params * b if algo == "ppo" else 0
     # grads (policy's and critic's) are allocated as the backward frees activations: at its
     # start only the chunked head's [V, H] buffers exist on top of the activations
@@ -305,7 +300,6 @@ def estimate_memory(
         "reference": reference,
         "critic": critic,
         "reward_models": rm_weights,
-        "rollout_copy": copy_bytes,
         "activations": activations,
         "transient": grad_transient + layer_act,
         "kv_cache": kv_cache,
@@ -364,12 +358,6 @@ def estimate_for_config(
         for i in cfg.rewards
         if is_reward_model_name(i.name)
     ]
-    from peergrade.update import rollout_copy_on
-
-    n_params = param_counts(path, lora)["total"]
-    # under fsdp the policy is sharded (no copy); LoRA: the policy is a peft model (no copy)
-    plain = lora is None and not (world > 1 and cfg.dist.strategy == "fsdp")
-    copy_on = rollout_copy_on(cfg, device, getattr(torch, dtype), n_params, plain)
     return estimate_memory(
         path,
         batch=cfg.batch_size,
@@ -387,7 +375,6 @@ def estimate_for_config(
         reward_models=reward_models,
         world=world,
         strategy=cfg.dist.strategy,
-        rollout_copy=copy_on,
     )
 
 

@@ -73,13 +73,11 @@ from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import encode_prompts
 from peergrade.update import (
     Models,
-    RolloutCopy,
     autocast,
     build_optimizer,
     build_scheduler,
     grpo_update,
     ref_logprobs,
-    rollout_copy,
 )
 
 # ----------------------------------------------------------------------------- setup
@@ -181,7 +179,6 @@ class Run:
     optimizer: Any
     scheduler: Any
     critic: ppo.Critic | None  # PPO only
-    rollout_copy: RolloutCopy | None = None  # model.rollout_weights: bf16 copy that samples
 
     @property
     def optimizer_state(self):
@@ -224,7 +221,6 @@ def setup(cfg: Config) -> Run:
         optimizer,
         build_scheduler(optimizer, cfg),
         critic,
-        rollout_copy(cfg, models),
     )
 
 
@@ -238,7 +234,7 @@ def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
     r = run.cfg.rollout
     with dist.full_weights(run.models.policy) as policy:  # FSDP2: unsharded for sampling
         return generate(
-            run.rollout_copy.refreshed() if run.rollout_copy else policy,
+            policy,
             run.models.tokenizer,
             prompt_ids,
             n=r.group_size,

@@ -111,49 +111,20 @@ def cpu_has_amx_bf16() -> bool:
 
 def use_bf16_autocast(setting: str, device, model) -> bool:
     """``model.autocast`` resolved: bf16, off, or auto (module docstring of the config key)."""
-    if model is None:
-        return setting == "bf16" and _check_autocast(setting)
-    params = list(model.parameters())
-    dtypes = {p.dtype for p in params}
-    dtype = dtypes.pop() if len(dtypes) == 1 else None
-    return bf16_autocast_on(setting, torch.device(device).type, dtype, sum(p.numel() for p in params))
-
-
-def _check_autocast(setting: str) -> bool:
-    if setting not in ("auto", "off", "bf16"):
-        raise ValueError(f"model.autocast={setting!r}: expected auto, off or bf16")
-    return True
-
-
-def bf16_autocast_on(setting: str, device_type: str, dtype, num_params: int) -> bool:
-    """``model.autocast`` for a model of ``num_params`` parameters all of ``dtype`` (None:
-    mixed) on ``device_type``: auto = bf16 on an AMX CPU for a float32 model of at least
-    ``AUTO_BF16_MIN_PARAMS``."""
-    _check_autocast(setting)
+    if setting == "off":
+        return False
+    if setting == "bf16":
+        return True
     if setting != "auto":
-        return setting == "bf16"
+        raise ValueError(f"model.autocast={setting!r}: expected auto, off or bf16")
+    if torch.device(device).type != "cpu" or model is None:
+        return False
+    params = list(model.parameters())
     return (
-        device_type == "cpu"
-        and dtype == torch.float32
-        and num_params >= AUTO_BF16_MIN_PARAMS
+        all(p.dtype == torch.float32 for p in params)
+        and sum(p.numel() for p in params) >= AUTO_BF16_MIN_PARAMS
         and cpu_has_amx_bf16()
     )
-
-
-def rollout_copy_on(cfg, device_type: str, dtype, num_params: int, plain: bool) -> bool:
-    """Whether ``model.rollout_weights`` samples from a bf16 copy (see ``RolloutCopy``); plain =
-    the policy is neither a LoRA/peft model nor FSDP-sharded."""
-    setting = cfg.model.rollout_weights
-    if setting not in ("auto", "policy", "bf16"):
-        raise ValueError(f"model.rollout_weights={setting!r}: expected auto, policy or bf16")
-    if setting == "bf16" and not plain:
-        raise ValueError(
-            "model.rollout_weights=bf16 needs a plain (not LoRA/peft, not FSDP-sharded) "
-            "policy; use auto or policy"
-        )
-    if setting == "auto":
-        return plain and bf16_autocast_on(cfg.model.autocast, device_type, dtype, num_params)
-    return setting == "bf16"
 
 
 def autocast(cfg, device, model=None) -> contextlib.AbstractContextManager:
@@ -161,46 +132,6 @@ def autocast(cfg, device, model=None) -> contextlib.AbstractContextManager:
     if use_bf16_autocast(cfg.model.autocast, device, model):
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-class RolloutCopy:
-    """A bfloat16 copy of the policy that samples the training rollouts
-    (``model.rollout_weights``): ``refreshed()`` copies the policy's current weights into it
-    (parameters only, cast to bf16; buffers such as RoPE's frequencies stay float32) and
-    returns it. The policy keeps training in its own dtype."""
-
-    def __init__(self, policy: torch.nn.Module):
-        import copy
-
-        self.model = copy.deepcopy(policy).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-            p.data = p.data.to(torch.bfloat16)
-        # deepcopy keeps the module tree (and tied weights) of the original: same order
-        self._pairs = list(zip(policy.parameters(), self.model.parameters(), strict=True))
-
-    @torch.no_grad()
-    def refreshed(self) -> torch.nn.Module:
-        for src, dst in self._pairs:
-            dst.copy_(src)
-        return self.model
-
-
-def rollout_copy(cfg, models: Models) -> RolloutCopy | None:
-    """The bf16 rollout copy ``model.rollout_weights`` asks for, or None (sample with the
-    policy)."""
-    policy = models.policy
-    params = list(policy.parameters())
-    dtypes = {p.dtype for p in params}
-    plain = not hasattr(policy, "peft_config") and not dist.is_sharded(policy)
-    on = rollout_copy_on(
-        cfg,
-        torch.device(models.device).type,
-        dtypes.pop() if len(dtypes) == 1 else None,
-        sum(p.numel() for p in params),
-        plain,
-    )
-    return RolloutCopy(policy) if on else None
 
 
 def logprobs_of(model, input_ids, attention_mask, cmask, cfg, *, with_entropy=False):
