@@ -156,3 +156,11 @@ def test_shipped_recipes_load():
     assert plain.data.few_shot == 1 and plain.data.few_shot_fade_steps > 0
     plain.algo.beta = kl.algo.beta
     assert to_yaml(plain) == to_yaml(kl)  # the variant differs in beta alone
+
+    # issue 16's recipe: G = 4, and a G = 8 variant over the same prompts per step
+    g4 = load_config(root / "smollm2-add.yaml")
+    g8 = load_config(root / "smollm2-add-g8.yaml")
+    assert g4.rollout.group_size == 4 and g8.rollout.group_size == 8
+    assert g4.rollout.prompts_per_step == g8.rollout.prompts_per_step
+    g4.rollout.group_size = 8
+    assert to_yaml(g4) == to_yaml(g8)  # nothing else differs

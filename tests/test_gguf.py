@@ -302,3 +302,53 @@ def test_recipe_few_shot_prompt_renders_as_a_smollm2_chat(smol):
         "</answer><|im_end|>"
     )
     assert rows[0]["prompt"][-1]["content"] in turns[4] and text.endswith("assistant\n")
+
+
+ADD_RECIPE = CONFIG.parent / "smollm2-add.yaml"
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_add_recipe_gives_signal_from_step_one(converted, tmp_path):
+    """configs/smollm2-add.yaml (issue 16) on the real model: its first training steps already
+    compare answers that differ. At step 1 some group of G = 4 holds both right and wrong
+    answers (the reward is the verifier alone: correctness, nothing else), so GRPO has a
+    correctness gradient from the start, and the update moves the policy."""
+    import peergrade.trainer as trainer
+    from peergrade.config import load_config
+
+    cfg = load_config(
+        str(ADD_RECIPE),
+        [("model.path", str(converted)), ("train.output_dir", str(tmp_path / "run"))],
+    )
+    G = cfg.rollout.group_size
+    assert G == 4 and [r.name for r in cfg.rewards] == ["arithmetic"]
+    run = trainer.setup(cfg)
+    assert run.accuracy_in_mix and run.accuracy.kwargs == {"extract": "last_number"}
+    seen = []
+    real_score = trainer.score
+
+    def spy(run_, step, rows, rollout, ids):
+        scores, acc = real_score(run_, step, rows, rollout, ids)
+        seen.append((scores.total.view(-1, G).clone(), list(rollout.completion_text)))
+        return scores, acc
+
+    rows = run.task.train_rows(cfg.train.seed)
+    P = cfg.rollout.prompts_per_step
+    head = run.models.policy.get_output_embeddings().weight
+    before = head.detach().clone()
+    trainer.score = spy
+    try:
+        results = [trainer.train_step(run, s, [next(rows) for _ in range(P)]) for s in (1, 2, 3)]
+    finally:
+        trainer.score = real_score
+    mixed = []
+    for total, texts in seen:
+        assert set(total.unique().tolist()) <= {0.0, 1.0}, "the verifier scores 0 or 1"
+        spread = total.max(dim=1).values - total.min(dim=1).values
+        mixed.append(int((spread > 0.5).sum()))
+    assert mixed[0] >= 1, f"step 1: no group mixes right and wrong answers: {seen[0]}"
+    assert sum(m >= 1 for m in mixed) >= 2, f"groups with signal per step: {mixed}"
+    for m, r in zip(mixed, results):
+        assert r.metrics["rollout/frac_zero_std_groups"] == pytest.approx(1 - m / P)
+    assert not torch.equal(before, head.detach())  # the update ran on those groups
