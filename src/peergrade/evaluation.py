@@ -291,8 +291,11 @@ def run_eval_command(
         curve=curve,
         keep_completions=samples is not None,
     )
-    if samples is not None:
-        write_completions(samples, result.pop("completions"))
+    if samples is not None:  # one JSON line per problem; never half a file under the name
+        import json
+
+        lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
+        ckpt.atomic_write_text(samples, "".join(lines))
     result["task"] = data or task
     result["model"] = model
     if few_shot:
@@ -302,16 +305,3 @@ def run_eval_command(
     if path != given:
         result["checkpoint"] = path
     return result
-
-
-def write_completions(path: str, records: list[dict]) -> None:
-    """``records`` as JSONL at ``path``, written to a temporary file first and renamed, so an
-    interrupted run never leaves half a file under the name."""
-    import json
-    import os
-
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
