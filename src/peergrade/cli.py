@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sft",
         help="supervised warm-up on a task (how the bundled model is made)",
         description="Supervised fine-tuning on a task's prompt -> answer pairs. "
-        "The bundled demo model is made with the command in README.md.",
+        "The bundled demo model is made with the command in docs/getting-started.md.",
     )
     s.add_argument("--out", required=True, help="output model dir")
     src = s.add_mutually_exclusive_group(required=True)

@@ -1,8 +1,9 @@
 """The run configuration: one tree of dataclasses, the single source of truth.
 
 Every field carries its documentation in ``metadata["help"]``; ``peergrade config`` prints the
-whole resolved tree as commented YAML (the file a user starts from) and the README's config
-reference is generated from the same place (``peergrade config --markdown``).
+whole resolved tree as commented YAML (the file a user starts from) and the documentation's
+configuration reference (docs/reference/configuration.md, written by ``python -m
+peergrade.docgen``) is generated from the same place (``to_markdown``).
 
 Loading order: defaults -> YAML file (``--config x.yaml``) -> command-line overrides
 (``--algo.beta 0.04``). Every key is checked against the tree (an unknown key names the closest
@@ -415,7 +416,7 @@ class Config:
     optim: OptimConfig = doc("Optimizer and batching.", default_factory=OptimConfig)
     train: TrainConfig = doc("Loop, evaluation, checkpoints.", default_factory=TrainConfig)
     dist: DistConfig = doc(
-        "Several processes under torchrun (see README, Scaling out).", default_factory=DistConfig
+        "Several processes under torchrun (see docs/scaling.md).", default_factory=DistConfig
     )
 
     # ---- derived values: the one place each is computed (trainer, ppo, memory, validate)
@@ -827,13 +828,16 @@ def to_yaml(cfg: Config, comments: bool = True) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def to_markdown(cfg: Config | None = None) -> str:
-    """A Markdown table of every key, its default and its documentation (the README reference)."""
+def to_markdown(cfg: Config | None = None, section: str | None = None) -> str:
+    """A Markdown table of every key, its default and its documentation (the configuration
+    reference); ``section`` (a top-level key such as ``"algo"``) keeps only that part."""
     cfg = cfg or Config()
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
 
     def emit(obj: Any, prefix: str) -> None:
         for f in dataclasses.fields(obj):
+            if section is not None and not prefix and f.name != section:
+                continue
             value = getattr(obj, f.name)
             key = f"{prefix}{f.name}"
             if dataclasses.is_dataclass(value):

@@ -4,7 +4,7 @@ Each example is the task's prompt rendered with the chat template, followed by t
 answer and the end-of-turn token; the loss is the mean cross-entropy over the answer tokens
 only (prompt tokens are context, not targets). This is how the bundled demo model is made:
 a fresh tiny Qwen2 model trained *deliberately short of mastery*, so that GRPO has something to
-find (see README, "The bundled model").
+find (see docs/getting-started.md, "The bundled model").
 
 Deterministic for a fixed seed, torch version and thread count. The output directory is written
 to a temporary sibling and renamed, so an interrupted run never leaves a half-written model.
