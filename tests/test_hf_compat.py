@@ -143,8 +143,8 @@ def test_bundled_model_autotokenizer_ids_equal_ours():
 
 
 def test_bundled_tokenizer_files_are_what_sft_writes(tmp_path):
-    """The README's `peergrade sft --init qwen2 ...` writes these tokenizer files byte for byte
-    (the weights take a full SFT run to check; see README, "The bundled model")."""
+    """The documented `peergrade sft --init qwen2 ...` writes these tokenizer files byte for byte
+    (the weights take a full SFT run to check; see docs/getting-started.md, "The bundled model")."""
     from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer
 
     save_tokenizer(build_char_tokenizer(chat_template=COMPACT_CHAT_TEMPLATE), tmp_path)
