@@ -582,8 +582,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--batch-size", type=int, default=None, help="sequences generated at once (default all)"
     )
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--device", default="auto")
+    e.add_argument("--seed", type=int, default=0, help="random seed (sampling, few-shot examples)")
+    e.add_argument(
+        "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval)
 
@@ -597,14 +599,20 @@ def build_parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--init", metavar="ARCH", help="start from a fresh tiny model: qwen2 | llama")
     src.add_argument("--model", help="start from an existing model dir")
-    s.add_argument("--task", default="arithmetic")
-    s.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE")
-    s.add_argument("--steps", type=int, default=300)
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--lr", type=float, default=3e-3)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--task", default="arithmetic", help="built-in task whose answers are taught")
+    s.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="task option, e.g. max_digits=2; repeatable",
+    )
+    s.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    s.add_argument("--batch-size", type=int, default=64, help="examples per step")
+    s.add_argument("--lr", type=float, default=3e-3, help="learning rate (AdamW)")
+    s.add_argument("--seed", type=int, default=0, help="random seed")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing --out dir")
     s.set_defaults(func=cmd_sft)
 
     mm = sub.add_parser(
