@@ -8,12 +8,16 @@ The concrete classes live next to the code that raises them (``ModelLoadError`` 
 by models and gguf; ``DataError`` in tasks.files, ``RewardError`` in rewards, ``RunDirError`` in checkpoint); each
 also keeps its historical builtin base (``ValueError`` / ``RuntimeError``) so existing
 ``except ValueError`` code still catches it. ``user_input`` turns a plain ValueError raised while
-resolving a user-given name into an ``InputError``.
+resolving a user-given name into an ``InputError``. ``require`` imports an optional package or
+raises ``MissingPackageError`` with the pip command, so every missing extra (pandas for CSV, peft
+for LoRA, ...) is the same one ``error:`` line.
 """
 
 from __future__ import annotations
 
+import importlib
 from contextlib import contextmanager
+from types import ModuleType
 
 
 class PeergradeError(Exception):
@@ -26,6 +30,27 @@ class InputError(PeergradeError, ValueError):
 
 class ModelLoadError(PeergradeError, ValueError):
     """A model or tokenizer directory is missing something, or is not a causal LM."""
+
+
+class MissingPackageError(PeergradeError, ImportError):
+    """An optional package that a feature needs is not installed (the message has the pip
+    command). Also an ``ImportError``, so code that falls back on a missing package still can."""
+
+
+def require(module: str, *, needed_for: str, pip: str, extra: str | None = None) -> ModuleType:
+    """Import ``module`` (e.g. ``"pandas"``) or raise ``MissingPackageError``:
+    ``<needed_for> needs <pip>, which is not installed: pip install <pip>`` (and the
+    ``peergrade[<extra>]`` that brings it, when there is one)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        # a package that is there but lacks one of its own dependencies: name that one
+        missing = exc.name or module
+        detail = "" if module.startswith(missing) else f" (importing {missing!r} failed)"
+        hint = f"pip install {pip}" + (f"  (or pip install 'peergrade[{extra}]')" if extra else "")
+        raise MissingPackageError(
+            f"{needed_for} needs {pip}, which is not installed{detail}: {hint}"
+        ) from None
 
 
 @contextmanager

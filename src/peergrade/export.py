@@ -32,6 +32,7 @@ import shutil
 from pathlib import Path
 
 from peergrade.checkpoint import RunDirError, latest_checkpoint
+from peergrade.errors import require
 
 __all__ = ["ExportError", "find_checkpoint", "export_checkpoint"]
 
@@ -221,10 +222,7 @@ def export_checkpoint(src, out, *, merge_lora: bool = False, log=print) -> Path:
 
 def _write_merged(ckpt: Path, base: str, out: Path) -> None:
     """Base model + adapter, merged (``merge_and_unload``), saved as a full model in ``out``."""
-    try:
-        from peft import PeftModel
-    except ImportError as e:
-        raise ImportError("--merge-lora needs the 'peft' package: pip install peft") from e
+    PeftModel = require("peft", needed_for="--merge-lora", pip="peft", extra="lora").PeftModel
     from peergrade.models import load_model
 
     model = load_model(base, dtype="auto", device="cpu")

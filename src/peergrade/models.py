@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from peergrade.errors import ModelLoadError
+from peergrade.errors import ModelLoadError, require
 
 logger = logging.getLogger(__name__)
 
@@ -313,12 +313,8 @@ def apply_lora(model, *, r: int, alpha: float, dropout: float = 0.0, target_modu
     (e.g. ``["q_proj", "v_proj"]``) or "all-linear" (every linear layer except the output head).
     Only the adapter parameters are trainable afterwards.
     """
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:
-        raise ImportError(
-            "LoRA needs the 'peft' package: pip install 'peergrade[lora]' (or pip install peft)"
-        ) from e
+    peft = require("peft", needed_for="LoRA (model.lora.enabled)", pip="peft", extra="lora")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
     if int(r) != r or r <= 0:
         raise ValueError(f"lora r={r!r}: expected a positive integer")
     if alpha <= 0:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peergrade.errors import InputError, PeergradeError
+from peergrade.errors import InputError, require
 
 __all__ = [
     "Run",
@@ -233,18 +233,10 @@ def figure_svg(fig) -> str:
     return svg
 
 
-class MissingPlotLibrary(PeergradeError):
-    """matplotlib is an optional dependency (the ``report`` extra)."""
-
-
 def _mpl():
-    try:
-        import matplotlib
-    except ImportError:
-        raise MissingPlotLibrary(
-            "the HTML report draws its plots with matplotlib, which is not installed: "
-            "pip install 'peergrade[report]' (or pip install matplotlib)"
-        ) from None
+    matplotlib = require(
+        "matplotlib", needed_for="the HTML report's plots", pip="matplotlib", extra="report"
+    )
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

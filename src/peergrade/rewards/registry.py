@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from peergrade.errors import PeergradeError
+from peergrade.errors import MissingPackageError, PeergradeError
 
 if TYPE_CHECKING:  # torch is imported when scoring, so importing this package stays light
     import torch
@@ -230,6 +230,15 @@ def _load_file(path_str: str, attr: str, *, what: str):
         sys.modules[mod_name] = module
         try:
             spec.loader.exec_module(module)
+        except ModuleNotFoundError as exc:
+            del sys.modules[mod_name]
+            if exc.name is None:
+                raise
+            # the user's file imports a package this environment lacks: the pip line, no traceback
+            raise MissingPackageError(
+                f"{what}: {str(path)!r} imports {exc.name!r}, which is not installed: "
+                f"pip install {exc.name.split('.')[0]} (or the package that provides it)"
+            ) from None
         except Exception as exc:
             del sys.modules[mod_name]
             raise ImportError(
@@ -256,6 +265,8 @@ def resolve_reward(spec: str | Callable) -> Callable:
         module_name, attr = BUILTIN_REWARDS[spec].split(":")
         try:
             module = importlib.import_module(module_name)
+        except MissingPackageError:
+            raise
         except ImportError as exc:
             raise ImportError(
                 f"built-in reward {spec!r} is not available: importing {module_name!r} "

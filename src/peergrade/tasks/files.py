@@ -51,7 +51,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from peergrade.errors import PeergradeError
+from peergrade.errors import PeergradeError, require
 
 from ..rewards.registry import CONTRACT_KWARGS
 from .base import Task
@@ -113,14 +113,9 @@ def _csv_line_numbers(path: Path) -> list[int]:
 
 
 def _read_csv(path: Path) -> list[tuple[int, object]]:
-    try:
-        import pandas as pd
-        import pyarrow as pa
-    except ImportError as exc:
-        raise ImportError(
-            f"reading {path} needs pandas and pyarrow (CSV is read as datasets reads it): "
-            "pip install 'peergrade[data]'"
-        ) from exc
+    # CSV is read as datasets reads it: pandas, then Arrow
+    pd = require("pandas", needed_for=f"reading {path}", pip="pandas", extra="data")
+    pa = require("pyarrow", needed_for=f"reading {path}", pip="pyarrow", extra="data")
     lines = _csv_line_numbers(path)
     try:
         # datasets' CSV builder: pd.read_csv with pandas' defaults, then pa.Table.from_pandas
@@ -135,12 +130,7 @@ def _read_csv(path: Path) -> list[tuple[int, object]]:
 
 
 def _read_parquet(path: Path) -> list[tuple[int, object]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise ImportError(
-            f"reading {path} needs pyarrow: pip install pyarrow (or 'peergrade[data]')"
-        ) from exc
+    pq = require("pyarrow.parquet", needed_for=f"reading {path}", pip="pyarrow", extra="data")
     try:
         table = pq.read_table(path)
     except Exception as exc:
@@ -149,13 +139,9 @@ def _read_parquet(path: Path) -> list[tuple[int, object]]:
 
 
 def _read_hf_dir(path: Path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] | None]:
-    try:
-        import datasets
-    except ImportError as exc:
-        raise ImportError(
-            f"reading the datasets directory {path} needs the datasets package: pip install "
-            "datasets (or 'peergrade[data]')"
-        ) from exc
+    datasets = require(
+        "datasets", needed_for=f"reading the datasets directory {path}", pip="datasets", extra="data"
+    )
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:

@@ -31,6 +31,7 @@ import hashlib
 import random
 from collections.abc import Iterator
 
+from ..errors import require
 from ..rewards.extract import answer_tag, completion_text
 from .base import Task
 from .prompts import chat_prompt
@@ -41,14 +42,12 @@ DEFAULT_INSTRUCTION = "\n\nPut your final answer inside <answer></answer>."
 
 
 def _rg():
-    try:
-        import reasoning_gym
-    except ImportError as exc:
-        raise ImportError(
-            "the 'logic' task and the 'reasoning_gym' reward need the reasoning-gym package: "
-            "pip install reasoning-gym  (or: pip install 'peergrade[logic]')"
-        ) from exc
-    return reasoning_gym
+    return require(
+        "reasoning_gym",
+        needed_for="the 'logic' task and the 'reasoning_gym' reward",
+        pip="reasoning-gym",
+        extra="logic",
+    )
 
 
 def available_datasets() -> list[str]:
