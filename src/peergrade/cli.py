@@ -33,7 +33,9 @@ from peergrade.config import (
     ConfigError,
     all_keys,
     load_config,
+    load_run_config,
     parse_override_value,
+    reward_item,
     to_markdown,
     to_yaml,
 )
@@ -101,7 +103,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config_from(args, extra: list[str]):
+def _config_from(args, extra: list[str], *, run_config: bool = False):
     overrides = _split_overrides(extra)
     for flag, key in (
         ("model", "model.path"),
@@ -115,20 +117,8 @@ def _config_from(args, extra: list[str]):
             overrides.append((key, value))
     rewards = getattr(args, "reward", None)
     if rewards:
-        overrides.append(("rewards", [_reward_item(s) for s in rewards]))
-    return load_config(args.config, overrides)
-
-
-def _reward_item(spec: str) -> dict:
-    """``name``, ``name=0.5`` (with weight), ``path/file.py:fn=2`` -> a rewards list item."""
-    name, weight = spec, 1.0
-    if "=" in spec:
-        name, w = spec.rsplit("=", 1)
-        try:
-            weight = float(w)
-        except ValueError:
-            raise UserError(f"--reward {spec!r}: the weight after '=' must be a number") from None
-    return {"name": name, "weight": weight}
+        overrides.append(("rewards", [reward_item(s) for s in rewards]))
+    return (load_run_config if run_config else load_config)(args.config, overrides)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -153,7 +143,7 @@ def cmd_train(args, extra) -> int:
         if args.config:
             raise UserError("--resume uses the run's own config.yaml; do not pass --config with it")
         args.config = str(run_dir / "config.yaml")
-        cfg = _config_from(args, extra)
+        cfg = _config_from(args, extra, run_config=True)
     else:
         cfg = _config_from(args, extra)
         run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
@@ -398,7 +388,7 @@ def _run_memory_section(run_dir: Path, budget_text: str):
     from peergrade.report import Section, memory_chart
 
     budget = parse_size(budget_text)
-    cfg = load_config(str(run_dir / "config.yaml"))
+    cfg = load_run_config(str(run_dir / "config.yaml"))
     rows, _ = budget_rows(cfg, device="cuda")
     svg = memory_chart(rows, budget)
     body = (

@@ -10,6 +10,14 @@ Loading order: defaults -> YAML file (``--config x.yaml``) -> command-line overr
 valid one), every value against its field's type, and ``validate`` checks the cross-field rules
 (group size, batch divisibility, ranges, choices) -- all before any model is loaded.
 
+Paths: a relative path in a YAML file (``model.path``, ``data.path``, ``data.eval_path``,
+``algo.critic_path``, a reward's ``file.py:fn`` or reward-model directory) is relative to that
+file, as ``base:`` is; on the command line it is relative to the working directory. Either way
+``load_config`` makes it absolute (a run's saved config.yaml then works from any directory, e.g.
+``--resume``) and keeps what was typed in ``Config.given_paths``, which ``to_yaml`` writes as a
+comment next to the value. ``train.output_dir`` is where to write, not what to read: it stays
+relative to the working directory.
+
 The defaults *are* the CPU demo (`peergrade train` with no arguments): the bundled tiny model
 on two-digit arithmetic. Recipes for real models live in configs/.
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -419,6 +428,10 @@ class Config:
         "Several processes under torchrun (see docs/scaling.md).", default_factory=DistConfig
     )
 
+    #: not a config key: the relative paths as typed, by key (``data.path``, ``rewards[0].name``),
+    #: whose absolute form the fields hold (set by ``load_config``, written as YAML comments)
+    given_paths = types.MappingProxyType({})
+
     # ---- derived values: the one place each is computed (trainer, ppo, memory, validate)
 
     @property
@@ -501,6 +514,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         (arg,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        if arg is RewardItem:
+            return [_build(arg, _reward_mapping(v, f"{key}[{i}]"), f"{key}[{i}]") for i, v in enumerate(value)]
         if dataclasses.is_dataclass(arg):
             return [_build(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
         return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -533,6 +548,31 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
     raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover - programming error
+
+
+def reward_item(spec: str, key: str = "--reward") -> dict:
+    """A reward's short form -> a ``rewards`` item: ``name``, ``name=0.5`` (with its weight),
+    ``my_rewards.py:my_reward=2`` (the ``--reward`` syntax, also accepted in a YAML list)."""
+    name, weight = spec, 1.0
+    if "=" in spec:
+        name, w = spec.rsplit("=", 1)
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ConfigError(f"{key} {spec!r}: the weight after '=' must be a number") from None
+    return {"name": name, "weight": weight}
+
+
+def _reward_mapping(value: Any, key: str) -> Any:
+    """A ``rewards`` list entry as a mapping: the short string form is expanded."""
+    if isinstance(value, str):
+        return reward_item(value, key)
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{key}: expected a reward name such as 'my_rewards.py:my_reward' or a mapping such "
+            f"as {{name: my_rewards.py:my_reward, weight: 1.0}}, got {value!r}"
+        )
+    return value
 
 
 def _hints(cls) -> dict[str, Any]:
@@ -626,9 +666,90 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
         cls = tp
 
 
-def _read_tree(p: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """The mapping in YAML file ``p``; a top-level ``base: other.yaml`` (relative to ``p``)
-    is read first and ``p``'s own values are merged over it."""
+#: keys whose value is a file or directory the run reads (rewards' names are handled apart)
+PATH_KEYS = ("model.path", "data.path", "data.eval_path", "algo.critic_path")
+
+
+def _split_path(key: str, value: Any) -> tuple[str, str] | None:
+    """(the local path inside ``value``, what follows it) when ``value`` of ``key`` names a path
+    to resolve; None for model names (``bundled``, ``pypi:NAME``), built-in reward names and
+    ``module:function``."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    value = value.strip()
+    if key.startswith("rewards["):
+        target, sep, attr = value.rpartition(":")
+        if sep and (target.endswith(".py") or "/" in target or "\\" in target):
+            return target, sep + attr  # path/to/file.py:function
+        if not sep and ("/" in value or value.startswith(("~", "."))):
+            return value, ""  # a reward-model directory, written as a path
+        return None
+    if key in ("model.path", "algo.critic_path") and (
+        value == "bundled" or value.startswith("pypi:")
+    ):
+        return None
+    return value, ""
+
+
+def _resolve_paths(
+    tree: dict, base: Path, given: dict[str, str], source: Path | None = None
+) -> None:
+    """Make the relative paths of ``tree`` (one YAML file's mapping, or the command line's
+    overrides) absolute against ``base`` in place; record each as typed in ``given``. With a
+    ``source`` file, a path that does not exist is an error naming both forms (such paths were
+    once read against the working directory)."""
+    check = source is not None
+    found: list[tuple[str, dict, str]] = []  # (key, the mapping holding it, its field)
+    for dotted in PATH_KEYS:
+        section, name = dotted.split(".")
+        node = tree.get(section)
+        if isinstance(node, dict) and name in node:
+            found.append((dotted, node, name))
+    rewards = tree.get("rewards")
+    if isinstance(rewards, list):
+        for i, item in enumerate(rewards):
+            if isinstance(item, str):  # the short form, expanded here to hold the absolute path
+                item = rewards[i] = reward_item(item, f"rewards[{i}]")
+            if isinstance(item, dict) and "name" in item:
+                found.append((f"rewards[{i}].name", item, "name"))
+    if isinstance(rewards, list):  # a new list replaces the old one, items and all
+        for key in [k for k in given if k.startswith("rewards[")]:
+            del given[key]
+    for key, node, name in found:
+        given.pop(key, None)  # an earlier value's typed form no longer applies
+        parts = _split_path(key, node[name])
+        if parts is None:
+            continue
+        path, rest = parts
+        expanded = Path(path).expanduser()
+        if expanded.is_absolute():
+            node[name] = str(expanded) + rest
+            continue
+        resolved = Path(os.path.abspath(base / expanded))
+        if check and not resolved.exists():
+            here = Path(os.path.abspath(expanded))
+            hint = (
+                f"; {str(here)!r} exists: write the path relative to the config file or absolute"
+                if here.exists()
+                else ""
+            )
+            raise ConfigError(
+                f"{key}: {path!r} in {str(source)!r} is relative to that file's folder, and "
+                f"{str(resolved)!r} does not exist{hint}"
+            )
+        node[name] = str(resolved) + rest
+        given[key] = path + rest
+
+
+def _read_tree(
+    p: Path,
+    seen: tuple[Path, ...] = (),
+    given: dict[str, str] | None = None,
+    relative_to: Path | None = None,
+) -> dict:
+    """The mapping in YAML file ``p``, its relative paths made absolute against ``p``'s folder
+    (or ``relative_to``); a top-level ``base: other.yaml`` (relative to ``p``) is read first and
+    ``p``'s own values are merged over it."""
     if not p.is_file():
         where = f" (the base of {str(seen[-1])!r})" if seen else ""
         raise ConfigError(f"config file {str(p)!r}{where} does not exist")
@@ -644,27 +765,53 @@ def _read_tree(p: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
     base = loaded.pop("base", None)
+    given = {} if given is None else given
+    # a run's config.yaml records how its (now absolute) paths were typed
+    recorded = loaded.pop("given_paths", None) or {}
+    if not isinstance(recorded, dict):
+        raise ConfigError(f"config file {str(p)!r}: 'given_paths' must be a mapping")
     if base is None:
+        # a user's file is checked; a run's (relative_to) may name data that has moved since
+        _resolve_paths(loaded, relative_to or p.parent, given, None if relative_to else p)
+        given.update({str(k): str(v) for k, v in recorded.items()})
         return loaded
     if not isinstance(base, str) or not base.strip():
         raise ConfigError(f"config file {str(p)!r}: 'base' must be a YAML file path, got {base!r}")
-    parent = _read_tree(p.parent / base, (*seen, p.resolve()))
+    parent = _read_tree(p.parent / base, (*seen, p.resolve()), given)
+    _resolve_paths(loaded, p.parent, given, p)  # after the base's: they win
     return _deep_merge(parent, loaded)
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[tuple[str, Any]] | None = None
+    path: str | Path | None = None,
+    overrides: list[tuple[str, Any]] | None = None,
+    *,
+    relative_to: str | Path | None = None,
 ) -> Config:
     """Defaults <- YAML file (and its ``base:`` chain) <- overrides ``[("algo.beta", 0.04),
-    ...]``; then ``validate``."""
-    tree: dict = _read_tree(Path(path)) if path is not None else {}
+    ...]``; then ``validate``. Relative paths are made absolute: the file's against its folder
+    (``relative_to``: against that directory instead, e.g. the working directory for a run's
+    config.yaml written before paths were stored absolute), the overrides' against the
+    working directory."""
+    given: dict[str, str] = {}
+    where = Path(relative_to) if relative_to is not None else None
+    tree: dict = _read_tree(Path(path), (), given, where) if path is not None else {}
     for dotted, value in overrides or []:
         patch: dict = {}
         _set_path(patch, dotted, value)
+        _resolve_paths(patch, Path.cwd(), given)
         tree = _deep_merge(tree, patch)
     cfg = _build(Config, tree)
     validate(cfg)
+    cfg.given_paths = types.MappingProxyType(given)
     return cfg
+
+
+def load_run_config(path: str | Path, overrides: list[tuple[str, Any]] | None = None) -> Config:
+    """A run's (or checkpoint's) config.yaml: its paths are absolute; one written before they
+    were holds them as typed, relative to where the run was started, taken to be the working
+    directory."""
+    return load_config(path, overrides, relative_to=Path.cwd())
 
 
 def validate(cfg: Config) -> None:
@@ -797,10 +944,15 @@ def _yaml_scalar(value: Any) -> str:
 
 
 def to_yaml(cfg: Config, comments: bool = True) -> str:
-    """The resolved config as YAML; with ``comments`` each field's help is written above it."""
+    """The resolved config as YAML; with ``comments`` each field's help is written above it,
+    and a path given relative (``Config.given_paths``) says how it was typed."""
     lines: list[str] = []
 
-    def emit(obj: Any, indent: int) -> None:
+    def typed(key: str) -> str:
+        given = cfg.given_paths.get(key)
+        return f"  # given as {given}" if comments and given is not None else ""
+
+    def emit(obj: Any, indent: int, prefix: str = "") -> None:
         pad = "  " * indent
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
@@ -808,10 +960,12 @@ def to_yaml(cfg: Config, comments: bool = True) -> str:
                 lines.append(f"{pad}# {f.metadata['help']}")
             if dataclasses.is_dataclass(value):
                 lines.append(f"{pad}{f.name}:")
-                emit(value, indent + 1)
+                emit(value, indent + 1, f"{prefix}{f.name}.")
             elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
                 lines.append(f"{pad}{f.name}:")
-                for item in value:
+                for i, item in enumerate(value):
+                    if typed(f"{f.name}[{i}].name"):
+                        lines.append(f"{pad}  #{typed(f'{f.name}[{i}].name')[3:]}")
                     sub = (
                         yaml.safe_dump(dataclasses.asdict(item), sort_keys=False)
                         .rstrip()
@@ -820,11 +974,17 @@ def to_yaml(cfg: Config, comments: bool = True) -> str:
                     lines.append(f"{pad}  - {sub[0]}")
                     lines.extend(f"{pad}    {s}" for s in sub[1:])
             else:
-                lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}")
+                lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}{typed(prefix + f.name)}")
             if indent == 0:
                 lines.append("")
 
     emit(cfg, 0)
+    if cfg.given_paths:  # read back by load_config, so a resumed run keeps them
+        if comments:
+            lines.append("# Not a config key: the paths above as they were typed, relative to the")
+            lines.append("# config file that held them or to the working directory.")
+        lines.append("given_paths:")
+        lines.extend(f"  {_yaml_scalar(k)}: {_yaml_scalar(v)}" for k, v in cfg.given_paths.items())
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -87,10 +87,10 @@ def _probe_texts(ckpt: Path, tokenizer) -> list[str]:
     cfg_file = ckpt / "config.yaml"
     if cfg_file.is_file():
         try:
-            from peergrade.config import load_config
+            from peergrade.config import load_run_config
             from peergrade.tasks import load_task, render_prompt
 
-            cfg = load_config(str(cfg_file))
+            cfg = load_run_config(str(cfg_file))
             d = cfg.data
             if d.path is not None:
                 task = load_task(
@@ -135,11 +135,11 @@ def _base_model_path(ckpt: Path, adapter_cfg: dict) -> str:
         candidates.append(Path(base).expanduser())
     cfg_file = ckpt / "config.yaml"
     if cfg_file.is_file():  # the run's own model.path, resolved the way the trainer did
-        from peergrade.config import load_config
+        from peergrade.config import load_run_config
         from peergrade.models import resolve_model_path
 
         with contextlib.suppress(Exception):  # an unreadable config: the adapter's own path
-            candidates.append(Path(resolve_model_path(load_config(str(cfg_file)).model.path)))
+            candidates.append(Path(resolve_model_path(load_run_config(str(cfg_file)).model.path)))
     for c in candidates:
         if (c / "config.json").is_file():
             return str(c.resolve())
