@@ -105,7 +105,7 @@ def test_instruct_template():
         ({"ops": "+/"}, "ops"),
         ({"ops": ""}, "ops"),
         ({"template": "{x}+{b}"}, "template"),
-        ({"colour": "red"}, "Accepted options"),
+        ({"colour": "red"}, "no option .colour.; its options are min_digits"),
     ],
 )
 def test_bad_options_name_the_option(opts, match):

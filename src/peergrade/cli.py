@@ -502,7 +502,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "eval",
         help="held-out pass@1 (greedy, sampled) and pass@k of a model",
-        description="Evaluate a model dir on a task's held-out split.",
+        description="Evaluate a model on a task's held-out split, or on your own rows with "
+        "--data FILE (JSONL/JSON/CSV/Parquet or a datasets directory, columns as for training: "
+        "prompt plus whatever the reward reads, e.g. answer): the first --n rows are scored by "
+        "--reward (default: the task's verifier; for --data, math_accuracy on the answer column).",
+        epilog="examples:\n"
+        "  peergrade eval --model runs/X --n 500 --k 8           # the task's held-out problems\n"
+        "  peergrade eval --model runs/X --data test.jsonl --reward my_rewards.py:exact\n"
+        "  peergrade eval --model runs/X --data all.jsonl --task-option eval_fraction=0.1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     e.add_argument(
         "--model",
@@ -518,7 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="task option, e.g. max_digits=3; repeatable",
     )
-    e.add_argument("--data", help="evaluate on a user dataset file instead of a task")
+    e.add_argument(
+        "--data",
+        metavar="FILE",
+        help="the rows to evaluate, instead of a task: a dataset file or directory (its eval "
+        "split when it has one; --task-option eval_path=F or eval_fraction=X picks another)",
+    )
     e.add_argument("--reward", help="correctness reward (default: the task's accuracy reward)")
     e.add_argument(
         "--reward-option",

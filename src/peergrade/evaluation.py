@@ -232,8 +232,10 @@ def run_eval_command(
     reward_options: dict | None = None,
     samples: str | None = None,
 ) -> dict[str, Any]:
-    """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task`` (or
-    ``data``); ``few_shot`` solved training examples before each prompt (default none).
+    """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task``, or the
+    first ``n`` rows of the dataset ``data`` (its eval split when it has one, or the split that
+    the task options ``eval_path`` / ``eval_fraction`` name); ``few_shot`` solved training
+    examples before each prompt (default none).
 
     ``reward_options`` are keyword arguments for the correctness reward; ``samples`` is a JSONL
     file written with one line per problem (its answers, see ``evaluate``'s completions)."""
@@ -252,12 +254,15 @@ def run_eval_command(
         raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
     if temperature <= 0:
         raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    options = dict(task_options or {})
     with user_input("data" if data else "task"):
-        the_task = (
-            load_task("file", path=data, **(task_options or {}))
-            if data
-            else load_task(task, **(task_options or {}))
-        )
+        if data:
+            the_task = load_task("file", path=data, **options)
+            if not the_task.has_eval and not {"eval_path", "eval_fraction"} & set(options):
+                # --data names the rows to evaluate: the file itself is the held-out split
+                the_task = load_task("file", path=data, eval_path=data, **options)
+        else:
+            the_task = load_task(task, **options)
         # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
         rows = the_task.eval_rows(n)
     if few_shot:

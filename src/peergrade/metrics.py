@@ -235,8 +235,26 @@ def _error_note(metrics: dict[str, Any]) -> str:
     return f"  reward errors {int(errors)}" + (f" (sandbox {int(sandbox)})" if sandbox else "")
 
 
+def _stats_progress(*columns, **kwargs):
+    """A rich ``Progress`` whose bar line holds only the name, bar, step counter and ETA, with
+    the step's stats on the line below: a narrow terminal (80 columns, or fewer) then folds the
+    stats instead of cutting the counter and the ETA (all on one line, it cut them first)."""
+    from rich.progress import Progress
+    from rich.text import Text
+
+    class StatsProgress(Progress):
+        def get_renderables(self):
+            yield self.make_tasks_table(self.tasks)
+            for task in self.tasks:
+                if task.fields.get("stats"):
+                    yield Text.from_markup(task.fields["stats"], overflow="fold")
+
+    return StatsProgress(*columns, **kwargs)
+
+
 class Display:
-    """Live progress: ``mode`` is 'rich', 'plain', 'none' or 'auto' (rich on a terminal)."""
+    """Live progress: ``mode`` is 'rich', 'plain', 'none' or 'auto' (rich on a terminal).
+    ``console``: the rich console to draw on (default: the terminal's)."""
 
     COLUMNS = [
         ("reward", "reward/total/mean", ".3f"),
@@ -246,7 +264,14 @@ class Display:
         ("tok/s", "perf/tokens_per_s", ".0f"),
     ]
 
-    def __init__(self, mode: str, total_steps: int, start_step: int = 0, title: str = "peergrade"):
+    def __init__(
+        self,
+        mode: str,
+        total_steps: int,
+        start_step: int = 0,
+        title: str = "peergrade",
+        console=None,
+    ):
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
@@ -262,17 +287,15 @@ class Display:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
-                Progress,
                 TextColumn,
                 TimeRemainingColumn,
             )
 
-            self.console = Console()
-            self._progress = Progress(
+            self.console = console or Console()
+            self._progress = _stats_progress(
                 TextColumn("[bold]{task.description}"),
-                BarColumn(),
+                BarColumn(bar_width=None),  # what the line has left: it gives way first
                 MofNCompleteColumn(),
-                TextColumn("{task.fields[stats]}"),
                 TimeRemainingColumn(),
                 console=self.console,
             )

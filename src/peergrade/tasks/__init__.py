@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 from pathlib import Path
 
 from .base import Task
@@ -81,13 +82,15 @@ def load_task(name: str, **options) -> Task:
         )
     module_name, cls_name = BUILTIN_TASKS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    try:
-        return cls(**options)
-    except TypeError as exc:
-        # an unknown keyword: name the task and its accepted options
-        import inspect
-
-        params = [
-            p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")
-        ]
-        raise ValueError(f"task {name!r}: {exc}. Accepted options: {', '.join(params)}") from exc
+    params = inspect.signature(cls.__init__).parameters
+    valid = [p for p, v in params.items() if p != "self" and v.kind != v.VAR_KEYWORD]
+    if not any(v.kind == v.VAR_KEYWORD for v in params.values()):
+        for option in options:
+            if option not in valid:
+                close = difflib.get_close_matches(option, valid, n=1, cutoff=0.5)
+                raise ValueError(
+                    f"task {name!r} has no option {option!r}"
+                    + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; its options are {', '.join(valid)}"
+                )
+    return cls(**options)
