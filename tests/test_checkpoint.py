@@ -166,8 +166,9 @@ def test_check_run_dir(tmp_path, parts):
     with pytest.raises(RunDirError, match="not a peergrade run"):
         ckpt.check_run_dir(run, resume=True, overwrite=False)
     (run / "config.yaml").write_text("{}\n")
-    with pytest.raises(RunDirError, match="no complete checkpoint"):
-        ckpt.check_run_dir(run, resume=True, overwrite=False)
+    # stopped before its first save: resumable (the trainer starts it from step 0)
+    assert ckpt.check_run_dir(run, resume=True, overwrite=False) == []
+    assert ckpt.resume_point(run) == (0, False)
     save(run, 1, parts)
     ckpt.check_run_dir(run, resume=True, overwrite=False)
     assert issubclass(RunDirError, PeergradeError)

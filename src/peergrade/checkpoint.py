@@ -16,6 +16,9 @@ deleting it, so a kill mid-delete leaves a hidden directory, never a half-delete
 files that are rewritten (config, truncated metrics on resume) go through ``atomic_write_text``
 (temp file + ``os.replace``).
 
+File modes: the user's umask, as for any file they write (``peergrade.filemodes``): the
+checkpoint directory is given those modes before its rename, ``atomic_write_text`` its temp file.
+
 RNG: ``seed_step_rngs`` seeds Python's ``random`` and numpy's global generator for each step
 from the trainer's per-step seed, so user reward functions that draw from them are
 reproducible; ``rng_state`` / ``set_rng_state`` carry those states (and torch's) in the
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 
 from peergrade.errors import PeergradeError
+from peergrade.filemodes import apply_umask, file_mode
 from peergrade.models import save_tokenizer
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -59,6 +63,8 @@ class RunDirError(PeergradeError, ValueError):
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (temp file + rename); it keeps the mode of the file it
+    replaces, and a new one gets the umask's (mkstemp's own 0600 would make it private)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -66,6 +72,11 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        try:
+            mode = os.stat(path).st_mode & 0o7777
+        except FileNotFoundError:
+            mode = file_mode()
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -199,6 +210,7 @@ def save_checkpoint(
         tmp / "training_state.pt",
     )
     (tmp / "config.yaml").write_text(config_yaml)
+    apply_umask(tmp)  # safetensors writes its file 0600
     # trainer_state.json last, listing every file: checkpoint_problem checks against the list.
     state = {"step": step, **trainer_state, "files": _file_names(tmp)}
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -299,6 +311,29 @@ def resolve_model_dir(path: str) -> str:
     return path
 
 
+def resume_point(run_dir: Path) -> tuple[int, bool]:
+    """(the step of the run's latest complete checkpoint, 0 when it has none; whether the run
+    finished there: its final evaluation is in metrics.jsonl, or it has no held-out split to
+    evaluate). Reads only: ``--resume`` of a finished run changes nothing."""
+    last = latest_checkpoint(run_dir)
+    if last is None:
+        return 0, False
+    state = read_trainer_state(last)
+    step = int(state["step"])
+    if state.get("eval_before", {}) is None:  # no held-out split: no final evaluation to run
+        return step, True
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    for line in reversed(lines):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and obj.get("final") and obj.get("step") == step:
+            return step, True
+    return step, False
+
+
 def load_training_state(ckpt: Path) -> dict[str, Any]:
     path = Path(ckpt) / "training_state.pt"
     if not path.is_file():
@@ -367,13 +402,14 @@ def _check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]
         if (run_dir / "checkpoints").is_dir():
             _check_writable(run_dir, run_dir / "checkpoints")
         swept = sweep_leftovers(run_dir)
-        if latest_checkpoint(run_dir) is None:
-            root = run_dir / "checkpoints"
-            steps = sorted(p for p in root.glob("step-*") if STEP_RE.match(p.name))
+        root = run_dir / "checkpoints"
+        steps = sorted(p for p in root.glob("step-*") if STEP_RE.match(p.name))
+        # none at all: stopped before its first save, so it resumes from step 0 (the trainer)
+        if steps and latest_checkpoint(run_dir) is None:
             why = "; ".join(f"{p.name}: {checkpoint_problem(p)}" for p in steps)
             raise RunDirError(
                 f"cannot resume: {str(run_dir)!r} has no complete checkpoint under "
-                "checkpoints/step-N" + (f" ({why})" if why else "")
+                f"checkpoints/step-N ({why}); start it over with --overwrite"
             )
         return swept
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:

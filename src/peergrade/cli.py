@@ -152,7 +152,20 @@ def cmd_train(args, extra) -> int:
     from peergrade.trainer import train
 
     # under torchrun: a failure names its rank, and the process group is torn down either way
-    summary = main_guard(train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    try:
+        summary = main_guard(
+            train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
+        )
+    except KeyboardInterrupt:
+        # while loading or evaluating the starting model: the run directory may already exist
+        if (run_dir / "config.yaml").is_file() and ckpt.latest_checkpoint(run_dir) is None:
+            print(
+                f"interrupted before the first checkpoint: continue with: peergrade train "
+                f"--resume {run_dir} (starts from step 0), or start over with --overwrite",
+                file=sys.stderr,
+            )
+            return 130
+        raise
     return 130 if summary.get("interrupted") else 0
 
 
@@ -773,16 +786,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _quiet_transformers() -> None:
-    """transformers' per-load/per-save progress bars would interleave with our display."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -790,9 +793,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    _quiet_transformers()
+    from peergrade.metrics import quiet_hf_progress
+
     try:
-        return args.func(args, extra)
+        with quiet_hf_progress():  # the same policy as trainer.train's from Python
+            return args.func(args, extra)
     except (PeergradeError, ConfigError) as e:
         # Bad config, data, model dir, reward or run dir: the message names what is wrong.
         print(f"error: {e}", file=sys.stderr)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from peergrade.checkpoint import RunDirError, latest_checkpoint
 from peergrade.errors import require
+from peergrade.filemodes import apply_umask
 
 __all__ = ["ExportError", "find_checkpoint", "export_checkpoint"]
 
@@ -210,6 +211,7 @@ def export_checkpoint(src, out, *, merge_lora: bool = False, log=print) -> Path:
                 "export: AutoTokenizer would read the written tokenizer differently from "
                 "peergrade:\n  " + "\n  ".join(problems[:5])
             )
+        apply_umask(tmp)  # a merged model's safetensors file is written 0600
         if out_path.exists():  # an empty directory
             out_path.rmdir()
         tmp.rename(out_path)

@@ -9,6 +9,9 @@ selected; ``check_backends`` names the missing pip package before anything is lo
 ``Display`` shows the run: a rich live panel in an interactive terminal (step, reward, accuracy,
 KL, completion length, tokens/s, ETA), plain one-line-per-step output otherwise (CI logs,
 pipes), or nothing; alerts are printed when they start and listed while they last.
+``quiet_hf_progress`` is the one policy for transformers' own progress bars ("Loading weights",
+"Writing model shards"): off while peergrade works, since its display is the progress, whether
+the CLI or ``trainer.train`` from Python started it; the caller's setting is restored after.
 
 What the files hold (what the run report reads):
 
@@ -30,6 +33,7 @@ computes no metric and no alert itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -80,6 +84,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+@contextlib.contextmanager
+def quiet_hf_progress():
+    """transformers' progress bars off inside (a context manager and a decorator: the CLI's
+    commands and ``trainer.train`` use it); a caller's setting is restored after, so the
+    ``from_pretrained`` calls of a Python user's own code keep their bars."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def check_backends(report_to: list[str]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from peergrade.checkpoint import RunDirError, check_writable
+from peergrade.filemodes import apply_umask
 from peergrade.tasks import load_task, render_prompt
 
 
@@ -138,6 +139,7 @@ def run_sft(
         "torch": torch.__version__,
     }
     (tmp / "sft_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    apply_umask(tmp)  # safetensors writes its file 0600
     if out_path.exists():
         shutil.rmtree(out_path)
     tmp.rename(out_path)

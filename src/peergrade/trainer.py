@@ -55,7 +55,14 @@ from peergrade.evaluation import (
     evaluate,
     reward_state,
 )
-from peergrade.metrics import Display, JsonlWriter, MetricLogger, check_backends, read_jsonl
+from peergrade.metrics import (
+    Display,
+    JsonlWriter,
+    MetricLogger,
+    check_backends,
+    quiet_hf_progress,
+    read_jsonl,
+)
 from peergrade.models import (
     apply_lora,
     load_model,
@@ -556,10 +563,18 @@ class RunDir:
         self.last_saved = step
 
 
-def resume_from_checkpoint(run: Run, run_dir: RunDir) -> Path:
+def resume_from_checkpoint(run: Run, run_dir: RunDir) -> Path | None:
     """Load the last checkpoint of ``run_dir`` into ``run`` and return it; ``run_dir.last_saved``
-    is its step. Logs past that step (written after the checkpoint, before the stop) are cut."""
+    is its step. Logs past that step (written after the checkpoint, before the stop) are cut.
+    A run stopped before its first checkpoint starts again from step 0 (None): its logs are
+    cut whole, the starting model's evaluation included."""
     last = ckpt.latest_checkpoint(run_dir.path)
+    if last is None:
+        if dist.is_main():
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                ckpt.truncate_jsonl(run_dir.path / name, -1)
+        run_dir.last_saved = 0
+        return None
     run_dir.trainer_state.update(ckpt.read_trainer_state(last))
     step = run_dir.trainer_state.pop("step")
     device = run.models.device
@@ -582,6 +597,7 @@ def resume_from_checkpoint(run: Run, run_dir: RunDir) -> Path:
 # ----------------------------------------------------------------------------- the loop
 
 
+@quiet_hf_progress()  # peergrade's display is the progress, from the CLI or from Python
 def train(
     cfg: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False
 ) -> dict[str, Any]:
@@ -592,6 +608,22 @@ def train(
     t, P = cfg.train, cfg.rollout.prompts_per_step
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
+    if resume:  # a finished run stays as it is: nothing is loaded, evaluated or written
+        done, finished = ckpt.resume_point(Path(run_dir))
+        if done > t.steps:
+            raise ckpt.RunDirError(
+                f"cannot resume: {str(run_dir)!r} is at step {done}, past train.steps "
+                f"{t.steps}; to train further pass --train.steps N with N > {done}"
+            )
+        if done == t.steps and finished:
+            if dist.is_main():
+                print(
+                    f"{run_dir} is finished (step {done} of {t.steps}, final evaluation "
+                    "done): nothing to do. To train further: peergrade train --resume "
+                    f"{run_dir} --train.steps N (N > {t.steps})",
+                    flush=True,
+                )
+            return {"interrupted": False, "finished": True, "step": done, "run_dir": str(run_dir)}
     check_backends(t.report_to)  # a missing logging package fails here, before the model loads
     dist.barrier()  # every rank has checked the run dir before rank 0 creates it
     run = setup(cfg)
@@ -605,7 +637,11 @@ def train(
         last = resume_from_checkpoint(run, out)
         start_step = out.last_saved
         detectors.replay(read_jsonl(out.path / "metrics.jsonl"))  # windows continue
-        display.print(f"resuming {out.path} from {last.name}")
+        display.print(
+            f"resuming {out.path} from {last.name}"
+            if last is not None
+            else f"resuming {out.path} from step 0 (it stopped before its first checkpoint)"
+        )
     elif dist.is_main():
         if overwrite and out.path.exists():
             shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
@@ -660,7 +696,11 @@ def train(
         metrics_log.close()
         display.print(
             f"interrupted: checkpoint saved at step {step} in {out.path}; "
-            f"continue with: peergrade train --resume {out.path}",
+            f"continue with: peergrade train --resume {out.path}"
+            if step > 0
+            else f"interrupted before the first step finished: nothing saved in {out.path}; "
+            f"start it again with: peergrade train --resume {out.path} (from step 0), or "
+            "replace it with --overwrite",
             always=True,
         )
         return {"interrupted": True, "step": step, "run_dir": str(out.path)}

@@ -1,0 +1,132 @@
+"""A run's life as a new user meets it (issue 23 items 8, 9, 17, 20): Ctrl-C before the first
+checkpoint leaves a run that ``--resume`` starts again from step 0 (and says so); ``--resume``
+of a finished run says it is finished and changes nothing; checkpoints, exports and the run's
+config.yaml get the user's umask; transformers' progress bars follow one policy whether the run
+is started by the CLI or by ``trainer.train`` from Python."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from peergrade.cli import main
+from peergrade.config import load_config
+
+TINY = {
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.max_completion_length": 4,
+    "train.eval_size": 2,
+    "train.eval_samples": 2,
+    "train.display": "none",
+    "train.threads": 1,
+}
+
+
+def flags(steps: int, model: Path) -> list[str]:
+    return ["--model", str(model), "--steps", str(steps)] + [
+        x for k, v in TINY.items() for x in (f"--{k}", str(v))
+    ]
+
+
+def steps_logged(run: Path) -> list[int]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)["step"] for x in lines]
+
+
+def snapshot(run: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(run.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_finished_run_python_entry_modes_and_resume(tiny_model_dir, tmp_path, capsys, umask_027):
+    from peergrade.trainer import train
+    from transformers.utils import logging as hf_logging
+
+    run = tmp_path / "run"
+    overrides = [(k, v) for k, v in TINY.items()]
+    cfg = load_config(None, [("model.path", str(tiny_model_dir)), ("train.steps", 2), *overrides])
+    hf_logging.enable_progress_bar()  # a Python user's default
+    summary = train(cfg, run)  # the Python entry point
+    err = capsys.readouterr().err
+    # item 20: no transformers bars from the Python entry point either, and the caller's
+    # setting is back afterwards
+    assert "Loading weights" not in err and "Writing model shards" not in err, err
+    assert hf_logging.is_progress_bar_enabled()
+    assert summary["step"] == 2 and steps_logged(run) == [0, 1, 2, 2]
+
+    # item 17: the user's umask (027 -> 0640), not mkstemp's or safetensors' 0600
+    for name in ("config.yaml", "checkpoints/step-2/model.safetensors", "checkpoints/step-2/config.yaml"):
+        assert oct((run / name).stat().st_mode & 0o777) == oct(0o640), name
+    out = tmp_path / "exported"
+    assert main(["export", str(run), str(out)]) == 0
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o640)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+
+    # item 9: --resume of the finished run says so and changes nothing (no model is loaded)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    said = capsys.readouterr().out
+    assert "is finished" in said and "--train.steps" in said, said
+    assert snapshot(run) == before  # metrics.jsonl byte-identical, nothing rewritten
+    # a smaller train.steps than the run reached is an error, not a second final evaluation
+    assert main(["train", "--resume", str(run), "--train.steps", "1"]) == 2
+    assert "past train.steps 1" in capsys.readouterr().err
+    assert snapshot(run) == before
+
+
+def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    import peergrade.trainer as trainer_mod
+
+    run = tmp_path / "run"
+    real_step = trainer_mod.train_step
+
+    def interrupted_step(*args, **kwargs):  # a second Ctrl-C inside step 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_mod, "train_step", interrupted_step)
+    assert main(["train", *flags(2, tiny_model_dir), "-o", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert "checkpoint saved at step 0" not in err
+    assert "nothing saved" in err and f"--resume {run} (from step 0)" in err, err
+    assert not (run / "checkpoints").exists()
+
+    # the same command again names --resume, and --resume now works, from step 0
+    assert main(["train", *flags(2, tiny_model_dir), "-o", str(run)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    monkeypatch.setattr(trainer_mod, "train_step", real_step)
+    assert main(["train", "--resume", str(run)]) == 0, capsys.readouterr().err
+    assert steps_logged(run) == [0, 1, 2, 2]  # one starting evaluation, not two
+
+
+def test_ctrl_c_while_evaluating_the_starting_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import peergrade.trainer as trainer_mod
+
+    run = tmp_path / "run"
+
+    def interrupted(self, after_step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_mod.HeldOut, "evaluate", interrupted)
+    assert main(["train", *flags(1, tiny_model_dir), "-o", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert f"--resume {run} (starts from step 0)" in err and "--overwrite" in err, err
+    assert (run / "config.yaml").is_file()
