@@ -64,7 +64,9 @@ def test_reward_file_importing_a_missing_package(tmp_path, capsys):
     f.write_text("import surely_not_installed_pkg\n\ndef fn(completions, **kw):\n    return []\n")
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    code = cli.main(["train", "--data", str(data), "--reward", f"{f}:fn", "-o", str(tmp_path / "r")])
+    code = cli.main(
+        ["train", "--data", str(data), "--reward", f"{f}:fn", "-o", str(tmp_path / "r")]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0, err
     assert "surely_not_installed_pkg" in err and "pip install" in err

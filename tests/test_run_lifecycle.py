@@ -45,47 +45,73 @@ def snapshot(run: Path) -> dict[str, tuple[bytes, int]]:
     }
 
 
-@pytest.fixture
-def umask_027():
-    old = os.umask(0o027)
-    try:
-        yield
-    finally:
-        os.umask(old)
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory):
+    """A 2-step run trained through the Python entry point (``trainer.train``) under umask 027,
+    with transformers' bars switched on as a Python user has them: (run dir, stderr, whether the
+    bars were on again afterwards)."""
+    import contextlib
+    import io
 
-
-def test_finished_run_python_entry_modes_and_resume(tiny_model_dir, tmp_path, capsys, umask_027):
-    from peergrade.trainer import train
     from transformers.utils import logging as hf_logging
 
-    run = tmp_path / "run"
-    overrides = [(k, v) for k, v in TINY.items()]
-    cfg = load_config(None, [("model.path", str(tiny_model_dir)), ("train.steps", 2), *overrides])
-    hf_logging.enable_progress_bar()  # a Python user's default
-    summary = train(cfg, run)  # the Python entry point
-    err = capsys.readouterr().err
-    # item 20: no transformers bars from the Python entry point either, and the caller's
-    # setting is back afterwards
-    assert "Loading weights" not in err and "Writing model shards" not in err, err
-    assert hf_logging.is_progress_bar_enabled()
-    assert summary["step"] == 2 and steps_logged(run) == [0, 1, 2, 2]
+    from peergrade.trainer import train
 
-    # item 17: the user's umask (027 -> 0640), not mkstemp's or safetensors' 0600
-    for name in ("config.yaml", "checkpoints/step-2/model.safetensors", "checkpoints/step-2/config.yaml"):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    overrides = [("model.path", str(tiny_model_dir)), ("train.steps", 2), *TINY.items()]
+    old_mask = os.umask(0o027)
+    err = io.StringIO()
+    try:
+        hf_logging.enable_progress_bar()
+        with contextlib.redirect_stderr(err):
+            summary = train(load_config(None, overrides), run)
+        bars_back = hf_logging.is_progress_bar_enabled()
+        out = run.parent / "exported"
+        assert main(["export", str(run), str(out)]) == 0
+    finally:
+        os.umask(old_mask)
+    assert summary["step"] == 2 and steps_logged(run) == [0, 1, 2, 2]
+    return run, err.getvalue(), bars_back
+
+
+def test_python_entry_point_shows_no_transformers_bars(finished_run):
+    """Item 20: the same policy as the CLI's; the caller's setting is back afterwards."""
+    _, err, bars_back = finished_run
+    assert "Loading weights" not in err and "Writing model shards" not in err, err
+    assert bars_back
+
+
+def test_checkpoint_export_and_config_get_the_umask(finished_run):
+    """Item 17: umask 027 -> files 0640, directories 0750 (mkstemp and safetensors give 0600)."""
+    run, _, _ = finished_run
+    for name in (
+        "config.yaml",
+        "checkpoints/step-2/model.safetensors",
+        "checkpoints/step-2/config.yaml",
+        "checkpoints/step-2/trainer_state.json",
+    ):
         assert oct((run / name).stat().st_mode & 0o777) == oct(0o640), name
-    out = tmp_path / "exported"
-    assert main(["export", str(run), str(out)]) == 0
+    out = run.parent / "exported"
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o640)
     assert oct(out.stat().st_mode & 0o777) == oct(0o750)
 
-    # item 9: --resume of the finished run says so and changes nothing (no model is loaded)
+
+def test_resume_of_a_finished_run_changes_nothing(finished_run, capsys, monkeypatch):
+    """Item 9: it says the run is finished and how to extend it; nothing is loaded or written."""
+    import peergrade.trainer as trainer_mod
+
+    def no_model(cfg):
+        raise AssertionError("a finished run loaded its model again")
+
+    monkeypatch.setattr(trainer_mod, "setup_models", no_model)
+    run = finished_run[0]
     before = snapshot(run)
     capsys.readouterr()
     assert main(["train", "--resume", str(run)]) == 0
     said = capsys.readouterr().out
     assert "is finished" in said and "--train.steps" in said, said
     assert snapshot(run) == before  # metrics.jsonl byte-identical, nothing rewritten
-    # a smaller train.steps than the run reached is an error, not a second final evaluation
+    # a train.steps below the step the run reached is an error, not a second final evaluation
     assert main(["train", "--resume", str(run), "--train.steps", "1"]) == 2
     assert "past train.steps 1" in capsys.readouterr().err
     assert snapshot(run) == before
