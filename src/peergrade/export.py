@@ -31,9 +31,8 @@ import json
 import shutil
 from pathlib import Path
 
-from peergrade.checkpoint import RunDirError, latest_checkpoint
+from peergrade.checkpoint import RunDirError, apply_umask, latest_checkpoint
 from peergrade.errors import require
-from peergrade.filemodes import apply_umask
 
 __all__ = ["ExportError", "find_checkpoint", "export_checkpoint"]
 

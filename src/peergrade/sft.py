@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from peergrade.checkpoint import RunDirError, check_writable
-from peergrade.filemodes import apply_umask
+from peergrade.checkpoint import RunDirError, apply_umask, check_writable
 from peergrade.tasks import load_task, render_prompt
 
 
