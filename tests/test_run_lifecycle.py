@@ -120,27 +120,44 @@ def test_resume_of_a_finished_run_changes_nothing(finished_run, capsys, monkeypa
 def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
+    """Item 8, and item 6 end to end: the run is started with relative --data and --reward in
+    one directory and resumed from another."""
     import peergrade.trainer as trainer_mod
 
-    run = tmp_path / "run"
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(6)]
+    (work / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "my_rewards.py").write_text(
+        "def exact(completions, answer, **kw):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+    )
+    mine = ["--data", "rows.jsonl", "--data.eval_path", "rows.jsonl"]
+    mine += ["--reward", "my_rewards.py:exact", "-o", "run"]
+    run = work / "run"
+    monkeypatch.chdir(work)
     real_step = trainer_mod.train_step
 
     def interrupted_step(*args, **kwargs):  # a second Ctrl-C inside step 1
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer_mod, "train_step", interrupted_step)
-    assert main(["train", *flags(2, tiny_model_dir), "-o", str(run)]) == 130
+    assert main(["train", *flags(2, tiny_model_dir), *mine]) == 130
     err = capsys.readouterr().err
     assert "checkpoint saved at step 0" not in err
-    assert "nothing saved" in err and f"--resume {run} (from step 0)" in err, err
+    assert "nothing saved" in err and "--resume run (from step 0)" in err, err
     assert not (run / "checkpoints").exists()
 
     # the same command again names --resume, and --resume now works, from step 0
-    assert main(["train", *flags(2, tiny_model_dir), "-o", str(run)]) == 2
+    assert main(["train", *flags(2, tiny_model_dir), *mine]) == 2
     assert "--resume" in capsys.readouterr().err
     monkeypatch.setattr(trainer_mod, "train_step", real_step)
+    monkeypatch.chdir(elsewhere)  # relative paths typed in work/ still resolve
     assert main(["train", "--resume", str(run)]) == 0, capsys.readouterr().err
     assert steps_logged(run) == [0, 1, 2, 2]  # one starting evaluation, not two
+    saved = (run / "config.yaml").read_text()
+    assert f"path: {work / 'rows.jsonl'}  # given as rows.jsonl" in saved
 
 
 def test_ctrl_c_while_evaluating_the_starting_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
