@@ -105,3 +105,6 @@ def test_reward_short_form_and_its_error(tmp_path):
     f.write_text("rewards: [3]\n")
     with pytest.raises(ConfigError, match=r"rewards\[0\]: .*\{name: my_rewards.py:my_reward"):
         load_config(f)
+    f.write_text("rewards: 3\n")
+    with pytest.raises(ConfigError, match=r"rewards: .*\[\{name: my_rewards.py:my_reward"):
+        load_config(f)

@@ -512,6 +512,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return None
     if origin is list:
         (arg,) = typing.get_args(tp) or (Any,)
+        if arg is RewardItem and not isinstance(value, list):
+            raise ConfigError(
+                f"{key}: expected a list of rewards, e.g. [my_rewards.py:my_reward, format=0.2] "
+                f"or [{{name: my_rewards.py:my_reward, weight: 1.0}}], got {value!r}"
+            )
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         if arg is RewardItem:
