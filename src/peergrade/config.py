@@ -520,7 +520,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         if arg is RewardItem:
-            return [_build(arg, _reward_mapping(v, f"{key}[{i}]"), f"{key}[{i}]") for i, v in enumerate(value)]
+            return [
+                _build(arg, _reward_mapping(v, f"{key}[{i}]"), f"{key}[{i}]")
+                for i, v in enumerate(value)
+            ]
         if dataclasses.is_dataclass(arg):
             return [_build(arg, v, f"{key}[{i}]") for i, v in enumerate(value)]
         return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -712,14 +715,13 @@ def _resolve_paths(
             found.append((dotted, node, name))
     rewards = tree.get("rewards")
     if isinstance(rewards, list):
+        for key in [k for k in given if k.startswith("rewards[")]:
+            del given[key]  # a new list replaces the old one, items and all
         for i, item in enumerate(rewards):
             if isinstance(item, str):  # the short form, expanded here to hold the absolute path
                 item = rewards[i] = reward_item(item, f"rewards[{i}]")
             if isinstance(item, dict) and "name" in item:
                 found.append((f"rewards[{i}].name", item, "name"))
-    if isinstance(rewards, list):  # a new list replaces the old one, items and all
-        for key in [k for k in given if k.startswith("rewards[")]:
-            del given[key]
     for key, node, name in found:
         given.pop(key, None)  # an earlier value's typed form no longer applies
         parts = _split_path(key, node[name])
@@ -954,8 +956,9 @@ def to_yaml(cfg: Config, comments: bool = True) -> str:
     lines: list[str] = []
 
     def typed(key: str) -> str:
+        """How a path was typed, as a comment (or nothing)."""
         given = cfg.given_paths.get(key)
-        return f"  # given as {given}" if comments and given is not None else ""
+        return f"# given as {given}" if comments and given is not None else ""
 
     def emit(obj: Any, indent: int, prefix: str = "") -> None:
         pad = "  " * indent
@@ -969,8 +972,8 @@ def to_yaml(cfg: Config, comments: bool = True) -> str:
             elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
                 lines.append(f"{pad}{f.name}:")
                 for i, item in enumerate(value):
-                    if typed(f"{f.name}[{i}].name"):
-                        lines.append(f"{pad}  #{typed(f'{f.name}[{i}].name')[3:]}")
+                    if note := typed(f"{f.name}[{i}].name"):
+                        lines.append(f"{pad}  {note}")
                     sub = (
                         yaml.safe_dump(dataclasses.asdict(item), sort_keys=False)
                         .rstrip()
@@ -979,7 +982,10 @@ def to_yaml(cfg: Config, comments: bool = True) -> str:
                     lines.append(f"{pad}  - {sub[0]}")
                     lines.extend(f"{pad}    {s}" for s in sub[1:])
             else:
-                lines.append(f"{pad}{f.name}: {_yaml_scalar(value)}{typed(prefix + f.name)}")
+                note = typed(prefix + f.name)
+                lines.append(
+                    f"{pad}{f.name}: {_yaml_scalar(value)}" + (f"  {note}" if note else "")
+                )
             if indent == 0:
                 lines.append("")
 
