@@ -140,7 +140,10 @@ def _read_parquet(path: Path) -> list[tuple[int, object]]:
 
 def _read_hf_dir(path: Path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] | None]:
     datasets = require(
-        "datasets", needed_for=f"reading the datasets directory {path}", pip="datasets", extra="data"
+        "datasets",
+        needed_for=f"reading the datasets directory {path}",
+        pip="datasets",
+        extra="data",
     )
     try:
         ds = datasets.load_from_disk(str(path))
