@@ -699,14 +699,11 @@ def _split_path(key: str, value: Any) -> tuple[str, str] | None:
     return value, ""
 
 
-def _resolve_paths(
-    tree: dict, base: Path, given: dict[str, str], source: Path | None = None
-) -> None:
+def _resolve_paths(tree: dict, base: Path, given: dict[str, str]) -> None:
     """Make the relative paths of ``tree`` (one YAML file's mapping, or the command line's
-    overrides) absolute against ``base`` in place; record each as typed in ``given``. With a
-    ``source`` file, a path that does not exist is an error naming both forms (such paths were
-    once read against the working directory)."""
-    check = source is not None
+    overrides) absolute against ``base`` in place; record each as typed in ``given``. Whether
+    they exist is for their loaders to say (with the absolute path): ``peergrade config`` prints
+    a config whose data is not there yet."""
     found: list[tuple[str, dict, str]] = []  # (key, the mapping holding it, its field)
     for dotted in PATH_KEYS:
         section, name = dotted.split(".")
@@ -729,23 +726,9 @@ def _resolve_paths(
             continue
         path, rest = parts
         expanded = Path(path).expanduser()
-        if expanded.is_absolute():
-            node[name] = str(expanded) + rest
-            continue
-        resolved = Path(os.path.abspath(base / expanded))
-        if check and not resolved.exists():
-            here = Path(os.path.abspath(expanded))
-            hint = (
-                f"; {str(here)!r} exists: write the path relative to the config file or absolute"
-                if here.exists()
-                else ""
-            )
-            raise ConfigError(
-                f"{key}: {path!r} in {str(source)!r} is relative to that file's folder, and "
-                f"{str(resolved)!r} does not exist{hint}"
-            )
-        node[name] = str(resolved) + rest
-        given[key] = path + rest
+        node[name] = os.path.abspath(base / expanded) + rest
+        if not expanded.is_absolute():
+            given[key] = path + rest
 
 
 def _read_tree(
@@ -778,14 +761,13 @@ def _read_tree(
     if not isinstance(recorded, dict):
         raise ConfigError(f"config file {str(p)!r}: 'given_paths' must be a mapping")
     if base is None:
-        # a user's file is checked; a run's (relative_to) may name data that has moved since
-        _resolve_paths(loaded, relative_to or p.parent, given, None if relative_to else p)
+        _resolve_paths(loaded, relative_to or p.parent, given)
         given.update({str(k): str(v) for k, v in recorded.items()})
         return loaded
     if not isinstance(base, str) or not base.strip():
         raise ConfigError(f"config file {str(p)!r}: 'base' must be a YAML file path, got {base!r}")
     parent = _read_tree(p.parent / base, (*seen, p.resolve()), given)
-    _resolve_paths(loaded, p.parent, given, p)  # after the base's: they win
+    _resolve_paths(loaded, p.parent, given)  # after the base's: they win
     return _deep_merge(parent, loaded)
 
 
@@ -810,7 +792,7 @@ def load_config(
         tree = _deep_merge(tree, patch)
     cfg = _build(Config, tree)
     validate(cfg)
-    cfg.given_paths = types.MappingProxyType(given)
+    cfg.given_paths = given  # a plain dict: a Config is deep-copied (memory, sweep)
     return cfg
 
 
