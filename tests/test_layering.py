@@ -1,5 +1,5 @@
 """The package's import graph follows DESIGN.md's layering: no cycles (lazy imports inside
-functions included), only ``cli`` and ``memory`` import the trainer, ``update`` sits below both
+functions included), only ``cli``, ``memory`` and ``api`` import the trainer, ``update`` sits below both
 ``trainer`` and ``ppo``, and rewards/tasks/rollout/models never reach up into the step."""
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def test_cycle_finder_can_fail():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_only_cli_and_memory_import_the_trainer():
+def test_only_cli_memory_and_api_import_the_trainer():
     importers = {m for m, deps in import_graph().items() if "peergrade.trainer" in deps}
-    assert importers <= {"peergrade.cli", "peergrade.memory"}, importers
+    assert importers <= {"peergrade.cli", "peergrade.memory", "peergrade.api"}, importers
+    assert "peergrade.api" in importers
     assert "peergrade.cli" in importers
 
 

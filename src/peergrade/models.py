@@ -154,14 +154,21 @@ def load_tokenizer(path):
             tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
         except Exception as e:  # transformers raises many types; re-raise as one clear error
             raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}") from e
+    return prepare_tokenizer(tok, f"tokenizer in {str(p)!r}")
+
+
+def prepare_tokenizer(tok, where: str = "the tokenizer"):
+    """``tok`` set up for batched generation: ``padding_side="left"``, and pad = eos (with a
+    warning) when it has no pad token; neither is a ``ModelLoadError``. Also for a tokenizer
+    object a Python caller passes (``peergrade.api``'s ``processing_class``)."""
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ModelLoadError(
-                f"tokenizer in {str(p)!r} has neither a pad token nor an eos token: "
+                f"{where} has neither a pad token nor an eos token: "
                 "set one of them in tokenizer_config.json"
             )
         msg = (
-            f"tokenizer in {str(p)!r} has no pad token: using the eos token "
+            f"{where} has no pad token: using the eos token "
             f"{tok.eos_token!r} (id {tok.eos_token_id}) for padding"
         )
         logger.warning(msg)
@@ -243,9 +250,16 @@ def load_model(
     gguf_file = find_gguf(path)
     if gguf_file is not None:
         model = load_gguf_model(gguf_file, torch.float32 if torch_dtype == "auto" else torch_dtype)
-        config = model.config
     else:
-        model, config = _load_dir_model(path, torch_dtype)
+        model, _ = _load_dir_model(path, torch_dtype)
+    return prepare_model(model, device=device, gradient_checkpointing=gradient_checkpointing)
+
+
+def prepare_model(model, *, device, gradient_checkpointing: bool = False):
+    """A loaded causal LM made ready to train on ``device`` (what ``load_model`` does after
+    loading; also for a model object a Python caller passes): moved there, its
+    ``generation_config.pad_token_id`` filled in, gradient checkpointing switched on if asked."""
+    config = model.config
     model.to(device)
 
     gen = model.generation_config

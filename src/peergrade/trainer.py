@@ -67,6 +67,8 @@ from peergrade.models import (
     apply_lora,
     load_model,
     load_tokenizer,
+    prepare_model,
+    prepare_tokenizer,
     resolve_device,
     resolve_dtype,
     resolve_model_path,
@@ -100,8 +102,11 @@ def build_task(cfg: Config):
         return load_task(d.task, **d.task_options)
 
 
-def build_rewards(cfg: Config, task) -> list[RewardSpec]:
-    """The configured reward mix, or the task's default rewards when none is configured."""
+def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec]:
+    """The configured reward mix, or the task's default rewards when none is configured.
+    ``fns`` (aligned with ``cfg.rewards``): a callable there is used instead of resolving that
+    item's name (the Python API's in-memory reward functions)."""
+    fns = fns or [None] * len(cfg.rewards)
     with user_input("rewards"):
         if cfg.rewards:
             # a directory is a reward model (loaded on the training device), else a function
@@ -109,12 +114,12 @@ def build_rewards(cfg: Config, task) -> list[RewardSpec]:
             dtype = resolve_dtype(cfg.model.dtype, device)
             items = [
                 (
-                    reward_or_model(i.name, device=device, dtype=dtype),
+                    reward_or_model(i.name, device=device, dtype=dtype) if fn is None else fn,
                     i.weight,
                     i.kwargs,
                     i.display_name,
                 )
-                for i in cfg.rewards
+                for i, fn in zip(cfg.rewards, fns)
             ]
         else:
             items = [(name, w, {}, None) for name, w in task.default_rewards]
@@ -143,18 +148,20 @@ def encode_rows(cfg: Config, task, tokenizer, rows: list[dict]) -> list[list[int
     )
 
 
-def setup_models(cfg: Config) -> Models:
-    """Policy and tokenizer; the reference when beta > 0 (the disabled adapter under LoRA)."""
+def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
+    """Policy and tokenizer; the reference when beta > 0 (the disabled adapter under LoRA).
+    A ``policy`` (and ``tokenizer``) object given by a Python caller is used as it is, in its
+    own dtype, instead of loading ``model.path``."""
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     path = resolve_model_path(cfg.model.path)
-    tokenizer = load_tokenizer(path)
-    policy = load_model(
-        path,
-        dtype=dtype,
-        device=str(device),
-        gradient_checkpointing=cfg.gradient_checkpointing_on(device.type),
-    )
+    gc = cfg.gradient_checkpointing_on(device.type)
+    if policy is None:
+        tokenizer = load_tokenizer(path)
+        policy = load_model(path, dtype=dtype, device=str(device), gradient_checkpointing=gc)
+    else:
+        tokenizer = prepare_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(path)
+        policy = prepare_model(policy, device=device, gradient_checkpointing=gc)
     reference = None
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
@@ -198,21 +205,33 @@ class Run:
         return encode_rows(self.cfg, self.task, self.models.tokenizer, rows)
 
 
-def setup(cfg: Config) -> Run:
+@dataclass
+class Given:
+    """Objects a Python caller (``peergrade.api``) hands over instead of names in the config;
+    each one left ``None`` is built from the config."""
+
+    task: Any = None  # a Task, e.g. in-memory rows (tasks.files.FileTask(data=...))
+    reward_fns: list | None = None  # aligned with cfg.rewards: a callable replaces that name
+    policy: Any = None  # a loaded PreTrainedModel (model.path then only names it)
+    tokenizer: Any = None
+
+
+def setup(cfg: Config, given: Given | None = None) -> Run:
     """Task, rewards and curriculum (cheap, checked first), then models and optimizers."""
+    given = given or Given()
     t = cfg.train
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
-    task = build_task(cfg)
-    rewards = build_rewards(cfg, task)
+    task = given.task or build_task(cfg)
+    rewards = build_rewards(cfg, task, given.reward_fns)
     few_shot = build_few_shot(cfg, task)
     acc = accuracy_spec(task) if task.default_rewards else rewards[0]
     # the verifier as the recipe configures it (e.g. arithmetic with extract: last_number)
     acc = next((s for s in rewards if s.name == acc.name and s.fn is acc.fn), acc)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
-    models = setup_models(cfg)
+    models = setup_models(cfg, given.policy, given.tokenizer)
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
     optimizer = build_optimizer(trainable, cfg.optim)
     # PPO: a critic (value model + its AdamW), the memory GRPO does without.
@@ -599,12 +618,19 @@ def resume_from_checkpoint(run: Run, run_dir: RunDir) -> Path | None:
 
 @quiet_hf_progress()  # peergrade's display is the progress, from the CLI or from Python
 def train(
-    cfg: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False
+    cfg: Config,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    run: Run | None = None,
+    on_log=None,
 ) -> dict[str, Any]:
     """Run (or resume) training into ``run_dir``; returns the final summary.
 
     A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
-    it, once everything has loaded)."""
+    it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
+    it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets."""
     t, P = cfg.train, cfg.rollout.prompts_per_step
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
@@ -626,7 +652,7 @@ def train(
             return {"interrupted": False, "finished": True, "step": done, "run_dir": str(run_dir)}
     check_backends(t.report_to)  # a missing logging package fails here, before the model loads
     dist.barrier()  # every rank has checked the run dir before rank 0 creates it
-    run = setup(cfg)
+    run = setup(cfg) if run is None else run
     held_out = HeldOut.of(run)
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
     display_mode = t.display if dist.is_main() else "none"
@@ -647,6 +673,8 @@ def train(
             shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
         out.path.mkdir(parents=True, exist_ok=True)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume)
+    if on_log is not None:
+        metrics_log = _Tee(metrics_log, on_log)
     if not held_out.rows:
         display.print(
             "no held-out split (set data.eval_path or task_options.eval_fraction): "
@@ -708,6 +736,26 @@ def train(
         return finish(
             run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
         )
+
+
+class _Tee:
+    """A metrics log that also hands every line to a caller's ``on_log``."""
+
+    def __init__(self, log, on_log):
+        self.log, self.on_log = log, on_log
+
+    def write(self, line: dict) -> None:
+        self.log.write(line)
+        self.on_log(dict(line))
+
+    def close(self) -> None:
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def finish(run: Run, held_out: HeldOut, out: RunDir, display, metrics_log, detectors, wall: float):

@@ -16,10 +16,11 @@ Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale
              = ((L_max - L_cache) - L) / L_cache  if L_max - L_cache < L <= L_max
              = -1                              if L > L_max
 
-``repetition_penalty(..., n=3, unit="words", scale=1.0)``
+``repetition_penalty(..., n=3, unit="words", scale=1.0, lowercase=False)``
     ``-scale * (1 - distinct n-grams / total n-grams)``: 0 for text without a repeated n-gram,
     approaching ``-scale`` for a loop. Units: whitespace-separated ``"words"``, ``"chars"``, or
-    ``"tokens"`` (from ``completion_ids``). Fewer than n units: 0.
+    ``"tokens"`` (from ``completion_ids``). Fewer than n units: 0. ``lowercase=True`` compares
+    words case-blind (open-r1's ``repetition_penalty``: ``scale = -max_penalty``).
 
 This module does not look at answers or truncate anything.
 """
@@ -98,15 +99,26 @@ def _repeated_fraction(units: list, n: int) -> float:
 
 
 def repetition_penalty(
-    prompts, completions, completion_ids=None, *, n: int = 3, unit: str = "words", scale=1.0, **_
+    prompts,
+    completions,
+    completion_ids=None,
+    *,
+    n: int = 3,
+    unit: str = "words",
+    scale=1.0,
+    lowercase: bool = False,
+    **_,
 ):
     """``-scale * (1 - distinct n-grams / n-grams)`` per completion (see module docstring)."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"repetition_penalty needs an integer n >= 1, got {n!r}")
+    texts = [completion_text(c) for c in completions]
+    if lowercase:
+        texts = [t.lower() for t in texts]
     if unit == "words":
-        seqs = [completion_text(c).split() for c in completions]
+        seqs = [t.split() for t in texts]
     elif unit == "chars":
-        seqs = [list(completion_text(c)) for c in completions]
+        seqs = [list(t) for t in texts]
     elif unit == "tokens":
         _check_ids(completion_ids, completions, "repetition_penalty")
         seqs = [list(ids) for ids in completion_ids]

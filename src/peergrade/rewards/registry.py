@@ -149,6 +149,12 @@ BUILTIN_REWARDS: dict[str, str] = {
     "length_penalty": "peergrade.rewards.penalties:length_penalty",
     "overlong_penalty": "peergrade.rewards.penalties:overlong_penalty",
     "repetition_penalty": "peergrade.rewards.penalties:repetition_penalty",
+    "openr1_accuracy": "peergrade.rewards.openr1:openr1_accuracy",
+    "openr1_format": "peergrade.rewards.openr1:openr1_format",
+    "openr1_tag_count": "peergrade.rewards.openr1:openr1_tag_count",
+    "openr1_reasoning_steps": "peergrade.rewards.openr1:openr1_reasoning_steps",
+    "openr1_length": "peergrade.rewards.openr1:openr1_length",
+    "openr1_cosine": "peergrade.rewards.openr1:openr1_cosine",
 }
 
 

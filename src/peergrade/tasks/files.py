@@ -1,6 +1,9 @@
 """User datasets as tasks: JSONL, JSON, CSV, Parquet files or a local HF ``datasets`` directory.
 
-``load_task("file", path=..., **options)`` or ``load_task("data/my.jsonl", **options)``.
+``load_task("file", path=..., **options)`` or ``load_task("data/my.jsonl", **options)``; rows
+already in memory (a list of dicts, a ``datasets.Dataset`` or ``DatasetDict``: the Python API's
+``train_dataset`` / ``eval_dataset``) are ``load_task("file", data=..., eval_data=...)`` and go
+through the same checks, named ``train_dataset: row N``.
 
 Formats (by suffix; a directory is a ``datasets.save_to_disk`` layout):
 
@@ -56,7 +59,7 @@ from peergrade.errors import PeergradeError, require
 from ..rewards.registry import CONTRACT_KWARGS
 from .base import Task
 
-__all__ = ["FileTask", "DataError", "read_rows"]
+__all__ = ["FileTask", "DataError", "dataset_rows", "memory_rows", "read_rows"]
 
 _ROLES = ("system", "user", "assistant")
 
@@ -152,16 +155,36 @@ def _read_hf_dir(path: Path) -> tuple[list[tuple[int, object]], list[tuple[int, 
             f"{path}: not a Hugging Face datasets directory (save_to_disk layout): "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    return dataset_rows(ds, str(path))
+
+
+def dataset_rows(ds, where: str):
+    """(numbered rows, numbered eval rows or None) of a ``datasets.Dataset`` or ``DatasetDict``
+    already in memory: a DatasetDict gives its ``train`` split, and its ``test`` or
+    ``validation`` split as the eval split."""
     eval_part = None
-    if isinstance(ds, datasets.DatasetDict):
+    if hasattr(ds, "keys") and not hasattr(ds, "to_list"):  # a DatasetDict (or a plain dict)
         if "train" not in ds:
-            raise DataError(f"{path}: DatasetDict has no 'train' split (splits: {list(ds)})")
+            raise DataError(f"{where}: DatasetDict has no 'train' split (splits: {list(ds)})")
         for name in ("test", "validation"):
             if name in ds:
                 eval_part = list(enumerate(ds[name].to_list(), start=1))
                 break
         ds = ds["train"]
     return list(enumerate(ds.to_list(), start=1)), eval_part
+
+
+def memory_rows(data, where: str):
+    """(numbered rows, numbered eval rows or None) of rows given in memory: a list of dicts, a
+    ``datasets.Dataset`` or a ``DatasetDict`` (what the Python API's ``train_dataset`` takes)."""
+    if isinstance(data, (list, tuple)):
+        return list(enumerate(data, start=1)), None
+    if hasattr(data, "to_list") or hasattr(data, "keys"):
+        return dataset_rows(data, where)
+    raise DataError(
+        f"{where}: expected a datasets.Dataset, a DatasetDict or a list of dicts, got "
+        f"{type(data).__name__}"
+    )
 
 
 def read_rows(path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] | None]:
@@ -229,8 +252,10 @@ class FileTask(Task):
 
     def __init__(
         self,
-        path,
+        path=None,
         *,
+        data=None,
+        eval_data=None,
         prompt_column: str | None = None,
         answer_column: str | None = None,
         columns: dict | None = None,
@@ -255,17 +280,25 @@ class FileTask(Task):
             raise ValueError("give eval_path or eval_fraction, not both")
         if eval_fraction is not None and not 0.0 < float(eval_fraction) < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-        self.path = Path(path)
+        if (path is None) == (data is None):
+            raise ValueError("give a dataset path or in-memory rows (data=...), exactly one")
+        if eval_data is not None and (eval_path is not None or eval_fraction is not None):
+            raise ValueError("give eval_data, eval_path or eval_fraction, only one")
+        # in-memory rows are named as the Python API's arguments are in messages
+        self.path = Path(path) if path is not None else Path("train_dataset")
         self.mapping = mapping
         self.system_prompt = system_prompt
 
-        raw, raw_eval = read_rows(self.path)
+        raw, raw_eval = read_rows(self.path) if data is None else memory_rows(data, "train_dataset")
         rows = self._convert(raw, self.path)
         if not rows:
             raise DataError(f"{self.path}: no rows")
         if eval_path is not None:
             eval_raw, _ = read_rows(eval_path)
             eval_rows = self._convert(eval_raw, Path(eval_path))
+        elif eval_data is not None:
+            eval_raw, _ = memory_rows(eval_data, "eval_dataset")
+            eval_rows = self._convert(eval_raw, Path("eval_dataset"))
         elif eval_fraction is not None:
             order = list(range(len(rows)))
             random.Random(f"file-split/{split_seed}").shuffle(order)

@@ -1,0 +1,1230 @@
+"""The Python API in TRL's words: ``GRPOConfig`` and ``GRPOTrainer`` with TRL's names and meaning.
+
+A TRL script runs here by changing its import line::
+
+    from peergrade import GRPOConfig, GRPOTrainer      # was: from trl import ...
+
+``GRPOConfig`` takes TRL 1.16's ``GRPOConfig`` field names with TRL's defaults. Every field is
+in exactly one of three tables, which also render the docs page (``trl_mapping_markdown``,
+committed as docs/coming-from-trl.md, checked by a test so it cannot drift):
+
+- ``MAPPED``: the field sets one peergrade config key (``to_overrides`` does the arithmetic);
+- ``IGNORED``: meaningless here (vLLM, the Hub, report-only knobs): a non-default value is
+  reported in one warning, never fatal;
+- ``UNSUPPORTED``: a non-default value is a ``ConfigError`` naming the field and what to use
+  instead. TRL's own default is accepted (it asks for nothing peergrade does not do).
+
+Batch semantics are TRL's: ``per_device_train_batch_size`` counts completions; a step
+generates ``per_device_train_batch_size x gradient_accumulation_steps x processes`` completions
+(or ``generation_batch_size``), that is that many / ``num_generations`` prompts; an optimizer
+step sees ``per_device_train_batch_size x gradient_accumulation_steps x processes`` of them.
+``max_steps`` counts optimizer steps, as TRL's ``global_step`` does.
+
+``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` builds a peergrade ``Config`` from
+these and hands the objects (rows in memory, reward callables, a loaded model, a tokenizer)
+to the one trainer (``trainer.setup`` / ``trainer.train``); there is no second training loop.
+
+``recipe_overrides`` reads a TRL / open-r1 recipe YAML (TrlParser's flat layout: model,
+script and training arguments in one file) for ``peergrade train --trl-config``.
+
+This module does not train, sample or score anything itself; it translates and delegates.
+The native API stays: ``peergrade.train(config)`` with a ``peergrade.Config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from peergrade.config import Config, ConfigError, load_config
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "IGNORED",
+    "MAPPED",
+    "OPEN_R1_REWARDS",
+    "UNSUPPORTED",
+    "recipe_overrides",
+    "train",
+    "trl_mapping_markdown",
+]
+
+# ----------------------------------------------------------------------------- the tables
+
+#: TRL field -> (peergrade key, how the value is translated)
+MAPPED: dict[str, tuple[str, str]] = {
+    "output_dir": ("train.output_dir", "as is; None = 'trainer_output'"),
+    "num_generations": ("rollout.group_size", "as is"),
+    "per_device_train_batch_size": (
+        "optim.micro_batch_size",
+        "completions per forward/backward, as is",
+    ),
+    "gradient_accumulation_steps": (
+        "optim.minibatch_size",
+        "completions per optimizer step = per_device_train_batch_size x "
+        "gradient_accumulation_steps x processes",
+    ),
+    "generation_batch_size": (
+        "rollout.prompts_per_step",
+        "generation_batch_size / num_generations prompts",
+    ),
+    "steps_per_generation": (
+        "rollout.prompts_per_step",
+        "per_device_train_batch_size x processes x steps_per_generation / num_generations "
+        "prompts (default: gradient_accumulation_steps)",
+    ),
+    "max_steps": (
+        "train.steps",
+        "optimizer steps / (num_iterations x steps_per_generation / "
+        "gradient_accumulation_steps), rounded up",
+    ),
+    "num_train_epochs": (
+        "train.steps",
+        "when max_steps = -1: epochs x (rows // prompts per step) generation steps, rounded up",
+    ),
+    "max_completion_length": ("rollout.max_completion_length", "as is"),
+    "max_prompt_length": (
+        "data.max_prompt_length",
+        "as is (a TRL < 1.0 field; a longer prompt is an error here, not truncated); "
+        "None = peergrade's default",
+    ),
+    "temperature": ("rollout.temperature", "as is"),
+    "top_p": ("rollout.top_p", "as is"),
+    "top_k": ("rollout.top_k", "as is (0 = off)"),
+    "learning_rate": ("optim.lr", "as is"),
+    "lr_scheduler_type": (
+        "optim.lr_schedule",
+        "linear, cosine, constant; constant_with_warmup = constant; cosine_with_min_lr = cosine",
+    ),
+    "lr_scheduler_kwargs": (
+        "optim.min_lr_ratio",
+        "{min_lr_rate: r} (with cosine_with_min_lr); no other key",
+    ),
+    "warmup_steps": ("optim.warmup_steps", "an int as is; a float below 1 = that fraction"),
+    "weight_decay": ("optim.weight_decay", "as is"),
+    "adam_beta1": ("optim.adam_betas", "first of the pair"),
+    "adam_beta2": ("optim.adam_betas", "second of the pair"),
+    "max_grad_norm": ("optim.max_grad_norm", "as is"),
+    "beta": ("algo.beta", "as is"),
+    "epsilon": ("algo.clip_eps", "as is"),
+    "epsilon_high": ("algo.clip_eps_high", "as is"),
+    "loss_type": ("algo.loss_type", "grpo, bnpo, dr_grpo, dapo, cispo"),
+    "importance_sampling_level": ("algo.ratio_level", "token, sequence (GSPO)"),
+    "scale_rewards": (
+        "algo.advantage_scale",
+        "group, batch, none (True = group, False = none)",
+    ),
+    "num_iterations": ("algo.num_iterations", "as is"),
+    "mask_truncated_completions": ("algo.mask_truncated_completions", "as is"),
+    "reward_weights": ("rewards[i].weight", "one per reward function, in order"),
+    "seed": ("train.seed", "as is"),
+    "save_steps": ("train.save_every", "as is (with save_strategy='steps')"),
+    "save_strategy": ("train.save_every", "'no' = 0 (only the final checkpoint); 'steps'"),
+    "save_total_limit": ("train.keep_last", "as is; None = keep every checkpoint"),
+    "eval_strategy": ("train.eval_every", "'no' = 0 (before and after training only); 'steps'"),
+    "eval_steps": ("train.eval_every", "as is (with eval_strategy='steps'); None = logging_steps"),
+    "num_generations_eval": (
+        "train.eval_samples",
+        "samples per held-out prompt; None = num_generations",
+    ),
+    "report_to": ("train.report_to", "'none' = []; tensorboard, trackio, wandb"),
+    "project": ("train.project", "as is"),
+    "gradient_checkpointing": ("model.gradient_checkpointing", "as is"),
+    "bf16": ("model.autocast", "True = bf16, False = off, None = auto"),
+    "use_cpu": ("model.device", "True = cpu"),
+    "ddp_timeout": ("dist.timeout_s", "as is (seconds)"),
+    "model_init_kwargs": ("model.dtype", "{dtype: ...} (or torch_dtype); no other key"),
+}
+
+_VLLM = "peergrade samples with its own batched KV-cache sampler (no vLLM)"
+_HUB = "no Hugging Face Hub here: save_model(dir) and copy the directory"
+_REPORT = "peergrade logs every step to metrics.jsonl and state.log_history"
+_PERF = "a performance knob of transformers' Trainer with no counterpart here"
+
+#: TRL field -> why it means nothing here (a non-default value is warned about, once)
+IGNORED: dict[str, str] = {
+    "use_vllm": _VLLM,
+    "push_to_hub": _HUB,
+    "logging_steps": _REPORT,
+    "logging_strategy": _REPORT,
+    "logging_first_step": _REPORT,
+    "log_on_each_node": _REPORT,
+    "logging_nan_inf_filter": _REPORT,
+    "include_num_input_tokens_seen": _REPORT,
+    "log_level": _REPORT,
+    "log_level_replica": _REPORT,
+    "disable_tqdm": "peergrade's display is train.display (rich, plain, none)",
+    "run_name": "the run is named after output_dir",
+    "trackio_space_id": _REPORT,
+    "trackio_bucket_id": _REPORT,
+    "trackio_static_space_id": _REPORT,
+    "log_completions": "peergrade always writes sampled groups to samples.jsonl",
+    "log_multimodal": _REPORT,
+    "num_completions_to_print": "peergrade always writes sampled groups to samples.jsonl",
+    "log_unique_prompts": _REPORT,
+    "skip_memory_metrics": _REPORT,
+    "per_device_eval_batch_size": "held-out batches are sized by rollout.generation_batch_size",
+    "dataloader_num_workers": _PERF,
+    "dataloader_pin_memory": _PERF,
+    "dataloader_persistent_workers": _PERF,
+    "dataloader_prefetch_factor": _PERF,
+    "dataloader_multiprocessing_context": _PERF,
+    "torch_empty_cache_steps": _PERF,
+    "ds3_gather_for_generation": _PERF,
+    "pad_to_multiple_of": _PERF,
+    "cache_implementation": _PERF,
+    "use_cache": "the sampler always uses the KV cache; training forwards never do",
+    "do_train": "unused by TRL's trainer too",
+    "do_eval": "unused by TRL's trainer too",
+    "do_predict": "unused by TRL's trainer too",
+    "local_rank": "set by torchrun",
+    "full_determinism": "peergrade's sampling is a function of (seed, step, prompt, sample)",
+    "resume_from_checkpoint": "pass trainer.train(resume_from_checkpoint=True)",
+    "save_on_each_node": "rank 0 writes checkpoints",
+}
+
+_NO = "peergrade has no equivalent; leave it at TRL's default"
+
+#: TRL field -> (TRL's default, what to use instead); a non-default value is an error
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "optim": ("adamw_torch_fused", "peergrade always uses torch AdamW (fused where it can)"),
+    "optim_args": (None, "optim.adam_betas, optim.weight_decay"),
+    "adam_epsilon": (1e-08, "peergrade's AdamW uses eps = 1e-8"),
+    "optim_target_modules": (None, _NO),
+    "average_tokens_across_devices": (True, "peergrade always reduces token counts across ranks"),
+    "label_smoothing_factor": (0.0, _NO),
+    "fp16": (False, "bf16=True (model.autocast: bf16) or model.dtype"),
+    "bf16_full_eval": (False, "model.dtype"),
+    "fp16_full_eval": (False, "model.dtype"),
+    "tf32": (None, _NO),
+    "activation_checkpointing": (None, "gradient_checkpointing"),
+    "activation_checkpointing_kwargs": (None, "gradient_checkpointing (non-reentrant)"),
+    "gradient_checkpointing_kwargs": (None, "gradient_checkpointing (non-reentrant)"),
+    "torch_compile": (False, _NO),
+    "torch_compile_backend": (None, _NO),
+    "torch_compile_mode": (None, _NO),
+    "use_liger_kernel": (False, "model.logprob_chunk_size (chunked log-probs)"),
+    "liger_kernel_config": (None, "model.logprob_chunk_size"),
+    "neftune_noise_alpha": (None, _NO),
+    "auto_find_batch_size": (False, "per_device_train_batch_size; `peergrade memory` estimates"),
+    "eval_delay": (0, "eval_steps"),
+    "prediction_loss_only": (False, _NO),
+    "eval_on_start": (False, "peergrade evaluates before training whenever it has eval rows"),
+    "eval_do_concat_batches": (True, _NO),
+    "eval_use_gather_object": (False, _NO),
+    "eval_accumulation_steps": (None, _NO),
+    "include_for_metrics": ([], _NO),
+    "batch_eval_metrics": (False, _NO),
+    "save_only_model": (False, "peergrade checkpoints always hold the optimizer (exact resume)"),
+    "enable_jit_checkpoint": (False, _NO),
+    "load_best_model_at_end": (False, "the checkpoints in output_dir/checkpoints"),
+    "metric_for_best_model": (None, _NO),
+    "greater_is_better": (None, _NO),
+    "ignore_data_skip": (False, "resume is exact: the data order continues"),
+    "restore_callback_states_from_checkpoint": (False, _NO),
+    "data_seed": (None, "seed (one seed drives the data order and sampling)"),
+    "accelerator_config": (None, "dist.* keys under torchrun"),
+    "parallelism_config": (None, "dist.strategy (ddp or fsdp) under torchrun"),
+    "dataloader_drop_last": (False, _NO),
+    "dataloader_in_order": (True, _NO),
+    "remove_unused_columns": (False, "every dataset column reaches the reward functions"),
+    "label_names": (None, _NO),
+    "train_sampling_strategy": ("random", "peergrade always shuffles each epoch"),
+    "length_column_name": ("length", _NO),
+    "ddp_find_unused_parameters": (None, _NO),
+    "ddp_bucket_cap_mb": (None, "dist.bucket_mb"),
+    "ddp_broadcast_buffers": (None, _NO),
+    "ddp_static_graph": (None, _NO),
+    "ddp_backend": (None, "dist.backend"),
+    "fsdp": (None, "dist.strategy: fsdp under torchrun"),
+    "fsdp_config": (None, "dist.strategy: fsdp under torchrun"),
+    "deepspeed": (None, "dist.strategy: fsdp under torchrun"),
+    "debug": ("", _NO),
+    "trust_remote_code": (False, "a standard transformers architecture (no remote code)"),
+    "router_aux_loss_coef": (None, _NO),
+    "disable_dropout": (False, _NO),
+    "cast_lm_head_to_fp32": (False, "model.dtype: float32"),
+    "shuffle_dataset": (True, "peergrade always shuffles the training rows"),
+    "min_p": (None, "top_p, top_k"),
+    "generation_kwargs": (None, "temperature, top_p, top_k, rollout.stop"),
+    "chat_template_kwargs": (None, "data.system_prompt, data.use_chat_template"),
+    "repetition_penalty": (1.0, "the repetition_penalty reward"),
+    "delta": (None, "epsilon / epsilon_high"),
+    "sapo_temperature_neg": (1.05, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
+    "sapo_temperature_pos": (1.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
+    "vespo_k_pos": (2.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
+    "vespo_lambda_pos": (3.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
+    "vespo_k_neg": (3.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
+    "vespo_lambda_neg": (2.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
+    "multi_objective_aggregation": (
+        "sum_then_normalize",
+        "the weighted sum, then group normalisation (TRL's default)",
+    ),
+    "sync_ref_model": (False, "beta (a fixed reference)"),
+    "ref_model_mixup_alpha": (0.6, "beta (a fixed reference)"),
+    "ref_model_sync_steps": (512, "beta (a fixed reference)"),
+    "top_entropy_quantile": (1.0, _NO),
+    "entropy_coef": (0.0, _NO),
+    "use_adaptive_entropy": (False, _NO),
+    "entropy_coef_min": (0.0, _NO),
+    "entropy_coef_max": (1.0, _NO),
+    "entropy_coef_delta": (0.005, _NO),
+    "entropy_target": (0.2, _NO),
+    "max_tool_calling_iterations": (None, _NO),
+    "off_policy_mask_threshold": (None, _NO),
+    "use_bias_correction_kl": (True, _NO),
+    "use_transformers_continuous_batching": (False, _VLLM),
+    "transformers_continuous_batching_config": (None, _VLLM),
+    "use_transformers_paged": (False, _VLLM),
+}
+
+
+def _field_kind(name: str) -> str:
+    """'mapped', 'ignored' (vllm_*/hub_* included) or 'unsupported'; '' for no TRL field."""
+    if name in MAPPED:
+        return "mapped"
+    if name in IGNORED or name.startswith(("vllm_", "hub_")) and name not in UNSUPPORTED:
+        return "ignored"
+    if name in UNSUPPORTED:
+        return "unsupported"
+    return ""
+
+
+def _ignored_reason(name: str) -> str:
+    if name.startswith("vllm_"):
+        return _VLLM
+    if name.startswith("hub_"):
+        return _HUB
+    return IGNORED[name]
+
+
+# ----------------------------------------------------------------------------- GRPOConfig
+
+
+@dataclass(init=False)
+class GRPOConfig:
+    """TRL's ``GRPOConfig``: the fields in ``MAPPED`` with TRL 1.16's defaults (see the module
+    docstring); any other TRL field is accepted at TRL's default, warned about (``IGNORED``)
+    or refused (``UNSUPPORTED``). ``to_config()`` gives the peergrade ``Config``."""
+
+    output_dir: str | None = None
+    num_generations: int = 8
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
+    max_steps: int = -1
+    num_train_epochs: float = 3.0
+    max_completion_length: int = 512
+    max_prompt_length: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict | None = None
+    warmup_steps: float = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    scale_rewards: str | bool = "group"
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+    reward_weights: list[float] | None = None
+    seed: int = 42
+    save_steps: int = 500
+    save_strategy: str = "steps"
+    save_total_limit: int | None = None
+    eval_strategy: str = "no"
+    eval_steps: int | None = None
+    num_generations_eval: int | None = None
+    report_to: str | list[str] | None = "none"
+    project: str = "huggingface"
+    gradient_checkpointing: bool = True
+    bf16: bool | None = None
+    use_cpu: bool = False
+    ddp_timeout: int = 1800
+    model_init_kwargs: dict | None = None
+    logging_steps: int = 10  # read for eval_steps=None, as TRL does; else report-only
+
+    def __init__(self, output_dir: str | None = None, **kwargs):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+        self.output_dir = output_dir
+        ignored: list[str] = []
+        for name, value in kwargs.items():
+            kind = _field_kind(name)
+            if name == "logging_steps" or kind == "mapped":
+                setattr(self, name, value)
+            if kind == "ignored" and value != _trl_default(name):
+                ignored.append(name)
+            elif kind == "unsupported" and value != UNSUPPORTED[name][0]:
+                raise ConfigError(
+                    f"GRPOConfig field {name!r}={value!r} is not supported by peergrade; instead: "
+                    f"{UNSUPPORTED[name][1]} (see docs/coming-from-trl.md)"
+                )
+            elif not kind:
+                close = difflib.get_close_matches(name, list(_all_fields()), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"GRPOConfig has no field {name!r}{hint}")
+        _warn_ignored(ignored)
+        self._check_batches()
+
+    @property
+    def world_size(self) -> int:
+        """Processes: torchrun's WORLD_SIZE, else 1."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _check_batches(self) -> None:
+        """TRL's rules for the generation batch (its GRPOConfig.__post_init__)."""
+        per_step = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ConfigError(
+                "GRPOConfig: generation_batch_size and steps_per_generation cannot both be set"
+            )
+        if self.generation_batch_size is not None and self.generation_batch_size % per_step:
+            raise ConfigError(
+                f"GRPOConfig: generation_batch_size ({self.generation_batch_size}) must be "
+                f"divisible by per_device_train_batch_size x processes ({per_step})"
+            )
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"GRPOConfig: num_generations must be at least 2 (a group needs someone to "
+                f"compare with), got {self.num_generations}"
+            )
+        if self.generation_batch % self.num_generations:
+            raise ConfigError(
+                f"GRPOConfig: the generation batch ({self.generation_batch} completions = "
+                f"per_device_train_batch_size {self.per_device_train_batch_size} x "
+                f"steps_per_generation {self.steps_per_gen} x processes {self.world_size}) must "
+                f"be divisible by num_generations ({self.num_generations})"
+            )
+        per_update = per_step * self.gradient_accumulation_steps
+        if self.generation_batch % per_update:
+            raise ConfigError(
+                f"GRPOConfig: the generation batch ({self.generation_batch} completions) must be a "
+                f"multiple of one optimizer step's (per_device_train_batch_size x "
+                f"gradient_accumulation_steps x processes = {per_update}): peergrade does not "
+                "accumulate gradients across generation steps"
+            )
+        if self.reward_weights is not None and not isinstance(self.reward_weights, list):
+            raise ConfigError(f"GRPOConfig: reward_weights must be a list, got {self.reward_weights!r}")
+
+    @property
+    def steps_per_gen(self) -> int:
+        """TRL's steps_per_generation: micro-batches of one generation batch per process."""
+        if self.steps_per_generation is not None:
+            return self.steps_per_generation
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // (self.per_device_train_batch_size * self.world_size)
+        return self.gradient_accumulation_steps
+
+    @property
+    def generation_batch(self) -> int:
+        """Completions generated per step (TRL's generation_batch_size once resolved)."""
+        return self.per_device_train_batch_size * self.world_size * self.steps_per_gen
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts per generation step: the generation batch / num_generations."""
+        return self.generation_batch // self.num_generations
+
+    @property
+    def updates_per_generation(self) -> float:
+        """Optimizer steps (TRL's global_step) per generation step."""
+        return self.num_iterations * self.steps_per_gen / self.gradient_accumulation_steps
+
+    def generation_steps(self, num_rows: int | None) -> int:
+        """peergrade's train.steps: from max_steps, else from num_train_epochs over
+        ``num_rows`` training rows (TRL drops an incomplete last batch of an epoch)."""
+        per = self.updates_per_generation
+        if self.max_steps > 0:
+            return max(1, math.ceil(self.max_steps / per))
+        if num_rows is None:
+            raise ConfigError(
+                "GRPOConfig: max_steps = -1 counts num_train_epochs over the dataset, whose "
+                "size is unknown here: set max_steps"
+            )
+        per_epoch = num_rows // self.prompts_per_step
+        if per_epoch < 1:
+            raise ConfigError(
+                f"train_dataset has {num_rows} rows, fewer than the {self.prompts_per_step} "
+                "prompts one step takes (generation batch / num_generations): add rows or "
+                "lower per_device_train_batch_size / gradient_accumulation_steps"
+            )
+        total_updates = math.ceil(self.num_train_epochs * per_epoch * per)
+        return max(1, math.ceil(total_updates / per))
+
+    def to_overrides(self, num_rows: int | None = None) -> list[tuple[str, Any]]:
+        """``[(peergrade key, value), ...]`` for ``config.load_config`` (``num_rows``: the
+        training rows, needed when max_steps = -1)."""
+        steps = self.generation_steps(num_rows)
+        G, P = self.num_generations, self.prompts_per_step
+        minibatch = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        minibatch *= self.world_size
+        out: list[tuple[str, Any]] = [
+            ("train.output_dir", self.output_dir or "trainer_output"),
+            ("rollout.group_size", G),
+            ("rollout.prompts_per_step", P),
+            ("optim.micro_batch_size", self.per_device_train_batch_size),
+            ("optim.minibatch_size", minibatch),
+            ("train.steps", steps),
+            ("rollout.max_completion_length", self.max_completion_length),
+            ("rollout.temperature", self.temperature),
+            ("rollout.top_p", self.top_p),
+            ("rollout.top_k", self.top_k),
+            ("optim.lr", self.learning_rate),
+            ("optim.lr_schedule", _schedule(self.lr_scheduler_type)),
+            ("optim.min_lr_ratio", _min_lr_ratio(self.lr_scheduler_kwargs)),
+            ("optim.warmup_steps", self._warmup(steps)),
+            ("optim.weight_decay", self.weight_decay),
+            ("optim.adam_betas", [self.adam_beta1, self.adam_beta2]),
+            ("optim.max_grad_norm", self.max_grad_norm),
+            ("algo.beta", self.beta),
+            ("algo.clip_eps", self.epsilon),
+            ("algo.clip_eps_high", self.epsilon_high),
+            ("algo.loss_type", _choice("loss_type", self.loss_type, LOSS_TYPES)),
+            ("algo.ratio_level", self.importance_sampling_level),
+            ("algo.advantage_scale", _scale(self.scale_rewards)),
+            ("algo.num_iterations", self.num_iterations),
+            ("algo.mask_truncated_completions", self.mask_truncated_completions),
+            ("train.seed", self.seed),
+            ("train.save_every", self._save_every()),
+            ("train.eval_every", self._eval_every()),
+            ("train.eval_samples", self.num_generations_eval or G),
+            ("train.report_to", _report_to(self.report_to)),
+            ("train.project", self.project),
+            ("model.gradient_checkpointing", self.gradient_checkpointing),
+            ("model.autocast", {True: "bf16", False: "off", None: "auto"}[self.bf16]),
+            ("dist.timeout_s", float(self.ddp_timeout)),
+        ]
+        if self.max_prompt_length is not None:
+            out.append(("data.max_prompt_length", self.max_prompt_length))
+        if self.save_total_limit is not None:
+            out.append(("train.keep_last", self.save_total_limit))
+        if self.use_cpu:
+            out.append(("model.device", "cpu"))
+        dtype = _model_dtype(self.model_init_kwargs)
+        if dtype is not None:
+            out.append(("model.dtype", dtype))
+        return out
+
+    def to_config(self, num_rows: int | None = None) -> Config:
+        """The peergrade ``Config`` these fields describe (rewards and model left at their
+        defaults: ``GRPOTrainer`` sets them from its arguments)."""
+        return load_config(None, self.to_overrides(num_rows))
+
+    def _warmup(self, steps: int) -> int:
+        w = self.warmup_steps
+        if isinstance(w, float) and 0 < w < 1:  # transformers: a float below 1 is a ratio
+            return math.ceil(w * steps * self.updates_per_generation)
+        return int(w)
+
+    def _save_every(self) -> int:
+        if self.save_strategy == "no":
+            return 0
+        if self.save_strategy != "steps":
+            raise ConfigError(
+                f"GRPOConfig: save_strategy={self.save_strategy!r} is not supported: use 'steps' "
+                "(with save_steps) or 'no'"
+            )
+        return max(1, math.ceil(self.save_steps / self.updates_per_generation))
+
+    def _eval_every(self) -> int:
+        if self.eval_strategy == "no":
+            return 0
+        if self.eval_strategy != "steps":
+            raise ConfigError(
+                f"GRPOConfig: eval_strategy={self.eval_strategy!r} is not supported: use 'steps' "
+                "(with eval_steps) or 'no'"
+            )
+        every = self.eval_steps if self.eval_steps is not None else self.logging_steps
+        return max(1, math.ceil(every / self.updates_per_generation))
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+
+def _choice(name: str, value, valid) -> Any:
+    if value not in valid:
+        raise ConfigError(
+            f"GRPOConfig: {name}={value!r} is not supported by peergrade: use one of "
+            f"{', '.join(valid)}"
+        )
+    return value
+
+
+def _schedule(kind: str) -> str:
+    table = {
+        "linear": "linear",
+        "cosine": "cosine",
+        "cosine_with_min_lr": "cosine",
+        "constant": "constant",
+        "constant_with_warmup": "constant",
+    }
+    return table[_choice("lr_scheduler_type", kind, list(table))]
+
+
+def _min_lr_ratio(kwargs: dict | None) -> float:
+    kwargs = dict(kwargs or {})
+    ratio = kwargs.pop("min_lr_rate", 0.0)
+    if kwargs:
+        raise ConfigError(
+            f"GRPOConfig: lr_scheduler_kwargs {sorted(kwargs)} are not supported: only "
+            "min_lr_rate (optim.min_lr_ratio)"
+        )
+    return float(ratio)
+
+
+def _scale(value) -> str:
+    value = {True: "group", False: "none"}.get(value, value)
+    return _choice("scale_rewards", value, ("group", "batch", "none"))
+
+
+def _report_to(value) -> list[str]:
+    if value in (None, "none", []):
+        return []
+    values = [value] if isinstance(value, str) else list(value)
+    return [v for v in values if v != "none"]
+
+
+def _model_dtype(kwargs: dict | None) -> str | None:
+    kwargs = dict(kwargs or {})
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+    if kwargs:
+        raise ConfigError(
+            f"GRPOConfig: model_init_kwargs {sorted(kwargs)} are not supported: only dtype "
+            "(model.dtype)"
+        )
+    if dtype is None:
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+def _all_fields() -> list[str]:
+    return list(MAPPED) + list(IGNORED) + list(UNSUPPORTED)
+
+
+def _trl_default(name: str) -> Any:
+    """TRL's default of an IGNORED field (None where it is off by default)."""
+    return _IGNORED_DEFAULTS.get(name)
+
+
+# the IGNORED fields whose TRL default is not None (so giving that default warns of nothing)
+_IGNORED_DEFAULTS: dict[str, Any] = {
+    "use_vllm": False,
+    "push_to_hub": False,
+    "logging_steps": 10,
+    "logging_strategy": "steps",
+    "logging_first_step": False,
+    "log_on_each_node": True,
+    "logging_nan_inf_filter": True,
+    "include_num_input_tokens_seen": "no",
+    "log_level": "passive",
+    "log_level_replica": "warning",
+    "log_completions": False,
+    "log_multimodal": True,
+    "log_unique_prompts": False,
+    "skip_memory_metrics": True,
+    "per_device_eval_batch_size": 8,
+    "dataloader_num_workers": 0,
+    "dataloader_pin_memory": True,
+    "dataloader_persistent_workers": False,
+    "torch_empty_cache_steps": None,
+    "ds3_gather_for_generation": True,
+    "pad_to_multiple_of": "auto",
+    "use_cache": False,
+    "do_train": False,
+    "do_eval": False,
+    "do_predict": False,
+    "local_rank": -1,
+    "full_determinism": False,
+    "save_on_each_node": False,
+}
+
+
+def _warn_ignored(names: list[str]) -> None:
+    """One warning for every meaningless field given (never fatal)."""
+    if not names:
+        return
+    lines = "; ".join(f"{n} ({_ignored_reason(n)})" for n in names)
+    warnings.warn(f"peergrade ignores these TRL settings: {lines}", UserWarning, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------- GRPOTrainer
+
+
+class TrainOutput(NamedTuple):
+    """What ``GRPOTrainer.train`` returns, as transformers' ``TrainOutput``."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, Any]
+
+
+@dataclass
+class TrainerState:
+    """The parts of transformers' ``TrainerState`` a script reads after training."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    log_history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    is_world_process_zero: bool = True
+
+
+class GRPOTrainer:
+    """TRL's ``GRPOTrainer`` on peergrade's trainer.
+
+    model: a local model directory (or 'bundled') or a loaded ``PreTrainedModel``.
+    reward_funcs: a callable (TRL's contract), a built-in reward name, 'module:fn',
+    'file.py:fn', a reward-model directory, or a list of them.
+    train_dataset / eval_dataset: a ``datasets.Dataset``, ``DatasetDict`` (its train and
+    test/validation splits) or a list of dicts with a ``prompt`` column.
+    peft_config: a peft ``LoraConfig``. processing_class: the tokenizer (default: the model's).
+    callbacks: objects with transformers' callback methods; ``on_train_begin``,
+    ``on_step_end``, ``on_log`` and ``on_train_end`` are called (the ``control`` they get is
+    not read: a callback cannot stop the run early).
+    """
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        from peergrade.tasks.files import FileTask
+        from peergrade.trainer import Given, setup
+
+        refused = {
+            "reward_processing_classes": (reward_processing_classes, "a reward-model directory "
+                                          "holding its own tokenizer"),
+            "optimizers": (None if optimizers == (None, None) else optimizers,
+                           "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay"),
+            "quantization_config": (quantization_config, "peft_config (LoRA) on a bf16 model"),
+            "tools": (tools, "single-turn reward functions (tools are not supported yet)"),
+            "rollout_func": (rollout_func, "peergrade's own sampler"),
+            "environment_factory": (environment_factory, "single-turn reward functions"),
+        }
+        for name, (value, instead) in refused.items():
+            if value is not None:
+                raise ConfigError(f"GRPOTrainer argument {name!r} is not supported: use {instead}")
+        if reward_funcs is None:
+            raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
+        if train_dataset is None:
+            raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
+        self.args = args if args is not None else GRPOConfig()
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        items, fns = _reward_items(funcs, self.args.reward_weights)
+        task = FileTask(data=train_dataset, eval_data=eval_dataset)
+        overrides = self.args.to_overrides(len(task))
+        overrides.append(("rewards", items))
+        if isinstance(model, (str, Path)):
+            policy = None
+            overrides.append(("model.path", str(model)))
+        else:
+            policy = model
+            overrides.append(("model.path", str(getattr(model, "name_or_path", "") or "bundled")))
+            if processing_class is None and not Path(overrides[-1][1]).is_dir():
+                raise ConfigError(
+                    "GRPOTrainer: the model object has no local name_or_path to load its "
+                    "tokenizer from: pass processing_class=tokenizer"
+                )
+        overrides.extend(_lora_overrides(peft_config))
+        self.config = load_config(None, overrides)
+        given = Given(task=task, reward_fns=fns, policy=policy, tokenizer=processing_class)
+        self._run = setup(self.config, given)
+        self.model = self._run.models.policy
+        self.processing_class = self._run.models.tokenizer
+        self.reward_funcs = [s.fn for s in self._run.rewards]
+        self.callbacks = list(callbacks or [])
+        self.state = TrainerState(max_steps=self._max_steps())
+
+    def _max_steps(self) -> int:
+        return math.ceil(self.config.train.steps * self.args.updates_per_generation)
+
+    def _global_step(self, step: int) -> int:
+        return math.ceil(step * self.args.updates_per_generation)
+
+    def _call(self, event: str, **kw) -> None:
+        control = _control()
+        for cb in self.callbacks:
+            fn = getattr(cb, event, None)
+            if fn is not None:
+                fn(self.args, self.state, control, **kw)
+
+    def _on_log(self, line: dict) -> None:
+        """One metrics line: TRL's step counter and a few of TRL's names next to peergrade's."""
+        logs = dict(line)
+        self.state.global_step = self._global_step(int(line["step"]))
+        logs["step"] = self.state.global_step
+        for ours, theirs in TRL_NAMES.items():
+            if ours in logs:
+                logs[theirs] = logs[ours]
+        for key in list(logs):
+            if key.startswith("reward/") and key.endswith("/mean") and key != "reward/total/mean":
+                logs[f"rewards/{key[len('reward/') : -len('/mean')]}/mean"] = logs[key]
+        self.state.log_history.append(logs)
+        if not line.get("final") and line["step"]:
+            self._call("on_step_end")
+        self._call("on_log", logs=logs)
+
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Train (or resume the run in output_dir: ``resume_from_checkpoint=True`` or its path)."""
+        from peergrade.trainer import train
+
+        run_dir = self.config.train.output_dir
+        if isinstance(resume_from_checkpoint, str):
+            run_dir = resume_from_checkpoint
+        self._call("on_train_begin")
+        summary = train(
+            self.config,
+            Path(run_dir),
+            resume=bool(resume_from_checkpoint),
+            run=self._run,
+            on_log=self._on_log,
+        )
+        self._call("on_train_end")
+        losses = [h["loss/policy"] for h in self.state.log_history if "loss/policy" in h]
+        loss = sum(losses) / len(losses) if losses else 0.0
+        return TrainOutput(self.state.global_step, loss, summary)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The model (with LoRA: its adapter, as TRL saves it) and tokenizer in ``output_dir``."""
+        from peergrade.models import save_tokenizer
+
+        out = Path(output_dir or self.config.train.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(out))
+        save_tokenizer(self.processing_class, out)
+
+
+#: peergrade metric -> the name TRL logs it under (both are in log_history)
+TRL_NAMES = {
+    "reward/total/mean": "reward",
+    "reward/total/std": "reward_std",
+    "loss/policy": "loss",
+    "optim/lr": "learning_rate",
+    "grad/norm": "grad_norm",
+    "rollout/len_mean": "completions/mean_length",
+    "rollout/frac_truncated": "completions/clipped_ratio",
+    "rollout/frac_zero_std_groups": "frac_reward_zero_std",
+    "kl/mean": "kl",
+    "entropy/mean": "entropy",
+}
+
+
+def _control():
+    try:
+        from transformers import TrainerControl
+
+        return TrainerControl()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+
+
+def _reward_items(funcs: list, weights) -> tuple[list[dict], list]:
+    """(rewards config items, callables aligned with them: None where the name resolves)."""
+    if weights is not None and len(weights) != len(funcs):
+        raise ConfigError(
+            f"GRPOConfig: reward_weights has {len(weights)} entries for {len(funcs)} reward "
+            "functions (one weight each)"
+        )
+    items, fns = [], []
+    for i, fn in enumerate(funcs):
+        weight = 1.0 if weights is None else float(weights[i])
+        if isinstance(fn, (str, Path)):
+            items.append({"name": str(fn), "weight": weight})
+            fns.append(None)
+        elif callable(fn) and not hasattr(fn, "config"):
+            # recorded by where it lives; the object itself is what runs
+            name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', '?')}"
+            items.append({"name": name, "weight": weight})
+            fns.append(fn)
+        else:
+            raise ConfigError(
+                f"reward_funcs[{i}]: a {type(fn).__name__} object; pass a reward function, a "
+                "built-in name, or a reward model's directory (AutoModelForSequenceClassification)"
+            )
+    return items, fns
+
+
+def _lora_overrides(peft_config) -> list[tuple[str, Any]]:
+    if peft_config is None:
+        return []
+    if type(peft_config).__name__ != "LoraConfig":
+        raise ConfigError(
+            f"peft_config: a {type(peft_config).__name__}; peergrade trains LoRA adapters "
+            "(peft.LoraConfig)"
+        )
+    for name, default in (("use_dora", False), ("use_rslora", False), ("bias", "none")):
+        if getattr(peft_config, name, default) != default:
+            raise ConfigError(f"peft_config.{name} is not supported: leave it at {default!r}")
+    if getattr(peft_config, "modules_to_save", None):
+        raise ConfigError("peft_config.modules_to_save is not supported: LoRA adapters only")
+    out = [
+        ("model.lora.enabled", True),
+        ("model.lora.r", int(peft_config.r)),
+        ("model.lora.alpha", int(peft_config.lora_alpha)),
+        ("model.lora.dropout", float(peft_config.lora_dropout)),
+    ]
+    targets = peft_config.target_modules
+    if isinstance(targets, str):
+        raise ConfigError(
+            f"peft_config.target_modules={targets!r}: name the modules, e.g. "
+            "['q_proj', 'k_proj', 'v_proj', 'o_proj']"
+        )
+    if targets:
+        out.append(("model.lora.target_modules", sorted(targets)))
+    return out
+
+
+# ----------------------------------------------------------------------------- the native API
+
+
+def train(config: Config | str | Path, *, resume: bool = False, overwrite: bool = False):
+    """peergrade's own entry point: train with a ``Config`` (or a YAML file's path) into its
+    ``train.output_dir``; returns the summary (``peergrade train --config`` does the same)."""
+    import time
+
+    from peergrade.trainer import train as run_training
+
+    cfg = config if isinstance(config, Config) else load_config(config)
+    run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
+    return run_training(cfg, run_dir, resume=resume, overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------- recipes
+
+#: open-r1's reward_funcs names -> (peergrade built-in, kwargs from the recipe's script args)
+OPEN_R1_REWARDS: dict[str, tuple[str, Callable[[dict], dict]]] = {
+    "accuracy": ("openr1_accuracy", lambda a: {}),
+    "format": ("openr1_format", lambda a: {}),
+    "tag_count": ("openr1_tag_count", lambda a: {}),
+    "reasoning_steps": ("openr1_reasoning_steps", lambda a: {}),
+    "length": ("openr1_length", lambda a: {}),
+    "cosine": (
+        "openr1_cosine",
+        lambda a: {
+            k: a[f"cosine_{k}"]
+            for k in (
+                "min_value_wrong",
+                "max_value_wrong",
+                "min_value_correct",
+                "max_value_correct",
+                "max_len",
+            )
+            if f"cosine_{k}" in a
+        },
+    ),
+    "repetition_penalty": (
+        "repetition_penalty",
+        lambda a: {
+            "n": a.get("repetition_n_grams", 3),
+            "scale": -float(a.get("repetition_max_penalty", -1.0)),
+            "lowercase": True,
+        },
+    ),
+    "soft_overlong_punishment": (
+        "overlong_penalty",
+        lambda a: {
+            "max_length": a.get("max_completion_len", 16384),
+            "cache_length": a.get("soft_punish_cache", 4096),
+        },
+    ),
+}
+_OPEN_R1_UNSUPPORTED = {
+    "code": "code_tests (a 'tests' column; see docs/sandbox.md)",
+    "binary_code": "code_tests",
+    "ioi_code": "code_tests",
+    "cf_code": "code_tests",
+    "code_format": "openr1_format plus code_tests",
+}
+
+#: TrlParser's model arguments (TRL's ModelConfig) -> what they set
+_MODEL_ARGS = {
+    "model_name_or_path",
+    "model_revision",
+    "torch_dtype",
+    "dtype",
+    "trust_remote_code",
+    "attn_implementation",
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_task_type",
+}
+#: open-r1 / TRL script arguments read here
+_SCRIPT_ARGS = {
+    "dataset_name",
+    "dataset_config",
+    "dataset_train_split",
+    "dataset_test_split",
+    "dataset_prompt_column",
+    "system_prompt",
+    "reward_funcs",
+    "cosine_min_value_wrong",
+    "cosine_max_value_wrong",
+    "cosine_min_value_correct",
+    "cosine_max_value_correct",
+    "cosine_max_len",
+    "repetition_n_grams",
+    "repetition_max_penalty",
+    "max_completion_len",
+    "soft_punish_cache",
+    "chat_template",
+    "callbacks",
+    "benchmarks",
+    "wandb_entity",
+    "wandb_project",
+    "wandb_run_group",
+    "wandb_log_unique_prompts",
+    "code_language",
+    "code_eval_test_batch_size",
+    "code_eval_scoring_mode",
+    "parallel_code_exec_per_proc",
+    "e2b_router_url",
+    "morph_router_url",
+    "code_provider",
+    "ioi_provider",
+    "dataset_mixture",
+}
+#: script arguments that only matter for what peergrade cannot do here (warned about)
+_SCRIPT_IGNORED = {
+    "callbacks": "open-r1's Hub push callbacks",
+    "benchmarks": "open-r1's lighteval benchmarks",
+    "wandb_entity": _REPORT,
+    "wandb_project": "train.project",
+    "wandb_run_group": _REPORT,
+    "wandb_log_unique_prompts": _REPORT,
+    "model_revision": _HUB,
+    "attn_implementation": "transformers picks the attention kernel",
+    "lora_task_type": "always a causal LM",
+    "code_language": "no code reward from recipes",
+    "code_eval_test_batch_size": "no code reward from recipes",
+    "code_eval_scoring_mode": "no code reward from recipes",
+    "parallel_code_exec_per_proc": "no code reward from recipes",
+    "e2b_router_url": "no code reward from recipes",
+    "morph_router_url": "no code reward from recipes",
+    "code_provider": "no code reward from recipes",
+    "ioi_provider": "no code reward from recipes",
+}
+
+
+def recipe_overrides(path: str | Path) -> list[tuple[str, Any]]:
+    """``[(peergrade key, value), ...]`` from a TRL / open-r1 recipe YAML (model, script and
+    training arguments in one flat mapping, as TrlParser reads them)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--trl-config {str(p)!r} does not exist")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--trl-config {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--trl-config {str(p)!r}: expected a mapping at the top level")
+    where = f"--trl-config {str(p)!r}"
+    model_args = {k: tree.pop(k) for k in list(tree) if k in _MODEL_ARGS}
+    script = {k: tree.pop(k) for k in list(tree) if k in _SCRIPT_ARGS}
+    unknown = [k for k in tree if not _field_kind(k)]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _all_fields() + sorted(_SCRIPT_ARGS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}{hint}")
+    ignored = [k for k in script if k in _SCRIPT_IGNORED] + [
+        k for k in model_args if k in _SCRIPT_IGNORED
+    ]
+    if ignored:
+        warnings.warn(
+            f"{where}: peergrade ignores "
+            + "; ".join(f"{k} ({_SCRIPT_IGNORED[k]})" for k in ignored),
+            UserWarning,
+            stacklevel=2,
+        )
+    try:
+        args = GRPOConfig(**tree)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    data = _recipe_data(script, p)
+    out = args.to_overrides(_count_rows(data.get("data.path")))
+    out.extend(data.items())
+    out.extend(_recipe_model(model_args, where))
+    names = script.get("reward_funcs")
+    if names is not None:
+        out.append(("rewards", _recipe_rewards(names, script, args.reward_weights, where)))
+    return out
+
+
+def _recipe_data(script: dict, recipe: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    name = script.get("dataset_name")
+    if script.get("dataset_mixture"):
+        raise ConfigError("dataset_mixture is not supported: give one local dataset_name")
+    if name is not None:
+        local = Path(name).expanduser()
+        if not local.is_absolute() and not local.exists():
+            local = recipe.parent / local  # a path relative to the recipe
+        if not local.exists():
+            raise ConfigError(
+                f"dataset_name {name!r} is not a local file or save_to_disk directory: peergrade "
+                "cannot download from the Hugging Face Hub here. Save it first (datasets."
+                "load_dataset(...).save_to_disk('dir') on a machine with network) and give "
+                "that path"
+            )
+        out["data.path"] = str(local)
+    if script.get("dataset_config"):
+        raise ConfigError(
+            f"dataset_config {script['dataset_config']!r}: save that configuration to disk "
+            "and give its directory as dataset_name"
+        )
+    prompt_column = script.get("dataset_prompt_column")
+    if prompt_column and prompt_column != "prompt":
+        out["data.columns"] = {"prompt": prompt_column}
+    if script.get("system_prompt"):
+        out["data.system_prompt"] = script["system_prompt"]
+    return out
+
+
+def _count_rows(path: str | None) -> int | None:
+    if path is None:
+        return None
+    from peergrade.tasks.files import read_rows
+
+    rows, _ = read_rows(path)
+    return len(rows)
+
+
+def _recipe_model(model_args: dict, where: str) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    if "model_name_or_path" in model_args:
+        out.append(("model.path", str(model_args["model_name_or_path"])))
+    if model_args.get("trust_remote_code"):
+        raise ConfigError(f"{where}: trust_remote_code is not supported (standard architectures)")
+    dtype = model_args.get("dtype", model_args.get("torch_dtype"))
+    if dtype not in (None, "auto"):
+        out.append(("model.dtype", str(dtype)))
+    if model_args.get("use_peft"):
+        out.append(("model.lora.enabled", True))
+        for ours, theirs in (("r", "lora_r"), ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):
+            if theirs in model_args:
+                out.append((f"model.lora.{ours}", model_args[theirs]))
+        if model_args.get("lora_target_modules"):
+            out.append(("model.lora.target_modules", list(model_args["lora_target_modules"])))
+    return out
+
+
+def _recipe_rewards(names, script: dict, weights, where: str) -> list[dict]:
+    if isinstance(names, str):
+        names = [names]
+    if weights is not None and len(weights) != len(names):
+        raise ConfigError(
+            f"{where}: reward_weights has {len(weights)} entries for {len(names)} reward_funcs"
+        )
+    items = []
+    for i, name in enumerate(names):
+        if name in _OPEN_R1_UNSUPPORTED:
+            raise ConfigError(
+                f"{where}: reward_funcs[{i}] {name!r} (open-r1's remote code execution) is not "
+                f"supported from a recipe: use {_OPEN_R1_UNSUPPORTED[name]}"
+            )
+        if name not in OPEN_R1_REWARDS:
+            # not an open-r1 name: a peergrade built-in, module:fn or file.py:fn as it is
+            items.append({"name": name})
+        else:
+            builtin, kwargs = OPEN_R1_REWARDS[name]
+            items.append({"name": builtin, "kwargs": kwargs(script), "display_name": name})
+        items[-1]["weight"] = 1.0 if weights is None else float(weights[i])
+    return items
+
+
+# ----------------------------------------------------------------------------- the docs table
+
+
+def trl_mapping_markdown() -> str:
+    """docs/coming-from-trl.md, rendered from the tables above (a test compares the two)."""
+    lines = [
+        "# Coming from TRL",
+        "",
+        "<!-- generated by peergrade.api.trl_mapping_markdown(); do not edit by hand -->",
+        "",
+        "`from peergrade import GRPOConfig, GRPOTrainer` takes TRL's `GRPOConfig` field names "
+        "with TRL's defaults and meaning (see [the Python API](python-api.md)). "
+        "`peergrade train --trl-config recipe.yaml` reads the same fields from a TRL or "
+        "open-r1 recipe file. Each TRL field sets one peergrade config key, is ignored with a "
+        "warning (it means nothing here), or is refused with an error saying what to use "
+        "instead. A refused field set to TRL's own default is accepted.",
+        "",
+        "Batches count as in TRL: `per_device_train_batch_size` counts completions; one step "
+        "generates `per_device_train_batch_size x gradient_accumulation_steps x processes` "
+        "completions, that is that many / `num_generations` prompts "
+        "(`rollout.prompts_per_step`); `max_steps` counts optimizer steps.",
+        "",
+        "## Fields that map",
+        "",
+        "| TRL field | TRL default | peergrade key | how |",
+        "| --- | --- | --- | --- |",
+    ]
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for name, (key, how) in MAPPED.items():
+        lines.append(f"| `{name}` | `{defaults.get(name)!r}` | `{key}` | {how} |")
+    lines += [
+        "",
+        "## Fields ignored with a warning",
+        "",
+        "Also every `vllm_*` and `hub_*` field.",
+        "",
+        "| TRL field | why |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{n}` | {why} |" for n, why in IGNORED.items()]
+    lines += [
+        "",
+        "## Fields refused (unless at TRL's default)",
+        "",
+        "| TRL field | TRL default | use instead |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{n}` | `{d!r}` | {use} |" for n, (d, use) in UNSUPPORTED.items()]
+    lines += [
+        "",
+        "## open-r1 recipes",
+        "",
+        "`reward_funcs` names map to built-in rewards written to open-r1's definitions (tested "
+        "value for value); a name that is not open-r1's is read as a peergrade reward name. "
+        "`dataset_name` must be a local file or `save_to_disk` directory (no Hub downloads).",
+        "",
+        "| open-r1 `reward_funcs` | peergrade reward |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{n}` | `{b}` |" for n, (b, _) in OPEN_R1_REWARDS.items()]
+    lines += [f"| `{n}` | refused: use {use} |" for n, use in _OPEN_R1_UNSUPPORTED.items()]
+    return "\n".join(lines) + "\n"
