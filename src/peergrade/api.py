@@ -191,6 +191,7 @@ IGNORED: dict[str, str] = {
     "full_determinism": "peergrade's sampling is a function of (seed, step, prompt, sample)",
     "resume_from_checkpoint": "pass trainer.train(resume_from_checkpoint=True)",
     "save_on_each_node": "rank 0 writes checkpoints",
+    "log_completions_hub_repo": _HUB,
 }
 
 _NO = "peergrade has no equivalent; leave it at TRL's default"

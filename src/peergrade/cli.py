@@ -105,6 +105,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _config_from(args, extra: list[str], *, run_config: bool = False):
     overrides = _split_overrides(extra)
+    if getattr(args, "trl_config", None):
+        # a TRL / open-r1 recipe sets keys first; --config's file below, overrides above it
+        from peergrade.api import recipe_overrides
+
+        overrides = recipe_overrides(args.trl_config) + overrides
     for flag, key in (
         ("model", "model.path"),
         ("data", "data.path"),
@@ -480,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(t)
+    t.add_argument(
+        "--trl-config",
+        metavar="RECIPE",
+        help="a TRL GRPOConfig / open-r1 recipe YAML (see docs/coming-from-trl.md); "
+        "--section.key overrides still apply after it",
+    )
     t.add_argument("--model", help="policy model dir (= --model.path)")
     t.add_argument("--data", help="user dataset file (= --data.path)")
     t.add_argument(

@@ -1,0 +1,367 @@
+"""The Python API in TRL's words (peergrade.api): batch arithmetic against TRL's own
+GRPOConfig and sampler, every TRL field classified, refused and ignored fields, the generated
+docs table, and TRL's quickstart / docs examples run on the bundled tiny model by changing
+the import line (and the Hub model id and dataset, which cannot be downloaded here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from peergrade.api import (
+    IGNORED,
+    MAPPED,
+    UNSUPPORTED,
+    GRPOConfig,
+    _field_kind,
+    trl_mapping_markdown,
+)
+from peergrade.config import ConfigError
+from peergrade.models import BUNDLED_MODEL
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+BATCHES = [
+    dict(per_device_train_batch_size=8, num_generations=8),
+    dict(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=8),
+    dict(per_device_train_batch_size=6, gradient_accumulation_steps=2, num_generations=3),
+    dict(per_device_train_batch_size=4, generation_batch_size=16, num_generations=4),
+    dict(per_device_train_batch_size=2, steps_per_generation=4, num_generations=2),
+    dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        num_generations=4,
+    ),
+]
+
+
+@pytest.mark.parametrize("kw", BATCHES)
+def test_prompts_per_step_and_group_size_as_trl_computes(kw, tmp_path):
+    trl = pytest.importorskip("trl")
+    from trl.trainer.utils import RepeatSampler
+
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, **kw)
+    ours = GRPOConfig(**kw, max_steps=1)
+    cfg = ours.to_config()
+    assert cfg.rollout.group_size == theirs.num_generations
+    assert cfg.rollout.prompts_per_step == theirs.generation_batch_size // theirs.num_generations
+    # TRL's sampler: one generation batch holds exactly that many distinct prompts, G each
+    sampler = RepeatSampler(
+        data_source=list(range(100)),
+        mini_repeat_count=theirs.num_generations,
+        batch_size=theirs.generation_batch_size // theirs.num_generations,
+        repeat_count=theirs.num_iterations * theirs.steps_per_generation,
+        seed=0,
+    )
+    first = list(sampler)[: theirs.generation_batch_size]
+    assert len(set(first)) == cfg.rollout.prompts_per_step
+    assert {first.count(i) for i in set(first)} == {cfg.rollout.group_size}
+    # an optimizer step sees per_device x accumulation completions, as TRL's does
+    per_update = kw["per_device_train_batch_size"] * kw.get("gradient_accumulation_steps", 1)
+    assert cfg.minibatch_size == per_update
+    assert cfg.micro_batch_size == kw["per_device_train_batch_size"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(per_device_train_batch_size=3, num_generations=2),  # 3 completions, groups of 2
+        dict(per_device_train_batch_size=4, generation_batch_size=6, num_generations=2),
+        dict(generation_batch_size=16, steps_per_generation=2, per_device_train_batch_size=8),
+        dict(num_generations=1, per_device_train_batch_size=8),
+    ],
+)
+def test_batches_trl_refuses_are_refused(kw, tmp_path):
+    trl = pytest.importorskip("trl")
+    with pytest.raises(ValueError):
+        trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kw)
+    with pytest.raises(ConfigError):
+        GRPOConfig(**kw)
+
+
+def test_max_steps_counts_optimizer_steps_and_epochs_count_rows():
+    # two optimizer steps per generation (steps_per_generation = 2 x accumulation)
+    c = GRPOConfig(
+        per_device_train_batch_size=2, steps_per_generation=2, num_generations=2, max_steps=10
+    )
+    assert c.to_config().train.steps == 5 and c.to_config().updates_per_step == 2
+    e = GRPOConfig(per_device_train_batch_size=4, num_generations=2, num_train_epochs=2)
+    assert e.to_config(num_rows=11).train.steps == 2 * (11 // 2)
+
+
+def test_unsupported_field_is_an_error_naming_it_and_what_to_use():
+    with pytest.raises(ConfigError, match=r"'optim'.*AdamW"):
+        GRPOConfig(optim="adafactor")
+    with pytest.raises(ConfigError, match=r"'fp16'.*bf16"):
+        GRPOConfig(fp16=True)
+    with pytest.raises(ConfigError, match="loss_type='sapo'.*dapo"):
+        GRPOConfig(loss_type="sapo", max_steps=1).to_config()
+    with pytest.raises(ConfigError, match="no field 'num_generation'.*'num_generations'"):
+        GRPOConfig(num_generation=4)
+    GRPOConfig(optim="adamw_torch_fused", fp16=False)  # TRL's own defaults ask for nothing
+
+
+def test_meaningless_fields_are_warned_about_once():
+    with pytest.warns(UserWarning) as got:
+        GRPOConfig(use_vllm=True, vllm_mode="server", hub_model_id="me/x", push_to_hub=True)
+    assert len(got) == 1
+    for name in ("use_vllm", "vllm_mode", "hub_model_id", "push_to_hub"):
+        assert name in str(got[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(use_vllm=False)  # the default is no news
+
+
+def test_every_trl_field_is_classified_with_trls_default():
+    trl = pytest.importorskip("trl")
+    theirs = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}
+    for name, f in theirs.items():
+        assert _field_kind(name), f"TRL field {name!r} is in no table of peergrade.api"
+        if name in UNSUPPORTED:
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            assert UNSUPPORTED[name][0] == default, name
+    ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for name in MAPPED:
+        if name in theirs:  # max_prompt_length is a field of TRL < 1.0
+            assert ours[name] == theirs[name].default, name
+    tables = [set(MAPPED), set(IGNORED), set(UNSUPPORTED)]
+    assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
+
+
+def test_every_mapped_field_sets_the_key_it_names():
+    """Changing one TRL field changes only the peergrade key the docs table names."""
+    base = dict(max_steps=4, per_device_train_batch_size=4, num_generations=2)
+    changed = {
+        "output_dir": "elsewhere",
+        "num_generations": 4,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "generation_batch_size": 8,
+        "steps_per_generation": 2,
+        "max_steps": 6,
+        "max_completion_length": 16,
+        "max_prompt_length": 64,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "learning_rate": 1e-5,
+        "lr_scheduler_type": "cosine",
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+        "warmup_steps": 2,
+        "weight_decay": 0.1,
+        "adam_beta1": 0.8,
+        "adam_beta2": 0.95,
+        "max_grad_norm": 0.5,
+        "beta": 0.04,
+        "epsilon": 0.3,
+        "epsilon_high": 0.28,
+        "loss_type": "grpo",
+        "importance_sampling_level": "sequence",
+        "scale_rewards": "batch",
+        "num_iterations": 2,
+        "mask_truncated_completions": True,
+        "seed": 7,
+        "save_steps": 2,
+        "save_strategy": "no",
+        "save_total_limit": 3,
+        "eval_strategy": "steps",
+        "num_generations_eval": 3,
+        "report_to": ["tensorboard"],
+        "project": "mine",
+        "gradient_checkpointing": False,
+        "bf16": True,
+        "use_cpu": True,
+        "ddp_timeout": 60,
+        "model_init_kwargs": {"dtype": "bfloat16"},
+    }
+    skip = {"num_train_epochs", "reward_weights", "eval_steps"}  # need rows / rewards / strategy
+    assert set(changed) | skip == set(MAPPED)
+
+    def flat(cfg) -> dict:
+        return dict(_leaves(dataclasses.asdict(cfg)))
+
+    before = flat(GRPOConfig(**base).to_config())
+    for name, value in changed.items():
+        after = flat(GRPOConfig(**{**base, name: value}).to_config())
+        moved = {k for k in after if after[k] != before[k]}
+        key = MAPPED[name][0]
+        assert key in moved, (name, moved)
+        # the batch fields are TRL's products of each other (prompts = completions / G, ...);
+        # every other field touches its own key (and the step counts derived from it) only
+        if name not in BATCH_FIELDS:
+            assert moved <= {key, "train.steps", "train.eval_every"}, (name, moved)
+
+
+BATCH_FIELDS = {
+    "num_iterations",
+    "num_generations",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+}
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, dict) and k not in ("task_options", "columns"):
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def test_docs_table_is_the_rendered_one():
+    page = DOCS / "coming-from-trl.md"
+    assert page.read_text() == trl_mapping_markdown(), (
+        "docs/coming-from-trl.md is stale: regenerate it with python -c 'from peergrade.api "
+        "import trl_mapping_markdown as m; print(m(), end=\"\")' > docs/coming-from-trl.md"
+    )
+
+
+def test_import_peergrade_stays_light():
+    import subprocess
+    import sys
+
+    code = "import sys, peergrade; peergrade.GRPOConfig; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- TRL's scripts
+
+
+def _rows(n: int = 4) -> list[dict]:
+    pairs = [(12, 7), (23, 41), (30, 15), (8, 9), (44, 21), (17, 17)][:n]
+    return [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+            for a, b in pairs]  # fmt: skip
+
+
+def _run_trl_script(script: str, tmp_path, monkeypatch) -> dict:
+    """Exec a TRL script with only its ``from trl import`` line changed (and the Hub model
+    id / load_dataset line pointed at the bundled model and an in-memory dataset)."""
+    ours = script.replace("from trl import", "from peergrade import")
+    assert ours.count("\n") == script.count("\n") and ours != script
+    ours = ours.replace('"Qwen/Qwen2-0.5B-Instruct"', repr(str(BUNDLED_MODEL)))
+    ours = re.sub(r"load_dataset\([^)]*\)", "Dataset.from_list(ROWS)", ours)
+    monkeypatch.chdir(tmp_path)
+    from datasets import Dataset
+
+    scope = {"Dataset": Dataset, "ROWS": _rows(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(ours, "trl_script.py", "exec"), scope)
+    return scope
+
+
+QUICKSTART = """
+from datasets import load_dataset
+from trl import GRPOTrainer
+from trl.rewards import accuracy_reward
+
+dataset = load_dataset("trl-lib/DeepMath-103K", split="train")
+
+trainer = GRPOTrainer(
+    model="Qwen/Qwen2-0.5B-Instruct",
+    reward_funcs=accuracy_reward,
+    train_dataset=dataset,
+)
+trainer.train()
+"""
+
+DOCS_EXAMPLE = """
+from datasets import load_dataset
+from trl import GRPOConfig, GRPOTrainer
+
+dataset = load_dataset("trl-lib/tldr", split="train")
+
+# Define the reward function, which rewards completions that are close to 20 characters
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion[0]["content"])) for completion in completions]
+
+training_args = GRPOConfig(output_dir="Qwen2-0.5B-GRPO", per_device_train_batch_size=4,
+                           num_generations=4, max_completion_length=16, max_steps=2)
+trainer = GRPOTrainer(
+    model="Qwen/Qwen2-0.5B-Instruct",
+    reward_funcs=reward_len,
+    args=training_args,
+    train_dataset=dataset,
+)
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_trl_quickstart_runs_with_the_import_changed(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    pytest.importorskip("math_verify")
+    scope = _run_trl_script(QUICKSTART, tmp_path, monkeypatch)
+    trainer = scope["trainer"]
+    # TRL's defaults: 8 completions per device, groups of 8 -> 1 prompt a step; 3 epochs of 2
+    assert trainer.config.rollout.group_size == 8 and trainer.config.rollout.prompts_per_step == 1
+    steps = [h for h in trainer.state.log_history if not h.get("final")]
+    assert [h["step"] for h in steps] == list(range(1, 7))
+    assert all("rewards/accuracy_reward/mean" in h or "reward/errors" in h for h in steps)
+    assert (tmp_path / "trainer_output" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_trl_docs_example_runs_with_the_import_changed(tmp_path, monkeypatch):
+    scope = _run_trl_script(DOCS_EXAMPLE, tmp_path, monkeypatch)
+    trainer = scope["trainer"]
+    history = trainer.state.log_history
+    assert [h["step"] for h in history] == [1, 2]
+    # the reward is the function's own: -|20 - length| is never positive
+    assert all(h["rewards/reward_len/mean"] <= 0 for h in history)
+    assert history[-1]["reward"] == history[-1]["reward/total/mean"]
+    assert (tmp_path / "Qwen2-0.5B-GRPO" / "checkpoints").is_dir()
+    trainer.save_model(str(tmp_path / "saved"))
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    for (name, a), b in zip(trainer.model.state_dict().items(), again.state_dict().values()):
+        assert (a == b).all(), name
+
+
+@pytest.mark.slow
+def test_python_api_page_example_runs(tmp_path, monkeypatch):
+    text = (DOCS / "python-api.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 14
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, "python-api.md", "exec"), scope)
+    trainer = scope["trainer"]
+    assert len(trainer.state.log_history) == trainer.config.train.steps
+    assert (tmp_path / "my-model" / "config.json").is_file()
+
+
+def test_in_memory_objects_reach_the_trainer(tmp_path):
+    """A loaded model object, a callable and bad rows: the objects are used, rows checked."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peergrade import GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL))
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+
+    def shortness(completions, **kw):
+        return [0.0 for _ in completions]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=2,
+        max_steps=1, max_completion_length=4, gradient_checkpointing=False,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model, shortness, args, _rows(2), processing_class=tok)
+    assert trainer.model is model and trainer.reward_funcs == [shortness]
+    assert trainer.config.rewards[0].name.endswith(":test_in_memory_objects_reach_the_trainer."
+                                                   "<locals>.shortness")  # fmt: skip
+    with pytest.raises(Exception, match=r"train_dataset: row 2: missing column 'prompt'"):
+        GRPOTrainer(model, shortness, args, [{"prompt": "1+1="}, {"question": "x"}],
+                    processing_class=tok)  # fmt: skip
