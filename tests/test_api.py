@@ -241,12 +241,26 @@ def _rows(n: int = 4) -> list[dict]:
             for a, b in pairs]  # fmt: skip
 
 
+def _long_context_model(tmp_path) -> Path:
+    """The bundled model with a 1024-position context (RoPE: same weights), so that TRL's
+    default max_completion_length (512) fits after a prompt; the bundled one has 512."""
+    import json
+    import shutil
+
+    out = tmp_path / "tiny-1k"
+    shutil.copytree(BUNDLED_MODEL, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def _run_trl_script(script: str, tmp_path, monkeypatch) -> dict:
     """Exec a TRL script with only its ``from trl import`` line changed (and the Hub model
-    id / load_dataset line pointed at the bundled model and an in-memory dataset)."""
+    id / load_dataset line pointed at the tiny model and an in-memory dataset)."""
     ours = script.replace("from trl import", "from peergrade import")
     assert ours.count("\n") == script.count("\n") and ours != script
-    ours = ours.replace('"Qwen/Qwen2-0.5B-Instruct"', repr(str(BUNDLED_MODEL)))
+    ours = ours.replace('"Qwen/Qwen2-0.5B-Instruct"', repr(str(_long_context_model(tmp_path))))
     ours = re.sub(r"load_dataset\([^)]*\)", "Dataset.from_list(ROWS)", ours)
     monkeypatch.chdir(tmp_path)
     from datasets import Dataset
@@ -305,7 +319,9 @@ def test_trl_quickstart_runs_with_the_import_changed(tmp_path, monkeypatch):
     assert trainer.config.rollout.group_size == 8 and trainer.config.rollout.prompts_per_step == 1
     steps = [h for h in trainer.state.log_history if not h.get("final")]
     assert [h["step"] for h in steps] == list(range(1, 7))
-    assert all("rewards/accuracy_reward/mean" in h or "reward/errors" in h for h in steps)
+    # TRL's own accuracy_reward scored every completion (0.0 or 1.0, none failed)
+    assert all(0.0 <= h["rewards/accuracy_reward/mean"] <= 1.0 for h in steps)
+    assert all(h["reward/errors"] == 0 for h in steps)
     assert (tmp_path / "trainer_output" / "metrics.jsonl").is_file()
 
 
