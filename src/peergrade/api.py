@@ -665,7 +665,10 @@ def _warn_ignored(names: list[str]) -> None:
     if not names:
         return
     lines = "; ".join(f"{n} ({_ignored_reason(n)})" for n in names)
-    warnings.warn(f"peergrade ignores these TRL settings: {lines}", UserWarning, stacklevel=3)
+    warnings.warn(f"{_IGNORES}{lines}", UserWarning, stacklevel=3)
+
+
+_IGNORES = "peergrade ignores these TRL settings: "
 
 
 # ----------------------------------------------------------------------------- GRPOTrainer
@@ -1061,20 +1064,16 @@ def recipe_overrides(path: str | Path) -> list[tuple[str, Any]]:
         close = difflib.get_close_matches(unknown[0], _all_fields() + sorted(_SCRIPT_ARGS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}{hint}")
-    ignored = [k for k in script if k in _SCRIPT_IGNORED] + [
-        k for k in model_args if k in _SCRIPT_IGNORED
-    ]
-    if ignored:
-        warnings.warn(
-            f"{where}: peergrade ignores "
-            + "; ".join(f"{k} ({_SCRIPT_IGNORED[k]})" for k in ignored),
-            UserWarning,
-            stacklevel=2,
-        )
+    ignored = [f"{k} ({_SCRIPT_IGNORED[k]})" for k in {**model_args, **script} if k in _SCRIPT_IGNORED]
     try:
-        args = GRPOConfig(**tree)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = GRPOConfig(**tree)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    ignored += [str(w.message).removeprefix(_IGNORES) for w in caught]
+    if ignored:  # one report for the whole file
+        warnings.warn(f"{where}: {_IGNORES}{'; '.join(ignored)}", UserWarning, stacklevel=2)
     data = _recipe_data(script, p)
     out = args.to_overrides(_count_rows(data.get("data.path")))
     out.extend(data.items())

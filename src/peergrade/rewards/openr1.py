@@ -67,8 +67,14 @@ def _need_solution(solution, completions, name: str):
 def _correct(text: str, sol) -> bool | None:
     """Whether ``text``'s first LaTeX answer equals ``sol``; None when ``sol`` does not parse."""
     from latex2sympy2_extended import NormalizationConfig
-    from math_verify import LatexExtractionConfig, parse, verify
+    from math_verify import LatexExtractionConfig
 
+    from .math import _math_verify
+
+    mv = _math_verify()  # math-verify with its "timeout disabled" log lines filtered
+    if not mv:
+        raise ImportError("the open-r1 rewards need math-verify: pip install math-verify")
+    parse, verify = mv
     gold = parse(str(sol), extraction_mode="first_match", parsing_timeout=None)
     if not gold:
         return None
