@@ -45,7 +45,9 @@ def test_prompts_per_step_and_group_size_as_trl_computes(kw, tmp_path):
     trl = pytest.importorskip("trl")
     from trl.trainer.utils import RepeatSampler
 
-    theirs = trl.GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, **kw)
+    theirs = trl.GRPOConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, **kw
+    )
     ours = GRPOConfig(**kw, max_steps=1)
     cfg = ours.to_config()
     assert cfg.rollout.group_size == theirs.num_generations
@@ -219,7 +221,7 @@ def test_docs_table_is_the_rendered_one():
     page = DOCS / "coming-from-trl.md"
     assert page.read_text() == trl_mapping_markdown(), (
         "docs/coming-from-trl.md is stale: regenerate it with python -c 'from peergrade.api "
-        "import trl_mapping_markdown as m; print(m(), end=\"\")' > docs/coming-from-trl.md"
+        'import trl_mapping_markdown as m; print(m(), end="")\' > docs/coming-from-trl.md'
     )
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helper import cli
 
+from cli_helper import cli
 from peergrade.api import OPEN_R1_REWARDS, recipe_overrides
 from peergrade.config import ConfigError, load_config
 from peergrade.models import BUNDLED_MODEL

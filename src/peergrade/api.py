@@ -425,7 +425,9 @@ class GRPOConfig:
                 "accumulate gradients across generation steps"
             )
         if self.reward_weights is not None and not isinstance(self.reward_weights, list):
-            raise ConfigError(f"GRPOConfig: reward_weights must be a list, got {self.reward_weights!r}")
+            raise ConfigError(
+                f"GRPOConfig: reward_weights must be a list, got {self.reward_weights!r}"
+            )
 
     @property
     def steps_per_gen(self) -> int:
@@ -433,7 +435,9 @@ class GRPOConfig:
         if self.steps_per_generation is not None:
             return self.steps_per_generation
         if self.generation_batch_size is not None:
-            return self.generation_batch_size // (self.per_device_train_batch_size * self.world_size)
+            return self.generation_batch_size // (
+                self.per_device_train_batch_size * self.world_size
+            )
         return self.gradient_accumulation_steps
 
     @property
@@ -728,10 +732,14 @@ class GRPOTrainer:
         from peergrade.trainer import Given, setup
 
         refused = {
-            "reward_processing_classes": (reward_processing_classes, "a reward-model directory "
-                                          "holding its own tokenizer"),
-            "optimizers": (None if optimizers == (None, None) else optimizers,
-                           "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay"),
+            "reward_processing_classes": (
+                reward_processing_classes,
+                "a reward-model directory holding its own tokenizer",
+            ),
+            "optimizers": (
+                None if optimizers == (None, None) else optimizers,
+                "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay",
+            ),
             "quantization_config": (quantization_config, "peft_config (LoRA) on a bf16 model"),
             "tools": (tools, "single-turn reward functions (tools are not supported yet)"),
             "rollout_func": (rollout_func, "peergrade's own sampler"),
@@ -1064,7 +1072,9 @@ def recipe_overrides(path: str | Path) -> list[tuple[str, Any]]:
         close = difflib.get_close_matches(unknown[0], _all_fields() + sorted(_SCRIPT_ARGS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}{hint}")
-    ignored = [f"{k} ({_SCRIPT_IGNORED[k]})" for k in {**model_args, **script} if k in _SCRIPT_IGNORED]
+    ignored = [
+        f"{k} ({_SCRIPT_IGNORED[k]})" for k in {**model_args, **script} if k in _SCRIPT_IGNORED
+    ]
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -159,7 +159,9 @@ def openr1_cosine(
         if ok is None:
             out.append(1.0)
             continue
-        lo, hi = (min_value_correct, max_value_correct) if ok else (max_value_wrong, min_value_wrong)
+        lo, hi = (
+            (min_value_correct, max_value_correct) if ok else (max_value_wrong, min_value_wrong)
+        )
         cosine = math.cos(len(text) / max_len * math.pi)
         out.append(float(lo + 0.5 * (hi - lo) * (1.0 + cosine)))
     return out
