@@ -383,3 +383,71 @@ def test_in_memory_objects_reach_the_trainer(tmp_path):
     with pytest.raises(Exception, match=r"train_dataset: row 2: missing column 'prompt'"):
         GRPOTrainer(model, shortness, args, [{"prompt": "1+1="}, {"question": "x"}],
                     processing_class=tok)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_lora_eval_dataset_and_callbacks(tmp_path):
+    """peft_config trains adapters, eval_dataset is the held-out split, callbacks see the run."""
+    peft = pytest.importorskip("peft")
+    from peergrade import GRPOTrainer
+
+    events = []
+
+    class Recorder:
+        def on_train_begin(self, args, state, control, **kw):
+            events.append(("begin", state.global_step))
+
+        def on_step_end(self, args, state, control, **kw):
+            events.append(("step", state.global_step))
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            events.append(("log", logs["step"]))
+
+        def on_train_end(self, args, state, control, model=None, **kw):
+            events.append(("end", state.global_step))
+
+    def exact(completions, solution, **kw):
+        return [float(c[0]["content"].strip() == s) for c, s in zip(completions, solution)]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+        max_steps=2, max_completion_length=4, gradient_checkpointing=False, learning_rate=1e-3,
+    )  # fmt: skip
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = GRPOTrainer(
+        model=str(BUNDLED_MODEL), reward_funcs=[exact], args=args, train_dataset=_rows(4),
+        eval_dataset=_rows(2), peft_config=lora, callbacks=[Recorder()],
+    )  # fmt: skip
+    assert trainer.config.model.lora.enabled and trainer.config.model.lora.r == 4
+    base = {k: v.clone() for k, v in trainer.model.named_parameters() if "lora_" not in k}
+    trainer.train()
+    assert events[0] == ("begin", 0) and events[-1] == ("end", 2)
+    assert ("step", 1) in events and ("step", 2) in events
+    history = trainer.state.log_history
+    assert history[0]["step"] == 0 and "eval/pass@1_greedy" in history[0]  # before training
+    assert history[-1]["final"] and "eval/pass@1_greedy" in history[-1]
+    for k, v in trainer.model.named_parameters():
+        if k in base:  # only the adapters moved
+            assert (v == base[k]).all(), k
+    trainer.save_model(str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_native_api_trains_a_config(tmp_path):
+    import peergrade
+
+    cfg = peergrade.load_config(
+        None,
+        [
+            ("train.output_dir", str(tmp_path / "native")),
+            ("train.steps", 1),
+            ("rollout.prompts_per_step", 2),
+            ("rollout.group_size", 2),
+            ("train.eval_size", 2),
+            ("train.eval_samples", 1),
+        ],
+    )
+    assert isinstance(cfg, peergrade.Config)
+    summary = peergrade.train(cfg)
+    assert summary["step"] == 1 and (tmp_path / "native" / "metrics.jsonl").is_file()

@@ -787,6 +787,7 @@ class GRPOTrainer:
 
     def _call(self, event: str, **kw) -> None:
         control = _control()
+        kw.update(model=self.model, processing_class=self.processing_class)
         for cb in self.callbacks:
             fn = getattr(cb, event, None)
             if fn is not None:
