@@ -1,4 +1,5 @@
-"""The documentation pages generated from the code: the configuration and CLI references.
+"""The documentation pages generated from the code: the configuration and CLI references,
+and the TRL field mapping (``peergrade.api.trl_mapping_markdown``).
 
 ``python -m peergrade.docgen`` (from the repository root) rewrites ``docs/reference/
 configuration.md`` from the config dataclasses' field documentation (``config.to_markdown``) and
@@ -20,6 +21,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from peergrade.api import trl_mapping_markdown
 from peergrade.cli import EXAMPLES, build_parser
 from peergrade.config import Config, to_markdown
 
@@ -122,6 +124,7 @@ def render_cli() -> str:
 PAGES = {
     "reference/configuration.md": render_config,
     "reference/cli.md": render_cli,
+    "coming-from-trl.md": trl_mapping_markdown,  # peergrade.api's field tables
 }
 
 
