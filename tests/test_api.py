@@ -154,6 +154,7 @@ def test_every_mapped_field_sets_the_key_it_names():
         "lr_scheduler_type": "cosine",
         "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
         "warmup_steps": 2,
+        "warmup_ratio": 0.5,
         "weight_decay": 0.1,
         "adam_beta1": 0.8,
         "adam_beta2": 0.95,

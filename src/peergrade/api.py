@@ -111,6 +111,10 @@ MAPPED: dict[str, tuple[str, str]] = {
         "{min_lr_rate: r} (with cosine_with_min_lr); no other key",
     ),
     "warmup_steps": ("optim.warmup_steps", "an int as is; a float below 1 = that fraction"),
+    "warmup_ratio": (
+        "optim.warmup_steps",
+        "that fraction of the optimizer steps (a transformers 4 field, in open-r1 recipes)",
+    ),
     "weight_decay": ("optim.weight_decay", "as is"),
     "adam_beta1": ("optim.adam_betas", "first of the pair"),
     "adam_beta2": ("optim.adam_betas", "second of the pair"),
@@ -129,9 +133,15 @@ MAPPED: dict[str, tuple[str, str]] = {
     "reward_weights": ("rewards[i].weight", "one per reward function, in order"),
     "seed": ("train.seed", "as is"),
     "save_steps": ("train.save_every", "as is (with save_strategy='steps')"),
-    "save_strategy": ("train.save_every", "'no' = 0 (only the final checkpoint); 'steps'"),
+    "save_strategy": (
+        "train.save_every",
+        "'no' = 0 (only the final checkpoint); 'steps'; 'epoch' = the steps of one epoch",
+    ),
     "save_total_limit": ("train.keep_last", "as is; None = keep every checkpoint"),
-    "eval_strategy": ("train.eval_every", "'no' = 0 (before and after training only); 'steps'"),
+    "eval_strategy": (
+        "train.eval_every",
+        "'no' = 0 (before and after training only); 'steps'; 'epoch' = the steps of one epoch",
+    ),
     "eval_steps": ("train.eval_every", "as is (with eval_strategy='steps'); None = logging_steps"),
     "num_generations_eval": (
         "train.eval_samples",
@@ -191,6 +201,7 @@ IGNORED: dict[str, str] = {
     "full_determinism": "peergrade's sampling is a function of (seed, step, prompt, sample)",
     "resume_from_checkpoint": "pass trainer.train(resume_from_checkpoint=True)",
     "save_on_each_node": "rank 0 writes checkpoints",
+    "overwrite_output_dir": "a transformers 4 field: `peergrade train --overwrite` replaces a run",
     "log_completions_hub_repo": _HUB,
 }
 
@@ -335,6 +346,7 @@ class GRPOConfig:
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict | None = None
     warmup_steps: float = 0
+    warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -375,7 +387,7 @@ class GRPOConfig:
                 setattr(self, name, value)
             if kind == "ignored" and value != _trl_default(name):
                 ignored.append(name)
-            elif kind == "unsupported" and value != UNSUPPORTED[name][0]:
+            elif kind == "unsupported" and not _harmless(name, value):
                 raise ConfigError(
                     f"GRPOConfig field {name!r}={value!r} is not supported by peergrade; instead: "
                     f"{UNSUPPORTED[name][1]} (see docs/coming-from-trl.md)"
@@ -510,8 +522,19 @@ class GRPOConfig:
             ("algo.num_iterations", self.num_iterations),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
             ("train.seed", self.seed),
-            ("train.save_every", self._save_every()),
-            ("train.eval_every", self._eval_every()),
+            (
+                "train.save_every",
+                self._every("save_strategy", self.save_strategy, self.save_steps, num_rows),
+            ),
+            (
+                "train.eval_every",
+                self._every(
+                    "eval_strategy",
+                    self.eval_strategy,
+                    self.eval_steps or self.logging_steps,
+                    num_rows,
+                ),
+            ),
             ("train.eval_samples", self.num_generations_eval or G),
             ("train.report_to", _report_to(self.report_to)),
             ("train.project", self.project),
@@ -539,27 +562,21 @@ class GRPOConfig:
         w = self.warmup_steps
         if isinstance(w, float) and 0 < w < 1:  # transformers: a float below 1 is a ratio
             return math.ceil(w * steps * self.updates_per_generation)
+        if self.warmup_ratio and not w:
+            return math.ceil(self.warmup_ratio * steps * self.updates_per_generation)
         return int(w)
 
-    def _save_every(self) -> int:
-        if self.save_strategy == "no":
+    def _every(self, field: str, strategy: str, every: int, num_rows: int | None) -> int:
+        """train.save_every / eval_every (generation steps) from a TRL strategy."""
+        if strategy == "no":
             return 0
-        if self.save_strategy != "steps":
+        if strategy == "epoch" and num_rows is not None:
+            return max(1, num_rows // self.prompts_per_step)
+        if strategy != "steps":
             raise ConfigError(
-                f"GRPOConfig: save_strategy={self.save_strategy!r} is not supported: use 'steps' "
-                "(with save_steps) or 'no'"
+                f"GRPOConfig: {field}={strategy!r} is not supported here: use 'steps', 'no', or "
+                "'epoch' with a dataset of known size"
             )
-        return max(1, math.ceil(self.save_steps / self.updates_per_generation))
-
-    def _eval_every(self) -> int:
-        if self.eval_strategy == "no":
-            return 0
-        if self.eval_strategy != "steps":
-            raise ConfigError(
-                f"GRPOConfig: eval_strategy={self.eval_strategy!r} is not supported: use 'steps' "
-                "(with eval_steps) or 'no'"
-            )
-        every = self.eval_steps if self.eval_steps is not None else self.logging_steps
         return max(1, math.ceil(every / self.updates_per_generation))
 
 
@@ -626,6 +643,11 @@ def _all_fields() -> list[str]:
     return list(MAPPED) + list(IGNORED) + list(UNSUPPORTED)
 
 
+def _harmless(name: str, value) -> bool:
+    """A refused field at TRL's default, or at a value that means what peergrade does."""
+    return value == UNSUPPORTED[name][0] or value in _EQUIVALENT.get(name, [])
+
+
 def _trl_default(name: str) -> Any:
     """TRL's default of an IGNORED field (None where it is off by default)."""
     return _IGNORED_DEFAULTS.get(name)
@@ -661,6 +683,13 @@ _IGNORED_DEFAULTS: dict[str, Any] = {
     "local_rank": -1,
     "full_determinism": False,
     "save_on_each_node": False,
+    "overwrite_output_dir": False,
+}
+
+#: values of refused fields that ask for exactly what peergrade does anyway
+_EQUIVALENT: dict[str, list] = {
+    "optim": ["adamw_torch", "adamw_torch_fused"],
+    "gradient_checkpointing_kwargs": [{"use_reentrant": False}],
 }
 
 
@@ -1030,9 +1059,13 @@ _SCRIPT_ARGS = {
     "code_provider",
     "ioi_provider",
     "dataset_mixture",
+    "dataset_configs",
+    "num_processes",
 }
 #: script arguments that only matter for what peergrade cannot do here (warned about)
 _SCRIPT_IGNORED = {
+    "dataset_configs": "a local dataset has no configurations",
+    "num_processes": "set by torchrun --nproc-per-node",
     "callbacks": "open-r1's Hub push callbacks",
     "benchmarks": "open-r1's lighteval benchmarks",
     "wandb_entity": _REPORT,
@@ -1116,6 +1149,21 @@ def _recipe_data(script: dict, recipe: Path) -> dict[str, Any]:
         raise ConfigError(
             f"dataset_config {script['dataset_config']!r}: save that configuration to disk "
             "and give its directory as dataset_name"
+        )
+    if script.get("chat_template"):
+        raise ConfigError(
+            "chat_template is not supported in a recipe: save the template in the model's "
+            "tokenizer (tokenizer.chat_template = ...; tokenizer.save_pretrained(dir))"
+        )
+    if script.get("dataset_train_split", "train") != "train":
+        raise ConfigError(
+            f"dataset_train_split {script['dataset_train_split']!r}: peergrade trains on a "
+            "save_to_disk directory's 'train' split (or a file's rows)"
+        )
+    if script.get("dataset_test_split", "test") not in ("test", "validation"):
+        raise ConfigError(
+            f"dataset_test_split {script['dataset_test_split']!r}: peergrade evaluates on the "
+            "'test' or 'validation' split of a save_to_disk directory"
         )
     prompt_column = script.get("dataset_prompt_column")
     if prompt_column and prompt_column != "prompt":
