@@ -104,6 +104,8 @@ def test_unsupported_field_is_an_error_naming_it_and_what_to_use():
         GRPOConfig(loss_type="sapo", max_steps=1).to_config()
     with pytest.raises(ConfigError, match="no field 'num_generation'.*'num_generations'"):
         GRPOConfig(num_generation=4)
+    with pytest.raises(ConfigError, match="no field 'use_peft'.*peft_config=LoraConfig"):
+        GRPOConfig(use_peft=True)
     GRPOConfig(optim="adamw_torch_fused", fp16=False)  # TRL's own defaults ask for nothing
 
 
@@ -316,7 +318,7 @@ def test_trl_quickstart_runs_with_the_import_changed(tmp_path, monkeypatch):
     # TRL's own accuracy_reward scored every completion (0.0 or 1.0, none failed)
     assert all(0.0 <= h["rewards/accuracy_reward/mean"] <= 1.0 for h in steps)
     assert all(h["reward/errors"] == 0 for h in steps)
-    assert (tmp_path / "trainer_output" / "metrics.jsonl").is_file()
+    assert (tmp_path / "tiny-1k-GRPO" / "metrics.jsonl").is_file()  # TRL's f"{model}-GRPO"
 
 
 @pytest.mark.slow

@@ -395,6 +395,8 @@ class GRPOConfig:
             elif not kind:
                 close = difflib.get_close_matches(name, list(_all_fields()), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
+                if name in _ELSEWHERE:
+                    hint = f" ({_ELSEWHERE[name]})"
                 raise ConfigError(f"GRPOConfig has no field {name!r}{hint}")
         _warn_ignored(ignored)
         self._check_batches()
@@ -643,6 +645,16 @@ def _all_fields() -> list[str]:
     return list(MAPPED) + list(IGNORED) + list(UNSUPPORTED)
 
 
+#: TRL names that live outside GRPOConfig, and where they go here
+_ELSEWHERE = {
+    "use_peft": "a TRL ModelConfig field: pass peft_config=LoraConfig(...) to GRPOTrainer",
+    "peft_config": "pass peft_config=LoraConfig(...) to GRPOTrainer",
+    "model_name_or_path": "pass model=... to GRPOTrainer",
+    "dataset_name": "pass train_dataset=... to GRPOTrainer",
+    "reward_funcs": "pass reward_funcs=... to GRPOTrainer",
+}
+
+
 def _harmless(name: str, value) -> bool:
     """A refused field at TRL's default, or at a value that means what peergrade does."""
     return value == UNSUPPORTED[name][0] or value in _EQUIVALENT.get(name, [])
@@ -781,7 +793,10 @@ class GRPOTrainer:
             raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
         if train_dataset is None:
             raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
-        self.args = args if args is not None else GRPOConfig()
+        if args is None:  # TRL names the run after the model
+            name = Path(str(getattr(model, "name_or_path", model) or "model")).name
+            args = GRPOConfig(f"{name}-GRPO")
+        self.args = args
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         items, fns = _reward_items(funcs, self.args.reward_weights)
         task = FileTask(data=train_dataset, eval_data=eval_dataset)
