@@ -224,7 +224,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
-    task = given.task or build_task(cfg)
+    task = given.task if given.task is not None else build_task(cfg)
     rewards = build_rewards(cfg, task, given.reward_fns)
     few_shot = build_few_shot(cfg, task)
     acc = accuracy_spec(task) if task.default_rewards else rewards[0]
