@@ -142,12 +142,14 @@ class Rollout:
 # --------------------------------------------------------------------------------------------
 
 
-def _slab_cache(num_layers: int, capacity: int):
+def _slab_cache(num_layers: int, capacity: int, grow: bool = False):
     """A transformers ``Cache`` whose layers preallocate ``capacity`` positions and write in place.
 
     ``update`` returns views ``[B, H, length, D]`` of the buffers, so attention reads only the
     filled part and no step concatenates. ``batch_select_indices`` keeps chosen rows (used both to
-    copy a prompt's prefill to its ``n`` samples and to drop finished rows).
+    copy a prompt's prefill to its ``n`` samples and to drop finished rows). With ``grow`` an
+    update past the capacity doubles the buffers (multi-turn episodes, whose length depends on
+    what the environment answers, cannot size them up front); without it, it is an error.
     """
     from transformers.cache_utils import Cache, DynamicLayer
 
@@ -173,11 +175,21 @@ def _slab_cache(num_layers: int, capacity: int):
             q = key_states.shape[-2]
             end = self.length + q
             if end > self.capacity:
-                raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
+                if not grow:
+                    raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
+                self._grow(max(end, 2 * self.capacity))
             self.keys[:, :, self.length : end].copy_(key_states)
             self.values[:, :, self.length : end].copy_(value_states)
             self.length = end
             return self.keys[:, :, :end], self.values[:, :, :end]
+
+        def _grow(self, capacity: int) -> None:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_empty(old.shape[:2] + (capacity,) + old.shape[3:])
+                new[:, :, : self.length].copy_(old[:, :, : self.length])
+                setattr(self, name, new)
+            self.capacity = capacity
 
         def get_seq_length(self) -> int:
             return self.length
@@ -307,6 +319,27 @@ def _model_config(model):
     return cfg
 
 
+def slab_cache_ok(cfg) -> bool:
+    """Whether the in-place slab cache with explicit 4-D masks fits the model: every layer is
+    full attention and the attention implementation is ``sdpa`` or ``eager``."""
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    return all(t == "full_attention" for t in layer_types) and attn_impl in ("sdpa", "eager")
+
+
+def default_eos_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a reply: the tokenizer's eos plus the model's
+    ``generation_config.eos_token_id`` (an int or a list), sorted."""
+    eos = {int(tokenizer.eos_token_id)}
+    gen_cfg = getattr(model, "generation_config", None)
+    gen_eos = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        eos.add(gen_eos)
+    elif gen_eos is not None:
+        eos.update(int(t) for t in gen_eos)
+    return sorted(eos)
+
+
 def _forward_signature(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
@@ -403,14 +436,7 @@ def generate(
                 )
 
     if eos_token_ids is None:
-        eos = {int(tokenizer.eos_token_id)}
-        gen_cfg = getattr(model, "generation_config", None)
-        gen_eos = getattr(gen_cfg, "eos_token_id", None)
-        if isinstance(gen_eos, int):
-            eos.add(gen_eos)
-        elif gen_eos is not None:
-            eos.update(int(t) for t in gen_eos)
-        eos_token_ids = sorted(eos)
+        eos_token_ids = default_eos_ids(model, tokenizer)
     else:
         eos_token_ids = sorted({int(t) for t in eos_token_ids})
 
@@ -430,9 +456,8 @@ def generate(
     gen.manual_seed(int(seed))
     uniforms = torch.rand((num_seq, max_new_tokens), generator=gen, device=device)  # [N, T]
 
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
     attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
-    fast = all(t == "full_attention" for t in layer_types) and attn_impl in ("sdpa", "eager")
+    fast = slab_cache_ok(cfg)
     sig = _forward_signature(model)
     cache_kw = "cache" if "cache" in sig else "past_key_values"
 

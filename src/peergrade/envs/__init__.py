@@ -1,0 +1,33 @@
+"""Episodes: a model talks to an environment (tools, feedback) over several turns, token-exact.
+
+- ``protocol``: the native environment protocol (``reset(row)`` -> messages, ``step(message)`` ->
+  ``Step``), sync or async.
+- ``template``: chat-template token deltas and the start-up check that a template is
+  prefix-preserving.
+- ``tools``: TRL's contract (``tools=[fn, ...]``, ``environment_factory``,
+  ``max_tool_calling_iterations``) as a native environment: schemas, Hermes/Qwen2 tool-call
+  parsing, tool execution.
+- ``runner``: ``run_episodes``, which samples the model's turns batched with one KV cache per
+  episode kept across turns, and returns ``Episode`` records with separate attention and loss masks.
+
+What this package does not do (yet): wire episodes into the trainer (rewards, advantages, the
+update), verifiers environments, or sandboxed code tools. See docs/environments.md.
+"""
+
+from peergrade.envs.protocol import Environment, Step
+from peergrade.envs.runner import Episode, episodes_batch, run_episodes
+from peergrade.envs.template import TemplateError, check_template
+from peergrade.envs.tools import ToolEnvironment, parse_tool_calls, tool_environment_factory
+
+__all__ = [
+    "Environment",
+    "Episode",
+    "Step",
+    "TemplateError",
+    "ToolEnvironment",
+    "check_template",
+    "episodes_batch",
+    "parse_tool_calls",
+    "run_episodes",
+    "tool_environment_factory",
+]

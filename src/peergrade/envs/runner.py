@@ -1,0 +1,498 @@
+"""Run multi-turn episodes: the model samples a turn, the environment answers, repeat.
+
+``run_episodes(model, tokenizer, rows, make_env, n=G, max_completion_length=T, ...)`` runs ``n``
+episodes per row (episode ``i`` answers row ``i // n``) and returns one ``Episode`` each: the token
+ids (prompt + every turn), a loss mask that is 1 only on tokens the model sampled, the sampler's
+log-probs of those tokens, the message list, and why and after how many turns it ended.
+
+How (token in, token out):
+
+- The prompt is the environment's opening messages rendered by the chat template with the
+  generation prompt. A model turn is sampled token by token and ends at an eos token.
+- The assistant message given to the environment is the turn's text, but the episode's tokens
+  are the sampled ids themselves: nothing sampled is ever decoded and re-encoded. What the
+  environment answers is appended as a chat-template token delta (``template.turn_delta``).
+- All episodes of a micro-batch share one batched KV cache that lives across turns, so a turn
+  costs only its new tokens. Rows advance in lock-step; a row whose turn ended early, and the
+  left padding of deltas of different lengths, leave masked-out "holes" in its cache row (its
+  keys are hidden from every later query, its positions skip them), so each episode sees exactly
+  its own token sequence at positions 0, 1, 2, ...
+- Sampling and its log-probs are ``rollout``'s (``_sample``: temperature, top-k, top-p; log-probs
+  of the full tempered distribution, float32). Uniform draws are per episode and per sampled
+  token (seeded by ``seed``), so results do not depend on the micro-batch size.
+
+Budgets: ``max_completion_length`` counts every token after the prompt (sampled and appended). A
+model turn stops at the budget (``"length"``) or at ``max_tokens_per_turn`` (``"turn_length"``);
+either ends the episode, since its turn has no end-of-turn token to continue from. An answer
+that does not fit the remaining budget is dropped and ends the episode (``"env_over_budget"``;
+TRL's rule); an answer that fits exactly is kept (then ``"length"``). ``max_turns`` caps the
+model turns (``"max_turns"``); an environment that says done ends it with its own reason
+(default ``"done"``).
+
+Not done here: stop strings inside a turn, prefix sharing of the ``n`` episodes of a row (each
+episode prefills its own prompt, since ``reset`` may differ per episode), models whose layers
+are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
+training (``episodes_batch`` gives the update's tensors).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peergrade.envs.protocol import Step, check_environment, maybe_await, run_sync
+from peergrade.envs.template import check_template, render, turn_delta
+from peergrade.rollout import (
+    _check_int,
+    _forward_signature,
+    _model_config,
+    _sample,
+    _slab_cache,
+    default_eos_ids,
+    slab_cache_ok,
+)
+
+
+@dataclass
+class Episode:
+    """One episode. ``completion_ids``, ``loss_mask`` and ``logprobs`` have one entry per token
+    after the prompt; ``loss_mask == 1`` marks tokens the model sampled (their ``logprobs`` are
+    the sampler's), 0 marks appended environment/template tokens (log-prob 0). Every token is
+    attended to: ``attention_mask`` is all ones, a separate thing from the loss mask."""
+
+    row_index: int
+    prompt_ids: list[int]
+    messages: list[dict]
+    num_prompt_messages: int
+    env: Any = None
+    completion_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    reward: float | None = None
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def attention_mask(self) -> list[int]:
+        return [1] * (len(self.prompt_ids) + len(self.completion_ids))
+
+    @property
+    def completion_messages(self) -> list[dict]:
+        """The messages after the prompt (assistant, tool, assistant, ...): TRL's ``completions``."""
+        return self.messages[self.num_prompt_messages :]
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def episodes_batch(episodes: Sequence[Episode], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Padded tensors in ``Rollout.training_batch``'s layout: prompts LEFT-padded to ``P``,
+    completions right-padded to ``C``; the log-prob of completion token ``j`` comes from the
+    logits at column ``P + j - 1``.
+
+    Returns ``input_ids [N, P+C]`` long, ``attention_mask [N, P+C]`` long (1 on every real token,
+    environment tokens included), ``loss_mask [N, C]`` float32 (1 only on sampled tokens) and
+    ``logprobs [N, C]`` float32 (the sampler's; 0 elsewhere).
+    """
+    p = max(len(e.prompt_ids) for e in episodes)
+    c = max(1, max(len(e.completion_ids) for e in episodes))
+    n = len(episodes)
+    input_ids = torch.full((n, p + c), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, p + c), dtype=torch.long)
+    loss_mask = torch.zeros((n, c), dtype=torch.float32)
+    logprobs = torch.zeros((n, c), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        lp, lc = len(e.prompt_ids), len(e.completion_ids)
+        input_ids[i, p - lp : p] = torch.tensor(e.prompt_ids, dtype=torch.long)
+        attention_mask[i, p - lp : p + lc] = 1
+        if lc:
+            input_ids[i, p : p + lc] = torch.tensor(e.completion_ids, dtype=torch.long)
+            loss_mask[i, :lc] = torch.tensor(e.loss_mask, dtype=torch.float32)
+            logprobs[i, :lc] = torch.tensor(e.logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "logprobs": logprobs,
+    }
+
+
+def _as_step(value: Any, where: str) -> Step:
+    if isinstance(value, Step):
+        return value
+    if isinstance(value, tuple) and len(value) in (2, 3):  # (messages, done[, reward])
+        return Step(list(value[0] or []), bool(value[1]), value[2] if len(value) == 3 else None)
+    raise TypeError(
+        f"{where}: step() must return a Step or (messages, done[, reward]), got {value!r}"
+    )
+
+
+def _as_messages(value: Any, where: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and "role" in m for m in value)
+    ):
+        return [dict(m) for m in value]
+    raise TypeError(
+        f"{where}: reset() must return a non-empty list of chat messages or a string, got {value!r}"
+    )
+
+
+def run_episodes(
+    model,
+    tokenizer,
+    rows: Sequence[Any],
+    make_env: Callable[[Any], Any],
+    *,
+    n: int = 1,
+    max_completion_length: int,
+    max_turns: int | None = None,
+    max_tokens_per_turn: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    batch_size: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+    check_roles: Sequence[str] = ("tool", "user"),
+) -> list[Episode]:
+    """Run ``n`` episodes per row; see the module docstring for the rules.
+
+    Args:
+        model, tokenizer: a Hugging Face causal LM (full attention, sdpa or eager) and its
+            tokenizer with a chat template (checked first with ``template.check_template``).
+        rows: dataset rows, each handed to ``make_env(row)`` and then to the environment's ``reset``.
+        make_env: ``row -> environment`` (native protocol, ``protocol.Environment``); called once
+            per episode.
+        n: episodes per row (the GRPO group size).
+        max_completion_length: token budget of a whole episode after the prompt.
+        max_turns: most model turns per episode (None: no limit).
+        max_tokens_per_turn: most tokens per model turn (None: the remaining budget).
+        temperature, top_p, top_k, seed: sampling, as in ``rollout.generate``.
+        batch_size: episodes run at once (bounds memory); None: all.
+        eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
+        chat_template, template_kwargs: an override template and extra template variables.
+        check_roles: the roles of environment messages the template must render token-exactly.
+    """
+    cfg = _model_config(model)
+    n = _check_int("n", n, 1)
+    budget = _check_int("max_completion_length", max_completion_length, 1)
+    if max_turns is not None:
+        _check_int("max_turns", max_turns, 1)
+    if max_tokens_per_turn is not None:
+        _check_int("max_tokens_per_turn", max_tokens_per_turn, 1)
+    if batch_size is not None:
+        _check_int("batch_size", batch_size, 1)
+    if (
+        not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(
+            f"run_episodes(): temperature must be a finite number >= 0, got {temperature!r}"
+        )
+    if not slab_cache_ok(cfg):
+        raise NotImplementedError(
+            "run_episodes(): only models whose layers are all full attention with the sdpa or eager "
+            f"attention implementation are supported (got {getattr(cfg, '_attn_implementation', None)!r}, "
+            f"layer types {sorted(set(getattr(cfg, 'layer_types', None) or ['full_attention']))})"
+        )
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "run_episodes(): tokenizer has no pad token; set tokenizer.pad_token first"
+        )
+    eos_ids = (
+        sorted({int(t) for t in eos_token_ids})
+        if eos_token_ids
+        else default_eos_ids(model, tokenizer)
+    )
+    tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
+    check_template(tokenizer, eos_ids=eos_ids, roles=check_roles, **tkw)
+
+    # Start every episode: one environment each, reset concurrently (resets may be async).
+    envs = []
+    for i in range(len(rows) * n):
+        env = make_env(rows[i // n])
+        check_environment(env, f"make_env(rows[{i // n}])")
+        envs.append(env)
+
+    async def _reset_all():
+        import asyncio
+
+        return await asyncio.gather(
+            *(maybe_await(e.reset(rows[i // n])) for i, e in enumerate(envs))
+        )
+
+    opened = run_sync(_reset_all())
+    episodes = []
+    for i, (env, msgs) in enumerate(zip(envs, opened)):
+        msgs = _as_messages(msgs, f"{type(env).__name__} (rows[{i // n}])")
+        ids = render(
+            tokenizer, msgs, add_generation_prompt=True, tools=getattr(env, "tools", None), **tkw
+        )
+        episodes.append(Episode(i // n, ids, msgs, len(msgs), env))
+
+    max_pos = getattr(cfg, "max_position_embeddings", None) or 10**12
+    for ep in episodes:
+        if len(ep.prompt_ids) >= max_pos:
+            raise ValueError(
+                f"run_episodes(): the prompt of rows[{ep.row_index}] has {len(ep.prompt_ids)} tokens, "
+                f"the model's context is {max_pos}"
+            )
+
+    device = next(model.parameters()).device
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    uniforms = torch.rand((len(episodes), budget), generator=gen, device=device)  # [E, budget]
+
+    engine = _Engine(
+        model=model,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids,
+        budget=budget,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn or budget,
+        max_pos=max_pos,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        template_kw=tkw,
+        device=device,
+    )
+    step = batch_size or len(episodes)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(episodes), step):
+                idx = list(range(start, min(start + step, len(episodes))))
+                engine.run([episodes[i] for i in idx], uniforms[idx])
+    finally:
+        model.train(was_training)
+    return episodes
+
+
+class _Engine:
+    """Runs one micro-batch of episodes to the end with one batched KV cache (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        model,
+        tokenizer,
+        eos_ids,
+        budget,
+        max_turns,
+        max_tokens_per_turn,
+        max_pos,
+        temperature,
+        top_p,
+        top_k,
+        template_kw,
+        device,
+    ):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.eos = set(eos_ids)
+        self.budget, self.max_turns, self.turn_cap = budget, max_turns, max_tokens_per_turn
+        self.max_pos = max_pos
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.template_kw = template_kw
+        sig = _forward_signature(model)
+        self.cache_kw = "cache" if "cache" in sig else "past_key_values"
+        self.logits_to_keep = "logits_to_keep" in sig
+        cfg = _model_config(model)
+        self.bool_mask = (getattr(cfg, "_attn_implementation", None) or "eager") == "sdpa"
+        self.num_layers = cfg.num_hidden_layers
+        float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        self.dtype = next(
+            (p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32
+        )
+
+    # ---- the batched cache with holes ----
+
+    def _feed(self, pending: list[list[int]]) -> torch.Tensor:
+        """Append each row's pending tokens (left-padded to a common width; the pads become
+        hidden holes) to the cache; returns the logits after each row's last token [B, V]."""
+        dev = self.device
+        b, d = len(pending), max(len(p) for p in pending)
+        ids = torch.full((b, d), self.tokenizer.pad_token_id, dtype=torch.long)
+        real = torch.zeros((b, d), dtype=torch.bool)
+        for r, p in enumerate(pending):
+            if p:
+                ids[r, d - len(p) :] = torch.tensor(p, dtype=torch.long)
+                real[r, d - len(p) :] = True
+        ids, real = ids.to(dev), real.to(dev)
+        # A real token's position is the number of real tokens before it in its episode.
+        pos = (self.n_real[:, None] + real.long().cumsum(1) - 1).clamp_(min=0)  # [B, D]
+        self.key_ok = torch.cat([self.key_ok, real], 1)  # [B, K]
+        k = self.cur + d
+        q_at = torch.arange(self.cur, k, device=dev)  # [D] cache index of each query
+        k_at = torch.arange(k, device=dev)  # [K]
+        causal = k_at[None, :] <= q_at[:, None]  # [D, K]
+        # A pad query sees itself only, so no attention row is empty (its output is never used).
+        allowed = (self.key_ok[:, None, :] & causal[None]) | (k_at[None, :] == q_at[:, None])[None]
+        if self.bool_mask:
+            mask = allowed[:, None]  # [B, 1, D, K]
+        else:
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            mask = mask[:, None]
+        kwargs = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": pos,
+            self.cache_kw: self.cache,
+            "use_cache": True,
+        }
+        if self.logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        logits = self.model(**kwargs).logits[:, -1, :].float()  # [B, V]
+        self.n_real = self.n_real + real.sum(1)
+        self.cur = k
+        return logits
+
+    def _keep(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.key_ok = self.key_ok.index_select(0, index)
+        self.n_real = self.n_real.index_select(0, index)
+
+    # ---- one micro-batch ----
+
+    def run(self, episodes: list[Episode], uniforms: torch.Tensor) -> None:
+        longest = max(len(e.prompt_ids) for e in episodes)
+        self.cache = _slab_cache(self.num_layers, longest + min(self.budget, 256), grow=True)
+        self.key_ok = torch.zeros((len(episodes), 0), dtype=torch.bool, device=self.device)
+        self.n_real = torch.zeros(len(episodes), dtype=torch.long, device=self.device)
+        self.cur = 0
+        rows = list(range(len(episodes)))  # episode index of each cache row
+        pending = [list(e.prompt_ids) for e in episodes]
+        sampled = [0] * len(episodes)  # tokens sampled so far: the index into the uniforms
+        while rows:
+            eps = [episodes[r] for r in rows]
+            limits = [
+                min(
+                    self.turn_cap,
+                    self.budget - len(e.completion_ids),
+                    self.max_pos - len(e.prompt_ids) - len(e.completion_ids),
+                )
+                for e in eps
+            ]
+            # Sample one turn for every row: lock-step, rows done early feed holes.
+            logits = self._feed(pending)
+            turn = [[] for _ in rows]
+            logps: list[list[float]] = [[] for _ in rows]
+            live = [True] * len(rows)
+            ended_by_eos = [False] * len(rows)
+            while True:
+                u = uniforms[rows, [sampled[r] for r in rows]]  # [B]
+                tok, logp = _sample(logits, u, self.temperature, self.top_p, self.top_k)
+                tok_l, logp_l = tok.tolist(), logp.tolist()
+                nxt: list[list[int]] = []
+                for j, r in enumerate(rows):
+                    if not live[j]:
+                        nxt.append([])
+                        continue
+                    turn[j].append(tok_l[j])
+                    logps[j].append(logp_l[j])
+                    sampled[r] += 1
+                    if tok_l[j] in self.eos:
+                        live[j], ended_by_eos[j] = False, True
+                    elif len(turn[j]) >= limits[j]:
+                        live[j] = False
+                    nxt.append([tok_l[j]])
+                if not any(live):
+                    break
+                logits = self._feed(nxt)
+            # Tokens sampled at the last step are not in the cache yet: they lead the next feed.
+            pending = nxt
+
+            # Record the turns; ask the environments about those that ended with eos.
+            asks = []
+            for j, e in enumerate(eps):
+                e.completion_ids += turn[j]
+                e.loss_mask += [1] * len(turn[j])
+                e.logprobs += logps[j]
+                if not ended_by_eos[j]:
+                    tight = self.budget - len(e.completion_ids) <= 0 or (
+                        self.max_pos - len(e.prompt_ids) - len(e.completion_ids) <= 0
+                    )
+                    e.finish_reason = "length" if tight else "turn_length"
+                    continue
+                e.num_turns += 1
+                text = self.tokenizer.decode(turn[j][:-1], skip_special_tokens=True)
+                asks.append((j, {"role": "assistant", "content": text}))
+            steps = self._step_all([(eps[j], m) for j, m in asks])
+            for (j, msg), st in zip(asks, steps):
+                e = eps[j]
+                e.messages.append(msg)
+                e.tool_calls += st.tool_calls
+                e.tool_failures += st.tool_failures
+                if st.reward is not None:
+                    e.reward = (e.reward or 0.0) + float(st.reward)
+                if st.done:
+                    e.messages += st.messages
+                    e.finish_reason = st.finish_reason or "done"
+                    continue
+                if self.max_turns is not None and e.num_turns >= self.max_turns:
+                    e.finish_reason = "max_turns"
+                    continue
+                delta = turn_delta(
+                    self.tokenizer,
+                    e.messages,
+                    st.messages,
+                    eos_ids=sorted(self.eos),
+                    tools=getattr(e.env, "tools", None),
+                    **self.template_kw,
+                )
+                total = len(e.completion_ids) + len(delta)
+                if total > self.budget or len(e.prompt_ids) + total > self.max_pos:
+                    e.finish_reason = "env_over_budget"
+                    continue
+                e.messages += st.messages
+                e.completion_ids += delta
+                e.loss_mask += [0] * len(delta)
+                e.logprobs += [0.0] * len(delta)
+                pending[j] = pending[j] + delta
+                if total == self.budget or len(e.prompt_ids) + total == self.max_pos:
+                    e.finish_reason = "length"  # the answer fits exactly; no room for a turn
+            keep = [j for j, e in enumerate(eps) if not e.finish_reason]
+            if len(keep) < len(rows):
+                if keep:
+                    self._keep(keep)
+                rows = [rows[j] for j in keep]
+                pending = [pending[j] for j in keep]
+
+    def _step_all(self, asks: list[tuple[Episode, dict]]) -> list[Step]:
+        async def go():
+            import asyncio
+
+            return await asyncio.gather(
+                *(maybe_await(e.env.step(m)) for e, m in asks), return_exceptions=True
+            )
+
+        out = []
+        for (e, _), res in zip(asks, run_sync(go()) if asks else []):
+            where = f"{type(e.env).__name__}.step (rows[{e.row_index}])"
+            if isinstance(res, BaseException):
+                raise RuntimeError(f"{where} raised {type(res).__name__}: {res}") from res
+            out.append(_as_step(res, where))
+        return out

@@ -1,0 +1,168 @@
+"""Chat-template token deltas: how the environment's messages become tokens after a model turn.
+
+The model's turns are never decoded and re-encoded. What the environment says is appended as the
+token difference of two renderings of the whole conversation by the model's chat template:
+
+    before = render(history + [assistant turn])                       cut after its last end-of-turn token
+    after  = render(history + [assistant turn] + new messages, with the generation prompt)
+    delta  = after[len(before):]                                       (checked: after starts with before)
+
+so the delta holds exactly what the template puts between the end-of-turn token the model
+sampled and the next assistant header: the newline after ``<|im_end|>``, the tool/user turns, the
+generation prompt. Rendering the whole conversation (not only the new messages) keeps a default
+system prompt from being rendered twice; the tokens of the model's turn in ``before`` are
+discarded, so how the template re-tokenises that text never matters.
+
+``check_template`` verifies at start-up, on a small probe conversation, that the template is
+prefix-preserving for assistant, tool and user turns (the rendering of earlier turns does not
+change when a message is added), that an assistant turn ends with an end-of-turn (eos) token, and
+that tool messages are rendered at all.
+
+This module does not sample, parse tool calls or choose a replacement template for families
+whose template is not prefix-preserving (TRL's ``get_training_chat_template`` knows a few); it
+stops with an error that says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from peergrade.errors import InputError
+
+
+class TemplateError(InputError):
+    """The chat template cannot render episodes token-exactly (names the template and the fix)."""
+
+
+FIX = (
+    "pass a chat template (chat_template=...) that renders earlier turns identically whatever "
+    "follows and ends every assistant turn with the eos token, e.g. the family's training "
+    "template (TRL: trl.chat_template_utils.get_training_chat_template)"
+)
+
+
+def template_name(tokenizer) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def render(
+    tokenizer,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template (``tools or None``: some
+    templates render tool boilerplate for an empty list)."""
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        tools=tools or None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        chat_template=chat_template,
+        **(template_kwargs or {}),
+    )
+    if ids and isinstance(ids[0], list):  # some processors return a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def _cut_after_last(ids: list[int], eos_ids: set[int]) -> list[int] | None:
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] in eos_ids:
+            return ids[: i + 1]
+    return None
+
+
+def turn_delta(
+    tokenizer,
+    history: Sequence[dict],
+    new_messages: Sequence[dict],
+    *,
+    eos_ids: Sequence[int],
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """The tokens to append after a model turn that ended with an eos token: ``new_messages``
+    (may be empty) and the next generation prompt. ``history`` ends with that assistant turn."""
+    kw = dict(tools=tools, chat_template=chat_template, template_kwargs=template_kwargs)
+    before = _cut_after_last(
+        render(tokenizer, history, add_generation_prompt=False, **kw), set(eos_ids)
+    )
+    after = render(tokenizer, list(history) + list(new_messages), add_generation_prompt=True, **kw)
+    if before is None or after[: len(before)] != before:
+        roles = ", ".join(m.get("role", "?") for m in new_messages) or "(none)"
+        raise TemplateError(
+            f"chat template of {template_name(tokenizer)}: adding messages with roles {roles} "
+            f"changed the tokens of the conversation before them; {FIX}"
+        )
+    delta = after[len(before) :]
+    if not delta:
+        raise TemplateError(
+            f"chat template of {template_name(tokenizer)} rendered nothing after an assistant "
+            "turn (no generation prompt?)"
+        )
+    return delta
+
+
+_PROBE_CALL = {"type": "function", "function": {"name": "probe_tool", "arguments": {"x": 1}}}
+_PROBE_RESULT = "probe result 4217"
+
+
+def check_template(
+    tokenizer,
+    *,
+    eos_ids: Sequence[int],
+    roles: Sequence[str] = ("tool", "user"),
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> None:
+    """Raise a TemplateError naming the template and the fix unless episodes can be rendered
+    token-exactly: the generation prompt is a prefix of the rendered assistant turn, that turn
+    ends with an eos token, and adding a turn of each role in ``roles`` after it keeps every
+    earlier token (and a tool turn shows the tool's result)."""
+    name = template_name(tokenizer)
+    kw = dict(tools=tools, chat_template=chat_template, template_kwargs=template_kwargs)
+    eos = set(int(t) for t in eos_ids)
+    user = [{"role": "user", "content": "probe question"}]
+    reply = {"role": "assistant", "content": "probe answer"}
+    try:
+        prompt = render(tokenizer, user, add_generation_prompt=True, **kw)
+        full = render(tokenizer, user + [reply], add_generation_prompt=False, **kw)
+    except Exception as e:  # a template that fails on plain chat is unusable here
+        raise TemplateError(f"chat template of {name} failed to render a chat: {e}") from e
+    if full[: len(prompt)] != prompt:
+        raise TemplateError(
+            f"chat template of {name}: its generation prompt is not how it renders the start of "
+            f"an assistant turn, so sampled turns would not match the template; {FIX}"
+        )
+    if not any(t in eos for t in full[len(prompt) :]):
+        raise TemplateError(
+            f"chat template of {name}: an assistant turn does not end with an eos token "
+            f"(ids {sorted(eos)}), so a model turn cannot end where the template ends it; {FIX}"
+        )
+    for role in roles:
+        if role == "tool":
+            turn = dict(reply, content="", tool_calls=[_PROBE_CALL])
+            new = [{"role": "tool", "name": "probe_tool", "content": _PROBE_RESULT}]
+        else:
+            turn, new = reply, [{"role": role, "content": _PROBE_RESULT}]
+        try:
+            delta = turn_delta(tokenizer, user + [turn], new, eos_ids=eos_ids, **kw)
+        except TemplateError as e:
+            raise TemplateError(f"{e} (start-up check, {role} turn)") from e
+        except Exception as e:
+            raise TemplateError(
+                f"chat template of {name} cannot render a {role} message after an assistant "
+                f"turn: {e}; {FIX}"
+            ) from e
+        if _PROBE_RESULT not in tokenizer.decode(delta):
+            raise TemplateError(
+                f"chat template of {name} drops the content of {role} messages (a tool or "
+                f"environment answer would never reach the model); {FIX}"
+            )

@@ -1,0 +1,255 @@
+"""TRL's tool contract as a native environment: ``tools=[fn, ...]``, ``environment_factory``,
+``max_tool_calling_iterations``.
+
+- A tool is a plain function (sync or async) with type hints and a Google-style docstring; its
+  JSON schema comes from ``transformers.utils.get_json_schema`` (as TRL does) and is passed to the
+  chat template. A function without them is one InputError naming it.
+- ``environment_factory`` is a class (or a dict of classes picked per row by its
+  ``environment`` column): one instance per episode; ``reset(**row) -> str | None`` starts the
+  episode (a returned string is appended to the last prompt message, as TRL does); its other
+  public methods are the episode's tools; an optional ``get_reward()`` is left to the caller
+  (the instance is ``ToolEnvironment.instance``).
+- A model turn's tool calls are parsed in the Hermes / Qwen2 format,
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; every call of a turn runs (async
+  ones concurrently, after the sync ones, as in TRL). A malformed call, an unknown tool, bad
+  arguments or a tool that raises becomes a tool message ``{'error': '...'}`` to the model and
+  is counted as a failure; it never stops the run. Results are sent as ``str(result)`` (TRL).
+- A turn without tool calls ends the episode (``finish_reason`` ``"answer"``); a turn with tool
+  calls after ``max_tool_calling_iterations`` rounds ends it unexecuted (``"max_tool_calls"``).
+
+Not done here: other model families' call formats (Llama 3 JSON, Mistral ``[TOOL_CALLS]``),
+per-call timeouts, output truncation, and the code sandbox for Python-code tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from peergrade.envs.protocol import Step, maybe_await
+from peergrade.errors import InputError
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
+
+
+def tool_schema(fn: Callable, where: str = "tools") -> dict:
+    """The JSON schema of ``fn`` (``get_json_schema``), or an InputError naming it."""
+    from transformers.utils import get_json_schema
+
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    if not callable(fn):
+        raise InputError(f"{where}: {fn!r} is not callable; a tool is a function")
+    try:
+        return get_json_schema(fn)
+    except Exception as e:
+        raise InputError(
+            f"{where}: tool {name} has no usable schema ({e}); a tool needs type hints on every "
+            "argument and a Google-style docstring with an Args: section describing each one"
+        ) from e
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
+    """Split an assistant turn into (content without the calls, calls, errors).
+
+    Calls are ``{"type": "function", "function": {"name": str, "arguments": dict}}`` (the
+    message format chat templates render); ``arguments`` may also arrive as a JSON string. Each
+    block that is not such a JSON object, and an unclosed ``<tool_call>``, is one error string.
+    """
+    calls: list[dict] = []
+    errors: list[str] = []
+    for m in _CALL.finditer(text):
+        raw = m.group(1).strip()
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            errors.append(f"tool call is not valid JSON ({e.msg}): {raw[:200]}")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append(
+                f'tool call must be {{"name": ..., "arguments": {{...}}}}, got {raw[:200]}'
+            )
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            with contextlib.suppress(json.JSONDecodeError):  # reported as not an object below
+                args = json.loads(args) if args.strip() else {}
+        if not isinstance(args, dict):
+            errors.append(
+                f"arguments of tool call {obj['name']} must be a JSON object, got {args!r}"
+            )
+            continue
+        calls.append({"type": "function", "function": {"name": obj["name"], "arguments": args}})
+    rest = _CALL.sub("", text)
+    if _OPEN in rest:
+        errors.append("unclosed <tool_call> (no </tool_call>)")
+        rest = rest[: rest.index(_OPEN)]
+    return rest.strip(), calls, errors
+
+
+async def _call_tools(
+    calls: list[dict], registry: dict[str, Callable]
+) -> list[tuple[str, Any, bool]]:
+    """(name, result, failed) per call, in call order; sync tools run in order, async ones
+    together afterwards (TRL's order of execution)."""
+    out: list[tuple[str, Any, bool] | None] = [None] * len(calls)
+    pending: list[tuple[int, str, Any]] = []
+    for i, call in enumerate(calls):
+        name, args = call["function"]["name"], call["function"]["arguments"]
+        fn = registry.get(name)
+        if fn is None:
+            out[i] = (name, {"error": f"Tool {name} not found."}, True)
+            continue
+        try:
+            result = fn(**args)
+        except Exception as e:
+            out[i] = (name, {"error": str(e)}, True)
+            continue
+        if inspect.isawaitable(result):
+            pending.append((i, name, result))
+        else:
+            out[i] = (name, result, False)
+    if pending:
+        results = await asyncio.gather(*(c for _, _, c in pending), return_exceptions=True)
+        for (i, name, _), r in zip(pending, results):
+            failed = isinstance(r, Exception)
+            out[i] = (name, {"error": str(r)} if failed else r, failed)
+    return out  # type: ignore[return-value]
+
+
+def _public_methods(cls: type) -> list[str]:
+    # Listed on the class: inspecting the instance would evaluate properties.
+    return [
+        n
+        for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if not n.startswith("_") and n not in ("reset", "get_reward")
+    ]
+
+
+def _check_factory(factory: Any, where: str) -> None:
+    cls = factory if isinstance(factory, type) else None
+    if cls is None:
+        if not callable(factory):
+            raise InputError(
+                f"{where}: {factory!r} is not a class or a callable that makes environments"
+            )
+        cls = type(factory())
+    if not callable(getattr(cls, "reset", None)):
+        raise InputError(
+            f"{where}: {cls.__name__} has no reset method; an environment class needs "
+            "reset(**row) -> str | None (its other public methods are the tools)"
+        )
+    for name in _public_methods(cls):
+        tool_schema(getattr(cls, name), f"{where}: {cls.__name__}")
+
+
+class ToolEnvironment:
+    """One episode of TRL's contract, speaking the native protocol (see the module docstring)."""
+
+    def __init__(
+        self,
+        tools: Sequence[Callable] = (),
+        instance: Any = None,
+        max_tool_calling_iterations: int | None = None,
+    ):
+        self.instance = instance
+        fns = list(tools)
+        if instance is not None:
+            fns += [getattr(instance, n) for n in _public_methods(type(instance))]
+        self.registry = {fn.__name__: fn for fn in fns}
+        self.tools = [tool_schema(fn) for fn in fns] or None
+        self.max_iterations = max_tool_calling_iterations
+        self.iterations = 0
+
+    async def reset(self, row: dict) -> list[dict]:
+        prompt = row["prompt"] if isinstance(row, dict) and "prompt" in row else None
+        if prompt is None:
+            raise InputError(
+                f"row {row!r}: expected a 'prompt' column (a string or a message list)"
+            )
+        messages = (
+            [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str)
+            else [dict(m) for m in prompt]
+        )
+        if self.instance is not None:
+            kwargs = {k: v for k, v in row.items() if k != "environment"}
+            observation = await maybe_await(self.instance.reset(**kwargs))
+            if observation is not None:
+                messages[-1] = {
+                    **messages[-1],
+                    "content": messages[-1]["content"] + str(observation),
+                }
+        return messages
+
+    async def step(self, message: dict) -> Step:
+        content, calls, errors = parse_tool_calls(message["content"])
+        if not calls and not errors:
+            return Step(done=True, finish_reason="answer")
+        if self.max_iterations is not None and self.iterations >= self.max_iterations:
+            return Step(done=True, finish_reason="max_tool_calls")
+        self.iterations += 1
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        results = await _call_tools(calls, self.registry)
+        answers = [
+            {
+                "role": "tool",
+                "name": name,
+                "content": result if isinstance(result, list) else str(result),
+            }
+            for name, result, _ in results
+        ]
+        answers += [
+            {"role": "tool", "name": "invalid_tool_call", "content": str({"error": e})}
+            for e in errors
+        ]
+        failures = sum(failed for _, _, failed in results) + len(errors)
+        return Step(messages=answers, tool_calls=len(calls) + len(errors), tool_failures=failures)
+
+
+def tool_environment_factory(
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Any = None,
+    max_tool_calling_iterations: int | None = None,
+) -> Callable[[Any], ToolEnvironment]:
+    """A ``row -> ToolEnvironment`` factory for ``run_episodes`` from TRL's arguments, checked
+    now (before any model loads): every tool has a schema, every environment class a ``reset``
+    and schema'd public methods. A dict ``environment_factory`` is picked per row by the row's
+    ``environment`` column."""
+    tools = list(tools or [])
+    for fn in tools:
+        tool_schema(fn)
+    if isinstance(environment_factory, dict):
+        for key, f in environment_factory.items():
+            _check_factory(f, f"environment_factory[{key!r}]")
+    elif environment_factory is not None:
+        _check_factory(environment_factory, "environment_factory")
+    if max_tool_calling_iterations is not None and (
+        isinstance(max_tool_calling_iterations, bool)
+        or not isinstance(max_tool_calling_iterations, int)
+        or max_tool_calling_iterations < 0
+    ):
+        raise InputError(
+            f"max_tool_calling_iterations must be an int >= 0 or None, got {max_tool_calling_iterations!r}"
+        )
+
+    def make(row: Any) -> ToolEnvironment:
+        factory = environment_factory
+        if isinstance(factory, dict):
+            key = row.get("environment") if isinstance(row, dict) else None
+            if key not in factory:
+                raise InputError(
+                    f"row {row!r}: its 'environment' column must be one of {sorted(factory)}, got {key!r}"
+                )
+            factory = factory[key]
+        instance = factory() if factory is not None else None
+        return ToolEnvironment(tools, instance, max_tool_calling_iterations)
+
+    return make
