@@ -37,6 +37,34 @@ COMPACT_CHAT_TEMPLATE = (
     "{% else %}A:{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}A:{% endif %}"
 )
+# A Qwen2.5-style template that renders tools and tool turns (for episode tests and demos): a
+# default system prompt when the conversation has none, the tool schemas in the system turn,
+# assistant tool calls as <tool_call>{json}</tool_call>, consecutive tool results in one user
+# turn as <tool_response> blocks. Like Qwen2.5's, it is prefix-preserving.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    'Call one with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{% elif messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% if not (loop.first and tools) %}"
+    "<|im_start|>system\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'user' or (m['role'] == 'assistant' and not m.get('tool_calls')) %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant"
+    "{% if m['content'] %}{{ '\\n' }}{{ m['content'] }}{% endif %}"
+    "{% for tc in m['tool_calls'] %}{{ '\\n' }}<tool_call>\n"
+    '{"name": "{{ tc[\'function\'][\'name\'] }}", "arguments": '
+    "{{ tc['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Printable ASCII plus newline: every character a prompt or an answer of the built-in tasks uses.
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
@@ -59,9 +87,16 @@ def _byte_symbols(text: str) -> str:
 
 
 def _char_tokenizer_from_vocab(
-    vocab: dict[str, int], special_tokens: list[str], *, pad: str, eos: str, chat_template
+    vocab: dict[str, int],
+    special_tokens: list[str],
+    *,
+    pad: str,
+    eos: str,
+    chat_template,
+    merges: tuple[tuple[str, str], ...] = (),
 ):
-    """A byte-level BPE tokenizer without merges over ``vocab`` (plain text -> id)."""
+    """A byte-level BPE tokenizer over ``vocab`` (plain text -> id), without merges unless
+    given (a merged pair must be in ``vocab``)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers as pt
     from transformers import PreTrainedTokenizerFast
@@ -73,7 +108,7 @@ def _char_tokenizer_from_vocab(
     tk = Tokenizer(
         models.BPE(
             vocab=bl_vocab,
-            merges=[],
+            merges=[(_byte_symbols(a), _byte_symbols(b)) for a, b in merges],
             unk_token=None,
             continuing_subword_prefix="",
             end_of_word_suffix="",
@@ -97,20 +132,34 @@ def _char_tokenizer_from_vocab(
     return tok
 
 
-def build_char_tokenizer(chars: list[str] | None = None, chat_template: str = CHAT_TEMPLATE):
+def build_char_tokenizer(
+    chars: list[str] | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+    merges: tuple[tuple[str, str], ...] = (),
+):
     """A fast character-level tokenizer: one token per character, ChatML special tokens.
 
     pad = ``<pad>`` (id 0), eos = ``<|im_end|>`` (the end of an assistant turn). Ids are the
-    special tokens, then ``chars`` in order. Saved with ``save_pretrained`` it loads with the
-    same ids through ``AutoTokenizer`` (see the module docstring).
+    special tokens, then ``chars`` in order, then one token per pair in ``merges`` (BPE merges,
+    e.g. ``("a", "b")`` makes ``"ab"`` one token: text then has two tokenisations, which tests of
+    re-tokenisation need). Saved with ``save_pretrained`` it loads with the same ids through
+    ``AutoTokenizer`` (see the module docstring).
     """
     chars = CHARS if chars is None else chars
+    merged = [a + b for a, b in merges]
     vocab = {
         tok: i
-        for i, tok in enumerate(SPECIAL_TOKENS + [c for c in chars if c not in SPECIAL_TOKENS])
+        for i, tok in enumerate(
+            SPECIAL_TOKENS + [c for c in chars if c not in SPECIAL_TOKENS] + merged
+        )
     }
     return _char_tokenizer_from_vocab(
-        vocab, SPECIAL_TOKENS, pad="<pad>", eos="<|im_end|>", chat_template=chat_template
+        vocab,
+        SPECIAL_TOKENS,
+        pad="<pad>",
+        eos="<|im_end|>",
+        chat_template=chat_template,
+        merges=tuple(merges),
     )
 
 
