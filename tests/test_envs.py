@@ -352,9 +352,10 @@ def test_turn_budgets_and_max_turns(base_model, tool_tok):
         tool_tok, row, [[{"role": "user", "content": "go on"}]] * 3, ["one", "two", "six", "ten"]
     )
     model = forced_model(base_model, tool_tok, seq, pos)
-    run = lambda **kw: run_episodes(
-        model, tool_tok, [row], lambda r: Fixed(), temperature=0.0, **kw
-    )[0]  # noqa: E731
+
+    def run(**kw):
+        return run_episodes(model, tool_tok, [row], lambda r: Fixed(), temperature=0.0, **kw)[0]
+
     e = run(max_completion_length=500, max_turns=2)
     assert (e.finish_reason, e.num_turns) == ("max_turns", 2)
     e = run(max_completion_length=500, max_tokens_per_turn=3)  # "one" + eos needs 4
@@ -579,6 +580,15 @@ BROKEN_TEMPLATES = {
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['role'] == 'assistant' and not loop.last %}(old){% else %}{{ m['content'] }}{% endif %}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    # Qwen3-style: reasoning of assistant turns before the last user message is dropped
+    "drops old reasoning": (
+        "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+        "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}{{ '\\n' }}"
+        "{% if m['role'] == 'assistant' and loop.index0 < ns.last %}"
+        "{{ m['content'].split('</think>')[-1].lstrip() }}{% else %}{{ m['content'] }}{% endif %}"
+        "<|im_end|>{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
     ),
     # tool messages vanish
     "drops tool text": (

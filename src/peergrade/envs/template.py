@@ -97,7 +97,8 @@ def turn_delta(
     if before is None or after[: len(before)] != before:
         roles = ", ".join(m.get("role", "?") for m in new_messages) or "(none)"
         raise TemplateError(
-            f"chat template of {template_name(tokenizer)}: adding messages with roles {roles} "
+            f"chat template of {template_name(tokenizer)} is not prefix-preserving: adding messages "
+            f"with roles {roles} "
             f"changed the tokens of the conversation before them; {FIX}"
         )
     delta = after[len(before) :]
@@ -130,7 +131,8 @@ def check_template(
     kw = dict(tools=tools, chat_template=chat_template, template_kwargs=template_kwargs)
     eos = set(int(t) for t in eos_ids)
     user = [{"role": "user", "content": "probe question"}]
-    reply = {"role": "assistant", "content": "probe answer"}
+    # With a reasoning block: templates that drop earlier turns' reasoning (Qwen3's) fail here.
+    reply = {"role": "assistant", "content": "<think>\nprobe thought\n</think>\n\nprobe answer"}
     try:
         prompt = render(tokenizer, user, add_generation_prompt=True, **kw)
         full = render(tokenizer, user + [reply], add_generation_prompt=False, **kw)
