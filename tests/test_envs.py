@@ -621,3 +621,44 @@ def test_an_environment_without_step_is_named(base_model, tool_tok):
 
     with pytest.raises(InputError, match="Half has no step"):
         run_episodes(base_model, tool_tok, ROWS, lambda r: Half(), max_completion_length=10)
+
+
+def test_environment_classes_are_picked_per_row_and_reset_with_the_row():
+    class Other:
+        def reset(self, **row):
+            self.row = row
+            return "!"
+
+    make = tool_environment_factory([multiply], {"count": Counter, "other": Other})
+    env = make({"prompt": "p", "environment": "other", "k": 1})
+    opened = asyncio.run(env.reset({"prompt": "p", "environment": "other", "k": 1}))
+    assert isinstance(env.instance, Other) and env.instance.row == {"prompt": "p", "k": 1}
+    assert opened == [{"role": "user", "content": "p!"}]
+    assert [t["function"]["name"] for t in env.tools] == ["multiply"]
+    env = make({"prompt": "p", "environment": "count"})
+    assert [t["function"]["name"] for t in env.tools] == ["multiply", "bump"]
+    with pytest.raises(InputError, match="'environment' column"):
+        make({"prompt": "p", "environment": "nope"})
+
+
+def test_an_environment_that_raises_is_named(base_model, tool_tok):
+    class Broken(Fixed):
+        def step(self, message):
+            raise KeyError("oops")
+
+    model = Steered(base_model, tool_tok.eos_token_id, eos_every=3, eos_bias=1e4)
+    with pytest.raises(RuntimeError, match=r"Broken.step \(rows\[0\]\) raised KeyError"):
+        run_episodes(
+            model, tool_tok, ROWS, lambda r: Broken(), max_completion_length=20, temperature=0.0
+        )
+
+
+def test_a_row_without_a_prompt_is_a_clear_error(base_model, tool_tok):
+    with pytest.raises(InputError, match="'prompt' column"):
+        run_episodes(
+            base_model,
+            tool_tok,
+            [{"q": 1}],
+            tool_environment_factory([multiply]),
+            max_completion_length=5,
+        )

@@ -46,6 +46,7 @@ import torch
 
 from peergrade.envs.protocol import Step, check_environment, maybe_await, run_sync
 from peergrade.envs.template import check_template, render, turn_delta
+from peergrade.errors import PeergradeError
 from peergrade.rollout import (
     _check_int,
     _forward_signature,
@@ -232,14 +233,7 @@ def run_episodes(
         check_environment(env, f"make_env(rows[{i // n}])")
         envs.append(env)
 
-    async def _reset_all():
-        import asyncio
-
-        return await asyncio.gather(
-            *(maybe_await(e.reset(rows[i // n])) for i, e in enumerate(envs))
-        )
-
-    opened = run_sync(_reset_all())
+    opened = _call_all([(e, "reset", rows[i // n], i // n) for i, e in enumerate(envs)])
     episodes = []
     for i, (env, msgs) in enumerate(zip(envs, opened)):
         msgs = _as_messages(msgs, f"{type(env).__name__} (rows[{i // n}])")
@@ -482,17 +476,35 @@ class _Engine:
                 pending = [pending[j] for j in keep]
 
     def _step_all(self, asks: list[tuple[Episode, dict]]) -> list[Step]:
-        async def go():
-            import asyncio
+        results = _call_all([(e.env, "step", m, e.row_index) for e, m in asks])
+        return [
+            _as_step(r, f"{type(e.env).__name__}.step (rows[{e.row_index}])")
+            for (e, _), r in zip(asks, results)
+        ]
 
-            return await asyncio.gather(
-                *(maybe_await(e.env.step(m)) for e, m in asks), return_exceptions=True
-            )
 
-        out = []
-        for (e, _), res in zip(asks, run_sync(go()) if asks else []):
-            where = f"{type(e.env).__name__}.step (rows[{e.row_index}])"
-            if isinstance(res, BaseException):
-                raise RuntimeError(f"{where} raised {type(res).__name__}: {res}") from res
-            out.append(_as_step(res, where))
-        return out
+def _call_all(calls: list[tuple[Any, str, Any, int]]) -> list[Any]:
+    """``env.method(arg)`` for every (env, method, arg, row) at once (async ones concurrently);
+    an exception is re-raised naming the environment class, the method and the row."""
+    if not calls:
+        return []
+
+    async def one(env, method, arg):
+        return await maybe_await(getattr(env, method)(arg))
+
+    async def go():
+        import asyncio
+
+        return await asyncio.gather(*(one(e, m, a) for e, m, a, _ in calls), return_exceptions=True)
+
+    results = run_sync(go())
+    for (env, method, _, row), r in zip(calls, results):
+        if isinstance(
+            r, PeergradeError
+        ):  # the user's input, already named (a row without a prompt)
+            raise r
+        if isinstance(r, BaseException):
+            raise RuntimeError(
+                f"{type(env).__name__}.{method} (rows[{row}]) raised {type(r).__name__}: {r}"
+            ) from r
+    return results
