@@ -662,3 +662,59 @@ def test_a_row_without_a_prompt_is_a_clear_error(base_model, tool_tok):
             tool_environment_factory([multiply]),
             max_completion_length=5,
         )
+
+
+def test_tool_timeouts_and_output_truncation():
+    import threading
+
+    release = threading.Event()
+
+    def stuck(x: int) -> int:
+        """Waits until released.
+
+        Args:
+            x: anything
+        """
+        release.wait(60)
+        return x
+
+    async def stuck_async(x: int) -> int:
+        """Never finishes.
+
+        Args:
+            x: anything
+        """
+        await asyncio.Event().wait()
+        return x
+
+    def long(n: int) -> str:
+        """A long result.
+
+        Args:
+            n: its length
+        """
+        return "z" * n
+
+    make = tool_environment_factory(
+        [stuck, stuck_async, long, multiply], tool_timeout=0.05, max_tool_output_chars=10
+    )
+    env = make({"prompt": "p"})
+    calls = "".join(
+        f'<tool_call>{{"name": "{n}", "arguments": {{{a}}}}}</tool_call>'
+        for n, a in [
+            ("stuck", '"x": 1'),
+            ("stuck_async", '"x": 1'),
+            ("long", '"n": 25'),
+            ("multiply", '"a": 2, "b": 5'),
+        ]
+    )
+    try:
+        st = asyncio.run(env.step({"role": "assistant", "content": calls}))
+    finally:
+        release.set()
+    assert (st.tool_calls, st.tool_failures) == (4, 2)
+    assert [m["content"] for m in st.messages[:2]] == [str({"error": "timed out after 0.05s"})] * 2
+    assert st.messages[2]["content"] == "z" * 10 + "... [truncated 15 characters]"
+    assert st.messages[3]["content"] == "10"
+    with pytest.raises(InputError, match="tool_timeout"):
+        tool_environment_factory([multiply], tool_timeout=0)

@@ -17,8 +17,11 @@
 - A turn without tool calls ends the episode (``finish_reason`` ``"answer"``); a turn with tool
   calls after ``max_tool_calling_iterations`` rounds ends it unexecuted (``"max_tool_calls"``).
 
-Not done here: other model families' call formats (Llama 3 JSON, Mistral ``[TOOL_CALLS]``),
-per-call timeouts, output truncation, and the code sandbox for Python-code tools.
+Beyond TRL: an optional per-call timeout (a sync tool that overruns is abandoned on its daemon
+thread, not killed; an async one is cancelled) and a cap on the characters of a tool result.
+
+Not done here: other model families' call formats (Llama 3 JSON, Mistral ``[TOOL_CALLS]``) and
+the code sandbox for Python-code tools.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import inspect
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,11 +96,34 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
     return rest.strip(), calls, errors
 
 
+def _sync_with_timeout(fn: Callable, args: dict, timeout: float):
+    """``fn(**args)`` on a daemon thread, waited for at most ``timeout`` seconds. A call that
+    overruns is abandoned, not killed (Python cannot stop a thread): it keeps its thread until it
+    returns, but the episode goes on without it."""
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = fn(**args)
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"timed out after {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 async def _call_tools(
-    calls: list[dict], registry: dict[str, Callable]
+    calls: list[dict], registry: dict[str, Callable], timeout: float | None = None
 ) -> list[tuple[str, Any, bool]]:
     """(name, result, failed) per call, in call order; sync tools run in order, async ones
-    together afterwards (TRL's order of execution)."""
+    together afterwards (TRL's order of execution). With ``timeout``, a call that takes longer
+    fails with a timeout error."""
     out: list[tuple[str, Any, bool] | None] = [None] * len(calls)
     pending: list[tuple[int, str, Any]] = []
     for i, call in enumerate(calls):
@@ -106,11 +133,16 @@ async def _call_tools(
             out[i] = (name, {"error": f"Tool {name} not found."}, True)
             continue
         try:
-            result = fn(**args)
+            if timeout is not None and not inspect.iscoroutinefunction(fn):
+                result = _sync_with_timeout(fn, args, timeout)
+            else:
+                result = fn(**args)
         except Exception as e:
-            out[i] = (name, {"error": str(e)}, True)
+            out[i] = (name, {"error": str(e) or type(e).__name__}, True)
             continue
         if inspect.isawaitable(result):
+            if timeout is not None:
+                result = asyncio.wait_for(result, timeout)
             pending.append((i, name, result))
         else:
             out[i] = (name, result, False)
@@ -118,8 +150,16 @@ async def _call_tools(
         results = await asyncio.gather(*(c for _, _, c in pending), return_exceptions=True)
         for (i, name, _), r in zip(pending, results):
             failed = isinstance(r, Exception)
-            out[i] = (name, {"error": str(r)} if failed else r, failed)
+            if isinstance(r, (TimeoutError, asyncio.TimeoutError)):
+                r = TimeoutError(f"timed out after {timeout:g}s")
+            out[i] = (name, {"error": str(r) or type(r).__name__} if failed else r, failed)
     return out  # type: ignore[return-value]
+
+
+def _truncate(text: str, limit: int | None) -> str:
+    if limit is None or len(text) <= limit:
+        return text
+    return text[:limit] + f"... [truncated {len(text) - limit} characters]"
 
 
 def _public_methods(cls: type) -> list[str]:
@@ -156,6 +196,8 @@ class ToolEnvironment:
         tools: Sequence[Callable] = (),
         instance: Any = None,
         max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = None,
+        max_tool_output_chars: int | None = None,
     ):
         self.instance = instance
         fns = list(tools)
@@ -164,6 +206,7 @@ class ToolEnvironment:
         self.registry = {fn.__name__: fn for fn in fns}
         self.tools = [tool_schema(fn) for fn in fns] or None
         self.max_iterations = max_tool_calling_iterations
+        self.timeout, self.max_chars = tool_timeout, max_tool_output_chars
         self.iterations = 0
 
     async def reset(self, row: dict) -> list[dict]:
@@ -197,14 +240,19 @@ class ToolEnvironment:
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
-        results = await _call_tools(calls, self.registry)
+        results = await _call_tools(calls, self.registry, self.timeout)
         answers = [
             {
                 "role": "tool",
                 "name": name,
-                "content": result if isinstance(result, list) else str(result),
+                # errors are ours and short: only what a tool returned is capped
+                "content": result
+                if isinstance(result, list)
+                else str(result)
+                if failed
+                else _truncate(str(result), self.max_chars),
             }
-            for name, result, _ in results
+            for name, result, failed in results
         ]
         answers += [
             {"role": "tool", "name": "invalid_tool_call", "content": str({"error": e})}
@@ -218,11 +266,17 @@ def tool_environment_factory(
     tools: Sequence[Callable] | None = None,
     environment_factory: Any = None,
     max_tool_calling_iterations: int | None = None,
+    *,
+    tool_timeout: float | None = None,
+    max_tool_output_chars: int | None = None,
 ) -> Callable[[Any], ToolEnvironment]:
     """A ``row -> ToolEnvironment`` factory for ``run_episodes`` from TRL's arguments, checked
     now (before any model loads): every tool has a schema, every environment class a ``reset``
     and schema'd public methods. A dict ``environment_factory`` is picked per row by the row's
-    ``environment`` column."""
+    ``environment`` column.
+
+    Beyond TRL: ``tool_timeout`` (seconds per call; an overrun is a failed call) and
+    ``max_tool_output_chars`` (a longer result is cut, with a note saying how much was cut)."""
     tools = list(tools or [])
     for fn in tools:
         tool_schema(fn)
@@ -240,6 +294,23 @@ def tool_environment_factory(
             f"max_tool_calling_iterations must be an int >= 0 or None, got {max_tool_calling_iterations!r}"
         )
 
+    if tool_timeout is not None and (
+        isinstance(tool_timeout, bool)
+        or not isinstance(tool_timeout, (int, float))
+        or not tool_timeout > 0
+    ):
+        raise InputError(
+            f"tool_timeout must be a number of seconds > 0 or None, got {tool_timeout!r}"
+        )
+    if max_tool_output_chars is not None and (
+        isinstance(max_tool_output_chars, bool)
+        or not isinstance(max_tool_output_chars, int)
+        or max_tool_output_chars < 1
+    ):
+        raise InputError(
+            f"max_tool_output_chars must be an int >= 1 or None, got {max_tool_output_chars!r}"
+        )
+
     def make(row: Any) -> ToolEnvironment:
         factory = environment_factory
         if isinstance(factory, dict):
@@ -250,6 +321,8 @@ def tool_environment_factory(
                 )
             factory = factory[key]
         instance = factory() if factory is not None else None
-        return ToolEnvironment(tools, instance, max_tool_calling_iterations)
+        return ToolEnvironment(
+            tools, instance, max_tool_calling_iterations, tool_timeout, max_tool_output_chars
+        )
 
     return make
