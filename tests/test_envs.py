@@ -359,7 +359,8 @@ def test_turn_budgets_and_max_turns(base_model, tool_tok):
     e = run(max_completion_length=500, max_turns=2)
     assert (e.finish_reason, e.num_turns) == ("max_turns", 2)
     e = run(max_completion_length=500, max_tokens_per_turn=3)  # "one" + eos needs 4
-    assert (e.finish_reason, e.num_turns, len(e.completion_ids)) == ("turn_length", 0, 3)
+    assert (e.finish_reason, e.num_turns, len(e.completion_ids)) == ("turn_length", 1, 3)
+    assert e.completion_messages == [{"role": "assistant", "content": "one"}]
     e = run(max_completion_length=2)
     assert (e.finish_reason, e.completion_ids) == ("length", seq[pos[0] : pos[0] + 2])
 
@@ -718,3 +719,23 @@ def test_tool_timeouts_and_output_truncation():
     assert st.messages[3]["content"] == "10"
     with pytest.raises(InputError, match="tool_timeout"):
         tool_environment_factory([multiply], tool_timeout=0)
+
+
+def test_reward_functions_get_whole_conversations(sampled_episodes):
+    from peergrade.envs import reward_inputs
+    from peergrade.rewards.registry import make_reward_spec, score_rewards
+
+    _, eps = sampled_episodes
+    seen = {}
+
+    def turns(prompts, completions, completion_ids, environments, q, **kwargs):
+        seen.update(prompts=prompts, ids=completion_ids, envs=environments, q=q)
+        return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
+
+    prompts, completions, columns = reward_inputs(eps, ROWS)
+    scores = score_rewards([make_reward_spec(turns)], prompts, completions, columns)
+    assert scores.per_fn["turns"].tolist() == [float(e.num_turns) for e in eps]
+    assert seen["q"] == [r["q"] for r in ROWS for _ in range(2)]
+    assert seen["ids"] == [e.completion_ids for e in eps]
+    assert seen["envs"] == [e.env for e in eps]
+    assert seen["prompts"][2] == [{"role": "user", "content": ROWS[1]["q"]}]

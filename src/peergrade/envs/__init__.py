@@ -9,13 +9,16 @@
   parsing, tool execution.
 - ``runner``: ``run_episodes``, which samples the model's turns batched with one KV cache per
   episode kept across turns, and returns ``Episode`` records with separate attention and loss masks.
+- ``scoring``: ``reward_inputs``, TRL's reward-function arguments for episodes (completions as
+  message lists, ``environments``).
 
-What this package does not do (yet): wire episodes into the trainer (rewards, advantages, the
-update), verifiers environments, or sandboxed code tools. See docs/environments.md.
+What this package does not do (yet): wire episodes into the trainer (advantages, the update,
+config and CLI), verifiers environments, or sandboxed code tools. See docs/environments.md.
 """
 
 from peergrade.envs.protocol import Environment, Step
 from peergrade.envs.runner import Episode, episodes_batch, run_episodes
+from peergrade.envs.scoring import reward_inputs
 from peergrade.envs.template import TemplateError, check_template
 from peergrade.envs.tools import ToolEnvironment, parse_tool_calls, tool_environment_factory
 
@@ -28,6 +31,7 @@ __all__ = [
     "check_template",
     "episodes_batch",
     "parse_tool_calls",
+    "reward_inputs",
     "run_episodes",
     "tool_environment_factory",
 ]

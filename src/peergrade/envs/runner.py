@@ -23,7 +23,8 @@ How (token in, token out):
 
 Budgets: ``max_completion_length`` counts every token after the prompt (sampled and appended). A
 model turn stops at the budget (``"length"``) or at ``max_tokens_per_turn`` (``"turn_length"``);
-either ends the episode, since its turn has no end-of-turn token to continue from. An answer
+either ends the episode, since its turn has no end-of-turn token to continue from (the cut turn
+is in the message list and counts in ``num_turns``; the environment is not asked about it). An answer
 that does not fit the remaining budget is dropped and ends the episode (``"env_over_budget"``;
 TRL's rule); an answer that fits exactly is kept (then ``"length"``). ``max_turns`` caps the
 model turns (``"max_turns"``); an environment that says done ends it with its own reason
@@ -425,13 +426,17 @@ class _Engine:
                 e.completion_ids += turn[j]
                 e.loss_mask += [1] * len(turn[j])
                 e.logprobs += logps[j]
+                e.num_turns += 1
                 if not ended_by_eos[j]:
+                    # A cut turn is part of the conversation the reward judges; the environment
+                    # is not asked about it.
+                    text = self.tokenizer.decode(turn[j], skip_special_tokens=True)
+                    e.messages.append({"role": "assistant", "content": text})
                     tight = self.budget - len(e.completion_ids) <= 0 or (
                         self.max_pos - len(e.prompt_ids) - len(e.completion_ids) <= 0
                     )
                     e.finish_reason = "length" if tight else "turn_length"
                     continue
-                e.num_turns += 1
                 text = self.tokenizer.decode(turn[j][:-1], skip_special_tokens=True)
                 asks.append((j, {"role": "assistant", "content": text}))
             steps = self._step_all([(eps[j], m) for j, m in asks])

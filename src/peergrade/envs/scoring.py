@@ -1,0 +1,50 @@
+"""What reward functions see of episodes: TRL's reward contract over whole conversations.
+
+``reward_inputs(episodes, rows)`` returns the ``prompts``, ``completions`` and ``columns`` that
+``rewards.score_rewards`` takes, as TRL's ``GRPOTrainer`` passes them with tools:
+
+- ``prompts``: each episode's opening messages (after ``reset``, so with an environment's
+  observation appended to the last one);
+- ``completions``: each episode's messages after the prompt (assistant, tool, assistant, ...);
+- ``completion_ids``: every token after the prompt, tool tokens included;
+- ``environments``: the environment of each episode (for ``environment_factory``, the user's
+  instance, so ``get_reward`` and any state it kept are at hand);
+- every other dataset column, repeated for the episodes of its row.
+
+It does not score (``score_rewards`` does), add the environments' own step rewards to the total,
+or compute advantages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from peergrade.envs.runner import Episode
+
+
+def environment_of(episode: Episode) -> Any:
+    """The object a reward function gets in ``environments``: the user's instance behind the
+    tool adapter when there is one, else the environment itself."""
+    instance = getattr(episode.env, "instance", None)
+    return episode.env if instance is None else instance
+
+
+def reward_inputs(
+    episodes: Sequence[Episode], rows: Sequence[dict]
+) -> tuple[list, list, dict[str, list]]:
+    """``(prompts, completions, columns)`` for ``rewards.score_rewards`` (see module doc)."""
+    from peergrade.rewards.registry import columns_for
+
+    prompts = [e.messages[: e.num_prompt_messages] for e in episodes]
+    completions = [e.completion_messages for e in episodes]
+    n = len(episodes) // max(1, len(rows))
+    if n * len(rows) != len(episodes) or any(e.row_index != i // n for i, e in enumerate(episodes)):
+        raise ValueError(
+            f"reward_inputs: {len(episodes)} episodes are not n per row, in order, for {len(rows)} rows"
+        )
+    columns = columns_for(list(rows), n) if rows and isinstance(rows[0], dict) else {}
+    columns.pop("environments", None)
+    columns["completion_ids"] = [list(e.completion_ids) for e in episodes]
+    columns["environments"] = [environment_of(e) for e in episodes]
+    return prompts, completions, columns
