@@ -30,9 +30,11 @@ TRL's rule); an answer that fits exactly is kept (then ``"length"``). ``max_turn
 model turns (``"max_turns"``); an environment that says done ends it with its own reason
 (default ``"done"``).
 
-Not done here: stop strings inside a turn, prefix sharing of the ``n`` episodes of a row (each
-episode prefills its own prompt, since ``reset`` may differ per episode), models whose layers
-are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
+Episodes of a micro-batch whose prompts are the same token ids (the ``n`` episodes of a row,
+unless ``reset`` differs per episode) share one prefill, copied in the cache as ``rollout``
+does for a group.
+
+Not done here: stop strings inside a turn, models whose layers are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
 training (``episodes_batch`` gives the update's tensors).
 """
 
@@ -375,11 +377,20 @@ class _Engine:
     def run(self, episodes: list[Episode], uniforms: torch.Tensor) -> None:
         longest = max(len(e.prompt_ids) for e in episodes)
         self.cache = _slab_cache(self.num_layers, longest + min(self.budget, 256), grow=True)
-        self.key_ok = torch.zeros((len(episodes), 0), dtype=torch.bool, device=self.device)
-        self.n_real = torch.zeros(len(episodes), dtype=torch.long, device=self.device)
+        # Prefill each distinct prompt once (the episodes of a row usually share it), then copy
+        # its cache row to every episode that starts with it.
+        first: dict[tuple[int, ...], int] = {}
+        for e in episodes:
+            first.setdefault(tuple(e.prompt_ids), len(first))
+        self.key_ok = torch.zeros((len(first), 0), dtype=torch.bool, device=self.device)
+        self.n_real = torch.zeros(len(first), dtype=torch.long, device=self.device)
         self.cur = 0
+        logits = self._feed([list(p) for p in first])
+        expand = [first[tuple(e.prompt_ids)] for e in episodes]
+        self._keep(expand)
+        logits = logits.index_select(0, torch.tensor(expand, device=self.device))
         rows = list(range(len(episodes)))  # episode index of each cache row
-        pending = [list(e.prompt_ids) for e in episodes]
+        pending: list[list[int]] = [[] for _ in episodes]
         sampled = [0] * len(episodes)  # tokens sampled so far: the index into the uniforms
         while rows:
             eps = [episodes[r] for r in rows]
@@ -392,7 +403,8 @@ class _Engine:
                 for e in eps
             ]
             # Sample one turn for every row: lock-step, rows done early feed holes.
-            logits = self._feed(pending)
+            if any(pending):  # every turn but the first: the last tokens and the deltas
+                logits = self._feed(pending)
             turn = [[] for _ in rows]
             logps: list[list[float]] = [[] for _ in rows]
             live = [True] * len(rows)
