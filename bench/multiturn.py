@@ -15,7 +15,8 @@ tokens and append the same deltas.
   verifiers' chat harness): each turn calls ``peergrade.rollout.generate`` on the whole history
   so far (prompt + turns + deltas as token ids, batched over the live episodes), so every turn
   prefills everything again. B is given the same token deltas and never re-tokenises, so only the
-  prefill work differs.
+  prefill work differs (and at the first turn, A prefills a row's 4 identical prompts once, B
+  four times).
 
 Sides alternate A B / B A in one process; the table shows medians of episodes/s and the ratio.
 What it does not measure: GPU speed, memory, or environments that take time to answer.
