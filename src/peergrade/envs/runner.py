@@ -203,6 +203,9 @@ def run_episodes(
         _check_int("max_tokens_per_turn", max_tokens_per_turn, 1)
     if batch_size is not None:
         _check_int("batch_size", batch_size, 1)
+    top_k = _check_int("top_k", top_k, 0)
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"run_episodes(): top_p must be in (0, 1], got {top_p!r}")
     if (
         not isinstance(temperature, (int, float))
         or not math.isfinite(temperature)
