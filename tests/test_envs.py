@@ -739,3 +739,34 @@ def test_reward_functions_get_whole_conversations(sampled_episodes):
     assert seen["ids"] == [e.completion_ids for e in eps]
     assert seen["envs"] == [e.env for e in eps]
     assert seen["prompts"][2] == [{"role": "user", "content": ROWS[1]["q"]}]
+
+
+def test_tools_and_environments_load_from_files(tmp_path):
+    from peergrade.envs import make_env_from_specs
+
+    (tmp_path / "my_tools.py").write_text(
+        'def multiply(a: int, b: int) -> int:\n    """Multiply.\n\n    Args:\n        a: x\n'
+        '        b: y\n    """\n    return a * b\n\n\ndef bare(a):\n    return a\n'
+    )
+    (tmp_path / "my_env.py").write_text(
+        "class Native:\n    def reset(self, row):\n        return 'hi'\n\n"
+        "    def step(self, message):\n        return [], True\n\n\n"
+        "class Trl:\n    def reset(self, **row):\n        return None\n"
+    )
+    tools, env = str(tmp_path / "my_tools.py"), str(tmp_path / "my_env.py")
+    make = make_env_from_specs([f"{tools}:multiply"], f"{env}:Trl", max_tool_calling_iterations=2)
+    e = make({"prompt": "p"})
+    assert isinstance(e, ToolEnvironment) and e.max_iterations == 2
+    assert [t["function"]["name"] for t in e.tools] == ["multiply"]
+    assert type(make_env_from_specs(env=f"{env}:Native")({"q": 1})).__name__ == "Native"
+    bad = [
+        (dict(tools=[f"{tools}:bare"]), "bare"),
+        (dict(tools=[f"{tools}:nope"]), "nope"),
+        (dict(tools=[f"{tmp_path}/missing.py:f"]), "missing.py"),
+        (dict(tools=["no_colon"]), "no_colon"),
+        (dict(tools=[f"{tools}:multiply"], env=f"{env}:Native"), "native environment"),
+        (dict(), "--env or at least one --tools"),
+    ]
+    for kwargs, needle in bad:
+        with pytest.raises(InputError, match=needle):
+            make_env_from_specs(**kwargs)

@@ -9,6 +9,8 @@
   parsing, tool execution.
 - ``runner``: ``run_episodes``, which samples the model's turns batched with one KV cache per
   episode kept across turns, and returns ``Episode`` records with separate attention and loss masks.
+- ``load``: ``make_env_from_specs``, the environment factory named by ``--tools FILE:fn`` /
+  ``--env FILE:Class``, loaded and checked before a model loads.
 - ``scoring``: ``reward_inputs``, TRL's reward-function arguments for episodes (completions as
   message lists, ``environments``).
 
@@ -16,6 +18,7 @@ What this package does not do (yet): wire episodes into the trainer (advantages,
 config and CLI), verifiers environments, or sandboxed code tools. See docs/environments.md.
 """
 
+from peergrade.envs.load import make_env_from_specs
 from peergrade.envs.protocol import Environment, Step
 from peergrade.envs.runner import Episode, episodes_batch, run_episodes
 from peergrade.envs.scoring import reward_inputs
@@ -30,6 +33,7 @@ __all__ = [
     "ToolEnvironment",
     "check_template",
     "episodes_batch",
+    "make_env_from_specs",
     "parse_tool_calls",
     "reward_inputs",
     "run_episodes",

@@ -1,0 +1,65 @@
+"""What ``--tools FILE:fn`` and ``--env FILE:Class`` name, loaded and checked: the
+``make_env`` that ``run_episodes`` takes.
+
+``make_env_from_specs(tools=["my_tools.py:multiply"], env="my_env.py:Game")`` loads each name
+(``path/to/file.py:name`` or an importable ``module:name``, resolved as reward functions are)
+and returns a ``row -> environment`` factory:
+
+- an ``env`` class with a ``step`` method is a native environment (``protocol``): one instance
+  per episode; ``tools`` must then be empty (a native environment runs its own tools);
+- any other ``env`` class is TRL's ``environment_factory`` (``reset(**row)``, public methods as
+  tools), combined with the ``tools`` functions through ``tools.tool_environment_factory``;
+- no ``env``: the ``tools`` alone.
+
+Everything is checked here, before a model loads. The command-line flags and the ``env:``
+config section that call this are not wired in yet (see docs/environments.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from peergrade.envs.tools import tool_environment_factory
+from peergrade.errors import InputError, PeergradeError
+
+
+def load_object(spec: str, what: str) -> Any:
+    """The object named by ``path/to/file.py:name`` or ``module:name``; ``what`` names the
+    flag or key in errors."""
+    from peergrade.rewards.registry import _import_attr, _load_file
+
+    if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rsplit(":", 1)):
+        raise InputError(f"{what} {spec!r}: expected 'path/to/file.py:name' or 'module:name'")
+    target, attr = spec.strip().rsplit(":", 1)
+    try:
+        if target.endswith(".py") or "/" in target or "\\" in target:
+            return _load_file(target, attr, what=f"{what} {spec!r}")
+        return _import_attr(target, attr, what=f"{what} {spec!r}")
+    except PeergradeError:
+        raise
+    except ValueError as e:  # a missing file or name: the message already says which
+        raise InputError(str(e)) from e
+
+
+def make_env_from_specs(
+    tools: Sequence[str] = (), env: str | None = None, **options: Any
+) -> Callable[[Any], Any]:
+    """A checked ``row -> environment`` factory from ``--tools`` / ``--env`` names (see the
+    module docstring); ``options`` go to ``tool_environment_factory``
+    (``max_tool_calling_iterations``, ``tool_timeout``, ``max_tool_output_chars``)."""
+    fns = [load_object(s, "--tools") for s in tools]
+    cls = load_object(env, "--env") if env else None
+    if cls is not None and callable(getattr(cls, "step", None)):
+        if fns:
+            raise InputError(
+                f"--env {env!r} is a native environment (it has step); it cannot take --tools "
+                "functions as well: call them from its step, or give a TRL environment_factory "
+                "class (reset and tool methods, no step)"
+            )
+        if not callable(getattr(cls, "reset", None)):
+            raise InputError(f"--env {env!r}: {cls.__name__} has step but no reset method")
+        return lambda row: cls()
+    if cls is None and not fns:
+        raise InputError("an episode needs --env or at least one --tools function")
+    return tool_environment_factory(fns, cls, **options)
