@@ -770,3 +770,21 @@ def test_tools_and_environments_load_from_files(tmp_path):
     for kwargs, needle in bad:
         with pytest.raises(InputError, match=needle):
             make_env_from_specs(**kwargs)
+
+
+def test_long_episodes_grow_the_cache_and_stay_exact(base_model, tool_tok):
+    # The cache starts at the longest prompt + 256 positions: these episodes outgrow it.
+    model = Steered(base_model, tool_tok.eos_token_id, eos_every=7, eos_bias=6.0)
+    eps = run_episodes(
+        model,
+        tool_tok,
+        ROWS[:2],
+        lambda row: Feedback(rounds=100),
+        max_completion_length=400,
+        max_tokens_per_turn=40,
+        temperature=1.0,
+        seed=5,
+    )
+    assert max(len(e.completion_ids) for e in eps) > 300
+    logp, b = full_forward_logprobs(model, eps, tool_tok.pad_token_id, 1.0)
+    torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
