@@ -370,6 +370,7 @@ class _Engine:
         return logits
 
     def _keep(self, keep: list[int]) -> None:
+        """Keep these cache rows, in this order (an index may repeat: a shared prefill)."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.cache.batch_select_indices(index)
         self.key_ok = self.key_ok.index_select(0, index)
