@@ -37,6 +37,7 @@ class Steered(torch.nn.Module):
         self.generation_config = inner.generation_config
         self.eos_id, self.forced = eos_id, forced or {}
         self.eos_every, self.eos_bias = eos_every, eos_bias
+        self.widths = []  # tokens per forward pass
 
     def forward(
         self,
@@ -47,6 +48,7 @@ class Steered(torch.nn.Module):
         use_cache=None,
         logits_to_keep=0,
     ):
+        self.widths.append(input_ids.shape[1])
         out = self.inner(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -788,3 +790,34 @@ def test_long_episodes_grow_the_cache_and_stay_exact(base_model, tool_tok):
     assert max(len(e.completion_ids) for e in eps) > 300
     logp, b = full_forward_logprobs(model, eps, tool_tok.pad_token_id, 1.0)
     torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_a_turn_feeds_only_its_new_tokens(base_model, tool_tok):
+    """No forward pass after the prompt's re-reads the history: each is at most one appended
+    delta plus the sampled token before it."""
+    model = Steered(base_model, tool_tok.eos_token_id, eos_every=7, eos_bias=6.0)
+    eps = run_episodes(
+        model,
+        tool_tok,
+        ROWS,
+        lambda row: Feedback(rounds=4),
+        n=2,
+        max_completion_length=150,
+        max_tokens_per_turn=40,
+        temperature=1.0,
+        seed=1,
+    )
+    deltas = []
+    for e in eps:
+        run = 0
+        for m in e.loss_mask + [1]:
+            if m == 0:
+                run += 1
+            elif run:
+                deltas.append(run)
+                run = 0
+    assert deltas and max(e.num_turns for e in eps) >= 3
+    widths = model.widths
+    assert widths[0] == max(len(e.prompt_ids) for e in eps)  # the one prefill
+    assert max(widths[1:]) <= max(deltas) + 1
+    assert max(len(e.input_ids) for e in eps) > 2 * (max(deltas) + 1)
