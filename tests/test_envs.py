@@ -821,3 +821,25 @@ def test_a_turn_feeds_only_its_new_tokens(base_model, tool_tok):
     assert widths[0] == max(len(e.prompt_ids) for e in eps)  # the one prefill
     assert max(widths[1:]) <= max(deltas) + 1
     assert max(len(e.input_ids) for e in eps) > 2 * (max(deltas) + 1)
+
+
+def test_episode_metrics():
+    from peergrade.envs import Episode, episode_metrics
+
+    def ep(reason, turns, calls, fails, mask):
+        e = Episode(0, [1], [], 0, finish_reason=reason, num_turns=turns)
+        e.tool_calls, e.tool_failures = calls, fails
+        e.loss_mask, e.completion_ids = mask, [5] * len(mask)
+        return e
+
+    m = episode_metrics([ep("answer", 2, 3, 1, [1, 1, 0, 1]), ep("length", 1, 1, 1, [1, 1])])
+    assert m == {
+        "tools/call_frequency": 2.0,
+        "tools/failure_frequency": 0.5,
+        "turns/mean": 1.5,
+        "episode/len_mean": 3.0,
+        "episode/sampled_len_mean": 2.5,
+        "episode/stop_reason/answer": 0.5,
+        "episode/stop_reason/length": 0.5,
+    }
+    assert episode_metrics([ep("done", 1, 0, 0, [1])])["tools/failure_frequency"] == 0.0

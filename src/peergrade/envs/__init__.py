@@ -20,7 +20,7 @@ config and CLI), verifiers environments, or sandboxed code tools. See docs/envir
 
 from peergrade.envs.load import make_env_from_specs
 from peergrade.envs.protocol import Environment, Step
-from peergrade.envs.runner import Episode, episodes_batch, run_episodes
+from peergrade.envs.runner import Episode, episode_metrics, episodes_batch, run_episodes
 from peergrade.envs.scoring import reward_inputs
 from peergrade.envs.template import TemplateError, check_template
 from peergrade.envs.tools import ToolEnvironment, parse_tool_calls, tool_environment_factory
@@ -32,6 +32,7 @@ __all__ = [
     "TemplateError",
     "ToolEnvironment",
     "check_template",
+    "episode_metrics",
     "episodes_batch",
     "make_env_from_specs",
     "parse_tool_calls",

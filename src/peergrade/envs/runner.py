@@ -132,6 +132,29 @@ def episodes_batch(episodes: Sequence[Episode], pad_token_id: int) -> dict[str, 
     }
 
 
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Metrics of a batch of episodes, named as TRL names them where it has them:
+    ``tools/call_frequency`` (tool calls per episode), ``tools/failure_frequency`` (failed calls
+    per call, 0 without calls), ``turns/mean``, ``episode/stop_reason/<reason>`` (fraction of
+    episodes), ``episode/len_mean`` (tokens after the prompt) and ``episode/sampled_len_mean``
+    (of them, tokens the model sampled: what length metrics of the loss should count).
+    Local to this process: under torchrun, reduce the underlying sums instead."""
+    n = len(episodes)
+    if n == 0:
+        return {}
+    calls = sum(e.tool_calls for e in episodes)
+    out = {
+        "tools/call_frequency": calls / n,
+        "tools/failure_frequency": sum(e.tool_failures for e in episodes) / calls if calls else 0.0,
+        "turns/mean": sum(e.num_turns for e in episodes) / n,
+        "episode/len_mean": sum(len(e.completion_ids) for e in episodes) / n,
+        "episode/sampled_len_mean": sum(e.num_sampled_tokens for e in episodes) / n,
+    }
+    for reason in sorted({e.finish_reason for e in episodes}):
+        out[f"episode/stop_reason/{reason}"] = sum(e.finish_reason == reason for e in episodes) / n
+    return out
+
+
 def _as_step(value: Any, where: str) -> Step:
     if isinstance(value, Step):
         return value
