@@ -29,7 +29,7 @@ exploits that keep the right answer but skip the work (an empty think block, pad
 several functions, the weighted total (what training optimises) is audited too, and a shaping
 function is judged through it. An exploit is a finding when it wins on at least ``fail_share``
 of the rows (default ``DEFAULT_FAIL_SHARE``); a function that raises or returns NaN on a
-completion the contract says it scores is *fragile*. Equivalent forms of the answer (``42.0``,
+completion the contract says it scores is *fragile*. Lookalikes of the answer (``42.0``,
 ``042``, full-width digits, words) and out-of-contract inputs (``None``, a number, the other
 completion form) are information only.
 
@@ -463,7 +463,11 @@ def _hardcode_visible(ctx: RowContext) -> str | None:
         if not table:
             return None
         return f"import sys\nprint({table!r}.get(sys.stdin.read().strip(), ''))\n"
-    table = _scan_asserts(shown, ctx.code["fn"], {})
+    table: dict = {}
+    lines = shown.splitlines()
+    asserts = [ln[ln.index("assert") :] for ln in lines if "assert" in ln]
+    for src in [shown, *lines, *asserts]:  # the prompt is prose with tests in it
+        _scan_asserts(src.strip(), ctx.code["fn"], table)
     if not table:
         return None
     return (
@@ -573,7 +577,7 @@ EXPLOITS: list[Exploit] = [
     ),
     Exploit(
         "spaced_digits",
-        "answer",
+        "equivalent",
         _number(_spaced),
         "the answer's digits with spaces between (4 2)",
     ),
@@ -941,7 +945,7 @@ class AuditReport:
                     continue
                 mean = "-" if f.mean is None else f"{f.mean:.3f}"
                 wins = f"{f.wins}/{f.rows}" if f.kind not in ("robustness",) else ""
-                status = f.status + (f" ({f.errors} errors: {f.error})" if f.errors else "")
+                status = f.status + (f" ({f.errors} raised: {f.error[:70]})" if f.errors else "")
                 out.append(f"  {f.exploit:<24} {f.kind:<10} {mean:>7} {wins:>11}  {status}")
             verdict = u.verdict.upper() if u.verdict != "clean" else "clean"
             w = u.worst

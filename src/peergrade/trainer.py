@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from peergrade import audit
 from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
 from peergrade import ppo
@@ -226,6 +227,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
     task = given.task if given.task is not None else build_task(cfg)
     rewards = build_rewards(cfg, task, given.reward_fns)
+    audit.at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
     acc = accuracy_spec(task) if task.default_rewards else rewards[0]
     # the verifier as the recipe configures it (e.g. arithmetic with extract: last_number)
