@@ -134,6 +134,7 @@ _FORMS: list[tuple[str, Callable[[str], str]]] = [
     ("last_line", lambda a: f"{_REASONING}\n{a}"),
     ("bare", lambda a: a),
 ]
+_PLAIN_FORMS = ("answer_tag", "bare")
 _CODE_FORMS: list[tuple[str, Callable[[str], str]]] = [
     ("fenced", lambda c: f"```python\n{c}\n```"),
     ("think_fenced", lambda c: f"<think>\n{_REASONING}\n</think>\n```python\n{c}\n```"),
@@ -1012,12 +1013,18 @@ def audit_rewards(
 
     ref_vals = unit_values(ref)
     correct: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
+    # plain: the best the right answer earns with no reasoning at all (a bare tag or the bare
+    # answer); an exploit that skips the work must beat it (a reward that never asked for a
+    # think block is not fooled by an empty one)
+    plain: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
     best_total = [None] * len(ctxs)
     for k, (i, j) in enumerate(zip(ref_row, ref_form)):
         for u in unit_names:
             v = ref_vals[u][k]
             if v is not None and (correct[u][i] is None or v > correct[u][i]):
                 correct[u][i] = v
+            if v is not None and not ctxs[i].code and _FORMS[j][0] in _PLAIN_FORMS:
+                plain[u][i] = v if plain[u][i] is None else max(plain[u][i], v)
         t = ref_vals[unit_names[-1]][k]
         if t is not None and (best_total[i] is None or t > best_total[i] + _EPS):
             best_total[i] = t
@@ -1074,6 +1081,9 @@ def audit_rewards(
         vals: dict[str, list] = {u: [] for u in unit_names}
         errs: dict[str, dict[int, str]] = {u: {} for u in unit_names}
         alive = list(built)
+        bar = floor
+        if ex.skips_work:
+            bar = {u: [_max_known(f, p) for f, p in zip(floor[u], plain[u])] for u in unit_names}
         for k in range(max((len(v) for v in built.values()), default=0) if ex.guesses else 1):
             if ex.guesses:
                 todo = [(i, built[i][k]) for i in alive if k < len(built[i])]
@@ -1098,7 +1108,7 @@ def audit_rewards(
                 if any(
                     stage[u][j] is not None
                     and offset + j not in errs[u]
-                    and _won(stage[u][j], correct[u][i], floor[u][i], wrong[u][i], ex.must_beat)
+                    and _won(stage[u][j], correct[u][i], bar[u][i], wrong[u][i], ex.must_beat)
                     for u in unit_names
                 )
             ]
@@ -1116,7 +1126,7 @@ def audit_rewards(
                     texts,
                     correct[u],
                     wrong[u],
-                    floor[u],
+                    bar[u],
                     fail_share,
                 )
             )
@@ -1167,6 +1177,11 @@ def audit_rewards(
             )
         )
     return AuditReport(units, len(ctxs), fail_share, time.perf_counter() - t0, notes)
+
+
+def _max_known(*values):
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _won(e: float, cv, fl, wv, must_beat: bool) -> bool:
@@ -1289,7 +1304,8 @@ STARTUP_CODE_ROWS = 4
 # ----------------------------------------------------------------------------- samples
 
 
-_NUM_RE = re.compile(r"[+-]?\d+(?:\.\d+)?(?:/\d+)?", re.ASCII)
+#: two numbers listed in the answer slot ("18, 19", "18 or 19", "18 19"; not "12+7", "1,234")
+_LIST_RE = re.compile(r"\d(?:\s*;\s*|\s*,\s+|\s+or\s+|\s+and\s+|\s+)[+-]?\d", re.ASCII)
 #: a repeated-word-trigram share at or above this flags a completion as repetitive
 REPETITION_FLAG = 0.5
 
@@ -1318,8 +1334,8 @@ def cross_check(completion: str, prompt, answer, finish_reason=None) -> list[str
             flags.append("strict_check_disagrees")
     blocks = set(re.findall(r"<answer>(.*?)</answer>", completion, re.S))
     boxes = set(re.findall(r"\\boxed\{([^{}]*)\}", completion))
-    numbers = set(_NUM_RE.findall(_final_slot(completion)))
-    if len({b.strip() for b in blocks}) > 1 or len(boxes) > 1 or len(numbers) > 1:
+    listed = _LIST_RE.search(_final_slot(completion)) is not None
+    if len({b.strip() for b in blocks}) > 1 or len(boxes) > 1 or listed:
         flags.append("several_answers")
     if -repetition_penalty(None, [completion], n=3)[0] >= REPETITION_FLAG:
         flags.append("repetition")
