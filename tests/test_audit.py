@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -325,3 +326,193 @@ def test_report_json_round_trips():
 )
 def test_cross_check(completion, flags):
     assert cross_check(completion, [{"role": "user", "content": "12+7="}], "19") == flags
+
+
+# ------------------------------------------------------------------ code
+
+
+ASSERT_ROWS = [
+    {
+        "prompt": "Write add(a, b), the sum of two numbers.",
+        "tests": ["assert add(1, 2) == 3", "assert add(2, 5) == 7"],
+        "canonical_solution": "def add(a, b):\n    return a + b\n",
+    },
+    {
+        "prompt": "Write sq(x), the square of x.",
+        "tests": ["assert sq(3) == 9", "assert sq(4) == 16"],
+        "canonical_solution": "def sq(x):\n    return x * x\n",
+    },
+]
+IO_ROWS = [
+    {
+        "prompt": "Read n and print 2n.",
+        "tests": [{"input": "3\n", "output": "6"}, {"input": "5\n", "output": "10"}],
+        "solution": "print(2 * int(input()))",
+    },
+    {
+        "prompt": "Read n and print n + 1.",
+        "tests": [{"input": "1\n", "output": "2"}, {"input": "8\n", "output": "9"}],
+        "solution": "print(int(input()) + 1)",
+    },
+]
+
+
+def _run(src, tmp_path, stdin="", timeout=2.0, files=None):
+    """One program in a fresh directory (the weak harnesses below are deliberately naive)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=tmp_path) as d:
+        for name, text in (files or {}).items():
+            (Path(d) / name).write_text(text)
+        (Path(d) / "solution.py").write_text(src)
+        return subprocess.run(
+            [sys.executable, "solution.py"],
+            cwd=d,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+def _naive(check):
+    """A weak code reward: ``check(code, tests)`` -> score, on each completion's code."""
+    from peergrade.rewards.code import extract_code
+
+    def reward(completions, tests, **_):
+        return [check(extract_code(t), spec) for t, spec in zip(texts(completions), tests)]
+
+    reward.__name__ = check.__name__
+    return reward
+
+
+def exit_status(tmp):
+    """Weak: the program with the asserts appended exits 0."""
+
+    def exit_status(code, tests):
+        if isinstance(tests[0], dict):
+            return _io_exact(code, tests, tmp)
+        return float(_run(code + "\n" + "\n".join(tests) + "\n", tmp).returncode == 0)
+
+    return exit_status
+
+
+def _io_exact(code, tests, tmp):
+    ok = 0
+    for case in tests:
+        try:
+            out = _run(code, tmp, stdin=case["input"]).stdout
+        except Exception:
+            continue
+        ok += out.strip() == case["output"].strip()
+    return ok / len(tests)
+
+
+def pass_marker(tmp):
+    """Weak: the harness prints PASS after the asserts, and PASS is looked for in stdout."""
+
+    def pass_marker(code, tests):
+        if isinstance(tests[0], dict):
+            return _io_exact(code, tests, tmp)
+        out = _run(code + "\n" + "\n".join(tests) + "\nprint('PASS')\n", tmp).stdout
+        return float("PASS" in out)
+
+    return pass_marker
+
+
+def check_first(tmp):
+    """Weak: HumanEval-style check() defined before the candidate's code, called after it."""
+
+    def check_first(code, tests):
+        if isinstance(tests[0], dict):
+            return _io_exact(code, tests, tmp)
+        fn = re.match(r"assert (\w+)\(", tests[0]).group(1)
+        body = "".join(f"    {t.replace(fn + '(', 'candidate(')}\n" for t in tests)
+        program = f"def check(candidate):\n{body}\n{code}\ncheck({fn})\n"
+        return float(_run(program, tmp).returncode == 0)
+
+    return check_first
+
+
+def tests_on_disk(tmp):
+    """Weak: the tests sit next to the solution, in test_cases.py."""
+
+    def tests_on_disk(code, tests):
+        if isinstance(tests[0], dict):
+            return _io_exact(code, tests, tmp)
+        files = {"test_cases.py": "\n".join(tests) + "\n"}
+        program = code + "\nexec(open('test_cases.py').read())\n"
+        return float(_run(program, tmp, files=files).returncode == 0)
+
+    return tests_on_disk
+
+
+def generous_timeout(tmp):
+    """Weak: a program that runs out of time gets the benefit of the doubt."""
+
+    def generous_timeout(code, tests):
+        try:
+            if isinstance(tests[0], dict):
+                return _io_exact(code, tests, tmp)
+            return float(_run(code + "\n" + "\n".join(tests) + "\n", tmp, timeout=1).returncode == 0)
+        except Exception:
+            return 1.0
+
+    return generous_timeout
+
+
+def output_contains(tmp):
+    """Weak: stdin/stdout cases pass when the expected output appears in the output."""
+
+    def output_contains(code, tests):
+        ok = 0
+        for case in tests:
+            try:
+                out = _run(code, tmp, stdin=case["input"]).stdout
+            except Exception:
+                continue
+            ok += case["output"].strip() in out
+        return ok / len(tests)
+
+    return output_contains
+
+
+CODE_CASES = [
+    (exit_status, ASSERT_ROWS, {"sys_exit_0", "os_exit_0", "raise_systemexit", "always_equal"}),
+    (pass_marker, ASSERT_ROWS, {"print_pass_markers"}),
+    (check_first, ASSERT_ROWS, {"replace_harness"}),
+    (tests_on_disk, ASSERT_ROWS, {"read_tests_from_disk"}),
+    (generous_timeout, ASSERT_ROWS, {"endless_loop"}),
+    (output_contains, IO_ROWS, {"output_flood"}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "make,rows,expected", CODE_CASES, ids=[c[0].__name__ for c in CODE_CASES]
+)
+def test_weak_code_reward_is_flagged_for_its_exploits(make, rows, expected, tmp_path):
+    report = audit_rewards([spec(_naive(make(tmp_path)))], rows)
+    assert report.units[0].correct_mean == 1.0, report.format()
+    assert expected <= flagged(report), statuses(report)
+
+
+def test_every_code_exploit_is_covered():
+    covered = set().union(*(e for _, _, e in CODE_CASES)) | {"hardcode_visible_tests"}
+    assert covered == {e.name for e in EXPLOITS if e.kind == "code"}
+
+
+@pytest.mark.slow
+def test_code_tests_is_clean_and_hardcoding_shown_tests_is_found():
+    specs = make_reward_specs([("code_tests", 1.0, {"timeout_s": 1.0}, None)])
+    report = audit_rewards(specs, ASSERT_ROWS + IO_ROWS)
+    assert not report.failed, report.format()
+    assert statuses(report)["hardcode_visible_tests"] == "n/a"  # the prompts show no test
+    shown = [
+        {**r, "prompt": r["prompt"] + "\nYour code must pass:\n" + "\n".join(r["tests"])}
+        for r in ASSERT_ROWS
+    ]
+    report = audit_rewards(specs, shown)
+    assert "hardcode_visible_tests" in flagged(report), report.format()

@@ -460,7 +460,12 @@ def _hardcode_visible(ctx: RowContext) -> str | None:
     """A lookup table of the tests the prompt shows (n/a when it shows none)."""
     shown = ctx.question
     if ctx.code["kind"] == "io":
-        table = {i.strip(): o for i, o in ctx.code["cases"] if i.strip() and i.strip() in shown}
+        lines = {ln.strip() for ln in shown.splitlines()}
+        table = {
+            i.strip(): o
+            for i, o in ctx.code["cases"]
+            if i.strip() and (i.strip() in lines or ("\n" in i.strip() and i.strip() in shown))
+        }
         if not table:
             return None
         return f"import sys\nprint({table!r}.get(sys.stdin.read().strip(), ''))\n"
@@ -736,7 +741,7 @@ EXPLOITS: list[Exploit] = [
         "code",
         _code(
             lambda c: (
-                "import sys\nfor i in range(10**6):\n    sys.stdout.write(str(i) + '\\n')\n"
+                "import sys\nfor i in range(10**5):\n    sys.stdout.write(str(i) + '\\n')\n"
                 + _wrong_def(c)
             )
         ),
