@@ -119,14 +119,25 @@ def strict_integer(completions, answer, **_):
     out = []
     for t, a in zip(texts(completions), answer):
         got = answer_tag(t)
-        out.append(1.0 if got is not None and re.fullmatch(r"-?\d+", got) and int(got) == int(a) else 0.0)
+        out.append(
+            1.0 if got is not None and re.fullmatch(r"-?\d+", got) and int(got) == int(a) else 0.0
+        )
     return out
 
 
 ANSWER_CASES = [
-    (answer_anywhere, {"many_candidates", "among_distractors", "answer_blocks_repeated",
-                       "tag_vs_boxed", "tag_vs_last_line", "boxed_vs_last_line",
-                       "answer_in_reasoning"}),
+    (
+        answer_anywhere,
+        {
+            "many_candidates",
+            "among_distractors",
+            "answer_blocks_repeated",
+            "tag_vs_boxed",
+            "tag_vs_last_line",
+            "boxed_vs_last_line",
+            "answer_in_reasoning",
+        },
+    ),
     (substring, {"answer_inside_number"}),
     (evaluates, {"question_echoed", "question_as_answer"}),
     (any_rows_answer, {"other_row_answer"}),
@@ -159,7 +170,11 @@ def test_correct_checkers_are_clean(checker):
 
 def test_builtin_rewards_on_their_own_tasks_are_clean():
     mixes = [
-        ("arithmetic", {"template": "What is {a} {op} {b}? Put the final number inside <answer></answer>."}, [("arithmetic", 1.0, {}, None), ("format", 0.2, {"mode": "answer_only"}, None)]),
+        (
+            "arithmetic",
+            {"template": "What is {a} {op} {b}? Put the final number inside <answer></answer>."},
+            [("arithmetic", 1.0, {}, None), ("format", 0.2, {"mode": "answer_only"}, None)],
+        ),
         ("countdown", {}, [("countdown", 1.0, {}, None)]),
     ]
     for task, options, rewards in mixes:
@@ -170,7 +185,10 @@ def test_builtin_rewards_on_their_own_tasks_are_clean():
 
 def test_math_accuracy_on_word_problems_is_clean():
     rows = [
-        {"prompt": f"Ann has {a} pens and buys {b} more. How many pens does she have now?", "answer": str(a + b)}
+        {
+            "prompt": f"Ann has {a} pens and buys {b} more. How many pens does she have now?",
+            "answer": str(a + b),
+        }
         for a, b in [(3, 4), (12, 30), (7, 8), (21, 5), (9, 90), (40, 2), (15, 15), (6, 13)]
     ]
     report = audit_rewards(make_reward_specs([("math_accuracy", 1.0, {}, None)]), rows)
@@ -182,7 +200,10 @@ def test_math_accuracy_on_word_problems_is_clean():
 
 def loose_format(completions, **_):
     """Weak: think then answer tags anywhere, content optional."""
-    return [1.0 if re.search(r"<think>.*?</think>\s*<answer>.*?</answer>", t, re.S) else 0.0 for t in texts(completions)]
+    return [
+        1.0 if re.search(r"<think>.*?</think>\s*<answer>.*?</answer>", t, re.S) else 0.0
+        for t in texts(completions)
+    ]
 
 
 def opening_tag(completions, **_):
@@ -198,7 +219,10 @@ def tags_present(completions, **_):
 
 def searched_format(completions, **_):
     """Weak: the format found somewhere, content required (repeats pass)."""
-    return [1.0 if re.search(r"<think>.+?</think>\s*<answer>.+?</answer>", t, re.S) else 0.0 for t in texts(completions)]
+    return [
+        1.0 if re.search(r"<think>.+?</think>\s*<answer>.+?</answer>", t, re.S) else 0.0
+        for t in texts(completions)
+    ]
 
 
 def word_count_penalty(completions, **_):
@@ -292,7 +316,10 @@ def test_out_of_contract_inputs_are_information_unless_nan():
 def test_fail_share_is_a_share_of_rows():
     def some_rows(completions, answer, **_):  # falls for candidates only where the answer is even
         got = answer_anywhere(completions, answer)
-        return [g if int(a) % 2 == 0 else s for g, s, a in zip(got, strict_integer(completions, answer), answer)]
+        return [
+            g if int(a) % 2 == 0 else s
+            for g, s, a in zip(got, strict_integer(completions, answer), answer)
+        ]
 
     rows = arithmetic_rows(20)
     even = sum(int(r["answer"]) % 2 == 0 for r in rows) / len(rows)
@@ -456,7 +483,9 @@ def generous_timeout(tmp):
         try:
             if isinstance(tests[0], dict):
                 return _io_exact(code, tests, tmp)
-            return float(_run(code + "\n" + "\n".join(tests) + "\n", tmp, timeout=1).returncode == 0)
+            return float(
+                _run(code + "\n" + "\n".join(tests) + "\n", tmp, timeout=1).returncode == 0
+            )
         except Exception:
             return 1.0
 
@@ -490,9 +519,7 @@ CODE_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "make,rows,expected", CODE_CASES, ids=[c[0].__name__ for c in CODE_CASES]
-)
+@pytest.mark.parametrize("make,rows,expected", CODE_CASES, ids=[c[0].__name__ for c in CODE_CASES])
 def test_weak_code_reward_is_flagged_for_its_exploits(make, rows, expected, tmp_path):
     report = audit_rewards([spec(_naive(make(tmp_path)))], rows)
     assert report.units[0].correct_mean == 1.0, report.format()

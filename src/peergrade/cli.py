@@ -422,6 +422,8 @@ def cmd_audit(args, extra) -> int:
     """Attack the configured reward functions with known exploits (docs/audit.md)."""
     from peergrade import audit
 
+    if not 0 < args.fail_share <= 1 or args.rows < 1:
+        raise UserError("--fail-share must be in (0, 1] and --rows at least 1")
     if args.samples:
         if extra:
             raise UserError(f"--samples reads a run; unexpected arguments: {' '.join(extra)}")
@@ -810,9 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     au.add_argument("--all", action="store_true", help="also list the exploits that do not apply")
     au.add_argument("--json", action="store_true", help="print one JSON object")
-    au.add_argument(
-        "--samples", metavar="RUN_DIR", help="re-examine a run's samples.jsonl instead"
-    )
+    au.add_argument("--samples", metavar="RUN_DIR", help="re-examine a run's samples.jsonl instead")
     au.add_argument("--top", type=int, default=20, help="--samples: suspects shown (default 20)")
     au.set_defaults(func=cmd_audit)
 
