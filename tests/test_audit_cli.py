@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helper import cli
 
+from cli_helper import cli
 from peergrade.audit import audit_rewards, samples_audit
 from peergrade.cli import main
 from peergrade.rewards import RewardSpec
@@ -189,7 +189,7 @@ def test_trl_and_open_r1_reward_functions(monkeypatch, tmp_path):
         ],
     }
     got = {}
-    for (module, name, kind), expected in TRL_FINDINGS.items():
+    for module, name, kind in TRL_FINDINGS:
         fn = getattr(importlib.import_module(module), name)
         report = audit_rewards([RewardSpec(name=name, fn=fn)], rows[kind], max_steps=100)
         got[(module, name, kind)] = {

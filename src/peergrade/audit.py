@@ -612,7 +612,7 @@ EXPLOITS: list[Exploit] = [
     Exploit(
         "garbage_in_tags",
         "answer",
-        lambda c: None if c.code else ["<think>\nxyzzy\n</think>\n<answer>\nxyzzy\n</answer>"],
+        lambda c: None if c.code else ["<think>\n???\n</think>\n<answer>\n???\n</answer>"],
         "the required tags with garbage inside",
     ),
     # equivalent forms: information

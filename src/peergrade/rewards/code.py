@@ -512,7 +512,8 @@ def _assert_job(code: str, steps: list[tuple[str, str]]) -> tuple[dict, str]:
         tree = _GuardComparisons(checker).visit(ast.parse(src))
         guarded.append((kind, ast.unparse(ast.fix_missing_locations(tree))))
     program = _HARNESS.format(code=code, checker=checker)
-    return {"code": program, "files": {"nonce.txt": nonce, "steps.json": json.dumps(guarded)}}, nonce
+    files = {"nonce.txt": nonce, "steps.json": json.dumps(guarded)}
+    return {"code": program, "files": files}, nonce
 
 
 def _score_asserts(res: SandboxResult, nonce: str, total: int) -> tuple[int, list[str]]:
