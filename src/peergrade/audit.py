@@ -1250,9 +1250,16 @@ def _probe_finding(name: str, values: list, n: int, errors: dict[int, str]) -> F
     )
 
 
+_BATCH_ERR_RE = re.compile(
+    r"raised on the batch of \d+(?: \(first failing sample index \d+: .*\))?: (.*)$", re.S
+)
+_SAMPLE_ERR_RE = re.compile(r"sample \d+: (.*)$", re.S)
+
+
 def _short_error(msg: str) -> str:
-    msg = msg.split(": ", 1)[-1] if msg.startswith("reward ") else msg
-    return msg[:160]
+    """The exception (or the bad value) out of a ``score_rewards`` error message."""
+    m = _BATCH_ERR_RE.search(msg) or _SAMPLE_ERR_RE.search(msg)
+    return (m.group(1) if m else msg)[:160]
 
 
 # ----------------------------------------------------------------------------- entry points
