@@ -463,17 +463,17 @@ def check_first(tmp):
     return check_first
 
 
-def tests_on_disk(tmp):
+def on_disk_tests(tmp):
     """Weak: the tests sit next to the solution, in test_cases.py."""
 
-    def tests_on_disk(code, tests):
+    def on_disk_tests(code, tests):
         if isinstance(tests[0], dict):
             return _io_exact(code, tests, tmp)
         files = {"test_cases.py": "\n".join(tests) + "\n"}
         program = code + "\nexec(open('test_cases.py').read())\n"
         return float(_run(program, tmp, files=files).returncode == 0)
 
-    return tests_on_disk
+    return on_disk_tests
 
 
 def generous_timeout(tmp):
@@ -512,7 +512,7 @@ CODE_CASES = [
     (exit_status, ASSERT_ROWS, {"sys_exit_0", "os_exit_0", "raise_systemexit", "always_equal"}),
     (pass_marker, ASSERT_ROWS, {"print_pass_markers"}),
     (check_first, ASSERT_ROWS, {"replace_harness"}),
-    (tests_on_disk, ASSERT_ROWS, {"read_tests_from_disk"}),
+    (on_disk_tests, ASSERT_ROWS, {"read_tests_from_disk"}),
     (generous_timeout, ASSERT_ROWS, {"endless_loop"}),
     (output_contains, IO_ROWS, {"output_flood"}),
 ]
