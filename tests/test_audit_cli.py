@@ -164,6 +164,20 @@ TRL_FINDINGS = {
     ("recipes_a", "ground_truth_reward", "plain"): {"trailing_decimals"},
     ("recipes_a", "plain_curriculum_reward", "plain"): {"empty_completion"},
     ("recipes_a", "exact_match", "plain"): set(),
+    ("recipes_a", "char_length_reward", "plain"): {
+        "truncated_at_cap",
+        "long_filler",
+        "nested_tags",
+        "format_repeated",
+        "padded_answer",
+    },
+    ("recipes_a", "token_length_reward", "plain"): {
+        "truncated_at_cap",
+        "long_filler",
+        "nested_tags",
+        "format_repeated",
+        "padded_answer",
+    },
     ("recipes_b", "accuracy_reward", "conv"): set(),
     ("recipes_b", "exact_match", "plain"): set(),
 }
