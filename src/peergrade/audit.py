@@ -162,11 +162,11 @@ def _reference(row: dict) -> str | None:
 
 def _code_info(row: dict) -> dict | None:
     """The tests of a code row (as ``code_tests`` reads them), its function, its solution."""
-    from peergrade.rewards.code import _specs
-
     test_keys = ("tests", "test", "test_list", "input_output", "public_tests", "private_tests")
     if all(row.get(k) is None for k in test_keys):
         return None
+    from peergrade.rewards.code import _specs  # the sandbox's module: only for code rows
+
     try:
         spec = _specs({k: [v] for k, v in row.items()}, 1, "auto")[0]
     except ValueError:
