@@ -543,3 +543,13 @@ def test_code_tests_is_clean_and_hardcoding_shown_tests_is_found():
     ]
     report = audit_rewards(specs, shown)
     assert "hardcode_visible_tests" in flagged(report), report.format()
+
+
+def test_raising_on_the_correct_completion_is_fragile():
+    def needs_ids(completions, completion_ids, answer, **_):
+        if any(len(ids) > 3 for ids in completion_ids):
+            raise RuntimeError("too long")
+        return [0.0] * len(completions)
+
+    report = audit_rewards([spec(needs_ids)], arithmetic_rows(4))
+    assert statuses(report)["correct_completion"] == "ERROR" and report.failed

@@ -88,6 +88,8 @@ __all__ = [
 DEFAULT_FAIL_SHARE = 0.1
 #: rows the start-up audit (``train.audit_rewards``) attacks
 STARTUP_ROWS = 16
+#: ... and when the rows are code rows (each exploit is a sandboxed process)
+STARTUP_CODE_ROWS = 4
 #: equivalent forms are information only: scored on at most this many rows (math-verify
 #: takes tens of milliseconds to reject "forty-two")
 INFO_ROWS = 20
@@ -270,7 +272,7 @@ class Exploit:
     must_beat: bool = False
 
 
-def _numbers_around(n: int, k: int = 5) -> list[str]:
+def _numbers_around(n: int, k: int) -> list[str]:
     return [str(x) for x in range(n - k, n + k + 1)]
 
 
@@ -1071,6 +1073,22 @@ def audit_rewards(
     # others' scores), then the probes. A set of guesses is scored one variant at a time,
     # each on the rows where every variant so far won for some unit (it wins only if all do).
     findings: dict[str, list[Finding]] = {u: [] for u in unit_names}
+    for u in names:  # failing on the correct completion itself: fragile whatever else happens
+        bad_rows = {ref_row[k]: m for k, m in ref.errors[u].items()}
+        if bad_rows:
+            first = _short_error(next(iter(bad_rows.values())))
+            findings[u].append(
+                Finding(
+                    "correct_completion",
+                    "robustness",
+                    "ERROR",
+                    None,
+                    0,
+                    len(ctxs),
+                    len(bad_rows),
+                    first,
+                )
+            )
     for ex in EXPLOITS:
         if ex.kind == "code" and not code:
             continue
@@ -1308,9 +1326,6 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
             "train.audit_rewards: warn"
         )
     return report
-
-
-STARTUP_CODE_ROWS = 4
 
 
 # ----------------------------------------------------------------------------- samples
