@@ -92,7 +92,7 @@ STARTUP_ROWS = 16
 STARTUP_CODE_ROWS = 4
 #: equivalent forms are information only: scored on at most this many rows (math-verify
 #: takes tens of milliseconds to reject "forty-two")
-INFO_ROWS = 20
+INFO_ROWS = 10
 _EPS = 1e-6
 _REASONING = "First, I read the problem. Next, I work it out. Finally, I check the result."
 _NONSENSE = "I am not sure what the question is."
