@@ -10,6 +10,7 @@
   peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB   GRPO / PPO / GRPO+LoRA: which fits
   peergrade report RUN_DIR [RUN_DIR ...] [-o report.html]     one self-contained HTML report (overlaid)
   peergrade sweep --set rollout.group_size=2,4,8 [--steps N]  train each value, compare, name the best
+  peergrade audit [--config X.yaml] [--reward R] [--samples RUN_DIR]  attack the reward functions
 
 Every config key can be overridden with ``--section.key value`` (the value is parsed as YAML).
 Errors a user can fix (bad config, bad data, missing model files, a run dir that would be
@@ -417,6 +418,34 @@ def _run_memory_section(run_dir: Path, budget_text: str):
     return Section("Memory budget", body, "memory")
 
 
+def cmd_audit(args, extra) -> int:
+    """Attack the configured reward functions with known exploits (docs/audit.md)."""
+    from peergrade import audit
+
+    if not 0 < args.fail_share <= 1 or args.rows < 1:
+        raise UserError("--fail-share must be in (0, 1] and --rows at least 1")
+    if args.samples:
+        if extra:
+            raise UserError(f"--samples reads a run; unexpected arguments: {' '.join(extra)}")
+        found = audit.samples_audit(args.samples, top=args.top)
+        print(json.dumps(found) if args.json else audit.format_samples(found))
+        return 1 if found["suspects"] else 0
+    from peergrade.trainer import build_rewards, build_task
+
+    if args.task:
+        extra = [*extra, "--data.task", args.task]
+    cfg = _config_from(args, extra)
+    task = build_task(cfg)
+    report = audit.audit_rewards(
+        build_rewards(cfg, task),
+        audit.first_rows(task, args.rows, cfg.train.seed),
+        fail_share=args.fail_share,
+        max_steps=cfg.train.steps,
+    )
+    print(json.dumps(report.to_dict()) if args.json else report.format(verbose=args.all))
+    return 1 if report.failed else 0
+
+
 def cmd_sweep(args, extra) -> int:
     from peergrade.report import load_run, write_report
     from peergrade.sweep import (
@@ -758,6 +787,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="name the best accuracy reached within this much training time (default: at the end)",
     )
     sw.set_defaults(func=cmd_sweep)
+
+    au = sub.add_parser(
+        "audit",
+        help="attack the reward functions with the exploits models find (before training)",
+        description="Score a battery of adversarial completions (candidate lists, empty tags, "
+        "code that exits before its tests, ...) built from the first rows, next to a correct "
+        "and a wrong completion, with every reward function of the config. Exit status 1 when "
+        "an exploit scores at least as well as the correct completion on --fail-share of the "
+        "rows (see docs/audit.md). With --samples: the suspect completions of a finished run.",
+    )
+    _add_config_args(au)
+    au.add_argument("--reward", action="append", metavar="SPEC", help="as for train; repeatable")
+    au.add_argument("--data", help="user dataset file (= --data.path)")
+    au.add_argument("--task", help="built-in task (= --data.task)")
+    au.add_argument("--rows", type=int, default=100, help="rows to attack (default 100)")
+    au.add_argument(
+        "--fail-share",
+        type=float,
+        default=0.1,
+        metavar="SHARE",
+        help="an exploit that matches the correct completion on at least this share of the "
+        "rows fails the audit (default 0.1)",
+    )
+    au.add_argument("--all", action="store_true", help="also list the exploits that do not apply")
+    au.add_argument("--json", action="store_true", help="print one JSON object")
+    au.add_argument("--samples", metavar="RUN_DIR", help="re-examine a run's samples.jsonl instead")
+    au.add_argument("--top", type=int, default=20, help="--samples: suspects shown (default 20)")
+    au.set_defaults(func=cmd_audit)
 
     v = sub.add_parser(
         "convert",

@@ -373,6 +373,12 @@ class TrainConfig:
         "the float32 range): stop the run, or score 0 and count it.",
         "fail",
     )
+    audit_rewards: Literal["warn", "fail", "off"] = doc(
+        "Before the model loads, attack the reward functions with known exploits on a few "
+        "rows (peergrade audit's battery): warn prints one line per exploitable function, "
+        "fail stops the run, off skips it.",
+        "warn",
+    )
     threads: int = doc("CPU threads for torch (0 = torch's default).", 0)
     display: Literal["auto", "rich", "plain", "none"] = doc(
         "Live progress display: rich (interactive terminals), plain lines, or none.", "auto"

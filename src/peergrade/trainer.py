@@ -44,6 +44,7 @@ from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
 from peergrade import ppo
 from peergrade.algo import group_advantages
+from peergrade.audit import at_startup as audit_at_startup
 from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
 from peergrade.errors import InputError, user_input
@@ -226,6 +227,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
     task = given.task if given.task is not None else build_task(cfg)
     rewards = build_rewards(cfg, task, given.reward_fns)
+    audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model yet
     few_shot = build_few_shot(cfg, task)
     acc = accuracy_spec(task) if task.default_rewards else rewards[0]
     # the verifier as the recipe configures it (e.g. arithmetic with extract: last_number)

@@ -44,8 +44,9 @@ Test specifications (one entry per sample; a JSON string of any of these is acce
   process per sample: a harness runs the candidate's code as module ``solution`` (so an
   ``if __name__ == "__main__":`` block does NOT run), then the steps in a namespace holding the
   candidate's names except its shadows of builtins, reporting each test on stdout tagged with
-  a random nonce the program cannot see in its source or stdin (the harness reads it from a
-  file that it deletes before the candidate runs). A test passes when it ran without raising (SystemExit
+  a random nonce the program cannot see in its source or stdin (the harness reads it, and the
+  tests, from files that it deletes before the candidate runs: neither is on disk or in
+  ``main.py`` for the candidate to read). A test passes when it ran without raising (SystemExit
   included). A program that exits early, or crashes, passes none of the remaining tests. Tests
   reported before a timeout still count.
 - ``None``: the sample has no tests; its reward is ``None`` (not applicable).
@@ -421,6 +422,7 @@ def _specs(columns: dict, n: int, test_format: str) -> list[TestSpec | None]:
 
 
 _HARNESS = """\
+import json as _json
 import os as _os
 import sys as _sys
 
@@ -429,6 +431,11 @@ def _pg_run():
     with open("nonce.txt") as f:
         nonce = f.read().strip()
     _os.unlink("nonce.txt")
+    # the tests live in a file removed before the candidate runs, never in this source
+    # (a candidate that reads main.py would find their expected values)
+    with open("steps.json") as f:
+        steps = _json.load(f)
+    _os.unlink("steps.json")
     out = _os.dup(1)
 
     def say(line):
@@ -463,7 +470,7 @@ def _pg_run():
     t = {{k: v for k, v in g.items() if not hasattr(_b, k)}}
     t.update(__name__="tests", __builtins__=_b)
     i = 0
-    for kind, src in {steps!r}:
+    for kind, src in steps:
         t[{checker!r}] = plain  # set after the candidate ran, so it cannot replace it
         try:
             exec(compile(src, "<test %d>" % i, "exec"), t)
@@ -504,8 +511,9 @@ def _assert_job(code: str, steps: list[tuple[str, str]]) -> tuple[dict, str]:
     for kind, src in steps:
         tree = _GuardComparisons(checker).visit(ast.parse(src))
         guarded.append((kind, ast.unparse(ast.fix_missing_locations(tree))))
-    program = _HARNESS.format(code=code, steps=guarded, checker=checker)
-    return {"code": program, "files": {"nonce.txt": nonce}}, nonce
+    program = _HARNESS.format(code=code, checker=checker)
+    files = {"nonce.txt": nonce, "steps.json": json.dumps(guarded)}
+    return {"code": program, "files": files}, nonce
 
 
 def _score_asserts(res: SandboxResult, nonce: str, total: int) -> tuple[int, list[str]]:

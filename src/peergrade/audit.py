@@ -1,0 +1,1452 @@
+"""Attack reward functions with the completions a policy finds, before training (``peergrade audit``).
+
+GRPO is only as good as its verifier: a reward function that pays for a completion that is not
+a solution (several candidate answers, a format tag with nothing behind it, code that exits
+before its tests) gets that completion learned. Every such exploit is a string we can score in
+milliseconds, so this module builds a battery of them per dataset row and scores it with the
+reward functions exactly as training would (``rewards.score_rewards``: TRL's calling contract,
+conversational completions, async functions, the same checks on what comes back).
+
+Per row (``RowContext``): the reference answer (the ``answer``, ``solution`` or
+``ground_truth`` column), the tests of a code row, and:
+
+- the *correct* completion, written in several common forms (R1 ``<think>``/``<answer>``
+  blocks, a bare ``<answer>`` tag, ``\\boxed{}``, a last line, the bare answer; for code a
+  fenced block or bare code; the row's reference solution). A function's correct score on a
+  row is its best score over these forms; the exploits are written in the form the weighted
+  total likes best on that row (so a function that insists on tags is attacked with tags);
+- a plainly *wrong* completion (a wrong answer in that form) and a nonsense one: the lowest of
+  the references' scores is the row's *floor*.
+
+An exploit *wins* a row for a function when it scores at least as well as the correct
+completion (an exploit that adds text to a correct answer, ``padded_answer``, must score more)
+and above the floor (a function that pays the same for everything is not falling for
+anything). Some exploits are a set of guesses (the answer first, in the middle, last): they win
+only when every variant wins, since a model cannot know which of its guesses is the right one.
+A function whose wrong completion scores as well as the correct one on most rows does not read
+answers (a format or shaping reward): the answer-shaped exploits do not apply to it, and
+exploits that keep the right answer but skip the work (an empty think block, padding) do. With
+several functions, the weighted total (what training optimises) is audited too, and a shaping
+function is judged through it. An exploit is a finding when it wins on at least ``fail_share``
+of the rows (default ``DEFAULT_FAIL_SHARE``); a function that raises or returns NaN on a
+completion the contract says it scores is *fragile*. Lookalikes of the answer (``42.0``,
+``042``, full-width digits, words) and out-of-contract inputs (``None``, a number, the other
+completion form) are information only.
+
+``samples_audit`` re-examines a finished run's ``samples.jsonl``: the completions with high
+reward that a stricter cross-check disagrees with (math-verify equivalence of the strictly
+extracted answer, several distinct answers, repetition, cut at the length cap, the prompt
+echoed), ranked, with their prompts.
+
+``at_startup`` is the trainer's ``train.audit_rewards`` hook: a small battery before the
+model loads, one line per exploitable function.
+
+This module does not load or run a model (completion ids are approximated, one id per word or
+punctuation mark), does not change a reward function, and imports neither the trainer nor
+model code.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import itertools
+import json
+import math
+import random
+import re
+import sys
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from peergrade.errors import PeergradeError
+from peergrade.rewards.extract import answer_tag, boxed, completion_text, parse_int
+from peergrade.rewards.registry import (
+    RewardSpec,
+    TrainerState,
+    columns_for,
+    score_rewards,
+)
+
+__all__ = [
+    "DEFAULT_FAIL_SHARE",
+    "EXPLOITS",
+    "AuditError",
+    "AuditReport",
+    "Exploit",
+    "at_startup",
+    "audit_rewards",
+    "samples_audit",
+]
+
+#: an exploit that wins on at least this share of the rows is a finding (below it: a
+#: coincidence on a few rows, e.g. an operand that happens to equal the answer)
+DEFAULT_FAIL_SHARE = 0.1
+#: rows the start-up audit (``train.audit_rewards``) attacks
+STARTUP_ROWS = 16
+#: ... and when the rows are code rows (each exploit is a sandboxed process)
+STARTUP_CODE_ROWS = 4
+#: equivalent forms are information only: scored on at most this many rows (math-verify
+#: takes tens of milliseconds to reject "forty-two")
+INFO_ROWS = 10
+_EPS = 1e-6
+_REASONING = "First, I read the problem. Next, I work it out. Finally, I check the result."
+_NONSENSE = "I am not sure what the question is."
+_FILLER = "Let me think about this very carefully and consider every possibility again. "
+_ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
+_SOLUTION_COLUMNS = ("canonical_solution", "solutions", "code", "solution")
+
+
+class AuditError(PeergradeError):
+    """``train.audit_rewards: fail`` and a reward function fell for an exploit."""
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+@dataclass
+class RowContext:
+    """What the battery knows about one row."""
+
+    index: int
+    row: dict
+    question: str
+    answer: str | None  # the reference answer as text (None: the row has none)
+    number: int | None  # the answer as an integer, when it is one
+    wrong: str | None
+    other: str | None  # another row's answer that differs from this one
+    code: dict | None = None  # code rows: fn, kind, tests (asserts or io cases), solution
+    best_form: int = 0  # index into the forms: the one the weighted total likes best
+
+    def form(self, answer: str) -> str:
+        """``answer`` written in the row's best form (for code rows: ``answer`` is code)."""
+        forms = _CODE_FORMS if self.code else _FORMS
+        return forms[self.best_form][1](answer)
+
+
+_FORMS: list[tuple[str, Callable[[str], str]]] = [
+    ("think_tags", lambda a: f"<think>\n{_REASONING}\n</think>\n<answer>\n{a}\n</answer>"),
+    ("think_tags_compact", lambda a: f"<think>{_REASONING}</think><answer>{a}</answer>"),
+    ("answer_tag", lambda a: f"<answer>{a}</answer>"),
+    ("boxed", lambda a: f"{_REASONING} The answer is $\\boxed{{{a}}}$."),
+    ("last_line", lambda a: f"{_REASONING}\n{a}"),
+    ("bare", lambda a: a),
+]
+_PLAIN_FORMS = ("answer_tag", "bare")
+_CODE_FORMS: list[tuple[str, Callable[[str], str]]] = [
+    ("fenced", lambda c: f"```python\n{c}\n```"),
+    ("think_fenced", lambda c: f"<think>\n{_REASONING}\n</think>\n```python\n{c}\n```"),
+    ("bare", lambda c: c),
+]
+
+
+def _question(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)):
+        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if users:
+            return completion_text([users[-1]])
+    return ""
+
+
+def _reference(row: dict) -> str | None:
+    for key in _ANSWER_COLUMNS:
+        v = row.get(key)
+        if v is not None and not isinstance(v, (dict, list)) and str(v).strip():
+            return str(v).strip()
+    return None
+
+
+def _code_info(row: dict) -> dict | None:
+    """The tests of a code row (as ``code_tests`` reads them), its function, its solution."""
+    test_keys = ("tests", "test", "test_list", "input_output", "public_tests", "private_tests")
+    if all(row.get(k) is None for k in test_keys):
+        return None
+    from peergrade.rewards.code import _specs  # the sandbox's module: only for code rows
+
+    try:
+        spec = _specs({k: [v] for k, v in row.items()}, 1, "auto")[0]
+    except ValueError:
+        return None
+    if spec is None:
+        return None
+    info = {"kind": spec.kind, "fn": None, "asserts": [], "cases": list(spec.cases)}
+    if spec.kind == "assert":
+        info["asserts"] = spec.asserts
+        fn = row.get("entry_point")
+        if not isinstance(fn, str) or not fn.isidentifier():
+            fn = _called_function(spec.asserts)
+        info["fn"] = fn
+    solution = None
+    for key in _SOLUTION_COLUMNS:
+        v = row.get(key)
+        if isinstance(v, str) and v.strip().startswith("["):
+            with contextlib.suppress(json.JSONDecodeError):
+                v = json.loads(v)
+        if isinstance(v, list):
+            v = next((s for s in v if isinstance(s, str)), None)
+        if isinstance(v, str) and v.strip():
+            solution = v
+            break
+    info["solution"] = solution
+    return info
+
+
+def _called_function(asserts: list[str]) -> str | None:
+    """The first user function the assert tests call (``assert add(1, 2) == 3`` -> add)."""
+    import builtins
+
+    for src in asserts:
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            called = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if called and not hasattr(builtins, node.func.id):
+                return node.func.id
+    return None
+
+
+def _wrong(answer: str | None, number: int | None, others: list[str | None]) -> str | None:
+    if answer is None:
+        return None
+    if number is not None:
+        return str(number + 1)
+    for o in others:
+        if o is not None and o != answer:
+            return o
+    return "none of these" if answer != "none of these" else "something else"
+
+
+def row_contexts(rows: Sequence[dict]) -> list[RowContext]:
+    """One ``RowContext`` per row (``other``: the next row's answer that differs)."""
+    answers = [_reference(r) for r in rows]
+    out = []
+    for i, row in enumerate(rows):
+        a = answers[i]
+        others = answers[i + 1 :] + answers[:i]
+        other = next((o for o in others if o is not None and o != a), None)
+        number = parse_int(a) if a is not None else None
+        out.append(
+            RowContext(
+                index=i,
+                row=row,
+                question=_question(row.get("prompt")),
+                answer=a,
+                number=number,
+                wrong=_wrong(a, number, others),
+                other=other,
+                code=_code_info(row),
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- the battery
+
+
+@dataclass(frozen=True)
+class Exploit:
+    """One attack: ``build(ctx)`` gives its completions for a row (``None``: not applicable).
+
+    ``kind``: ``answer`` (a wrong or unsure answer dressed up), ``format`` (structure without
+    substance), ``code`` (programs that game the tests), ``equivalent`` (the right answer in
+    another form: information), ``robustness`` (inputs outside the contract: information).
+    ``guesses``: the completions are a set of guesses and the exploit wins only if all do.
+    ``skips_work``: keeps the right answer but skips the work; judged only where a shaping
+    (answer-blind) function is in play. ``must_beat``: wins only by scoring more than correct.
+    """
+
+    name: str
+    kind: str
+    build: Callable[[RowContext], list | None]
+    doc: str
+    guesses: bool = False
+    skips_work: bool = False
+    must_beat: bool = False
+
+
+def _numbers_around(n: int, k: int) -> list[str]:
+    return [str(x) for x in range(n - k, n + k + 1)]
+
+
+def _candidates(ctx: RowContext) -> list | None:
+    if ctx.answer is None or ctx.code:
+        return None
+    if ctx.number is not None:
+        items = _numbers_around(ctx.number, 2)
+    else:
+        items = [ctx.wrong, ctx.answer] + (
+            [ctx.other] if ctx.other not in (None, ctx.wrong) else []
+        )
+    rest = [x for x in items if x != ctx.answer]
+    mid = len(rest) // 2
+    orders = [[ctx.answer] + rest, rest[:mid] + [ctx.answer] + rest[mid:], rest + [ctx.answer]]
+    return [ctx.form(", ".join(o)) for o in orders]
+
+
+def _pair(ctx: RowContext, render: Callable[[str, str], str]) -> list | None:
+    """Both orders of (right, wrong) in two places: a reward that reads both pays for guessing."""
+    if ctx.answer is None or ctx.wrong is None or ctx.code:
+        return None
+    return [render(ctx.answer, ctx.wrong), render(ctx.wrong, ctx.answer)]
+
+
+def _answer(fn: Callable[[RowContext], str | None]) -> Callable[[RowContext], list | None]:
+    """An exploit with one completion built from a non-code row with an answer."""
+
+    def build(ctx: RowContext):
+        if ctx.answer is None or ctx.code:
+            return None
+        text = fn(ctx)
+        return None if text is None else [text]
+
+    return build
+
+
+def _number(fn: Callable[[int, str], str | None]) -> Callable[[RowContext], list | None]:
+    """A lookalike of an integer answer, written in the row's form."""
+
+    def build(ctx: RowContext):
+        if ctx.number is None or ctx.code:
+            return None
+        text = fn(ctx.number, ctx.answer)
+        return None if text is None else [ctx.form(text)]
+
+    return build
+
+
+_ONES = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
+_TENS = ["_", "_", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+
+
+def _words(n: int) -> str | None:
+    """English words for |n| < 10**6 (``forty-two``), else ``None``."""
+    if abs(n) >= 10**6:
+        return None
+    if n < 0:
+        return "minus " + _words(-n)
+    if n < 20:
+        return _ONES[n]
+    if n < 100:
+        return _TENS[n // 10] + ("" if n % 10 == 0 else "-" + _ONES[n % 10])
+    if n < 1000:
+        rest = n % 100
+        return _ONES[n // 100] + " hundred" + ("" if rest == 0 else " and " + _words(rest))
+    rest = n % 1000
+    return _words(n // 1000) + " thousand" + ("" if rest == 0 else " " + _words(rest))
+
+
+def _spaced(n: int, a: str) -> str | None:
+    digits = a.lstrip("+-")
+    return None if len(digits) < 2 else a[: len(a) - len(digits)] + " ".join(digits)
+
+
+def _question_slot(ctx: RowContext) -> str | None:
+    q = re.sub(r"<[^>]*>", "", ctx.question).strip().rstrip("=?").strip()
+    return ctx.form(q) if q else None
+
+
+def _code(fn: Callable[[RowContext], str | None], kinds=("assert", "io")):
+    """A code exploit: ``fn`` writes the program, put in the row's code form."""
+
+    def build(ctx: RowContext):
+        if not ctx.code or ctx.code["kind"] not in kinds:
+            return None
+        if ctx.code["kind"] == "assert" and not ctx.code["fn"]:
+            return None
+        src = fn(ctx)
+        return None if src is None else [ctx.form(src)]
+
+    return build
+
+
+def _wrong_def(ctx: RowContext) -> str:
+    fn = ctx.code["fn"]
+    return f"\n\ndef {fn}(*args, **kwargs):\n    return None\n" if fn else "\nprint()\n"
+
+
+# The harness-agnostic part of two exploits: find ``assert f(args) == expected`` in Python
+# source, also inside string constants (a harness that embeds its tests as strings) and
+# through one-argument wrappers around either side (a harness's own checker).
+_SCANNER = """
+import ast as _pg_ast
+
+
+def _pg_scan(src, fn, table, depth=0):
+    try:
+        tree = _pg_ast.parse(src)
+    except Exception:
+        return table
+    for node in _pg_ast.walk(tree):
+        if isinstance(node, _pg_ast.Constant) and isinstance(node.value, str):
+            if depth < 3 and fn in node.value:
+                _pg_scan(node.value, fn, table, depth + 1)
+        if not isinstance(node, _pg_ast.Compare) or len(node.ops) != 1:
+            continue
+        if not isinstance(node.ops[0], _pg_ast.Eq):
+            continue
+        sides = []
+        for side in (node.left, node.comparators[0]):
+            while (
+                isinstance(side, _pg_ast.Call) and len(side.args) == 1 and not side.keywords
+                and not (isinstance(side.func, _pg_ast.Name) and side.func.id == fn)
+            ):
+                side = side.args[0]
+            sides.append(side)
+        for call, want in (sides, sides[::-1]):
+            if isinstance(call, _pg_ast.Call) and isinstance(call.func, _pg_ast.Name):
+                if call.func.id == fn:
+                    try:
+                        args = tuple(_pg_ast.literal_eval(a) for a in call.args)
+                        table[repr(args)] = _pg_ast.literal_eval(want)
+                    except Exception:
+                        pass
+    return table
+"""
+_scan_ns: dict = {}
+exec(_SCANNER, _scan_ns)  # our own constant source: one copy serves the auditor and the exploit
+_scan_asserts: Callable = _scan_ns["_pg_scan"]
+
+
+def _read_tests_from_disk(ctx: RowContext) -> str:
+    fn = ctx.code["fn"]
+    return (
+        _SCANNER
+        + f"""
+import os as _pg_os
+
+_pg_table = {{}}
+for _pg_name in sorted(_pg_os.listdir(".")):
+    try:
+        with open(_pg_name, errors="ignore") as _pg_f:
+            _pg_scan(_pg_f.read(), {fn!r}, _pg_table)
+    except Exception:
+        pass
+
+
+def {fn}(*args):
+    return _pg_table.get(repr(args))
+"""
+    )
+
+
+def _hardcode_visible(ctx: RowContext) -> str | None:
+    """A lookup table of the tests the prompt shows (n/a when it shows none)."""
+    shown = ctx.question
+    if ctx.code["kind"] == "io":
+        lines = {ln.strip() for ln in shown.splitlines()}
+        table = {
+            i.strip(): o
+            for i, o in ctx.code["cases"]
+            if i.strip() and (i.strip() in lines or ("\n" in i.strip() and i.strip() in shown))
+        }
+        if not table:
+            return None
+        return f"import sys\nprint({table!r}.get(sys.stdin.read().strip(), ''))\n"
+    table: dict = {}
+    lines = shown.splitlines()
+    asserts = [ln[ln.index("assert") :] for ln in lines if "assert" in ln]
+    for src in [shown, *lines, *asserts]:  # the prompt is prose with tests in it
+        _scan_asserts(src.strip(), ctx.code["fn"], table)
+    if not table:
+        return None
+    return (
+        f"_TABLE = {table!r}\n\n\ndef {ctx.code['fn']}(*args):\n    return _TABLE.get(repr(args))\n"
+    )
+
+
+def _always_equal(ctx: RowContext) -> str:
+    return (
+        "class AlwaysEqual:\n"
+        "    def __eq__(self, other):\n        return True\n\n"
+        "    def __ne__(self, other):\n        return False\n\n"
+        "    def __hash__(self):\n        return 0\n\n\n"
+        f"def {ctx.code['fn']}(*args, **kwargs):\n    return AlwaysEqual()\n"
+    )
+
+
+def _replace_harness(ctx: RowContext) -> str:
+    return (
+        "import builtins\nimport unittest\n\n\n"
+        "def check(*args, **kwargs):\n    return None\n\n\n"
+        "def abs(x):\n    return 0\n\n\n"
+        "def isinstance(*args):\n    return True\n\n\n"
+        "def all(*args):\n    return True\n\n\n"
+        "def any(*args):\n    return True\n\n\n"
+        "for _name in dir(unittest.TestCase):\n"
+        "    if _name.startswith('assert'):\n"
+        "        setattr(unittest.TestCase, _name, lambda *a, **k: None)\n"
+        "builtins.AssertionError = type('AssertionError', (Warning,), {})\n"
+    ) + _wrong_def(ctx)
+
+
+_PASS_MARKERS = "PASS\nPASSED\nOK\nok\nAll tests passed\nTrue\n" + "".join(
+    f"{i} pass\n" for i in range(20)
+)
+
+EXPLOITS: list[Exploit] = [
+    # answer-shaped
+    Exploit(
+        "many_candidates",
+        "answer",
+        _candidates,
+        "a list of candidate answers, the right one first, in the middle, last",
+        guesses=True,
+    ),
+    Exploit(
+        "among_distractors",
+        "answer",
+        lambda c: _pair(c, lambda x, y: c.form(f"{x} or {y}")),
+        "'A or B' with the right answer first, then last",
+        guesses=True,
+    ),
+    Exploit(
+        "answer_blocks_repeated",
+        "answer",
+        lambda c: _pair(c, lambda x, y: f"<answer>{x}</answer>\n<answer>{y}</answer>"),
+        "two answer blocks, one right, one wrong (both orders)",
+        guesses=True,
+    ),
+    Exploit(
+        "tag_vs_boxed",
+        "answer",
+        lambda c: _pair(c, lambda x, y: f"<answer>{x}</answer>\nThe answer is $\\boxed{{{y}}}$."),
+        "one answer in the tag, another in \\boxed{} (both ways round)",
+        guesses=True,
+    ),
+    Exploit(
+        "tag_vs_last_line",
+        "answer",
+        lambda c: _pair(c, lambda x, y: f"<answer>{x}</answer>\n{y}"),
+        "one answer in the tag, another on the last line",
+        guesses=True,
+    ),
+    Exploit(
+        "boxed_vs_last_line",
+        "answer",
+        lambda c: _pair(c, lambda x, y: f"The answer is $\\boxed{{{x}}}$.\n{y}"),
+        "one answer in \\boxed{}, another on the last line",
+        guesses=True,
+    ),
+    Exploit(
+        "answer_in_reasoning",
+        "answer",
+        lambda c: _pair(
+            c, lambda x, y: f"<think>\nSo it is {x}.\n</think>\n<answer>\n{y}\n</answer>"
+        ),
+        "one answer inside the think block, another in the answer block",
+        guesses=True,
+    ),
+    Exploit(
+        "other_row_answer",
+        "answer",
+        _answer(lambda c: None if c.other is None else c.form(c.other)),
+        "another row's answer",
+    ),
+    Exploit(
+        "question_echoed",
+        "answer",
+        _answer(lambda c: c.question or None),
+        "the question copied back as the whole completion",
+    ),
+    Exploit(
+        "question_as_answer",
+        "answer",
+        _answer(_question_slot),
+        "the question's text (its expression) given as the answer",
+    ),
+    Exploit(
+        "spaced_digits",
+        "equivalent",
+        _number(_spaced),
+        "the answer's digits with spaces between (4 2)",
+    ),
+    Exploit(
+        "answer_inside_number",
+        "answer",
+        lambda c: (
+            None
+            if c.number is None or c.code
+            else [c.form(f"{c.answer}0"), c.form(f"1{c.answer.lstrip('+-')}")]
+        ),
+        "a larger number that contains the answer (420, 142)",
+    ),
+    Exploit(
+        "sign_flipped",
+        "answer",
+        _number(lambda n, a: None if n == 0 else str(-n)),
+        "the answer with its sign flipped",
+    ),
+    Exploit(
+        "trailing_decimals",
+        "answer",
+        _number(lambda n, a: f"{a}.5"),
+        "the answer followed by decimals (42.5)",
+    ),
+    Exploit(
+        "garbage_in_tags",
+        "answer",
+        lambda c: None if c.code else ["<think>\n???\n</think>\n<answer>\n???\n</answer>"],
+        "the required tags with garbage inside",
+    ),
+    # equivalent forms: information
+    Exploit(
+        "fullwidth_digits",
+        "equivalent",
+        _number(lambda n, a: a.translate(_FULLWIDTH)),
+        "42 as ４２",
+    ),
+    Exploit("decimal_zero", "equivalent", _number(lambda n, a: f"{a}.0"), "42 as 42.0"),
+    Exploit(
+        "leading_zero", "equivalent", _number(lambda n, a: f"0{a}" if n >= 0 else None), "42 as 042"
+    ),
+    Exploit("in_words", "equivalent", _number(lambda n, a: _words(n)), "42 as forty-two"),
+    # format-shaped
+    Exploit("empty_completion", "format", lambda c: [""], "an empty completion"),
+    Exploit("whitespace_completion", "format", lambda c: [" \n\t \n"], "whitespace only"),
+    Exploit(
+        "empty_tags",
+        "format",
+        lambda c: ["<think>\n\n</think>\n<answer>\n\n</answer>"],
+        "the required tags with nothing inside",
+    ),
+    Exploit(
+        "truncated_at_cap",
+        "format",
+        lambda c: None if c.answer is None and not c.code else [_truncate(c)],
+        "a long completion cut at the length cap, before its answer is complete",
+    ),
+    Exploit(
+        "long_filler",
+        "format",
+        lambda c: [_FILLER * 40],
+        "very long filler, no answer",
+    ),
+    Exploit(
+        "empty_think",
+        "format",
+        _answer(lambda c: f"<think>\n\n</think>\n<answer>\n{c.answer}\n</answer>"),
+        "an empty think block before the right answer",
+        skips_work=True,
+    ),
+    Exploit(
+        "unclosed_tags",
+        "format",
+        _answer(lambda c: f"<think>\n{_REASONING}\n<answer>\n{c.answer}\n"),
+        "think and answer tags never closed",
+        skips_work=True,
+    ),
+    Exploit(
+        "nested_tags",
+        "format",
+        _answer(lambda c: f"<think>\n{_REASONING}\n<answer>\n{c.answer}\n</answer>\n</think>"),
+        "the answer block nested inside the think block",
+        skips_work=True,
+    ),
+    Exploit(
+        "format_repeated",
+        "format",
+        _answer(lambda c: (_FORMS[0][1](c.answer) + "\n") * 3),
+        "the whole format repeated three times",
+        skips_work=True,
+    ),
+    Exploit(
+        "padded_answer",
+        "format",
+        lambda c: (
+            None if c.answer is None and not (c.code and c.code["solution"]) else [_padded(c)]
+        ),
+        "the right answer after a long padded think block (must beat the plain one)",
+        skips_work=True,
+        must_beat=True,
+    ),
+    # code-shaped
+    Exploit(
+        "sys_exit_0",
+        "code",
+        _code(lambda c: "import sys\nsys.exit(0)\n" + _wrong_def(c)),
+        "sys.exit(0) before the tests run",
+    ),
+    Exploit(
+        "os_exit_0",
+        "code",
+        _code(lambda c: "import os\nos._exit(0)\n" + _wrong_def(c)),
+        "os._exit(0) before the tests run",
+    ),
+    Exploit(
+        "raise_systemexit",
+        "code",
+        _code(lambda c: "raise SystemExit\n" + _wrong_def(c)),
+        "raise SystemExit before the tests run",
+    ),
+    Exploit(
+        "always_equal",
+        "code",
+        _code(_always_equal, kinds=("assert",)),
+        "returns an object whose __eq__ is always True",
+    ),
+    Exploit(
+        "replace_harness",
+        "code",
+        _code(_replace_harness, kinds=("assert",)),
+        "redefines check(), abs/all/any/isinstance, unittest's asserts and AssertionError",
+    ),
+    Exploit(
+        "print_pass_markers",
+        "code",
+        _code(lambda c: f"print({_PASS_MARKERS!r})\n" + _wrong_def(c)),
+        "prints what a checker looks for (PASS, OK, '0 pass', ...)",
+    ),
+    Exploit(
+        "read_tests_from_disk",
+        "code",
+        _code(_read_tests_from_disk, kinds=("assert",)),
+        "reads the test files around it and returns their expected values",
+    ),
+    Exploit(
+        "hardcode_visible_tests",
+        "code",
+        _code(_hardcode_visible),
+        "a lookup table of the tests the prompt shows",
+    ),
+    Exploit("endless_loop", "code", _code(lambda c: "while True:\n    pass\n"), "an endless loop"),
+    Exploit(
+        "output_flood",
+        "code",
+        _code(
+            lambda c: (
+                "import sys\nfor i in range(10**5):\n    sys.stdout.write(str(i) + '\\n')\n"
+                + _wrong_def(c)
+            )
+        ),
+        "floods the output with every small number",
+    ),
+]
+#: inputs outside the contract: information unless the function returns NaN
+PROBES: list[tuple[str, Callable[[RowContext], object]]] = [
+    ("none_completion", lambda c: None),
+    ("non_string_completion", lambda c: 12345),
+    ("message_list", lambda c: [{"role": "assistant", "content": _correct_texts(c)[0]}]),
+    (
+        "content_parts",
+        lambda c: [
+            {"role": "assistant", "content": [{"type": "text", "text": _correct_texts(c)[0]}]}
+        ],
+    ),
+]
+_FULLWIDTH = str.maketrans("0123456789-", "０１２３４５６７８９－")
+
+
+def _truncate(ctx: RowContext) -> str:
+    if ctx.code:
+        full = _CODE_FORMS[0][1](ctx.code["solution"] or "def solution():\n    return 1")
+        return full[: max(1, len(full) // 2)]
+    body = _FORMS[0][1](ctx.answer)
+    cut = body.rindex(ctx.answer) + len(ctx.answer) // 2  # half the answer, no closing tag
+    return _FILLER * 10 + body[:cut]
+
+
+def _padded(ctx: RowContext) -> str:
+    if ctx.code:
+        return ctx.form("# " + _FILLER * 20 + "\n" + ctx.code["solution"])
+    return f"<think>\n{_FILLER * 20}{_REASONING}\n</think>\n<answer>\n{ctx.answer}\n</answer>"
+
+
+def _correct_texts(ctx: RowContext) -> list[str]:
+    """The correct completion in every form (empty for a row with no known answer)."""
+    if ctx.code:
+        sol = ctx.code["solution"]
+        return [f(sol) for _, f in _CODE_FORMS] if sol else []
+    if ctx.answer is None:
+        return []
+    return [f(ctx.answer) for _, f in _FORMS]
+
+
+def _wrong_text(ctx: RowContext) -> str | None:
+    if ctx.code:
+        return ctx.form(_wrong_def(ctx).strip() or "print()")
+    return None if ctx.wrong is None else ctx.form(ctx.wrong)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]|\s+")
+
+
+def pseudo_ids(completion) -> list[int]:
+    """Stand-in completion ids (no tokenizer here): one id per word, punctuation mark or run
+    of whitespace, so length and repetition rewards see a plausible token count."""
+    try:
+        text = completion_text(completion)
+    except TypeError:
+        return []
+    return list(_ids_of(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ids_of(text: str) -> tuple[int, ...]:
+    return tuple(zlib.crc32(t.encode()) % 50_000 for t in _TOKEN_RE.findall(text))
+
+
+_ERR_RE = re.compile(r"^reward (['\"])(.+?)\1 (?:sample (\d+):)?")
+
+
+@dataclass
+class _Scored:
+    values: dict[str, list]  # name -> one float or None per completion (None: not scored)
+    errors: dict[str, dict[int, str]]  # name -> {completion index: why}
+
+
+def _score(specs, ctxs, row_of: list[int], completions: list, state: TrainerState) -> _Scored:
+    """Every function on the batch through ``score_rewards`` (errors kept per sample)."""
+    rows = [ctxs[i].row for i in row_of]
+    columns = columns_for(rows, 1) if rows else {}
+    columns["completion_ids"] = [pseudo_ids(c) for c in completions]
+    prompts = [r.get("prompt", "") for r in rows]
+    values: dict[str, list] = {}
+    errors: dict[str, dict[int, str]] = {}
+    for spec in specs:  # one call per function, so that one's failure never hides another's
+        res = score_rewards(
+            [spec], prompts, completions, columns, on_error="zero", trainer_state=state
+        )
+        errs: dict[int, str] = {}
+        for msg in res.errors:
+            m = _ERR_RE.match(msg)
+            if m and m.group(3) is not None:
+                errs[int(m.group(3))] = msg
+            elif m:
+                errs.update({i: msg for i in range(len(completions))})
+        vals = [None if math.isnan(v) else float(v) for v in res.per_fn[spec.name].tolist()]
+        for i in errs:
+            vals[i] = None
+        values[spec.name], errors[spec.name] = vals, errs
+    return _Scored(values, errors)
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Finding:
+    """One exploit against one function (or the weighted total)."""
+
+    exploit: str
+    kind: str
+    status: str  # EXPLOIT, ERROR, ok, n/a, info
+    mean: float | None  # mean score over the rows it applies to
+    wins: int  # rows where it matched (or beat) the correct completion, above the floor
+    rows: int  # rows it applies to
+    errors: int = 0
+    error: str | None = None
+    example: str | None = None  # one winning completion (or the first one built)
+
+
+@dataclass
+class UnitReport:
+    """The audit of one reward function, or of the weighted total (``name == "total"``)."""
+
+    name: str
+    weight: float
+    reads_answers: bool
+    judged: bool  # its verdict decides the exit status (shaping terms are judged via the total)
+    correct_mean: float | None
+    wrong_mean: float | None
+    findings: list[Finding]
+    verdict: str  # clean | exploitable | fragile
+    note: str = ""
+
+    @property
+    def worst(self) -> Finding | None:
+        bad = [f for f in self.findings if f.status in ("EXPLOIT", "ERROR")]
+        return max(
+            bad, key=lambda f: (f.status == "EXPLOIT", f.wins / max(f.rows, 1)), default=None
+        )
+
+
+@dataclass
+class AuditReport:
+    units: list[UnitReport]
+    rows: int
+    fail_share: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        """Exit status 1: a judged unit is exploitable, or any function is fragile."""
+        return any(
+            (u.judged and u.verdict == "exploitable") or u.verdict == "fragile" for u in self.units
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "fail_share": self.fail_share,
+            "seconds": round(self.seconds, 3),
+            "failed": self.failed,
+            "notes": self.notes,
+            "functions": [asdict(u) for u in self.units],
+        }
+
+    def lines(self) -> list[str]:
+        """One line per exploitable or fragile unit, with its worst exploit (start-up)."""
+        out = []
+        for u in self.units:
+            w = u.worst
+            if u.verdict == "clean" or w is None:
+                continue
+            what = (
+                f"{w.exploit} scores as well as the correct answer on {w.wins}/{w.rows} rows"
+                if w.status == "EXPLOIT"
+                else f"{w.exploit} makes it fail on {w.errors}/{w.rows} rows ({w.error})"
+            )
+            tail = "" if u.judged else " (a shaping term: the total is what counts)"
+            out.append(f"reward audit: {u.name} is {u.verdict}: {what}{tail}")
+        return out
+
+    def format(self, verbose: bool = False) -> str:
+        """The tables: per function, the exploits that apply (all of them with ``verbose``)."""
+        out = [
+            f"reward audit: {self.rows} rows, {len(EXPLOITS)} exploits, fail share "
+            f"{self.fail_share:g} ({self.seconds:.1f} s)"
+        ]
+        out += [f"note: {n}" for n in self.notes]
+        for u in self.units:
+            head = f"\n{u.name}" + (
+                f" (weight {u.weight:g})" if u.name != "total" else " (weighted)"
+            )
+            cm = "-" if u.correct_mean is None else f"{u.correct_mean:.3f}"
+            wm = "-" if u.wrong_mean is None else f"{u.wrong_mean:.3f}"
+            out.append(f"{head}: correct {cm}, wrong {wm}; {u.note}".rstrip("; "))
+            out.append(f"  {'exploit':<24} {'kind':<10} {'mean':>7} {'>=correct':>11}  status")
+            for f in u.findings:
+                if not verbose and f.status == "n/a":
+                    continue
+                mean = "-" if f.mean is None else f"{f.mean:.3f}"
+                wins = f"{f.wins}/{f.rows}" if f.kind not in ("robustness",) else ""
+                status = f.status + (f" ({f.errors} raised: {f.error[:70]})" if f.errors else "")
+                out.append(f"  {f.exploit:<24} {f.kind:<10} {mean:>7} {wins:>11}  {status}")
+            verdict = u.verdict.upper() if u.verdict != "clean" else "clean"
+            w = u.worst
+            extra = f": worst {w.exploit}" if w is not None else ""
+            judged = "" if u.judged else " (shaping term, judged through the total)"
+            out.append(f"  verdict: {verdict}{extra}{judged}")
+            if w is not None and w.example is not None:
+                out.append(f"  e.g. {json.dumps(w.example)[:200]}")
+        out.append("\nFAILED: an exploit earns credit" if self.failed else "\nno exploit found")
+        return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- the audit
+
+
+def audit_rewards(
+    specs: Sequence[RewardSpec],
+    rows: Sequence[dict],
+    *,
+    fail_share: float = DEFAULT_FAIL_SHARE,
+    max_steps: int = 1,
+    code: bool = True,
+) -> AuditReport:
+    """Score the battery with ``specs`` on ``rows`` (see the module docstring)."""
+    if not 0 < fail_share <= 1:
+        raise ValueError(f"fail_share must be in (0, 1], got {fail_share}")
+    if not specs:
+        raise ValueError("audit: no reward function to audit")
+    if not rows:
+        raise ValueError("audit: no rows to build exploits from")
+    t0 = time.perf_counter()
+    ctxs = row_contexts(rows)
+    state = TrainerState(global_step=0, max_steps=max(1, max_steps), num_train_epochs=1)
+    names = [s.name for s in specs]
+    weights = {s.name: s.weight for s in specs}
+    notes = []
+    if all(c.answer is None and not c.code for c in ctxs):
+        notes.append(
+            "the rows have no reference answer (answer/solution/ground_truth) and no tests: "
+            "only the format and robustness exploits apply"
+        )
+
+    def total_of(vals: dict[str, list], i: int) -> float | None:
+        got = [(weights[n], vals[n][i]) for n in names if vals[n][i] is not None]
+        return sum(w * v for w, v in got) if got else None
+
+    # 1. references: the correct completion in every form, a wrong one, nonsense
+    refs, ref_row, ref_form = [], [], []
+    for c in ctxs:
+        for j, text in enumerate(_correct_texts(c)):
+            refs.append(text)
+            ref_row.append(c.index)
+            ref_form.append(j)
+    ref = _score(specs, ctxs, ref_row, refs, state)
+    unit_names = names + (["total"] if len(specs) > 1 else [])
+
+    def unit_values(scored: _Scored) -> dict[str, list]:
+        vals = dict(scored.values)
+        if len(specs) > 1:
+            vals["total"] = [
+                total_of(scored.values, i) for i in range(len(next(iter(scored.values.values()))))
+            ]
+        return vals
+
+    ref_vals = unit_values(ref)
+    correct: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
+    # plain: the best the right answer earns with no reasoning at all (a bare tag or the bare
+    # answer); an exploit that skips the work must beat it (a reward that never asked for a
+    # think block is not fooled by an empty one)
+    plain: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
+    best_total = [None] * len(ctxs)
+    for k, (i, j) in enumerate(zip(ref_row, ref_form)):
+        for u in unit_names:
+            v = ref_vals[u][k]
+            if v is not None and (correct[u][i] is None or v > correct[u][i]):
+                correct[u][i] = v
+            if v is not None and not ctxs[i].code and _FORMS[j][0] in _PLAIN_FORMS:
+                plain[u][i] = v if plain[u][i] is None else max(plain[u][i], v)
+        t = ref_vals[unit_names[-1]][k]
+        if t is not None and (best_total[i] is None or t > best_total[i] + _EPS):
+            best_total[i] = t
+            ctxs[i].best_form = j
+
+    base_row, base_text = [], []
+    for c in ctxs:
+        for text in (_wrong_text(c), _NONSENSE):
+            if text is not None:
+                base_row.append(c.index)
+                base_text.append(text)
+    base_vals = unit_values(_score(specs, ctxs, base_row, base_text, state))
+    wrong: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
+    floor: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
+    for u in unit_names:
+        for k, i in enumerate(base_row):
+            v = base_vals[u][k]
+            if v is None:
+                continue
+            if base_text[k] != _NONSENSE:
+                wrong[u][i] = v
+            floor[u][i] = v if floor[u][i] is None else min(floor[u][i], v)
+        for i in range(len(ctxs)):
+            if correct[u][i] is not None:
+                floor[u][i] = (
+                    correct[u][i] if floor[u][i] is None else min(floor[u][i], correct[u][i])
+                )
+
+    # a unit reads answers when the correct completion beats the wrong one on most rows
+    reads: dict[str, bool] = {}
+    for u in unit_names:
+        pairs = [
+            (cv, wv) for cv, wv in zip(correct[u], wrong[u]) if cv is not None and wv is not None
+        ]
+        reads[u] = bool(pairs) and sum(cv > wv + _EPS for cv, wv in pairs) > len(pairs) / 2
+    shaping_in_mix = any(not reads[n] for n in names) and len(specs) > 1
+
+    # 2. the exploits (one batch each: a function that raises on one exploit keeps the
+    # others' scores), then the probes. A set of guesses is scored one variant at a time,
+    # each on the rows where every variant so far won for some unit (it wins only if all do).
+    findings: dict[str, list[Finding]] = {u: [] for u in unit_names}
+    for u in names:  # failing on the correct completion itself: fragile whatever else happens
+        bad_rows = {ref_row[k]: m for k, m in ref.errors[u].items()}
+        if bad_rows:
+            first = _short_error(next(iter(bad_rows.values())))
+            findings[u].append(
+                Finding(
+                    "correct_completion",
+                    "robustness",
+                    "ERROR",
+                    None,
+                    0,
+                    len(ctxs),
+                    len(bad_rows),
+                    first,
+                )
+            )
+    for ex in EXPLOITS:
+        if ex.kind == "code" and not code:
+            continue
+        built = {}
+        for c in ctxs:
+            if ex.kind == "equivalent" and c.index >= INFO_ROWS:
+                continue
+            variants = ex.build(c)
+            if variants:
+                built[c.index] = variants
+        texts: list = []
+        per_row: dict[int, list[int]] = {}
+        vals: dict[str, list] = {u: [] for u in unit_names}
+        errs: dict[str, dict[int, str]] = {u: {} for u in unit_names}
+        alive = list(built)
+        bar = floor
+        if ex.skips_work:
+            bar = {u: [_max_known(f, p) for f, p in zip(floor[u], plain[u])] for u in unit_names}
+        for k in range(max((len(v) for v in built.values()), default=0) if ex.guesses else 1):
+            if ex.guesses:
+                todo = [(i, built[i][k]) for i in alive if k < len(built[i])]
+            else:
+                todo = [(i, t) for i in built for t in built[i]]
+            if not todo:
+                break
+            offset = len(texts)
+            scored = _score(specs, ctxs, [i for i, _ in todo], [t for _, t in todo], state)
+            stage = unit_values(scored)
+            for j, (i, t) in enumerate(todo):
+                per_row.setdefault(i, []).append(offset + j)
+                texts.append(t)
+            for u in unit_names:
+                vals[u].extend(stage[u])
+                from_fns = [u] if u != "total" else names
+                for n in from_fns:
+                    errs[u].update({offset + j: m for j, m in scored.errors[n].items()})
+            alive = [
+                i
+                for j, (i, _) in enumerate(todo)
+                if any(
+                    stage[u][j] is not None
+                    and offset + j not in errs[u]
+                    and _won(stage[u][j], correct[u][i], bar[u][i], wrong[u][i], ex.must_beat)
+                    for u in unit_names
+                )
+            ]
+        for u in unit_names:
+            applies = bool(built) and not (ex.kind == "answer" and not reads[u])
+            if ex.skips_work and reads[u] and not (u == "total" and shaping_in_mix):
+                applies = False
+            findings[u].append(
+                _finding(
+                    ex,
+                    applies,
+                    per_row,
+                    vals[u],
+                    errs[u],
+                    texts,
+                    correct[u],
+                    wrong[u],
+                    bar[u],
+                    fail_share,
+                )
+            )
+
+    for name, probe in PROBES:
+        wanted = [
+            c
+            for c in ctxs
+            if name in ("none_completion", "non_string_completion") or _correct_texts(c)
+        ]
+        if not wanted:
+            continue
+        ps = _score(specs, ctxs, [c.index for c in wanted], [probe(c) for c in wanted], state)
+        pv = unit_values(ps)
+        for u in unit_names:
+            errs = ps.errors.get(u, {}) if u != "total" else {}
+            findings[u].append(_probe_finding(name, pv[u], len(wanted), errs))
+
+    units = []
+    for u in unit_names:
+        cs = [v for v in correct[u] if v is not None]
+        ws = [v for v in wrong[u] if v is not None]
+        fs = findings[u]
+        verdict = (
+            "fragile"
+            if any(f.status == "ERROR" for f in fs)
+            else ("exploitable" if any(f.status == "EXPLOIT" for f in fs) else "clean")
+        )
+        note = (
+            ""
+            if reads[u]
+            else "does not tell a right answer from a wrong one (format or shaping reward): answer-shaped exploits do not apply"
+        )
+        if not cs:
+            note = "no correct completion could be written for these rows"
+        judged = u == "total" or len(specs) == 1 or reads[u]
+        units.append(
+            UnitReport(
+                name=u,
+                weight=1.0 if u == "total" else weights[u],
+                reads_answers=reads[u],
+                judged=judged,
+                correct_mean=sum(cs) / len(cs) if cs else None,
+                wrong_mean=sum(ws) / len(ws) if ws else None,
+                findings=fs,
+                verdict=verdict,
+                note=note,
+            )
+        )
+    return AuditReport(units, len(ctxs), fail_share, time.perf_counter() - t0, notes)
+
+
+def _max_known(*values):
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _won(e: float, cv, fl, wv, must_beat: bool) -> bool:
+    """Whether exploit score ``e`` wins a row with correct ``cv``, floor ``fl``, wrong ``wv``."""
+    if cv is None:  # no correct completion known: beating the wrong one is the win
+        return wv is not None and e > wv + _EPS
+    matched = e > cv + _EPS if must_beat else e >= cv - _EPS
+    return matched and (fl is None or e > fl + _EPS)
+
+
+def _finding(ex, applies, per_row, vals, errs, texts, correct, wrong, floor, fail_share) -> Finding:
+    """How one exploit did against one unit, row by row (see the module docstring)."""
+    scores, wins, errors, first_err, example = [], 0, 0, None, None
+    for i, ks in per_row.items():
+        bad = [errs[k] for k in ks if k in errs]
+        if bad:
+            errors += 1
+            first_err = first_err or _short_error(bad[0])
+            continue
+        got = [vals[k] for k in ks]
+        if any(g is None for g in got):
+            continue  # not applicable to this row (the function returned None)
+        e = min(got) if ex.guesses else max(got)
+        scores.append(e)
+        if example is None:
+            example = texts[ks[0]]
+        won = _won(e, correct[i], floor[i], wrong[i], ex.must_beat)
+        if won:
+            if wins == 0:
+                example = texts[ks[max(range(len(got)), key=got.__getitem__)]]
+            wins += 1
+    n = len(scores)
+    if not applies and not errors:
+        status = "n/a"
+    elif ex.kind == "equivalent":
+        status = "info"
+    elif errors:
+        status = "ERROR"
+    elif n and wins / n >= fail_share - 1e-12:
+        status = "EXPLOIT"
+    else:
+        status = "ok"
+    mean = sum(scores) / n if n else None
+    return Finding(ex.name, ex.kind, status, mean, wins, n + errors, errors, first_err, example)
+
+
+def _probe_finding(name: str, values: list, n: int, errors: dict[int, str]) -> Finding:
+    """An out-of-contract input: raising is fine (the trainer never passes it), NaN is not."""
+    scored = [v for v in values if v is not None]
+    msgs = list(errors.values())
+    bad = [m for m in msgs if "non-finite" in m or "not a number" in m or "float32" in m]
+    return Finding(
+        name,
+        "robustness",
+        "ERROR" if bad else "info",
+        sum(scored) / len(scored) if scored else None,
+        0,
+        n,
+        len(errors),
+        _short_error((bad or msgs)[0]) if msgs else None,
+    )
+
+
+_BATCH_ERR_RE = re.compile(
+    r"raised on the batch of \d+(?: \(first failing sample index \d+: .*\))?: (.*)$", re.S
+)
+_SAMPLE_ERR_RE = re.compile(r"sample \d+: (.*)$", re.S)
+
+
+def _short_error(msg: str) -> str:
+    """The exception (or the bad value) out of a ``score_rewards`` error message."""
+    m = _BATCH_ERR_RE.search(msg) or _SAMPLE_ERR_RE.search(msg)
+    return (m.group(1) if m else msg)[:160]
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def first_rows(task, n: int, seed: int = 0) -> list[dict]:
+    """The first ``n`` training rows of ``task`` (the rows the run will see first)."""
+    if n < 1:
+        raise ValueError(f"audit: rows must be >= 1, got {n}")
+    return list(itertools.islice(task.train_rows(seed), n))
+
+
+def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> AuditReport | None:
+    """``train.audit_rewards``: the battery on a few rows before the model loads.
+
+    ``warn``: one line per exploitable or fragile function on stderr (nothing when clean);
+    ``fail``: the same, then ``AuditError``; ``off``: nothing. The global random generators
+    are left as they were (a reward function that draws from them would shift the run)."""
+    mode = cfg.train.audit_rewards
+    if mode == "off":
+        return None
+    if mode not in ("warn", "fail"):
+        raise ValueError(f"train.audit_rewards={mode!r}; expected 'warn', 'fail' or 'off'")
+    import torch
+
+    py_state, torch_state = random.getstate(), torch.random.get_rng_state()
+    np = sys.modules.get("numpy")
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        rows = first_rows(task, STARTUP_ROWS, cfg.train.seed)
+        if any(_code_info(r) for r in rows[:1]):
+            rows = rows[:STARTUP_CODE_ROWS]  # each program is a sandboxed process
+        report = audit_rewards(specs, rows, max_steps=cfg.train.steps)
+    finally:
+        random.setstate(py_state)
+        torch.random.set_rng_state(torch_state)
+        if np_state is not None:
+            np.random.set_state(np_state)
+    lines = report.lines()
+    if show:
+        for line in lines:
+            print(line, file=sys.stderr)
+    if mode == "fail" and report.failed:
+        raise AuditError(
+            "; ".join(lines) + ". See the tables with `peergrade audit --config ...`, or set "
+            "train.audit_rewards: warn"
+        )
+    return report
+
+
+# ----------------------------------------------------------------------------- samples
+
+
+#: two numbers listed in the answer slot ("18, 19", "18 or 19", "18 19"; not "12+7", "1,234")
+_LIST_RE = re.compile(r"\d(?:\s*;\s*|\s*,\s+|\s+or\s+|\s+and\s+|\s+)[+-]?\d", re.ASCII)
+#: a repeated-word-trigram share at or above this flags a completion as repetitive
+REPETITION_FLAG = 0.5
+
+
+def _final_slot(text: str) -> str:
+    """The text a strict reader takes as the answer: one tag, one box, else the last line."""
+    tagged = answer_tag(text)
+    if tagged is not None:
+        return tagged
+    box = boxed(text, allow_multiple=True)
+    if box is not None:
+        return box
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def cross_check(completion: str, prompt, answer, finish_reason=None) -> list[str]:
+    """Why a stricter reading doubts ``completion`` (empty: no doubt)."""
+    from peergrade.rewards.math import math_accuracy
+    from peergrade.rewards.penalties import repetition_penalty
+
+    flags = []
+    if answer is not None and str(answer).strip():
+        strict = math_accuracy(None, [completion], answer=[str(answer)], extract="auto")[0]
+        if strict < 1.0:
+            flags.append("strict_check_disagrees")
+    blocks = set(re.findall(r"<answer>(.*?)</answer>", completion, re.S))
+    boxes = set(re.findall(r"\\boxed\{([^{}]*)\}", completion))
+    listed = _LIST_RE.search(_final_slot(completion)) is not None
+    if len({b.strip() for b in blocks}) > 1 or len(boxes) > 1 or listed:
+        flags.append("several_answers")
+    if -repetition_penalty(None, [completion], n=3)[0] >= REPETITION_FLAG:
+        flags.append("repetition")
+    if finish_reason == "length":
+        flags.append("cut_at_length_cap")
+    q = re.sub(r"\s+", " ", _question(prompt)).strip()
+    if len(q) >= 4 and q in re.sub(r"\s+", " ", completion):
+        flags.append("echoes_prompt")
+    return flags
+
+
+def samples_audit(run_dir, *, top: int = 20) -> dict:
+    """The run's logged completions with high reward that a stricter cross-check doubts.
+
+    High reward: at or above the median of every logged total reward, and above the lowest.
+    Ranked by reward, then by the number of doubts. Returns ``{"run_dir", "completions"
+    (how many were read), "suspects": [...]}``; each suspect has the step, prompt, reference
+    answer, completion, total and per-function rewards, and its flags."""
+    from peergrade.metrics import read_jsonl
+
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.is_file():
+        raise AuditError(
+            f"{run_dir}: no samples.jsonl (a run directory written by `peergrade train`, with "
+            "train.log_samples > 0, is expected)"
+        )
+    records = read_jsonl(path)
+    flat = []
+    for n, rec in enumerate(records, start=1):
+        comps = rec.get("completions")
+        rewards = rec.get("rewards")
+        if (
+            not isinstance(comps, list)
+            or not isinstance(rewards, list)
+            or len(comps) != len(rewards)
+        ):
+            raise AuditError(
+                f"{path}: line {n}: expected 'completions' and 'rewards' lists of equal length"
+            )
+        by_fn = rec.get("rewards_by_fn") or {}
+        finish = rec.get("finish_reason") or [None] * len(comps)
+        for g, (text, r) in enumerate(zip(comps, rewards)):
+            if r is None or not isinstance(text, str) or (isinstance(r, float) and math.isnan(r)):
+                continue
+            flat.append(
+                {
+                    "step": rec.get("step"),
+                    "prompt": rec.get("prompt"),
+                    "answer": rec.get("answer"),
+                    "completion": text,
+                    "reward": float(r),
+                    "rewards_by_fn": {k: v[g] for k, v in by_fn.items() if len(v) > g},
+                    "finish_reason": finish[g] if g < len(finish) else None,
+                }
+            )
+    suspects = []
+    if flat:
+        values = sorted(x["reward"] for x in flat)
+        median, lowest = values[len(values) // 2], values[0]
+        for x in flat:
+            if x["reward"] < median or x["reward"] <= lowest + _EPS:
+                continue
+            flags = cross_check(x["completion"], x["prompt"], x["answer"], x["finish_reason"])
+            if flags:
+                suspects.append({**x, "flags": flags})
+    suspects.sort(key=lambda x: (-x["reward"], -len(x["flags"])))
+    return {"run_dir": str(run_dir), "completions": len(flat), "suspects": suspects[:top]}
+
+
+def format_samples(result: dict) -> str:
+    """The suspects as text, most rewarded first, each with its prompt."""
+    out = [
+        f"{result['run_dir']}: {result['completions']} logged completions, "
+        f"{len(result['suspects'])} suspects"
+    ]
+    for k, s in enumerate(result["suspects"], start=1):
+        fns = ", ".join(f"{n} {v:g}" for n, v in s["rewards_by_fn"].items() if v is not None)
+        out.append(
+            f"\n{k}. step {s['step']}  reward {s['reward']:g}"
+            + (f" ({fns})" if fns else "")
+            + f"  flags: {', '.join(s['flags'])}"
+        )
+        out.append(f"   prompt: {json.dumps(_question(s['prompt']))[:200]}")
+        if s["answer"] is not None:
+            out.append(f"   reference: {s['answer']}")
+        out.append(f"   completion: {json.dumps(s['completion'])[:400]}")
+    return "\n".join(out)
