@@ -612,3 +612,66 @@ def test_override_values_with_a_colon_stay_strings():
     assert parse_override_value("0.04") == 0.04 and parse_override_value("null") is None
     cfg = load_config(None, [("data.task_options.template", parse_override_value(text))])
     assert cfg.data.task_options["template"] == text
+
+
+# ----------------------------------------------------------------------------- shortcuts per command
+
+
+def _resolved(argv: list[str]):
+    """The config a command line resolves to, and its parsed arguments (nothing runs)."""
+    from peergrade.cli import _config_from, build_parser
+
+    args, extra = build_parser().parse_known_args(argv)
+    return _config_from(args, extra), args
+
+
+def test_train_explicit_keys_win_over_its_shortcuts():
+    cfg, _ = _resolved(
+        ["train", "--steps", "3", "--train.steps", "5", "--seed", "1", "--train.seed", "2",
+         "--model", "a", "--model.path", "b", "-o", "x", "--train.output_dir", "y",
+         "--data", "d1.jsonl", "--data.path", "d2.jsonl"]
+    )  # fmt: skip
+    assert (cfg.train.steps, cfg.train.seed, Path(cfg.model.path).name) == (5, 2, "b")
+    assert (Path(cfg.train.output_dir).name, Path(cfg.data.path).name) == ("y", "d2.jsonl")
+    cfg, _ = _resolved(["train", "--steps", "3", "--seed", "1", "--output-dir", "x"])
+    assert (cfg.train.steps, cfg.train.seed, Path(cfg.train.output_dir).name) == (3, 1, "x")
+
+
+def test_memory_steps_are_measured_steps_not_train_steps():
+    """`peergrade memory --train.steps 100` ran with train.steps = 2 (memory's own --steps)."""
+    cfg, args = _resolved(["memory", "--train.steps", "100", "--estimate-only"])
+    assert cfg.train.steps == 100 and args.steps == 2
+    cfg, args = _resolved(["memory", "--steps", "3", "--model", "a", "--model.path", "b"])
+    assert cfg.train.steps == Config().train.steps  # memory's --steps sets no config key
+    assert args.steps == 3 and Path(cfg.model.path).name == "b"
+
+
+def test_sweep_explicit_keys_win_over_its_shortcuts():
+    cfg, _ = _resolved(["sweep", "--steps", "3", "--train.steps", "9", "--seed", "1"])
+    assert (cfg.train.steps, cfg.train.seed) == (9, 1)
+    cfg, _ = _resolved(["sweep", "--seed", "1", "--train.seed", "4", "-o", "sw"])
+    assert cfg.train.seed == 4 and cfg.train.output_dir is None  # -o is the sweep dir
+
+
+def test_config_command_takes_overrides_and_no_train_shortcuts(capsys):
+    assert main(["config", "--train.steps", "7", "--no-comments"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 7
+    assert main(["config", "--steps", "7"]) == 2
+    assert "unknown option --steps" in capsys.readouterr().err
+
+
+def test_output_flag_is_the_commands_output_everywhere():
+    """-o/--output is what each command writes; the old long spellings still parse."""
+    from peergrade.cli import build_parser
+
+    p = build_parser()
+    for argv in (["train", "-o", "R"], ["train", "--output-dir", "R"], ["train", "--output", "R"],
+                 ["sweep", "-o", "R"], ["sweep", "--output-dir", "R"], ["report", "x", "-o", "R"],
+                 ["memory", "-o", "R"], ["sft", "--init", "qwen2", "--out", "R"],
+                 ["sft", "--init", "qwen2", "-o", "R"]):  # fmt: skip
+        assert p.parse_known_args(argv)[0].output == "R", argv
+
+
+def test_commands_without_overrides_refuse_extra_arguments(capsys):
+    assert main(["export", "a", "b", "--train.steps", "3"]) == 2
+    assert "unexpected arguments for export: --train.steps 3" in capsys.readouterr().err

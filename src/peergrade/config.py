@@ -41,9 +41,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key and what is allowed."""
+from peergrade.errors import ConfigError  # the user-error family; importable from here too
 
 
 def doc(help: str, default: Any = dataclasses.MISSING, **kw) -> Any:

@@ -1,23 +1,41 @@
-"""The common base of errors a user can fix, so the CLI can print them without a traceback.
+"""The one family of errors a user can fix, and the one place that prints them.
 
 An error that subclasses ``PeergradeError`` carries a complete message: it names the file, row,
-key or argument at fault and what was expected. ``peergrade`` prints it as one line
-``error: <message>`` and exits with status 2. Anything else is a bug and keeps its traceback.
+key or argument at fault and what was expected. ``peergrade`` prints it through ``report`` as
+one line ``error: <message>`` and exits with status 2. Anything else is a bug and keeps its
+traceback.
 
-The concrete classes live next to the code that raises them (``ModelLoadError`` here, shared
-by models and gguf; ``DataError`` in tasks.files, ``RewardError`` in rewards, ``RunDirError`` in checkpoint); each
-also keeps its historical builtin base (``ValueError`` / ``RuntimeError``) so existing
+The family::
+
+    PeergradeError
+      InputError        bad input with no more specific class: an unknown task or reward name, a
+                        bad option, a command line that cannot be parsed (``cli.UserError`` is
+                        this class under its old name)
+      ConfigError       a bad config key or value (``peergrade.config`` raises it; also importable
+                        from there)
+      ModelLoadError    a model or tokenizer directory is missing something (models, gguf)
+      MissingPackageError  an optional package a feature needs is not installed (``require``)
+      ...               next to the code that raises them: ``DataError`` (tasks.files),
+                        ``RewardError`` (rewards), ``RunDirError`` (checkpoint)
+
+Each also keeps its historical builtin base (``ValueError`` / ``RuntimeError``) so existing
 ``except ValueError`` code still catches it. ``user_input`` turns a plain ValueError raised while
 resolving a user-given name into an ``InputError``. ``require`` imports an optional package or
 raises ``MissingPackageError`` with the pip command, so every missing extra (pandas for CSV, peft
 for LoRA, ...) is the same one ``error:`` line.
+
+What it deliberately does not do: decide what is a user error for another module (that module
+raises the class), or catch anything itself.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from contextlib import contextmanager
 from types import ModuleType
+
+USER_ERROR_STATUS = 2  # the exit status of a user error (argparse's for a bad command line)
 
 
 class PeergradeError(Exception):
@@ -25,7 +43,12 @@ class PeergradeError(Exception):
 
 
 class InputError(PeergradeError, ValueError):
-    """Bad user input that has no more specific class (unknown task or reward name, bad option)."""
+    """Bad user input that has no more specific class (unknown task or reward name, bad option,
+    a command line that cannot be parsed)."""
+
+
+class ConfigError(PeergradeError, ValueError):
+    """A bad config key or value; the message names the key and what is allowed."""
 
 
 class ModelLoadError(PeergradeError, ValueError):
@@ -64,3 +87,9 @@ def user_input(what: str):
         raise
     except ValueError as e:
         raise InputError(f"{what}: {e}") from e
+
+
+def report(error: PeergradeError, file=None) -> int:
+    """Print ``error`` as one ``error: ...`` line (stderr by default); the exit status to use."""
+    print(f"error: {error}", file=file or sys.stderr)
+    return USER_ERROR_STATUS

@@ -313,8 +313,8 @@ def prompt_length(cfg, n: int = 64) -> int:
     trainer builds them at step 1 (few-shot examples included)."""
     import itertools
 
+    from peergrade.components import build_few_shot, build_task, encode_rows
     from peergrade.models import load_tokenizer, resolve_model_path
-    from peergrade.trainer import build_few_shot, build_task, encode_rows
 
     task = build_task(cfg)
     tok = load_tokenizer(resolve_model_path(cfg.model.path))

@@ -12,6 +12,7 @@ pipes), or nothing; alerts are printed when they start and listed while they las
 ``quiet_hf_progress`` is the one policy for transformers' own progress bars ("Loading weights",
 "Writing model shards"): off while peergrade works, since its display is the progress, whether
 the CLI or ``trainer.train`` from Python started it; the caller's setting is restored after.
+``Tee`` hands every metrics line to a Python caller's ``on_log`` as well (``peergrade.api``).
 
 What the files hold (what the run report reads):
 
@@ -393,3 +394,23 @@ class Display:
         print(title, flush=True)
         for r in [header, *rows]:
             print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)), flush=True)
+
+
+class Tee:
+    """A metrics log that also hands every line to a caller's ``on_log`` (the Python API)."""
+
+    def __init__(self, log, on_log):
+        self.log, self.on_log = log, on_log
+
+    def write(self, line: dict) -> None:
+        self.log.write(line)
+        self.on_log(dict(line))
+
+    def close(self) -> None:
+        self.log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

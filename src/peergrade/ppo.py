@@ -24,6 +24,8 @@ the math is in ``peergrade.algo``. This module adds what is truly PPO's:
   The two losses share no parameters, so the value loss's gradient reaches only the critic and
   the policy loss's only the policy. Each network's gradient norm is clipped to
   ``optim.max_grad_norm`` separately, then both optimizers step.
+* ``PPO``: the two behind the trainer's ``update.Algorithm`` interface, on an ``Experience``
+  (its advantages, returns, rollout-time values and old log-probs are ``[N, C]``).
 * ``CriticCheckpointState``: wraps the policy optimizer so that a checkpoint's
   ``training_state.pt`` also holds the critic's weights and optimizer (exact resume).
 
@@ -37,6 +39,7 @@ critic (it is always fully fine-tuned), no entropy bonus.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ from torch import nn
 from peergrade import distributed as dist
 from peergrade.algo import gae, kl_divergence, policy_loss, value_loss
 from peergrade.algo.advantages import token_rewards
+from peergrade.experience import Experience
 from peergrade.models import (
     find_backbone_and_head,
     load_model,
@@ -70,6 +74,7 @@ __all__ = [
     "ppo_advantages",
     "ppo_update",
     "CriticCheckpointState",
+    "PPO",
 ]
 
 
@@ -303,3 +308,41 @@ def ppo_update(
     critic.model.train()
     metrics = run_update(batch, cfg, step, trainees, micro_loss)
     return {**metrics.means(), "optim/lr": scheduler.get_last_lr()[0]}
+
+
+# ----------------------------------------------------------------------------- the interface
+
+
+@dataclass
+class PPO:
+    """``update.Algorithm`` for PPO: critic + GAE advantages, then ``ppo_update``."""
+
+    models: Models
+    critic: Critic
+    optimizer: Any
+    scheduler: Any
+    cfg: Any
+
+    def advantages(self, exp: Experience) -> None:
+        out = ppo_advantages(
+            self.critic, self.models, exp.batch, exp.rewards, exp.ref_logprobs, self.cfg
+        )
+        exp.advantages, exp.returns = out["advantages"], out["returns"]
+        exp.values, exp.old_logprobs = out["old_values"], out["old_logp"]
+        exp.metrics = out["metrics"]
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        return ppo_update(
+            self.models,
+            self.critic,
+            self.optimizer,
+            self.scheduler,
+            exp.batch,
+            exp.advantages,
+            exp.returns,
+            exp.values,
+            exp.old_logprobs,
+            exp.ref_logprobs,
+            self.cfg,
+            step,
+        )

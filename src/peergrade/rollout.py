@@ -2,9 +2,10 @@
 
 ``generate(model, tokenizer, prompts, n=G, max_new_tokens=T, ...)`` answers every prompt ``n``
 times (the ``n`` samples of one prompt are adjacent: sequence ``i`` answers prompt ``i // n``) and
-returns the completion token ids, a mask of the tokens that count, the log-probability of every
-sampled token, why each sequence ended and the decoded text. It is the GRPO rollout step; it
-knows nothing of rewards, configs or training.
+returns the completion token ids, a mask of the tokens that count (and a separate loss mask), the
+log-probability of every sampled token (over the full tempered distribution, and under the
+sampler's own truncated one), why each sequence ended and the decoded text. It is the GRPO
+rollout step; it knows nothing of rewards, configs or training.
 
 How it is fast (compared with ``model.generate``):
 
@@ -93,6 +94,14 @@ class Rollout:
         completion_text: N decoded completions (special tokens skipped), cut right after the
             stop string when one ended the sequence.
         prompt_index: ``[N]`` long, the prompt each sequence answers (``i // n``).
+        sampler_logprobs: ``[N, C]`` float32 log-prob of each sampled token under the
+            distribution it was drawn from (tempered, cut by top-k/top-p, renormalised: the
+            behaviour policy); equal to ``logprobs`` without truncation, 0 when greedy and
+            where ``completion_mask == 0``. None when the sampler did not record them.
+        loss_mask: ``[N, C]`` float32; 1 = a token the update trains on. A separate tensor
+            from ``completion_mask`` (the tokens that exist, which the model attends to), so a
+            token can be attended to and not trained on (an environment's answer, a truncated
+            completion under overlong filtering); defaults to a copy of ``completion_mask``.
     """
 
     prompt_ids: list[list[int]]
@@ -102,6 +111,12 @@ class Rollout:
     finish_reason: list[str]
     completion_text: list[str]
     prompt_index: torch.Tensor  # [N] long
+    sampler_logprobs: torch.Tensor | None = None  # [N, C] float32
+    loss_mask: torch.Tensor | None = None  # [N, C] float32
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask.clone()
 
     def completion_id_lists(self) -> list[list[int]]:
         """The counted completion token ids, one list per sequence (``completion_ids`` of the
@@ -119,7 +134,8 @@ class Rollout:
         Prompts are LEFT-padded to ``P`` = longest prompt, completions right-padded to ``C``;
         the last ``C`` columns of ``input_ids`` are the completions, so the log-prob of completion
         token ``j`` comes from the logits at column ``P + j - 1``. ``attention_mask`` (long) is 1 on
-        prompt tokens and on completion tokens that count. Pass
+        prompt tokens and on completion tokens that count; what the update trains on is
+        ``loss_mask``, which this does not touch. Pass
         ``position_ids_from_mask(attention_mask)`` to the model as well: that reproduces the
         positions used while sampling exactly (it matters for absolute-position models; for RoPE
         models only float rounding differs).
@@ -233,12 +249,15 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _sample(
     logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits: [B, V] float32, u: [B]. Returns (tokens [B], logprobs [B])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits: [B, V] float32, u: [B]. Returns (tokens [B], logprobs [B]
+    over the full tempered distribution, sampler log-probs [B] under the distribution drawn
+    from: tempered, truncated by top-k/top-p and renormalised; 0 when greedy)."""
     if temperature == 0.0:
         tokens = logits.argmax(-1)  # [B]
         logp_all = torch.log_softmax(logits, -1)  # [B, V]
-        return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, logp, torch.zeros_like(logp)  # greedy picks its token with probability 1
     scaled = logits if temperature == 1.0 else logits / temperature  # [B, V]
     vocab = scaled.shape[-1]
     k = vocab if top_k <= 0 else min(top_k, vocab)
@@ -249,7 +268,8 @@ def _sample(
         e = (scaled - mx).exp_()  # [B, V]
         tokens = _inverse_cdf(e, u)
         log_z = mx.squeeze(-1) + e.sum(-1).log()  # [B]
-        return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+        logp = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+        return tokens, logp, logp  # nothing truncated: the sampler's distribution is the full one
     logp_all = torch.log_softmax(scaled, -1)  # [B, V]
     if k < vocab:
         cand_logp, cand_idx = torch.topk(logp_all, k, dim=-1)  # [B, k], sorted descending
@@ -263,8 +283,11 @@ def _sample(
         # reaching top_p, including the token that crosses it. Token 0 is always kept.
         keep = (cum - cand_p) < top_p * mass
         cand_p = cand_p * keep
-    tokens = cand_idx.gather(-1, _inverse_cdf(cand_p, u).unsqueeze(-1)).squeeze(-1)
-    return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    pick = _inverse_cdf(cand_p, u).unsqueeze(-1)  # [B, 1]
+    tokens = cand_idx.gather(-1, pick).squeeze(-1)
+    # the kept set renormalised: log p_kept(tok) = log p(tok) - log(mass kept)
+    sampler_logp = cand_logp.gather(-1, pick).squeeze(-1) - cand_p.sum(-1).log()
+    return tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), sampler_logp
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,6 +534,7 @@ def generate(
         completion_ids=_cat("tokens", pad_id, torch.long),
         completion_mask=_cat("mask", 0.0, torch.float32),
         logprobs=_cat("logprobs", 0.0, torch.float32),
+        sampler_logprobs=_cat("sampler_logprobs", 0.0, torch.float32),
         finish_reason=[r for p in parts for r in p["finish"]],
         completion_text=[t for p in parts for t in p["text"]],
         prompt_index=torch.arange(num_seq, device=device) // n,
@@ -607,6 +631,7 @@ class _Runner:
 
         tokens_out = torch.full((b, T), self.tokenizer.pad_token_id, dtype=torch.long, device=dev)
         logp_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
+        sampler_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
         finished_at = torch.full((b,), T, dtype=torch.long, device=dev)  # T = not finished
         reason = ["length"] * b
         rows = torch.arange(b, device=dev)  # local index of each running row
@@ -616,9 +641,12 @@ class _Runner:
 
         cur = p_len  # cache length before this step's token
         for t in range(T):
-            tok, logp = _sample(logits, u_local[rows, t], self.temperature, self.top_p, self.top_k)
+            tok, logp, sampler_logp = _sample(
+                logits, u_local[rows, t], self.temperature, self.top_p, self.top_k
+            )
             tokens_out[rows, t] = tok
             logp_out[rows, t] = logp
+            sampler_out[rows, t] = sampler_logp
             if not self.ignore_eos:
                 # Only the first EOS counts: between host checks a finished row keeps running.
                 fin = finished_at[rows]  # [B]
@@ -669,6 +697,7 @@ class _Runner:
         c = int(length.max().item())
         tokens_out = tokens_out.masked_fill(mask == 0, self.tokenizer.pad_token_id)[:, :c]
         logp_out = (logp_out * mask)[:, :c]
+        sampler_out = (sampler_out * mask)[:, :c]
         mask = mask[:, :c]
         fin_l = finished_at.tolist()
         len_l = length.tolist()
@@ -688,6 +717,7 @@ class _Runner:
             "tokens": tokens_out,
             "mask": mask,
             "logprobs": logp_out,
+            "sampler_logprobs": sampler_out,
             "finish": reason,
             "text": texts,
         }

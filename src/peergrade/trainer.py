@@ -1,13 +1,16 @@
 """The training loop, top to bottom: ``setup`` builds a run, ``train_step`` is one step, ``train``
 loops over steps and finishes with the held-out table.
 
-One step (``train_step``; the loop and ``peergrade memory`` both call it):
-  P prompts (with solved example turns early on when ``data.few_shot`` is set)
-  -> G completions each (``rollout.generate``) -> rewards (weighted reward functions)
-  -> advantages: group-relative (``algo.group_advantages``), or PPO's critic + GAE
-  -> reference log-probs (beta > 0)
-  -> mu passes of minibatch updates (``update.grpo_update`` / ``ppo.ppo_update``)
+One step (``train_step`` = ``collect`` then ``learn``; the loop and ``peergrade memory`` both
+call it), with one ``Experience`` (``peergrade.experience``) travelling through it:
+  ``collect``: P prompts (with solved example turns early on when ``data.few_shot`` is set)
+    -> G completions each (``rollout.generate``) -> rewards (weighted reward functions)
+    -> reference log-probs (beta > 0)
+    -> advantages (``run.algo.advantages``: group-relative for GRPO, critic + GAE for PPO)
+  ``learn``: mu passes of minibatch updates (``run.algo.update``)
   -> metrics and sampled completions, which the loop logs, then evaluation and checkpoints.
+GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRPO``,
+``ppo.PPO``). docs/architecture.md draws the data flow and the Experience's fields.
 
 Exact resume: everything random is derived from (seed, step) (``peergrade.seeds``) -- the
 prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, the sampling seed of
@@ -22,18 +25,15 @@ rank, and rank 0 alone writes logs and checkpoints. In one process every ``dist.
 identity.
 
 This module does not implement the math (``algo``), the update (``update``, ``ppo``), the
-sampler (``rollout``), log-probs and loading (``logprobs``, ``models``), rewards or tasks.
+sampler (``rollout``), log-probs and loading (``logprobs``, ``models``), rewards or tasks, the
+run directory and resume (``checkpoint``) or the held-out evaluator (``evaluation``).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 import shutil
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,141 +43,35 @@ import torch
 from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
 from peergrade import ppo
-from peergrade.algo import group_advantages
 from peergrade.audit import at_startup as audit_at_startup
+from peergrade.checkpoint import RunDir, resume_from_checkpoint
+from peergrade.components import (  # setup_models, build_few_shot: also imported from here
+    build_few_shot,
+    build_rewards,
+    build_task,
+    encode_rows,
+    setup_models,
+)
 from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
-from peergrade.errors import InputError, user_input
-from peergrade.evaluation import (
-    FORMAT_KEYS,
-    accuracy_spec,
-    answer_format_spec,
-    asks_for_answer_tags,
-    evaluate,
-    reward_state,
-)
-from peergrade.metrics import (
-    Display,
-    JsonlWriter,
-    MetricLogger,
-    check_backends,
-    quiet_hf_progress,
-    read_jsonl,
-)
-from peergrade.models import (
-    apply_lora,
-    load_model,
-    load_tokenizer,
-    prepare_model,
-    prepare_tokenizer,
-    resolve_device,
-    resolve_dtype,
-    resolve_model_path,
-)
-from peergrade.reward_models import reward_or_model
-from peergrade.rewards import RewardSpec, columns_for, make_reward_specs, score_rewards
+from peergrade.evaluation import HeldOut, accuracy_spec, results_table, reward_state
+from peergrade.experience import Experience, Sampled
+from peergrade.metrics import Display, Tee, check_backends, quiet_hf_progress, read_jsonl
+from peergrade.rewards import RewardSpec, columns_for, score_rewards
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
-from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
-from peergrade.tasks.prompts import encode_prompts
 from peergrade.update import (
+    GRPO,
+    Algorithm,
     Models,
     autocast,
     build_optimizer,
     build_scheduler,
-    grpo_update,
     ref_logprobs,
 )
 
 # ----------------------------------------------------------------------------- setup
-
-
-def build_task(cfg: Config):
-    d = cfg.data
-    with user_input("data"):
-        if d.path is not None:
-            return load_task(
-                "file", path=d.path, eval_path=d.eval_path, columns=d.columns, **d.task_options
-            )
-        return load_task(d.task, **d.task_options)
-
-
-def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec]:
-    """The configured reward mix, or the task's default rewards when none is configured.
-    ``fns`` (aligned with ``cfg.rewards``): a callable there is used instead of resolving that
-    item's name (the Python API's in-memory reward functions)."""
-    fns = fns or [None] * len(cfg.rewards)
-    with user_input("rewards"):
-        if cfg.rewards:
-            # a directory is a reward model (loaded on the training device), else a function
-            device = resolve_device(cfg.model.device)
-            dtype = resolve_dtype(cfg.model.dtype, device)
-            items = [
-                (
-                    reward_or_model(i.name, device=device, dtype=dtype) if fn is None else fn,
-                    i.weight,
-                    i.kwargs,
-                    i.display_name,
-                )
-                for i, fn in zip(cfg.rewards, fns)
-            ]
-        else:
-            items = [(name, w, {}, None) for name, w in task.default_rewards]
-        specs = make_reward_specs(items)
-    if not specs:
-        raise InputError(
-            f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
-        )
-    return specs
-
-
-def build_few_shot(cfg: Config, task) -> FewShot:
-    d = cfg.data
-    return FewShot(d.few_shot, d.few_shot_fade_steps, d.few_shot_answer, task, cfg.train.seed)
-
-
-def encode_rows(cfg: Config, task, tokenizer, rows: list[dict]) -> list[list[int]]:
-    """Token ids of the rows' prompts as the model sees them (system prompt, chat template)."""
-    d = cfg.data
-    return encode_prompts(
-        rows,
-        tokenizer,
-        system_prompt=d.system_prompt or task.system_prompt,
-        use_chat_template=d.use_chat_template,
-        max_prompt_length=d.max_prompt_length,
-    )
-
-
-def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
-    """Policy and tokenizer; the reference when beta > 0 (the disabled adapter under LoRA).
-    A ``policy`` (and ``tokenizer``) object given by a Python caller is used as it is, in its
-    own dtype, instead of loading ``model.path``."""
-    device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    path = resolve_model_path(cfg.model.path)
-    gc = cfg.gradient_checkpointing_on(device.type)
-    if policy is None:
-        tokenizer = load_tokenizer(path)
-        policy = load_model(path, dtype=dtype, device=str(device), gradient_checkpointing=gc)
-    else:
-        tokenizer = prepare_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(path)
-        policy = prepare_model(policy, device=device, gradient_checkpointing=gc)
-    reference = None
-    if cfg.model.lora.enabled:
-        lc = cfg.model.lora
-        policy = apply_lora(
-            policy, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules
-        )
-        if cfg.uses_reference:
-            reference = "adapter"
-    elif cfg.uses_reference and cfg.model.ref_offload and device.type != "cpu":
-        # loaded straight into host memory: never two copies on the device
-        reference = load_model(path, dtype=dtype, device="cpu").eval().requires_grad_(False)
-    elif cfg.uses_reference:
-        reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    # FSDP2 under torchrun shards both (before the optimizer sees the parameters)
-    return Models(dist.prepare(policy), tokenizer, dist.prepare(reference), device)
 
 
 @dataclass
@@ -194,6 +88,7 @@ class Run:
     optimizer: Any
     scheduler: Any
     critic: ppo.Critic | None  # PPO only
+    algo: Algorithm  # advantages + update: update.GRPO or ppo.PPO
 
     @property
     def optimizer_state(self):
@@ -236,19 +131,14 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     models = setup_models(cfg, given.policy, given.tokenizer)
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
     optimizer = build_optimizer(trainable, cfg.optim)
-    # PPO: a critic (value model + its AdamW), the memory GRPO does without.
-    critic = ppo.build_critic(cfg, models) if cfg.algo.name == "ppo" else None
+    scheduler = build_scheduler(optimizer, cfg)
+    if cfg.algo.name == "ppo":  # a critic (value model + its AdamW), the memory GRPO does without
+        critic = ppo.build_critic(cfg, models)
+        algo = ppo.PPO(models, critic, optimizer, scheduler, cfg)
+    else:
+        critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
     return Run(
-        cfg,
-        task,
-        rewards,
-        acc,
-        in_mix,
-        few_shot,
-        models,
-        optimizer,
-        build_scheduler(optimizer, cfg),
-        critic,
+        cfg, task, rewards, acc, in_mix, few_shot, models, optimizer, scheduler, critic, algo
     )
 
 
@@ -260,7 +150,7 @@ REWARD_RNG_SALT = 1000  # peergrade.seeds: the stream of the global random/numpy
 def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
     """G completions for each prompt with the configured sampling settings, seeded by step."""
     r = run.cfg.rollout
-    with dist.full_weights(run.models.policy) as policy:  # FSDP2: unsharded for sampling
+    with dist.full_weights(run.models.policy) as policy:  # FSDP2: unshard for sampling
         return generate(
             policy,
             run.models.tokenizer,
@@ -320,11 +210,10 @@ class StepResult:
 NO_METER = NoMeter()
 
 
-def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepResult:
-    """One step on ``rows`` (P prompts): sample, score, advantages, reference, update.
-    ``meter`` brackets the generate / rewards / reference / update phases (``peergrade memory``)."""
+def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience:
+    """Step ``step``'s experience on ``rows`` (P prompts): sample, score, reference log-probs,
+    advantages. ``meter`` brackets the generate / rewards / reference phases."""
     cfg, models = run.cfg, run.models
-    P, G = len(rows), cfg.rollout.group_size
     # Python's random and numpy's global generator, which reward functions may use (a stream
     # per rank under torchrun; rank 0's is the single-process one)
     ckpt.seed_step_rngs(dist.rank_seed(step_seed(cfg.train.seed, step, salt=REWARD_RNG_SALT)))
@@ -332,290 +221,163 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     t_start = time.perf_counter()
     rows, few_shot_frac = run.few_shot.apply(rows, step)
     rows = dist.shard_rows(rows)  # under torchrun: this rank's P / world whole prompts
-    P = len(rows)
     prompt_ids = run.encode(rows)
 
-    # 1. sample G completions per prompt
-    meter.reset()
+    meter.reset()  # 1. sample G completions per prompt
     with autocast(cfg, device, models.policy):  # model.autocast: bf16 rollouts where it pays
         rollout = sample(run, prompt_ids, step)
     meter.record("generate")
     t_generated = time.perf_counter()
 
-    # 2. score them (a reward model's forward is the memory here)
     completion_ids = rollout.completion_id_lists()  # the counted tokens of each completion
-    meter.reset()
+    meter.reset()  # 2. score them (a reward model's forward is the memory here)
     scores, acc_values = score(run, step, rows, rollout, completion_ids)
     meter.record("rewards")
-    rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     t_scored = time.perf_counter()
 
-    # 3. the training batch; DAPO's overlong filtering masks truncated completions out
-    input_ids, attention_mask, cmask = rollout.training_batch(models.tokenizer.pad_token_id)
+    # 3. the experience: the attention mask says which tokens exist, the loss mask (the
+    # rollout's own, kept apart) which are trained on; DAPO's overlong filtering masks
+    # truncated completions out of the loss only
+    input_ids, attention_mask, _ = rollout.training_batch(models.tokenizer.pad_token_id)
+    loss_mask = rollout.loss_mask
     truncated = torch.tensor([f == "length" for f in rollout.finish_reason])  # [N]
     if cfg.algo.mask_truncated_completions:
-        cmask = cmask * (~truncated).unsqueeze(1).to(cmask.dtype)
-    batch = (input_ids.to(device), attention_mask.to(device), cmask.to(device))
+        loss_mask = loss_mask * (~truncated).unsqueeze(1).to(loss_mask.dtype)
+    sampler_lp = rollout.sampler_logprobs
+    exp = Experience(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        loss_mask=loss_mask.to(device),
+        rewards=scores.total,
+        truncated=truncated,
+        policy_version=step,
+        sampler_logprobs=None if sampler_lp is None else sampler_lp.to(device),
+        sampled=Sampled(
+            rows, prompt_ids, rollout, scores, acc_values, completion_ids, few_shot_frac
+        ),
+    )
 
-    # 4. reference log-probs for the KL term; advantages
-    meter.reset()
-    ref_lp = ref_logprobs(models, batch, cfg)  # [N, C] or None
-    if run.critic is None:  # GRPO: one group-relative advantage per completion
-        a = cfg.algo
-        # over every rank's groups ([P_global, G]; batch scaling needs them all), then ours
-        adv = group_advantages(
-            dist.gather_rows(rewards), scale=a.advantage_scale, baseline=a.advantage_baseline
-        )
-        adv = dist.local_rows(adv).reshape(P * G).to(device)  # [N]
-        ppo_out = None
-    else:  # PPO: token-level GAE advantages from the critic
-        ppo_out = ppo.ppo_advantages(run.critic, models, batch, scores.total, ref_lp, cfg)
+    meter.reset()  # 4. reference log-probs for the KL term; advantages
+    exp.ref_logprobs = ref_logprobs(models, exp.batch, cfg)  # [N, C] or None
+    run.algo.advantages(exp)
     meter.record("reference")
     t_ref = time.perf_counter()
+    exp.seconds = {
+        "generate": t_generated - t_start,
+        "reward": t_scored - t_generated,
+        "ref": t_ref - t_scored,
+    }
+    return exp
 
-    # 5. policy update
-    meter.reset()
-    if ppo_out is None:
-        upd = grpo_update(models, run.optimizer, run.scheduler, batch, adv, ref_lp, cfg, step)
-    else:
-        upd = ppo_out["metrics"] | ppo.ppo_update(
-            models,
-            run.critic,
-            run.optimizer,
-            run.scheduler,
-            batch,
-            ppo_out["advantages"],
-            ppo_out["returns"],
-            ppo_out["old_values"],
-            ppo_out["old_logp"],
-            ref_lp,
-            cfg,
-            step,
-        )
+
+def learn(run: Run, exp: Experience, step: int) -> dict[str, float]:
+    """The update of step ``step`` on ``exp``; returns its metrics (the advantage phase's too)."""
+    return exp.metrics | run.algo.update(exp, step)
+
+
+def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepResult:
+    """One step on ``rows`` (P prompts): ``collect`` then ``learn``, then the step's metrics.
+    ``meter`` brackets the generate / rewards / reference / update phases (``peergrade memory``)."""
+    exp = collect(run, step, rows, meter)
+    t_ref = time.perf_counter()
+    meter.reset()  # 5. policy update
+    upd = learn(run, exp, step)
     meter.record("update")
-    t_updated = time.perf_counter()
+    exp.seconds["update"] = time.perf_counter() - t_ref
+    return step_result(run, exp, upd, step)
 
-    # 6. metrics (over every rank's rows under torchrun) and sampled groups
+
+def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> StepResult:
+    """The step's metrics (over every rank's rows under torchrun) and its logged groups."""
+    cfg, s, sec = run.cfg, exp.sampled, exp.seconds
+    G, P = cfg.rollout.group_size, len(s.rows)
+    rollout, scores = s.rollout, s.scores
     g = dist.gather_rows
     gen_tokens = dist.sum_int(rollout.num_generated_tokens)
     lens = g(rollout.completion_mask.sum(dim=1))  # [N]
+    rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     group_std = torch.nan_to_num(g(rewards), nan=0.0).std(dim=1)  # [P]
-    all_scores, truncated = dist.gather_scores(scores), g(truncated)
+    all_scores, truncated = dist.gather_scores(scores), g(exp.truncated)
     metrics = {
         "step": step,
         **all_scores.metrics(),
-        "reward/accuracy": g(acc_values).nan_to_num(0.0).mean().item(),
+        "reward/accuracy": g(s.accuracy).nan_to_num(0.0).mean().item(),
         "rollout/len_mean": lens.float().mean().item(),
         "rollout/len_max": lens.max().item(),
         "rollout/frac_truncated": truncated.float().mean().item(),
         "rollout/frac_zero_std_groups": (group_std < 1e-6).float().mean().item(),
-        "rollout/repetition": dist.mean_over_ranks(repetition_rate(completion_ids)),
-        **({"advantage/std": g(adv).std().item()} if ppo_out is None else {}),
-        **({"curriculum/few_shot_frac": few_shot_frac} if run.few_shot.k else {}),
+        "rollout/repetition": dist.mean_over_ranks(repetition_rate(s.completion_ids)),
+        **({"curriculum/few_shot_frac": s.few_shot_frac} if run.few_shot.k else {}),
         **upd,
-        "time/generate_s": t_generated - t_start,
-        "time/reward_s": t_scored - t_generated,
-        "time/ref_s": t_ref - t_scored,
-        "time/update_s": t_updated - t_ref,
-        "perf/tokens_per_s": gen_tokens / max(t_generated - t_start, 1e-9),
-        "perf/train_tokens_per_s": gen_tokens
-        * cfg.algo.num_iterations
-        / max(t_updated - t_ref, 1e-9),
+        "time/generate_s": sec["generate"],
+        "time/reward_s": sec["reward"],
+        "time/ref_s": sec["ref"],
+        "time/update_s": sec["update"],
+        "perf/tokens_per_s": gen_tokens / max(sec["generate"], 1e-9),
+        "perf/train_tokens_per_s": gen_tokens * cfg.algo.num_iterations / max(sec["update"], 1e-9),
     }
+    per_completion = exp.advantages is not None and exp.advantages.dim() == 1  # GRPO's
     samples = []
     for p in range(min(cfg.train.log_samples, P)):
         group = slice(p * G, (p + 1) * G)
         samples.append(
             {
                 "step": step,
-                "prompt": rows[p]["prompt"],
-                "answer": rows[p].get("answer"),
+                "prompt": s.rows[p]["prompt"],
+                "answer": s.rows[p].get("answer"),
                 "completions": rollout.completion_text[group],
                 "rewards": scores.total[group].tolist(),
                 **scores.sample_fields(group),  # rewards_by_fn, and log_extra columns
-                "advantages": (adv[group].tolist() if ppo_out is None else None),
+                "advantages": exp.advantages[group].tolist() if per_completion else None,
                 "finish_reason": rollout.finish_reason[group],
             }
         )
     shapes = {
-        "prompt_len": max(len(ids) for ids in prompt_ids),
-        "seq_len": input_ids.shape[1],
-        "completion_len": cmask.shape[1],
+        "prompt_len": max(len(ids) for ids in s.prompt_ids),
+        "seq_len": exp.input_ids.shape[1],
+        "completion_len": exp.loss_mask.shape[1],
     }
     return StepResult(metrics, samples, shapes)
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
-@dataclass
-class HeldOut:
-    """The held-out problems (empty for a user dataset without an eval split) and their
-    prompt ids; ``evaluate`` scores the current policy on them (zero-shot, always)."""
-
-    run: Run
-    rows: list[dict]
-    prompt_ids: list[list[int]]
-
-    @classmethod
-    def of(cls, run: Run) -> HeldOut:
-        n = run.cfg.train.eval_size
-        rows = run.task.eval_rows(n) if getattr(run.task, "has_eval", True) else []
-        return cls(run, rows, run.encode(rows))
-
-    def evaluate(self, after_step: int) -> dict[str, float] | None:
-        """Scores after ``after_step`` training steps (reward functions see that global_step)."""
-        if not self.rows:
-            return None
-        # Under torchrun every rank evaluates the same rows (rank 0 logs); FSDP2 unshards.
-        with dist.full_weights(self.run.models.policy) as policy:
-            return self._evaluate(policy, after_step)
-
-    def _evaluate(self, policy, after_step: int) -> dict[str, float]:
-        cfg, models = self.run.cfg, self.run.models
-        r = cfg.rollout
-        state = reward_state(
-            self.run.task, after_step + 1, cfg.train.steps, r.prompts_per_step, r.group_size
-        )
-        return evaluate(
-            policy,
-            models.tokenizer,
-            self.rows,
-            self.prompt_ids,
-            self.run.accuracy,
-            k=cfg.train.eval_samples,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_new_tokens=r.max_completion_length,
-            seed=step_seed(cfg.train.seed, 0, salt=99),
-            batch_size=r.generation_batch_size,
-            stop=r.stop,
-            extra=[answer_format_spec()] if asks_for_answer_tags(self.rows) else [],
-            trainer_state=state,
-        )
-
-
-def results_table(display: Display, before: dict, after: dict, k: int) -> None:
-    names = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS)
-    display.table(
-        f"held-out accuracy ({before['n']} problems)",
-        ["metric", "before", "after", "change"],
-        [
-            [n, f"{before[n]:.3f}", f"{after[n]:.3f}", f"{after[n] - before[n]:+.3f}"]
-            for n in names
-            if n in before and n in after
-        ],
-    )
-
-
-# ----------------------------------------------------------------------------- run directory
-
-
-class _StopFlag:
-    """First Ctrl-C: finish the current step, save, exit. Second Ctrl-C: stop at once."""
-
-    def __init__(self):
-        self.requested = False
-
-    @contextmanager
-    def installed(self, display):
-        def handler(signum, frame):
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-            display.print(
-                "[interrupt] finishing this step, saving a checkpoint, then exiting "
-                "(Ctrl-C again to stop at once)"
-            )
-
-        try:
-            old = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread
-            yield self
-            return
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGINT, old)
-
-
-@dataclass
-class RunDir:
-    """The run directory: config, logs, checkpoints. ``trainer_state`` is what a checkpoint
-    carries besides weights and optimizer (the starting model's evaluation)."""
-
-    path: Path
-    config_yaml: str
-    trainer_state: dict[str, Any]
-    last_saved: int = -1
-
-    def open_logs(self, cfg: Config, *, resume: bool):
-        """metrics.jsonl plus the ``train.report_to`` backends; samples.jsonl (rank 0 alone
-        writes: the other ranks get writers that write nothing)."""
-        if not dist.is_main():
-            return dist.NullWriter(), dist.NullWriter()
-        ckpt.atomic_write_text(self.path / "config.yaml", self.config_yaml)
-        metrics = MetricLogger(
-            self.path,
-            cfg.train.report_to,
-            project=cfg.train.project,
-            config=dataclasses.asdict(cfg),
-            resume=resume,
-            start_step=max(self.last_saved, 0),
-        )
-        return metrics, JsonlWriter(self.path / "samples.jsonl")
-
-    def save(self, run: Run, step: int) -> None:
-        # FSDP2: gathering the full weights and optimizer state is a collective (all ranks)
-        model, optimizer = dist.checkpoint_state(run.models.policy, run.optimizer_state)
-        if dist.is_main():
-            ckpt.save_checkpoint(
-                self.path,
-                step,
-                model=model,
-                tokenizer=run.models.tokenizer,
-                optimizer=optimizer,
-                scheduler=run.scheduler,
-                trainer_state=self.trainer_state,
-                config_yaml=self.config_yaml,
-                keep_last=run.cfg.train.keep_last,
-            )
-        dist.barrier()  # the others wait until the checkpoint is complete
-        self.last_saved = step
-
-
-def resume_from_checkpoint(run: Run, run_dir: RunDir) -> Path | None:
-    """Load the last checkpoint of ``run_dir`` into ``run`` and return it; ``run_dir.last_saved``
-    is its step. Logs past that step (written after the checkpoint, before the stop) are cut.
-    A run stopped before its first checkpoint starts again from step 0 (None): its logs are
-    cut whole, the starting model's evaluation included."""
-    last = ckpt.latest_checkpoint(run_dir.path)
-    if last is None:
-        if dist.is_main():
-            for name in ("metrics.jsonl", "samples.jsonl"):
-                ckpt.truncate_jsonl(run_dir.path / name, -1)
-        run_dir.last_saved = 0
-        return None
-    run_dir.trainer_state.update(ckpt.read_trainer_state(last))
-    step = run_dir.trainer_state.pop("step")
-    device = run.models.device
-    loaded = load_model(
-        str(last), dtype=resolve_dtype(run.cfg.model.dtype, device), device=str(device)
-    )
-    dist.load_weights(run.models.policy, loaded.state_dict())
-    del loaded
-    training = ckpt.load_training_state(last)
-    dist.load_optimizer(run.models.policy, run.optimizer_state, training["optimizer"])
-    run.scheduler.load_state_dict(training["scheduler"])
-    ckpt.set_rng_state(training["rng"])
-    if dist.is_main():
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            ckpt.truncate_jsonl(run_dir.path / name, step)
-    run_dir.last_saved = step
-    return last
-
-
 # ----------------------------------------------------------------------------- the loop
+
+
+def open_run_dir(run: Run, out: RunDir, display, detectors, *, resume: bool, overwrite: bool):
+    """Resume into ``out`` or create it (replacing it with ``overwrite``); returns the step to
+    start after."""
+    if resume:
+        last = resume_from_checkpoint(run, out)
+        detectors.replay(read_jsonl(out.path / "metrics.jsonl"))  # windows continue
+        display.print(
+            f"resuming {out.path} from {last.name}"
+            if last is not None
+            else f"resuming {out.path} from step 0 (it stopped before its first checkpoint)"
+        )
+        return out.last_saved
+    if dist.is_main():
+        if overwrite and out.path.exists():
+            shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
+        out.path.mkdir(parents=True, exist_ok=True)
+    return 0
+
+
+def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detectors) -> None:
+    """The starting model on the held-out split, once per run (a resumed run has it)."""
+    if not held_out.rows:
+        display.print(
+            "no held-out split (set data.eval_path or task_options.eval_fraction): "
+            "evaluation is skipped",
+            always=True,
+        )
+    if "eval_before" in out.trainer_state:
+        return
+    if held_out.rows:
+        display.print("evaluating the starting model on the held-out split ...")
+    before = out.trainer_state["eval_before"] = held_out.evaluate(0)
+    if before:
+        line = {"step": 0, **{f"eval/{k}": v for k, v in before.items()}}
+        metrics_log.write({**line, **detectors.update(line)})
 
 
 @quiet_hf_progress()  # peergrade's display is the progress, from the CLI or from Python
@@ -636,22 +398,8 @@ def train(
     t, P = cfg.train, cfg.rollout.prompts_per_step
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
-    if resume:  # a finished run stays as it is: nothing is loaded, evaluated or written
-        done, finished = ckpt.resume_point(Path(run_dir))
-        if done > t.steps:
-            raise ckpt.RunDirError(
-                f"cannot resume: {str(run_dir)!r} is at step {done}, past train.steps "
-                f"{t.steps}; to train further pass --train.steps N with N > {done}"
-            )
-        if done == t.steps and finished:
-            if dist.is_main():
-                print(
-                    f"{run_dir} is finished (step {done} of {t.steps}, final evaluation "
-                    "done): nothing to do. To train further: peergrade train --resume "
-                    f"{run_dir} --train.steps N (N > {t.steps})",
-                    flush=True,
-                )
-            return {"interrupted": False, "finished": True, "step": done, "run_dir": str(run_dir)}
+    if resume and (done := ckpt.finished_run(Path(run_dir), t.steps)) is not None:
+        return done  # a finished run stays as it is
     check_backends(t.report_to)  # a missing logging package fails here, before the model loads
     dist.barrier()  # every rank has checked the run dir before rank 0 creates it
     run = setup(cfg) if run is None else run
@@ -660,41 +408,16 @@ def train(
     display_mode = t.display if dist.is_main() else "none"
     display = Display(display_mode, t.steps)
     detectors = Detectors(t.alerts, cfg.updates_per_step)
-    start_step = 0
-    if resume:
-        last = resume_from_checkpoint(run, out)
-        start_step = out.last_saved
-        detectors.replay(read_jsonl(out.path / "metrics.jsonl"))  # windows continue
-        display.print(
-            f"resuming {out.path} from {last.name}"
-            if last is not None
-            else f"resuming {out.path} from step 0 (it stopped before its first checkpoint)"
-        )
-    elif dist.is_main():
-        if overwrite and out.path.exists():
-            shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
-        out.path.mkdir(parents=True, exist_ok=True)
+    start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume)
     if on_log is not None:
-        metrics_log = _Tee(metrics_log, on_log)
-    if not held_out.rows:
-        display.print(
-            "no held-out split (set data.eval_path or task_options.eval_fraction): "
-            "evaluation is skipped",
-            always=True,
-        )
-    if "eval_before" not in out.trainer_state:
-        if held_out.rows:
-            display.print("evaluating the starting model on the held-out split ...")
-        before = out.trainer_state["eval_before"] = held_out.evaluate(0)
-        if before:
-            line = {"step": 0, **{f"eval/{k}": v for k, v in before.items()}}
-            metrics_log.write({**line, **detectors.update(line)})
+        metrics_log = Tee(metrics_log, on_log)
+    evaluate_start(held_out, out, display, metrics_log, detectors)
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
     display = Display(display_mode, t.steps, start_step)
 
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
-    stop, step, interrupted, t_run = _StopFlag(), start_step, False, time.perf_counter()
+    stop, step, interrupted, t_run = ckpt.StopFlag(), start_step, False, time.perf_counter()
     try:
         with stop.installed(display):
             for step in range(start_step + 1, t.steps + 1):
@@ -738,26 +461,6 @@ def train(
         return finish(
             run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
         )
-
-
-class _Tee:
-    """A metrics log that also hands every line to a caller's ``on_log``."""
-
-    def __init__(self, log, on_log):
-        self.log, self.on_log = log, on_log
-
-    def write(self, line: dict) -> None:
-        self.log.write(line)
-        self.on_log(dict(line))
-
-    def close(self) -> None:
-        self.log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def finish(run: Run, held_out: HeldOut, out: RunDir, display, metrics_log, detectors, wall: float):

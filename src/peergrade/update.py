@@ -17,7 +17,9 @@ the plain update's gradient up to float summation order.
 
 ``grpo_update`` is that skeleton with ``algo.policy_loss`` on one advantage per completion;
 PPO's update (``peergrade.ppo.ppo_update``) is the same skeleton with per-token advantages and a
-value loss for its critic. Minibatch orders are derived from (seed, step, pass) only
+value loss for its critic. The trainer sees either through one small interface,
+``Algorithm``: ``advantages(experience)`` then ``update(experience, step)`` (``GRPO`` here,
+``peergrade.ppo.PPO``), both on an ``Experience``. Minibatch orders are derived from (seed, step, pass) only
 (``peergrade.seeds``), which is what makes a resumed run exact.
 
 What it deliberately does not do: no loss math (``peergrade.algo``), no sampling or rewards, no
@@ -31,12 +33,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from peergrade import distributed as dist
-from peergrade.algo import policy_loss
+from peergrade.algo import group_advantages, policy_loss
+from peergrade.experience import Experience
 from peergrade.logprobs import token_logprobs
 from peergrade.models import disable_adapter
 from peergrade.seeds import step_seed
@@ -60,6 +63,8 @@ __all__ = [
     "elided_rows",
     "grpo_plan",
     "grpo_update",
+    "Algorithm",
+    "GRPO",
 ]
 
 
@@ -504,3 +509,48 @@ def grpo_update(
         "update/elided_frac": float(drop.float().mean()),
         "optim/lr": scheduler.get_last_lr()[0],
     }
+
+
+# ----------------------------------------------------------------------------- the interface
+
+
+class Algorithm(Protocol):
+    """What the trainer's step needs from an RL algorithm: advantages, then the update."""
+
+    def advantages(self, exp: Experience) -> None:
+        """Fill ``exp.advantages`` (and what else the update reads) and ``exp.metrics``."""
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        """The policy update of one step on ``exp``; returns the averaged metrics."""
+
+
+@dataclass
+class GRPO:
+    """Group-relative advantages (one per completion) and ``grpo_update``."""
+
+    models: Models
+    optimizer: Any
+    scheduler: Any
+    cfg: Any
+
+    def advantages(self, exp: Experience) -> None:
+        a, G = self.cfg.algo, self.cfg.rollout.group_size
+        rewards = exp.rewards.view(-1, G).to(torch.float32)  # [P, G]
+        # over every rank's groups ([P_global, G]; batch scaling needs them all), then ours
+        adv = group_advantages(
+            dist.gather_rows(rewards), scale=a.advantage_scale, baseline=a.advantage_baseline
+        )
+        exp.advantages = dist.local_rows(adv).reshape(-1).to(self.models.device)  # [N]
+        exp.metrics = {"advantage/std": dist.gather_rows(exp.advantages).std().item()}
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        return grpo_update(
+            self.models,
+            self.optimizer,
+            self.scheduler,
+            exp.batch,
+            exp.advantages,
+            exp.ref_logprobs,
+            self.cfg,
+            step,
+        )

@@ -104,6 +104,7 @@ __all__ = [
     "make_reward_specs",
     "resolve_reward",
     "score_rewards",
+    "check_reward_options",
 ]
 
 #: the keyword arguments the trainer passes besides the dataset columns (TRL's names); a
@@ -318,6 +319,7 @@ class RewardSpec:
                 f"reward {self.name!r}: kwargs {reserved} are reserved (the trainer passes "
                 f"{', '.join(CONTRACT_KWARGS)} itself)"
             )
+        check_reward_options(self.name, self.fn, self.kwargs)
 
     @property
     def bound(self) -> Callable:
@@ -333,6 +335,43 @@ class RewardSpec:
         return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - an instance with async __call__
         )
+
+
+def reward_options(fn: Callable) -> set[str] | None:
+    """The option names ``fn`` takes as keyword arguments, or None when they cannot be known:
+    a signature that cannot be read, or a user's function whose ``**kwargs`` may read options.
+
+    peergrade's built-ins take the dataset's columns as ``**_columns`` and their options as
+    named parameters, so a name outside those is a typo there, not a column."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and C functions: nothing to check against
+        return None
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named = {p.name for p in params if p.kind in kinds} - set(CONTRACT_KWARGS)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        module = getattr(fn, "__module__", None) or ""
+        if not module.startswith("peergrade."):
+            return None
+    return named
+
+
+def check_reward_options(name: str, fn: Callable, options: dict) -> None:
+    """``ValueError`` naming each option ``fn`` does not take, the closest valid name and the
+    valid ones: for training (``rewards[i].kwargs``) and ``peergrade eval --reward-option``
+    alike, before any model loads."""
+    named = reward_options(fn)
+    unknown = [] if named is None else sorted(set(options) - named)
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(named), n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"reward {name!r} has no option {', '.join(hints)}; "
+        f"its options: {', '.join(sorted(named)) or 'none'}"
+    )
 
 
 def callable_name(fn: Callable) -> str:

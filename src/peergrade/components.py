@@ -1,0 +1,123 @@
+"""The parts of a training run, built from the config: the task, the reward mix, the few-shot
+curriculum, prompt encoding, and the models bundle (policy, tokenizer, reference).
+
+``trainer.setup`` assembles a run from these; ``peergrade memory`` (and the evaluator) use the
+same builders so that they see the prompts and models training sees. Each builder turns a bad
+name or option into a ``peergrade.errors`` user error before anything heavy loads.
+
+What it deliberately does not do: no optimizer, critic or step (``trainer``, ``update``,
+``ppo``), no training loop, no checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from peergrade import distributed as dist
+from peergrade.config import Config
+from peergrade.errors import InputError, user_input
+from peergrade.models import (
+    apply_lora,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    prepare_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from peergrade.reward_models import reward_or_model
+from peergrade.rewards import RewardSpec, make_reward_specs
+from peergrade.tasks import load_task
+from peergrade.tasks.curriculum import FewShot
+from peergrade.tasks.prompts import encode_prompts
+from peergrade.update import Models
+
+__all__ = ["build_task", "build_rewards", "build_few_shot", "encode_rows", "setup_models"]
+
+
+def build_task(cfg: Config):
+    d = cfg.data
+    with user_input("data"):
+        if d.path is not None:
+            return load_task(
+                "file", path=d.path, eval_path=d.eval_path, columns=d.columns, **d.task_options
+            )
+        return load_task(d.task, **d.task_options)
+
+
+def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec]:
+    """The configured reward mix, or the task's default rewards when none is configured.
+    ``fns`` (aligned with ``cfg.rewards``): a callable there is used instead of resolving that
+    item's name (the Python API's in-memory reward functions)."""
+    fns = fns or [None] * len(cfg.rewards)
+    with user_input("rewards"):
+        if cfg.rewards:
+            # a directory is a reward model (loaded on the training device), else a function
+            device = resolve_device(cfg.model.device)
+            dtype = resolve_dtype(cfg.model.dtype, device)
+            items = [
+                (
+                    reward_or_model(i.name, device=device, dtype=dtype) if fn is None else fn,
+                    i.weight,
+                    i.kwargs,
+                    i.display_name,
+                )
+                for i, fn in zip(cfg.rewards, fns)
+            ]
+        else:
+            items = [(name, w, {}, None) for name, w in task.default_rewards]
+        specs = make_reward_specs(items)
+    if not specs:
+        raise InputError(
+            f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
+        )
+    return specs
+
+
+def build_few_shot(cfg: Config, task) -> FewShot:
+    d = cfg.data
+    return FewShot(d.few_shot, d.few_shot_fade_steps, d.few_shot_answer, task, cfg.train.seed)
+
+
+def encode_rows(cfg: Config, task, tokenizer, rows: list[dict]) -> list[list[int]]:
+    """Token ids of the rows' prompts as the model sees them (system prompt, chat template)."""
+    d = cfg.data
+    return encode_prompts(
+        rows,
+        tokenizer,
+        system_prompt=d.system_prompt or task.system_prompt,
+        use_chat_template=d.use_chat_template,
+        max_prompt_length=d.max_prompt_length,
+    )
+
+
+def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
+    """Policy and tokenizer; the reference when beta > 0 (the disabled adapter under LoRA).
+    A ``policy`` (and ``tokenizer``) object given by a Python caller is used as it is, in its
+    own dtype, instead of loading ``model.path``."""
+    device = resolve_device(cfg.model.device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    path = resolve_model_path(cfg.model.path)
+    gc = cfg.gradient_checkpointing_on(device.type)
+    if policy is None:
+        tokenizer = load_tokenizer(path)
+        policy = load_model(path, dtype=dtype, device=str(device), gradient_checkpointing=gc)
+    else:
+        tokenizer = prepare_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(path)
+        policy = prepare_model(policy, device=device, gradient_checkpointing=gc)
+    reference = None
+    if cfg.model.lora.enabled:
+        lc = cfg.model.lora
+        policy = apply_lora(
+            policy, r=lc.r, alpha=lc.alpha, dropout=lc.dropout, target_modules=lc.target_modules
+        )
+        if cfg.uses_reference:
+            reference = "adapter"
+    elif cfg.uses_reference and cfg.model.ref_offload and device.type != "cpu":
+        # loaded straight into host memory: never two copies on the device
+        reference = load_model(path, dtype=dtype, device="cpu").eval().requires_grad_(False)
+    elif cfg.uses_reference:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    # FSDP2 under torchrun shards both (before the optimizer sees the parameters)
+    return Models(dist.prepare(policy), tokenizer, dist.prepare(reference), device)
