@@ -56,7 +56,7 @@ import torch
 
 from peergrade import distributed as dist
 from peergrade.errors import PeergradeError
-from peergrade.metrics import JsonlWriter, MetricLogger
+from peergrade.metrics import JsonlWriter, MetricLogger, Tee
 from peergrade.models import load_model, resolve_dtype, save_tokenizer
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -497,9 +497,10 @@ class RunDir:
     trainer_state: dict[str, Any]
     last_saved: int = -1
 
-    def open_logs(self, cfg, *, resume: bool):
-        """metrics.jsonl plus the ``train.report_to`` backends; samples.jsonl (rank 0 alone
-        writes: the other ranks get writers that write nothing)."""
+    def open_logs(self, cfg, *, resume: bool, on_log=None):
+        """metrics.jsonl plus the ``train.report_to`` backends (and ``on_log``, a Python caller's
+        callback, when given); samples.jsonl (rank 0 alone writes: the other ranks get writers
+        that write nothing)."""
         if not dist.is_main():
             return dist.NullWriter(), dist.NullWriter()
         atomic_write_text(self.path / "config.yaml", self.config_yaml)
@@ -511,6 +512,8 @@ class RunDir:
             resume=resume,
             start_step=max(self.last_saved, 0),
         )
+        if on_log is not None:
+            metrics = Tee(metrics, on_log)
         return metrics, JsonlWriter(self.path / "samples.jsonl")
 
     def save(self, run, step: int) -> None:

@@ -1,7 +1,8 @@
 """The parts of a training run, built from the config: the task, the reward mix, the few-shot
 curriculum, prompt encoding, and the models bundle (policy, tokenizer, reference).
 
-``trainer.setup`` assembles a run from these; ``peergrade memory`` (and the evaluator) use the
+``trainer.setup`` assembles a run from these (and from ``Given``: the objects a Python caller
+hands over instead of names); ``peergrade memory`` (and the evaluator) use the
 same builders so that they see the prompts and models training sees. Each builder turns a bad
 name or option into a ``peergrade.errors`` user error before anything heavy loads.
 
@@ -12,6 +13,8 @@ What it deliberately does not do: no optimizer, critic or step (``trainer``, ``u
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Any
 
 from peergrade import distributed as dist
 from peergrade.config import Config
@@ -33,7 +36,18 @@ from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import encode_prompts
 from peergrade.update import Models
 
-__all__ = ["build_task", "build_rewards", "build_few_shot", "encode_rows", "setup_models"]
+__all__ = ["Given", "build_task", "build_rewards", "build_few_shot", "encode_rows", "setup_models"]
+
+
+@dataclass
+class Given:
+    """Objects a Python caller (``peergrade.api``) hands over instead of names in the config;
+    each one left ``None`` is built from the config."""
+
+    task: Any = None  # a Task, e.g. in-memory rows (tasks.files.FileTask(data=...))
+    reward_fns: list | None = None  # aligned with cfg.rewards: a callable replaces that name
+    policy: Any = None  # a loaded PreTrainedModel (model.path then only names it)
+    tokenizer: Any = None
 
 
 def build_task(cfg: Config):

@@ -45,7 +45,8 @@ from peergrade import distributed as dist
 from peergrade import ppo
 from peergrade.audit import at_startup as audit_at_startup
 from peergrade.checkpoint import RunDir, resume_from_checkpoint
-from peergrade.components import (  # setup_models, build_few_shot: also imported from here
+from peergrade.components import (  # importable from here too: Given, setup_models, ...)
+    Given,
     build_few_shot,
     build_rewards,
     build_task,
@@ -56,7 +57,7 @@ from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
 from peergrade.evaluation import HeldOut, accuracy_spec, results_table, reward_state
 from peergrade.experience import Experience, Sampled
-from peergrade.metrics import Display, Tee, check_backends, quiet_hf_progress, read_jsonl
+from peergrade.metrics import Display, check_backends, quiet_hf_progress, read_jsonl
 from peergrade.rewards import RewardSpec, columns_for, score_rewards
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
@@ -99,17 +100,6 @@ class Run:
 
     def encode(self, rows: list[dict]) -> list[list[int]]:
         return encode_rows(self.cfg, self.task, self.models.tokenizer, rows)
-
-
-@dataclass
-class Given:
-    """Objects a Python caller (``peergrade.api``) hands over instead of names in the config;
-    each one left ``None`` is built from the config."""
-
-    task: Any = None  # a Task, e.g. in-memory rows (tasks.files.FileTask(data=...))
-    reward_fns: list | None = None  # aligned with cfg.rewards: a callable replaces that name
-    policy: Any = None  # a loaded PreTrainedModel (model.path then only names it)
-    tokenizer: Any = None
 
 
 def setup(cfg: Config, given: Given | None = None) -> Run:
@@ -409,9 +399,7 @@ def train(
     display = Display(display_mode, t.steps)
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
-    metrics_log, samples_log = out.open_logs(cfg, resume=resume)
-    if on_log is not None:
-        metrics_log = Tee(metrics_log, on_log)
+    metrics_log, samples_log = out.open_logs(cfg, resume=resume, on_log=on_log)
     evaluate_start(held_out, out, display, metrics_log, detectors)
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
     display = Display(display_mode, t.steps, start_step)

@@ -438,7 +438,7 @@ class _Engine:
             ended_by_eos = [False] * len(rows)
             while True:
                 u = uniforms[rows, [sampled[r] for r in rows]]  # [B]
-                tok, logp = _sample(logits, u, self.temperature, self.top_p, self.top_k)
+                tok, logp, _ = _sample(logits, u, self.temperature, self.top_p, self.top_k)
                 tok_l, logp_l = tok.tolist(), logp.tolist()
                 nxt: list[list[int]] = []
                 for j, r in enumerate(rows):
