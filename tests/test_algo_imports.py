@@ -11,7 +11,7 @@ def test_import_algo_pulls_in_neither_transformers_nor_config():
     code = (
         "import json, sys\n"
         "import peergrade.algo as a\n"
-        "names = ['group_advantages', 'gae', 'kl_divergence', 'policy_loss', 'value_loss']\n"
+        "names = ['group_advantages', 'gae', 'kl_divergence', 'off_policy_weights', 'policy_loss', 'value_loss']\n"
         "print(json.dumps({\n"
         "    'transformers': sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'),\n"
         "    'config': 'peergrade.config' in sys.modules,\n"
@@ -27,7 +27,14 @@ def test_import_algo_pulls_in_neither_transformers_nor_config():
     assert result["config"] is False
     assert result["missing"] == []
     assert result["all"] == sorted(
-        ["group_advantages", "gae", "kl_divergence", "policy_loss", "value_loss"]
+        [
+            "group_advantages",
+            "gae",
+            "kl_divergence",
+            "off_policy_weights",
+            "policy_loss",
+            "value_loss",
+        ]
     )
 
 

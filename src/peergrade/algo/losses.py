@@ -37,6 +37,14 @@ from above and detached, and every token keeps a gradient (no token is dropped b
 
     l_it = -sg(min(rho_it, 1 + eps_high)) A_i logp_it (+ beta * KL_it)
 
+``weights`` (optional, ``[B, T]``): per-token off-policy correction weights w_it
+(``offpolicy.off_policy_weights``: truncated or masked importance sampling toward the sampler's
+log-probs) multiply the surrogate part, l_it = -w_it min(...) + beta * KL_it (for CISPO
+-w_it sg(min(rho_it, 1 + eps_high)) A_i logp_it + beta * KL_it); they are detached, change no
+normaliser (a token of weight 0 still counts in every denominator, as in TRL and verl) and
+not the clip or ratio metrics. ``weights=None`` multiplies by nothing; weights all exactly 1
+give the same loss bit for bit.
+
 Aggregation of the masked per-token losses l (m = mask, B = number of sequences):
 
     grpo     mean_i( sum_t m_it l_it / sum_t m_it )       DeepSeekMath GRPO (sequence mean)
@@ -199,6 +207,7 @@ def policy_loss(
     num_sequences: int | None = None,
     stands_for: float | None = None,
     batch_tokens: float | int | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss over a batch of completions (see the module docstring).
 
@@ -222,6 +231,8 @@ def policy_loss(
             were left out (exact elision); replaces B in grpo/dr_grpo and the share.
         batch_tokens: counted tokens of the batch these rows stand for; bnpo's normaliser
             (default ``mask.sum()``).
+        weights: ``[B, T]`` off-policy correction weights multiplying the per-token surrogate
+            (detached here; e.g. from ``off_policy_weights``); None = no correction.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
@@ -237,6 +248,8 @@ def policy_loss(
     _check_same_shape("mask", mask, "logp", logp)
     if ref_logp is not None:
         _check_same_shape("ref_logp", ref_logp, "logp", logp)
+    if weights is not None:
+        _check_same_shape("weights", weights, "logp", logp)
     if not isinstance(advantages, torch.Tensor) or advantages.shape not in ((B,), (B, T)):
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
         raise ValueError(
@@ -346,6 +359,8 @@ def policy_loss(
         clipped_high = (adv > 0) & (rd > hi)  # [B, T]
     else:  # pragma: no cover - validated above
         raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
+    if weights is not None:  # off-policy correction of the surrogate; padding gets 0
+        pg = pg * torch.where(valid, weights.detach().to(logp.dtype), zero)  # [B, T]
 
     kl = None
     if ref_logp is not None:

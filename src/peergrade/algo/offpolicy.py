@@ -1,0 +1,197 @@
+"""Off-policy corrections: per-token weights for tokens sampled by a policy other than pi_old.
+
+What this module does
+---------------------
+The clipped surrogate of ``losses.policy_loss`` assumes the completions were sampled by
+pi_old, the policy whose log-probs it divides by. In practice they were sampled by a
+*behaviour* policy mu: the sampler's own log-probs, which differ from the trainer's
+recomputation of pi_old by numerics alone (bf16 or batched logits while sampling, another
+kernel, another summation order) or, with pipelined rollouts, by whole policy versions.
+``off_policy_weights(old_logp, behaviour_logp, mask, correction=...)`` returns one weight per
+token that multiplies the per-token surrogate, correcting for mu != pi_old by importance
+sampling (as TRL's ``vllm_importance_sampling_correction``, verl's rollout IS and the "Your
+Efficient RL Framework Secretly Brings You Off-Policy RL Training" note by Yao et al. 2025).
+
+With m the loss mask and d_it = old_logp_it - behaviour_logp_it = log(pi_old / mu) on counted
+tokens (0 on padding), the ratio r is
+
+    token level:       r_it = exp(d_it)
+    sequence level:    r_it = r_i for every token of sequence i, with
+        geometric mean (default):  log r_i = sum_t m_it d_it / sum_t m_it
+        product:                   log r_i = sum_t m_it d_it
+
+and the weight w (0 on padding in every mode) is
+
+    none:            w_it = 1
+    token_tis:       w_it = min(r_it, C)                         truncated IS (C = ``cap``)
+    sequence_tis:    w_it = min(r_i, C)
+    token_mis:       w_it = r_it if low <= r_it <= high else 0    masked IS
+    sequence_mis:    w_it = r_i  if low <= r_i  <= high else 0    (the whole sequence)
+
+TIS keeps every token and bounds its weight from above (the variance of IS comes from large
+ratios); MIS drops tokens or whole sequences whose behaviour probability is too far from
+pi_old to be corrected for, and keeps the others with their full ratio.
+
+Why the geometric mean is the default at sequence level: the product is the exact sequence
+likelihood ratio, but it multiplies T per-token ratios, so its log is a sum of T small
+numerical differences that grows with the length. On a 500-token completion a mismatch of
+only 0.002 nats per token (bf16 logits) gives a product of exp(+-1) = 2.7 or 0.37: TIS with
+C = 2 then truncates nearly every long sequence and MIS with [0.5, 2] masks nearly every
+long sequence, even though each of their tokens is almost on-policy. The geometric mean
+exp(mean d) is the per-token ratio of a typical token and does not grow with the length
+(GSPO's length-normalised ratio, Zheng et al. 2025). Use the product only for short
+completions, or when the bias against long sequences is intended.
+
+Metrics (python floats, over counted tokens; 0 with no counted token):
+``correction/weight_mean``, ``correction/weight_min``, ``correction/weight_max`` of w;
+``correction/masked_frac``: tokens given weight 0 by MIS; ``correction/truncated_frac``:
+tokens whose weight TIS truncated at C.
+
+Identity: when ``behaviour_logp`` equals ``old_logp`` bitwise, d = 0 exactly, so every ratio is
+exp(0) = 1 exactly, every weight is exactly 1 on counted tokens (``cap >= 1`` and
+``low <= 1 <= high`` are required for this reason) and nothing is masked: multiplying the
+surrogate by it changes no bit of the loss.
+
+Weights are detached (they correct the sampling distribution; no gradient flows through
+them) and are returned in float32 or the inputs' wider float dtype.
+
+What it deliberately does not do
+--------------------------------
+No log-prob computation, no loss (``losses.policy_loss`` takes the weights as ``weights``), no
+change of any normaliser (a masked token still counts in the loss's denominators, as in TRL
+and verl), no staleness bookkeeping, no cross-process reduction of the metrics, no config.
+It imports torch only.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+__all__ = ["CORRECTIONS", "SEQUENCE_RATIOS", "off_policy_weights"]
+
+CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mis", "sequence_mis")
+SEQUENCE_RATIOS = ("geometric", "product")
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@torch.no_grad()
+def off_policy_weights(
+    old_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    correction: str = "none",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+    sequence_ratio: str = "geometric",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token importance weights correcting for sampling by mu instead of pi_old.
+
+    Args:
+        old_logp: ``[B, T]`` log pi_old of the sampled tokens (the trainer's recomputation).
+        behaviour_logp: ``[B, T]`` log mu of the same tokens (the sampler's).
+        mask: ``[B, T]`` 0/1 (or bool), 1 marks tokens that count; padding may hold any value
+            (-inf, NaN) in the log-probs.
+        correction: ``"none"``, ``"token_tis"``, ``"sequence_tis"``, ``"token_mis"`` or
+            ``"sequence_mis"`` (see the module docstring).
+        cap: C of TIS, >= 1.
+        low, high: the kept interval of MIS, 0 <= low <= 1 <= high.
+        sequence_ratio: ``"geometric"`` (mean log-ratio) or ``"product"`` (summed log-ratio),
+            for the sequence-level modes.
+
+    Returns:
+        ``(weights, metrics)``: ``[B, T]`` detached weights, 0 where ``mask == 0``, and a dict
+        of floats (module docstring).
+    """
+    for name, t in (("old_logp", old_logp), ("behaviour_logp", behaviour_logp), ("mask", mask)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
+            raise ValueError(f"{name}: expected a [B, T] torch.Tensor, got {got}")
+    if behaviour_logp.shape != old_logp.shape or mask.shape != old_logp.shape:
+        raise ValueError(
+            f"behaviour_logp {tuple(behaviour_logp.shape)} and mask {tuple(mask.shape)}: "
+            f"expected the shape of old_logp {tuple(old_logp.shape)}"
+        )
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction: expected one of {CORRECTIONS}, got {correction!r}")
+    if sequence_ratio not in SEQUENCE_RATIOS:
+        raise ValueError(
+            f"sequence_ratio: expected one of {SEQUENCE_RATIOS}, got {sequence_ratio!r}"
+        )
+    # cap >= 1 and low <= 1 <= high keep an on-policy token's weight exactly 1
+    if not (_is_number(cap) and cap >= 1):
+        raise ValueError(f"cap: expected a number >= 1, got {cap!r}")
+    if not (_is_number(low) and 0 <= low <= 1):
+        raise ValueError(f"low: expected a number in [0, 1], got {low!r}")
+    if not (_is_number(high) and high >= 1):
+        raise ValueError(f"high: expected a number >= 1, got {high!r}")
+    if mask.dtype == torch.bool:
+        valid = mask
+    elif bool(((mask == 0) | (mask == 1)).all()):
+        valid = mask == 1
+    else:
+        raise ValueError("mask: expected only 0/1 values (mask == 1 marks tokens that count)")
+
+    dtype = torch.promote_types(
+        torch.promote_types(old_logp.dtype, behaviour_logp.dtype), torch.float32
+    )
+    m = valid.to(dtype)  # [B, T]
+    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
+    one = torch.ones((), dtype=dtype, device=old_logp.device)
+    # Padding may hold -inf/NaN: replace it before any arithmetic.
+    d = torch.where(valid, old_logp.detach().to(dtype) - behaviour_logp.detach().to(dtype), zero)
+
+    if correction == "none":
+        ratio = torch.ones_like(d)  # [B, T]
+    elif correction in ("token_tis", "token_mis"):
+        ratio = torch.exp(d)  # [B, T]
+    elif correction in ("sequence_tis", "sequence_mis"):
+        if sequence_ratio == "geometric":
+            log_seq = d.sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [B]
+        elif sequence_ratio == "product":
+            log_seq = d.sum(dim=1)  # [B]
+        else:  # pragma: no cover - validated above
+            raise ValueError(f"sequence_ratio: expected one of {SEQUENCE_RATIOS}")
+        ratio = torch.exp(log_seq)[:, None].expand_as(d)  # [B, T]
+    else:  # pragma: no cover - validated above
+        raise ValueError(f"correction: expected one of {CORRECTIONS}, got {correction!r}")
+
+    truncated = torch.zeros_like(valid)  # [B, T] bool
+    masked = torch.zeros_like(valid)  # [B, T] bool
+    if correction in ("token_tis", "sequence_tis"):
+        truncated = valid & (ratio > cap)
+        w = torch.where(truncated, torch.full_like(ratio, cap), ratio)  # min(r, C)
+    elif correction in ("token_mis", "sequence_mis"):
+        masked = valid & ((ratio < low) | (ratio > high))
+        w = torch.where(masked, zero, ratio)
+    else:
+        w = ratio
+    weights = torch.where(valid, w, zero)  # [B, T], exactly 0 on padding
+
+    n = m.sum()
+    denom = n.clamp(min=1)
+    big = torch.finfo(dtype).max
+    has = n > 0
+    stats = torch.stack(
+        [
+            weights.sum() / denom,
+            torch.where(has, torch.where(valid, weights, big * one).amin(), zero),
+            torch.where(has, torch.where(valid, weights, -big * one).amax(), zero),
+            masked.to(dtype).sum() / denom,
+            truncated.to(dtype).sum() / denom,
+        ]
+    ).tolist()
+    names = (
+        "correction/weight_mean",
+        "correction/weight_min",
+        "correction/weight_max",
+        "correction/masked_frac",
+        "correction/truncated_frac",
+    )
+    return weights, dict(zip(names, stats))
