@@ -245,6 +245,34 @@ class AlgoConfig:
         "their KL term and are computed. false = compute every completion.",
         True,
     )
+    off_policy_correction: Literal[
+        "none", "token_tis", "sequence_tis", "token_mis", "sequence_mis"
+    ] = doc(
+        "GRPO: correct for sampling by the sampler's policy mu instead of pi_old (the trainer's "
+        "recomputation; they differ by numerics: bf16 or batched logits while sampling) by "
+        "weighting each token's surrogate with r = pi_old / mu "
+        "(peergrade.algo.offpolicy, docs/async.md). none; token_tis / sequence_tis: truncated "
+        "IS, weight min(r, off_policy_cap); token_mis / sequence_mis: masked IS, weight r, or 0 "
+        "when r leaves [off_policy_low, off_policy_high]. Sequence level: one r per completion "
+        "(off_policy_sequence_ratio).",
+        "none",
+    )
+    off_policy_cap: float = doc(
+        "C of token_tis / sequence_tis: weights are truncated at C (>= 1).", 2.0
+    )
+    off_policy_low: float = doc(
+        "token_mis / sequence_mis: tokens (sequences) with r below this get weight 0; in [0, 1].",
+        0.5,
+    )
+    off_policy_high: float = doc(
+        "token_mis / sequence_mis: tokens (sequences) with r above this get weight 0; >= 1.", 2.0
+    )
+    off_policy_sequence_ratio: Literal["geometric", "product"] = doc(
+        "Sequence-level r: geometric (exp of the mean token log-ratio, length-independent) or "
+        "product (exp of the sum: the exact likelihood ratio, which drifts with the length, so "
+        "long completions get truncated or masked for numerical noise alone).",
+        "geometric",
+    )
     gamma: float = doc("PPO: GAE discount gamma in [0, 1].", 1.0)
     lam: float = doc("PPO: GAE lambda in [0, 1].", 0.95)
     vf_coef: float = doc(
@@ -841,6 +869,17 @@ def validate(cfg: Config) -> None:
     )
     need(a.beta >= 0, f"algo.beta must be >= 0, got {a.beta}")
     need(a.num_iterations >= 1, f"algo.num_iterations must be >= 1, got {a.num_iterations}")
+    need(a.off_policy_cap >= 1, f"algo.off_policy_cap must be >= 1, got {a.off_policy_cap}")
+    need(
+        0 <= a.off_policy_low <= 1 <= a.off_policy_high,
+        f"algo.off_policy_low must be in [0, 1] and algo.off_policy_high >= 1 (an on-policy "
+        f"token, r = 1, is always kept), got [{a.off_policy_low}, {a.off_policy_high}]",
+    )
+    need(
+        a.off_policy_correction == "none" or a.name == "grpo",
+        f"algo.off_policy_correction={a.off_policy_correction!r} is a GRPO option: "
+        "algo.name=ppo has no off-policy correction yet; set it to none",
+    )
     for k in ("gamma", "lam"):
         need(0 <= getattr(a, k) <= 1, f"algo.{k} must be in [0, 1], got {getattr(a, k)}")
     need(a.vf_coef > 0, f"algo.vf_coef must be > 0, got {a.vf_coef}")

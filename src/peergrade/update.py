@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from peergrade import distributed as dist
-from peergrade.algo import group_advantages, policy_loss
+from peergrade.algo import group_advantages, off_policy_weights, policy_loss
 from peergrade.experience import Experience
 from peergrade.logprobs import token_logprobs
 from peergrade.models import disable_adapter
@@ -406,10 +406,26 @@ def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.T
 
 
 def grpo_update(
-    models: Models, optimizer, scheduler, batch, advantages, ref_lp, cfg, step: int
+    models: Models,
+    optimizer,
+    scheduler,
+    batch,
+    advantages,
+    ref_lp,
+    cfg,
+    step: int,
+    behaviour_lp: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The GRPO update of one step: ``algo.policy_loss`` with one advantage per completion
     (``[N]``), over ``run_update``; returns the averaged metrics.
+
+    Off-policy correction (``algo.off_policy_correction`` other than none, with
+    ``behaviour_lp``, the sampler's ``[N, C]`` log-probs): each micro-batch's surrogate is
+    weighted per token by ``algo.off_policy_weights(old, behaviour_lp)``, old being pi_old
+    (the frozen log-probs, or the current ones detached with one optimizer step per batch).
+    ``correction/weight_mean``, ``masked_frac`` and ``truncated_frac`` are token means and
+    ``correction/weight_min`` / ``_max`` the extremes, over the computed completions (every
+    rank's). Without ``behaviour_lp`` or with none, nothing is weighted.
 
     Exact elision (``algo.skip_zero_advantage``, no KL term): completions with advantage 0 are
     never forwarded (``elided_rows``); ``policy_loss`` gets ``stands_for`` / ``batch_tokens`` so
@@ -437,6 +453,9 @@ def grpo_update(
     need_old = cfg.updates_per_step > 1 and not dist.all_true(no_signal(all_idx))
     old_lp = frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~drop]) if need_old else None
 
+    correct = a.off_policy_correction != "none" and behaviour_lp is not None
+    w_range = [math.inf, -math.inf]  # the correction weight's min and max over computed tokens
+
     def plan(mini_idx):
         return grpo_plan(mini_idx, drop, cmask, cfg.micro_batch_size, a.loss_type)
 
@@ -461,9 +480,28 @@ def grpo_update(
         ii, am, cm = trimmed
         Tc = cm.shape[1]
         logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
+        old = logp.detach() if old_lp is None else old_lp[keep, :Tc]
+        weights = None
+        if correct:
+            weights, wm = off_policy_weights(
+                old,
+                behaviour_lp[keep, :Tc],
+                cm,
+                correction=a.off_policy_correction,
+                cap=a.off_policy_cap,
+                low=a.off_policy_low,
+                high=a.off_policy_high,
+                sequence_ratio=a.off_policy_sequence_ratio,
+            )
+            n_tok = float(cm.sum())
+            for k in ("weight_mean", "masked_frac", "truncated_frac"):
+                metrics.add(f"correction/{k}", wm[f"correction/{k}"], n_tok)
+            if n_tok > 0:
+                w_range[0] = min(w_range[0], wm["correction/weight_min"])
+                w_range[1] = max(w_range[1], wm["correction/weight_max"])
         loss, m = policy_loss(
             logp,
-            logp.detach() if old_lp is None else old_lp[keep, :Tc],
+            old,
             advantages[keep],
             cm,
             loss_type=a.loss_type,
@@ -476,6 +514,7 @@ def grpo_update(
             max_completion_length=cfg.rollout.max_completion_length,
             num_tokens=num_tokens,
             num_sequences=len(mini_idx),
+            weights=weights,
             **elide,
         )
         # dapo/cispo losses are this micro-batch's share of the minibatch's: scaled so that
@@ -504,8 +543,15 @@ def grpo_update(
         skip=no_signal,
         plan=None if parallel else plan,
     )
+    extremes = {}
+    if correct:  # every rank's extremes (a rank that computed no token holds +-inf)
+        lo_hi = dist.gather_rows(torch.tensor([w_range], dtype=torch.float64))  # [W, 2]
+        mn, mx = lo_hi[:, 0].min().item(), lo_hi[:, 1].max().item()
+        if math.isfinite(mn):
+            extremes = {"correction/weight_min": mn, "correction/weight_max": mx}
     return {
         **metrics.means(),
+        **extremes,
         "update/elided_frac": float(drop.float().mean()),
         "optim/lr": scheduler.get_last_lr()[0],
     }
@@ -553,4 +599,5 @@ class GRPO:
             exp.ref_logprobs,
             self.cfg,
             step,
+            behaviour_lp=exp.sampler_logprobs,  # algo.off_policy_correction's mu
         )
