@@ -1,0 +1,117 @@
+"""Dynamic sampling (DAPO, Yu et al. 2025): fill a step with groups whose rewards differ.
+
+What this module does
+---------------------
+A group whose scored rewards are all equal (or that has fewer than two scored members) gets
+advantage exactly 0 for every member (``algo.group_advantages``), so it teaches nothing.
+``informative_groups(rewards)`` marks the groups that do teach, and
+``fill_groups(sample_round, target, max_rounds)`` runs the filling loop: round r = 0, 1, ...
+samples and scores a batch of groups (``sample_round(r)`` returns their ``[P_r, G]``
+rewards; the caller keeps what it generated), the informative ones are kept in round order and
+group order until ``target`` are kept, for at most ``max_rounds`` rounds. Informative groups
+beyond the target are dropped (as verl does), so every filled step has exactly ``target``
+groups. What could not be filled is reported (``Fill.unfilled`` and ``Fill.metrics()``), not
+looped on; when no round found a single informative group and the caller says there must be
+one (``require_one``: e.g. no group of the run has differed so far), it raises ``InputError``
+naming the likely causes instead of training on nothing.
+
+The result is a function of the rewards alone, so the loop is deterministic whenever the
+caller's rounds are: it must draw round r's prompts and sampling keys from (seed, step, r)
+only, which is also what keeps a resumed run exact. Under torchrun the caller passes each
+round's global rewards (every rank's groups), so the *global* batch is filled.
+
+What it deliberately does not do: no sampling, scoring, prompt drawing or batching (the
+trainer's step does those), no config, no staleness bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from peergrade.errors import InputError
+
+__all__ = ["Fill", "fill_groups", "informative_groups"]
+
+
+def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """``[P]`` bool: the groups of ``rewards`` (``[P, G]``, NaN = not scored) with at least two
+    scored members whose rewards are not all equal (exactly the groups with a nonzero
+    group-relative advantage)."""
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2:
+        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards)
+        raise ValueError(f"rewards: expected a [P, G] torch.Tensor, got {got}")
+    r = rewards.detach().to(torch.float64)
+    scored = ~torch.isnan(r)  # [P, G]
+    big = torch.finfo(torch.float64).max
+    hi = torch.where(scored, r, torch.full_like(r, -big)).amax(dim=1)  # [P]
+    lo = torch.where(scored, r, torch.full_like(r, big)).amin(dim=1)  # [P]
+    return (scored.sum(dim=1) >= 2) & (hi > lo)
+
+
+@dataclass
+class Fill:
+    """The outcome of one step's filling loop."""
+
+    target: int
+    picks: list[tuple[int, int]] = field(default_factory=list)  # (round, group) kept, in order
+    rounds: int = 0  # rounds sampled, 1..max_rounds
+    sampled_groups: int = 0  # groups generated over every round
+
+    @property
+    def unfilled(self) -> int:
+        """Groups of the target that no round could fill."""
+        return self.target - len(self.picks)
+
+    def metrics(self) -> dict[str, float]:
+        """``dynamic/rounds``, ``dynamic/unfilled`` (groups short of the target) and
+        ``dynamic/groups_per_informative`` (groups generated per kept group; 0 if none kept)."""
+        kept = len(self.picks)
+        return {
+            "dynamic/rounds": float(self.rounds),
+            "dynamic/unfilled": float(self.unfilled),
+            "dynamic/groups_per_informative": self.sampled_groups / kept if kept else 0.0,
+        }
+
+
+def fill_groups(
+    sample_round: Callable[[int], torch.Tensor],
+    target: int,
+    max_rounds: int,
+    *,
+    require_one: bool = False,
+) -> Fill:
+    """Sample rounds until ``target`` informative groups are kept, at most ``max_rounds``.
+
+    Args:
+        sample_round: ``r -> [P_r, G]`` rewards of round r's groups (sampled and scored by the
+            caller, deterministically from (seed, step, r)).
+        target: the informative groups the step needs (``rollout.prompts_per_step``), >= 1.
+        max_rounds: the most rounds sampled, >= 1.
+        require_one: raise ``InputError`` when no round found any informative group.
+
+    Returns:
+        A ``Fill`` whose ``picks`` name the kept groups as (round, group index in the round).
+    """
+    for name, v in (("target", target), ("max_rounds", max_rounds)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    fill = Fill(target=target)
+    for r in range(max_rounds):
+        ok = informative_groups(sample_round(r))  # [P_r]
+        fill.rounds, fill.sampled_groups = r + 1, fill.sampled_groups + len(ok)
+        room = target - len(fill.picks)
+        fill.picks += [(r, int(g)) for g in ok.nonzero().flatten().tolist()[:room]]
+        if len(fill.picks) == target:
+            break
+    if require_one and not fill.picks:
+        raise InputError(
+            f"rollout.dynamic_sampling: none of the {fill.sampled_groups} groups sampled in "
+            f"{fill.rounds} round(s) (rollout.max_rounds) had rewards that differ, so there is "
+            "nothing to learn from: check that the rewards are not constant (a reward that "
+            "always fails or always passes), try easier data or a stronger starting model, "
+            "raise rollout.max_rounds, or turn rollout.dynamic_sampling off"
+        )
+    return fill

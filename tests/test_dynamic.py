@@ -1,0 +1,96 @@
+"""peergrade.dynamic: which groups teach, and the filling loop of dynamic sampling (exactly the
+target when it can be filled, at most max_rounds rounds, what is short is reported, an
+all-degenerate source raises, deterministic under a seed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peergrade.algo import group_advantages
+from peergrade.dynamic import fill_groups, informative_groups
+from peergrade.errors import InputError
+
+NAN = math.nan
+
+
+def test_informative_groups_are_those_with_a_nonzero_advantage():
+    rewards = torch.tensor(
+        [
+            [1.0, 1.0, 1.0, 1.0],  # all alike
+            [0.0, 1.0, 0.0, 0.0],  # differ
+            [NAN, 1.0, NAN, NAN],  # one scored member
+            [NAN, 1.0, 0.5, NAN],  # two scored, differ
+            [NAN, 0.5, 0.5, NAN],  # two scored, alike
+            [NAN, NAN, NAN, NAN],  # none scored
+        ]
+    )
+    ok = informative_groups(rewards)
+    assert ok.tolist() == [False, True, False, True, False, False]
+    adv = group_advantages(rewards)
+    assert ((adv != 0).any(dim=1) == ok).all()
+
+
+def _source(seed: int, p_informative: float, P: int = 4, G: int = 3):
+    """A fake sampler: round r's groups are informative with probability p_informative, drawn
+    from (seed, r) only, as the trainer draws its rounds. Records the rounds it was asked."""
+    asked = []
+
+    def sample_round(r: int) -> torch.Tensor:
+        asked.append(r)
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        differ = torch.rand(P, generator=g) < p_informative  # [P]
+        rewards = torch.zeros(P, G)
+        rewards[:, 0] = differ.float()  # one member differs in an informative group
+        return rewards
+
+    return sample_round, asked
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_filled_step_has_exactly_the_target_of_informative_groups(seed):
+    sample_round, asked = _source(seed, 0.4)
+    fill = fill_groups(sample_round, target=4, max_rounds=50)
+    assert len(fill.picks) == 4 and fill.unfilled == 0
+    assert asked == list(range(fill.rounds)) and fill.rounds <= 50
+    replay = {r: sample_round(r) for r in range(fill.rounds)}
+    assert all(informative_groups(replay[r])[g] for r, g in fill.picks)
+    assert fill.picks == sorted(fill.picks)  # round order, then group order
+    assert fill.sampled_groups == 4 * fill.rounds
+
+
+def test_rounds_never_exceed_max_rounds_and_the_shortfall_is_reported():
+    sample_round, asked = _source(0, 0.1)
+    fill = fill_groups(sample_round, target=8, max_rounds=3)
+    assert asked == [0, 1, 2]
+    assert fill.unfilled == 8 - len(fill.picks) > 0
+    m = fill.metrics()
+    assert m["dynamic/rounds"] == 3.0 and m["dynamic/unfilled"] == float(fill.unfilled)
+    if fill.picks:
+        assert m["dynamic/groups_per_informative"] == 12 / len(fill.picks)
+
+
+def test_all_degenerate_source_raises_a_clear_error():
+    sample_round, asked = _source(0, 0.0)
+    with pytest.raises(InputError, match=r"none of the 12 groups.*rollout\.max_rounds"):
+        fill_groups(sample_round, target=2, max_rounds=3, require_one=True)
+    assert asked == [0, 1, 2]  # stopped, no endless loop
+    fill = fill_groups(_source(0, 0.0)[0], target=2, max_rounds=3)  # later steps: reported
+    assert fill.unfilled == 2 and fill.metrics()["dynamic/groups_per_informative"] == 0.0
+
+
+def test_deterministic_under_a_seed():
+    a = fill_groups(_source(7, 0.3)[0], target=5, max_rounds=20)
+    b = fill_groups(_source(7, 0.3)[0], target=5, max_rounds=20)
+    c = fill_groups(_source(8, 0.3)[0], target=5, max_rounds=20)
+    assert a == b
+    assert a.picks != c.picks
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_rounds"):
+        fill_groups(_source(0, 1.0)[0], target=2, max_rounds=0)
+    with pytest.raises(ValueError, match=r"\[P, G\]"):
+        informative_groups(torch.zeros(3))
