@@ -51,6 +51,7 @@ def synthetic_run(path: Path, *, steps: int = 4, G: int = 2, alert_at: int | Non
             "rollout/frac_zero_std_groups": 0.5,
             "clip/frac": 0.0,
             "ratio/max": 1.0 + 0.01 * s,
+            "correction/weight_mean": 1.0,
             "perf/tokens_per_s": 100.0,
             "time/generate_s": 1.0,
             "time/reward_s": 0.5,

@@ -200,6 +200,7 @@ PANELS: list[tuple[str, str, list[str]]] = [
     ),
     ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
     ("Importance ratio", "ratio", [r"ratio/.+"]),
+    ("Off-policy correction", "weight / fraction", [r"correction/.+"]),
     ("Tokens per second", "tokens / s", [r"perf/.+"]),
     ("Time per phase", "seconds", [r"time/.+_s"]),
     (
