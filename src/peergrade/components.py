@@ -33,10 +33,19 @@ from peergrade.reward_models import reward_or_model
 from peergrade.rewards import RewardSpec, make_reward_specs
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
-from peergrade.tasks.prompts import encode_prompts
+from peergrade.tasks.prompts import chat_template_note, encode_prompts
 from peergrade.update import Models
 
-__all__ = ["Given", "build_task", "build_rewards", "build_few_shot", "encode_rows", "setup_models"]
+__all__ = [
+    "Given",
+    "build_task",
+    "build_rewards",
+    "build_few_shot",
+    "encode_rows",
+    "epoch_metric",
+    "run_header",
+    "setup_models",
+]
 
 
 @dataclass
@@ -135,3 +144,36 @@ def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     # FSDP2 under torchrun shards both (before the optimizer sees the parameters)
     return Models(dist.prepare(policy), tokenizer, dist.prepare(reference), device)
+
+
+def epoch_metric(task, rows_used: int) -> dict[str, float]:
+    """``data/epoch``: passes over a finite dataset's training rows once ``rows_used`` rows have
+    been drawn (each epoch a fresh shuffle without replacement; TRL's fractional epoch).
+    Generated tasks are endless: no key."""
+    if not hasattr(task, "__len__") or not len(task):
+        return {}
+    return {"data/epoch": rows_used / len(task)}
+
+
+def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> list[str]:
+    """What a user must know before the first step: the held-out scorer (and how it was
+    chosen), how many epochs the steps make of a dataset, and, for plain-text prompts on a
+    tokenizer with a chat template, what the model sees (``tasks.prompts.chat_template_note``)."""
+    lines = [
+        f"held-out scorer: {scorer.name} ({why}; train.eval_reward picks another); pass@1 "
+        "counts a score of 1.0 as correct"
+    ]
+    if hasattr(task, "__len__") and len(task):
+        n, P, steps = len(task), cfg.rollout.prompts_per_step, cfg.train.steps
+        lines.append(
+            f"data: {n} training rows, {P} a step: {steps * P / n:.2f} epochs in {steps} steps "
+            "(each epoch a fresh shuffle)"
+        )
+    first = next(task.train_rows(cfg.train.seed))
+    note = chat_template_note(
+        first["prompt"],
+        tokenizer,
+        system_prompt=cfg.data.system_prompt or task.system_prompt,
+        use_chat_template=cfg.data.use_chat_template,
+    )
+    return lines + ([note] if note else [])

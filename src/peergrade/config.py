@@ -391,6 +391,14 @@ class TrainConfig:
     )
     eval_size: int = doc("Held-out problems per evaluation.", 200)
     eval_samples: int = doc("Samples per held-out problem for sampled pass@1 / pass@k.", 8)
+    eval_reward: str | None = doc(
+        "The held-out scorer: a reward (one of `rewards` by its metric name, a built-in name, "
+        "or file.py:function) whose score 1.0 counts as correct in pass@1 / pass@k and in "
+        "reward/accuracy; null = the task's verifier when the task has one (arithmetic, "
+        "countdown, math_accuracy for a dataset with an answer column), else the first reward. "
+        "Printed when the run starts; `peergrade eval --model RUN_DIR` uses the same.",
+        None,
+    )
     save_every: int = doc("Save a checkpoint every N steps (0 = only at the end).", 100)
     keep_last: int = doc("Keep only the last K checkpoints.", 2)
     log_samples: int = doc("Prompts (with their whole group) written to samples.jsonl per step.", 2)
@@ -823,6 +831,8 @@ def load_config(
         _resolve_paths(patch, Path.cwd(), given)
         tree = _deep_merge(tree, patch)
     cfg = _build(Config, tree)
+    if cfg.data.path is not None:
+        cfg.data.task = "file"  # what is used: the saved config.yaml says so
     validate(cfg)
     cfg.given_paths = given  # a plain dict: a Config is deep-copied (memory, sweep)
     return cfg
@@ -963,6 +973,10 @@ def validate(cfg: Config) -> None:
     )
     for i, item in enumerate(cfg.rewards):
         need(bool(item.name.strip()), f"rewards[{i}].name must not be empty")
+    need(
+        t.eval_reward is None or bool(t.eval_reward.strip()),
+        "train.eval_reward must be a reward name or null (the task's verifier)",
+    )
 
 
 # ----------------------------------------------------------------------------- rendering

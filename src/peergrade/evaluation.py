@@ -22,6 +22,17 @@ greedy answers that the ``format`` reward in mode ``answer_only`` accepts (one f
 run's sampling settings before, during and after training) and ``results_table`` its
 before/after table; they take the trainer's run duck-typed and never import the trainer.
 
+The scorer (``held_out_scorer``): ``train.eval_reward`` when set, else the task's verifier
+when the task has one, else the first reward of the mix; a scorer that is one of the training
+rewards takes that reward's options. The seed (``eval_seed``): greedy answers are drawn with
+``eval_seed(train.seed)`` and the k samples with that + 1, whichever path evaluates.
+
+One evaluator, two callers: ``HeldOut`` and ``peergrade eval`` both go through
+``evaluate_config`` with the prompts ``components.encode_rows`` makes, so a run's checkpoint
+evaluated with ``peergrade eval --model RUN_DIR`` (which reads the run's config.yaml) gets the
+same prompts (system prompt, chat template), sampling settings (temperature, top_p, stop,
+length), scorer and seed as the table the run printed.
+
 Prompts are encoded by ``tasks.prompts.encode_prompts`` and reward columns built by
 ``rewards.columns_for``, as in training; this module does not train.
 """
@@ -36,11 +47,105 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
+from peergrade.config import Config
 from peergrade.errors import InputError, user_input
-from peergrade.rewards import RewardSpec, TrainerState, columns_for, resolve_reward, score_rewards
+from peergrade.rewards import (
+    RewardSpec,
+    TrainerState,
+    columns_for,
+    make_reward_spec,
+    required_columns,
+    resolve_reward,
+    score_rewards,
+)
 from peergrade.rollout import generate
 from peergrade.seeds import step_seed
-from peergrade.tasks.prompts import encode_prompts
+
+EVAL_SEED_SALT = 99  # peergrade.seeds: the held-out sampling stream
+
+
+def eval_seed(seed: int) -> int:
+    """The held-out sampling seed of a run seeded ``seed`` (greedy; the k samples use + 1)."""
+    return step_seed(seed, 0, salt=EVAL_SEED_SALT)
+
+
+def held_out_scorer(
+    task, rewards: list[RewardSpec], name: str | None = None, options: dict | None = None
+) -> tuple[RewardSpec, str]:
+    """The reward that decides "correct" on held-out problems, and why it was chosen (for the
+    run header): ``name`` (``train.eval_reward``: a reward of the mix by its metric name, or any
+    reward spec), else the task's verifier, else ``rewards[0]``. A scorer that is one of the
+    mix's functions keeps that reward's options (e.g. arithmetic with extract: last_number)
+    unless ``options`` are given."""
+    if name is not None:
+        picked = next((s for s in rewards if s.name == name), None)
+        why = "train.eval_reward"
+        if picked is None:
+            with user_input("train.eval_reward"):
+                picked = make_reward_spec(name)
+    elif task.default_rewards:
+        picked, why = accuracy_spec(task), "the task's verifier"
+    elif rewards:
+        picked, why = rewards[0], "the first reward (the task has no verifier)"
+    else:
+        raise InputError(
+            f"task {task.name!r} has no verifier to score held-out problems: name one with "
+            "--reward (peergrade eval) or train.eval_reward"
+        )
+    same = next((s for s in rewards if s.fn is picked.fn), None)
+    kwargs = dict(options) if options else dict((same or picked).kwargs)
+    spec = RewardSpec(name=(same or picked).name, fn=picked.fn, weight=1.0, kwargs=kwargs)
+    return spec, why
+
+
+def check_reward_columns(task, specs: list[RewardSpec], scorer: RewardSpec | None = None) -> None:
+    """Before the model loads: every column a reward requires (``rewards.required_columns``)
+    exists in the task's rows (a dataset file: non-null in every row, named by row).
+    ``scorer``, the held-out scorer when it is not one of ``specs``, is named as such."""
+    needed: dict[str, list[str]] = {}
+    labelled = [(s, s.name) for s in specs]
+    if scorer is not None:
+        labelled.append((scorer, f"{scorer.name}, the held-out scorer (train.eval_reward)"))
+    for spec, label in labelled:
+        for column in required_columns(spec):
+            needed.setdefault(column, []).append(label)
+    if needed:
+        with user_input("data"):
+            task.check_columns(needed)
+
+
+def evaluate_config(
+    cfg: Config,
+    model,
+    tokenizer,
+    rows: list[dict],
+    prompt_ids: list[list[int]],
+    acc: RewardSpec,
+    *,
+    trainer_state: TrainerState | None = None,
+    **options,
+) -> dict[str, Any]:
+    """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
+    as training draws them (``rollout``: temperature, top_p, stop, length, batch size) from
+    ``eval_seed(train.seed)``; ``options`` go to ``evaluate`` (``curve``, ``keep_completions``)."""
+    r = cfg.rollout
+    return evaluate(
+        model,
+        tokenizer,
+        rows,
+        prompt_ids,
+        acc,
+        k=cfg.train.eval_samples,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_completion_length,
+        seed=eval_seed(cfg.train.seed),
+        batch_size=r.generation_batch_size,
+        stop=r.stop,
+        extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
+        trainer_state=trainer_state,
+        **options,
+    )
 
 
 def reward_state(task, step: int, max_steps: int, prompts: int, group: int) -> TrainerState:
@@ -198,14 +303,16 @@ def answer_format_spec() -> RewardSpec:
 def run_eval_command(
     *,
     model: str,
-    task: str = "arithmetic",
+    config: str | None = None,
+    overrides: list[tuple[str, Any]] | None = None,
+    task: str | None = None,
     task_options: dict | None = None,
     data: str | None = None,
-    n: int = 200,
-    k: int = 8,
-    temperature: float = 1.0,
+    n: int | None = None,
+    k: int | None = None,
+    temperature: float | None = None,
     max_new_tokens: int | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     batch_size: int | None = None,
     device: str = "auto",
     reward: str | None = None,
@@ -215,13 +322,25 @@ def run_eval_command(
     reward_options: dict | None = None,
     samples: str | None = None,
 ) -> dict[str, Any]:
-    """``peergrade eval``: load ``model``, evaluate on ``n`` held-out rows of ``task``, or the
-    first ``n`` rows of the dataset ``data`` (its eval split when it has one, or the split that
-    the task options ``eval_path`` / ``eval_fraction`` name); ``few_shot`` solved training
-    examples before each prompt (default none).
+    """``peergrade eval``: load ``model``, evaluate on held-out rows of its task, or on the
+    first rows of the dataset ``data`` (its eval split when it has one, or the split that the
+    task options ``eval_path`` / ``eval_fraction`` name, else the file itself).
 
-    ``reward_options`` are keyword arguments for the correctness reward; ``samples`` is a JSONL
-    file written with one line per problem (its answers, see ``evaluate``'s completions)."""
+    A run directory or checkpoint brings its run's config.yaml: the task, prompts (system
+    prompt, chat template), sampling settings, scorer and seed the run's held-out table used;
+    ``config`` (a YAML file) is used instead when given, e.g. a recipe's, to evaluate the base
+    model as the recipe's run will evaluate it.
+    The flags (``task``, ``data``, ``n`` = train.eval_size, ``k`` = train.eval_samples,
+    ``temperature``, ``max_new_tokens``, ``seed``, ``batch_size``, ``reward`` =
+    train.eval_reward) change it where given, and ``overrides`` (``--section.key value``) win
+    over both. Without a run config: the config defaults, with 16 new tokens for the bundled
+    model, else 128. ``few_shot`` solved training examples go before each prompt (default
+    none); ``reward_options`` are keyword arguments for the scorer; ``samples`` is a JSONL file
+    written with one line per problem (its answers, see ``evaluate``'s completions)."""
+    from pathlib import Path
+
+    from peergrade.components import build_task, encode_rows
+    from peergrade.config import load_config
     from peergrade.models import (
         load_model,
         load_tokenizer,
@@ -229,62 +348,94 @@ def run_eval_command(
         resolve_dtype,
         resolve_model_path,
     )
-    from peergrade.tasks import load_task
+    from peergrade.rewards import make_reward_specs
 
-    if n < 1 or k < 1:
+    if (n is not None and n < 1) or (k is not None and k < 1):
         raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
     if few_shot < 0:
         raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
-    if temperature <= 0:
+    if temperature is not None and temperature <= 0:
         raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    given = resolve_model_path(model)
+    path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
+    run_config = Path(path) / "config.yaml"
+    run_config = config if config is not None else (run_config if run_config.is_file() else None)
+    base = load_config(run_config)
+    flags: list[tuple[str, Any]] = []
+    if task is not None:
+        flags += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
     options = dict(task_options or {})
-    with user_input("data" if data else "task"):
-        if data:
-            the_task = load_task("file", path=data, **options)
-            if not the_task.has_eval and not {"eval_path", "eval_fraction"} & set(options):
-                # --data names the rows to evaluate: the file itself is the held-out split
-                the_task = load_task("file", path=data, eval_path=data, **options)
-        else:
-            the_task = load_task(task, **options)
+    if data is not None:
+        flags += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
+    if options:
+        new_source = task is not None or data is not None
+        flags.append(
+            ("data.task_options", {**({} if new_source else base.data.task_options), **options})
+        )
+    elif task is not None or data is not None:
+        flags.append(("data.task_options", {}))
+    if max_new_tokens is None and run_config is None:
+        max_new_tokens = 16 if model == "bundled" else 128
+    for key, value in (
+        ("train.eval_size", n),
+        ("train.eval_samples", k),
+        ("rollout.temperature", temperature),
+        ("rollout.max_completion_length", max_new_tokens),
+        ("train.seed", seed),
+        ("rollout.generation_batch_size", batch_size),
+        ("train.eval_reward", reward),
+    ):
+        if value is not None:
+            flags.append((key, value))
+    cfg = load_config(run_config, flags + list(overrides or []))
+
+    the_task = build_task(cfg)
+    d = cfg.data
+    if data is not None and not the_task.has_eval and "eval_fraction" not in d.task_options:
+        # --data names the rows to evaluate: the file itself is the held-out split
+        d.eval_path = d.path
+        the_task = build_task(cfg)
+    with user_input("data" if d.path else "task"):
         # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
-        rows = the_task.eval_rows(n)
+        rows = the_task.eval_rows(cfg.train.eval_size)
     if few_shot:
         from peergrade.tasks.curriculum import FewShot
 
         # fade 0: every prompt carries the examples; the pool is training problems only
-        rows, _ = FewShot(few_shot, 0, few_shot_answer, the_task, seed).apply(rows, step=1)
+        rows, _ = FewShot(few_shot, 0, few_shot_answer, the_task, cfg.train.seed).apply(
+            rows, step=1
+        )
+    # the run's reward mix (a reward model directory is not loaded: it is never the scorer
+    # unless named), for the default scorer and its options
+    with user_input("rewards"):
+        items = [
+            (i.name, i.weight, i.kwargs, i.display_name)
+            for i in cfg.rewards
+            if not Path(i.name).is_dir()
+        ] or [(name, w, {}, None) for name, w in the_task.default_rewards]
+        mix = make_reward_specs(items)
     with user_input("reward"):  # a wrong option name fails here, before the model loads
-        acc = accuracy_spec(the_task, reward, reward_options)
-    given = resolve_model_path(model)
-    path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
+        acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
+    check_reward_columns(the_task, [], acc)
     tok = load_tokenizer(path)
     dev = resolve_device(device)
-    net = load_model(path, dtype=resolve_dtype("auto", dev), device=str(dev)).eval()
-    ids = encode_prompts(rows, tok, system_prompt=the_task.system_prompt)
-    if max_new_tokens is None:
-        max_new_tokens = 16 if model == "bundled" else 128
-    result = evaluate(
-        net,
-        tok,
-        rows,
-        ids,
-        acc,
-        k=k,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        batch_size=batch_size,
-        extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
-        curve=curve,
-        keep_completions=samples is not None,
+    net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
+    ids = encode_rows(cfg, the_task, tok, rows)
+    result = evaluate_config(
+        cfg, net, tok, rows, ids, acc, curve=curve, keep_completions=samples is not None
     )
     if samples is not None:  # one JSON line per problem; never half a file under the name
         import json
 
         lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
         ckpt.atomic_write_text(samples, "".join(lines))
-    result["task"] = data or task
+    result["task"] = cfg.data.path or cfg.data.task
     result["model"] = model
+    result["scorer"] = acc.name
+    result["scorer_chosen_by"] = why
+    result["seed"] = eval_seed(cfg.train.seed)
+    if run_config is not None:
+        result["config"] = str(run_config)
     if few_shot:
         result["few_shot"] = few_shot
     if reward_options:
@@ -327,22 +478,26 @@ class HeldOut:
         state = reward_state(
             self.run.task, after_step + 1, cfg.train.steps, r.prompts_per_step, r.group_size
         )
-        return evaluate(
+        # the same evaluator (settings, scorer, seed) as `peergrade eval --model RUN_DIR`
+        return evaluate_config(
+            cfg,
             policy,
             models.tokenizer,
             self.rows,
             self.prompt_ids,
             self.run.accuracy,
-            k=cfg.train.eval_samples,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            max_new_tokens=r.max_completion_length,
-            seed=step_seed(cfg.train.seed, 0, salt=99),
-            batch_size=r.generation_batch_size,
-            stop=r.stop,
-            extra=[answer_format_spec()] if asks_for_answer_tags(self.rows) else [],
             trainer_state=state,
         )
+
+    def evaluate_logged(self, step: int, display) -> dict[str, float]:
+        """An evaluation during the run (``train.eval_every``): its ``eval/*`` metrics, shown
+        as one line on ``display`` too."""
+        result = self.evaluate(step)
+        k = result["k"]
+        shown = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS)
+        values = "  ".join(f"{n} {result[n]:.3f}" for n in shown if n in result)
+        display.print(f"eval after step {step} ({result['n']} held-out problems): {values}")
+        return {f"eval/{key}": v for key, v in result.items()}
 
 
 def results_table(display, before: dict, after: dict, k: int) -> None:

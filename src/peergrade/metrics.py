@@ -325,14 +325,15 @@ class Display:
             )
             self._progress.start()
 
-    def print(self, text: str, *, always: bool = False) -> None:
-        """Show a message; ``always`` ones (interrupts, skipped evals) reach stderr even with mode none."""
+    def print(self, text: str, *, always: bool = False, literal: bool = False) -> None:
+        """Show a message; ``always`` ones (interrupts, skipped evals) reach stderr even with mode none.
+        ``literal``: text that is not rich markup (a rendered prompt may hold ``[/INST]``)."""
         if self.mode == "none":
             if always:
                 print(text, file=sys.stderr, flush=True)
             return
         if self.mode == "rich":
-            self.console.print(text)
+            self.console.print(_escape(text) if literal else text)
         else:
             print(text, flush=True)
 

@@ -14,8 +14,9 @@ note naming the file and line. ``write_report(runs, out)`` renders one HTML file
   tokens/s, time per phase, losses and gradient norms; several runs are overlaid, one colour
   each;
 * the resolved ``config.yaml`` of each run and the keys that differ between runs;
-* a searchable table of the sampled groups in ``samples.jsonl``: prompt, each completion with
-  its total reward, per-function rewards when logged, advantage and finish reason.
+* a searchable table of the sampled groups in ``samples.jsonl``: the prompt as the model saw
+  it (``prompt_rendered``: chat template and system prompt applied; the row's own prompt
+  under it), each completion with its total reward, per-function rewards when logged, advantage and finish reason.
 
 Extra sections (a sweep comparison, a memory chart) are passed in as ``Section`` objects built
 by their own modules with the helpers here (``figure_svg``, ``memory_chart``).
@@ -555,8 +556,16 @@ def samples_section(runs: list[Run]) -> Section:
                 head = ""
                 if i == 0:
                     ans = s.get("answer")
+                    # what the model saw (chat template, system prompt), when the run logged it
+                    seen = s.get("prompt_rendered", s.get("prompt", ""))
                     head = (
-                        f'<td rowspan="{G}" class="prompt"><pre>{html.escape(str(s.get("prompt", "")))}</pre>'
+                        f'<td rowspan="{G}" class="prompt"><pre>{html.escape(str(seen))}</pre>'
+                        + (
+                            '<div class="muted">the model saw this; the row\'s prompt: '
+                            f"{html.escape(str(s.get('prompt')))}</div>"
+                            if "prompt_rendered" in s
+                            else ""
+                        )
                         + (
                             f'<div class="muted">answer: {html.escape(str(ans))}</div>'
                             if ans is not None

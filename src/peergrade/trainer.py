@@ -51,11 +51,19 @@ from peergrade.components import (  # importable from here too: Given, setup_mod
     build_rewards,
     build_task,
     encode_rows,
+    epoch_metric,
+    run_header,
     setup_models,
 )
 from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
-from peergrade.evaluation import HeldOut, accuracy_spec, results_table, reward_state
+from peergrade.evaluation import (
+    HeldOut,
+    check_reward_columns,
+    held_out_scorer,
+    results_table,
+    reward_state,
+)
 from peergrade.experience import Experience, Sampled
 from peergrade.metrics import Display, check_backends, quiet_hf_progress, read_jsonl
 from peergrade.rewards import RewardSpec, columns_for, score_rewards
@@ -82,7 +90,7 @@ class Run:
     cfg: Config
     task: Any
     rewards: list[RewardSpec]
-    accuracy: RewardSpec  # the task's verifier (with its options if configured), or rewards[0]
+    accuracy: RewardSpec  # the held-out scorer (train.eval_reward; evaluation.held_out_scorer)
     accuracy_in_mix: bool  # the verifier is one of the rewards: reuse its scores
     few_shot: FewShot
     models: Models
@@ -90,6 +98,7 @@ class Run:
     scheduler: Any
     critic: ppo.Critic | None  # PPO only
     algo: Algorithm  # advantages + update: update.GRPO or ppo.PPO
+    accuracy_why: str = ""  # how the scorer was chosen, for the run header
 
     @property
     def optimizer_state(self):
@@ -112,12 +121,12 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
     task = given.task if given.task is not None else build_task(cfg)
     rewards = build_rewards(cfg, task, given.reward_fns)
+    acc, why = held_out_scorer(task, rewards, t.eval_reward)
+    in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
+    # a column a reward cannot score without, checked in every row before the model loads
+    check_reward_columns(task, rewards, None if in_mix else acc)
     audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model yet
     few_shot = build_few_shot(cfg, task)
-    acc = accuracy_spec(task) if task.default_rewards else rewards[0]
-    # the verifier as the recipe configures it (e.g. arithmetic with extract: last_number)
-    acc = next((s for s in rewards if s.name == acc.name and s.fn is acc.fn), acc)
-    in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
     models = setup_models(cfg, given.policy, given.tokenizer)
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
     optimizer = build_optimizer(trainable, cfg.optim)
@@ -128,7 +137,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     else:
         critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
     return Run(
-        cfg, task, rewards, acc, in_mix, few_shot, models, optimizer, scheduler, critic, algo
+        cfg, task, rewards, acc, in_mix, few_shot, models, optimizer, scheduler, critic, algo, why
     )
 
 
@@ -298,6 +307,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "rollout/frac_zero_std_groups": (group_std < 1e-6).float().mean().item(),
         "rollout/repetition": dist.mean_over_ranks(repetition_rate(s.completion_ids)),
         **({"curriculum/few_shot_frac": s.few_shot_frac} if run.few_shot.k else {}),
+        **epoch_metric(run.task, step * cfg.rollout.prompts_per_step),
         **upd,
         "time/generate_s": sec["generate"],
         "time/reward_s": sec["reward"],
@@ -314,6 +324,8 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
             {
                 "step": step,
                 "prompt": s.rows[p]["prompt"],
+                # what the model saw: chat template, system prompt, few-shot turns applied
+                "prompt_rendered": run.models.tokenizer.decode(s.prompt_ids[p]),
                 "answer": s.rows[p].get("answer"),
                 "completions": rollout.completion_text[group],
                 "rewards": scores.total[group].tolist(),
@@ -353,7 +365,12 @@ def open_run_dir(run: Run, out: RunDir, display, detectors, *, resume: bool, ove
 
 
 def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detectors) -> None:
-    """The starting model on the held-out split, once per run (a resumed run has it)."""
+    """The run header (components.run_header), then the starting model on the held-out split,
+    once per run (a resumed run has it)."""
+    run = held_out.run
+    header = run_header(run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why)
+    for line in header:
+        display.print(line, literal=True)
     if not held_out.rows:
         display.print(
             "no held-out split (set data.eval_path or task_options.eval_fraction): "
@@ -415,7 +432,7 @@ def train(
                 for sample_row in result.samples:
                     samples_log.write(sample_row)
                 if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    m.update({f"eval/{k}": v for k, v in held_out.evaluate(step).items()})
+                    m.update(held_out.evaluate_logged(step, display))  # and a line on screen
                 m["time/step_s"] = time.perf_counter() - t_step
                 m.update(detectors.update(m))  # alert/<name> keys and their messages
                 metrics_log.write(m)

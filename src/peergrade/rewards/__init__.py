@@ -20,6 +20,7 @@ from .registry import (
     columns_for,
     make_reward_spec,
     make_reward_specs,
+    required_columns,
     resolve_reward,
     score_rewards,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "columns_for",
     "make_reward_spec",
     "make_reward_specs",
+    "required_columns",
     "resolve_reward",
     "score_rewards",
 ]

@@ -137,3 +137,6 @@ def countdown(
         ok = expr is not None and check_equation(expr, int(tgt), nums, use_all=use_all)
         scores.append(1.0 if ok else 0.0)
     return scores
+
+
+countdown.required_columns = ("target", "numbers")  # checked before the model loads

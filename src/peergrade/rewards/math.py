@@ -337,5 +337,11 @@ def _worker_main() -> None:
         sys.stdout.flush()
 
 
+# checked against the dataset before the model loads (rewards.required_columns): a row whose
+# answer is missing would otherwise just score 0
+arithmetic.required_columns = ("answer",)
+math_accuracy.required_columns = ("answer",)
+
+
 if __name__ == "__main__":
     _worker_main()

@@ -102,6 +102,7 @@ __all__ = [
     "columns_for",
     "make_reward_spec",
     "make_reward_specs",
+    "required_columns",
     "resolve_reward",
     "score_rewards",
     "check_reward_options",
@@ -440,6 +441,36 @@ def make_reward_specs(items: Sequence[tuple]) -> list[RewardSpec]:
                 s.name, k = f"{base}_{k}", k + 1
             taken.add(s.name)
     return specs
+
+
+def required_columns(spec: RewardSpec) -> list[str]:
+    """The dataset columns ``spec`` cannot score without, so that a dataset lacking one is
+    refused before the model loads: its parameters without a default that the trainer does not
+    pass itself (``CONTRACT_KWARGS``) and that are not bound in ``spec.kwargs``, plus the
+    function's own ``required_columns`` attribute (the built-ins take ``answer=None`` so that
+    they can say what is missing when called directly). A TRL-style ``**kwargs`` requires
+    nothing."""
+    fn = spec.fn
+    bound = set(spec.kwargs)
+    while isinstance(fn, functools.partial):
+        bound |= set(fn.keywords)
+        fn = fn.func
+    names = list(getattr(fn, "required_columns", ()))
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and C functions: nothing to read
+        params = ()
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.kind is p.POSITIONAL_ONLY:  # cannot be passed by keyword: not a column
+            continue
+        names.append(p.name)
+    out: list[str] = []
+    for n in names:
+        if n not in CONTRACT_KWARGS and n not in bound and n not in out:
+            out.append(n)
+    return out
 
 
 @dataclass(frozen=True)

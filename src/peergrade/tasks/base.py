@@ -27,6 +27,14 @@ class Task:
     #: whether ``eval_rows`` has a held-out split to draw from
     has_eval: bool = True
 
+    def check_columns(self, required: dict[str, list[str]]) -> None:
+        """Raise ``ValueError`` when a column a reward requires (``{column: [reward names]}``)
+        is not one of ``columns``. Generated rows always fill their columns; a dataset file
+        checks every row (``FileTask``)."""
+        for column, who in required.items():
+            if column not in self.columns:
+                raise ValueError(missing_column_message(column, who, self.name, self.columns))
+
     def train_rows(self, seed: int = 0) -> Iterator[dict]:
         """An endless, seeded stream of training rows (same seed, same stream)."""
         raise NotImplementedError
@@ -37,3 +45,24 @@ class Task:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def rewards_phrase(rewards: list[str]) -> str:
+    """``reward 'a'`` or ``rewards 'a' and 'b'``, for the column messages."""
+    names = [repr(r) for r in rewards]
+    if len(names) == 1:
+        return f"reward {names[0]}"
+    return f"rewards {', '.join(names[:-1])} and {names[-1]}"
+
+
+def missing_column_message(column: str, rewards: list[str], source: str, columns) -> str:
+    """What to say when reward(s) ``rewards`` need ``column`` and ``source`` lacks it."""
+    have = ", ".join(["prompt", *columns])
+    other = next((c for c in columns if c != column), "answer")
+    return (
+        f"{rewards_phrase(rewards)} {'needs' if len(rewards) == 1 else 'need'} the column "
+        f"{column!r} (a parameter without a default), which {source} does not have; its "
+        f"columns: {have}. Rename the column in the file, or map one of yours to it with "
+        f"data.columns, e.g. --data.columns '{{{column}: {other}}}' (or give the parameter a "
+        "default)"
+    )

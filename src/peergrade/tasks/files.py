@@ -57,7 +57,7 @@ from pathlib import Path
 from peergrade.errors import PeergradeError, require
 
 from ..rewards.registry import CONTRACT_KWARGS
-from .base import Task
+from .base import Task, missing_column_message, rewards_phrase
 
 __all__ = ["FileTask", "DataError", "dataset_rows", "memory_rows", "read_rows"]
 
@@ -290,15 +290,16 @@ class FileTask(Task):
         self.system_prompt = system_prompt
 
         raw, raw_eval = read_rows(self.path) if data is None else memory_rows(data, "train_dataset")
-        rows = self._convert(raw, self.path)
+        rows, where = self._convert(raw, self.path)
         if not rows:
             raise DataError(f"{self.path}: no rows")
+        eval_where: list[str] = []
         if eval_path is not None:
             eval_raw, _ = read_rows(eval_path)
-            eval_rows = self._convert(eval_raw, Path(eval_path))
+            eval_rows, eval_where = self._convert(eval_raw, Path(eval_path))
         elif eval_data is not None:
             eval_raw, _ = memory_rows(eval_data, "eval_dataset")
-            eval_rows = self._convert(eval_raw, Path("eval_dataset"))
+            eval_rows, eval_where = self._convert(eval_raw, Path("eval_dataset"))
         elif eval_fraction is not None:
             order = list(range(len(rows)))
             random.Random(f"file-split/{split_seed}").shuffle(order)
@@ -309,11 +310,15 @@ class FileTask(Task):
                 )
             held = set(order[:k])
             eval_rows = [r for i, r in enumerate(rows) if i in held]
+            eval_where = [w for i, w in enumerate(where) if i in held]
             rows = [r for i, r in enumerate(rows) if i not in held]
+            where = [w for i, w in enumerate(where) if i not in held]
         elif raw_eval is not None:
-            eval_rows = self._convert(raw_eval, self.path / "<eval split>")
+            eval_rows, eval_where = self._convert(raw_eval, self.path / "<eval split>")
         else:
             eval_rows = None
+        # "file: line N" of every row, for the column check before the model loads
+        self._where = where + eval_where
         self._train = rows
         self._eval = eval_rows
         self.has_eval = eval_rows is not None
@@ -328,13 +333,15 @@ class FileTask(Task):
         self.columns = tuple(names)
         self.default_rewards = [("math_accuracy", 1.0)] if "answer" in names else []
 
-    def _convert(self, raw: list[tuple[int, object]], path: Path) -> list[dict]:
+    def _convert(self, raw: list[tuple[int, object]], path: Path) -> tuple[list[dict], list[str]]:
+        """The rows of ``raw`` in our column names, and where each came from."""
         is_jsonl_or_csv = path.suffix.lower() in (".jsonl", ".csv")
         unit = "line" if is_jsonl_or_csv else "row"
         inverse = {v: k for k, v in self.mapping.items()}
-        out = []
+        out, wheres = [], []
         for num, obj in raw:
             where = f"{path}: {unit} {num}"
+            wheres.append(where)
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected an object, got {type(obj).__name__}")
             for ours, theirs in self.mapping.items():
@@ -342,7 +349,9 @@ class FileTask(Task):
                     raise DataError(
                         f"{where}: missing column {theirs!r}"
                         + (f" (mapped to {ours!r})" if theirs != ours else "")
-                        + f"; the row has {sorted(obj)}"
+                        + f"; the row has {sorted(obj)}. Map the file's columns to ours with "
+                        "data.columns, e.g. --data.columns '{prompt: question, answer: solution}' "
+                        "(ours: theirs)"
                     )
             row = {inverse.get(k, k): v for k, v in obj.items()}
             reserved = sorted(k for k in row if k in CONTRACT_KWARGS)
@@ -363,7 +372,22 @@ class FileTask(Task):
                     msgs = [{"role": "system", "content": self.system_prompt}] + msgs
                 row["prompt"] = msgs
             out.append(row)
-        return out
+        return out, wheres
+
+    def check_columns(self, required: dict[str, list[str]]) -> None:
+        """Every row has a non-null value for every column a reward requires (``{column:
+        [reward names]}``); else ``DataError`` naming the file, the row and the column."""
+        rows = self._train + (self._eval or [])
+        for column, who in required.items():
+            if column not in self.columns:
+                raise DataError(missing_column_message(column, who, str(self.path), self.columns))
+            for row, where in zip(rows, self._where):
+                if row.get(column) is None:
+                    raise DataError(
+                        f"{where}: column {column!r} is missing or null, and "
+                        f"{rewards_phrase(who)} {'needs' if len(who) == 1 else 'need'} it in "
+                        "every row (fill it in, or drop the row)"
+                    )
 
     def __len__(self) -> int:
         return len(self._train)

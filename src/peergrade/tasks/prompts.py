@@ -29,6 +29,10 @@ leading system message if the row has one: the few-shot prompt of ``data.few_sho
 ``encode_prompts(rows, tokenizer, ...)`` turns rows into the token ids the model sees, as TRL
 makes them; training and evaluation both encode through it.
 
+``chat_template_note(row_prompt, tokenizer, ...)`` is the line a run prints at start when
+prompts are plain text and the tokenizer has a chat template: what the model sees with the
+configured ``data.use_chat_template`` and what it would see the other way.
+
 It takes a tokenizer as a plain argument and loads no model.
 """
 
@@ -38,6 +42,7 @@ from peergrade.errors import InputError
 
 __all__ = [
     "chat_prompt",
+    "chat_template_note",
     "encode_prompts",
     "render_prompt",
     "to_messages",
@@ -153,3 +158,34 @@ def encode_prompts(
             )
         ids.append(toks)
     return ids
+
+
+def chat_template_note(
+    row_prompt, tokenizer, *, system_prompt: str | None = None, use_chat_template="auto"
+) -> str | None:
+    """One line for the run's start when ``row_prompt`` is plain text and ``tokenizer`` has a
+    chat template: which way ``data.use_chat_template`` feeds it, and what the model would see
+    the other way (a chat-trained model given raw text may never answer: every reward 0).
+    ``None`` for chat-message prompts or a tokenizer without a template: nothing to choose."""
+    if not isinstance(row_prompt, str) or not getattr(tokenizer, "chat_template", None):
+        return None
+
+    def shown(flag: bool) -> str:
+        text = render_prompt(
+            row_prompt, tokenizer, system_prompt=system_prompt, use_chat_template=flag
+        )
+        return repr(text if len(text) <= 90 else text[:87] + "...")
+
+    templated = uses_chat_template(row_prompt, tokenizer, system_prompt, use_chat_template)
+    setting = str(use_chat_template).lower()
+    if templated:
+        return (
+            f"prompts are plain text; data.use_chat_template={setting} puts them through the "
+            f"tokenizer's chat template: the model sees {shown(True)} "
+            f"(with --data.use_chat_template false it would see {shown(False)})"
+        )
+    return (
+        f"prompts are plain text and the tokenizer has a chat template; "
+        f"data.use_chat_template={setting} feeds them as they are: the model sees {shown(False)} "
+        f"(a chat-trained model may need --data.use_chat_template true: {shown(True)})"
+    )
