@@ -118,7 +118,9 @@ def test_walkthrough_runs_from_a_fresh_clone(tmp_path):
     assert kinds.index(("eval", False)) < kinds.index(("train", True)), kinds
 
     train = _shrunk(commands[0])
-    run = clone / train[train.index("-o") + 1]  # the page names the run directory
+    # the later commands name the run directory, so the first must write it there
+    assert "-o" in train, f"{PAGE}: the train command names no run directory (-o)"
+    run = clone / train[train.index("-o") + 1]
     said = [_run(clone, train + SMALL)]
     metrics = _jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2, 2], metrics
