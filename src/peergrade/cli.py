@@ -55,6 +55,7 @@ examples:
   peergrade train --config configs/smollm2-arith.yaml --algo.beta 0.04 --train.steps 50
   peergrade train --data my.jsonl --reward my_rewards.py:my_fn --model path/to/hf_model
   peergrade train --data my.jsonl --reward path/to/reward_model --reward format=0.2
+  peergrade train --data my.jsonl --tools my_tools.py:multiply --reward my_rewards.py:my_fn
   peergrade train --resume runs/20260101-120000     # continue from the last checkpoint
   peergrade config > my.yaml                        # every key, documented, with its default
   peergrade eval --model runs/X/checkpoints/step-200 --task arithmetic --n 500 --k 8
@@ -550,6 +551,8 @@ def _train_parser(sub) -> None:
         ("model", "model.path"),
         ("data", "data.path"),
         ("reward", "rewards"),
+        ("tools", "env.tools"),
+        ("env", "env.factory"),
         ("steps", "train.steps"),
         ("seed", "train.seed"),
         ("output", "train.output_dir"),
@@ -568,6 +571,19 @@ def _train_parser(sub) -> None:
         metavar="SPEC",
         help="reward: built-in name, module:fn, file.py:fn or a reward-model dir "
         "(AutoModelForSequenceClassification), optionally =WEIGHT; repeatable (= rewards)",
+    )
+    t.add_argument(
+        "--tools",
+        action="append",
+        metavar="FILE.py:fn",
+        help="a tool the model may call (TRL's tools: type hints and a docstring), file.py:fn "
+        "or module:fn; repeatable: each completion becomes a multi-turn episode (= env.tools)",
+    )
+    t.add_argument(
+        "--env",
+        metavar="FILE.py:Class",
+        help="an environment class: TRL's environment_factory or a native reset/step "
+        "environment (= env.factory; see docs/environments.md)",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
     _seed(t, "random seed (= --train.seed)")

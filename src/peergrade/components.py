@@ -1,5 +1,6 @@
 """The parts of a training run, built from the config: the task, the reward mix, the few-shot
-curriculum, prompt encoding, and the models bundle (policy, tokenizer, reference).
+curriculum, prompt encoding, the episodes' environment factory (``env:``) and the models
+bundle (policy, tokenizer, reference).
 
 ``trainer.setup`` assembles a run from these (and from ``Given``: the objects a Python caller
 hands over instead of names); ``peergrade memory`` (and the evaluator) use the
@@ -18,6 +19,8 @@ from typing import Any
 
 from peergrade import distributed as dist
 from peergrade.config import Config
+from peergrade.envs import check_template, make_env_from_specs
+from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
 from peergrade.models import (
     apply_lora,
@@ -40,8 +43,11 @@ __all__ = [
     "Given",
     "build_task",
     "build_rewards",
+    "build_env",
     "build_few_shot",
+    "check_env_template",
     "encode_rows",
+    "episode_rows",
     "epoch_metric",
     "run_header",
     "setup_models",
@@ -96,6 +102,61 @@ def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec
             f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
         )
     return specs
+
+
+def build_env(cfg: Config):
+    """The checked ``row -> environment`` factory of ``env:`` (tools, environment class), or
+    None for single-turn training. Loads the user's files: every problem (a missing file, a
+    tool without type hints or docstring, a class without ``reset``) is an error here, before
+    any model loads."""
+    e = cfg.env
+    if not e.enabled:
+        return None
+    return make_env_from_specs(
+        e.tools,
+        e.factory,
+        max_tool_calling_iterations=e.max_tool_calling_iterations,
+        tool_timeout=e.tool_timeout,
+        max_tool_output_chars=e.max_tool_output_chars,
+    )
+
+
+def env_reward_spec(make_env) -> list[RewardSpec]:
+    """The reward ``env`` (the environments' own rewards: ``get_reward()`` or step rewards)
+    when the environment class can give one, as TRL adds ``get_reward``; else nothing."""
+    if make_env is None or not gives_reward(getattr(make_env, "environment_class", None)):
+        return []
+    return make_reward_specs([(env_reward, 1.0, {}, "env")])
+
+
+def check_env_template(cfg: Config, tokenizer=None) -> None:
+    """The chat template can render episodes token-exactly (``envs.check_template``), checked
+    on the tokenizer alone (``model.path``'s unless one is given), before the model loads. A
+    model's own extra end-of-turn ids (its generation config) are checked again when episodes
+    run."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+    eos = tokenizer.eos_token_id
+    with user_input("model"):
+        check_template(tokenizer, eos_ids=[] if eos is None else [eos])
+
+
+def episode_rows(cfg: Config, task, rows: list[dict]) -> list[dict]:
+    """The rows an episode starts from: a text prompt becomes chat messages with the system
+    prompt first (what ``encode_rows`` renders for a single reply), a message list stays as it
+    is."""
+    system = cfg.data.system_prompt or task.system_prompt
+    out = []
+    for row in rows:
+        prompt = row.get("prompt")
+        if isinstance(prompt, str):
+            msgs = [{"role": "user", "content": prompt}]
+            row = {
+                **row,
+                "prompt": ([{"role": "system", "content": system}] if system else []) + msgs,
+            }
+        out.append(row)
+    return out
 
 
 def build_few_shot(cfg: Config, task) -> FewShot:

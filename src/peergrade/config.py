@@ -11,7 +11,8 @@ valid one), every value against its field's type, and ``validate`` checks the cr
 (group size, batch divisibility, ranges, choices) -- all before any model is loaded.
 
 Paths: a relative path in a YAML file (``model.path``, ``data.path``, ``data.eval_path``,
-``algo.critic_path``, a reward's ``file.py:fn`` or reward-model directory) is relative to that
+``algo.critic_path``, a reward's ``file.py:fn`` or reward-model directory, ``env.tools`` and
+``env.factory``'s ``file.py:name``) is relative to that
 file, as ``base:`` is; on the command line it is relative to the working directory. Either way
 ``load_config`` makes it absolute (a run's saved config.yaml then works from any directory, e.g.
 ``--resume``) and keeps what was typed in ``Config.given_paths``, which ``to_yaml`` writes as a
@@ -433,6 +434,47 @@ class TrainConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (docs/environments.md): with ``tools`` or ``factory`` set, each
+    completion is an episode in which the model calls tools or talks to an environment, and the
+    reward judges the whole conversation. ``rollout.max_completion_length`` is then the token
+    budget of the whole episode (tool results included)."""
+
+    tools: list[str] = doc(
+        "Tool functions, 'path/to/file.py:fn' or 'module:fn' (TRL's tools: type hints and a "
+        "Google-style docstring). Empty with no factory = single-turn training.",
+        default_factory=list,
+    )
+    factory: str | None = doc(
+        "An environment class, 'path/to/file.py:Class' or 'module:Class': TRL's "
+        "environment_factory (reset(**row), public methods as tools, optional get_reward() "
+        "added as the reward 'env') or a native environment (reset(row) and step(message); its "
+        "step rewards summed as the reward 'env').",
+        None,
+    )
+    max_tool_calling_iterations: int | None = doc(
+        "Rounds of tool calls per episode (TRL's name); a turn that calls tools after that many "
+        "ends the episode. null = no limit.",
+        None,
+    )
+    max_turns: int | None = doc("Most model turns per episode; null = no limit.", None)
+    max_tokens_per_turn: int | None = doc(
+        "Most tokens per model turn; null = the rest of the episode's budget.", None
+    )
+    tool_timeout: float | None = doc(
+        "Seconds a tool call may take; a slower call is a failed call. null = no limit.", None
+    )
+    max_tool_output_chars: int | None = doc(
+        "A longer tool result is cut (with a note saying how much). null = no limit.", None
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Episodes instead of single replies: some tool or an environment is configured."""
+        return bool(self.tools) or self.factory is not None
+
+
+@dataclass
 class DistConfig:
     strategy: Literal["ddp", "fsdp"] = doc(
         "Under torchrun: 'ddp' (every rank holds the whole model; gradients all-reduced) or "
@@ -466,6 +508,10 @@ class Config:
     train: TrainConfig = doc("Loop, evaluation, checkpoints.", default_factory=TrainConfig)
     dist: DistConfig = doc(
         "Several processes under torchrun (see docs/scaling.md).", default_factory=DistConfig
+    )
+    env: EnvConfig = doc(
+        "Tools and environments: multi-turn episodes (see docs/environments.md).",
+        default_factory=EnvConfig,
     )
 
     #: not a config key: the relative paths as typed, by key (``data.path``, ``rewards[0].name``),
@@ -725,6 +771,11 @@ def _split_path(key: str, value: Any) -> tuple[str, str] | None:
     if not isinstance(value, str) or not value.strip():
         return None
     value = value.strip()
+    if key.startswith(("env.tools[", "env.factory")):
+        target, sep, attr = value.rpartition(":")
+        if sep and (target.endswith(".py") or "/" in target or "\\" in target):
+            return target, sep + attr  # path/to/file.py:name
+        return None  # module:name
     if key.startswith("rewards["):
         target, sep, attr = value.rpartition(":")
         if sep and (target.endswith(".py") or "/" in target or "\\" in target):
@@ -759,6 +810,14 @@ def _resolve_paths(tree: dict, base: Path, given: dict[str, str]) -> None:
                 item = rewards[i] = reward_item(item, f"rewards[{i}]")
             if isinstance(item, dict) and "name" in item:
                 found.append((f"rewards[{i}].name", item, "name"))
+    env = tree.get("env")
+    if isinstance(env, dict):
+        if "factory" in env:
+            found.append(("env.factory", env, "factory"))
+        if isinstance(env.get("tools"), list):
+            for key in [k for k in given if k.startswith("env.tools[")]:
+                del given[key]  # as for rewards: a new list replaces the old one
+            found += [(f"env.tools[{i}]", env["tools"], i) for i in range(len(env["tools"]))]
     for key, node, name in found:
         given.pop(key, None)  # an earlier value's typed form no longer applies
         parts = _split_path(key, node[name])
@@ -977,6 +1036,39 @@ def validate(cfg: Config) -> None:
         t.eval_reward is None or bool(t.eval_reward.strip()),
         "train.eval_reward must be a reward name or null (the task's verifier)",
     )
+    e = cfg.env
+    for k in ("max_turns", "max_tokens_per_turn", "max_tool_output_chars"):
+        v = getattr(e, k)
+        need(v is None or v >= 1, f"env.{k} must be >= 1 or null, got {v}")
+    need(
+        e.max_tool_calling_iterations is None or e.max_tool_calling_iterations >= 0,
+        f"env.max_tool_calling_iterations must be >= 0 or null, got {e.max_tool_calling_iterations}",
+    )
+    need(
+        e.tool_timeout is None or e.tool_timeout > 0,
+        f"env.tool_timeout must be > 0 or null, got {e.tool_timeout}",
+    )
+    for i, spec in enumerate(e.tools):
+        need(
+            ":" in spec.strip().strip(":"),
+            f"env.tools[{i}] must be 'path/to/file.py:fn' or 'module:fn', got {spec!r}",
+        )
+    need(
+        e.factory is None or ":" in e.factory.strip().strip(":"),
+        f"env.factory must be 'path/to/file.py:Class' or 'module:Class', got {e.factory!r}",
+    )
+    if e.enabled:
+        need(
+            a.name != "ppo",
+            "algo.name=ppo does not train episodes (env.tools / env.factory, --tools / --env are "
+            "set): its critic and per-token GAE are not written for tool tokens; use "
+            "algo.name=grpo (the default) with tools and environments",
+        )
+        need(
+            not r.stop,
+            f"rollout.stop ({r.stop}) is not supported with tools and environments: a model turn "
+            "ends at an end-of-turn token or a length limit (env.max_tokens_per_turn)",
+        )
 
 
 # ----------------------------------------------------------------------------- rendering

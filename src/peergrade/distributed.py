@@ -263,6 +263,11 @@ def sum_int(x: int) -> int:
     return int(all_sum(torch.tensor([int(x)], dtype=torch.int64)).item())
 
 
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` in one process."""
+    return _gather_objects(obj) if parallel() else [obj]
+
+
 def _gather_objects(obj) -> list:
     out = [None] * world()
     torch.distributed.all_gather_object(out, obj)

@@ -32,11 +32,12 @@ class Sampled:
 
     rows: list[dict]  # this rank's P prompts' dataset rows (few-shot turns applied)
     prompt_ids: list[list[int]]  # P encoded prompts
-    rollout: Any  # rollout.Rollout: texts, finish reasons, counted completion ids
+    rollout: Any  # rollout.Rollout: texts, finish reasons, counted completion ids (None: episodes)
     scores: Any  # rewards.Scores: per-function scores and their metrics
     accuracy: torch.Tensor  # [N] the accuracy verifier's scores
     completion_ids: list[list[int]]  # N lists: the counted tokens of each completion
     few_shot_frac: float = 0.0
+    episodes: list | None = None  # envs.Episode records (tools / environments), else None
 
 
 @dataclass

@@ -4,7 +4,9 @@ loops over steps and finishes with the held-out table.
 One step (``train_step`` = ``collect`` then ``learn``; the loop and ``peergrade memory`` both
 call it), with one ``Experience`` (``peergrade.experience``) travelling through it:
   ``collect``: P prompts (with solved example turns early on when ``data.few_shot`` is set)
-    -> G completions each (``rollout.generate``) -> rewards (weighted reward functions)
+    -> G completions each (``rollout.generate``), or G episodes each with tools or an
+       environment (``env:``, ``envs.run_episodes``: environment tokens attended to, never
+       trained on) -> rewards (weighted reward functions)
     -> reference log-probs (beta > 0)
     -> advantages (``run.algo.advantages``: group-relative for GRPO, critic + GAE for PPO)
   ``learn``: mu passes of minibatch updates (``run.algo.update``)
@@ -31,6 +33,7 @@ run directory and resume (``checkpoint``) or the held-out evaluator (``evaluatio
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 import time
@@ -47,16 +50,22 @@ from peergrade.audit import at_startup as audit_at_startup
 from peergrade.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.components import (  # importable from here too: Given, setup_models, ...)
     Given,
+    build_env,
     build_few_shot,
     build_rewards,
     build_task,
+    check_env_template,
     encode_rows,
+    env_reward_spec,
+    episode_rows,
     epoch_metric,
     run_header,
     setup_models,
 )
 from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
+from peergrade.envs import Episode, episode_metrics, episodes_batch, reward_inputs, run_episodes
+from peergrade.envs.scoring import env_reward, environment_rewards
 from peergrade.evaluation import (
     HeldOut,
     check_reward_columns,
@@ -99,6 +108,7 @@ class Run:
     critic: ppo.Critic | None  # PPO only
     algo: Algorithm  # advantages + update: update.GRPO or ppo.PPO
     accuracy_why: str = ""  # how the scorer was chosen, for the run header
+    make_env: Any = None  # env: row -> environment (episodes); None = single replies
 
     @property
     def optimizer_state(self):
@@ -120,13 +130,18 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     torch.manual_seed(t.seed)
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
     task = given.task if given.task is not None else build_task(cfg)
+    make_env = build_env(cfg)  # env: the user's tools and environment class, loaded and checked
     rewards = build_rewards(cfg, task, given.reward_fns)
     acc, why = held_out_scorer(task, rewards, t.eval_reward)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
     # a column a reward cannot score without, checked in every row before the model loads
     check_reward_columns(task, rewards, None if in_mix else acc)
-    audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model yet
+    rewards += env_reward_spec(make_env)  # the environments' own reward: episodes give its column
+    if make_env is None:  # its exploits are single replies: episodes are not audited (yet)
+        audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
+    if make_env is not None:  # a template that cannot render tool turns fails before the model
+        check_env_template(cfg, given.tokenizer)
     models = setup_models(cfg, given.policy, given.tokenizer)
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
     optimizer = build_optimizer(trainable, cfg.optim)
@@ -137,7 +152,19 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     else:
         critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
     return Run(
-        cfg, task, rewards, acc, in_mix, few_shot, models, optimizer, scheduler, critic, algo, why
+        cfg,
+        task,
+        rewards,
+        acc,
+        in_mix,
+        few_shot,
+        models,
+        optimizer,
+        scheduler,
+        critic,
+        algo,
+        why,
+        make_env,
     )
 
 
@@ -165,14 +192,51 @@ def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
         )
 
 
-def score(run: Run, step: int, rows: list[dict], rollout: Rollout, completion_ids: list[list[int]]):
+def sample_episodes(run: Run, rows: list[dict], step: int) -> list[Episode]:
+    """G episodes for each row (``envs.run_episodes``), seeded by step as ``sample`` is;
+    ``rollout.max_completion_length`` is the budget of a whole episode."""
+    r, e = run.cfg.rollout, run.cfg.env
+    with dist.full_weights(run.models.policy) as policy:
+        return run_episodes(
+            policy,
+            run.models.tokenizer,
+            rows,
+            run.make_env,
+            n=r.group_size,
+            max_completion_length=r.max_completion_length,
+            max_turns=e.max_turns,
+            max_tokens_per_turn=e.max_tokens_per_turn,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            seed=dist.rank_seed(step_seed(run.cfg.train.seed, step)),
+            batch_size=r.generation_batch_size,
+        )
+
+
+def completion_inputs(run: Run, rows: list[dict], rollout: Rollout, completion_ids):
+    """``(prompts, completions, columns)`` of single replies for ``score``: the dataset
+    columns and ``completion_ids``, each repeated G times."""
+    G = run.cfg.rollout.group_size
+    prompts = [row["prompt"] for row in rows for _ in range(G)]
+    columns = {**columns_for(rows, G), "completion_ids": completion_ids}
+    return prompts, rollout.completion_text, columns
+
+
+def episode_inputs(run: Run, rows: list[dict], episodes: list[Episode]):
+    """``(prompts, completions, columns)`` of episodes for ``score``, in TRL's conversational
+    form (``envs.reward_inputs``), plus the environments' own rewards for the reward ``env``."""
+    prompts, completions, columns = reward_inputs(episodes, rows)
+    if any(s.fn is env_reward for s in run.rewards):
+        columns["env_reward"] = environment_rewards(episodes)
+    return prompts, completions, columns
+
+
+def score(run: Run, step: int, prompts: list, texts: list, columns: dict[str, list]):
     """Every reward function on every completion (TRL's contract: the dataset columns,
     ``completion_ids``, ``trainer_state`` at this step), and the accuracy verifier's scores."""
     cfg = run.cfg
     G = cfg.rollout.group_size
-    prompts = [row["prompt"] for row in rows for _ in range(G)]
-    columns = {**columns_for(rows, G), "completion_ids": completion_ids}
-    texts = rollout.completion_text
     state = reward_state(run.task, step, cfg.train.steps, cfg.rollout.prompts_per_step, G)
     scores = score_rewards(
         run.rewards,
@@ -208,6 +272,9 @@ class StepResult:
 
 NO_METER = NoMeter()
 
+#: episode ends that cut it short of its end (the budget or the per-turn cap): "truncated"
+CUT_SHORT = ("length", "turn_length", "env_over_budget")
+
 
 def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience:
     """Step ``step``'s experience on ``rows`` (P prompts): sample, score, reference log-probs,
@@ -220,29 +287,48 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
     t_start = time.perf_counter()
     rows, few_shot_frac = run.few_shot.apply(rows, step)
     rows = dist.shard_rows(rows)  # under torchrun: this rank's P / world whole prompts
-    prompt_ids = run.encode(rows)
+    episodes = rollout = None
+    if run.make_env is None:
+        prompt_ids = run.encode(rows)
+    else:
+        rows = episode_rows(cfg, run.task, rows)
 
-    meter.reset()  # 1. sample G completions per prompt
+    meter.reset()  # 1. sample G completions (or episodes) per prompt
     with autocast(cfg, device, models.policy):  # model.autocast: bf16 rollouts where it pays
-        rollout = sample(run, prompt_ids, step)
+        if run.make_env is None:
+            rollout = sample(run, prompt_ids, step)
+        else:
+            episodes = sample_episodes(run, rows, step)
     meter.record("generate")
     t_generated = time.perf_counter()
 
-    completion_ids = rollout.completion_id_lists()  # the counted tokens of each completion
+    if episodes is None:
+        completion_ids = rollout.completion_id_lists()  # the counted tokens of each completion
+        inputs = completion_inputs(run, rows, rollout, completion_ids)
+    else:  # what the model sampled counts (repetition, lengths); rewards see every token
+        prompt_ids = [e.prompt_ids for e in episodes[:: cfg.rollout.group_size]]
+        completion_ids = [[t for t, m in zip(e.completion_ids, e.loss_mask) if m] for e in episodes]
+        inputs = episode_inputs(run, rows, episodes)
     meter.reset()  # 2. score them (a reward model's forward is the memory here)
-    scores, acc_values = score(run, step, rows, rollout, completion_ids)
+    scores, acc_values = score(run, step, *inputs)
     meter.record("rewards")
     t_scored = time.perf_counter()
 
     # 3. the experience: the attention mask says which tokens exist, the loss mask (the
-    # rollout's own, kept apart) which are trained on; DAPO's overlong filtering masks
-    # truncated completions out of the loss only
-    input_ids, attention_mask, _ = rollout.training_batch(models.tokenizer.pad_token_id)
-    loss_mask = rollout.loss_mask
-    truncated = torch.tensor([f == "length" for f in rollout.finish_reason])  # [N]
+    # rollout's own, kept apart) which are trained on: an episode's environment tokens are
+    # attended to and never trained on; DAPO's overlong filtering masks truncated completions
+    # out of the loss only
+    if episodes is None:
+        input_ids, attention_mask, _ = rollout.training_batch(models.tokenizer.pad_token_id)
+        loss_mask, sampler_lp = rollout.loss_mask, rollout.sampler_logprobs
+        truncated = torch.tensor([f == "length" for f in rollout.finish_reason])  # [N]
+    else:
+        b = episodes_batch(episodes, models.tokenizer.pad_token_id)
+        input_ids, attention_mask = b["input_ids"], b["attention_mask"]
+        loss_mask, sampler_lp = b["loss_mask"], b["logprobs"]
+        truncated = torch.tensor([e.finish_reason in CUT_SHORT for e in episodes])  # [N]
     if cfg.algo.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).unsqueeze(1).to(loss_mask.dtype)
-    sampler_lp = rollout.sampler_logprobs
     exp = Experience(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -252,7 +338,7 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
         policy_version=step,
         sampler_logprobs=None if sampler_lp is None else sampler_lp.to(device),
         sampled=Sampled(
-            rows, prompt_ids, rollout, scores, acc_values, completion_ids, few_shot_frac
+            rows, prompt_ids, rollout, scores, acc_values, completion_ids, few_shot_frac, episodes
         ),
     )
 
@@ -292,8 +378,15 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
     G, P = cfg.rollout.group_size, len(s.rows)
     rollout, scores = s.rollout, s.scores
     g = dist.gather_rows
-    gen_tokens = dist.sum_int(rollout.num_generated_tokens)
-    lens = g(rollout.completion_mask.sum(dim=1))  # [N]
+    if s.episodes is None:
+        local_lens = rollout.completion_mask.sum(dim=1)  # [N]
+        completions, finish = rollout.completion_text, rollout.finish_reason
+    else:  # an episode's length is what the model sampled; environment tokens do not count
+        local_lens = torch.tensor([e.num_sampled_tokens for e in s.episodes])  # [N]
+        completions = [e.completion_messages for e in s.episodes]
+        finish = [e.finish_reason for e in s.episodes]
+    gen_tokens = dist.sum_int(int(local_lens.sum()))
+    lens = g(local_lens.to(exp.loss_mask.device))  # [N]
     rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     group_std = torch.nan_to_num(g(rewards), nan=0.0).std(dim=1)  # [P]
     all_scores, truncated = dist.gather_scores(scores), g(exp.truncated)
@@ -308,6 +401,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "rollout/repetition": dist.mean_over_ranks(repetition_rate(s.completion_ids)),
         **({"curriculum/few_shot_frac": s.few_shot_frac} if run.few_shot.k else {}),
         **epoch_metric(run.task, step * cfg.rollout.prompts_per_step),
+        **(episode_step_metrics(s.episodes) if s.episodes is not None else {}),
         **upd,
         "time/generate_s": sec["generate"],
         "time/reward_s": sec["reward"],
@@ -323,15 +417,17 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         samples.append(
             {
                 "step": step,
-                "prompt": s.rows[p]["prompt"],
+                "prompt": s.rows[p]["prompt"]
+                if s.episodes is None  # an episode's opening messages, after its reset
+                else s.episodes[p * G].messages[: s.episodes[p * G].num_prompt_messages],
                 # what the model saw: chat template, system prompt, few-shot turns applied
                 "prompt_rendered": run.models.tokenizer.decode(s.prompt_ids[p]),
                 "answer": s.rows[p].get("answer"),
-                "completions": rollout.completion_text[group],
+                "completions": completions[group],
                 "rewards": scores.total[group].tolist(),
                 **scores.sample_fields(group),  # rewards_by_fn, and log_extra columns
                 "advantages": exp.advantages[group].tolist() if per_completion else None,
-                "finish_reason": rollout.finish_reason[group],
+                "finish_reason": finish[group],
             }
         )
     shapes = {
@@ -340,6 +436,14 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "completion_len": exp.loss_mask.shape[1],
     }
     return StepResult(metrics, samples, shapes)
+
+
+def episode_step_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """``envs.episode_metrics`` over every rank's episodes (their counts, not their messages)."""
+    light = [
+        dataclasses.replace(e, env=None, messages=[], prompt_ids=[], logprobs=[]) for e in episodes
+    ]
+    return episode_metrics([e for part in dist.gather_objects(light) for e in part])
 
 
 # ----------------------------------------------------------------------------- the loop

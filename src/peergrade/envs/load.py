@@ -11,8 +11,9 @@ and returns a ``row -> environment`` factory:
   tools), combined with the ``tools`` functions through ``tools.tool_environment_factory``;
 - no ``env``: the ``tools`` alone.
 
-Everything is checked here, before a model loads. The command-line flags and the ``env:``
-config section that call this are not wired in yet (see docs/environments.md).
+Everything is checked here, before a model loads (the trainer calls this from ``env:`` /
+``--tools`` / ``--env`` first thing). The factory's ``environment_class`` attribute is the
+``env`` class (or None), for the trainer to see whether it gives a reward of its own.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def make_env_from_specs(
             )
         if not callable(getattr(cls, "reset", None)):
             raise InputError(f"--env {env!r}: {cls.__name__} has step but no reset method")
-        return lambda row: cls()
-    if cls is None and not fns:
+        make = lambda row: cls()  # noqa: E731
+    elif cls is None and not fns:
         raise InputError("an episode needs --env or at least one --tools function")
-    return tool_environment_factory(fns, cls, **options)
+    else:
+        make = tool_environment_factory(fns, cls, **options)
+    make.environment_class = cls
+    return make

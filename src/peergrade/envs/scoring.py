@@ -11,8 +11,12 @@
   instance, so ``get_reward`` and any state it kept are at hand);
 - every other dataset column, repeated for the episodes of its row.
 
-It does not score (``score_rewards`` does), add the environments' own step rewards to the total,
-or compute advantages.
+The environments' own rewards (``environment_rewards``: an ``environment_factory`` instance's
+``get_reward()``, sync or async, else a native environment's summed step rewards) reach the
+total as one more reward function, ``env_reward`` (the trainer adds it, named ``env``, when the
+environment class can give one), reading them from the ``env_reward`` column.
+
+It does not score (``score_rewards`` does) or compute advantages.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from peergrade.envs.protocol import maybe_await, run_sync
 from peergrade.envs.runner import Episode
 
 
@@ -48,3 +53,33 @@ def reward_inputs(
     columns["completion_ids"] = [list(e.completion_ids) for e in episodes]
     columns["environments"] = [environment_of(e) for e in episodes]
     return prompts, completions, columns
+
+
+def gives_reward(env_class: Any) -> bool:
+    """Whether environments of ``env_class`` give their own reward: a ``get_reward`` method
+    (TRL's environment_factory) or a ``step`` (a native environment, whose steps may)."""
+    return env_class is not None and any(
+        callable(getattr(env_class, m, None)) for m in ("get_reward", "step")
+    )
+
+
+def environment_rewards(episodes: Sequence[Episode]) -> list[float | None]:
+    """Each episode's own reward: its environment's ``get_reward()`` (awaited if async) when it
+    has one, else the sum of its step rewards (``None``: no reward for that episode)."""
+
+    async def one(e: Episode):
+        get = getattr(environment_of(e), "get_reward", None)
+        return await maybe_await(get()) if callable(get) else e.reward
+
+    async def all_of():
+        import asyncio
+
+        return await asyncio.gather(*(one(e) for e in episodes))
+
+    return [None if r is None else float(r) for r in run_sync(all_of())]
+
+
+def env_reward(completions, env_reward, **kwargs) -> list[float | None]:
+    """The reward function ``env``: the environments' own rewards (``environment_rewards``),
+    which the trainer passes as the ``env_reward`` column."""
+    return list(env_reward)
