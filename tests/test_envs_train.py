@@ -32,11 +32,11 @@ def undocumented(a: int) -> int:
     return a
 '''
 
-REWARD = '''
+REWARD = """
 def used_a_tool(completions, **kwargs):
     assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
     return [float(any(m["role"] == "tool" for m in c)) for c in completions]
-'''
+"""
 
 NATIVE_ENV = f'''
 class ToolFeedback:
@@ -87,6 +87,7 @@ SMALL = [
     "--train.eval_every", "0",
     "--train.save_every", "0",
     "--train.display", "none",
+    "--train.audit_rewards", "'off'",
 ]  # fmt: skip
 
 
@@ -96,7 +97,8 @@ SMALL = [
 def test_env_paths_resolve_like_other_config_paths(files, monkeypatch):
     monkeypatch.chdir(files)
     cfg = load_config(
-        None, [("env.tools", ["my_tools.py:multiply", "json:dumps"]), ("env.factory", "my_env.py:X")]
+        None,
+        [("env.tools", ["my_tools.py:multiply", "json:dumps"]), ("env.factory", "my_env.py:X")],
     )
     assert cfg.env.tools == [str(files / "my_tools.py") + ":multiply", "json:dumps"]
     assert cfg.env.factory == str(files / "my_env.py") + ":X"
@@ -114,7 +116,10 @@ def test_env_paths_resolve_like_other_config_paths(files, monkeypatch):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        ([("env.tools", ["t.py:f"]), ("algo.name", "ppo")], "algo.name=ppo does not train episodes"),
+        (
+            [("env.tools", ["t.py:f"]), ("algo.name", "ppo")],
+            "algo.name=ppo does not train episodes",
+        ),
         ([("env.tools", ["t.py:f"]), ("rollout.stop", ["x"])], "rollout.stop"),
         ([("env.max_turns", 0)], "env.max_turns must be >= 1"),
         ([("env.tool_timeout", 0)], "env.tool_timeout must be > 0"),
@@ -140,24 +145,48 @@ def test_bad_tools_exit_2_before_the_model_loads(files, monkeypatch, capsys, fla
     """The model directory does not exist: an error about the tool (not the model) proves the
     tools were checked first."""
     monkeypatch.chdir(files)
-    rc = main(["train", "--model", "no_such_model", "--data", "data.jsonl", *flags, *SMALL])
+    rc = main(
+        [
+            "train",
+            "--model",
+            "no_such_model",
+            "--data",
+            "data.jsonl",
+            "--steps",
+            "1",
+            *flags,
+            *SMALL,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.startswith("error:") and err.count("\n") == 1, err
     assert expected in err and "no_such_model" not in err, err
 
 
-def test_template_without_tool_turns_exits_2_before_the_policy_loads(
-    files, monkeypatch, capsys, tiny_model_dir
-):
-    """The plain tiny model's template renders no tool turns: named, exit 2."""
+DROPS_TOOL_TEXT = (
+    "{% for m in messages %}{% if m['role'] != 'tool' %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.slow
+def test_template_without_tool_turns_exits_2_before_the_policy_loads(files, monkeypatch, capsys):
+    """A template that drops tool messages is named, exit 2; the directory has no weights, so
+    reaching the policy's loading would have been another error."""
+    tok = build_char_tokenizer(chat_template=DROPS_TOOL_TEXT)
+    model, _ = build_tiny_model("qwen2", tok, seed=0)
+    (files / "no_weights").mkdir()
+    tok.save_pretrained(files / "no_weights")
+    model.config.save_pretrained(files / "no_weights")
     monkeypatch.chdir(files)
     rc = main(
-        ["train", "--model", str(tiny_model_dir), "--data", "data.jsonl"]
+        ["train", "--model", "no_weights", "--data", "data.jsonl", "--steps", "1"]
         + ["--tools", "my_tools.py:multiply", *SMALL]
     )
     err = capsys.readouterr().err
-    assert rc == 2 and "chat template" in err, err
+    assert rc == 2 and "chat template" in err and "tool" in err, err
 
 
 # ---------------------------------------------------------------- the experience of episodes
@@ -169,11 +198,21 @@ class Steered(torch.nn.Module):
 
     def __init__(self, inner, eos_id, every):
         super().__init__()
-        self.inner, self.config, self.generation_config = inner, inner.config, inner.generation_config
+        self.inner, self.config, self.generation_config = (
+            inner,
+            inner.config,
+            inner.generation_config,
+        )
         self.eos_id, self.every = eos_id, every
 
-    def forward(self, input_ids, position_ids=None, **kw):
-        out = self.inner(input_ids=input_ids, position_ids=position_ids, **kw)
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+        logits_to_keep=0,
+    ):  # fmt: skip
+        out = self.inner(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep,
+        )  # fmt: skip
         pos = position_ids[:, -out.logits.shape[1] :]
         out.logits[..., self.eos_id] += 1e4 * ((pos + 1) % self.every == 0).to(out.logits.dtype)
         return out
@@ -196,6 +235,7 @@ def test_collected_experience_masks_environment_tokens(files, monkeypatch):
             ("rollout.prompts_per_step", 2),
             ("rollout.max_completion_length", 200),
             ("algo.beta", 0.0),
+            ("train.audit_rewards", "off"),
         ],
     )
     run = trainer.setup(cfg, Given(policy=policy, tokenizer=tok))
