@@ -14,8 +14,10 @@
 - ``scoring``: ``reward_inputs``, TRL's reward-function arguments for episodes (completions as
   message lists, ``environments``).
 
-What this package does not do (yet): wire episodes into the trainer (advantages, the update,
-config and CLI), verifiers environments, or sandboxed code tools. See docs/environments.md.
+The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``,
+samples with ``run_episodes`` and trains on ``episodes_batch``; this package knows nothing of
+the trainer. Not done here: verifiers environments and sandboxed code tools. See
+docs/environments.md.
 """
 
 from peergrade.envs.load import make_env_from_specs
