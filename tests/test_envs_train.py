@@ -39,6 +39,30 @@ def used_a_tool(completions, **kwargs):
 """
 
 NATIVE_ENV = f'''
+class Counter:
+    """TRL's environment_factory: reset(**row), a tool method, an async get_reward."""
+
+    def reset(self, **row):
+        self.count = 0
+        self.answer = row["answer"]
+
+    def bump(self, by: int) -> str:
+        """Add to the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return str(self.count)
+
+    async def get_reward(self):
+        return 2.0 if self.answer in ("12", "30") else 0.0
+
+
+def saw_environments(completions, environments, **kwargs):
+    return [float(type(e).__name__ == "Counter") for e in environments]
+
+
 class ToolFeedback:
     """Answers every model turn with a tool message until the third turn."""
 
@@ -272,6 +296,35 @@ def test_collected_experience_masks_environment_tokens(files, monkeypatch):
     assert m["rollout/len_mean"] == sum(e.num_sampled_tokens for e in eps) / 4
     assert m["episode/len_mean"] > m["rollout/len_mean"]
     assert all(isinstance(c, list) for s in result.samples for c in s["completions"])
+
+
+def test_environment_factory_reward_and_instances_reach_the_score(files, monkeypatch):
+    """TRL's contract: ``get_reward()`` (async here) is the reward 'env', and reward functions
+    get the user's instances in ``environments``."""
+    from peergrade import trainer
+
+    monkeypatch.chdir(files)
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    inner, _ = build_tiny_model("qwen2", tok, seed=0, max_position_embeddings=2048)
+    cfg = load_config(
+        None,
+        [
+            ("data.path", "data.jsonl"),
+            ("env.factory", "my_env.py:Counter"),
+            ("rewards", [{"name": "my_env.py:saw_environments"}]),
+            ("rollout.group_size", 2),
+            ("rollout.prompts_per_step", 2),
+            ("rollout.max_completion_length", 60),
+            ("algo.beta", 0.0),
+            ("train.audit_rewards", "off"),
+        ],
+    )
+    run = trainer.setup(cfg, Given(policy=Steered(inner, tok.eos_token_id, 6), tokenizer=tok))
+    rows = [{"prompt": "3*4?", "answer": "12"}, {"prompt": "1*1?", "answer": "1"}]
+    exp = trainer.collect(run, 1, rows)
+    assert exp.sampled.scores.per_fn["env"].tolist() == [2.0, 2.0, 0.0, 0.0]
+    assert exp.sampled.scores.per_fn["saw_environments"].tolist() == [1.0] * 4
+    assert exp.rewards.tolist() == [3.0, 3.0, 1.0, 1.0]
 
 
 # ---------------------------------------------------------------- end to end
