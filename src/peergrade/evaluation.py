@@ -98,17 +98,21 @@ def held_out_scorer(
     return spec, why
 
 
-def check_reward_columns(task, specs: list[RewardSpec], scorer: RewardSpec | None = None) -> None:
+def check_reward_columns(
+    task, specs: list[RewardSpec], scorer: RewardSpec | None = None, provided=()
+) -> None:
     """Before the model loads: every column a reward requires (``rewards.required_columns``)
     exists in the task's rows (a dataset file: non-null in every row, named by row).
-    ``scorer``, the held-out scorer when it is not one of ``specs``, is named as such."""
+    ``scorer``, the held-out scorer when it is not one of ``specs``, is named as such;
+    ``provided``: columns the trainer passes itself (episodes' ``environments``)."""
     needed: dict[str, list[str]] = {}
     labelled = [(s, s.name) for s in specs]
     if scorer is not None:
         labelled.append((scorer, f"{scorer.name}, the held-out scorer (train.eval_reward)"))
     for spec, label in labelled:
         for column in required_columns(spec):
-            needed.setdefault(column, []).append(label)
+            if column not in provided:
+                needed.setdefault(column, []).append(label)
     if needed:
         with user_input("data"):
             task.check_columns(needed)

@@ -65,7 +65,7 @@ from peergrade.components import (  # importable from here too: Given, setup_mod
 from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
 from peergrade.envs import Episode, episode_metrics, episodes_batch, reward_inputs, run_episodes
-from peergrade.envs.scoring import env_reward, environment_rewards
+from peergrade.envs.scoring import EPISODE_COLUMNS, env_reward, environment_rewards
 from peergrade.evaluation import (
     HeldOut,
     check_reward_columns,
@@ -135,7 +135,9 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     acc, why = held_out_scorer(task, rewards, t.eval_reward)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
     # a column a reward cannot score without, checked in every row before the model loads
-    check_reward_columns(task, rewards, None if in_mix else acc)
+    check_reward_columns(
+        task, rewards, None if in_mix else acc, EPISODE_COLUMNS if make_env else ()
+    )
     rewards += env_reward_spec(make_env)  # the environments' own reward: episodes give its column
     if make_env is None:  # its exploits are single replies: episodes are not audited (yet)
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model

@@ -27,6 +27,9 @@ from typing import Any
 from peergrade.envs.protocol import maybe_await, run_sync
 from peergrade.envs.runner import Episode
 
+#: the columns ``reward_inputs`` adds to the dataset's (a reward may require them)
+EPISODE_COLUMNS = ("completion_ids", "environments")
+
 
 def environment_of(episode: Episode) -> Any:
     """The object a reward function gets in ``environments``: the user's instance behind the
