@@ -36,7 +36,7 @@ from peergrade.reward_models import reward_or_model
 from peergrade.rewards import RewardSpec, make_reward_specs
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
-from peergrade.tasks.prompts import chat_template_note, encode_prompts
+from peergrade.tasks.prompts import chat_template_note, encode_prompts, to_messages
 from peergrade.update import Models
 
 __all__ = [
@@ -142,21 +142,11 @@ def check_env_template(cfg: Config, tokenizer=None) -> None:
 
 
 def episode_rows(cfg: Config, task, rows: list[dict]) -> list[dict]:
-    """The rows an episode starts from: a text prompt becomes chat messages with the system
-    prompt first (what ``encode_rows`` renders for a single reply), a message list stays as it
-    is."""
+    """The rows an episode starts from: the prompt as chat messages with the system prompt
+    first (``data.system_prompt`` or the task's), as ``encode_rows`` renders a single reply's."""
     system = cfg.data.system_prompt or task.system_prompt
-    out = []
-    for row in rows:
-        prompt = row.get("prompt")
-        if isinstance(prompt, str):
-            msgs = [{"role": "user", "content": prompt}]
-            row = {
-                **row,
-                "prompt": ([{"role": "system", "content": system}] if system else []) + msgs,
-            }
-        out.append(row)
-    return out
+    with user_input("data"):
+        return [{**row, "prompt": to_messages(row.get("prompt"), system)} for row in rows]
 
 
 def build_few_shot(cfg: Config, task) -> FewShot:
