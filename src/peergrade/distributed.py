@@ -9,10 +9,13 @@ What it does
   collective timeout ``dist.timeout_s``. Without torchrun it does nothing, and every helper
   below is the identity: a single process runs exactly the code it ran before.
 * Layout: the P prompts of a step are cut into ``world`` consecutive blocks of P/world whole
-  prompts (``shard_rows``); rank r samples the G completions of block r, so a group never
+  prompts (``shard_range``); rank r samples the G completions of block r, so a group never
   spans ranks. Rank r's completions are rows [r*N/W, (r+1)*N/W) of the global batch of N.
-  Rank 0 samples with the single-process seed, rank r > 0 with a seed derived from it and r
-  (``rank_seed``), so ranks never duplicate work and a world of one is the plain run.
+  Sampling needs no per-rank seed: a completion's draws are keyed by the prompt's global index
+  in the step (``shard_range``), so N ranks sample the tokens one process samples
+  (``rollout.generate``'s ``row_keys``). The global ``random``/numpy generators that reward
+  functions may use still get a stream per rank (``rank_seed``): reward functions see a batch,
+  not one completion, so their draws cannot be keyed per completion from outside.
 * Reductions: ``gather_rows`` (per-completion vectors: rewards, lengths, token counts; tiny)
   lets batch statistics and metrics be computed by the same formulas as in one process;
   ``all_true`` makes the zero-signal skip one decision; ``merge_sums`` sums the metric sums and
@@ -64,7 +67,7 @@ __all__ = [
     "parallel",
     "strategy",
     "barrier",
-    "shard_rows",
+    "shard_range",
     "rank_seed",
     "gather_rows",
     "local_rows",
@@ -173,18 +176,17 @@ def barrier() -> None:
 # ----------------------------------------------------------------------------- the layout
 
 
-def shard_rows(rows: list) -> list:
-    """This rank's block of the step's P prompts (P / world consecutive whole prompts)."""
+def shard_range(num_rows: int) -> range:
+    """The global indices of this rank's block of ``num_rows`` prompts (P / world consecutive
+    whole prompts); ``range(num_rows)`` in one process."""
     W = world()
-    if W == 1:
-        return rows
-    if len(rows) % W:
+    if num_rows % W:
         raise InputError(
-            f"{len(rows)} prompts cannot be split into whole groups over {W} ranks "
+            f"{num_rows} prompts cannot be split into whole groups over {W} ranks "
             f"(rollout.prompts_per_step must be a multiple of the world size)"
         )
-    k = len(rows) // W
-    return rows[rank() * k : (rank() + 1) * k]
+    k = num_rows // W
+    return range(rank() * k, (rank() + 1) * k)
 
 
 def rank_seed(seed: int) -> int:

@@ -33,11 +33,14 @@ Sampling (one uniform number per sequence per step, inverse-CDF):
   drawn from the renormalised kept set by inverse CDF with a uniform ``u[i, t]``.
 - ``temperature == 0``: greedy, ``argmax(logits)`` (first index on ties, as ``torch.argmax`` and
   ``model.generate(do_sample=False)``).
-- The uniforms ``u[i, t]`` for sequence ``i`` (global index) and step ``t`` are drawn up front from
-  a ``torch.Generator`` seeded with ``seed``: results are deterministic for a fixed seed and do
-  not depend on ``batch_size`` (micro-batching) or on when finished rows leave the batch, up to
-  float rounding differences of the forward pass at different batch sizes (a token flips only if
-  ``u`` falls within ~1e-6 of a CDF boundary).
+- The uniform ``u[i, t]`` of sequence ``i`` at decoding position ``t`` is a counter-based hash
+  (splitmix64, in int64 tensor ops) of ``(seed, row_keys[i // n], i % n, t)``: the seed, the
+  prompt's key (its id, e.g. its global index in the training step), the sample index within the
+  prompt's group and the position. Nothing else enters: a completion draws the same uniforms
+  whatever ``batch_size``, whichever other prompts share the call, in whatever order, on
+  whichever process, and whenever finished rows leave the batch. Its tokens are then the same
+  up to float rounding differences of the forward pass at different batch shapes (a token flips
+  only if ``u`` falls within ~1e-6 of a CDF boundary; see docs/sampling.md for the measured rate).
 
 **Reported log-probs** are ``log softmax(logits / temperature)[token]`` over the *full* tempered
 vocabulary distribution, i.e. before top-k/top-p truncation (what vLLM and TRL report, and what a
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -235,6 +239,55 @@ def _slab_cache(num_layers: int, capacity: int, grow: bool = False):
 # --------------------------------------------------------------------------------------------
 
 
+def _signed64(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no full uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)  # splitmix64's increment, 2^64 / golden ratio
+_MUL1 = _signed64(0xBF58476D1CE4E5B9)
+_MUL2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic: it copies the sign)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors; products wrap mod 2^64 as the uint64 original's."""
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def _draw(state: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """Output number ``counter`` (>= 0) of the splitmix64 stream whose state is ``state``."""
+    return _mix64(state + (counter + 1) * _GOLDEN)
+
+
+def _row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
+    """The stream state of every sequence: prompt ``row_keys[i // n]``, sample ``i % n``.
+
+    seed: any int (its low 64 bits count); row_keys: [R] int64 >= 0. Returns [R * n] int64.
+    Each level (seed -> prompt -> sample) is one draw of its parent's stream, so two sequences
+    share a state only if their (seed, key, sample) do (up to 64-bit hash collisions).
+    """
+    dev = row_keys.device
+    root = _mix64(torch.tensor(_signed64(seed & (2**64 - 1)), dtype=torch.long, device=dev))
+    prompt = _draw(root, row_keys)  # [R]
+    sample = torch.arange(n, dtype=torch.long, device=dev)  # [n]
+    return _draw(prompt[:, None], sample[None, :]).reshape(-1)  # [R * n]
+
+
+def _uniforms(states: torch.Tensor, steps: int) -> torch.Tensor:
+    """u[i, t] in [0, 1) for sequence state ``states[i]`` and position ``t < steps``: the top 24
+    bits of draw ``t`` (every float32 multiple of 2^-24, as ``torch.rand`` gives). [B] -> [B, T]."""
+    t = torch.arange(steps, dtype=torch.long, device=states.device)
+    bits = _shr(_draw(states[:, None], t[None, :]), 40)  # [B, T] in [0, 2^24)
+    return bits.to(torch.float32) * (1.0 / (1 << 24))
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index j with cdf[j-1] <= u * total < cdf[j] per row; never a zero-probability entry.
 
@@ -335,6 +388,38 @@ def _encode_prompts(tokenizer, prompts, vocab_size: int | None) -> list[list[int
     return out
 
 
+def _check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
+    """``row_keys`` as a [num_prompts] int64 tensor (default 0..num_prompts-1), checked."""
+    if row_keys is None:
+        return torch.arange(num_prompts, dtype=torch.long)
+    if isinstance(row_keys, torch.Tensor):
+        if row_keys.dim() != 1 or row_keys.dtype.is_floating_point or row_keys.is_complex():
+            raise ValueError(
+                "generate(): row_keys must be a 1-D integer tensor or a list of ints, "
+                f"got a {row_keys.dtype} tensor of shape {tuple(row_keys.shape)}"
+            )
+        keys = [int(k) for k in row_keys.tolist()]
+    else:
+        keys = list(row_keys)
+        if any(isinstance(k, bool) or not isinstance(k, int) for k in keys):
+            raise ValueError(f"generate(): row_keys must be ints, got {row_keys!r}")
+    if len(keys) != num_prompts:
+        raise ValueError(
+            f"generate(): row_keys has {len(keys)} keys for {num_prompts} prompts; "
+            "expected one key per prompt"
+        )
+    bad = [k for k in keys if not 0 <= k < 2**63]
+    if bad:
+        raise ValueError(f"generate(): row_keys must be in [0, 2**63), got {bad[0]}")
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(
+            f"generate(): row_keys must be distinct (key {dup} repeats): prompts with one key "
+            "would draw the same random numbers"
+        )
+    return torch.tensor(keys, dtype=torch.long)
+
+
 def _model_config(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
@@ -385,6 +470,7 @@ def generate(
     top_k: int = 0,
     stop: Sequence[str] | str = (),
     seed: int | None = None,
+    row_keys: Sequence[int] | torch.Tensor | None = None,
     batch_size: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
@@ -403,7 +489,12 @@ def generate(
         top_p: in (0, 1]; 1 = off. top_k: >= 0; 0 = off.
         stop: stop strings (a single string is one stop string); the completion ends at the first
             occurrence, stop string included.
-        seed: seed of the sampling generator; None draws one from torch's global RNG.
+        seed: the seed of every draw (a training step folds its step number into it); None
+            draws one from torch's global RNG.
+        row_keys: one distinct int >= 0 per prompt naming it within the seed's scope (the
+            trainer passes the prompt's global index in its step, so a rank passes its shard's
+            global offsets); a completion's draws depend only on (seed, its prompt's key, its
+            sample index, position). Default ``range(len(prompts))``.
         batch_size: sequences generated at once (bounds memory); None = all N at once.
         eos_token_ids: tokens that end a sequence; default: the tokenizer's eos plus the model's
             ``generation_config.eos_token_id``.
@@ -475,9 +566,11 @@ def generate(
     num_seq = len(prompt_ids) * n
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
-    uniforms = torch.rand((num_seq, max_new_tokens), generator=gen, device=device)  # [N, T]
+    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"generate(): seed must be an int or None, got {seed!r}")
+    seed = int(seed)
+    keys = _check_row_keys(row_keys, len(prompt_ids))
+    states = _row_states(seed, keys.to(device), n)  # [N]
 
     attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
     fast = slab_cache_ok(cfg)
@@ -510,7 +603,7 @@ def generate(
     try:
         with torch.no_grad():
             parts = [
-                runner.run(prompt_ids, uniforms, start, min(start + step, num_seq))
+                runner.run(prompt_ids, states, start, min(start + step, num_seq))
                 for start in range(0, num_seq, step)
             ]
     finally:
@@ -578,7 +671,7 @@ class _Runner:
         out = self.model(**kwargs)
         return out.logits[:, -1, :].float()  # [B, V]
 
-    def run(self, prompt_ids, uniforms, start: int, end: int) -> dict:
+    def run(self, prompt_ids, states, start: int, end: int) -> dict:
         dev, n, T = self.device, self.n, self.max_new_tokens
         b = end - start
         # Unique prompts of this micro-batch and how many of its sequences answer each.
@@ -635,7 +728,7 @@ class _Runner:
         finished_at = torch.full((b,), T, dtype=torch.long, device=dev)  # T = not finished
         reason = ["length"] * b
         rows = torch.arange(b, device=dev)  # local index of each running row
-        u_local = uniforms[start:end]  # [b, T]
+        u_local = _uniforms(states[start:end], T)  # [b, T]
         hist: list[list[int]] | None = [[] for _ in range(b)] if self.stop else None
         stop_window = (max(len(s) for s in self.stop) + 8) if self.stop else 0
 

@@ -15,9 +15,10 @@ GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRP
 ``ppo.PPO``). docs/architecture.md draws the data flow and the Experience's fields.
 
 Exact resume: everything random is derived from (seed, step) (``peergrade.seeds``) -- the
-prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, the sampling seed of
-step s is a function of (seed, step), minibatch shuffles and the global random/numpy generators
-that reward functions may use likewise -- so a run resumed from
+prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, every sampling draw
+is a function of (seed, step, the prompt's index in the step, the sample's index in its group),
+minibatch shuffles and the global random/numpy generators that reward functions may use are
+functions of (seed, step) -- so a run resumed from
 ``checkpoints/step-s`` (model, optimizer, scheduler, RNG states) produces the same metrics and
 weights as one never stopped.
 
@@ -175,8 +176,10 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
 REWARD_RNG_SALT = 1000  # peergrade.seeds: the stream of the global random/numpy generators
 
 
-def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
-    """G completions for each prompt with the configured sampling settings, seeded by step."""
+def sample(run: Run, prompt_ids: list[list[int]], step: int, row_keys: range) -> Rollout:
+    """G completions for each prompt with the configured sampling settings. Every draw is keyed
+    by (train.seed, step, the prompt's global index in the step ``row_keys``, sample index), so
+    1 or N ranks and any generation_batch_size sample the same tokens."""
     r = run.cfg.rollout
     with dist.full_weights(run.models.policy) as policy:  # FSDP2: unshard for sampling
         return generate(
@@ -189,7 +192,8 @@ def sample(run: Run, prompt_ids: list[list[int]], step: int) -> Rollout:
             top_p=r.top_p,
             top_k=r.top_k,
             stop=r.stop,
-            seed=dist.rank_seed(step_seed(run.cfg.train.seed, step)),
+            seed=step_seed(run.cfg.train.seed, step),
+            row_keys=row_keys,
             batch_size=r.generation_batch_size,
         )
 
@@ -283,12 +287,14 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
     advantages. ``meter`` brackets the generate / rewards / reference phases."""
     cfg, models = run.cfg, run.models
     # Python's random and numpy's global generator, which reward functions may use (a stream
-    # per rank under torchrun; rank 0's is the single-process one)
+    # per rank under torchrun, rank 0's the single-process one: a reward function scores a
+    # batch, so its draws cannot be keyed per completion as the sampler's are)
     ckpt.seed_step_rngs(dist.rank_seed(step_seed(cfg.train.seed, step, salt=REWARD_RNG_SALT)))
     device = models.device
     t_start = time.perf_counter()
     rows, few_shot_frac = run.few_shot.apply(rows, step)
-    rows = dist.shard_rows(rows)  # under torchrun: this rank's P / world whole prompts
+    keys = dist.shard_range(len(rows))  # the global indices of this rank's P / world prompts
+    rows = rows[keys.start : keys.stop]
     episodes = rollout = None
     if run.make_env is None:
         prompt_ids = run.encode(rows)
@@ -298,7 +304,7 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
     meter.reset()  # 1. sample G completions (or episodes) per prompt
     with autocast(cfg, device, models.policy):  # model.autocast: bf16 rollouts where it pays
         if run.make_env is None:
-            rollout = sample(run, prompt_ids, step)
+            rollout = sample(run, prompt_ids, step, keys)
         else:
             episodes = sample_episodes(run, rows, step)
     meter.record("generate")
