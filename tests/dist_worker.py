@@ -3,14 +3,18 @@ spec, in one plain process or under torchrun (the same script either way).
 
 With ``"fixed_rollouts": true`` the sampler is replaced by one that samples each prompt on its
 own, seeded by (train.seed, step, the prompt's GLOBAL index), so 1 x P and N x P/N draw the same
-completions: the test hook the equivalence tests need (the real sampler seeds per rank).
+completions whatever the forward's float rounding at different batch shapes does to the real
+sampler. With ``"record": DIR`` the real sampler runs and each rank appends every completion
+it sampled to ``DIR/<run name>.rank<r>.jsonl`` (step, prompt key, sample index, tokens).
 Not collected by pytest (no test_ prefix); run as ``python tests/dist_worker.py SPEC.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -40,12 +44,11 @@ def concat(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
-def per_prompt_sample(run, prompt_ids, step):
+def per_prompt_sample(run, prompt_ids, step, row_keys):
     r = run.cfg.rollout
-    first = dist.rank() * len(prompt_ids)  # this rank's first prompt in the step's P
     parts = []
     with dist.full_weights(run.models.policy) as policy:
-        for i, ids in enumerate(prompt_ids):
+        for key, ids in zip(row_keys, prompt_ids):
             parts.append(
                 generate(
                     policy,
@@ -55,18 +58,38 @@ def per_prompt_sample(run, prompt_ids, step):
                     max_new_tokens=r.max_completion_length,
                     temperature=r.temperature,
                     stop=r.stop,
-                    seed=step_seed(run.cfg.train.seed, step, salt=1000 + first + i),
+                    seed=step_seed(run.cfg.train.seed, step, salt=1000 + key),
                 )
             )
     return concat(parts, run.models.tokenizer.pad_token_id)
 
 
+def recording(sample, path: Path):
+    """``sample`` that also appends each completion it returns to ``path`` as a JSON line."""
+
+    def wrapped(run, prompt_ids, step, row_keys):
+        rollout = sample(run, prompt_ids, step, row_keys)
+        n = run.cfg.rollout.group_size
+        with path.open("a", encoding="utf-8") as f:
+            for i, tokens in enumerate(rollout.completion_id_lists()):
+                rec = {"step": step, "key": row_keys[i // n], "sample": i % n, "tokens": tokens}
+                f.write(json.dumps(rec) + "\n")
+        return rollout
+
+    return wrapped
+
+
 def main(spec_path: str) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
+    real_sample = trainer.sample
     if spec.get("fixed_rollouts"):
-        trainer.sample = per_prompt_sample
+        real_sample = trainer.sample = per_prompt_sample
     for run in spec["runs"]:
+        if spec.get("record"):
+            # the process group starts inside train(): torchrun's RANK names the rank now
+            name = f"{Path(run['dir']).name}.rank{os.environ.get('RANK', '0')}.jsonl"
+            trainer.sample = recording(real_sample, Path(spec["record"]) / name)
         cfg = load_config(run.get("config"), [tuple(kv) for kv in run["overrides"]])
         trainer.train(cfg, run["dir"], resume=run.get("resume", False))
     dist.shutdown()

@@ -296,7 +296,7 @@ def ppo_update(
         metrics.add("loss/value", vl.item() * share, w)
         for k, val in {**m, **vm}.items():
             metrics.add(k, float(val) * (share if k.startswith("loss/") else 1.0), w)
-        metrics.add_entropy(ent, cm, w)
+        metrics.add_entropy(ent, cm)
         return pl + a.vf_coef * vl
 
     policy_params = [p for p in models.policy.parameters() if p.requires_grad]

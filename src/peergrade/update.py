@@ -189,6 +189,12 @@ def ref_logprobs(models: Models, batch, cfg) -> torch.Tensor | None:
         ref.to(home)
 
 
+# algo.policy_loss's metrics that are token means of one micro-batch: weighted by its token
+# count, their mean is the token mean of the whole update however rows are grouped into
+# micro-batches or ranks (a weight per row would make 1 x P and N x P/N disagree).
+TOKEN_MEANS = frozenset({"clip/low_frac", "clip/high_frac", "clip/frac", "ratio/mean", "kl/mean"})
+
+
 class MeanMetrics:
     """Weighted means of the scalar metrics of one update call."""
 
@@ -200,11 +206,12 @@ class MeanMetrics:
         self.sums[key] = self.sums.get(key, 0.0) + value * w
         self.counts[key] = self.counts.get(key, 0) + w
 
-    def add_entropy(self, ent: torch.Tensor, cmask: torch.Tensor, w: int) -> None:
-        """``entropy/mean``: the token mean of one micro-batch's entropies, weight ``w``."""
-        n_tok = cmask.sum().item()
+    def add_entropy(self, ent: torch.Tensor, cmask: torch.Tensor) -> None:
+        """``entropy/mean``: the token mean over every micro-batch (and rank), so that how rows
+        are grouped into micro-batches or ranks does not change it."""
+        n_tok = int(cmask.sum().item())
         if n_tok > 0:
-            self.add("entropy/mean", (ent.detach() * cmask).sum().item() / n_tok, w)
+            self.add("entropy/mean", (ent.detach() * cmask).sum().item() / n_tok, n_tok)
 
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
@@ -527,9 +534,11 @@ def grpo_update(
                 metrics.add(k, float(v) * scale, stands_for)
             elif k == "advantage/mean":
                 metrics.add(k, float(v), stands_for)
+            elif k in TOKEN_MEANS:
+                metrics.add(k, float(v), int(cm.sum().item()))
             else:
                 metrics.add(k, float(v), len(keep))
-        metrics.add_entropy(ent, cm, len(keep))
+        metrics.add_entropy(ent, cm)
         return loss
 
     params = [p for p in models.policy.parameters() if p.requires_grad]
