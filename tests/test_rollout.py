@@ -378,6 +378,143 @@ def test_micro_batching_matches_one_batch(peaky_qwen2, batch_size):
     assert part.completion_text == full.completion_text
 
 
+# ------------------------------------------------------------------------------------------
+# keyed randomness: a completion's draws depend on (seed, prompt key, sample index, position)
+# ------------------------------------------------------------------------------------------
+
+MORE = PROMPTS + ["Count: 1, 2,", "zz top", "The answer is"]
+SAMPLING = dict(max_new_tokens=12, seed=17, temperature=0.9, top_p=0.95, top_k=20)
+
+
+def _by_key(r: Rollout, keys, n: int) -> dict:
+    """(prompt key, sample index) -> (tokens, mask, finish reason, text, log-probs)."""
+    out = {}
+    for i in range(r.completion_ids.shape[0]):
+        L = int(r.completion_mask[i].sum())
+        out[(keys[i // n], i % n)] = (
+            r.completion_ids[i, :L].tolist(),
+            r.finish_reason[i],
+            r.completion_text[i],
+            r.logprobs[i, :L],
+        )
+    return out
+
+
+def _assert_same_completions(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k][:3] == b[k][:3], k  # tokens (so also lengths), finish reason, text
+        torch.testing.assert_close(a[k][3], b[k][3], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fixture", ["peaky_qwen2", "tiny_llama"])
+def test_same_tokens_for_any_batch_size_order_and_group_size(request, fixture):
+    """generation batch size 1, 3 and all at once, the prompts shuffled (keys travelling with
+    them) and a larger group all give every (prompt, sample) the same completion."""
+    model, tok = request.getfixturevalue(fixture)
+    keys = list(range(len(MORE)))
+    ref = _by_key(generate(model, tok, MORE, n=3, **SAMPLING), keys, 3)
+    # power: the draws differ between the samples of a prompt and between prompts
+    assert len({tuple(c[0]) for c in ref.values()}) > len(ref) // 2
+    for bs in (1, 3):
+        r = generate(model, tok, MORE, n=3, batch_size=bs, **SAMPLING)
+        _assert_same_completions(_by_key(r, keys, 3), ref)
+    perm = [4, 0, 6, 2, 5, 1, 3]
+    r = generate(model, tok, [MORE[i] for i in perm], n=3, row_keys=perm, batch_size=4, **SAMPLING)
+    _assert_same_completions(_by_key(r, perm, 3), ref)
+    # a group of 5: its first 3 samples are the group of 3's
+    r5 = _by_key(generate(model, tok, MORE, n=5, **SAMPLING), keys, 5)
+    _assert_same_completions({k: v for k, v in r5.items() if k[1] < 3}, ref)
+
+
+def test_rank_shards_with_global_keys_equal_one_process(peaky_qwen2):
+    """Two simulated ranks, each generating its half of the prompts with their global indices
+    as keys, sample exactly what one process samples for all of them."""
+    model, tok = peaky_qwen2
+    prompts = MORE[:6]
+    full = generate(model, tok, prompts, n=4, **SAMPLING)
+    halves = [
+        generate(model, tok, prompts[lo : lo + 3], n=4, row_keys=range(lo, lo + 3), **SAMPLING)
+        for lo in (0, 3)
+    ]
+    whole = _by_key(full, range(6), 4)
+    _assert_same_completions(
+        {**_by_key(halves[0], range(0, 3), 4), **_by_key(halves[1], range(3, 6), 4)}, whole
+    )
+    # the keys are what makes this work: rank 1 without its offsets samples something else
+    local = _by_key(generate(model, tok, prompts[3:], n=4, **SAMPLING), range(3, 6), 4)
+    assert any(local[k][0] != whole[k][0] for k in local)
+
+
+def test_keyed_uniforms_are_splitmix64():
+    """The int64 tensor hash equals a pure-Python uint64 splitmix64 (wrap-around products,
+    logical shifts), for keys and seeds with the top bit set too."""
+    from peergrade.rollout import _row_states, _uniforms
+
+    mask, golden = 2**64 - 1, 0x9E3779B97F4A7C15
+
+    def mix(z):
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+        return z ^ (z >> 31)
+
+    def draw(state, counter):
+        return mix((state + (counter + 1) * golden) & mask)
+
+    keys = [0, 1, 7, 2**40 + 3, 2**63 - 1]
+    for seed in (0, 12345, 2**63 + 5, -3):
+        root = mix(seed & mask)
+        want = [
+            [draw(draw(draw(root, key), j), t) >> 40 for t in range(5)]
+            for key in keys
+            for j in range(3)
+        ]
+        u = _uniforms(_row_states(seed, torch.tensor(keys), 3), 5)  # [15, 5]
+        assert torch.equal((u * 2**24).long(), torch.tensor(want))
+
+
+def _processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The sampling distribution after temperature, top-k and top-p, by a plain loop."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = sorted(range(len(p)), key=lambda i: -float(p[i]))[:top_k]
+    mass = sum(float(p[i]) for i in order)
+    out, acc = torch.zeros_like(p), 0.0
+    for i in order:
+        if acc >= top_p * mass:
+            break
+        out[i] = p[i]
+        acc += float(p[i])
+    return out / out.sum()
+
+
+def test_keyed_draws_follow_the_processed_distribution():
+    """20,000 draws along each key axis (positions of one sequence, samples of one prompt,
+    prompt keys) from a fixed 8-token distribution at temperature 0.8, top-k 6, top-p 0.9:
+    chi-square fits the processed probabilities, rejects the unprocessed ones, and successive
+    positions / samples are independent (a 4 x 4 grid of consecutive pairs is uniform)."""
+    from peergrade.rollout import _row_states, _sample, _uniforms
+
+    logits = torch.tensor([2.0, 1.2, 1.0, 0.3, 0.0, -0.5, -2.0, -4.0])
+    temperature, top_k, top_p, n = 0.8, 6, 0.9, 20000
+    probs = _processed_probs(logits, temperature, top_k, top_p)
+    kept = probs > 0
+    assert 2 < int(kept.sum()) < top_k  # top-p really cuts inside the top-k
+    axes = {
+        "positions": _uniforms(_row_states(3, torch.tensor([5]), 1), n)[0],
+        "samples": _uniforms(_row_states(3, torch.tensor([5]), n), 1)[:, 0],
+        "keys": _uniforms(_row_states(3, torch.arange(n), 1), 1)[:, 0],
+    }
+    for axis, u in axes.items():
+        tokens, _ = _sample(logits.expand(n, -1), u, temperature, top_p, top_k)
+        counts = torch.bincount(tokens, minlength=len(logits))
+        assert counts[~kept].sum() == 0, axis
+        assert _chi2_pvalue(counts[kept], probs[kept]) > 1e-3, axis
+        plain = torch.softmax(logits / temperature, -1)  # power: no truncation
+        assert _chi2_pvalue(counts, plain) < 1e-6, axis
+        cells = (u[:-1] * 4).long() * 4 + (u[1:] * 4).long()  # consecutive pairs, 16 cells
+        assert _chi2_pvalue(torch.bincount(cells, minlength=16), torch.ones(16)) > 1e-3, axis
+
+
 def test_check_every_does_not_change_results(peaky_qwen2):
     model, tok = peaky_qwen2
     # Many "EOS" tokens, so rows end early and keep sampling EOS again until the next host check:
@@ -456,6 +593,12 @@ def test_peft_model(char_tokenizer):
         (dict(batch_size=0), "batch_size"),
         (dict(prompts=["x" * 500], max_new_tokens=20), r"prompts\[0\] has 500 tokens.*512"),
         (dict(prompts=["x" * 513]), r"max_position_embeddings=512"),
+        (dict(seed=1.5), "seed must be an int"),
+        (dict(row_keys=[0, 1]), "2 keys for 1 prompts"),
+        (dict(prompts=["a", "b"], row_keys=[3, 3]), r"distinct \(key 3 repeats\)"),
+        (dict(row_keys=[-1]), r"row_keys must be in \[0, 2\*\*63\)"),
+        (dict(row_keys=torch.tensor([0.5])), "integer tensor"),
+        (dict(row_keys=["a"]), "row_keys must be ints"),
     ],
 )
 def test_bad_input_raises(tiny_qwen2, kwargs, match):
