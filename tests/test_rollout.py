@@ -262,7 +262,8 @@ def test_top_k_truncates_and_renormalises(peaky_qwen2):
     assert set(counts.nonzero().squeeze(-1).tolist()) <= set(top.tolist())
     assert _chi2_pvalue(counts[top], trunc[top]) > 1e-3
     # Power check: ignoring the probabilities inside the top-k. They are close (0.26, 0.26, 0.25,
-    # 0.23), so at 20,000 draws the uniform is rejected at 1e-3 with ~98% power, at 1e-6 only ~70% (simulated).
+    # 0.23), so at 20,000 draws the uniform is rejected at 1e-3 with ~98% power, at 1e-6 with
+    # only ~70% (simulated multinomial draws).
     uniform = torch.ones(k)
     assert _chi2_pvalue(counts[top], uniform) < 1e-3
 
