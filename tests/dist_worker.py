@@ -2,9 +2,9 @@
 spec, in one plain process or under torchrun (the same script either way).
 
 With ``"fixed_rollouts": true`` the sampler is replaced by one that samples each prompt on its
-own, seeded by (train.seed, step, the prompt's GLOBAL index), so 1 x P and N x P/N draw the same
-completions whatever the forward's float rounding at different batch shapes does to the real
-sampler. With ``"record": DIR`` the real sampler runs and each rank appends every completion
+own (keyed by its GLOBAL index, as the real sampler keys it), so 1 x P and N x P/N draw the same
+completions even where the forward's float rounding at other batch shapes could flip a draw of
+the real sampler. With ``"record": DIR`` the real sampler runs and each rank appends every completion
 it sampled to ``DIR/<run name>.rank<r>.jsonl`` (step, prompt key, sample index, tokens).
 Not collected by pytest (no test_ prefix); run as ``python tests/dist_worker.py SPEC.json``.
 """
@@ -58,7 +58,8 @@ def per_prompt_sample(run, prompt_ids, step, row_keys):
                     max_new_tokens=r.max_completion_length,
                     temperature=r.temperature,
                     stop=r.stop,
-                    seed=step_seed(run.cfg.train.seed, step, salt=1000 + key),
+                    seed=step_seed(run.cfg.train.seed, step),
+                    row_keys=[key],
                 )
             )
     return concat(parts, run.models.tokenizer.pad_token_id)
