@@ -102,6 +102,34 @@ def load_34m(tmp: str):
     return model, tok, encode
 
 
+def uniforms_ms(prompts: int, n: int, new: int) -> tuple[float, float]:
+    """Milliseconds to make one generate call's uniforms, the old way and the keyed way
+    (best of 20 after a warm-up): the whole difference between the two sides."""
+    import torch
+
+    from peergrade.rollout import _row_states, _uniforms
+
+    keys = torch.arange(prompts)
+
+    def old():
+        gen = torch.Generator().manual_seed(1)
+        return torch.rand((prompts * n, new), generator=gen)
+
+    def keyed():
+        return _uniforms(_row_states(1, keys, n), new)
+
+    best = {}
+    for name, f in (("old", old), ("new", keyed)):
+        f()
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times) * 1e3
+    return best["old"], best["new"]
+
+
 def part_speed(a) -> None:
     import torch
 
@@ -118,9 +146,9 @@ def part_speed(a) -> None:
             model, tok, encode = load_demo() if name == "demo" else load_34m(tmp)
             prompts = encode(w["prompts"])
 
-            def call(old: bool, w=w, model=model, tok=tok, prompts=prompts) -> float:
+            def call(old: bool, w=w, model=model, tok=tok, prompts=prompts) -> dict:
                 ctx = old_uniforms() if old else contextlib.nullcontext()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 with ctx:
                     for i in range(w["calls"]):
                         r = generate(
@@ -133,16 +161,19 @@ def part_speed(a) -> None:
                             ignore_eos=True,
                         )
                         assert r.num_generated_tokens == len(prompts) * w["n"] * w["new"]
-                return time.perf_counter() - t0
+                return {"s": time.perf_counter() - t0, "cpu": time.process_time() - c0}
 
             call(False), call(True)  # warm-up
             res = _common.alternate(
-                {"old": lambda: {"s": call(True)}, "new": lambda: {"s": call(False)}}, a.passes
+                {"old": lambda: call(True), "new": lambda: call(False)}, a.passes
             )
             old = [r["s"] for r in res["old"]]
             new = [r["s"] for r in res["new"]]
             tokens = w["calls"] * w["prompts"] * w["n"] * w["new"]
             mo, mn = _common.median(old), _common.median(new)
+            co = _common.median([r["cpu"] for r in res["old"]])
+            cn = _common.median([r["cpu"] for r in res["new"]])
+            uo, un = uniforms_ms(w["prompts"], w["n"], w["new"])
             print(
                 f"# {name}: old s "
                 + " ".join(f"{x:.3f}" for x in old)
@@ -159,16 +190,38 @@ def part_speed(a) -> None:
                     f"{tokens / mo:.0f}",
                     f"{tokens / mn:.0f}",
                     f"{mn / mo:.3f}",
+                    f"{cn / co:.3f}",
+                    f"{uo:.3f}",
+                    f"{un:.3f}",
+                    f"{(un - uo) * w['calls'] / (1e3 * mo):.2%}",
                 ]
             )
             del model
     print(f"\nspeed: {a.passes} alternated passes, {torch.get_num_threads()} thread(s), medians")
     print(
         _common.format_table(
-            ["workload", "tokens", "old s", "new s", "old tok/s", "new tok/s", "new / old"], rows
+            [
+                "workload",
+                "tokens",
+                "old s",
+                "new s",
+                "old tok/s",
+                "new tok/s",
+                "new / old",
+                "cpu new / old",
+                "old u ms",
+                "new u ms",
+                "u cost",
+            ],
+            rows,
         )
     )
-    print("new / old = keyed sampling's time over the old stream's (< 1: faster)")
+    print(
+        "new / old = keyed sampling's wall time over the old stream's (< 1: faster); cpu = the "
+        "same in CPU seconds of this process (steadier on a busy machine); old/new u ms = "
+        "making one call's uniforms alone (best of 20); u cost = the difference as a share of "
+        "the old side's median generation time"
+    )
 
 
 def _differ(ref, other, keys, n) -> tuple[int, int]:

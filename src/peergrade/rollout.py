@@ -255,10 +255,15 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors; products wrap mod 2^64 as the uint64 original's."""
-    z = (z ^ _shr(z, 30)) * _MUL1
-    z = (z ^ _shr(z, 27)) * _MUL2
-    return z ^ _shr(z, 31)
+    """splitmix64's finaliser on int64 tensors; products wrap mod 2^64 as the uint64 original's.
+    Works in place on ``z`` (every caller passes a fresh tensor): int64 products are not
+    vectorised on most CPUs, so sparing the temporaries counts at [N, T] sizes."""
+    z ^= _shr(z, 30)
+    z *= _MUL1
+    z ^= _shr(z, 27)
+    z *= _MUL2
+    z ^= _shr(z, 31)
+    return z
 
 
 def _draw(state: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -285,7 +290,7 @@ def _uniforms(states: torch.Tensor, steps: int) -> torch.Tensor:
     bits of draw ``t`` (every float32 multiple of 2^-24, as ``torch.rand`` gives). [B] -> [B, T]."""
     t = torch.arange(steps, dtype=torch.long, device=states.device)
     bits = _shr(_draw(states[:, None], t[None, :]), 40)  # [B, T] in [0, 2^24)
-    return bits.to(torch.float32) * (1.0 / (1 << 24))
+    return bits.to(torch.float32).mul_(1.0 / (1 << 24))
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
