@@ -193,7 +193,7 @@ def part_speed(a) -> None:
                     f"{cn / co:.3f}",
                     f"{uo:.3f}",
                     f"{un:.3f}",
-                    f"{(un - uo) * w['calls'] / (1e3 * mo):.2%}",
+                    f"{(un - uo) * w['calls'] / (1e3 * mo):.3%}",
                 ]
             )
             del model

@@ -527,6 +527,7 @@ def grpo_update(
         # dapo/cispo losses are this micro-batch's share of the minibatch's: scaled so that
         # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
         shared = a.loss_type in ("dapo", "cispo")
+        n_tok = int(cm.sum().item())
         for k, v in m.items():
             # whole-batch values weigh what they stand for; the others what was computed
             if k in ("loss/policy", "loss/kl"):
@@ -535,7 +536,7 @@ def grpo_update(
             elif k == "advantage/mean":
                 metrics.add(k, float(v), stands_for)
             elif k in TOKEN_MEANS:
-                metrics.add(k, float(v), int(cm.sum().item()))
+                metrics.add(k, float(v), n_tok)
             else:
                 metrics.add(k, float(v), len(keep))
         metrics.add_entropy(ent, cm)
