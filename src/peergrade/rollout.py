@@ -39,8 +39,10 @@ Sampling (one uniform number per sequence per step, inverse-CDF):
   prompt's group and the position. Nothing else enters: a completion draws the same uniforms
   whatever ``batch_size``, whichever other prompts share the call, in whatever order, on
   whichever process, and whenever finished rows leave the batch. Its tokens are then the same
-  up to float rounding differences of the forward pass at different batch shapes (a token flips
-  only if ``u`` falls within ~1e-6 of a CDF boundary; see docs/sampling.md for the measured rate).
+  up to rounding differences of the forward pass at other batch shapes: a token flips when they
+  move a CDF boundary across ``u``. In float32 that was never seen in the measurements; under
+  bf16 autocast on the CPU, where logits differ by bf16 ulps between batch shapes, it is common
+  for high-entropy distributions (docs/sampling.md has the measured rates).
 
 **Reported log-probs** are ``log softmax(logits / temperature)[token]`` over the *full* tempered
 vocabulary distribution, i.e. before top-k/top-p truncation (what vLLM and TRL report, and what a
