@@ -232,6 +232,20 @@ def test_episodes_do_not_depend_on_the_micro_batch(sampled_episodes, tool_tok):
     assert [e.completion_ids for e in again] == [e.completion_ids for e in eps]
 
 
+def test_episodes_of_rank_shards_with_global_keys_equal_one_process(sampled_episodes, tool_tok):
+    """Each half of the rows run alone with its global indices as keys (two simulated ranks)
+    samples the episodes one call over all rows samples."""
+    model, eps = sampled_episodes
+    half = len(ROWS) // 2
+    kw = dict(n=2, max_completion_length=120, max_tokens_per_turn=40, temperature=1.0, top_k=50)
+    parts = [
+        run_episodes(model, tool_tok, ROWS[lo:hi], lambda row: Feedback(rounds=3), seed=3,
+                     row_keys=range(lo, hi), **kw)
+        for lo, hi in ((0, half), (half, len(ROWS)))
+    ]  # fmt: skip
+    assert [e.completion_ids for p in parts for e in p] == [e.completion_ids for e in eps]
+
+
 def test_greedy_episodes_equal_a_plain_transformers_loop(base_model, tool_tok):
     model = Steered(base_model, tool_tok.eos_token_id, eos_every=5, eos_bias=30.0)
     eos = tool_tok.eos_token_id

@@ -506,7 +506,7 @@ def test_keyed_draws_follow_the_processed_distribution():
         "keys": _uniforms(_row_states(3, torch.arange(n), 1), 1)[:, 0],
     }
     for axis, u in axes.items():
-        tokens, _ = _sample(logits.expand(n, -1), u, temperature, top_p, top_k)
+        tokens = _sample(logits.expand(n, -1), u, temperature, top_p, top_k)[0]
         counts = torch.bincount(tokens, minlength=len(logits))
         assert counts[~kept].sum() == 0, axis
         assert _chi2_pvalue(counts[kept], probs[kept]) > 1e-3, axis

@@ -198,8 +198,8 @@ def sample(run: Run, prompt_ids: list[list[int]], step: int, row_keys: range) ->
         )
 
 
-def sample_episodes(run: Run, rows: list[dict], step: int) -> list[Episode]:
-    """G episodes for each row (``envs.run_episodes``), seeded by step as ``sample`` is;
+def sample_episodes(run: Run, rows: list[dict], step: int, row_keys: range) -> list[Episode]:
+    """G episodes for each row (``envs.run_episodes``), keyed by (seed, step, row) as ``sample`` is;
     ``rollout.max_completion_length`` is the budget of a whole episode."""
     r, e = run.cfg.rollout, run.cfg.env
     with dist.full_weights(run.models.policy) as policy:
@@ -215,7 +215,8 @@ def sample_episodes(run: Run, rows: list[dict], step: int) -> list[Episode]:
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
-            seed=dist.rank_seed(step_seed(run.cfg.train.seed, step)),
+            seed=step_seed(run.cfg.train.seed, step),
+            row_keys=row_keys,
             batch_size=r.generation_batch_size,
         )
 
@@ -306,7 +307,7 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
         if run.make_env is None:
             rollout = sample(run, prompt_ids, step, keys)
         else:
-            episodes = sample_episodes(run, rows, step)
+            episodes = sample_episodes(run, rows, step, keys)
     meter.record("generate")
     t_generated = time.perf_counter()
 

@@ -18,8 +18,9 @@ How (token in, token out):
   keys are hidden from every later query, its positions skip them), so each episode sees exactly
   its own token sequence at positions 0, 1, 2, ...
 - Sampling and its log-probs are ``rollout``'s (``_sample``: temperature, top-k, top-p; log-probs
-  of the full tempered distribution, float32). Uniform draws are per episode and per sampled
-  token (seeded by ``seed``), so results do not depend on the micro-batch size.
+  of the full tempered distribution, float32). Uniform draws are ``rollout``'s keyed ones: a
+  function of (seed, the row's key, the episode's sample index, the sampled token's index), so
+  results do not depend on the micro-batch size, the rows' order or the rank.
 
 Budgets: ``max_completion_length`` counts every token after the prompt (sampled and appended). A
 model turn stops at the budget (``"length"``) or at ``max_tokens_per_turn`` (``"turn_length"``);
@@ -52,10 +53,13 @@ from peergrade.envs.template import check_template, render, turn_delta
 from peergrade.errors import PeergradeError
 from peergrade.rollout import (
     _check_int,
+    _check_row_keys,
     _forward_signature,
     _model_config,
+    _row_states,
     _sample,
     _slab_cache,
+    _uniforms,
     default_eos_ids,
     slab_cache_ok,
 )
@@ -193,6 +197,7 @@ def run_episodes(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
+    row_keys: Sequence[int] | None = None,
     batch_size: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     chat_template: str | None = None,
@@ -211,7 +216,8 @@ def run_episodes(
         max_completion_length: token budget of a whole episode after the prompt.
         max_turns: most model turns per episode (None: no limit).
         max_tokens_per_turn: most tokens per model turn (None: the remaining budget).
-        temperature, top_p, top_k, seed: sampling, as in ``rollout.generate``.
+        temperature, top_p, top_k, seed, row_keys: sampling, as in ``rollout.generate``
+            (``row_keys``: one distinct key per row, default its index).
         batch_size: episodes run at once (bounds memory); None: all.
         eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
         chat_template, template_kwargs: an override template and extra template variables.
@@ -282,9 +288,8 @@ def run_episodes(
     device = next(model.parameters()).device
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed))
-    uniforms = torch.rand((len(episodes), budget), generator=gen, device=device)  # [E, budget]
+    keys = _check_row_keys(row_keys, len(rows)).to(device)
+    uniforms = _uniforms(_row_states(int(seed), keys, n), budget)  # [E, budget]
 
     engine = _Engine(
         model=model,
