@@ -40,12 +40,16 @@ session (its own process group). Under ``root`` or ``userns`` the launcher:
    every mount read-only and nosuid; a mount that cannot be made read-only is a setup error;
 3. mounts a size-capped tmpfs (``disk_mb``) owned by the program's uid over the work directory
    and writes the files back into it: the program's files never touch the disk;
-4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` (only
+4. forks a minimal init, PID 1 of the new PID namespace, which starts a session of its own
+   (so the program's process group never holds the launcher), mounts a fresh ``/proc`` (only
    the namespace's processes) and forks the program (PID 2). The program's process sets the
    resource limits, under ``root`` drops to the per-program uid/gid (no supplementary groups),
    sets ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a
    minimal environment. The init reaps orphans and reports the program's wait status and CPU
-   time on a private pipe; the launcher stays outside the PID namespace and waits for the init.
+   time on a private pipe, and first that the program's ``execve`` succeeded: from then on an
+   init or launcher that ends without a report, or a setup failure on the pipe, is the
+   program's doing (``tampered``), not ``sandbox_error``. The launcher stays outside the PID
+   namespace and waits for the init.
 
 Resource limits (``setrlimit``): RLIMIT_CPU (CPU seconds, per process), RLIMIT_AS (address
 space, per process), RLIMIT_NPROC (processes of the program's uid: unique per program under
