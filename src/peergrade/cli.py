@@ -321,11 +321,18 @@ def cmd_memory(args, extra) -> int:
             f"{m['baseline_bytes'] / 2**20:.0f} MiB",
             flush=True,
         )
+        if not m["update_ran"]:
+            print(
+                f"  warning: {label}: no measured step ran its update (every minibatch had zero "
+                "signal), so its peak is the generation's, not a training step's",
+                flush=True,
+            )
     print(format_table(rows))
     unit = "CUDA max allocated" if rows[0][1]["device"] == "cuda" else "peak RSS"
     print(
-        f"(MiB; measured = {unit} above the process baseline, max over {args.steps} steps; "
-        "error = (estimated - measured) / measured)"
+        f"(MiB; measured = {unit} above the process baseline, max over {args.steps} steps, "
+        "every completion run to max_completion_length and given a distinct reward so that the "
+        "update trains every row; error = (estimated - measured) / measured)"
     )
     return 0
 

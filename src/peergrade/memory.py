@@ -73,6 +73,8 @@ more than it allocates: ``max_memory_reserved`` can be 10-20% higher than what i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -483,22 +485,62 @@ def _child(cfg_path: str, steps: int) -> dict:
     }
 
 
+PROBE_SPACING = 1e4
+"""The measurement's probe reward: completion ``j`` of each group scores ``PROBE_SPACING * (j +
+[j == G - 1])`` (0, 1, ..., G - 2, G), on top of the configured rewards. No two completions of a
+group tie and none sits at the group's mean, so every advantage is non-zero and the update
+computes every row: the step the estimate describes, whatever the model earns."""
+
+
+def _probe_reward(G: int):
+    def memory_probe(completions, **_) -> list[float]:
+        return [PROBE_SPACING * (i % G + (i % G == G - 1)) for i in range(len(completions))]
+
+    return memory_probe
+
+
+@contextlib.contextmanager
+def _full_length_rollouts():
+    """The trainer's rollouts ignore EOS while measuring: every completion runs to
+    ``max_completion_length``, the length the estimate assumes (the worst case a budget must
+    hold). Only ever entered in the measurement's own child process."""
+    from peergrade import trainer
+
+    real = trainer.generate
+    trainer.generate = functools.partial(real, ignore_eos=True)
+    try:
+        yield
+    finally:
+        trainer.generate = real
+
+
 def _run_steps(cfg, steps: int, meter) -> dict:
-    """``steps`` steps of the trainer's own ``train_step`` on ``cfg``, phases metered."""
+    """``steps`` steps of the trainer's own ``train_step`` on ``cfg``, phases metered, in the
+    worst case the estimate describes: full-length completions (no EOS, no stop strings) and a
+    probe reward (``PROBE_SPACING``) that gives every completion a non-zero advantage, so the
+    update really runs on every row. ``update_ran`` says whether it did on some step (a step
+    whose every minibatch was skipped for zero signal measures only the generation)."""
     import time
 
+    from peergrade.rewards.registry import RewardSpec
     from peergrade.trainer import setup, train_step
 
+    cfg.rollout.stop = []
     run = setup(cfg)
+    run.rewards = [*run.rewards, RewardSpec("memory_probe", _probe_reward(cfg.rollout.group_size))]
     meter.record("load")
     P = cfg.rollout.prompts_per_step
     rows = iter(run.task.train_rows(cfg.train.seed))
-    shapes, t0 = [], time.perf_counter()
-    for step in range(1, steps + 1):
-        shapes.append(train_step(run, step, [next(rows) for _ in range(P)], meter).shapes)
+    shapes, skipped, t0 = [], [], time.perf_counter()
+    with _full_length_rollouts():
+        for step in range(1, steps + 1):
+            res = train_step(run, step, [next(rows) for _ in range(P)], meter)
+            shapes.append(res.shapes)
+            skipped.append(res.metrics.get("update/zero_signal_frac", 0.0))
     policy = run.models.policy
     return {
         **{k: max(s[k] for s in shapes) for k in ("seq_len", "completion_len", "prompt_len")},
+        "update_ran": any(frac < 1.0 for frac in skipped),
         "params": sum(p.numel() for p in policy.parameters()),
         "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         "critic_params": (
