@@ -124,7 +124,13 @@ def _arch(model_config) -> dict[str, Any]:
     tied = bool(_get(model_config, "tie_word_embeddings", default=True))
     mtype = _get(model_config, "model_type", default="")
     qkv_bias = bool(_get(model_config, "attention_bias", default=mtype == "qwen2"))
+    types = _get(model_config, "layer_types")
+    if types is not None:  # as logprobs._full_attention_only decides
+        full_attention = all(t == "full_attention" for t in types)
+    else:
+        full_attention = not _get(model_config, "use_sliding_window", default=False)
     return dict(
+        full_attention=full_attention,
         H=H,
         layers=n_layers,
         heads=n_heads,
@@ -160,16 +166,48 @@ def param_counts(model_config, lora: dict | None = None) -> dict[str, int]:
     head = 0 if a["tied"] else V * H
     total = emb + head + a["layers"] * per_layer + H  # + final norm
     n_lora = 0
+    per_target: dict[str, int] = {}
     if lora:
         targets = lora.get("target_modules", list(shapes))
         if targets == "all-linear":
             targets = list(shapes)
         r = int(lora["r"])
-        n_lora = a["layers"] * sum(r * (i + o) for k, (i, o) in shapes.items() if k in targets)
+        per_target = {k: r * (i + o) for k, (i, o) in shapes.items() if k in targets}
+        n_lora = a["layers"] * sum(per_target.values())
     largest = max(emb, max(i * o for i, o in shapes.values()))
     return dict(
-        total=total, embedding=emb, lm_head=head, per_layer=per_layer, largest=largest, lora=n_lora
+        total=total,
+        embedding=emb,
+        lm_head=head,
+        per_layer=per_layer,
+        largest=largest,
+        lora=n_lora,
+        lora_per_target=per_target,
     )
+
+
+def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
+    """Bytes one token leaves saved for the backward in one decoder layer (measured with
+    ``torch.autograd.graph.saved_tensors_hooks`` on Llama/Qwen2 layers; bench/memory.py).
+
+    act "float32": 6H + 4 q_dim + 4I + L float32 elements: the two RMSNorms' input, normalised
+    and scaled copies, q and k, v repeated to all heads, the attention output, four MLP
+    intermediates and a row of the additive mask. act "autocast" (float32 weights under bf16
+    autocast): the linear layers' outputs in bf16, the residual stream and the norms in
+    float32. act "half" (bf16/fp16 weights): everything in 2 bytes but the norms' float32
+    upcast. LoRA: the frozen norm weights need not their input, the adapters add r values per
+    adapted linear (r_sum), and under autocast one more q-sized bf16 cast.
+    """
+    H, I = a["H"], a["I"]
+    q = a["heads"] * a["head_dim"]
+    if act == "autocast":
+        n = 26 * H + 8 * q + 8 * I + 2 * L
+        return n + (-8 * H + 2 * q + 2 * r_sum if lora else 0)
+    if act == "float32":
+        n = 24 * H + 16 * q + 16 * I + 4 * L
+        return n + (-8 * H + 4 * r_sum if lora else 0)
+    n = 16 * H + 8 * q + 8 * I + 2 * L
+    return n + (-4 * H + 2 * r_sum if lora else 0)
 
 
 def estimate_memory(
@@ -191,6 +229,11 @@ def estimate_memory(
     reward_models: list[dict] | None = None,
     world: int = 1,
     strategy: str = "ddp",
+    autocast: bool = False,
+    group_size: int = 1,
+    shared_prompt: bool = True,
+    generation_batch: int | None = None,
+    minibatch: int | None = None,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -202,12 +245,18 @@ def estimate_memory(
     the reference copy lives in host memory outside its own pass (counted on "cuda" only);
     reward_models: ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward
     models among the rewards.
+    autocast: the policy's passes run under bf16 autocast on float32 weights (``model.autocast``
+    resolved, see ``update.use_bf16_autocast``); group_size and shared_prompt: G, and
+    ``model.shared_prompt_forward`` (each distinct prompt of a micro-batch runs once; off under
+    gradient checkpointing); generation_batch: ``rollout.generation_batch_size`` (None: all);
+    minibatch: sequences per optimizer step (None: batch); with micro-batches below it the
+    grads accumulate while the next micro-batch's activations are built.
     world, strategy: ranks under torchrun and ``dist.strategy`` -- the figures are then per
     rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
     layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
     gathered at a time in the update, and all of them for the rollout).
-    Returns a dict of components plus ``phases`` (generate/update peaks, and "rewards" with a
-    reward model) and ``peak``.
+    Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
+    reference pass runs, and "rewards" with a reward model) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -224,12 +273,16 @@ def estimate_memory(
     b = DTYPE_BYTES[dtype]
     batch = batch // max(1, world)  # this rank's sequences
     f32 = 4
-    H, inter, V, nl = a["H"], a["I"], a["V"], a["layers"]
-    q_dim, kv_dim = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
+    H, V, nl = a["H"], a["V"], a["layers"]
+    kv_dim = a["kv_heads"] * a["head_dim"]
+    q_dim = a["heads"] * a["head_dim"]
     micro = min(micro_batch or batch, batch)
+    C, L = completion_len, seq_len
+    Lp = L - C
     P, P_train = pc["total"], (pc["lora"] if lora else pc["total"])
     # LoRA adapters are created in float32 by peft regardless of the base dtype
     tb = f32 if lora else b
+    autocast = autocast and b == f32  # autocast only ever casts float32 weights down
 
     weights = P * b + (pc["lora"] * f32 if lora else 0)
     grads = P_train * tb
@@ -238,31 +291,55 @@ def estimate_memory(
     critic_params = P - pc["lm_head"]
     critic = 4 * critic_params * b if algo == "ppo" else 0
 
-    # activations of one micro-batch's forward, kept for the backward (the dtype of the
-    # activations is the weights' dtype; SDPA math-kernel attention probs [heads, L] per token)
-    act_el = 4 * H + 5 * q_dim + 4 * inter + (a["heads"] * seq_len if device == "cpu" else 0)
-    if lora:
-        act_el += 2 * int(lora["r"]) * 7  # adapter inputs/outputs: small
-    tokens = micro * seq_len
-    layer_act = tokens * act_el * b
-    if gradient_checkpointing:
-        acts = tokens * H * b * nl + layer_act
+    # -- the policy's forward of one micro-batch, kept for the backward
+    act = "autocast" if autocast else ("float32" if b == f32 else "half")
+    act_b = f32 if act == "float32" else 2
+    r_sum = int(lora["r"]) * len(pc["lora_per_target"]) if lora else 0
+    per_tok = _token_bytes(a, L, act=act, r_sum=r_sum, lora=bool(lora))
+    G = max(1, int(group_size))
+    # rows of one micro-batch that share a prompt: completions of equal length keep their
+    # groups together in the length-sorted plan, so a micro-batch spans about micro / G prompts
+    prompts_in_micro = min(micro, -(-micro // G) + (1 if micro % G else 0))
+    shared = (
+        shared_prompt and not gradient_checkpointing and a["full_attention"]
+        and prompts_in_micro < micro
+    )  # fmt: skip
+    if shared:  # prompts once, completions against the cache expanded to every row
+        layer_act = (prompts_in_micro * Lp + micro * C) * per_tok + micro * Lp * 2 * q_dim * act_b
     else:
-        acts = layer_act * nl
-    c = min(chunk_size, micro * completion_len)
-    chunk_bufs = 3 * c * V * f32
-    hidden = tokens * H * b * 3  # final norm in/out + the selected rows
+        layer_act = micro * L * per_tok
+    # bf16 copies of each layer's float32 weights, cast once per forward by autocast (once in
+    # all when the weights are trained: autocast caches casts of parameters that need grads)
+    weight_copies = 0
+    if autocast:
+        forwards = 2 if (shared and lora) else 1
+        weight_copies = 2 * (pc["per_layer"] + pc["lora"] // nl) * forwards
+    if gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
+        resid_b = f32 if autocast else b
+        acts = micro * L * H * resid_b * nl + layer_act + weight_copies * nl
+    else:
+        acts = (layer_act + weight_copies) * nl
+    c = min(chunk_size, micro * C)
+    chunk_bufs = 2 * c * V * f32  # the chunked log-prob's [c, V] float32 logits and softmax
+    hidden = micro * L * H * (f32 if autocast else b) + micro * C * H * f32  # final norm, rows
     activations = acts + chunk_bufs + hidden
-    if algo == "ppo":  # the critic's own forward/backward on the same micro-batch
-        activations += acts + hidden
     # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
     # addmm for float32 weights; a half-precision weight adds one [V, H] product per chunk)
     grad_transient = (V * H * f32 + (V * H * b if b != f32 else 0)) if not lora else 0
     # fused AdamW (update.build_optimizer) steps each tensor in one kernel: no temporaries
+    head_backward = chunk_bufs + grad_transient + layer_act
+    critic_acts = 0
+    if algo == "ppo":  # the critic: a plain forward (no autocast) in the joint backward
+        critic_tok = _token_bytes(a, L, act="float32" if b == f32 else "half", r_sum=0, lora=False)
+        critic_acts = micro * L * critic_tok * nl + micro * L * H * b
+        activations += critic_acts
 
-    # generation: KV cache for all sequences (no grad) + one step's [N, V] float32 logits
-    kv_cache = 2 * nl * kv_dim * batch * seq_len * b
-    gen_logits = 2 * batch * V * f32
+    # generation: KV cache for the generation batch (no grad) + one step's [N, V] float32
+    # logits and sampling buffers, + the bf16 casts of every weight under autocast
+    gen_rows = min(batch, generation_batch or batch)
+    kv_cache = 2 * nl * kv_dim * gen_rows * seq_len * b
+    gen_logits = 2 * gen_rows * V * f32
+    casts = 2 * P if autocast else 0
     # the critic's weights and optimizer state are static; its grads exist during the update
     # ref_offload on an accelerator: the reference is resident only for its own pass
     offloaded = ref_offload and device == "cuda" and reference > 0
@@ -271,13 +348,20 @@ def estimate_memory(
     rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
     static += rm_weights
     critic_grads = critic_params * b if algo == "ppo" else 0
-    # grads (policy's and critic's) are allocated as the backward frees activations: at its
-    # start only the chunked head's [V, H] buffers exist on top of the activations
-    backward = activations + grad_transient + layer_act
+    # grads (policy's and critic's) are allocated as the backward frees activations. The
+    # policy's own backward begins with the chunked head's buffers on top of its activations;
+    # PPO's critic, built last, is differentiated first: by the time the policy's head runs,
+    # the critic's activations have become its grads.
+    policy_acts = acts + hidden
+    backward = policy_acts + max(critic_acts, critic_grads + head_backward)
+    if micro < min(minibatch or batch, batch):  # accumulation: the earlier micro-batches' grads
+        backward += grads + critic_grads
     step = grads + critic_grads
     update = static + max(backward, step)
-    generate = static + kv_cache + gen_logits
+    generate = static + kv_cache + gen_logits + casts
     phases = {"generate": generate, "update": update}
+    if reference > 0 or (lora and beta > 0):  # a no-grad pass: one layer's forward at a time
+        phases["reference"] = static + casts + layer_act + chunk_bufs + hidden
     if reward_models:  # scoring: one reward model's micro-batch forward at a time
         phases["rewards"] = static + max(m["activations"] for m in reward_models)
     if world > 1:  # per-rank sharding and communication buffers (peergrade.distributed)
@@ -290,7 +374,7 @@ def estimate_memory(
         )  # fmt: skip
         weights, grads, optim = parts["weights"], parts["grads"], parts["optimizer"]
         reference = parts["reference"] if not offloaded else reference
-    if offloaded:  # no grads in the reference pass: one layer's activations + the chunk buffers
+    if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
     peak = max(phases.values())
     return {
@@ -360,9 +444,24 @@ def estimate_for_config(
         for i in cfg.rewards
         if is_reward_model_name(i.name)
     ]
+    from peergrade.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
+
+    autocast = cfg.model.autocast == "bf16"
+    if cfg.model.autocast == "auto":  # update.use_bf16_autocast, from the config alone
+        autocast = (
+            device == "cpu"
+            and dtype == "float32"
+            and param_counts(path)["total"] >= AUTO_BF16_MIN_PARAMS
+            and cpu_has_amx_bf16()
+        )
     return estimate_memory(
         path,
         batch=cfg.batch_size,
+        autocast=autocast,
+        group_size=r.group_size,
+        shared_prompt=cfg.model.shared_prompt_forward,
+        generation_batch=r.generation_batch_size,
+        minibatch=cfg.minibatch_size,
         micro_batch=cfg.micro_batch_size,
         seq_len=prompt_len + r.max_completion_length,
         completion_len=r.max_completion_length,
