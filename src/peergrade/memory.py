@@ -331,7 +331,11 @@ def estimate_memory(
     critic_acts = 0
     if algo == "ppo":  # the critic: a plain forward (no autocast) in the joint backward
         critic_tok = _token_bytes(a, L, act="float32" if b == f32 else "half", r_sum=0, lora=False)
-        critic_acts = micro * L * critic_tok * nl + micro * L * H * b
+        critic_layer = micro * L * critic_tok
+        if gradient_checkpointing:  # the critic is built with it too (ppo.build_value_model)
+            critic_acts = micro * L * H * b * (nl + 1) + critic_layer
+        else:
+            critic_acts = critic_layer * nl + micro * L * H * b
         activations += critic_acts
 
     # generation: KV cache for the generation batch (no grad) + one step's [N, V] float32
