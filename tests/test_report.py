@@ -360,6 +360,7 @@ def test_noisy_curves_get_a_smoothed_line_beside_the_raw_one(tmp_path):
     raw = lines[labels.index("_raw reward/acc/mean")]
     smooth = next(line for line in lines if line[0].startswith("reward/acc/mean (EMA "))
     assert raw[2] == noise and raw[3]["alpha"] < 1 and raw[3]["color"] == smooth[3]["color"]
+
     # the smoothed line varies less from step to step than the raw one
     def tv(ys):
         return sum(abs(b - a) for a, b in zip(ys, ys[1:]))

@@ -226,7 +226,7 @@ def _memory_options(cfg, device: str):
     for ckpt in ckpts:
         for off in offloads:
             for ci, chunk in enumerate(chunks):
-                for mi, micro in enumerate(micros):
+                for micro in micros:
                     ch, cost = {}, 0.0
                     if ckpt:
                         ch["model.gradient_checkpointing"], cost = True, cost + _COST_CKPT

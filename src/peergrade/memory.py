@@ -198,15 +198,15 @@ def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
     upcast. LoRA: the frozen norm weights need not their input, the adapters add r values per
     adapted linear (r_sum), and under autocast one more q-sized bf16 cast.
     """
-    H, I = a["H"], a["I"]
+    H, inter = a["H"], a["I"]
     q = a["heads"] * a["head_dim"]
     if act == "autocast":
-        n = 26 * H + 8 * q + 8 * I + 2 * L
+        n = 26 * H + 8 * q + 8 * inter + 2 * L
         return n + (-8 * H + 2 * q + 2 * r_sum if lora else 0)
     if act == "float32":
-        n = 24 * H + 16 * q + 16 * I + 4 * L
+        n = 24 * H + 16 * q + 16 * inter + 4 * L
         return n + (-8 * H + 4 * r_sum if lora else 0)
-    n = 16 * H + 8 * q + 8 * I + 2 * L
+    n = 16 * H + 8 * q + 8 * inter + 2 * L
     return n + (-4 * H + 2 * r_sum if lora else 0)
 
 

@@ -217,7 +217,6 @@ PANELS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-
 def _conf(config: dict, section: str, key: str, default):
     v = (config.get(section) or {}).get(key) if isinstance(config, dict) else None
     return default if v is None else v
