@@ -196,7 +196,9 @@ def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
     autocast): the linear layers' outputs in bf16, the residual stream and the norms in
     float32. act "half" (bf16/fp16 weights): everything in 2 bytes but the norms' float32
     upcast. LoRA: the frozen norm weights need not their input, the adapters add r values per
-    adapted linear (r_sum), and under autocast one more q-sized bf16 cast.
+    adapted linear (r_sum), under autocast one more q-sized bf16 cast, and on half-precision
+    weights the float32 copies peft makes of the adapted layers' inputs. Fitted on two shapes
+    (H = q_dim = 576, I = 1536; H = 256, q_dim = 512, I = 704), exact to a few bytes.
     """
     H, inter = a["H"], a["I"]
     q = a["heads"] * a["head_dim"]
@@ -207,7 +209,8 @@ def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
         n = 24 * H + 16 * q + 16 * inter + 4 * L
         return n + (-8 * H + 4 * r_sum if lora else 0)
     n = 16 * H + 8 * q + 8 * inter + 2 * L
-    return n + (-4 * H + 2 * r_sum if lora else 0)
+    # peft's float32 adapters on half-precision weights: float32 copies of the adapted inputs
+    return n + (12 * H + 4 * q + 2 * inter + 4 * r_sum if lora else 0)
 
 
 def estimate_memory(
