@@ -25,40 +25,51 @@ the trainer follows, few-shot prompts included), and reports the peak per phase:
 
 Two steps are run and the peak is over both: AdamW allocates its state lazily at the first
 ``step()``, so the first step alone understates the steady state by 2x the trainable weights.
+The measured steps are the worst case a budget must hold: every completion runs to
+``max_completion_length`` (EOS and stop strings ignored) and a probe reward
+(``PROBE_SPACING``) gives every completion a non-zero advantage, so the update trains every
+row even where the model earns nothing (with ``algo.beta`` 0 such a step would otherwise skip
+its update and measure only the generation); ``update_ran`` in the report says whether it ran.
 
 ``estimate_memory(model_config, ...)`` predicts the same peak from the architecture alone
 (parameter count, vocabulary, hidden/intermediate sizes, heads, layers), the batch shape, the
-dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' dtype):
+dtype, bf16 autocast and LoRA, as a breakdown in bytes (b = bytes per element of the weights):
 
     weights      P * b                          (tied embeddings counted once)
     grads        P_train * b                    (P_train = P, or the LoRA parameters)
     optimizer    2 * P_train * b                (AdamW exp_avg + exp_avg_sq, in the param dtype)
     reference    P * b when beta > 0 and no LoRA (a frozen copy); 0 with LoRA (adapter off).
                  With ``model.ref_offload`` on CUDA it is resident only in its own pass
-                 (phase "reference": static + reference + one layer + chunk buffers)
     critic       P_critic * b * 4               (PPO: weights + grads + AdamW state of the value
                                                  model = the backbone without an untied lm_head)
     reward_models  P_rm * b per reward model    (resident all run; its no-grad scoring forward
                                                  is phase "rewards": see reward_model_memory)
-    activations  micro * L * layers * (4H + 5 q_dim + 4 I + n_heads * L) * 4 bytes
-                 (saved for backward per token per decoder layer: two RMSNorm inputs/outputs,
-                 q, k, v repeated to all heads (GQA with a padding mask), attention output twice,
-                 four MLP intermediates, and the attention probabilities of the math SDPA
-                 kernel; with gradient checkpointing only each layer's input H plus one layer)
-                 + the [c, V] float32 chunk buffers of the chunked log-probs (3 live in the
-                 backward, c = min(chunk_size, micro * completion_len))
+    activations  what one micro-batch's forward leaves for the backward, per decoder layer:
+                 tokens x ``_token_bytes`` (measured with saved-tensor hooks: e.g. float32
+                 6H + 4 q_dim + 4I + L elements per token; under bf16 autocast the linear
+                 outputs in bf16 and the residual stream in float32, plus each layer's weights
+                 cast to bf16). With ``model.shared_prompt_forward`` (the default) a
+                 micro-batch's ~micro/G distinct prompts run once and its completions run
+                 against the cache repeated to every row: tokens = prompts x Lp + micro x C,
+                 plus micro x Lp x 2 q_dim for the repeated keys and values. With gradient
+                 checkpointing: each layer's input plus one layer. Then the chunked log-probs'
+                 two [c, V] float32 buffers (c = min(chunk_size, micro * completion_len)).
+                 PPO's critic: a plain forward (every row in full, no autocast).
     transient    when lm_head is trained, the chunked log-prob backward holds a float32
-                 V x H gradient accumulator (updated in place), plus one V x H product in the
-                 weight dtype when that is not float32, on top of all activations. AdamW is
-                 the fused kernel (``update.build_optimizer``), which has no temporaries.
+                 V x H gradient accumulator, plus one V x H product in the weight dtype when
+                 that is not float32, on top of the activations. AdamW is the fused kernel
+                 (``update.build_optimizer``), which has no temporaries.
 
     peak = weights + reference + critic + optimizer
-           + max(activations + transient + one layer's activations,  # backward begins
-                 grads,                                               # optimizer step
-                 generation: KV cache + [N, V] logits)                # rollout
+           + max(policy activations + max(critic activations,          # backward begins
+                                          critic grads + head backward), # policy head's turn
+                 grads,                                                  # optimizer step
+                 generation: KV cache + [N, V] logits (+ bf16 casts))    # rollout
+           (+ grads while micro-batches accumulate)
 
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
-that stops early) and the longest prompt for all rows.
+that stops early) and the longest prompt for all rows; the measurement runs that same step
+(full-length completions, every row trained). Measured accuracy: docs/memory.md.
 It counts live tensors (compare with ``allocator="returning"`` measurements, or CUDA's); with
 glibc's default allocator policy the process RSS is higher by what the heap keeps.
 
@@ -317,9 +328,9 @@ def estimate_memory(
     if autocast:
         forwards = 2 if (shared and lora) else 1
         weight_copies = 2 * (pc["per_layer"] + pc["lora"] // nl) * forwards
-    if gradient_checkpointing:  # each layer's input, and one layer recomputed at a time
+    if gradient_checkpointing:  # only each layer's input is kept; layers are recomputed later
         resid_b = f32 if autocast else b
-        acts = micro * L * H * resid_b * nl + layer_act + weight_copies * nl
+        acts = micro * L * H * resid_b * nl
     else:
         acts = (layer_act + weight_copies) * nl
     c = min(chunk_size, micro * C)
@@ -331,12 +342,15 @@ def estimate_memory(
     grad_transient = (V * H * f32 + (V * H * b if b != f32 else 0)) if not lora else 0
     # fused AdamW (update.build_optimizer) steps each tensor in one kernel: no temporaries
     head_backward = chunk_bufs + grad_transient + layer_act
+    if gradient_checkpointing:  # the head's buffers are gone before the first layer is
+        # recomputed; then one layer's activations and their gradients at a time
+        head_backward = max(chunk_bufs + grad_transient, 2 * layer_act + weight_copies)
     critic_acts = 0
     if algo == "ppo":  # the critic: a plain forward (no autocast) in the joint backward
         critic_tok = _token_bytes(a, L, act="float32" if b == f32 else "half", r_sum=0, lora=False)
         critic_layer = micro * L * critic_tok
         if gradient_checkpointing:  # the critic is built with it too (ppo.build_value_model)
-            critic_acts = micro * L * H * b * (nl + 1) + critic_layer
+            critic_acts = micro * L * H * b * (nl + 1) + 2 * critic_layer
         else:
             critic_acts = critic_layer * nl + micro * L * H * b
         activations += critic_acts
