@@ -41,6 +41,8 @@ CONTROL_SAFE = (
     "network",
     "see_other_processes",
     "kill_others",
+    "kill_launcher",
+    "forge_report",
 )
 
 
@@ -141,6 +143,34 @@ def main() -> None:
                 except OSError as e:
                     print(e)
         """,
+        # Its own sandbox: the launcher (its parent or in its process group) and the report
+        # channel the launcher and init write to. Unsandboxed these are only our own children.
+        "kill_launcher": """
+            import os, signal
+            try:
+                os.kill(os.getppid(), signal.SIGKILL)
+            except OSError as e:
+                print(e)
+            os.kill(0, signal.SIGKILL)
+        """,
+        "forge_report": """
+            import marshal, os
+            line = marshal.dumps({"setup_error": "forged"}).hex().encode() + b"\\n"
+            for pid in {1, os.getppid()}:
+                try:
+                    fds = os.listdir("/proc/%d/fd" % pid)
+                except OSError:
+                    continue
+                for fd in fds:
+                    try:
+                        w = os.open("/proc/%d/fd/%s" % (pid, fd), os.O_WRONLY | os.O_NONBLOCK)
+                        os.write(w, line)
+                        os.close(w)
+                        print("FORGED", pid, fd)
+                    except OSError:
+                        pass
+            raise SystemExit(3)
+        """,
         "fork_bomb": """
             import os, time
             n = 0
@@ -202,6 +232,10 @@ def main() -> None:
         left = [pid for pid, cmd in cmdlines().items() if argv_mark in cmd]
         if left:
             escaped.append(f"left processes running: {left}")
+        if res.status == "sandbox_error" and report["refused"] is None:
+            escaped.append(f"its own act reported as a sandbox failure: {res.reason}")
+        if "FORGED" in out:
+            escaped.append("wrote into the sandbox's report channel")
         if name == "fork_bomb" and res.stdout.startswith("forks"):
             n = int(res.stdout.split()[1])
             if n > 8:

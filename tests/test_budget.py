@@ -159,3 +159,73 @@ def test_report_budget_section_for_a_runs_config(tmp_path, capsys):
     assert '<figure class="plot" data-panel="memory">' in html
     # the 0.75M-parameter demo model does not fit in 1 MiB in any variant
     assert html.count(" over)") == 3
+
+
+# ----------------------------------------------------------------------------- what fits
+
+
+def _demo_cfg(model: Path, **over):
+    from peergrade.config import load_config
+
+    return load_config(None, [("model.path", str(model)), *over.items()])
+
+
+def test_fit_search_keeps_the_objective_when_it_can_and_finds_the_cheapest():
+    """Qwen2.5-1.5B, GRPO with a reference, the CPU demo's batch (16 x 8, micro-batch 128) at
+    512 tokens, on a 24 GiB GPU: the micro-batch or checkpointing alone must be enough; the
+    answer fits, and taking back any one of its changes does not."""
+    from peergrade.budget import _with, fit_search
+    from peergrade.memory import estimate_for_config
+
+    cfg = _demo_cfg(
+        MODELS / "qwen2.5-1.5b",
+        **{"rollout.max_completion_length": 512, "algo.beta": 0.04, "model.gradient_checkpointing": False},
+    )  # fmt: skip
+    budget = 24 * 2**30
+    kw = dict(prompt_len=256, device="cuda")
+    assert estimate_for_config(cfg, **kw)["peak"] > budget
+    fit = fit_search(cfg, budget, device="cuda", prompt_len=256)
+    assert fit["fits"] and not fit["objective"] and fit["peak"] <= budget
+    objective_keys = {"model.lora.enabled", "rollout.group_size", "rollout.max_completion_length"}
+    assert fit["changes"] and not set(fit["changes"]) & objective_keys
+    assert estimate_for_config(_with(cfg, fit["changes"]), **kw)["peak"] == fit["peak"]
+    for key in fit["changes"]:  # minimal: each change is needed
+        fewer = {k: v for k, v in fit["changes"].items() if k != key}
+        assert estimate_for_config(_with(cfg, fewer), **kw)["peak"] > budget, key
+
+
+def test_fit_search_changes_the_objective_only_when_it_must():
+    from peergrade.budget import fit_search
+
+    cfg = _demo_cfg(MODELS / "qwen2.5-7b")
+    budget = 24 * 2**30
+    # full fine-tuning of 7.6B parameters: weights, grads and AdamW state alone are 57 GiB
+    fit = fit_search(cfg, budget, device="cuda", prompt_len=256)
+    assert fit["fits"] and fit["objective"] and fit["changes"]["model.lora.enabled"] is True
+    # PPO's critic is trained in full whatever the policy does: nothing fits, and it says why
+    ppo = _demo_cfg(MODELS / "qwen2.5-7b", **{"algo.name": "ppo"})
+    none = fit_search(ppo, budget, device="cuda", prompt_len=256)
+    assert not none["fits"] and none["floor"] > budget
+
+
+def test_cli_budget_prints_the_settings_to_paste(capsys):
+    """The issue's command: the CPU demo's batch settings, Qwen2.5-7B, 24 GiB."""
+    assert main(["memory", "--model", str(MODELS / "qwen2.5-7b"), "--budget", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    advice = out[out.index("What fits in 24.00 GiB") :]
+    lora = advice[advice.index("  GRPO+LoRA:") :]
+    assert "(the same objective) with:" in lora.splitlines()[0]
+    assert "      optim:" in lora and re.search(r"micro_batch_size: \d+", lora)
+    grpo = advice[advice.index("  GRPO:") : advice.index("  PPO:")]
+    assert "changing the objective" in grpo and "enabled: true" in grpo
+    assert "nothing searched fits" in advice[advice.index("  PPO:") :]
+    # the pasted lines give a config whose estimate fits
+    from peergrade.budget import _with
+    from peergrade.memory import estimate_for_config
+
+    micro = int(re.search(r"micro_batch_size: (\d+)", lora).group(1))
+    cfg = _with(
+        _demo_cfg(MODELS / "qwen2.5-7b"),
+        {"model.lora.enabled": True, "optim.micro_batch_size": micro},
+    )
+    assert estimate_for_config(cfg, prompt_len=256, device="cuda")["peak"] <= 24 * 2**30

@@ -174,6 +174,21 @@ def test_hostile_programs_score_zero_with_reasons():
         assert r["reasons"] and "ok" not in r["statuses"]
 
 
+def test_tampering_with_the_sandbox_voids_the_tests_passed_before(capsys):
+    """Unsandboxed (the only setup where the launcher is within reach), a candidate that passes
+    three tests and then kills its launcher scores 0, with the reason, not 0.75 or an error."""
+    completion = (
+        "import os\ncalls = []\ndef f(x):\n    calls.append(x)\n"
+        "    if len(calls) == 4:\n        os.kill(os.getppid(), 9)\n    return 2 * x\n"
+    )
+    out = code_tests(None, [completion], [DOUBLE_ASSERTS], sandbox="none", **FAST)
+    assert out == [0.0]
+    report = code_mod.last_report[0]
+    assert report["statuses"] == {"tampered": 1}
+    assert any("tampered with its sandbox" in r for r in report["reasons"])
+    assert "UNSANDBOXED" in capsys.readouterr().err
+
+
 def test_identical_completions_run_once(monkeypatch):
     calls = []
     real = code_mod.run_many

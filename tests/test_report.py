@@ -131,12 +131,15 @@ def test_report_content_and_overlay(tmp_path, capsys):
     assert "&lt;b&gt;not a tag&lt;/b&gt;" in html and "<b>not a tag</b>" not in html
     assert "alert/entropy_collapse" in html and "try a higher temperature" in html
     assert "A: reward/acc/mean" in html and "B: reward/acc/mean" in html
-    # every panel with data is a figure; the one with nothing logged is named as such
+    # every panel with data is a figure, or a note when constant by construction
     figures = re.findall(r'<figure class="plot" data-panel="([^"]+)">', html)
+    notes = re.findall(r'<figure class="note" data-panel="([^"]+)">', html)
     assert "Reward per function" in figures and "Held-out accuracy" in figures
-    assert "Time per phase" in figures and "Clip fractions" in figures
-    # the synthetic runs log something for every panel: each is drawn exactly once
-    assert sorted(figures) == sorted(title for title, _, _ in PANELS)
+    assert "Time per phase" in figures and "Importance ratio" in figures
+    # clip/frac is 0 on every step of both runs, whose one update per batch makes it so
+    assert notes == ["Clip fractions"]
+    # the synthetic runs log something for every panel: each is there exactly once
+    assert sorted(figures + notes) == sorted(title for title, _, _ in PANELS)
     # 4 steps x 2 completions per run; the table holds all 16 rows
     assert html.count('data-group="') == 16
     # nothing that could fetch: no http(s) anywhere, CSP forbids any request
@@ -268,3 +271,101 @@ def test_no_per_function_column_when_none_logged(tmp_path):
     (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     html = samples_section([load_run(run)]).html
     assert "<th>per function</th>" not in html and html.count("<tr class=") == 4
+
+
+# ----------------------------------------------------------------------------- constant panels
+
+
+def _rewrite(run: Path, config: str | None = None, **per_step) -> Path:
+    """Replace the config and set metric keys per step (a function of the step)."""
+    if config is not None:
+        (run / "config.yaml").write_text(config)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r["step"] > 0:
+            for key, fn in per_step.items():
+                r[key.replace("__", "/")] = fn(r["step"])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+BASE = "rollout:\n  group_size: 2\n  prompts_per_step: 4\n"
+
+
+def _panels(html: str) -> tuple[list[str], list[str]]:
+    figures = re.findall(r'<figure class="plot" data-panel="([^"]+)">', html)
+    notes = re.findall(r'<figure class="note" data-panel="([^"]+)">', html)
+    return figures, notes
+
+
+def test_constant_by_construction_panels_say_why_instead_of_a_flat_line(tmp_path):
+    flat = {"kl__mean": lambda s: 0.0, "ratio__max": lambda s: 1.0, "clip__frac": lambda s: 0.0}
+    run = _rewrite(
+        synthetic_run(tmp_path / "flat"), BASE + "algo:\n  beta: 0.0\n  num_iterations: 1\n", **flat
+    )
+    figures, notes = _panels(render_report([load_run(run)]))
+    assert set(notes) == {"KL to the reference", "Importance ratio", "Clip fractions"}
+    assert not set(notes) & set(figures)
+    html = render_report([load_run(run)])
+    assert "algo.beta is 0" in html and "the ratio is exactly 1 on every token" in html
+
+    # two passes (or minibatches below the batch): the ratio and the clip move, and are drawn
+    for extra in ("algo:\n  beta: 0.0\n  num_iterations: 2\n", "optim:\n  minibatch_size: 4\n"):
+        _rewrite(run, BASE + extra)
+        figures, notes = _panels(render_report([load_run(run)]))
+        assert notes == ["KL to the reference"], extra
+        assert {"Importance ratio", "Clip fractions"} <= set(figures)
+
+    # a KL penalty whose logged KL happens to be flat is drawn: its config says it can move
+    _rewrite(run, BASE + "algo:\n  beta: 0.04\n")
+    figures, notes = _panels(render_report([load_run(run)]))
+    assert "KL to the reference" in figures and "KL to the reference" not in notes
+
+
+def test_a_constant_run_is_left_out_of_an_overlay_and_named(tmp_path):
+    a = _rewrite(synthetic_run(tmp_path / "A"), BASE, kl__mean=lambda s: 0.0)
+    b = _rewrite(synthetic_run(tmp_path / "B"), BASE + "algo:\n  beta: 0.04\n")
+    html = render_report([load_run(a, "A"), load_run(b, "B")])
+    figures, notes = _panels(html)
+    assert "KL to the reference" in figures and "KL to the reference" not in notes
+    kl_fig = html[html.index('data-panel="KL to the reference"') :]
+    kl_fig = kl_fig[: kl_fig.index("</figure>")]
+    assert "B: kl/mean" in kl_fig and "A: kl/mean" not in kl_fig
+    assert "A: not drawn, constant by construction: algo.beta is 0" in kl_fig
+
+
+def test_ema_is_tensorboards_debiased_average():
+    from peergrade.report import ema
+
+    assert ema([4.0], 0.6) == [4.0]  # debiased: the first point is not pulled toward 0
+    out = ema([1.0, 3.0], 0.5)
+    assert out[0] == 1.0 and abs(out[1] - (0.25 + 1.5) / 0.75) < 1e-12
+    assert ema([2.0] * 5, 0.9) == pytest.approx([2.0] * 5)
+
+
+def test_noisy_curves_get_a_smoothed_line_beside_the_raw_one(tmp_path):
+    import random
+
+    from peergrade.report import is_noisy, panel_series
+
+    rng = random.Random(0)
+    noise = [0.5 + 0.01 * s + rng.uniform(-0.3, 0.3) for s in range(60)]
+    run = synthetic_run(tmp_path / "run", steps=60)
+    _rewrite(run, reward__acc__mean=lambda s: noise[s - 1])
+    assert is_noisy(noise)
+    assert not is_noisy([0.1 * s for s in range(60)])  # a steep trend is not noise
+    assert not is_noisy(noise[:9])  # too few points to tell
+    lines = panel_series([load_run(run)], [r"reward/acc/mean", r"reward/fmt/mean"])
+    labels = [label for label, *_ in lines]
+    raw = lines[labels.index("_raw reward/acc/mean")]
+    smooth = next(line for line in lines if line[0].startswith("reward/acc/mean (EMA "))
+    assert raw[2] == noise and raw[3]["alpha"] < 1 and raw[3]["color"] == smooth[3]["color"]
+
+    # the smoothed line varies less from step to step than the raw one
+    def tv(ys):
+        return sum(abs(b - a) for a, b in zip(ys, ys[1:]))
+
+    assert tv(smooth[2]) < tv(noise) / 3
+    assert "reward/fmt/mean" in labels  # constant 0.5: one line, not smoothed
+    html = render_report([load_run(run)])
+    assert "exponential moving average" in html

@@ -313,6 +313,64 @@ def test_cannot_kill_parent_or_neighbours(tracked_dirs):
         sleeper.wait()
 
 
+KILL_LAUNCHER = """
+    import os, signal
+    try:
+        os.kill(os.getppid(), signal.SIGKILL)
+    except OSError as e:
+        print(e)
+    os.kill(0, signal.SIGKILL)  # its process group, which held the launcher before the fix
+"""
+
+
+@pytest.mark.parametrize("mechanism", ["auto", "none"])
+def test_killing_the_launcher_is_the_programs_act_not_a_sandbox_error(tracked_dirs, mechanism):
+    """Contained (auto: the program's group no longer holds the launcher) or not (none: the
+    launcher is its parent), a program that kills its parent and its group scores as what it
+    did, never as the sandbox's failure; repeated, since the old failure depended on timing."""
+    for _ in range(3):
+        res = run_hostile(KILL_LAUNCHER, tracked_dirs, mechanism=mechanism)
+        assert res.status != "sandbox_error", res.reason
+        if mechanism == "auto":  # only itself was reachable
+            assert res.status == "killed" and res.returncode == -signal.SIGKILL
+            assert "sandbox did not send" in res.reason and "process group" in res.reason
+        else:
+            assert res.status == "tampered" and "launcher (killed by SIGKILL)" in res.reason
+
+
+FORGE_REPORT = """
+    import marshal, os
+    line = marshal.dumps({"setup_error": "forged"}).hex().encode() + b"\\n"
+    wrote = []
+    for pid in {1, os.getppid()}:
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                w = os.open("/proc/%d/fd/%s" % (pid, fd), os.O_WRONLY | os.O_NONBLOCK)
+                os.write(w, line)
+                os.close(w)
+                wrote.append(fd)
+            except OSError:
+                pass
+    print("FORGED" if wrote else "contained")
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.parametrize("mechanism", ["auto", "none"])
+def test_a_forged_setup_failure_is_tampering_not_a_sandbox_error(tracked_dirs, mechanism):
+    res = run_hostile(FORGE_REPORT, tracked_dirs, mechanism=mechanism)
+    assert res.status != "sandbox_error", res.reason
+    if mechanism == "auto":  # the report channel is out of the program's reach
+        assert res.stdout.strip() == "contained" and res.status == "error"
+    else:  # reachable unsandboxed: the line arrives after the exec and is named a forgery
+        assert "FORGED" in res.stdout
+        assert res.status == "tampered" and "forged setup failure" in res.reason
+
+
 def test_fallback_without_isolation_still_kills_group(tracked_dirs):
     code = """
         import os, time
@@ -474,7 +532,7 @@ def _run_escape_suite_in(root: Path, prefix, python: str, uid: int | None, mecha
 def _check_contained_or_refused(report: dict) -> None:
     """Each hostile program contained; or the sandbox refused with the clear error and no
     program ran at all. Never an escape, whatever the status."""
-    assert len(report["programs"]) == 9
+    assert len(report["programs"]) == 11
     for prog in report["programs"]:
         assert prog["escaped"] == [], prog
     if report["refused"] is not None:
@@ -489,6 +547,10 @@ def _check_contained_or_refused(report: dict) -> None:
         assert by_name["memory_bomb"]["status"] == "memory"
         assert by_name["infinite_loop"]["status"] == "timeout"
         assert by_name["fork_bomb"]["status"] != "ok"
+        # It only reached itself: killed, with a reason saying the sandbox did not send it.
+        killer = by_name["kill_launcher"]
+        assert killer["status"] == "killed" and "sandbox did not send" in killer["reason"]
+        assert by_name["forge_report"]["status"] == "error"
 
 
 def _need(tool: str) -> None:
@@ -506,6 +568,10 @@ def test_escape_suite_catches_escapes_without_a_sandbox():
     want = {"write_outside", "read_home_and_parent_env", "network", "see_other_processes"}
     assert want <= escaped
     assert "kill_others" in escaped  # it killed the neighbouring sleeper
+    assert "forge_report" in escaped  # it wrote into the launcher's report channel
+    by_name = {p["name"]: p for p in report["programs"]}
+    for name in ("kill_launcher", "forge_report"):  # unsandboxed, still the program's act
+        assert by_name[name]["status"] == "tampered", by_name[name]
 
 
 @pytest.mark.slow

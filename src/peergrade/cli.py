@@ -321,18 +321,34 @@ def cmd_memory(args, extra) -> int:
             f"{m['baseline_bytes'] / 2**20:.0f} MiB",
             flush=True,
         )
+        if not m["update_ran"]:
+            print(
+                f"  warning: {label}: no measured step ran its update (every minibatch had zero "
+                "signal), so its peak is the generation's, not a training step's",
+                flush=True,
+            )
     print(format_table(rows))
     unit = "CUDA max allocated" if rows[0][1]["device"] == "cuda" else "peak RSS"
     print(
-        f"(MiB; measured = {unit} above the process baseline, max over {args.steps} steps; "
-        "error = (estimated - measured) / measured)"
+        f"(MiB; measured = {unit} above the process baseline, max over {args.steps} steps, "
+        "every completion run to max_completion_length and given a distinct reward so that the "
+        "update trains every row; error = (estimated - measured) / measured)"
     )
     return 0
 
 
 def _memory_budget(args, cfg) -> int:
     """``memory --budget``: the estimate of GRPO, PPO and GRPO+LoRA against the budget."""
-    from peergrade.budget import budget_rows, format_budget, parse_size
+    import copy
+
+    from peergrade.budget import (
+        VARIANTS,
+        budget_rows,
+        fit_search,
+        format_budget,
+        format_fits,
+        parse_size,
+    )
 
     budget = parse_size(args.budget)
     device = args.device
@@ -353,6 +369,17 @@ def _memory_budget(args, cfg) -> int:
     print(f"budget: {budget / 2**30:.2f} GiB")
     table = format_budget(rows, budget)
     print(table)
+    fits = []
+    for (label, algo, lora), (_, est) in zip(VARIANTS, rows):
+        c = copy.deepcopy(cfg)
+        c.algo.name, c.model.lora.enabled = algo, lora
+        fit = None
+        if est["peak"] > budget:
+            fit = fit_search(c, budget, device=device, prompt_len=prompt_len, lora=lora)
+        fits.append((label, est["peak"], fit))
+    advice = format_fits(fits, budget)
+    print(advice)
+    table += "\n\n" + advice
     if args.output:
         import html
 

@@ -25,40 +25,51 @@ the trainer follows, few-shot prompts included), and reports the peak per phase:
 
 Two steps are run and the peak is over both: AdamW allocates its state lazily at the first
 ``step()``, so the first step alone understates the steady state by 2x the trainable weights.
+The measured steps are the worst case a budget must hold: every completion runs to
+``max_completion_length`` (EOS and stop strings ignored) and a probe reward
+(``PROBE_SPACING``) gives every completion a non-zero advantage, so the update trains every
+row even where the model earns nothing (with ``algo.beta`` 0 such a step would otherwise skip
+its update and measure only the generation); ``update_ran`` in the report says whether it ran.
 
 ``estimate_memory(model_config, ...)`` predicts the same peak from the architecture alone
 (parameter count, vocabulary, hidden/intermediate sizes, heads, layers), the batch shape, the
-dtype and LoRA, as a breakdown in bytes (b = bytes per element of the weights' dtype):
+dtype, bf16 autocast and LoRA, as a breakdown in bytes (b = bytes per element of the weights):
 
     weights      P * b                          (tied embeddings counted once)
     grads        P_train * b                    (P_train = P, or the LoRA parameters)
     optimizer    2 * P_train * b                (AdamW exp_avg + exp_avg_sq, in the param dtype)
     reference    P * b when beta > 0 and no LoRA (a frozen copy); 0 with LoRA (adapter off).
                  With ``model.ref_offload`` on CUDA it is resident only in its own pass
-                 (phase "reference": static + reference + one layer + chunk buffers)
     critic       P_critic * b * 4               (PPO: weights + grads + AdamW state of the value
                                                  model = the backbone without an untied lm_head)
     reward_models  P_rm * b per reward model    (resident all run; its no-grad scoring forward
                                                  is phase "rewards": see reward_model_memory)
-    activations  micro * L * layers * (4H + 5 q_dim + 4 I + n_heads * L) * 4 bytes
-                 (saved for backward per token per decoder layer: two RMSNorm inputs/outputs,
-                 q, k, v repeated to all heads (GQA with a padding mask), attention output twice,
-                 four MLP intermediates, and the attention probabilities of the math SDPA
-                 kernel; with gradient checkpointing only each layer's input H plus one layer)
-                 + the [c, V] float32 chunk buffers of the chunked log-probs (3 live in the
-                 backward, c = min(chunk_size, micro * completion_len))
+    activations  what one micro-batch's forward leaves for the backward, per decoder layer:
+                 tokens x ``_token_bytes`` (measured with saved-tensor hooks: e.g. float32
+                 6H + 4 q_dim + 4I + L elements per token; under bf16 autocast the linear
+                 outputs in bf16 and the residual stream in float32, plus each layer's weights
+                 cast to bf16). With ``model.shared_prompt_forward`` (the default) a
+                 micro-batch's ~micro/G distinct prompts run once and its completions run
+                 against the cache repeated to every row: tokens = prompts x Lp + micro x C,
+                 plus micro x Lp x 2 q_dim for the repeated keys and values. With gradient
+                 checkpointing: each layer's input plus one layer. Then the chunked log-probs'
+                 two [c, V] float32 buffers (c = min(chunk_size, micro * completion_len)).
+                 PPO's critic: a plain forward (every row in full, no autocast).
     transient    when lm_head is trained, the chunked log-prob backward holds a float32
-                 V x H gradient accumulator (updated in place), plus one V x H product in the
-                 weight dtype when that is not float32, on top of all activations. AdamW is
-                 the fused kernel (``update.build_optimizer``), which has no temporaries.
+                 V x H gradient accumulator, plus one V x H product in the weight dtype when
+                 that is not float32, on top of the activations. AdamW is the fused kernel
+                 (``update.build_optimizer``), which has no temporaries.
 
     peak = weights + reference + critic + optimizer
-           + max(activations + transient + one layer's activations,  # backward begins
-                 grads,                                               # optimizer step
-                 generation: KV cache + [N, V] logits)                # rollout
+           + max(policy activations + max(critic activations,          # backward begins
+                                          critic grads + head backward), # policy head's turn
+                 grads,                                                  # optimizer step
+                 generation: KV cache + [N, V] logits (+ bf16 casts))    # rollout
+           (+ grads while micro-batches accumulate)
 
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
-that stops early) and the longest prompt for all rows.
+that stops early) and the longest prompt for all rows; the measurement runs that same step
+(full-length completions, every row trained). Measured accuracy: docs/memory.md.
 It counts live tensors (compare with ``allocator="returning"`` measurements, or CUDA's); with
 glibc's default allocator policy the process RSS is higher by what the heap keeps.
 
@@ -73,6 +84,8 @@ more than it allocates: ``max_memory_reserved`` can be 10-20% higher than what i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -122,7 +135,13 @@ def _arch(model_config) -> dict[str, Any]:
     tied = bool(_get(model_config, "tie_word_embeddings", default=True))
     mtype = _get(model_config, "model_type", default="")
     qkv_bias = bool(_get(model_config, "attention_bias", default=mtype == "qwen2"))
+    types = _get(model_config, "layer_types")
+    if types is not None:  # as logprobs._full_attention_only decides
+        full_attention = all(t == "full_attention" for t in types)
+    else:
+        full_attention = not _get(model_config, "use_sliding_window", default=False)
     return dict(
+        full_attention=full_attention,
         H=H,
         layers=n_layers,
         heads=n_heads,
@@ -158,16 +177,51 @@ def param_counts(model_config, lora: dict | None = None) -> dict[str, int]:
     head = 0 if a["tied"] else V * H
     total = emb + head + a["layers"] * per_layer + H  # + final norm
     n_lora = 0
+    per_target: dict[str, int] = {}
     if lora:
         targets = lora.get("target_modules", list(shapes))
         if targets == "all-linear":
             targets = list(shapes)
         r = int(lora["r"])
-        n_lora = a["layers"] * sum(r * (i + o) for k, (i, o) in shapes.items() if k in targets)
+        per_target = {k: r * (i + o) for k, (i, o) in shapes.items() if k in targets}
+        n_lora = a["layers"] * sum(per_target.values())
     largest = max(emb, max(i * o for i, o in shapes.values()))
     return dict(
-        total=total, embedding=emb, lm_head=head, per_layer=per_layer, largest=largest, lora=n_lora
+        total=total,
+        embedding=emb,
+        lm_head=head,
+        per_layer=per_layer,
+        largest=largest,
+        lora=n_lora,
+        lora_per_target=per_target,
     )
+
+
+def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
+    """Bytes one token leaves saved for the backward in one decoder layer (measured with
+    ``torch.autograd.graph.saved_tensors_hooks`` on Llama/Qwen2 layers; bench/memory.py).
+
+    act "float32": 6H + 4 q_dim + 4I + L float32 elements: the two RMSNorms' input, normalised
+    and scaled copies, q and k, v repeated to all heads, the attention output, four MLP
+    intermediates and a row of the additive mask. act "autocast" (float32 weights under bf16
+    autocast): the linear layers' outputs in bf16, the residual stream and the norms in
+    float32. act "half" (bf16/fp16 weights): everything in 2 bytes but the norms' float32
+    upcast. LoRA: the frozen norm weights need not their input, the adapters add r values per
+    adapted linear (r_sum), under autocast one more q-sized bf16 cast, and on half-precision
+    weights the float32 copies peft makes of the adapted layers' inputs. Fitted on two shapes
+    (H = q_dim = 576, I = 1536; H = 256, q_dim = 512, I = 704), exact to a few bytes.
+    """
+    H, inter = a["H"], a["I"]
+    q = a["heads"] * a["head_dim"]
+    if act == "autocast":
+        n = 26 * H + 8 * q + 8 * inter + 2 * L
+        return n + (-8 * H + 2 * q + 2 * r_sum if lora else 0)
+    if act == "float32":
+        n = 24 * H + 16 * q + 16 * inter + 4 * L
+        return n + (-8 * H + 4 * r_sum if lora else 0)
+    n = 16 * H + 8 * q + 8 * inter + 2 * L
+    # peft's float32 adapters on half-precision weights: float32 copies of the adapted inputs
+    return n + (12 * H + 4 * q + 2 * inter + 4 * r_sum if lora else 0)
 
 
 def estimate_memory(
@@ -189,6 +243,11 @@ def estimate_memory(
     reward_models: list[dict] | None = None,
     world: int = 1,
     strategy: str = "ddp",
+    autocast: bool = False,
+    group_size: int = 1,
+    shared_prompt: bool = True,
+    generation_batch: int | None = None,
+    minibatch: int | None = None,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -200,12 +259,18 @@ def estimate_memory(
     the reference copy lives in host memory outside its own pass (counted on "cuda" only);
     reward_models: ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward
     models among the rewards.
+    autocast: the policy's passes run under bf16 autocast on float32 weights (``model.autocast``
+    resolved, see ``update.use_bf16_autocast``); group_size and shared_prompt: G, and
+    ``model.shared_prompt_forward`` (each distinct prompt of a micro-batch runs once; off under
+    gradient checkpointing); generation_batch: ``rollout.generation_batch_size`` (None: all);
+    minibatch: sequences per optimizer step (None: batch); with micro-batches below it the
+    grads accumulate while the next micro-batch's activations are built.
     world, strategy: ranks under torchrun and ``dist.strategy`` -- the figures are then per
     rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
     layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
     gathered at a time in the update, and all of them for the rollout).
-    Returns a dict of components plus ``phases`` (generate/update peaks, and "rewards" with a
-    reward model) and ``peak``.
+    Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
+    reference pass runs, and "rewards" with a reward model) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -222,12 +287,16 @@ def estimate_memory(
     b = DTYPE_BYTES[dtype]
     batch = batch // max(1, world)  # this rank's sequences
     f32 = 4
-    H, inter, V, nl = a["H"], a["I"], a["V"], a["layers"]
-    q_dim, kv_dim = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"]
+    H, V, nl = a["H"], a["V"], a["layers"]
+    kv_dim = a["kv_heads"] * a["head_dim"]
+    q_dim = a["heads"] * a["head_dim"]
     micro = min(micro_batch or batch, batch)
+    C, L = completion_len, seq_len
+    Lp = L - C
     P, P_train = pc["total"], (pc["lora"] if lora else pc["total"])
     # LoRA adapters are created in float32 by peft regardless of the base dtype
     tb = f32 if lora else b
+    autocast = autocast and b == f32  # autocast only ever casts float32 weights down
 
     weights = P * b + (pc["lora"] * f32 if lora else 0)
     grads = P_train * tb
@@ -236,31 +305,62 @@ def estimate_memory(
     critic_params = P - pc["lm_head"]
     critic = 4 * critic_params * b if algo == "ppo" else 0
 
-    # activations of one micro-batch's forward, kept for the backward (the dtype of the
-    # activations is the weights' dtype; SDPA math-kernel attention probs [heads, L] per token)
-    act_el = 4 * H + 5 * q_dim + 4 * inter + (a["heads"] * seq_len if device == "cpu" else 0)
-    if lora:
-        act_el += 2 * int(lora["r"]) * 7  # adapter inputs/outputs: small
-    tokens = micro * seq_len
-    layer_act = tokens * act_el * b
-    if gradient_checkpointing:
-        acts = tokens * H * b * nl + layer_act
+    # -- the policy's forward of one micro-batch, kept for the backward
+    act = "autocast" if autocast else ("float32" if b == f32 else "half")
+    act_b = f32 if act == "float32" else 2
+    r_sum = int(lora["r"]) * len(pc["lora_per_target"]) if lora else 0
+    per_tok = _token_bytes(a, L, act=act, r_sum=r_sum, lora=bool(lora))
+    G = max(1, int(group_size))
+    # rows of one micro-batch that share a prompt: completions of equal length keep their
+    # groups together in the length-sorted plan, so a micro-batch spans about micro / G prompts
+    prompts_in_micro = min(micro, -(-micro // G) + (1 if micro % G else 0))
+    shared = (
+        shared_prompt and not gradient_checkpointing and a["full_attention"]
+        and prompts_in_micro < micro
+    )  # fmt: skip
+    if shared:  # prompts once, completions against the cache expanded to every row
+        layer_act = (prompts_in_micro * Lp + micro * C) * per_tok + micro * Lp * 2 * q_dim * act_b
     else:
-        acts = layer_act * nl
-    c = min(chunk_size, micro * completion_len)
-    chunk_bufs = 3 * c * V * f32
-    hidden = tokens * H * b * 3  # final norm in/out + the selected rows
+        layer_act = micro * L * per_tok
+    # bf16 copies of each layer's float32 weights, cast once per forward by autocast (once in
+    # all when the weights are trained: autocast caches casts of parameters that need grads)
+    weight_copies = 0
+    if autocast:
+        forwards = 2 if (shared and lora) else 1
+        weight_copies = 2 * (pc["per_layer"] + pc["lora"] // nl) * forwards
+    if gradient_checkpointing:  # only each layer's input is kept; layers are recomputed later
+        resid_b = f32 if autocast else b
+        acts = micro * L * H * resid_b * nl
+    else:
+        acts = (layer_act + weight_copies) * nl
+    c = min(chunk_size, micro * C)
+    chunk_bufs = 2 * c * V * f32  # the chunked log-prob's [c, V] float32 logits and softmax
+    hidden = micro * L * H * (f32 if autocast else b) + micro * C * H * f32  # final norm, rows
     activations = acts + chunk_bufs + hidden
-    if algo == "ppo":  # the critic's own forward/backward on the same micro-batch
-        activations += acts + hidden
     # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
     # addmm for float32 weights; a half-precision weight adds one [V, H] product per chunk)
     grad_transient = (V * H * f32 + (V * H * b if b != f32 else 0)) if not lora else 0
     # fused AdamW (update.build_optimizer) steps each tensor in one kernel: no temporaries
+    head_backward = chunk_bufs + grad_transient + layer_act
+    if gradient_checkpointing:  # the head's buffers are gone before the first layer is
+        # recomputed; then one layer's activations and their gradients at a time
+        head_backward = max(chunk_bufs + grad_transient, 2 * layer_act + weight_copies)
+    critic_acts = 0
+    if algo == "ppo":  # the critic: a plain forward (no autocast) in the joint backward
+        critic_tok = _token_bytes(a, L, act="float32" if b == f32 else "half", r_sum=0, lora=False)
+        critic_layer = micro * L * critic_tok
+        if gradient_checkpointing:  # the critic is built with it too (ppo.build_value_model)
+            critic_acts = micro * L * H * b * (nl + 1) + 2 * critic_layer
+        else:
+            critic_acts = critic_layer * nl + micro * L * H * b
+        activations += critic_acts
 
-    # generation: KV cache for all sequences (no grad) + one step's [N, V] float32 logits
-    kv_cache = 2 * nl * kv_dim * batch * seq_len * b
-    gen_logits = 2 * batch * V * f32
+    # generation: KV cache for the generation batch (no grad) + one step's [N, V] float32
+    # logits and sampling buffers, + the bf16 casts of every weight under autocast
+    gen_rows = min(batch, generation_batch or batch)
+    kv_cache = 2 * nl * kv_dim * gen_rows * seq_len * b
+    gen_logits = 2 * gen_rows * V * f32
+    casts = 2 * P if autocast else 0
     # the critic's weights and optimizer state are static; its grads exist during the update
     # ref_offload on an accelerator: the reference is resident only for its own pass
     offloaded = ref_offload and device == "cuda" and reference > 0
@@ -269,13 +369,20 @@ def estimate_memory(
     rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
     static += rm_weights
     critic_grads = critic_params * b if algo == "ppo" else 0
-    # grads (policy's and critic's) are allocated as the backward frees activations: at its
-    # start only the chunked head's [V, H] buffers exist on top of the activations
-    backward = activations + grad_transient + layer_act
+    # grads (policy's and critic's) are allocated as the backward frees activations. The
+    # policy's own backward begins with the chunked head's buffers on top of its activations;
+    # PPO's critic, built last, is differentiated first: by the time the policy's head runs,
+    # the critic's activations have become its grads.
+    policy_acts = acts + hidden
+    backward = policy_acts + max(critic_acts, critic_grads + head_backward)
+    if micro < min(minibatch or batch, batch):  # accumulation: the earlier micro-batches' grads
+        backward += grads + critic_grads
     step = grads + critic_grads
     update = static + max(backward, step)
-    generate = static + kv_cache + gen_logits
+    generate = static + kv_cache + gen_logits + casts
     phases = {"generate": generate, "update": update}
+    if reference > 0 or (lora and beta > 0):  # a no-grad pass: one layer's forward at a time
+        phases["reference"] = static + casts + layer_act + chunk_bufs + hidden
     if reward_models:  # scoring: one reward model's micro-batch forward at a time
         phases["rewards"] = static + max(m["activations"] for m in reward_models)
     if world > 1:  # per-rank sharding and communication buffers (peergrade.distributed)
@@ -288,7 +395,7 @@ def estimate_memory(
         )  # fmt: skip
         weights, grads, optim = parts["weights"], parts["grads"], parts["optimizer"]
         reference = parts["reference"] if not offloaded else reference
-    if offloaded:  # no grads in the reference pass: one layer's activations + the chunk buffers
+    if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
     peak = max(phases.values())
     return {
@@ -358,9 +465,24 @@ def estimate_for_config(
         for i in cfg.rewards
         if is_reward_model_name(i.name)
     ]
+    from peergrade.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
+
+    autocast = cfg.model.autocast == "bf16"
+    if cfg.model.autocast == "auto":  # update.use_bf16_autocast, from the config alone
+        autocast = (
+            device == "cpu"
+            and dtype == "float32"
+            and param_counts(path)["total"] >= AUTO_BF16_MIN_PARAMS
+            and cpu_has_amx_bf16()
+        )
     return estimate_memory(
         path,
         batch=cfg.batch_size,
+        autocast=autocast,
+        group_size=r.group_size,
+        shared_prompt=cfg.model.shared_prompt_forward,
+        generation_batch=r.generation_batch_size,
+        minibatch=cfg.minibatch_size,
         micro_batch=cfg.micro_batch_size,
         seq_len=prompt_len + r.max_completion_length,
         completion_len=r.max_completion_length,
@@ -483,22 +605,62 @@ def _child(cfg_path: str, steps: int) -> dict:
     }
 
 
+PROBE_SPACING = 1e4
+"""The measurement's probe reward: completion ``j`` of each group scores ``PROBE_SPACING * (j +
+[j == G - 1])`` (0, 1, ..., G - 2, G), on top of the configured rewards. No two completions of a
+group tie and none sits at the group's mean, so every advantage is non-zero and the update
+computes every row: the step the estimate describes, whatever the model earns."""
+
+
+def _probe_reward(G: int):
+    def memory_probe(completions, **_) -> list[float]:
+        return [PROBE_SPACING * (i % G + (i % G == G - 1)) for i in range(len(completions))]
+
+    return memory_probe
+
+
+@contextlib.contextmanager
+def _full_length_rollouts():
+    """The trainer's rollouts ignore EOS while measuring: every completion runs to
+    ``max_completion_length``, the length the estimate assumes (the worst case a budget must
+    hold). Only ever entered in the measurement's own child process."""
+    from peergrade import trainer
+
+    real = trainer.generate
+    trainer.generate = functools.partial(real, ignore_eos=True)
+    try:
+        yield
+    finally:
+        trainer.generate = real
+
+
 def _run_steps(cfg, steps: int, meter) -> dict:
-    """``steps`` steps of the trainer's own ``train_step`` on ``cfg``, phases metered."""
+    """``steps`` steps of the trainer's own ``train_step`` on ``cfg``, phases metered, in the
+    worst case the estimate describes: full-length completions (no EOS, no stop strings) and a
+    probe reward (``PROBE_SPACING``) that gives every completion a non-zero advantage, so the
+    update really runs on every row. ``update_ran`` says whether it did on some step (a step
+    whose every minibatch was skipped for zero signal measures only the generation)."""
     import time
 
+    from peergrade.rewards.registry import RewardSpec
     from peergrade.trainer import setup, train_step
 
+    cfg.rollout.stop = []
     run = setup(cfg)
+    run.rewards = [*run.rewards, RewardSpec("memory_probe", _probe_reward(cfg.rollout.group_size))]
     meter.record("load")
     P = cfg.rollout.prompts_per_step
     rows = iter(run.task.train_rows(cfg.train.seed))
-    shapes, t0 = [], time.perf_counter()
-    for step in range(1, steps + 1):
-        shapes.append(train_step(run, step, [next(rows) for _ in range(P)], meter).shapes)
+    shapes, skipped, t0 = [], [], time.perf_counter()
+    with _full_length_rollouts():
+        for step in range(1, steps + 1):
+            res = train_step(run, step, [next(rows) for _ in range(P)], meter)
+            shapes.append(res.shapes)
+            skipped.append(res.metrics.get("update/zero_signal_frac", 0.0))
     policy = run.models.policy
     return {
         **{k: max(s[k] for s in shapes) for k in ("seq_len", "completion_len", "prompt_len")},
+        "update_ran": any(frac < 1.0 for frac in skipped),
         "params": sum(p.numel() for p in policy.parameters()),
         "trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad),
         "critic_params": (

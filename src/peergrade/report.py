@@ -12,7 +12,10 @@ note naming the file and line. ``write_report(runs, out)`` renders one HTML file
 * plots (matplotlib, inlined as SVG) of reward per function, held-out accuracy (``eval/*``),
   KL, entropy, completion length, zero-signal fraction, clip fractions, importance ratio,
   tokens/s, time per phase, losses and gradient norms; several runs are overlaid, one colour
-  each;
+  each. A noisy per-step curve is drawn faint with its exponential moving average on top (as
+  TensorBoard smooths). A panel whose metric is constant by construction for a run (KL with
+  ``algo.beta`` 0, the importance ratio and clip fractions with one optimizer step per batch)
+  is not drawn for it: the page says why instead of showing a flat line;
 * the resolved ``config.yaml`` of each run and the keys that differ between runs;
 * a searchable table of the sampled groups in ``samples.jsonl``: the prompt as the model saw
   it (``prompt_rendered``: chat template and system prompt applied; the row's own prompt
@@ -56,6 +59,8 @@ __all__ = [
     "render_report",
     "write_report",
     "PANELS",
+    "CONSTANT_BY_CONSTRUCTION",
+    "ema",
 ]
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
@@ -211,6 +216,87 @@ PANELS: list[tuple[str, str, list[str]]] = [
     ),
 ]
 
+
+def _conf(config: dict, section: str, key: str, default):
+    v = (config.get(section) or {}).get(key) if isinstance(config, dict) else None
+    return default if v is None else v
+
+
+def updates_per_step(config: dict) -> int | None:
+    """Optimizer steps per training step of a run's resolved config (``algo.num_iterations``
+    passes x minibatches per pass); None when the config does not say enough to tell."""
+    mu = int(_conf(config, "algo", "num_iterations", 1))
+    mb = _conf(config, "optim", "minibatch_size", None)
+    if mb is None:  # the whole batch in one optimizer step
+        return mu
+    P = _conf(config, "rollout", "prompts_per_step", None)
+    G = _conf(config, "rollout", "group_size", None)
+    if P is None or G is None or int(mb) <= 0:
+        return None
+    return mu * max(1, int(P) * int(G) // int(mb))
+
+
+def _no_reference(config: dict) -> bool:
+    return float(_conf(config, "algo", "beta", 0.0)) == 0.0
+
+
+def _one_update(config: dict) -> bool:
+    return updates_per_step(config) == 1
+
+
+_ONE_UPDATE_WHY = (
+    "one optimizer step per batch (algo.num_iterations 1, the whole batch in one minibatch): "
+    "the policy that scores the tokens is the one that sampled them, so"
+)
+# Panels whose metric cannot move under some configs: {title: (the config test, why)}. Such a
+# panel is not drawn for a run whose config passes the test *and* whose logged values are all
+# one value; the page says why instead (a flat line reads as "nothing happened").
+CONSTANT_BY_CONSTRUCTION: dict[str, tuple[Any, str]] = {
+    "KL to the reference": (
+        _no_reference,
+        "algo.beta is 0: no reference model is loaded and no KL is computed (kl/mean is logged "
+        "as 0). Set algo.beta > 0 to penalise and watch the distance to the reference.",
+    ),
+    "Importance ratio": (
+        _one_update,
+        f"{_ONE_UPDATE_WHY} the ratio is exactly 1 on every token. It moves with "
+        "algo.num_iterations > 1 or optim.minibatch_size below the batch.",
+    ),
+    "Clip fractions": (
+        _one_update,
+        f"{_ONE_UPDATE_WHY} every ratio is 1 and nothing is clipped. Clipping acts with "
+        "algo.num_iterations > 1 or optim.minibatch_size below the batch.",
+    ),
+}
+
+
+def ema(ys: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start (the
+    first points are not pulled toward 0)."""
+    out, last = [], 0.0
+    for i, y in enumerate(ys, start=1):
+        last = last * weight + (1.0 - weight) * y
+        out.append(last / (1.0 - weight**i))
+    return out
+
+
+def is_noisy(ys: list[float]) -> bool:
+    """A per-step curve worth smoothing: 10+ points whose path is over 3 times as long as a
+    monotone path across the same range (white noise of n points scores about n / 5; a trend,
+    however steep, scores 1)."""
+    if len(ys) < 10:
+        return False
+    span = max(ys) - min(ys)
+    path = sum(abs(b - a) for a, b in zip(ys, ys[1:]))
+    return span > 0 and path > 3 * span
+
+
+def smoothing_weight(n: int) -> float:
+    """The EMA weight for a curve of ``n`` points: an effective window of about n / 20 points
+    (TensorBoard's slider, set by length), between 0.6 (TensorBoard's default) and 0.98."""
+    return min(0.98, max(0.6, 1.0 - 20.0 / max(n, 1)))
+
+
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
 STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
 
@@ -282,11 +368,32 @@ def line_figure(
     return figure_svg(fig)
 
 
-def panel_series(runs: list[Run], patterns: list[str]):
-    """Lines of one panel: per run, per metric key matching a pattern, (step, value) points."""
+def constant_runs(runs: list[Run], title: str, patterns: list[str]) -> list[Run]:
+    """The runs whose metrics in this panel are constant by construction (their config says
+    so, see ``CONSTANT_BY_CONSTRUCTION``, and every value they logged there is one value)."""
+    if title not in CONSTANT_BY_CONSTRUCTION:
+        return []
+    test, _ = CONSTANT_BY_CONSTRUCTION[title]
+    out = []
+    for run in runs:
+        values = {v for _, _, ys, _ in panel_series([run], patterns, smooth=False) for v in ys}
+        if values and len(values) == 1 and test(run.config):
+            out.append(run)
+    return out
+
+
+def panel_series(
+    runs: list[Run], patterns: list[str], *, smooth: bool = True, skip: list[Run] = ()
+):
+    """Lines of one panel: per run, per metric key matching a pattern, (step, value) points.
+    With ``smooth``, a noisy per-step curve (``is_noisy``) comes twice: raw, faint and out of
+    the legend, then its EMA (``ema``, ``smoothing_weight``) in the same colour, labelled.
+    Runs in ``skip`` keep their colour and draw nothing."""
     out = []
     regexes = [re.compile(p + "$") for p in patterns]
     for ri, run in enumerate(runs):
+        if any(run is r for r in skip):
+            continue
         keys: list[str] = []
         for m in run.metrics:
             for k in m:
@@ -304,19 +411,48 @@ def panel_series(runs: list[Run], patterns: list[str]):
             if key.startswith("eval/") or len(pts) <= 3:
                 kw["marker"] = "o"
                 kw["markersize"] = 3
-            out.append((label, [p[0] for p in pts], [p[1] for p in pts], kw))
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            if smooth and not key.startswith("eval/") and is_noisy(ys):
+                w = smoothing_weight(len(ys))
+                out.append(("_raw " + label, xs, ys, {**kw, "alpha": 0.25, "linewidth": 0.8}))
+                out.append((f"{label} (EMA {w:.2f})", xs, ema(ys, w), kw))
+            else:
+                out.append((label, xs, ys, kw))
     return out
 
 
 def plots_section(runs: list[Run]) -> Section:
     figs, missing = [], []
     for title, ylabel, patterns in PANELS:
-        series = panel_series(runs, patterns)
-        if not series:
+        flat = constant_runs(runs, title, patterns)
+        series = panel_series(runs, patterns, skip=flat)
+        if not series and not flat:
             missing.append(title)
             continue
+        note = ""
+        if flat:
+            who = "" if len(runs) == 1 else ", ".join(r.name for r in flat) + ": "
+            note = (
+                f'<p class="constant">{html.escape(who)}not drawn, constant by construction: '
+                f"{html.escape(CONSTANT_BY_CONSTRUCTION[title][1])}</p>"
+            )
+        if not series:  # nothing left to draw: the reason takes the figure's place
+            figs.append(
+                f'<figure class="note" data-panel="{html.escape(title)}">'
+                f"<h3>{html.escape(title)}</h3>{note}</figure>"
+            )
+            continue
         svg = line_figure(series, title=title, xlabel="step", ylabel=ylabel)
-        figs.append(f'<figure class="plot" data-panel="{html.escape(title)}">{svg}</figure>')
+        caption = ""
+        if any(label.startswith("_raw ") for label, *_ in series):
+            caption = (
+                '<figcaption class="muted">Faint: the values of each step; bold: their '
+                "exponential moving average (debiased, as TensorBoard smooths; weight in the "
+                "legend).</figcaption>"
+            )
+        figs.append(
+            f'<figure class="plot" data-panel="{html.escape(title)}">{svg}{caption}{note}</figure>'
+        )
     body = '<div class="grid">' + "".join(figs) + "</div>"
     if missing:
         body += f'<p class="muted">Not logged in these runs: {html.escape(", ".join(missing))}.</p>'
@@ -674,6 +810,7 @@ nav a{margin-right:12px} .muted{color:#777} pre{margin:0;white-space:pre-wrap;wo
 table{border-collapse:collapse;font-size:13px;margin:6px 0} th,td{border:1px solid #ddd;padding:3px 7px;vertical-align:top;text-align:left}
 th{background:#f4f4f4;position:sticky;top:0} .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:10px}
 figure{margin:0;border:1px solid #eee;padding:4px} figure svg{width:100%;height:auto}
+figure h3{font-size:13px;margin:4px 0} figure p.constant{color:#555;font-size:13px;margin:4px}
 td.pos{background:#e6f4e6} td.neg{background:#fbe9e9} td.prompt{max-width:420px;background:#fafafa}
 tr.first td{border-top:2px solid #999} .controls{margin:8px 0;display:flex;gap:14px;align-items:center}
 .controls input{width:340px;padding:4px} table.alerts td{background:#fff4e5} ul.notes{color:#a15c00}

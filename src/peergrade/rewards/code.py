@@ -60,7 +60,9 @@ Diagnostics: after each call the module-level ``last_report`` holds one dict per
 ``reasons`` (why tests failed)). It is overwritten by the next call (not thread-safe across
 concurrent calls). A malformed test specification is a dataset error: it raises ValueError
 naming the sample index and what was expected. Anything the program does scores 0 for that
-test, never raises. A program the sandbox itself could not run (``sandbox_error``) is not the
+test, never raises; a program that tampers with its sandbox (``tampered``: it killed its
+launcher or forged its report) scores 0 for the whole sample, whatever it passed before.
+A program the sandbox itself could not run (``sandbox_error``) is not the
 program's fault and is never scored 0 silently: ``code_tests`` raises ``SandboxError`` (a
 ``RewardSampleErrors``) carrying the other samples' scores, and ``score_rewards`` puts those
 samples through ``on_reward_error`` and counts them in ``reward/code_tests/sandbox_errors``.
@@ -683,6 +685,10 @@ def code_tests(
             res = results[ids[0]]
             passed, reasons = _score_asserts(res, nonces[ids[0]], spec.total)
         total = spec.total
+        if any(results[k].status == "tampered" for k in ids):
+            # An attack on the sandbox itself voids whatever the program passed before it.
+            passed = 0
+            reasons.append("the program tampered with its sandbox: the sample scores 0")
         if mode == "fraction":
             reward = passed / total
         elif mode == "all":

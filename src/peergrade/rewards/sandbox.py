@@ -40,12 +40,16 @@ session (its own process group). Under ``root`` or ``userns`` the launcher:
    every mount read-only and nosuid; a mount that cannot be made read-only is a setup error;
 3. mounts a size-capped tmpfs (``disk_mb``) owned by the program's uid over the work directory
    and writes the files back into it: the program's files never touch the disk;
-4. forks a minimal init, PID 1 of the new PID namespace, which mounts a fresh ``/proc`` (only
+4. forks a minimal init, PID 1 of the new PID namespace, which starts a session of its own
+   (so the program's process group never holds the launcher), mounts a fresh ``/proc`` (only
    the namespace's processes) and forks the program (PID 2). The program's process sets the
    resource limits, under ``root`` drops to the per-program uid/gid (no supplementary groups),
    sets ``PR_SET_NO_NEW_PRIVS`` and ``PR_SET_PDEATHSIG`` and execs ``python -I main.py`` with a
    minimal environment. The init reaps orphans and reports the program's wait status and CPU
-   time on a private pipe; the launcher stays outside the PID namespace and waits for the init.
+   time on a private pipe, and first that the program's ``execve`` succeeded: from then on an
+   init or launcher that ends without a report, or a setup failure on the pipe, is the
+   program's doing (``tampered``), not ``sandbox_error``. The launcher stays outside the PID
+   namespace and waits for the init.
 
 Resource limits (``setrlimit``): RLIMIT_CPU (CPU seconds, per process), RLIMIT_AS (address
 space, per process), RLIMIT_NPROC (processes of the program's uid: unique per program under
@@ -85,14 +89,26 @@ import sys
 # comes first and ends in ``_launcher_main``, which never returns, so the launcher does not pay
 # for the supervisor's imports below (a third of the per-program start-up time).
 
-STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed", "sandbox_error")
+STATUSES = (
+    "ok",
+    "error",
+    "timeout",
+    "memory",
+    "output_limit",
+    "killed",
+    "tampered",
+    "sandbox_error",
+)
 """Every value ``SandboxResult.status`` can take.
 
 ok: exit code 0. error: non-zero exit (the reason is the last stderr line, e.g. an uncaught
 exception or ``BlockingIOError`` from the process limit). timeout: the wall-clock or CPU limit
 was hit. memory: ``MemoryError`` (or a crash) under the address-space limit. output_limit:
-stdout + stderr exceeded ``max_output_bytes``. killed: ended by a signal. sandbox_error: the
-sandbox itself could not be set up (the program never ran)."""
+stdout + stderr exceeded ``max_output_bytes``. killed: ended by a signal. tampered: the program
+ran and then ended or spoke for the sandbox around it (killed its launcher or init, wrote into
+their report channel): the program's doing, scored like any failure. sandbox_error: the sandbox
+itself could not run the program (it never started); only this status is not the program's
+fault."""
 
 # Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h).
 _CLONE_NEWNS = 0x00020000
@@ -351,6 +367,10 @@ def _launcher_main(config_hex: str) -> None:
         # because the kernel ignores default-action signals (SIGXCPU, SIGABRT) sent to PID 1.
         try:
             _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+            # A session of its own (after PDEATHSIG: until now the launcher's group kill reached
+            # us): a program that signals its process group (kill(0), killpg) reaches only the
+            # init, which ignores it, and itself, never the launcher outside the namespace.
+            os.setsid()
             _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
             _spawn_and_wait(libc, cfg, setuid_to, send, report_pid=False)
         except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
@@ -360,23 +380,33 @@ def _launcher_main(config_hex: str) -> None:
     # Launcher: stay outside the PID namespace; killing `pid` (the init) ends the namespace.
     send({"child_pid": pid})
     _, status = os.waitpid(pid, 0)
-    # Under `userns` the program shares the init's uid and may kill it: say so, so that it is
-    # scored as the program's doing, not as a sandbox failure.
+    # If the init dies before the program's report (it should not: signals from inside the
+    # namespace do not reach it), say how, so the supervisor can tell who ended it.
     send({"init_status": status})
     os._exit(0)
 
 
 def _spawn_and_wait(libc, cfg: dict, setuid_to, send, report_pid: bool) -> None:
-    """Fork the program, reap every child until it exits, and report its wait status."""
+    """Fork the program, report when its ``execve`` succeeded, reap every child until the
+    program exits, and report its wait status."""
+    # Close-on-exec pipe (os.pipe's default): EOF with no byte means the exec happened. From
+    # then on the program has run, and whatever ends the sandbox is no longer a setup failure.
+    exec_r, exec_w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(exec_r)
         try:
             _child_exec(libc, cfg, setuid_to)
         except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
             send({"setup_error": f"child: {type(exc).__name__}: {exc}"})
+            os.write(exec_w, b"x")
         os._exit(127)
+    os.close(exec_w)
     if report_pid:
         send({"child_pid": pid})
+    if os.read(exec_r, 1) == b"":
+        send({"exec": True})
+    os.close(exec_r)
     while True:
         done, status, usage = os.wait4(-1, 0)
         if done == pid:
@@ -1009,10 +1039,15 @@ def _kill_all(proc: subprocess.Popen, uid: int | None, child_pid: int | None = N
 
 
 def _parse_report(report: bytes) -> dict:
+    """The launcher's report lines merged into one dict. A setup error that arrives after the
+    program's exec cannot be the sandbox's (setup is over by then): it is kept as ``forged``."""
     info: dict = {}
     for line in report.decode("ascii", "replace").splitlines():
-        with contextlib.suppress(ValueError, EOFError, TypeError):
-            info.update(marshal.loads(bytes.fromhex(line)))
+        with contextlib.suppress(ValueError, EOFError, TypeError, AttributeError):
+            entry = dict(marshal.loads(bytes.fromhex(line)))
+            if info.get("exec") and "setup_error" in entry:
+                info.setdefault("forged", entry.pop("setup_error"))
+            info.update(entry)
     return info
 
 
@@ -1067,18 +1102,42 @@ def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> S
     def result(status, rc, reason):
         return SandboxResult(status, rc, stdout, stderr, reason, wall, enforced)
 
-    if "setup_error" in info:
+    ran = bool(info.get("exec"))  # the program's execve succeeded: from here on, its doing
+    if "setup_error" in info and not ran:
         return result("sandbox_error", None, info["setup_error"])
     if over_output:
         return result("output_limit", None, f"output exceeded {max_output_bytes} bytes")
     if timed_out:
         return result("timeout", None, f"wall-clock limit of {timeout_s:g} s exceeded")
-    if "wait_status" not in info and "init_status" in info and os.WIFSIGNALED(info["init_status"]):
-        sig = os.WTERMSIG(info["init_status"])  # only the program shares the init's uid
-        return result("killed", -sig, f"the sandbox's init was killed by {_signal_name(sig)}")
-    if "wait_status" not in info:
+    if "forged" in info:
         return result(
-            "sandbox_error", None, f"launcher ended without a report (rc {proc.returncode})"
+            "tampered",
+            None,
+            "the program wrote into its sandbox's report channel (a forged setup failure: "
+            f"{str(info['forged'])[:200]!r})",
+        )
+    if "wait_status" not in info:
+        if not ran:
+            return result(
+                "sandbox_error",
+                None,
+                f"launcher ended without a report before the program started "
+                f"(rc {proc.returncode})",
+            )
+        # The program ran and its sandbox ended before reporting on it, and not by our hand (a
+        # timeout or the output cap would have been handled above): the program did it.
+        init = info.get("init_status")
+        if init is not None and os.WIFSIGNALED(init):
+            what = f"the sandbox's init (killed by {_signal_name(os.WTERMSIG(init))})"
+        elif proc.returncode is not None and proc.returncode < 0:
+            what = f"its launcher (killed by {_signal_name(-proc.returncode)})"
+        else:
+            what = f"its launcher (exit code {proc.returncode})"
+        return result(
+            "tampered",
+            proc.returncode,
+            f"the program ended {what} while it ran, e.g. by signalling its parent or its "
+            "process group",
         )
     status = info["wait_status"]
     if os.WIFSIGNALED(status):
@@ -1086,6 +1145,15 @@ def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> S
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and info.get("cpu_s", 0) >= cpu_s):
             return result(
                 "timeout", -sig, f"CPU time limit of {cpu_s} s exceeded ({_signal_name(sig)})"
+            )
+        if sig == signal.SIGKILL:
+            # The sandbox sends SIGKILL only at a limit (handled above): this one came from the
+            # program itself (os.kill, killpg of its own group) or the kernel's OOM killer.
+            return result(
+                "killed",
+                -sig,
+                "killed by SIGKILL, which the sandbox did not send: the program killed itself "
+                "or its own process group (or the kernel's out-of-memory killer ended it)",
             )
         return result("killed", -sig, f"killed by {_signal_name(sig)}")
     rc = os.WEXITSTATUS(status)
