@@ -141,6 +141,7 @@ def test_trl_recipes_run_unchanged(fmt, tmp_path, monkeypatch):
             "threads": 1,
             "log_samples": P,
             "save_every": 0,
+            "audit_rewards": "off",  # the start-up audit's calls would be recorded too
         },
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))

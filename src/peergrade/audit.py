@@ -1306,6 +1306,11 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
     py_state, torch_state = random.getstate(), torch.random.get_rng_state()
     np = sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
+    # reward models are left out: each exploit would cost a forward pass (and the memory of
+    # a long filler completion); ``peergrade audit`` takes them when asked
+    specs = [s for s in specs if not getattr(s.fn, "skip_startup_audit", False)]
+    if not specs:
+        return None
     try:
         rows = first_rows(task, STARTUP_ROWS, cfg.train.seed)
         if any(_code_info(r) for r in rows[:1]):

@@ -110,6 +110,10 @@ class RewardModel:
     ignored). ``__name__`` is the directory's name, as TRL names a model reward.
     """
 
+    #: the start-up reward audit leaves it out: every exploit would be a forward pass of the
+    #: model (``peergrade audit`` still takes it when asked)
+    skip_startup_audit = True
+
     def __init__(self, model, tokenizer, *, name: str, path: str, batch_size: int):
         self.model = model
         self.tokenizer = tokenizer
