@@ -90,8 +90,8 @@ def test_collect_keeps_the_loss_mask_apart(tiny_model_dir, monkeypatch):
     run = trainer.setup(cfg)
     real_sample = trainer.sample
 
-    def sample_with_a_gap(run, prompt_ids, step):
-        ro = real_sample(run, prompt_ids, step)
+    def sample_with_a_gap(run, prompt_ids, step, row_keys):
+        ro = real_sample(run, prompt_ids, step, row_keys)
         ro.loss_mask[:, 0] = 0.0  # e.g. an environment's answer: in the context, not trained
         return ro
 
