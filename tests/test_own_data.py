@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # two rewards of the tests' own
 _PAGE = (ROOT / "docs" / "own-data.md").read_text()
 MY_REWARDS = re.search(r"```python\n(# my_rewards\.py\n.*?)```", _PAGE, re.S).group(1)
-MY_REWARDS += '''
+MY_REWARDS += """
 
 def always_one(completions, **kwargs):
     return [1.0] * len(completions)
@@ -48,7 +48,7 @@ def always_one(completions, **kwargs):
 
 def needs_solution(completions, solution, **kwargs):
     return [0.0] * len(completions)
-'''
+"""
 
 TINY = [
     "--rollout.prompts_per_step", "2",
