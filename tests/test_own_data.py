@@ -19,6 +19,7 @@ The walk-through's files are the ones docs/own-data.md shows.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,13 @@ from peergrade.tasks import load_task
 from peergrade.tasks.files import DataError
 from peergrade.tasks.prompts import chat_template_note
 
-# docs/own-data.md: the reward file of the walk-through
-MY_REWARDS = '''
-def exact(completions, answer, **kwargs):
-    """1.0 when the reply is exactly the answer (no substring match: "171" is not "17")."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if t.strip() == str(a).strip() else 0.0 for t, a in zip(texts, answer)]
-
+ROOT = Path(__file__).resolve().parents[1]
+# the walk-through's reward file, read from docs/own-data.md so that the tests and the page
+# cannot drift (tests/test_reward_example.py checks every page shows this same block), plus
+# two rewards of the tests' own
+_PAGE = (ROOT / "docs" / "own-data.md").read_text()
+MY_REWARDS = re.search(r"```python\n(# my_rewards\.py\n.*?)```", _PAGE, re.S).group(1)
+MY_REWARDS += """
 
 def always_one(completions, **kwargs):
     return [1.0] * len(completions)
@@ -47,7 +48,7 @@ def always_one(completions, **kwargs):
 
 def needs_solution(completions, solution, **kwargs):
     return [0.0] * len(completions)
-'''
+"""
 
 TINY = [
     "--rollout.prompts_per_step", "2",
