@@ -355,9 +355,26 @@ def _sample(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def _check_sampling(caller: str, temperature, top_p, top_k) -> int:
+    """The sampling settings every sampler takes (``generate``, ``envs.run_episodes``): a finite
+    temperature >= 0, top_p in (0, 1], top_k an int >= 0 (returned)."""
+    top_k = _check_int("top_k", top_k, 0, caller)
+    if (
+        not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(
+            f"{caller}(): temperature must be a finite number >= 0, got {temperature!r}"
+        )
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"{caller}(): top_p must be in (0, 1], got {top_p!r}")
+    return top_k
+
+
+def _check_int(name: str, value, minimum: int, caller: str = "generate") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"generate(): {name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"{caller}(): {name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
@@ -514,17 +531,7 @@ def generate(
     vocab_size = getattr(cfg, "vocab_size", None)
     n = _check_int("n", n, 1)
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    top_k = _check_int("top_k", top_k, 0)
-    if (
-        not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(
-            f"generate(): temperature must be a finite number >= 0, got {temperature!r}"
-        )
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"generate(): top_p must be in (0, 1], got {top_p!r}")
+    top_k = _check_sampling("generate", temperature, top_p, top_k)
     if isinstance(stop, str):
         stop = (stop,)
     stop = tuple(stop)

@@ -41,7 +41,6 @@ training (``episodes_batch`` gives the update's tensors).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +53,7 @@ from peergrade.errors import PeergradeError
 from peergrade.rollout import (
     _check_int,
     _check_row_keys,
+    _check_sampling,
     _forward_signature,
     _model_config,
     _row_states,
@@ -224,25 +224,15 @@ def run_episodes(
         check_roles: the roles of environment messages the template must render token-exactly.
     """
     cfg = _model_config(model)
-    n = _check_int("n", n, 1)
-    budget = _check_int("max_completion_length", max_completion_length, 1)
+    n = _check_int("n", n, 1, "run_episodes")
+    budget = _check_int("max_completion_length", max_completion_length, 1, "run_episodes")
     if max_turns is not None:
-        _check_int("max_turns", max_turns, 1)
+        _check_int("max_turns", max_turns, 1, "run_episodes")
     if max_tokens_per_turn is not None:
-        _check_int("max_tokens_per_turn", max_tokens_per_turn, 1)
+        _check_int("max_tokens_per_turn", max_tokens_per_turn, 1, "run_episodes")
     if batch_size is not None:
-        _check_int("batch_size", batch_size, 1)
-    top_k = _check_int("top_k", top_k, 0)
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"run_episodes(): top_p must be in (0, 1], got {top_p!r}")
-    if (
-        not isinstance(temperature, (int, float))
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
-        raise ValueError(
-            f"run_episodes(): temperature must be a finite number >= 0, got {temperature!r}"
-        )
+        _check_int("batch_size", batch_size, 1, "run_episodes")
+    top_k = _check_sampling("run_episodes", temperature, top_p, top_k)
     if not slab_cache_ok(cfg):
         raise NotImplementedError(
             "run_episodes(): only models whose layers are all full attention with the sdpa or eager "
