@@ -328,9 +328,9 @@ def test_add_recipe_gives_signal_from_step_one(converted, tmp_path):
     seen = []
     real_score = trainer.score
 
-    def spy(run_, step, rows, rollout, ids):
-        scores, acc = real_score(run_, step, rows, rollout, ids)
-        seen.append((scores.total.view(-1, G).clone(), list(rollout.completion_text)))
+    def spy(run_, step, prompts, texts, columns):
+        scores, acc = real_score(run_, step, prompts, texts, columns)
+        seen.append((scores.total.view(-1, G).clone(), list(texts)))
         return scores, acc
 
     rows = run.task.train_rows(cfg.train.seed)
