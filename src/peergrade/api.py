@@ -21,8 +21,8 @@ step sees ``per_device_train_batch_size x gradient_accumulation_steps x processe
 ``max_steps`` counts optimizer steps, as TRL's ``global_step`` does.
 
 ``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` builds a peergrade ``Config`` from
-these and hands the objects (rows in memory, reward callables, a loaded model, a tokenizer)
-to the one trainer (``trainer.setup`` / ``trainer.train``); there is no second training loop.
+these and hands the objects (rows in memory, reward callables, a loaded model, a tokenizer,
+TRL's ``tools`` functions and ``environment_factory`` class) to the one trainer (``trainer.setup`` / ``trainer.train``); there is no second training loop.
 
 ``recipe_overrides`` reads a TRL / open-r1 recipe YAML (TrlParser's flat layout: model,
 script and training arguments in one file) for ``peergrade train --trl-config``.
@@ -93,6 +93,10 @@ MAPPED: dict[str, tuple[str, str]] = {
         "when max_steps = -1: epochs x (rows // prompts per step) generation steps, rounded up",
     ),
     "max_completion_length": ("rollout.max_completion_length", "as is"),
+    "max_tool_calling_iterations": (
+        "env.max_tool_calling_iterations",
+        "as is (read with GRPOTrainer's tools= / environment_factory=)",
+    ),
     "max_prompt_length": (
         "data.max_prompt_length",
         "as is (a TRL < 1.0 field; a longer prompt is an error here, not truncated); "
@@ -292,7 +296,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "entropy_coef_max": (1.0, _NO),
     "entropy_coef_delta": (0.005, _NO),
     "entropy_target": (0.2, _NO),
-    "max_tool_calling_iterations": (None, _NO),
     "off_policy_mask_threshold": (None, _NO),
     "use_bias_correction_kl": (True, _NO),
     "use_transformers_continuous_batching": (False, _VLLM),
@@ -338,6 +341,7 @@ class GRPOConfig:
     max_steps: int = -1
     num_train_epochs: float = 3.0
     max_completion_length: int = 512
+    max_tool_calling_iterations: int | None = None
     max_prompt_length: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -546,6 +550,8 @@ class GRPOConfig:
         ]
         if self.max_prompt_length is not None:
             out.append(("data.max_prompt_length", self.max_prompt_length))
+        if self.max_tool_calling_iterations is not None:
+            out.append(("env.max_tool_calling_iterations", self.max_tool_calling_iterations))
         if self.save_total_limit is not None:
             out.append(("train.keep_last", self.save_total_limit))
         if self.use_cpu:
@@ -782,9 +788,7 @@ class GRPOTrainer:
                 "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay",
             ),
             "quantization_config": (quantization_config, "peft_config (LoRA) on a bf16 model"),
-            "tools": (tools, "single-turn reward functions (tools are not supported yet)"),
             "rollout_func": (rollout_func, "peergrade's own sampler"),
-            "environment_factory": (environment_factory, "single-turn reward functions"),
         }
         for name, (value, instead) in refused.items():
             if value is not None:
@@ -793,6 +797,8 @@ class GRPOTrainer:
             raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
         if train_dataset is None:
             raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise ConfigError(f"GRPOTrainer: tools must be a list of functions, got {tools!r}")
         if args is None:  # TRL names the run after the model
             name = Path(str(getattr(model, "name_or_path", model) or "model")).name
             args = GRPOConfig(f"{name}-GRPO")
@@ -815,7 +821,14 @@ class GRPOTrainer:
                 )
         overrides.extend(_lora_overrides(peft_config))
         self.config = load_config(None, overrides)
-        given = Given(task=task, reward_fns=fns, policy=policy, tokenizer=processing_class)
+        given = Given(
+            task=task,
+            reward_fns=fns,
+            policy=policy,
+            tokenizer=processing_class,
+            tools=list(tools or []),
+            environment_factory=environment_factory,
+        )
         self._run = setup(self.config, given)
         self.model = self._run.models.policy
         self.processing_class = self._run.models.tokenizer

@@ -19,7 +19,7 @@ from typing import Any
 
 from peergrade import distributed as dist
 from peergrade.config import Config
-from peergrade.envs import check_template, make_env_from_specs
+from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
 from peergrade.models import (
@@ -63,6 +63,8 @@ class Given:
     reward_fns: list | None = None  # aligned with cfg.rewards: a callable replaces that name
     policy: Any = None  # a loaded PreTrainedModel (model.path then only names it)
     tokenizer: Any = None
+    tools: list | None = None  # tool functions: with environment_factory, replace env.tools/factory
+    environment_factory: Any = None  # a class (or dict of classes), TRL's environment_factory
 
 
 def build_task(cfg: Config):
@@ -104,21 +106,24 @@ def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec
     return specs
 
 
-def build_env(cfg: Config):
+def build_env(cfg: Config, tools: list | None = None, environment_factory: Any = None):
     """The checked ``row -> environment`` factory of ``env:`` (tools, environment class), or
     None for single-turn training. Loads the user's files: every problem (a missing file, a
     tool without type hints or docstring, a class without ``reset``) is an error here, before
-    any model loads."""
+    any model loads. ``tools`` / ``environment_factory`` (a Python caller's functions and
+    class, ``Given``) are used instead of ``env.tools`` / ``env.factory``, with the same checks
+    and the other ``env:`` options."""
     e = cfg.env
-    if not e.enabled:
-        return None
-    return make_env_from_specs(
-        e.tools,
-        e.factory,
+    options = dict(
         max_tool_calling_iterations=e.max_tool_calling_iterations,
         tool_timeout=e.tool_timeout,
         max_tool_output_chars=e.max_tool_output_chars,
     )
+    if tools or environment_factory is not None:
+        return make_env_from_objects(tools or [], environment_factory, **options)
+    if not e.enabled:
+        return None
+    return make_env_from_specs(e.tools, e.factory, **options)
 
 
 def env_reward_spec(make_env) -> list[RewardSpec]:

@@ -10,17 +10,19 @@
 - ``runner``: ``run_episodes``, which samples the model's turns batched with one KV cache per
   episode kept across turns, and returns ``Episode`` records with separate attention and loss masks.
 - ``load``: ``make_env_from_specs``, the environment factory named by ``--tools FILE:fn`` /
-  ``--env FILE:Class``, loaded and checked before a model loads.
+  ``--env FILE:Class``, loaded and checked before a model loads (``make_env_from_objects``:
+  the same from the functions and class themselves).
 - ``scoring``: ``reward_inputs``, TRL's reward-function arguments for episodes (completions as
   message lists, ``environments``).
 
-The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``,
+The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``
+(the Python API with ``make_env_from_objects``),
 samples with ``run_episodes`` and trains on ``episodes_batch``; this package knows nothing of
 the trainer. Not done here: verifiers environments and sandboxed code tools. See
 docs/environments.md.
 """
 
-from peergrade.envs.load import make_env_from_specs
+from peergrade.envs.load import make_env_from_objects, make_env_from_specs
 from peergrade.envs.protocol import Environment, Step
 from peergrade.envs.runner import Episode, episode_metrics, episodes_batch, run_episodes
 from peergrade.envs.scoring import reward_inputs
@@ -36,6 +38,7 @@ __all__ = [
     "check_template",
     "episode_metrics",
     "episodes_batch",
+    "make_env_from_objects",
     "make_env_from_specs",
     "parse_tool_calls",
     "reward_inputs",

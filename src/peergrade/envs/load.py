@@ -11,6 +11,9 @@ and returns a ``row -> environment`` factory:
   tools), combined with the ``tools`` functions through ``tools.tool_environment_factory``;
 - no ``env``: the ``tools`` alone.
 
+``make_env_from_objects(tools=[multiply], env=Game)`` does the same from the objects
+themselves (the Python API's ``tools=`` / ``environment_factory=``).
+
 Everything is checked here, before a model loads (the trainer calls this from ``env:`` /
 ``--tools`` / ``--env`` first thing). The factory's ``environment_class`` attribute is the
 ``env`` class (or None), for the trainer to see whether it gives a reward of its own.
@@ -51,18 +54,34 @@ def make_env_from_specs(
     (``max_tool_calling_iterations``, ``tool_timeout``, ``max_tool_output_chars``)."""
     fns = [load_object(s, "--tools") for s in tools]
     cls = load_object(env, "--env") if env else None
-    if cls is not None and callable(getattr(cls, "step", None)):
+    return make_env_from_objects(
+        fns, cls, names=("--tools", f"--env {env!r}" if env else "--env"), **options
+    )
+
+
+def make_env_from_objects(
+    tools: Sequence[Callable] = (),
+    env: Any = None,
+    *,
+    names: tuple[str, str] = ("tools", "environment_factory"),
+    **options: Any,
+) -> Callable[[Any], Any]:
+    """The same checked factory from the objects themselves (the Python API's ``tools=`` and
+    ``environment_factory=``); ``names`` say how errors call the tools and the class."""
+    fns, cls = list(tools), env
+    tools_name, env_name = names
+    if cls is not None and not isinstance(cls, dict) and callable(getattr(cls, "step", None)):
         if fns:
             raise InputError(
-                f"--env {env!r} is a native environment (it has step); it cannot take --tools "
+                f"{env_name} is a native environment (it has step); it cannot take {tools_name} "
                 "functions as well: call them from its step, or give a TRL environment_factory "
                 "class (reset and tool methods, no step)"
             )
         if not callable(getattr(cls, "reset", None)):
-            raise InputError(f"--env {env!r}: {cls.__name__} has step but no reset method")
+            raise InputError(f"{env_name}: {cls.__name__} has step but no reset method")
         make = lambda row: cls()  # noqa: E731
     elif cls is None and not fns:
-        raise InputError("an episode needs --env or at least one --tools function")
+        raise InputError(f"an episode needs {env_name} or at least one {tools_name} function")
     else:
         make = tool_environment_factory(fns, cls, **options)
     make.environment_class = cls

@@ -60,7 +60,10 @@ def reward_inputs(
 
 def gives_reward(env_class: Any) -> bool:
     """Whether environments of ``env_class`` give their own reward: a ``get_reward`` method
-    (TRL's environment_factory) or a ``step`` (a native environment, whose steps may)."""
+    (TRL's environment_factory) or a ``step`` (a native environment, whose steps may); for a
+    dict of classes (picked per row), any of them."""
+    if isinstance(env_class, dict):
+        return any(gives_reward(c) for c in env_class.values())
     return env_class is not None and any(
         callable(getattr(env_class, m, None)) for m in ("get_reward", "step")
     )
