@@ -148,6 +148,7 @@ def test_every_mapped_field_sets_the_key_it_names():
         "steps_per_generation": 2,
         "max_steps": 6,
         "max_completion_length": 16,
+        "max_tool_calling_iterations": 3,
         "max_prompt_length": 64,
         "temperature": 0.7,
         "top_p": 0.9,
