@@ -137,3 +137,17 @@ def test_train_with_tools_and_environment_factory(tiny, tmp_path):
         assert h["tools/call_frequency"] >= 0 and h["turns/mean"] >= 1
         # get_reward: 2.0 for the row whose answer is 12, else 0; one row of each per step
         assert h["rewards/env/mean"] == pytest.approx(1.0)
+
+
+def test_a_dict_of_environment_classes_gives_the_env_reward_when_one_does():
+    from peergrade.envs import make_env_from_objects
+    from peergrade.envs.scoring import gives_reward
+
+    class Plain:
+        def reset(self, **row):
+            pass
+
+    make = make_env_from_objects([multiply], {"count": Counter, "plain": Plain})
+    assert gives_reward(make.environment_class)
+    assert not gives_reward({"plain": Plain})
+    assert isinstance(make({**ROWS[0], "environment": "count"}).instance, Counter)
