@@ -63,6 +63,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from fractions import Fraction
 
 from .extract import answer_tag, boxed, completion_text, last_number, parse_int
@@ -195,15 +196,70 @@ def _as_latex(s: str) -> str:
     return s if "\\boxed" in s or s.startswith("$") else "\\boxed{" + s + "}"
 
 
+class _Memo:
+    """A bounded LRU of a pure function's results, keyed by its text argument(s).
+
+    Nothing is stored from a call our time limit interrupted, even if library code swallowed
+    the interruption; long keys are not stored (rarely repeated, and memory).
+    """
+
+    def __init__(self, size: int = 4096, max_chars: int = 1000):
+        self.size, self.max_chars = size, max_chars
+        self.items: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key, compute):
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                return self.items[key]
+        alarms = _alarms_fired
+        value = compute()
+        if alarms == _alarms_fired and sum(map(len, key)) <= self.max_chars:
+            with self.lock:
+                self.items[key] = value
+                if len(self.items) > self.size:
+                    self.items.popitem(last=False)
+        return value
+
+    def clear(self):
+        with self.lock:
+            self.items.clear()
+
+
+# math_verify.parse (latex2sympy) is most of a check's time and, with its own timeouts off, a
+# pure function of its text; its own cache keeps 20 entries, too few for a batch whose rows have
+# different references. So: one parse per distinct text (the reference is parsed once, not once
+# per completion), and one verdict per distinct (answer, reference) pair.
+_PARSED = _Memo()
+_VERDICTS = _Memo()
+_alarms_fired = 0  # counted by _alarm, so a memo never keeps an interrupted result
+
+
+def clear_caches() -> None:
+    """Forget the memoised parses and verdicts (benchmarks measuring a cold start)."""
+    _PARSED.clear()
+    _VERDICTS.clear()
+
+
+def _parse(parse, latex: str) -> list:
+    # a tuple in the memo and a fresh list out, so a caller mutating the list cannot poison it
+    return list(_PARSED.get((latex,), lambda: tuple(parse(latex, parsing_timeout=None))))
+
+
 def _equivalent_untimed(pred: str, gold: str) -> bool:
+    return _VERDICTS.get((pred, gold), lambda: _equivalent_uncached(pred, gold))
+
+
+def _equivalent_uncached(pred: str, gold: str) -> bool:
     if _normalise(pred) == _normalise(gold):
         return True
     mv = _math_verify()
     if mv:
         parse, verify = mv
         try:
-            g = parse(_as_latex(gold), parsing_timeout=None)
-            p = parse(_as_latex(pred), parsing_timeout=None)
+            g = _parse(parse, _as_latex(gold))
+            p = _parse(parse, _as_latex(pred))
             if g and p:
                 return bool(verify(g, p, timeout_seconds=None))
             return _sympy_equivalent(pred, gold)
@@ -217,6 +273,8 @@ class CheckTimeout(BaseException):
 
 
 def _alarm(signum, frame):
+    global _alarms_fired
+    _alarms_fired += 1
     raise CheckTimeout
 
 
