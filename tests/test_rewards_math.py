@@ -100,3 +100,54 @@ def test_pathological_expression_is_cut_off_off_the_main_thread():
     th.join(60)
     assert out["ok"] is True and out["bad"] is False and out["again"] is True
     assert out["bad_s"] < 3.0
+
+
+# ------------------------------------------------------------------ memoised parses and verdicts
+
+
+def _no_memo(monkeypatch):
+    from peergrade.rewards import math as m
+
+    monkeypatch.setattr(m._Memo, "get", lambda self, key, compute: compute())
+
+
+def test_memo_leaves_the_audits_scores_unchanged(monkeypatch):
+    """Every completion the audit battery gives math_accuracy scores the same with and without
+    the memo, and so does the report (rows of the arithmetic task: numbers, words, lookalikes)."""
+    import itertools
+
+    from peergrade.audit import audit_rewards
+    from peergrade.rewards import RewardSpec
+    from peergrade.rewards.math import clear_caches
+    from peergrade.tasks import load_task
+
+    calls = []
+
+    def recording(prompts, completions, answer=None, **columns):
+        scores = math_accuracy(prompts, completions, answer=answer, **columns)
+        calls.append((list(completions), list(answer), scores))
+        return scores
+
+    rows = list(itertools.islice(load_task("arithmetic").train_rows(0), 6))
+    specs = [RewardSpec(name="math_accuracy", fn=recording, weight=1.0)]
+    clear_caches()
+    memoised = audit_rewards(specs, rows).to_dict()
+    memoised.pop("seconds")
+    assert len(calls) > 5 and sum(len(c) for c, _, _ in calls) > 100
+    _no_memo(monkeypatch)
+    for completions, answers, scores in calls:
+        assert math_accuracy(None, completions, answer=answers) == scores
+    calls.clear()
+    plain = audit_rewards(specs, rows).to_dict()
+    plain.pop("seconds")
+    assert plain == memoised
+
+
+def test_memo_keeps_nothing_from_a_check_past_its_limit():
+    from peergrade.rewards import math as m
+
+    m.clear_caches()
+    assert is_equivalent(PATHOLOGICAL, "2", timeout_s=0.5) is False
+    assert (PATHOLOGICAL, "2") not in m._VERDICTS.items
+    assert is_equivalent("\\frac{1}{2}", "0.5", timeout_s=2.0)
+    assert ("\\frac{1}{2}", "0.5") in m._VERDICTS.items  # a finished check is kept
