@@ -49,6 +49,12 @@ Both follow the reward contract of ``peergrade.rewards.registry``:
     when a check runs past the limit. (math-verify's own ``signal.alarm`` timeouts are integer
     seconds, refuse to run off the main thread, and would cancel our timer, hence disabled.)
 
+    Memo: math-verify's parse (most of a check's time) is kept per distinct text, and the verdict
+    per distinct (answer, reference) pair, in bounded LRU memos (4096 entries each, texts up to
+    1000 characters), so a batch parses each reference once and repeated answers cost nothing.
+    Both are pure functions of their texts; a check cut off by the time limit stores nothing.
+    ``clear_caches()`` empties them.
+
 This module does not generate problems (``peergrade.tasks``) and never evaluates model text.
 """
 
@@ -68,7 +74,14 @@ from fractions import Fraction
 
 from .extract import answer_tag, boxed, completion_text, last_number, parse_int
 
-__all__ = ["arithmetic", "extract_integer", "extract_math_answer", "is_equivalent", "math_accuracy"]
+__all__ = [
+    "arithmetic",
+    "clear_caches",
+    "extract_integer",
+    "extract_math_answer",
+    "is_equivalent",
+    "math_accuracy",
+]
 
 
 def extract_integer(text: str, extract: str = "auto") -> int | None:
