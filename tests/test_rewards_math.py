@@ -65,10 +65,11 @@ def test_sympy_fallback_without_math_verify(monkeypatch):
     import peergrade.rewards.math as m
 
     monkeypatch.setattr(m, "_MV", False)  # as if math_verify were not installed
-    assert m._equivalent_untimed("\\frac{3}{4}", "0.75")
-    assert m._equivalent_untimed("1,000", "1000")
-    assert not m._equivalent_untimed("3/4", "0.7")
-    assert not m._equivalent_untimed("__import__('os')", "0")
+    # past the memo: verdicts memoised with math_verify would hide the fallback
+    assert m._equivalent_uncached("\\frac{3}{4}", "0.75")
+    assert m._equivalent_uncached("1,000", "1000")
+    assert not m._equivalent_uncached("3/4", "0.7")
+    assert not m._equivalent_uncached("__import__('os')", "0")
 
 
 PATHOLOGICAL = "10^{10^{10^{10}}}!"
