@@ -624,14 +624,14 @@ def _full_length_rollouts():
     """The trainer's rollouts ignore EOS while measuring: every completion runs to
     ``max_completion_length``, the length the estimate assumes (the worst case a budget must
     hold). Only ever entered in the measurement's own child process."""
-    from peergrade import trainer
+    from peergrade import sampling
 
-    real = trainer.generate
-    trainer.generate = functools.partial(real, ignore_eos=True)
+    real = sampling.generate
+    sampling.generate = functools.partial(real, ignore_eos=True)
     try:
         yield
     finally:
-        trainer.generate = real
+        sampling.generate = real
 
 
 def _run_steps(cfg, steps: int, meter) -> dict:
