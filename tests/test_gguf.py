@@ -91,6 +91,27 @@ def test_cli_convert_error_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_converted_model_gets_the_umask_not_private_modes(tmp_path, monkeypatch, tiny_qwen2):
+    """``peergrade convert`` writes through mkdtemp (0700) and safetensors (0600): the renamed
+    directory must get the user's umask like a checkpoint (027 -> 0750 / 0640), not stay private."""
+    import os
+
+    model, tok = tiny_qwen2
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setattr(gguf, "find_gguf", lambda src: fake)
+    monkeypatch.setattr(gguf, "load_gguf_tokenizer", lambda f: tok)
+    monkeypatch.setattr(gguf, "load_gguf_model", lambda f, dtype: model)
+    old = os.umask(0o027)
+    try:
+        out = gguf.convert_gguf(fake, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o640)
+    assert oct((out / "config.json").stat().st_mode & 0o777) == oct(0o640)
+
+
 def test_asks_for_answer_tags():
     assert asks_for_answer_tags([{"prompt": "12+3="}, {"prompt": "Put it in <answer></answer>"}])
     assert not asks_for_answer_tags([{"prompt": "12+3="}])

@@ -16,12 +16,8 @@ deleting it, so a kill mid-delete leaves a hidden directory, never a half-delete
 files that are rewritten (config, truncated metrics on resume) go through ``atomic_write_text``
 (temp file + ``os.replace``).
 
-File modes: what peergrade writes gets the modes a plain ``open`` / ``mkdir`` gives under the
-user's umask (0644 / 0755 for the usual 022), so a shared checkpoint or export is readable by
-the team. Temp files (``mkstemp``: 0600) and safetensors' writer (0600) would otherwise leave
-``config.yaml`` and ``model.safetensors`` private: ``atomic_write_text`` sets its temp file's
-mode, and ``apply_umask`` a directory's (checkpoints, exports, ``peergrade sft`` outputs)
-before its rename into place.
+File modes: checkpoints, exports and ``peergrade sft`` outputs get the user's umask
+(``peergrade.files``: ``apply_umask`` before the rename into place, ``atomic_write_text``).
 
 RNG: ``seed_step_rngs`` seeds Python's ``random`` and numpy's global generator for each step
 from the trainer's per-step seed, so user reward functions that draw from them are
@@ -56,6 +52,7 @@ import torch
 
 from peergrade import distributed as dist
 from peergrade.errors import PeergradeError
+from peergrade.files import apply_umask, atomic_write_text  # importable from here too
 from peergrade.metrics import JsonlWriter, MetricLogger, Tee
 from peergrade.models import load_model, resolve_dtype, save_tokenizer
 
@@ -75,44 +72,6 @@ WEIGHT_FILES = (
 
 class RunDirError(PeergradeError, ValueError):
     """A run directory that is missing, not a run, or would be overwritten."""
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(directory: Path) -> None:
-    """Give ``directory`` and everything in it the modes a plain ``open`` / ``mkdir`` would
-    under the user's umask (files 0666 & ~umask, directories 0777 & ~umask)."""
-    mask = _umask()
-    directory = Path(directory)
-    for p in [directory, *directory.rglob("*")]:
-        if not p.is_symlink():
-            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (temp file + rename); it keeps the mode of the file it
-    replaces, and a new one gets the umask's (mkstemp's own 0600 would make it private)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            mode = os.stat(path).st_mode & 0o7777
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _numpy_random():

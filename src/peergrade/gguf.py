@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from peergrade.errors import ModelLoadError
+from peergrade.files import apply_umask
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -201,6 +202,7 @@ def convert_gguf(src, out_dir, *, dtype: str = "float32", overwrite: bool = Fals
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would make the model private
         old = None
         if out.exists():  # overwrite: move the old one aside first, delete it after the rename
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
