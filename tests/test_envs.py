@@ -338,6 +338,47 @@ def test_sampled_tokens_are_never_retokenised(base_model):
     torch.testing.assert_close(logp * bt["loss_mask"], bt["logprobs"], atol=1e-5, rtol=0)
 
 
+def test_a_turn_ends_at_a_stop_string_token_exactly(base_model):
+    """A stop string ends a model turn as it ends a single reply: the token in which it
+    completes is kept ("ab", though the stop string is "a"), the message text is cut after it,
+    and the environment's answer follows the template's end-of-turn token, masked out."""
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE, merges=(("a", "b"),))
+    inner, _ = build_tiny_model("qwen2", tok, seed=0, max_position_embeddings=2048)
+    row, eos = {"q": "q"}, tok.eos_token_id
+    chars = lambda text: [tok.encode(c, add_special_tokens=False)[0] for c in text]  # noqa: E731
+    prompt = render(tok, [{"role": "user", "content": "q"}], add_generation_prompt=True)
+    turn1 = chars("go ") + [tok.convert_tokens_to_ids("ab")]
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "go a"}]
+    go_on = [{"role": "user", "content": "go on"}]
+    delta = turn_delta(tok, history, go_on, eos_ids=[eos], close_turn=True)
+    assert delta[0] == eos and delta[1:] == turn_delta(tok, history, go_on, eos_ids=[eos])
+    turn2 = chars("ok") + [eos]
+    seq = prompt + turn1 + delta + turn2
+    first = len(prompt)
+    sampled = [*range(first, first + len(turn1)), *range(len(seq) - len(turn2), len(seq))]
+    model = forced_model(inner, tok, seq, sampled)
+
+    def run(stop):
+        kw = dict(max_completion_length=200, max_turns=2, max_tokens_per_turn=12)
+        return run_episodes(model, tok, [row], lambda r: Fixed(), temperature=0.0, stop=stop, **kw)
+
+    (e,) = run(["a"])
+    assert e.input_ids == seq and e.finish_reason == "max_turns"
+    assert e.loss_mask == [1] * len(turn1) + [0] * len(delta) + [1] * len(turn2)
+    assert e.completion_messages == [
+        {"role": "assistant", "content": "go a"},
+        {"role": "user", "content": "go on"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    logp, bt = full_forward_logprobs(model.eval(), [e], tok.pad_token_id, 0.0)
+    torch.testing.assert_close(logp * bt["loss_mask"], bt["logprobs"], atol=1e-5, rtol=0)
+    (e,) = run(["zz"])  # a stop string never sampled: the first turn runs past "go ab"
+    assert e.completion_ids[: len(turn1)] == turn1 and e.loss_mask[len(turn1)] == 1
+    assert e.completion_messages[0]["content"].startswith("go ab")
+    with pytest.raises(ValueError, match="stop"):
+        run([""])
+
+
 @pytest.mark.parametrize("slack", [0, -1])
 def test_episode_budget_keeps_an_exact_fit_and_drops_an_answer_that_overflows(
     base_model, tool_tok, slack

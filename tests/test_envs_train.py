@@ -144,7 +144,6 @@ def test_env_paths_resolve_like_other_config_paths(files, monkeypatch):
             [("env.tools", ["t.py:f"]), ("algo.name", "ppo")],
             "algo.name=ppo does not train episodes",
         ),
-        ([("env.tools", ["t.py:f"]), ("rollout.stop", ["x"])], "rollout.stop"),
         ([("env.max_turns", 0)], "env.max_turns must be >= 1"),
         ([("env.tool_timeout", 0)], "env.tool_timeout must be > 0"),
         ([("env.factory", "nocolon")], "env.factory must be"),
