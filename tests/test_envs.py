@@ -521,6 +521,52 @@ def test_tool_environment_runs_every_call_and_reports_failures():
     assert st.done and st.finish_reason == "answer"
 
 
+class Opaque:
+    pass
+
+
+def opaque(a: int):
+    """Return an object the model cannot read.
+
+    Args:
+        a: ignored
+    """
+    return Opaque()
+
+
+async def raw_bytes(a: int):
+    """Return bytes.
+
+    Args:
+        a: ignored
+    """
+    return b"\x00\x01"
+
+
+def structured(a: int) -> dict[str, list[float]]:
+    """Return JSON-able data, with a Fraction (a numbers.Number, as numpy scalars are).
+
+    Args:
+        a: how many
+    """
+    from fractions import Fraction
+
+    return {"values": [0.5] * a, "ratio": [Fraction(1, 3)]}
+
+
+@pytest.mark.parametrize("tool", [opaque, raw_bytes])
+def test_a_tool_returning_something_unserialisable_is_one_error_naming_it(tool):
+    env = ToolEnvironment([tool, structured])
+    asyncio.run(env.reset({"prompt": "hi"}))
+    call = '<tool_call>{"name": "%s", "arguments": {"a": 2}}</tool_call>'
+    st = asyncio.run(env.step({"role": "assistant", "content": call % "structured"}))
+    assert st.tool_failures == 0 and "0.5" in st.messages[0]["content"]
+    with pytest.raises(InputError) as err:
+        asyncio.run(env.step({"role": "assistant", "content": call % tool.__name__}))
+    msg = str(err.value)
+    assert f"tool {tool.__name__} returned a" in msg and "a tool must return a str" in msg
+
+
 def test_max_tool_calling_iterations():
     env = ToolEnvironment([multiply], max_tool_calling_iterations=1)
     asyncio.run(env.reset({"prompt": "hi"}))
@@ -596,6 +642,15 @@ def no_doc(a: int) -> int:
     return a
 
 
+def returns_bytes(a: int) -> bytes:
+    """Encode.
+
+    Args:
+        a: x
+    """
+    return bytes(a)
+
+
 class NoReset:
     def bump(self, by: int) -> int:
         """Bump.
@@ -619,6 +674,7 @@ class UndocumentedTool:
     [
         (dict(tools=[no_hints]), ["no_hints", "type hints"]),
         (dict(tools=[no_doc]), ["no_doc", "docstring"]),
+        (dict(tools=[returns_bytes]), ["returns_bytes", "bytes", "not JSON", "must return"]),
         (dict(environment_factory=NoReset), ["NoReset", "reset"]),
         (dict(environment_factory=UndocumentedTool), ["UndocumentedTool", "poke"]),
         (dict(environment_factory={"a": Counter, "b": NoReset}), ["'b'", "NoReset"]),
@@ -654,6 +710,13 @@ BROKEN_TEMPLATES = {
         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
+    # tool messages are refused (roles must alternate, as some templates insist)
+    "raises on tool": (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
     # an assistant turn has no end-of-turn token
     "no eos": (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -670,6 +733,18 @@ def test_templates_that_cannot_render_episodes_stop_at_start_up(base_model, name
         run_episodes(base_model, tok, ROWS, lambda r: Feedback(), max_completion_length=10)
     msg = str(err.value)
     assert "my-broken-template" in msg and "chat_template" in msg
+
+
+def test_a_native_environment_without_reset_is_named():
+    from peergrade.envs import make_env_from_objects
+
+    class StepOnly:
+        def step(self, message):
+            return Step(done=True)
+
+    with pytest.raises(InputError) as err:
+        make_env_from_objects([], StepOnly)
+    assert "StepOnly" in str(err.value) and "reset(row)" in str(err.value)
 
 
 def test_an_environment_without_step_is_named(base_model, tool_tok):

@@ -30,6 +30,15 @@ def multiply(a: int, b: int) -> int:
 
 def undocumented(a: int) -> int:
     return a
+
+
+def encoded(a: int) -> bytes:
+    """Encode.
+
+    Args:
+        a: how many bytes
+    """
+    return bytes(a)
 '''
 
 REWARD = """
@@ -61,6 +70,11 @@ class Counter:
 
 def saw_environments(completions, environments, **kwargs):
     return [float(type(e).__name__ == "Counter") for e in environments]
+
+
+class StepOnly:
+    def step(self, message):
+        return [], True
 
 
 class ToolFeedback:
@@ -161,6 +175,8 @@ def test_bad_env_config_is_refused(overrides, expected):
         (["--tools", "my_tools.py:undocumented"], "undocumented"),
         (["--tools", "my_tools.py:nope"], "nope"),
         (["--env", "my_env.py:Nope"], "Nope"),
+        (["--tools", "my_tools.py:encoded"], "tool encoded returns bytes"),
+        (["--env", "my_env.py:StepOnly"], "StepOnly has step but no reset"),
         (["--algo.name", "ppo", "--tools", "my_tools.py:multiply"], "algo.name=ppo"),
     ],
 )

@@ -117,7 +117,10 @@ def make_env_from_objects(
                 "class (reset and tool methods, no step)"
             )
         if not callable(getattr(cls, "reset", None)):
-            raise InputError(f"{env_name}: {cls.__name__} has step but no reset method")
+            raise InputError(
+                f"{env_name}: {cls.__name__} has step but no reset method; a native environment "
+                "needs reset(row) -> opening messages and step(assistant_message) -> Step"
+            )
         make = lambda row: cls()  # noqa: E731
     elif cls is None and not fns:
         raise InputError(f"an episode needs {env_name} or at least one {tools_name} function")
