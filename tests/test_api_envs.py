@@ -151,3 +151,106 @@ def test_a_dict_of_environment_classes_gives_the_env_reward_when_one_does():
     assert gives_reward(make.environment_class)
     assert not gives_reward({"plain": Plain})
     assert isinstance(make({**ROWS[0], "environment": "count"}).instance, Counter)
+
+
+# ---------------------------------------------------------------- recorded for a resume
+
+TOOLS_MODULE = '''
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+class Counter:
+    def reset(self, **row):
+        self.count = 0
+
+    def bump(self, by: int) -> str:
+        """Add to the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return str(self.count)
+'''
+
+
+@pytest.fixture
+def importable(tmp_path, monkeypatch):
+    """A module of tools on sys.path, as a user's own package would be."""
+    import importlib
+
+    (tmp_path / "pg_resume_tools.py").write_text(TOOLS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module("pg_resume_tools")
+    import sys
+
+    sys.modules.pop("pg_resume_tools", None)
+
+
+def test_in_memory_tools_are_recorded_so_a_command_line_resume_loads_them(
+    tiny, tmp_path, importable
+):
+    from peergrade.components import build_env
+    from peergrade.config import load_run_config, to_yaml
+
+    model, tok = tiny
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=used_a_tool,
+        args=args(tmp_path),
+        train_dataset=ROWS,
+        tools=[importable.multiply],
+        environment_factory=importable.Counter,
+    )
+    assert trainer.config.env.tools == ["pg_resume_tools:multiply"]
+    assert trainer.config.env.factory == "pg_resume_tools:Counter"
+    # what `peergrade train --resume` reads back and builds its environments from
+    (tmp_path / "config.yaml").write_text(to_yaml(trainer.config))
+    cfg = load_run_config(str(tmp_path / "config.yaml"))
+    env = build_env(cfg)(ROWS[0])
+    assert env.registry["multiply"] is importable.multiply
+    assert isinstance(env.instance, importable.Counter) and sorted(env.registry) == [
+        "bump",
+        "multiply",
+    ]
+
+
+def test_tools_that_cannot_be_imported_stop_a_command_line_resume(tiny, tmp_path, capsys):
+    from peergrade.cli import main
+    from peergrade.config import to_yaml
+
+    def local_add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first term
+            b: the second term
+        """
+        return a + b
+
+    model, tok = tiny
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=used_a_tool,
+        args=args(tmp_path),
+        train_dataset=ROWS,
+        tools=[multiply, local_add],
+    )
+    recorded = trainer.config.env.tools
+    assert recorded[1].startswith("python-object:") and "local_add" in recorded[1], recorded
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(trainer.config))
+    rc = main(["train", "--resume", str(run)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert "local_add" in err and "resume the run from Python" in err, err

@@ -338,6 +338,47 @@ def test_sampled_tokens_are_never_retokenised(base_model):
     torch.testing.assert_close(logp * bt["loss_mask"], bt["logprobs"], atol=1e-5, rtol=0)
 
 
+def test_a_turn_ends_at_a_stop_string_token_exactly(base_model):
+    """A stop string ends a model turn as it ends a single reply: the token in which it
+    completes is kept ("ab", though the stop string is "a"), the message text is cut after it,
+    and the environment's answer follows the template's end-of-turn token, masked out."""
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE, merges=(("a", "b"),))
+    inner, _ = build_tiny_model("qwen2", tok, seed=0, max_position_embeddings=2048)
+    row, eos = {"q": "q"}, tok.eos_token_id
+    chars = lambda text: [tok.encode(c, add_special_tokens=False)[0] for c in text]  # noqa: E731
+    prompt = render(tok, [{"role": "user", "content": "q"}], add_generation_prompt=True)
+    turn1 = chars("go ") + [tok.convert_tokens_to_ids("ab")]
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "go a"}]
+    go_on = [{"role": "user", "content": "go on"}]
+    delta = turn_delta(tok, history, go_on, eos_ids=[eos], close_turn=True)
+    assert delta[0] == eos and delta[1:] == turn_delta(tok, history, go_on, eos_ids=[eos])
+    turn2 = chars("ok") + [eos]
+    seq = prompt + turn1 + delta + turn2
+    first = len(prompt)
+    sampled = [*range(first, first + len(turn1)), *range(len(seq) - len(turn2), len(seq))]
+    model = forced_model(inner, tok, seq, sampled)
+
+    def run(stop):
+        kw = dict(max_completion_length=200, max_turns=2, max_tokens_per_turn=12)
+        return run_episodes(model, tok, [row], lambda r: Fixed(), temperature=0.0, stop=stop, **kw)
+
+    (e,) = run(["a"])
+    assert e.input_ids == seq and e.finish_reason == "max_turns"
+    assert e.loss_mask == [1] * len(turn1) + [0] * len(delta) + [1] * len(turn2)
+    assert e.completion_messages == [
+        {"role": "assistant", "content": "go a"},
+        {"role": "user", "content": "go on"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    logp, bt = full_forward_logprobs(model.eval(), [e], tok.pad_token_id, 0.0)
+    torch.testing.assert_close(logp * bt["loss_mask"], bt["logprobs"], atol=1e-5, rtol=0)
+    (e,) = run(["zz"])  # a stop string never sampled: the first turn runs past "go ab"
+    assert e.completion_ids[: len(turn1)] == turn1 and e.loss_mask[len(turn1)] == 1
+    assert e.completion_messages[0]["content"].startswith("go ab")
+    with pytest.raises(ValueError, match="stop"):
+        run([""])
+
+
 @pytest.mark.parametrize("slack", [0, -1])
 def test_episode_budget_keeps_an_exact_fit_and_drops_an_answer_that_overflows(
     base_model, tool_tok, slack
@@ -480,6 +521,52 @@ def test_tool_environment_runs_every_call_and_reports_failures():
     assert st.done and st.finish_reason == "answer"
 
 
+class Opaque:
+    pass
+
+
+def opaque(a: int):
+    """Return an object the model cannot read.
+
+    Args:
+        a: ignored
+    """
+    return Opaque()
+
+
+async def raw_bytes(a: int):
+    """Return bytes.
+
+    Args:
+        a: ignored
+    """
+    return b"\x00\x01"
+
+
+def structured(a: int) -> dict[str, list[float]]:
+    """Return JSON-able data, with a Fraction (a numbers.Number, as numpy scalars are).
+
+    Args:
+        a: how many
+    """
+    from fractions import Fraction
+
+    return {"values": [0.5] * a, "ratio": [Fraction(1, 3)]}
+
+
+@pytest.mark.parametrize("tool", [opaque, raw_bytes])
+def test_a_tool_returning_something_unserialisable_is_one_error_naming_it(tool):
+    env = ToolEnvironment([tool, structured])
+    asyncio.run(env.reset({"prompt": "hi"}))
+    call = '<tool_call>{"name": "%s", "arguments": {"a": 2}}</tool_call>'
+    st = asyncio.run(env.step({"role": "assistant", "content": call % "structured"}))
+    assert st.tool_failures == 0 and "0.5" in st.messages[0]["content"]
+    with pytest.raises(InputError) as err:
+        asyncio.run(env.step({"role": "assistant", "content": call % tool.__name__}))
+    msg = str(err.value)
+    assert f"tool {tool.__name__} returned a" in msg and "a tool must return a str" in msg
+
+
 def test_max_tool_calling_iterations():
     env = ToolEnvironment([multiply], max_tool_calling_iterations=1)
     asyncio.run(env.reset({"prompt": "hi"}))
@@ -555,6 +642,15 @@ def no_doc(a: int) -> int:
     return a
 
 
+def returns_bytes(a: int) -> bytes:
+    """Encode.
+
+    Args:
+        a: x
+    """
+    return bytes(a)
+
+
 class NoReset:
     def bump(self, by: int) -> int:
         """Bump.
@@ -578,6 +674,7 @@ class UndocumentedTool:
     [
         (dict(tools=[no_hints]), ["no_hints", "type hints"]),
         (dict(tools=[no_doc]), ["no_doc", "docstring"]),
+        (dict(tools=[returns_bytes]), ["returns_bytes", "bytes", "not JSON", "must return"]),
         (dict(environment_factory=NoReset), ["NoReset", "reset"]),
         (dict(environment_factory=UndocumentedTool), ["UndocumentedTool", "poke"]),
         (dict(environment_factory={"a": Counter, "b": NoReset}), ["'b'", "NoReset"]),
@@ -613,6 +710,13 @@ BROKEN_TEMPLATES = {
         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
+    # tool messages are refused (roles must alternate, as some templates insist)
+    "raises on tool": (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
     # an assistant turn has no end-of-turn token
     "no eos": (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -629,6 +733,18 @@ def test_templates_that_cannot_render_episodes_stop_at_start_up(base_model, name
         run_episodes(base_model, tok, ROWS, lambda r: Feedback(), max_completion_length=10)
     msg = str(err.value)
     assert "my-broken-template" in msg and "chat_template" in msg
+
+
+def test_a_native_environment_without_reset_is_named():
+    from peergrade.envs import make_env_from_objects
+
+    class StepOnly:
+        def step(self, message):
+            return Step(done=True)
+
+    with pytest.raises(InputError) as err:
+        make_env_from_objects([], StepOnly)
+    assert "StepOnly" in str(err.value) and "reset(row)" in str(err.value)
 
 
 def test_an_environment_without_step_is_named(base_model, tool_tok):

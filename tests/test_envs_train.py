@@ -30,6 +30,15 @@ def multiply(a: int, b: int) -> int:
 
 def undocumented(a: int) -> int:
     return a
+
+
+def encoded(a: int) -> bytes:
+    """Encode.
+
+    Args:
+        a: how many bytes
+    """
+    return bytes(a)
 '''
 
 REWARD = """
@@ -61,6 +70,11 @@ class Counter:
 
 def saw_environments(completions, environments, **kwargs):
     return [float(type(e).__name__ == "Counter") for e in environments]
+
+
+class StepOnly:
+    def step(self, message):
+        return [], True
 
 
 class ToolFeedback:
@@ -144,7 +158,6 @@ def test_env_paths_resolve_like_other_config_paths(files, monkeypatch):
             [("env.tools", ["t.py:f"]), ("algo.name", "ppo")],
             "algo.name=ppo does not train episodes",
         ),
-        ([("env.tools", ["t.py:f"]), ("rollout.stop", ["x"])], "rollout.stop"),
         ([("env.max_turns", 0)], "env.max_turns must be >= 1"),
         ([("env.tool_timeout", 0)], "env.tool_timeout must be > 0"),
         ([("env.factory", "nocolon")], "env.factory must be"),
@@ -162,6 +175,8 @@ def test_bad_env_config_is_refused(overrides, expected):
         (["--tools", "my_tools.py:undocumented"], "undocumented"),
         (["--tools", "my_tools.py:nope"], "nope"),
         (["--env", "my_env.py:Nope"], "Nope"),
+        (["--tools", "my_tools.py:encoded"], "tool encoded returns bytes"),
+        (["--env", "my_env.py:StepOnly"], "StepOnly has step but no reset"),
         (["--algo.name", "ppo", "--tools", "my_tools.py:multiply"], "algo.name=ppo"),
     ],
 )

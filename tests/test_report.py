@@ -369,3 +369,46 @@ def test_noisy_curves_get_a_smoothed_line_beside_the_raw_one(tmp_path):
     assert "reward/fmt/mean" in labels  # constant 0.5: one line, not smoothed
     html = render_report([load_run(run)])
     assert "exponential moving average" in html
+
+
+# ----------------------------------------------------------------------------- episodes
+
+
+def test_episodes_show_turn_by_turn_with_the_masked_turns_marked(tmp_path):
+    """samples.jsonl of a run with tools holds message lists (trainer.step_result); the report
+    labels every turn and marks the ones not trained on (tool and environment messages)."""
+    from peergrade.report import samples_section
+
+    run = synthetic_run(tmp_path / "run", steps=1)
+    s = json.loads((run / "samples.jsonl").read_text())
+    s["prompt"] = [{"role": "user", "content": "What is 123 * 45?"}]
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 123, "b": 45}}}
+    s["completions"] = [
+        [
+            {"role": "assistant", "content": "let me see", "tool_calls": [call]},
+            {"role": "tool", "name": "multiply", "content": "5535 <tool>"},
+            {"role": "user", "content": "higher"},
+            {"role": "assistant", "content": "5535"},
+        ],
+        [{"role": "assistant", "content": "5000"}],
+    ]
+    (run / "samples.jsonl").write_text(json.dumps(s) + "\n")
+    page = samples_section([load_run(run)]).html
+    assert 'id="episode-legend"' in page
+    turn = r'<div class="turn( masked)?"><span class="role">([^<]*)</span>(.*?)</div>'
+    turns = re.findall(turn, page, flags=re.S)
+    assert [(bool(m), role) for m, role, _ in turns] == [
+        (False, "assistant"),
+        (True, "tool · multiply"),
+        (True, "user"),
+        (False, "assistant"),
+        (False, "assistant"),
+    ]
+    for masked, _, body in turns:  # exactly the masked turns say so
+        assert ("not trained on" in body) == bool(masked)
+    assert "multiply({&quot;a&quot;: 123, &quot;b&quot;: 45})" in turns[0][2]
+    assert "5535 &lt;tool&gt;" in turns[1][2]  # escaped
+    # a plain completion (single replies) is shown as before, with no legend
+    plain = synthetic_run(tmp_path / "plain", steps=1)
+    page = samples_section([load_run(plain)]).html
+    assert 'class="turn' not in page and "episode-legend" not in page and "<pre>2</pre>" in page

@@ -775,6 +775,7 @@ class GRPOTrainer:
         rollout_func=None,
         environment_factory=None,
     ):
+        from peergrade.envs.load import reference_of
         from peergrade.tasks.files import FileTask
         from peergrade.trainer import Given, setup
 
@@ -820,6 +821,12 @@ class GRPOTrainer:
                     "tokenizer from: pass processing_class=tokenizer"
                 )
         overrides.extend(_lora_overrides(peft_config))
+        # recorded in config.yaml, so a resume from the command line trains episodes too (or
+        # stops, for objects it cannot import, saying to resume from Python)
+        if tools:
+            overrides.append(("env.tools", [reference_of(f) for f in tools]))
+        if environment_factory is not None:
+            overrides.append(("env.factory", reference_of(environment_factory)))
         self.config = load_config(None, overrides)
         given = Given(
             task=task,

@@ -200,7 +200,9 @@ class RolloutConfig:
     top_p: float = doc("Nucleus sampling threshold in (0, 1].", 1.0)
     top_k: int = doc("Top-k sampling (0 = off).", 0)
     stop: list[str] = doc(
-        "Stop strings: a completion ends after the first one.", default_factory=list
+        "Stop strings: a completion (with tools or an environment: a model turn) ends after "
+        "the first one.",
+        default_factory=list,
     )
     generation_batch_size: int | None = doc(
         "Sequences generated at once (memory bound); null = the whole batch.", None
@@ -1063,11 +1065,6 @@ def validate(cfg: Config) -> None:
             "algo.name=ppo does not train episodes (env.tools / env.factory, --tools / --env are "
             "set): its critic and per-token GAE are not written for tool tokens; use "
             "algo.name=grpo (the default) with tools and environments",
-        )
-        need(
-            not r.stop,
-            f"rollout.stop ({r.stop}) is not supported with tools and environments: a model turn "
-            "ends at an end-of-turn token or a length limit (env.max_tokens_per_turn)",
         )
 
 

@@ -20,6 +20,10 @@ note naming the file and line. ``write_report(runs, out)`` renders one HTML file
 * a searchable table of the sampled groups in ``samples.jsonl``: the prompt as the model saw
   it (``prompt_rendered``: chat template and system prompt applied; the row's own prompt
   under it), each completion with its total reward, per-function rewards when logged, advantage and finish reason.
+  An episode (a completion logged as a message list: tools, environments) is shown turn by
+  turn, each labelled with its role (a tool turn with the tool's name, an assistant turn with
+  the calls it made); the turns the model did not sample (tool and environment messages,
+  masked out of the loss) are greyed and marked "not trained on".
 
 Extra sections (a sweep comparison, a memory chart) are passed in as ``Section`` objects built
 by their own modules with the helpers here (``figure_svg``, ``memory_chart``).
@@ -641,6 +645,43 @@ def _per_fn(sample: dict, G: int) -> dict[str, list]:
     return out
 
 
+def _is_episode(completion: Any) -> bool:
+    """A completion logged as an episode: a list of chat messages (``samples.jsonl`` of a run
+    with tools or an environment)."""
+    return (
+        isinstance(completion, list)
+        and bool(completion)
+        and all(isinstance(m, dict) and "role" in m for m in completion)
+    )
+
+
+def _episode_html(messages: list[dict]) -> str:
+    """An episode turn by turn: assistant turns (sampled, trained on) and the others (tool and
+    environment messages: masked out of the loss), each labelled with its role."""
+    parts = []
+    for m in messages:
+        role = str(m.get("role"))
+        label = role + (f" · {m['name']}" if role == "tool" and m.get("name") else "")
+        content = m.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        calls = [c.get("function", c) for c in m.get("tool_calls") or [] if isinstance(c, dict)]
+        text += "".join(f"\n→ {f.get('name')}({json.dumps(f.get('arguments'))})" for f in calls)
+        trained = role == "assistant"
+        parts.append(
+            f'<div class="turn{"" if trained else " masked"}"><span class="role">'
+            f"{html.escape(label)}</span>"
+            + ("" if trained else '<span class="mask">not trained on</span>')
+            + f"<pre>{html.escape(text)}</pre></div>"
+        )
+    return "".join(parts)
+
+
+def _completion_html(completion: Any) -> str:
+    if _is_episode(completion):
+        return _episode_html(completion)
+    return f"<pre>{html.escape(str(completion))}</pre>"
+
+
 def _fn_cell(per_fn: dict[str, list], i: int) -> str:
     return "<br>".join(f"{html.escape(n)}&nbsp;{_fmt(v[i])}" for n, v in per_fn.items())
 
@@ -719,7 +760,7 @@ def samples_section(runs: list[Run]) -> Section:
                         else ""
                     )
                     + head
-                    + f"<td><pre>{html.escape(str(c))}</pre></td>"
+                    + f"<td>{_completion_html(c)}</td>"
                     + f"<td>{_fmt(rewards[i] if i < len(rewards) else None)}</td>"
                     + (f"<td>{_fn_cell(per_fn, i)}</td>" if any_fn else "")
                     + f'<td class="{cls}">{_fmt(a)}</td>'
@@ -749,8 +790,21 @@ def samples_section(runs: list[Run]) -> Section:
         '<span id="shown"></span></div>'
     )
     note = ""
+    if any(
+        _is_episode(c)
+        for run in runs
+        for g in run.samples
+        if isinstance(g.get("completions"), list)
+        for c in g["completions"]
+    ):
+        note += (
+            '<p class="muted" id="episode-legend">Episodes are shown turn by turn. Assistant '
+            "turns are what the model sampled and is trained on; the greyed turns marked "
+            "<i>not trained on</i> (tool results, environment messages) are tokens it reads "
+            "but that are masked out of the loss.</p>"
+        )
     if thinned:
-        note = (
+        note += (
             f'<p class="muted">Many groups logged in {html.escape(", ".join(thinned))}: '
             f"the table keeps evenly spaced steps (about {MAX_GROUPS_PER_RUN} groups per run).</p>"
         )
@@ -815,6 +869,9 @@ td.pos{background:#e6f4e6} td.neg{background:#fbe9e9} td.prompt{max-width:420px;
 tr.first td{border-top:2px solid #999} .controls{margin:8px 0;display:flex;gap:14px;align-items:center}
 .controls input{width:340px;padding:4px} table.alerts td{background:#fff4e5} ul.notes{color:#a15c00}
 details pre{background:#fafafa;padding:8px;border:1px solid #eee;max-height:480px;overflow:auto}
+.turn{border-left:3px solid #4a7;padding:1px 6px;margin:2px 0} .turn .role{font-size:11px;font-weight:600;color:#4a7}
+.turn.masked{border-left-color:#aaa;color:#666;background:repeating-linear-gradient(135deg,#f4f4f4 0 6px,#fff 6px 12px)}
+.turn.masked .role{color:#888} .turn .mask{font-size:11px;color:#888;font-style:italic;margin-left:6px}
 """
 
 SCRIPT = """

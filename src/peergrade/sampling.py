@@ -60,6 +60,7 @@ def sample_episodes(run, rows: list[dict], step: int, row_keys: range) -> list[E
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
+            stop=r.stop,
             seed=step_seed(run.cfg.train.seed, step),
             row_keys=row_keys,
             batch_size=r.generation_batch_size,

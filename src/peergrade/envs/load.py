@@ -12,7 +12,11 @@ and returns a ``row -> environment`` factory:
 - no ``env``: the ``tools`` alone.
 
 ``make_env_from_objects(tools=[multiply], env=Game)`` does the same from the objects
-themselves (the Python API's ``tools=`` / ``environment_factory=``).
+themselves (the Python API's ``tools=`` / ``environment_factory=``). ``reference_of(obj)`` is
+how the run's config.yaml records such an object: ``module:name`` when importing that name
+gives the object back (a command-line ``--resume`` then loads it), else a
+``python-object:...`` marker that ``load_object`` refuses with an error saying to resume from
+Python with the same objects.
 
 Everything is checked here, before a model loads (the trainer calls this from ``env:`` /
 ``--tools`` / ``--env`` first thing). The factory's ``environment_class`` attribute is the
@@ -21,18 +25,53 @@ Everything is checked here, before a model loads (the trainer calls this from ``
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from peergrade.envs.tools import tool_environment_factory
 from peergrade.errors import InputError, PeergradeError
 
+#: how config.yaml records a tool or class given from Python that cannot be imported by name
+PYTHON_ONLY = "python-object:"
+
+
+def reference_of(obj: Any) -> str:
+    """``module:name`` of a function or class given from Python when importing it by that name
+    gives the same object (so a later ``peergrade train --resume`` loads it); otherwise (defined
+    in ``__main__`` or inside a function, a lambda, a dict of classes) ``PYTHON_ONLY`` and a
+    description, which ``load_object`` refuses with a clear error."""
+    if isinstance(obj, dict):
+        return (
+            PYTHON_ONLY + "{" + ", ".join(f"{k}: {reference_of(v)}" for k, v in obj.items()) + "}"
+        )
+    module = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    ref = f"{module}:{name}" if module and name else repr(obj)
+    # a plain top-level name: load_object resolves 'module:name', not dotted paths
+    if module and name and module != "__main__" and name.isidentifier():
+        try:
+            if getattr(importlib.import_module(module), name, None) is obj:
+                return ref
+        except Exception:  # an unimportable module: recorded as a marker, never a failure here
+            pass
+    return PYTHON_ONLY + ref
+
 
 def load_object(spec: str, what: str) -> Any:
     """The object named by ``path/to/file.py:name`` or ``module:name``; ``what`` names the
-    flag or key in errors."""
+    flag or key in errors. A ``PYTHON_ONLY`` marker is an InputError."""
     from peergrade.rewards.registry import _import_attr, _load_file
 
+    if isinstance(spec, str) and spec.startswith(PYTHON_ONLY):
+        raise InputError(
+            f"{what} {spec!r}: this run was given that object from Python "
+            "(GRPOTrainer(tools=..., environment_factory=...)) and it cannot be imported by name "
+            "(defined in __main__, inside a function, or a lambda), so it cannot be loaded "
+            "here; resume the run from Python with the same tools and environment_factory: "
+            "GRPOTrainer(..., tools=[...], environment_factory=...)"
+            ".train(resume_from_checkpoint=RUN_DIR)"
+        )
     if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rsplit(":", 1)):
         raise InputError(f"{what} {spec!r}: expected 'path/to/file.py:name' or 'module:name'")
     target, attr = spec.strip().rsplit(":", 1)
@@ -78,7 +117,10 @@ def make_env_from_objects(
                 "class (reset and tool methods, no step)"
             )
         if not callable(getattr(cls, "reset", None)):
-            raise InputError(f"{env_name}: {cls.__name__} has step but no reset method")
+            raise InputError(
+                f"{env_name}: {cls.__name__} has step but no reset method; a native environment "
+                "needs reset(row) -> opening messages and step(assistant_message) -> Step"
+            )
         make = lambda row: cls()  # noqa: E731
     elif cls is None and not fns:
         raise InputError(f"an episode needs {env_name} or at least one {tools_name} function")

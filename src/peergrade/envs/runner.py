@@ -8,7 +8,12 @@ log-probs of those tokens, the message list, and why and after how many turns it
 How (token in, token out):
 
 - The prompt is the environment's opening messages rendered by the chat template with the
-  generation prompt. A model turn is sampled token by token and ends at an eos token.
+  generation prompt. A model turn is sampled token by token and ends at an eos token, or at a
+  stop string (``stop``) as a single reply does in ``rollout.generate``: in the decoded text of
+  the turn's last few tokens, special tokens skipped; the token in which it completes is kept,
+  and the assistant message's text is cut right after the stop string. Such a turn has no
+  end-of-turn token of its own, so the environment's answer is appended after the template's
+  end-of-turn token (``template.turn_delta(close_turn=True)``), masked out like the answer.
 - The assistant message given to the environment is the turn's text, but the episode's tokens
   are the sampled ids themselves: nothing sampled is ever decoded and re-encoded. What the
   environment answers is appended as a chat-template token delta (``template.turn_delta``).
@@ -35,7 +40,7 @@ Episodes of a micro-batch whose prompts are the same token ids (the ``n`` episod
 unless ``reset`` differs per episode) share one prefill, copied in the cache as ``rollout``
 does for a group.
 
-Not done here: stop strings inside a turn, models whose layers are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
+Not done here: models whose layers are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
 training (``episodes_batch`` gives the update's tensors).
 """
 
@@ -196,6 +201,7 @@ def run_episodes(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    stop: Sequence[str] | str = (),
     seed: int | None = None,
     row_keys: Sequence[int] | None = None,
     batch_size: int | None = None,
@@ -218,6 +224,8 @@ def run_episodes(
         max_tokens_per_turn: most tokens per model turn (None: the remaining budget).
         temperature, top_p, top_k, seed, row_keys: sampling, as in ``rollout.generate``
             (``row_keys``: one distinct key per row, default its index).
+        stop: stop strings (a single string is one): a model turn ends at the first one, as a
+            single reply does in ``rollout.generate`` (see the module docstring).
         batch_size: episodes run at once (bounds memory); None: all.
         eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
         chat_template, template_kwargs: an override template and extra template variables.
@@ -233,6 +241,9 @@ def run_episodes(
     if batch_size is not None:
         _check_int("batch_size", batch_size, 1, "run_episodes")
     top_k = _check_sampling("run_episodes", temperature, top_p, top_k)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(x, str) or x == "" for x in stop):
+        raise ValueError(f"run_episodes(): stop must be non-empty strings, got {stop!r}")
     if not slab_cache_ok(cfg):
         raise NotImplementedError(
             "run_episodes(): only models whose layers are all full attention with the sdpa or eager "
@@ -292,6 +303,7 @@ def run_episodes(
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=int(top_k),
+        stop=stop,
         template_kw=tkw,
         device=device,
     )
@@ -324,6 +336,7 @@ class _Engine:
         temperature,
         top_p,
         top_k,
+        stop,
         template_kw,
         device,
     ):
@@ -333,6 +346,9 @@ class _Engine:
         self.max_pos = max_pos
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.template_kw = template_kw
+        self.stop = stop
+        # decoded tail searched for a stop string: as rollout.generate's window
+        self.stop_window = max(len(x) for x in stop) + 8 if stop else 0
         sig = _forward_signature(model)
         self.cache_kw = "cache" if "cache" in sig else "past_key_values"
         self.logits_to_keep = "logits_to_keep" in sig
@@ -431,6 +447,7 @@ class _Engine:
             logps: list[list[float]] = [[] for _ in rows]
             live = [True] * len(rows)
             ended_by_eos = [False] * len(rows)
+            ended_by_stop = [False] * len(rows)
             while True:
                 u = uniforms[rows, [sampled[r] for r in rows]]  # [B]
                 tok, logp, _ = _sample(logits, u, self.temperature, self.top_p, self.top_k)
@@ -445,6 +462,8 @@ class _Engine:
                     sampled[r] += 1
                     if tok_l[j] in self.eos:
                         live[j], ended_by_eos[j] = False, True
+                    elif self.stop and self._stopped(turn[j]):
+                        live[j], ended_by_stop[j] = False, True
                     elif len(turn[j]) >= limits[j]:
                         live[j] = False
                     nxt.append([tok_l[j]])
@@ -461,7 +480,7 @@ class _Engine:
                 e.loss_mask += [1] * len(turn[j])
                 e.logprobs += logps[j]
                 e.num_turns += 1
-                if not ended_by_eos[j]:
+                if not (ended_by_eos[j] or ended_by_stop[j]):
                     # A cut turn is part of the conversation the reward judges; the environment
                     # is not asked about it.
                     text = self.tokenizer.decode(turn[j], skip_special_tokens=True)
@@ -471,7 +490,11 @@ class _Engine:
                     )
                     e.finish_reason = "length" if tight else "turn_length"
                     continue
-                text = self.tokenizer.decode(turn[j][:-1], skip_special_tokens=True)
+                if ended_by_stop[j]:
+                    text = self.tokenizer.decode(turn[j], skip_special_tokens=True)
+                    text = text[: min(text.find(x) + len(x) for x in self.stop if x in text)]
+                else:
+                    text = self.tokenizer.decode(turn[j][:-1], skip_special_tokens=True)
                 asks.append((j, {"role": "assistant", "content": text}))
             steps = self._step_all([(eps[j], m) for j, m in asks])
             for (j, msg), st in zip(asks, steps):
@@ -494,6 +517,7 @@ class _Engine:
                     st.messages,
                     eos_ids=sorted(self.eos),
                     tools=getattr(e.env, "tools", None),
+                    close_turn=ended_by_stop[j],
                     **self.template_kw,
                 )
                 total = len(e.completion_ids) + len(delta)
@@ -513,6 +537,11 @@ class _Engine:
                     self._keep(keep)
                 rows = [rows[j] for j in keep]
                 pending = [pending[j] for j in keep]
+
+    def _stopped(self, turn: list[int]) -> bool:
+        """Whether the decoded tail of a turn holds a stop string (``rollout.generate``'s test)."""
+        tail = self.tokenizer.decode(turn[-self.stop_window :], skip_special_tokens=True)
+        return any(x in tail for x in self.stop)
 
     def _step_all(self, asks: list[tuple[Episode, dict]]) -> list[Step]:
         results = _call_all([(e.env, "step", m, e.row_index) for e, m in asks])

@@ -86,9 +86,12 @@ def turn_delta(
     tools: list[dict] | None = None,
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
+    close_turn: bool = False,
 ) -> list[int]:
     """The tokens to append after a model turn that ended with an eos token: ``new_messages``
-    (may be empty) and the next generation prompt. ``history`` ends with that assistant turn."""
+    (may be empty) and the next generation prompt. ``history`` ends with that assistant turn.
+    ``close_turn``: the turn ended without its end-of-turn token (at a stop string), so the
+    delta starts with the template's own end-of-turn token."""
     kw = dict(tools=tools, chat_template=chat_template, template_kwargs=template_kwargs)
     before = _cut_after_last(
         render(tokenizer, history, add_generation_prompt=False, **kw), set(eos_ids)
@@ -101,8 +104,8 @@ def turn_delta(
             f"with roles {roles} "
             f"changed the tokens of the conversation before them; {FIX}"
         )
-    delta = after[len(before) :]
-    if not delta:
+    delta = after[len(before) - 1 :] if close_turn else after[len(before) :]
+    if len(delta) <= close_turn:
         raise TemplateError(
             f"chat template of {template_name(tokenizer)} rendered nothing after an assistant "
             "turn (no generation prompt?)"

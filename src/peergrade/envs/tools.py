@@ -14,6 +14,10 @@
   ones concurrently, after the sync ones, as in TRL). A malformed call, an unknown tool, bad
   arguments or a tool that raises becomes a tool message ``{'error': '...'}`` to the model and
   is counted as a failure; it never stops the run. Results are sent as ``str(result)`` (TRL).
+  A result that is not a str, a number, a bool, None or lists/dicts of those (a ``bytes``, an
+  object whose text would be its memory address) is the tool's bug, not the model's: an
+  InputError naming the tool stops the run, and a return type hint that is not JSON (read by
+  ``get_json_schema``) is refused at start-up, before a model loads.
 - A turn without tool calls ends the episode (``finish_reason`` ``"answer"``); a turn with tool
   calls after ``max_tool_calling_iterations`` rounds ends it unexecuted (``"max_tool_calls"``).
 
@@ -30,6 +34,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import numbers
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -50,12 +55,46 @@ def tool_schema(fn: Callable, where: str = "tools") -> dict:
     if not callable(fn):
         raise InputError(f"{where}: {fn!r} is not callable; a tool is a function")
     try:
-        return get_json_schema(fn)
+        schema = get_json_schema(fn)
     except Exception as e:
         raise InputError(
             f"{where}: tool {name} has no usable schema ({e}); a tool needs type hints on every "
             "argument and a Google-style docstring with an Args: section describing each one"
         ) from e
+    # get_json_schema leaves out a return type it cannot express in JSON instead of failing
+    returns = inspect.signature(fn).return_annotation
+    if returns is not inspect.Signature.empty and "return" not in schema["function"]:
+        raise InputError(
+            f"{where}: tool {name} returns {getattr(returns, '__name__', returns)!s}, which is "
+            f"not JSON-serialisable; {RESULTS}"
+        )
+    return schema
+
+
+#: what a tool may return (the error messages' wording)
+RESULTS = "a tool must return a str, a number, a bool, None, or lists/dicts of those"
+
+
+def _serialisable(value: Any) -> bool:
+    if value is None or isinstance(value, (str, bool, numbers.Number)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_serialisable(v) for v in value)
+    if isinstance(value, dict):
+        return all(
+            isinstance(k, (str, numbers.Number)) and _serialisable(v) for k, v in value.items()
+        )
+    return False
+
+
+def check_result(name: str, value: Any) -> Any:
+    """``value`` if a tool may return it (see ``RESULTS``), else an InputError naming the tool."""
+    if not _serialisable(value):
+        raise InputError(
+            f"tool {name} returned a {type(value).__name__} ({repr(value)[:80]}), which the "
+            f"model cannot read as text; {RESULTS}"
+        )
+    return value
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
@@ -145,14 +184,18 @@ async def _call_tools(
                 result = asyncio.wait_for(result, timeout)
             pending.append((i, name, result))
         else:
-            out[i] = (name, result, False)
+            out[i] = (name, check_result(name, result), False)
     if pending:
         results = await asyncio.gather(*(c for _, _, c in pending), return_exceptions=True)
         for (i, name, _), r in zip(pending, results):
             failed = isinstance(r, Exception)
             if isinstance(r, (TimeoutError, asyncio.TimeoutError)):
                 r = TimeoutError(f"timed out after {timeout:g}s")
-            out[i] = (name, {"error": str(r) or type(r).__name__} if failed else r, failed)
+            out[i] = (
+                name,
+                {"error": str(r) or type(r).__name__} if failed else check_result(name, r),
+                failed,
+            )
     return out  # type: ignore[return-value]
 
 
