@@ -253,4 +253,36 @@ def test_tools_that_cannot_be_imported_stop_a_command_line_resume(tiny, tmp_path
     rc = main(["train", "--resume", str(run)])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    # one line naming everything the command line cannot load: the tool and the in-memory rows
     assert "local_add" in err and "resume the run from Python" in err, err
+    assert "train_dataset (2 rows)" in err, err
+
+
+def test_in_memory_data_stops_a_command_line_resume_instead_of_training_the_default_task(
+    tiny, tmp_path, capsys
+):
+    """A run given its rows as a list records them as in-memory data, not the default
+    arithmetic task a command-line resume would otherwise quietly train on."""
+    from peergrade.cli import main
+    from peergrade.config import to_yaml
+
+    model, tok = tiny
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=used_a_tool,
+        args=args(tmp_path),
+        train_dataset=ROWS,
+        eval_dataset=ROWS,
+    )
+    assert trainer.config.data.path == "python-object:train_dataset (2 rows)"
+    assert trainer.config.data.eval_path == "python-object:eval_dataset"
+    capsys.readouterr()  # the start-up audit's warning about used_a_tool on single replies
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "config.yaml").write_text(to_yaml(trainer.config))
+    rc = main(["train", "--resume", str(run)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error:") and err.count("\n") == 1, err
+    assert "data.path: python-object:train_dataset (2 rows)" in err, err
+    assert "--data FILE" in err, err

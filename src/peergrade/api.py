@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from peergrade.config import Config, ConfigError, load_config
+from peergrade.config import PYTHON_ONLY, Config, ConfigError, load_config
 
 __all__ = [
     "GRPOConfig",
@@ -809,6 +809,11 @@ class GRPOTrainer:
         task = FileTask(data=train_dataset, eval_data=eval_dataset)
         overrides = self.args.to_overrides(len(task))
         overrides.append(("rewards", items))
+        # recorded in config.yaml as in-memory data, so a command-line resume stops with an
+        # error saying to resume from Python instead of quietly training the default task
+        overrides.append(("data.path", f"{PYTHON_ONLY}train_dataset ({len(task)} rows)"))
+        if eval_dataset is not None:
+            overrides.append(("data.eval_path", f"{PYTHON_ONLY}eval_dataset"))
         if isinstance(model, (str, Path)):
             policy = None
             overrides.append(("model.path", str(model)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peergrade import distributed as dist
-from peergrade.config import Config
+from peergrade.config import PYTHON_ONLY, Config
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
@@ -67,8 +67,27 @@ class Given:
     environment_factory: Any = None  # a class (or dict of classes), TRL's environment_factory
 
 
+def python_only_entries(cfg: Config) -> list[tuple[str, str]]:
+    """(key, value) of every ``PYTHON_ONLY`` marker in ``cfg``: what the Python API was given as
+    objects that config.yaml cannot name (in-memory datasets, tools defined in ``__main__``)."""
+    e = cfg.env
+    found = [("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)]
+    found += [(f"env.tools[{i}]", t) for i, t in enumerate(e.tools or [])]
+    found.append(("env.factory", e.factory))
+    return [(k, v) for k, v in found if isinstance(v, str) and v.startswith(PYTHON_ONLY)]
+
+
 def build_task(cfg: Config):
     d = cfg.data
+    if isinstance(d.path, str) and d.path.startswith(PYTHON_ONLY):
+        given = ", ".join(f"{k}: {v}" for k, v in python_only_entries(cfg))
+        raise InputError(
+            f"this run was given objects from Python that the command line cannot load ({given}): "
+            "its data was a dataset in memory (GRPOTrainer(train_dataset=...)); resume the run "
+            "from Python with the same datasets, reward functions and tools: GRPOTrainer(...)"
+            ".train(resume_from_checkpoint=RUN_DIR), or save the rows to a .jsonl file and "
+            "pass --data FILE"
+        )
     with user_input("data"):
         if d.path is not None:
             return load_task(

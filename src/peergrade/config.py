@@ -764,13 +764,17 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
 
 #: keys whose value is a file or directory the run reads (rewards' names are handled apart)
 PATH_KEYS = ("model.path", "data.path", "data.eval_path", "algo.critic_path")
+#: how config.yaml records what the Python API was given as an object (a dataset held in memory,
+#: a tool defined in ``__main__``): never a path; loading it from the command line is an error
+#: that says to resume from Python (``components.build_task``, ``envs.load.load_object``)
+PYTHON_ONLY = "python-object:"
 
 
 def _split_path(key: str, value: Any) -> tuple[str, str] | None:
     """(the local path inside ``value``, what follows it) when ``value`` of ``key`` names a path
     to resolve; None for model names (``bundled``, ``pypi:NAME``), built-in reward names and
     ``module:function``."""
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not value.strip() or value.startswith(PYTHON_ONLY):
         return None
     value = value.strip()
     if key.startswith(("env.tools[", "env.factory")):

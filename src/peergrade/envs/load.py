@@ -29,11 +29,9 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from peergrade.config import PYTHON_ONLY  # a tool or class given from Python, not importable
 from peergrade.envs.tools import tool_environment_factory
 from peergrade.errors import InputError, PeergradeError
-
-#: how config.yaml records a tool or class given from Python that cannot be imported by name
-PYTHON_ONLY = "python-object:"
 
 
 def reference_of(obj: Any) -> str:
