@@ -134,7 +134,8 @@ def load_verifiers(spec: str) -> Callable[[Any], VerifiersEnvironment]:
     except PeergradeError:
         raise
     except Exception as e:
-        raise InputError(f"{what}: load_environment() raised {type(e).__name__}: {e}") from e
+        detail = " ".join(str(e).split())  # one line: a pydantic error spans several
+        raise InputError(f"{what}: load_environment() raised {type(e).__name__}: {detail}") from e
 
     max_turns = None
     if isinstance(loaded, vf.Env):
