@@ -247,9 +247,7 @@ def test_a_module_without_load_environment_is_one_error(vf_dir, spec, expected):
     ],
 )
 def test_what_needs_a_remote_service_is_refused(vf_dir, fn, expected):
-    (vf_dir / f"vf_bad_{fn}.py").write_text(
-        f"from vf_bad import {fn} as load_environment\n"
-    )
+    (vf_dir / f"vf_bad_{fn}.py").write_text(f"from vf_bad import {fn} as load_environment\n")
     with pytest.raises(InputError, match=re.escape(expected)):
         load_verifiers(f"verifiers:vf_bad_{fn}")
 
@@ -307,7 +305,14 @@ class Scripted(torch.nn.Module):
         return out
 
 
-def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(vf_dir):
+@pytest.mark.parametrize(
+    "module, turns, finish", [("vf_calc", 2, "answer"), ("vf_stops", 1, "solved")]
+)
+def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(
+    vf_dir, module, turns, finish
+):
+    """Through the trainer: the scripted tool call runs the Toolset's multiply; vf_calc's
+    episode then ends with the (empty) answer, vf_stops' on its own stop, ``solved``."""
     from peergrade import trainer
     from peergrade.envs.template import render
 
@@ -316,7 +321,7 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(vf_dir):
     cfg = load_config(
         None,
         [
-            ("env.factory", "verifiers:vf_calc"),
+            ("env.factory", f"verifiers:{module}"),
             ("rollout.group_size", 2),
             ("rollout.prompts_per_step", 2),
             ("rollout.max_completion_length", 200),
@@ -324,10 +329,12 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(vf_dir):
             ("train.audit_rewards", "off"),
         ],
     )
-    make = load_verifiers("verifiers:vf_calc")
+    make = load_verifiers(f"verifiers:{module}")
     row = rows_of(make, 1)[0]
     env = make(row)
-    prompt_len = len(render(tok, run_sync(env.reset(row)), add_generation_prompt=True, tools=env.tools))
+    prompt_len = len(
+        render(tok, run_sync(env.reset(row)), add_generation_prompt=True, tools=env.tools)
+    )
     script = tok.encode(TOOL_CALL, add_special_tokens=False)
     policy = Scripted(inner, script, prompt_len, tok.eos_token_id)
     run = trainer.setup(cfg, Given(policy=policy, tokenizer=tok))
@@ -335,15 +342,22 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(vf_dir):
     exp = trainer.collect(run, 1, rows_of(make, 2))
     eps = exp.sampled.episodes
     assert len(eps) == 4
-    for e in eps:  # the scripted call ran the Toolset's multiply; then an empty answer
-        assert e.tool_calls == 1 and e.tool_failures == 0 and e.num_turns == 2
-        assert e.finish_reason == "answer"
-        assert e.completion_messages[1] == {"role": "tool", "name": "calc_multiply", "content": "12"}
+    for e in eps:
+        assert e.tool_calls == 1 and e.tool_failures == 0 and e.num_turns == turns
+        assert e.finish_reason == finish
+        assert e.completion_messages[1] == {
+            "role": "tool",
+            "name": "calc_multiply",
+            "content": "12",
+        }
+        assert e.env.trace.stop_condition == ("agent_completed" if finish == "answer" else finish)
     # used_tools (0.5) for all; correct needs the answer in the last reply, which is empty
+    # (vf_calc) or the tool call itself (vf_stops)
     assert exp.sampled.scores.per_fn["verifiers_reward"].tolist() == [0.5] * 4
     exp.seconds["update"] = 0.0
     m = trainer.step_result(run, exp, {}, 1).metrics
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.0
+    assert m[f"episode/stop_reason/{finish}"] == 1.0 and m["turns/mean"] == turns
 
 
 @pytest.mark.slow
@@ -363,9 +377,11 @@ def test_train_a_verifiers_env_from_the_command_line(vf_dir, capsys):
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [m for m in lines if "tools/call_frequency" in m]
         assert [m["step"] for m in steps] == [1, 2]
+        known = {"answer", "solved", "said_done", "max_turns", "length", "turn_length"}
         for m in steps:
             assert "reward/verifiers_reward/mean" in m and m["turns/mean"] >= 1
-            assert any(k.startswith("episode/stop_reason/") for k in m)
+            reasons = {k.rsplit("/", 1)[1] for k in m if k.startswith("episode/stop_reason/")}
+            assert reasons and reasons <= known | {"env_over_budget"}, reasons
         samples = (run_dir / "samples.jsonl").read_text().splitlines()
         for s in map(json.loads, samples):
             assert s["prompt"][-1]["content"].startswith("What is")
