@@ -388,3 +388,16 @@ def test_train_a_verifiers_env_from_the_command_line(vf_dir, capsys):
             assert all(c[0]["role"] == "assistant" for c in s["completions"])
         saved = load_config(run_dir / "config.yaml")
         assert saved.env.factory == env
+
+
+def test_a_verifiers_file_resolves_like_other_config_paths(vf_dir):
+    sub = vf_dir / "sub"
+    sub.mkdir()
+    (sub / "c.yaml").write_text("env:\n  factory: verifiers:../vf_calc.py\n")
+    cfg = load_config(sub / "c.yaml")
+    assert cfg.env.factory == "verifiers:" + str(vf_dir / "vf_calc.py")
+    assert (
+        load_config(None, [("env.factory", "verifiers:vf_calc")]).env.factory == "verifiers:vf_calc"
+    )
+    make = load_verifiers(cfg.env.factory)  # the file, loaded by its path
+    assert len(rows_of(make, 2)) == 2
