@@ -401,3 +401,18 @@ def test_a_verifiers_file_resolves_like_other_config_paths(vf_dir):
     )
     make = load_verifiers(cfg.env.factory)  # the file, loaded by its path
     assert len(rows_of(make, 2)) == 2
+
+
+def test_missing_or_unsupported_verifiers_is_one_error(vf_dir, monkeypatch):
+    import sys
+
+    import verifiers
+
+    from peergrade.errors import MissingPackageError
+
+    monkeypatch.setattr(verifiers, "__version__", "0.5.0")
+    with pytest.raises(InputError, match=re.escape("supports verifiers>=0.4,<0.5")):
+        load_verifiers("verifiers:vf_calc")
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    with pytest.raises(MissingPackageError, match="peergrade\\[verifiers\\]"):
+        load_verifiers("verifiers:vf_calc")

@@ -176,10 +176,12 @@ def load_verifiers(spec: str) -> Callable[[Any], VerifiersEnvironment]:
         raise InputError(f"{what}: {name} has no tasks")
     for server in shared:
         _check_toolset(vf, server, f"{what}: {name}.toolsets")
-    _check_task(vf, tasks[0], f"{what}: {task_cls.__name__}")
-    rows = []
+    rows, checked = [], set()
     for task in tasks:
         where = f"{what}: task {task.data.idx} ({task.data.name or task.key[:12]})"
+        if id(task.config) not in checked:  # tasks usually share the taskset's task config
+            _check_task(vf, task, where)
+            checked.add(id(task.config))
         if task.NEEDS_CONTAINER or task.data.image:
             raise InputError(
                 f"{where} needs a container (NEEDS_CONTAINER / image {task.data.image!r}), a "
@@ -197,7 +199,7 @@ def load_verifiers(spec: str) -> Callable[[Any], VerifiersEnvironment]:
     task = load_task("file", data=rows)
     task.name = f"verifiers:{target}"
     task.default_rewards = [(verifiers_reward, 1.0)]
-    config = taskset.config.task
+    by_idx = {t.data.idx: t for t in tasks}
     agent_config = loaded.config.agent if isinstance(loaded, vf.Env) else vf.AgentConfig()
     ready: set[int] = set()  # the taskset-wide servers already set up
 
@@ -205,7 +207,12 @@ def load_verifiers(spec: str) -> Callable[[Any], VerifiersEnvironment]:
         data = row.get(COLUMN) if isinstance(row, dict) else None
         if not isinstance(data, dict):
             raise InputError(f"row {row!r}: expected the verifiers task data in {COLUMN!r}")
-        t = task_cls(task_cls.data_type().model_validate(data), config)
+        # the loaded task (its own config) when the row is one of the taskset's, else rebuilt
+        t = by_idx.get(data.get("idx"))
+        if t is None or t.data.model_dump(mode="json") != data:
+            t = task_cls(task_cls.data_type().model_validate(data), taskset.config.task)
+        else:
+            t = t.with_data()  # a copy per episode
         return VerifiersEnvironment(vf, t, shared, agent_config, max_turns, ready)
 
     make.task = task
