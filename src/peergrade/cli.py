@@ -610,7 +610,8 @@ def _train_parser(sub) -> None:
         "--env",
         metavar="FILE.py:Class",
         help="an environment class: TRL's environment_factory or a native reset/step "
-        "environment (= env.factory; see docs/environments.md)",
+        "environment, or verifiers:MODULE, a verifiers environment (= env.factory; see "
+        "docs/environments.md)",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
     _seed(t, "random seed (= --train.seed)")

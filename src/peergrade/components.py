@@ -77,7 +77,9 @@ def python_only_entries(cfg: Config) -> list[tuple[str, str]]:
     return [(k, v) for k, v in found if isinstance(v, str) and v.startswith(PYTHON_ONLY)]
 
 
-def build_task(cfg: Config):
+def build_task(cfg: Config, make_env: Any = None):
+    """The run's task: ``data:``, or the rows of an environment that brings its own (a
+    verifiers taskset: ``make_env.task``), which ``data.path`` may not replace."""
     d = cfg.data
     if isinstance(d.path, str) and d.path.startswith(PYTHON_ONLY):
         given = ", ".join(f"{k}: {v}" for k, v in python_only_entries(cfg))
@@ -88,6 +90,14 @@ def build_task(cfg: Config):
             ".train(resume_from_checkpoint=RUN_DIR), or save the rows to a .jsonl file and "
             "pass --data FILE"
         )
+    own = getattr(make_env, "task", None)
+    if own is not None:
+        if d.path is not None:
+            raise InputError(
+                f"data.path ({d.path}) cannot be used with env.factory {cfg.env.factory!r}: the "
+                "verifiers taskset's tasks are the data (select them in its load_environment())"
+            )
+        return own
     with user_input("data"):
         if d.path is not None:
             return load_task(

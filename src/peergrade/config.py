@@ -450,8 +450,10 @@ class EnvConfig:
     factory: str | None = doc(
         "An environment class, 'path/to/file.py:Class' or 'module:Class': TRL's "
         "environment_factory (reset(**row), public methods as tools, optional get_reward() "
-        "added as the reward 'env') or a native environment (reset(row) and step(message); its "
-        "step rewards summed as the reward 'env').",
+        "added as the reward 'env'), a native environment (reset(row) and step(message); its "
+        "step rewards summed as the reward 'env'), or 'verifiers:MODULE' (or "
+        "'verifiers:path/to/file.py'): a verifiers environment's load_environment(), its tasks "
+        "as the data and its rewards as the reward 'verifiers_reward'.",
         None,
     )
     max_tool_calling_iterations: int | None = doc(
@@ -777,6 +779,11 @@ def _split_path(key: str, value: Any) -> tuple[str, str] | None:
     if not isinstance(value, str) or not value.strip() or value.startswith(PYTHON_ONLY):
         return None
     value = value.strip()
+    if key == "env.factory" and value.startswith("verifiers:"):
+        target = value[len("verifiers:") :].strip()
+        if target.endswith(".py") or "/" in target or "\\" in target:
+            return target, ""  # verifiers:path/to/file.py (the prefix is put back by the caller)
+        return None  # verifiers:MODULE
     if key.startswith(("env.tools[", "env.factory")):
         target, sep, attr = value.rpartition(":")
         if sep and (target.endswith(".py") or "/" in target or "\\" in target):
@@ -830,10 +837,11 @@ def _resolve_paths(tree: dict, base: Path, given: dict[str, str]) -> None:
         if parts is None:
             continue
         path, rest = parts
+        prefix = "verifiers:" if node[name].strip().startswith("verifiers:") else ""
         expanded = Path(path).expanduser()
-        node[name] = os.path.abspath(base / expanded) + rest
+        node[name] = prefix + os.path.abspath(base / expanded) + rest
         if not expanded.is_absolute():
-            given[key] = path + rest
+            given[key] = prefix + path + rest
 
 
 def _read_tree(
@@ -1061,7 +1069,7 @@ def validate(cfg: Config) -> None:
         )
     need(
         e.factory is None or ":" in e.factory.strip().strip(":"),
-        f"env.factory must be 'path/to/file.py:Class' or 'module:Class', got {e.factory!r}",
+        f"env.factory must be 'path/to/file.py:Class', 'module:Class' or 'verifiers:MODULE', got {e.factory!r}",
     )
     if e.enabled:
         need(

@@ -66,6 +66,7 @@ from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
 from peergrade.envs import episodes_batch
 from peergrade.envs.scoring import EPISODE_COLUMNS
+from peergrade.envs.verifiers import is_verifiers_spec
 from peergrade.evaluation import (
     HeldOut,
     check_reward_columns,
@@ -135,9 +136,13 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     ckpt.seed_step_rngs(step_seed(t.seed, 0, salt=REWARD_RNG_SALT))  # the evaluation before step 1
-    task = given.task if given.task is not None else build_task(cfg)
+    task = given.task
+    if task is None and not is_verifiers_spec(cfg.env.factory):
+        task = build_task(cfg)
     # env: the user's tools and environment class (or the Python caller's), loaded and checked
     make_env = build_env(cfg, given.tools, given.environment_factory)
+    if task is None:  # a verifiers environment's taskset is the data
+        task = build_task(cfg, make_env)
     rewards = build_rewards(cfg, task, given.reward_fns)
     acc, why = held_out_scorer(task, rewards, t.eval_reward)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)

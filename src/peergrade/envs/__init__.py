@@ -14,11 +14,13 @@
   the same from the functions and class themselves).
 - ``scoring``: ``reward_inputs``, TRL's reward-function arguments for episodes (completions as
   message lists, ``environments``).
+- ``verifiers``: ``--env verifiers:MODULE``, a verifiers (0.4) environment's tasks, Python
+  Toolsets, stops and rewards as a native environment (its own harness programs do not run here).
 
 The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``
 (the Python API with ``make_env_from_objects``),
 samples with ``run_episodes`` and trains on ``episodes_batch``; this package knows nothing of
-the trainer. Not done here: verifiers environments and sandboxed code tools. See
+the trainer. Not done here: sandboxed code tools. See
 docs/environments.md.
 """
 

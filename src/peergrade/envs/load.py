@@ -9,7 +9,9 @@ and returns a ``row -> environment`` factory:
   per episode; ``tools`` must then be empty (a native environment runs its own tools);
 - any other ``env`` class is TRL's ``environment_factory`` (``reset(**row)``, public methods as
   tools), combined with the ``tools`` functions through ``tools.tool_environment_factory``;
-- no ``env``: the ``tools`` alone.
+- no ``env``: the ``tools`` alone;
+- ``env`` = ``verifiers:MODULE``: a verifiers environment (``envs.verifiers``), whose factory
+  also carries the task (rows and reward) the trainer uses instead of ``data:``.
 
 ``make_env_from_objects(tools=[multiply], env=Game)`` does the same from the objects
 themselves (the Python API's ``tools=`` / ``environment_factory=``). ``reference_of(obj)`` is
@@ -31,6 +33,7 @@ from typing import Any
 
 from peergrade.config import PYTHON_ONLY  # a tool or class given from Python, not importable
 from peergrade.envs.tools import tool_environment_factory
+from peergrade.envs.verifiers import is_verifiers_spec, load_verifiers
 from peergrade.errors import InputError, PeergradeError
 
 
@@ -89,6 +92,13 @@ def make_env_from_specs(
     """A checked ``row -> environment`` factory from ``--tools`` / ``--env`` names (see the
     module docstring); ``options`` go to ``tool_environment_factory``
     (``max_tool_calling_iterations``, ``tool_timeout``, ``max_tool_output_chars``)."""
+    if is_verifiers_spec(env):
+        if tools:
+            raise InputError(
+                f"--env {env!r} is a verifiers environment: its Toolsets are its tools; "
+                "--tools cannot be added to it"
+            )
+        return load_verifiers(env)
     fns = [load_object(s, "--tools") for s in tools]
     cls = load_object(env, "--env") if env else None
     return make_env_from_objects(
