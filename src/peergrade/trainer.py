@@ -9,6 +9,9 @@ call it), with one ``Experience`` (``peergrade.experience``) travelling through 
        trained on) -> rewards (weighted reward functions)
     -> reference log-probs (beta > 0)
     -> advantages (``run.algo.advantages``: group-relative for GRPO, critic + GAE for PPO)
+  With ``rollout.dynamic_sampling`` (``fill_step``), ``collect`` samples and scores rounds of P
+  prompts until P groups whose rewards differ are kept (``peergrade.dynamic``), then builds
+  the experience of those.
   ``learn``: mu passes of minibatch updates (``run.algo.update``)
   -> metrics and sampled completions, which the loop logs, then evaluation and checkpoints.
 GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRPO``,
@@ -18,7 +21,8 @@ Exact resume: everything random is derived from (seed, step) (``peergrade.seeds`
 prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, every sampling draw
 is a function of (seed, step, the prompt's index in the step, the sample's index in its group),
 minibatch shuffles and the global random/numpy generators that reward functions may use are
-functions of (seed, step) -- so a run resumed from
+functions of (seed, step), dynamic sampling's extra rounds of (seed, step, round) -- so a run
+resumed from
 ``checkpoints/step-s`` (model, optimizer, scheduler, RNG states) produces the same metrics and
 weights as one never stopped.
 
