@@ -21,6 +21,7 @@ from peergrade import trainer
 from peergrade.config import ConfigError, load_config
 from peergrade.dynamic import informative_groups
 from peergrade.errors import InputError
+from peergrade.rollout import Rollout
 
 REWARD_FILE = '''
 def _text(c):
@@ -242,3 +243,26 @@ def test_config_refuses_what_cannot_work(tiny_model_dir, reward_file):
         config(tiny_model_dir, reward_file, **{"algo.name": "ppo"})
     with pytest.raises(ConfigError, match="group_size"):
         config(tiny_model_dir, reward_file, **{"rollout.group_size": 1})
+
+
+def test_rollout_take_and_concat_keep_each_sequence(tiny_model_dir, reward_file):
+    """Groups cut out of rollouts and joined (the kept groups of several rounds) train on the
+    tokens they were sampled with: each row of the joined batch is its source row, re-padded."""
+    run = trainer.setup(config(tiny_model_dir, reward_file))
+    pad = run.models.tokenizer.pad_token_id
+    rows = step_rows(run, 1)
+    a = trainer.sample(run, run.encode(rows[:2]), 1, range(2))
+    b = trainer.sample(run, run.encode(rows[2:]), 1, range(2, 4))
+    parts = [b.take([2, 3]), a.take([0, 1, 2, 3])]  # group 1 of b, then a's two groups
+    joined = Rollout.concat(parts, pad)
+    assert joined.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert joined.completion_text == b.completion_text[2:] + a.completion_text
+    ids, att, _ = joined.training_batch(pad)
+    C = joined.completion_ids.shape[1]
+    for i, (src, j) in enumerate([(b, 2), (b, 3), (a, 0), (a, 1), (a, 2), (a, 3)]):
+        s_ids, s_att, _ = src.training_batch(pad)
+        n = int(src.completion_mask[j].sum())
+        assert ids[i, -C:][:n].tolist() == s_ids[j, -src.completion_ids.shape[1] :][:n].tolist()
+        assert ids[i][att[i] == 1].tolist() == s_ids[j][s_att[j] == 1].tolist()
+        assert torch.equal(joined.sampler_logprobs[i, :n], src.sampler_logprobs[j, :n])
+        assert joined.loss_mask[i, n:].sum() == 0
