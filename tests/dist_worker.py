@@ -16,32 +16,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from peergrade import distributed as dist
 from peergrade import trainer
 from peergrade.config import load_config
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
-
-
-def concat(parts: list[Rollout], pad_id: int) -> Rollout:
-    """One Rollout from per-prompt ones (completions right-padded to the longest)."""
-    C = max(p.completion_ids.shape[1] for p in parts)
-
-    def pad(t, value):
-        return torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value)
-
-    n = parts[0].completion_ids.shape[0]
-    return Rollout(
-        prompt_ids=[ids for p in parts for ids in p.prompt_ids],
-        completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
-        completion_mask=torch.cat([pad(p.completion_mask, 0.0) for p in parts]),
-        logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
-        finish_reason=[f for p in parts for f in p.finish_reason],
-        completion_text=[t for p in parts for t in p.completion_text],
-        prompt_index=torch.arange(n * len(parts)) // n,
-    )
 
 
 def per_prompt_sample(run, prompt_ids, step, row_keys):
@@ -62,7 +41,7 @@ def per_prompt_sample(run, prompt_ids, step, row_keys):
                     row_keys=[key],
                 )
             )
-    return concat(parts, run.models.tokenizer.pad_token_id)
+    return Rollout.concat(parts, run.models.tokenizer.pad_token_id)
 
 
 def recording(sample, path: Path):

@@ -33,6 +33,10 @@ def char_score(prompts, completions, **kwargs):
     """A dense, deterministic score of the completion text (TRL signature)."""
     return [(sum(ord(ch) for ch in _text(c)) % 97) / 97.0 for c in completions]
 
+def coarse(prompts, completions, **kwargs):
+    """char_score cut at 0.5: about half of the 2-completion groups agree (dynamic sampling)."""
+    return [float(s > 0.5) for s in char_score(prompts, completions)]
+
 CALLS = []
 
 def flaky(prompts, completions, **kwargs):
@@ -231,6 +235,48 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     assert per_step(r) == per_step(f)
     wr = weights(r / "checkpoints/step-3")
     assert all(torch.equal(wr[k], wf[k]) for k in wf)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
+    """rollout.dynamic_sampling fills the GLOBAL batch: each round every rank samples its block,
+    the picks are global and the kept groups move to the rank that trains them, so 2 ranks keep
+    the groups 1 process keeps (the same metrics, dynamic/* included, samples and weights);
+    also when slots stay unfilled (max_rounds 1: padded with groups that agree)."""
+    dyn = {
+        "rewards": [{"name": f"{reward_file}:coarse", "weight": 1.0}],
+        "rollout.dynamic_sampling": True,
+        "train.audit_rewards": "off",
+    }
+    # (short: one process leaves the padded advantage-0 groups out of the update's forward,
+    # where 2 ranks compute them; the gradient agrees, the entropy/clip statistics -- over the
+    # computed rows -- would not, so the elision is off for the comparison)
+    cases = {
+        "rounds": {"rollout.max_rounds": 4},
+        "short": {"rollout.max_rounds": 1, "algo.skip_zero_advantage": False},
+    }
+    runs = {
+        layout: [
+            {"dir": str(tmp_path / layout / name), "overrides": overrides(tiny_model_dir, reward_file, **dyn, **extra)}
+            for name, extra in cases.items()
+        ]
+        for layout in ("one", "two")
+    }  # fmt: skip
+    check(run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))]))
+    check(run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"])))))
+    for name in cases:
+        a, b = tmp_path / "one" / name, tmp_path / "two" / name
+        ma, mb = read_metrics(a), read_metrics(b)
+        steps = [r for r in ma if "loss/policy" in r]
+        assert [r["step"] for r in steps] == [1, 2, 3], name
+        if name == "rounds":  # extra rounds were sampled, and every batch was filled
+            assert any(r["dynamic/rounds"] > 1 for r in steps)
+            assert all(r["dynamic/unfilled_groups"] == 0 for r in steps)
+        else:  # some slots stayed empty: padding moved between ranks too
+            assert any(r["dynamic/unfilled_groups"] > 0 for r in steps)
+        assert_same_metrics(ma, mb)
+        assert_same_weights(weights(a / "checkpoints/step-3"), weights(b / "checkpoints/step-3"))
+        assert (a / "samples.jsonl").read_text() == (b / "samples.jsonl").read_text()
 
 
 def read_completions(record_dir: Path, name: str) -> dict:

@@ -66,10 +66,19 @@ def test_rounds_never_exceed_max_rounds_and_the_shortfall_is_reported():
     fill = fill_groups(sample_round, target=8, max_rounds=3)
     assert asked == [0, 1, 2]
     assert fill.unfilled == 8 - len(fill.picks) > 0
-    m = fill.metrics()
-    assert m["dynamic/rounds"] == 3.0 and m["dynamic/unfilled"] == float(fill.unfilled)
+    m = fill.metrics(group_size=3)
+    assert m["dynamic/rounds"] == 3.0 and m["dynamic/unfilled_groups"] == float(fill.unfilled)
+    assert m["dynamic/sampled_groups"] == 12.0
+    # every informative group was kept (the step is short), so the rest had no spread
+    assert m["dynamic/frac_zero_std_groups_sampled"] == 1 - len(fill.picks) / 12
     if fill.picks:
-        assert m["dynamic/groups_per_informative"] == 12 / len(fill.picks)
+        assert m["dynamic/completions_per_informative_group"] == 12 * 3 / len(fill.picks)
+    # the slots: the picks, then the first groups not picked, none of them informative
+    slots = fill.slots(4)
+    assert len(slots) == 8 and slots[: len(fill.picks)] == fill.picks
+    pads = slots[len(fill.picks) :]
+    assert len(set(slots)) == 8 and pads == sorted(pads)
+    assert not any(informative_groups(sample_round(r))[g] for r, g in pads)
 
 
 def test_all_degenerate_source_raises_a_clear_error():
@@ -78,7 +87,9 @@ def test_all_degenerate_source_raises_a_clear_error():
         fill_groups(sample_round, target=2, max_rounds=3, require_one=True)
     assert asked == [0, 1, 2]  # stopped, no endless loop
     fill = fill_groups(_source(0, 0.0)[0], target=2, max_rounds=3)  # later steps: reported
-    assert fill.unfilled == 2 and fill.metrics()["dynamic/groups_per_informative"] == 0.0
+    assert fill.unfilled == 2
+    assert fill.metrics(3)["dynamic/completions_per_informative_group"] == 0.0
+    assert fill.slots(4) == [(0, 0), (0, 1)]
 
 
 def test_deterministic_under_a_seed():

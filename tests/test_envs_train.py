@@ -368,3 +368,51 @@ def test_train_with_tools_from_the_command_line(files, tool_model, monkeypatch, 
             assert isinstance(c, list) and c and c[0]["role"] == "assistant"
     saved = load_config(files / "run" / "config.yaml")
     assert saved.env.tools == [str(files / "my_tools.py") + ":multiply"]
+
+
+COARSE = """
+def coarse(completions, **kwargs):
+    # binary, from the sampled text: about half of the groups of two agree
+    text = ["".join(m["content"] for m in c if m["role"] == "assistant") for c in completions]
+    return [float(sum(map(ord, t)) % 2) for t in text]
+"""
+
+
+def test_dynamic_sampling_fills_a_step_of_episodes(files, monkeypatch):
+    """rollout.dynamic_sampling with an environment: extra rounds run their own episodes (rows
+    from the dataset's keyed extra stream) and the kept groups' episodes are the batch."""
+    from peergrade import trainer
+    from peergrade.dynamic import informative_groups
+
+    monkeypatch.chdir(files)
+    write(files / "my_dyn.py", COARSE)
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    inner, _ = build_tiny_model("qwen2", tok, seed=0, max_position_embeddings=2048)
+    cfg = load_config(
+        None,
+        [
+            ("data.path", "data.jsonl"),
+            ("env.factory", "my_env.py:ToolFeedback"),
+            ("rewards", [{"name": "my_dyn.py:coarse"}]),
+            ("rollout.group_size", 2),
+            ("rollout.prompts_per_step", 2),
+            ("rollout.max_completion_length", 60),
+            ("rollout.dynamic_sampling", True),
+            ("rollout.max_rounds", 8),
+            ("train.audit_rewards", "off"),
+        ],
+    )
+    run = trainer.setup(cfg, Given(policy=Steered(inner, tok.eos_token_id, 6), tokenizer=tok))
+    rounds = []
+    for step in (1, 2, 3):
+        exp = trainer.collect(run, step, [{"prompt": "3*4?"}, {"prompt": "5*6?"}])
+        m = exp.sampled.dynamic
+        rounds.append(m["dynamic/rounds"])
+        eps = exp.sampled.episodes
+        assert len(eps) == 4 and m["dynamic/unfilled_groups"] == 0
+        assert informative_groups(exp.rewards.view(2, 2)).all()
+        C = exp.loss_mask.shape[1]
+        for i, e in enumerate(eps):  # the batch is built from the kept episodes
+            L = exp.input_ids.shape[1] - C
+            assert exp.input_ids[i, L : L + len(e.completion_ids)].tolist() == e.completion_ids
+    assert max(rounds) > 1  # some step needed rows beyond its own

@@ -52,6 +52,8 @@ def synthetic_run(path: Path, *, steps: int = 4, G: int = 2, alert_at: int | Non
             "clip/frac": 0.0,
             "ratio/max": 1.0 + 0.01 * s,
             "correction/weight_mean": 1.0,
+            "dynamic/rounds": 1.0 + s % 2,
+            "dynamic/frac_zero_std_groups_sampled": 0.5,
             "perf/tokens_per_s": 100.0,
             "time/generate_s": 1.0,
             "time/reward_s": 0.5,

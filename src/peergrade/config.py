@@ -207,6 +207,19 @@ class RolloutConfig:
     generation_batch_size: int | None = doc(
         "Sequences generated at once (memory bound); null = the whole batch.", None
     )
+    dynamic_sampling: bool = doc(
+        "DAPO dynamic sampling (GRPO): train only on groups whose rewards differ; when fewer "
+        "than prompts_per_step such groups come back, sample rounds of prompts_per_step extra "
+        "prompts (drawn from (seed, step, round), beyond the step's own rows) until the batch "
+        "has prompts_per_step of them, at most max_rounds rounds (docs/async.md).",
+        False,
+    )
+    max_rounds: int = doc(
+        "dynamic_sampling: the most sampling rounds per step (>= 1; round 0 is the step's own "
+        "prompts). Slots still empty after them get groups with no reward spread (logged as "
+        "dynamic/unfilled_groups).",
+        4,
+    )
 
 
 @dataclass
@@ -944,6 +957,13 @@ def validate(cfg: Config) -> None:
     need(
         r.generation_batch_size is None or r.generation_batch_size >= 1,
         f"rollout.generation_batch_size must be >= 1 or null, got {r.generation_batch_size}",
+    )
+    need(r.max_rounds >= 1, f"rollout.max_rounds must be >= 1, got {r.max_rounds}")
+    need(
+        not r.dynamic_sampling or a.name == "grpo",
+        "rollout.dynamic_sampling keeps the groups whose group-relative advantage is nonzero, a "
+        "GRPO notion: algo.name=ppo's critic gives groups whose rewards agree an advantage too; "
+        "turn rollout.dynamic_sampling off with ppo",
     )
     need(a.clip_eps > 0, f"algo.clip_eps must be > 0, got {a.clip_eps}")
     need(

@@ -18,6 +18,7 @@ What it does
   not one completion, so their draws cannot be keyed per completion from outside.
 * Reductions: ``gather_rows`` (per-completion vectors: rewards, lengths, token counts; tiny)
   lets batch statistics and metrics be computed by the same formulas as in one process;
+  ``exchange`` moves picklable objects (dynamic sampling's kept groups) to the ranks that ask;
   ``all_true`` makes the zero-signal skip one decision; ``merge_sums`` sums the metric sums and
   counts of every rank; ``masked_moments`` gives global token means and variances (PPO).
 * ``sync_grads`` all-reduces (sums) the gradients after a minibatch's micro-batches and before
@@ -77,6 +78,8 @@ __all__ = [
     "merge_sums",
     "sum_int",
     "gather_scores",
+    "gather_objects",
+    "exchange",
     "NullWriter",
     "masked_moments",
     "masked_mean",
@@ -274,6 +277,20 @@ def _gather_objects(obj) -> list:
     out = [None] * world()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def exchange(owned: dict, wanted: list) -> list:
+    """The objects named by ``wanted``, in that order, wherever they live: every rank offers
+    ``owned`` (key -> picklable object, keys unique over ranks) and gets back the ones it asks
+    for (e.g. dynamic sampling's kept groups, moved to the rank that trains them). Every rank
+    receives every rank's offer (one all_gather_object): offer only what some rank needs.
+    In one process: ``[owned[k] for k in wanted]``."""
+    if parallel():
+        merged: dict = {}
+        for part in _gather_objects(owned):
+            merged.update(part)
+        owned = merged
+    return [owned[k] for k in wanted]
 
 
 def mean_over_ranks(x: float) -> float:

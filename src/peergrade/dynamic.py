@@ -11,7 +11,7 @@ rewards; the caller keeps what it generated), the informative ones are kept in r
 group order until ``target`` are kept, for at most ``max_rounds`` rounds. Informative groups
 beyond the target are dropped (as verl does), so every filled step has exactly ``target``
 groups. What could not be filled is reported (``Fill.unfilled`` and ``Fill.metrics()``), not
-looped on; when no round found a single informative group and the caller says there must be
+looped on, and ``Fill.slots`` pads the batch with groups that did not differ; when no round found a single informative group and the caller says there must be
 one (``require_one``: e.g. no group of the run has differed so far), it raises ``InputError``
 naming the likely causes instead of training on nothing.
 
@@ -59,20 +59,43 @@ class Fill:
     picks: list[tuple[int, int]] = field(default_factory=list)  # (round, group) kept, in order
     rounds: int = 0  # rounds sampled, 1..max_rounds
     sampled_groups: int = 0  # groups generated over every round
+    informative: int = 0  # informative groups found over every round (kept or beyond the target)
 
     @property
     def unfilled(self) -> int:
         """Groups of the target that no round could fill."""
         return self.target - len(self.picks)
 
-    def metrics(self) -> dict[str, float]:
-        """``dynamic/rounds``, ``dynamic/unfilled`` (groups short of the target) and
-        ``dynamic/groups_per_informative`` (groups generated per kept group; 0 if none kept)."""
+    def slots(self, groups_per_round: int) -> list[tuple[int, int]]:
+        """The step's ``target`` groups as (round, group): the picks, then, when short, the
+        groups not picked in (round, group) order -- none of them informative, since a step
+        that is short kept every informative group it found. They fill the batch with
+        advantage-0 groups so that its shape does not depend on the data."""
+        picked = set(self.picks)
+        spare = (
+            (r, g)
+            for r in range(self.rounds)
+            for g in range(groups_per_round)
+            if (r, g) not in picked
+        )
+        return self.picks + [rg for rg, _ in zip(spare, range(self.unfilled))]
+
+    def metrics(self, group_size: int) -> dict[str, float]:
+        """``dynamic/rounds``; ``dynamic/sampled_groups`` (over every round);
+        ``dynamic/unfilled_groups`` (short of the target); ``dynamic/
+        completions_per_informative_group`` (completions generated per kept group, 0 when
+        none was kept); ``dynamic/frac_zero_std_groups_sampled`` (the sampled groups whose
+        rewards did not differ)."""
         kept = len(self.picks)
+        n = max(self.sampled_groups, 1)
         return {
             "dynamic/rounds": float(self.rounds),
-            "dynamic/unfilled": float(self.unfilled),
-            "dynamic/groups_per_informative": self.sampled_groups / kept if kept else 0.0,
+            "dynamic/sampled_groups": float(self.sampled_groups),
+            "dynamic/unfilled_groups": float(self.unfilled),
+            "dynamic/completions_per_informative_group": (
+                self.sampled_groups * group_size / kept if kept else 0.0
+            ),
+            "dynamic/frac_zero_std_groups_sampled": 1.0 - self.informative / n,
         }
 
 
@@ -102,6 +125,7 @@ def fill_groups(
     for r in range(max_rounds):
         ok = informative_groups(sample_round(r))  # [P_r]
         fill.rounds, fill.sampled_groups = r + 1, fill.sampled_groups + len(ok)
+        fill.informative += int(ok.sum())
         room = target - len(fill.picks)
         fill.picks += [(r, int(g)) for g in ok.nonzero().flatten().tolist()[:room]]
         if len(fill.picks) == target:

@@ -38,6 +38,10 @@ class Sampled:
     completion_ids: list[list[int]]  # N lists: the counted tokens of each completion
     few_shot_frac: float = 0.0
     episodes: list | None = None  # envs.Episode records (tools / environments), else None
+    # dynamic sampling (rollout.dynamic_sampling): the step kept these groups out of several
+    # rounds; the rounds' own figures, which the kept rows alone cannot tell
+    dynamic: dict[str, float] = field(default_factory=dict)  # dynamic/* metrics, else empty
+    generated_tokens: int | None = None  # this rank's sampled tokens over every round
 
 
 @dataclass

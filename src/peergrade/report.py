@@ -206,7 +206,17 @@ PANELS: list[tuple[str, str, list[str]]] = [
     (
         "Zero-signal and truncated fractions",
         "fraction",
-        [r"rollout/frac_zero_std_groups", r"update/zero_signal_frac", r"rollout/frac_truncated"],
+        [
+            r"rollout/frac_zero_std_groups",
+            r"dynamic/frac_zero_std_groups_sampled",
+            r"update/zero_signal_frac",
+            r"rollout/frac_truncated",
+        ],
+    ),
+    (
+        "Dynamic sampling",
+        "rounds / groups / completions",
+        [r"dynamic/(rounds|unfilled_groups|completions_per_informative_group)"],
     ),
     ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
     ("Importance ratio", "ratio", [r"ratio/.+"]),

@@ -134,6 +134,60 @@ class Rollout:
     def num_generated_tokens(self) -> int:
         return int(self.completion_mask.sum().item())
 
+    def take(self, idx: Sequence[int]) -> Rollout:
+        """The sequences ``idx`` (in that order), as their own Rollout; ``prompt_index``
+        renumbers the prompts they answer 0, 1, ... (a group's members stay adjacent)."""
+        ix = torch.tensor(list(idx), dtype=torch.long, device=self.completion_ids.device)
+
+        def rows(t):
+            return None if t is None else t[ix]
+
+        return Rollout(
+            prompt_ids=[self.prompt_ids[i] for i in idx],
+            completion_ids=rows(self.completion_ids),
+            completion_mask=rows(self.completion_mask),
+            logprobs=rows(self.logprobs),
+            finish_reason=[self.finish_reason[i] for i in idx],
+            completion_text=[self.completion_text[i] for i in idx],
+            prompt_index=torch.unique_consecutive(
+                self.prompt_index.to(ix.device)[ix], return_inverse=True
+            )[1],
+            sampler_logprobs=rows(self.sampler_logprobs),
+            loss_mask=rows(self.loss_mask),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+        """One Rollout of ``parts``' sequences in order, completions right-padded to the
+        longest (``pad_token_id``; masks and log-probs 0). A single part comes back as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        C = max(p.completion_ids.shape[1] for p in parts)
+
+        def cat(name: str, value):
+            ts = [getattr(p, name) for p in parts]
+            if any(t is None for t in ts):
+                return None
+            return torch.cat(
+                [torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value) for t in ts]
+            )
+
+        offset, index = 0, []
+        for p in parts:
+            index.append(p.prompt_index + offset)
+            offset += int(p.prompt_index.max()) + 1 if len(p.prompt_index) else 0
+        return Rollout(
+            prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+            completion_ids=cat("completion_ids", pad_token_id),
+            completion_mask=cat("completion_mask", 0.0),
+            logprobs=cat("logprobs", 0.0),
+            finish_reason=[f for p in parts for f in p.finish_reason],
+            completion_text=[t for p in parts for t in p.completion_text],
+            prompt_index=torch.cat(index),
+            sampler_logprobs=cat("sampler_logprobs", 0.0),
+            loss_mask=cat("loss_mask", 0.0),
+        )
+
     def training_batch(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Teacher-forcing inputs: ``(input_ids [N, P+C], attention_mask [N, P+C], completion_mask [N, C])``.
 

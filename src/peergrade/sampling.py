@@ -4,19 +4,29 @@ each, and score them with the reward mix (TRL's calling contract).
 
 Every draw is keyed by (train.seed, step, the prompt's global index in the step, sample index)
 (docs/sampling.md), so 1 or N ranks sample the same tokens. ``run`` is the trainer's ``Run``
-(duck-typed: this module sits below the trainer). It does not build the training batch, the
-advantages or the update (``trainer.collect`` / ``learn``).
+(duck-typed: this module sits below the trainer).
+
+Dynamic sampling (``rollout.dynamic_sampling``) keeps some groups of several sampling rounds:
+``take_groups`` cuts groups out of one round's ``experience.Sampled`` (ready to move to another
+rank: ``distributed.exchange``), and ``concat_sampled`` joins kept groups into the step's one
+``Sampled``, whose batch-level reward counts (``merge_round_scores``) cover every round.
+
+It does not build the training batch, the advantages or the update (``trainer.collect`` /
+``learn``), nor decide which groups are kept (``peergrade.dynamic``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from peergrade import distributed as dist
 from peergrade.envs import Episode, episode_metrics, reward_inputs, run_episodes
 from peergrade.envs.scoring import env_reward, environment_rewards
 from peergrade.evaluation import reward_state
-from peergrade.rewards import columns_for, score_rewards
+from peergrade.experience import Sampled
+from peergrade.rewards import RewardScores, columns_for, score_rewards
 from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
 
@@ -112,3 +122,102 @@ def episode_step_metrics(episodes: list[Episode]) -> dict[str, float]:
         dataclasses.replace(e, env=None, messages=[], prompt_ids=[], logprobs=[]) for e in episodes
     ]
     return episode_metrics([e for part in dist.gather_objects(light) for e in part])
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+def take_groups(s: Sampled, groups: list[int], group_size: int, *, portable: bool) -> Sampled:
+    """Groups ``groups`` (indices into ``s``'s prompts) of one round, as a ``Sampled`` of their
+    own. Only per-row reward fields come along (the batch-level counts stay with the round:
+    ``merge_round_scores``). ``portable``: tensors on the CPU and episodes without their live
+    environment, so the result can be pickled to another rank."""
+    G = group_size
+    seqs = [g * G + j for g in groups for j in range(G)]
+    ix = torch.tensor(seqs, dtype=torch.long)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        t = t[ix.to(t.device)]
+        return t.cpu() if portable else t
+
+    sc = s.scores
+    scores = RewardScores(
+        per_fn={k: rows(v) for k, v in sc.per_fn.items()},
+        total=rows(sc.total),
+        extra={k: [v[i] for i in seqs] for k, v in sc.extra.items()},
+    )
+    rollout = episodes = None
+    if s.rollout is not None:
+        rollout = s.rollout.take(seqs)
+        if portable:
+            rollout = dataclasses.replace(
+                rollout,
+                **{
+                    f.name: getattr(rollout, f.name).cpu()
+                    for f in dataclasses.fields(rollout)
+                    if isinstance(getattr(rollout, f.name), torch.Tensor)
+                },
+            )
+    if s.episodes is not None:
+        episodes = [s.episodes[i] for i in seqs]
+        if portable:  # scored already: the environment object is not needed (nor picklable)
+            episodes = [dataclasses.replace(e, env=None) for e in episodes]
+    return Sampled(
+        rows=[s.rows[g] for g in groups],
+        prompt_ids=[s.prompt_ids[g] for g in groups],
+        rollout=rollout,
+        scores=scores,
+        accuracy=rows(s.accuracy),
+        completion_ids=[s.completion_ids[i] for i in seqs],
+        few_shot_frac=s.few_shot_frac,
+        episodes=episodes,
+    )
+
+
+def merge_round_scores(rounds: list[RewardScores]) -> dict:
+    """The batch-level fields of several rounds' scores as one batch's: failures and counts
+    summed, messages listed, ``log_metric`` means averaged (each round scores as many
+    completions)."""
+    counts: dict[str, float] = {}
+    logged: dict[str, list[float]] = {}
+    for sc in rounds:
+        for k, v in sc.counts.items():
+            counts[k] = counts.get(k, 0.0) + v
+        for k, v in sc.logged.items():
+            logged.setdefault(k, []).append(v)
+    return {
+        "num_errors": sum(sc.num_errors for sc in rounds),
+        "errors": [e for sc in rounds for e in sc.errors],
+        "counts": counts,
+        "logged": {k: sum(v) / len(v) for k, v in logged.items()},
+    }
+
+
+def concat_sampled(parts: list[Sampled], pad_token_id: int, batch_scores: dict) -> Sampled:
+    """One ``Sampled`` of ``parts``' groups in order (``take_groups``'s), on the device of the
+    first part; ``batch_scores`` (``merge_round_scores``) are its reward counts."""
+    first = parts[0]
+    dev = first.accuracy.device
+
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.to(dev) for t in ts])
+
+    scores = RewardScores(
+        per_fn={k: cat([p.scores.per_fn[k] for p in parts]) for k in first.scores.per_fn},
+        total=cat([p.scores.total for p in parts]),
+        extra={k: [x for p in parts for x in p.scores.extra[k]] for k in first.scores.extra},
+        **batch_scores,
+    )
+    rollout = None
+    if first.rollout is not None:
+        rollout = Rollout.concat([p.rollout for p in parts], pad_token_id)
+    return Sampled(
+        rows=[r for p in parts for r in p.rows],
+        prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+        rollout=rollout,
+        scores=scores,
+        accuracy=cat([p.accuracy for p in parts]),
+        completion_ids=[c for p in parts for c in p.completion_ids],
+        few_shot_frac=first.few_shot_frac,
+        episodes=None if first.episodes is None else [e for p in parts for e in p.episodes],
+    )

@@ -9,6 +9,9 @@ call it), with one ``Experience`` (``peergrade.experience``) travelling through 
        trained on) -> rewards (weighted reward functions)
     -> reference log-probs (beta > 0)
     -> advantages (``run.algo.advantages``: group-relative for GRPO, critic + GAE for PPO)
+  With ``rollout.dynamic_sampling`` (``fill_step``), ``collect`` samples and scores rounds of P
+  prompts until P groups whose rewards differ are kept (``peergrade.dynamic``), then builds
+  the experience of those.
   ``learn``: mu passes of minibatch updates (``run.algo.update``)
   -> metrics and sampled completions, which the loop logs, then evaluation and checkpoints.
 GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRPO``,
@@ -18,7 +21,8 @@ Exact resume: everything random is derived from (seed, step) (``peergrade.seeds`
 prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, every sampling draw
 is a function of (seed, step, the prompt's index in the step, the sample's index in its group),
 minibatch shuffles and the global random/numpy generators that reward functions may use are
-functions of (seed, step) -- so a run resumed from
+functions of (seed, step), dynamic sampling's extra rounds of (seed, step, round) -- so a run
+resumed from
 ``checkpoints/step-s`` (model, optimizer, scheduler, RNG states) produces the same metrics and
 weights as one never stopped.
 
@@ -64,6 +68,7 @@ from peergrade.components import (  # importable from here too: Given, setup_mod
 )
 from peergrade.config import Config, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
+from peergrade.dynamic import fill_groups
 from peergrade.envs import episodes_batch
 from peergrade.envs.scoring import EPISODE_COLUMNS
 from peergrade.envs.verifiers import is_verifiers_spec
@@ -78,11 +83,14 @@ from peergrade.metrics import Display, check_backends, quiet_hf_progress, read_j
 from peergrade.rewards import RewardSpec
 from peergrade.sampling import (  # importable from here too (tests patch trainer.sample)
     completion_inputs,
+    concat_sampled,
     episode_inputs,
     episode_step_metrics,
+    merge_round_scores,
     sample,
     sample_episodes,
     score,
+    take_groups,
 )
 from peergrade.seeds import step_seed
 from peergrade.tasks.curriculum import FewShot
@@ -116,6 +124,9 @@ class Run:
     algo: Algorithm  # advantages + update: update.GRPO or ppo.PPO
     accuracy_why: str = ""  # how the scorer was chosen, for the run header
     make_env: Any = None  # env: row -> environment (episodes); None = single replies
+    # dynamic sampling: some group's rewards have differed in this run (a checkpoint keeps it);
+    # until then a step that finds none stops the run (dynamic.fill_groups' require_one)
+    informative_seen: bool = False
 
     @property
     def optimizer_state(self):
@@ -212,17 +223,40 @@ CUT_SHORT = ("length", "turn_length", "env_over_budget")
 
 def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience:
     """Step ``step``'s experience on ``rows`` (P prompts): sample, score, reference log-probs,
-    advantages. ``meter`` brackets the generate / rewards / reference phases."""
+    advantages. ``meter`` brackets the generate / rewards / reference phases. With
+    ``rollout.dynamic_sampling`` the batch is filled with groups whose rewards differ
+    (``fill_step``)."""
     cfg, models = run.cfg, run.models
     # Python's random and numpy's global generator, which reward functions may use (a stream
     # per rank under torchrun, rank 0's the single-process one: a reward function scores a
     # batch, so its draws cannot be keyed per completion as the sampler's are)
     ckpt.seed_step_rngs(dist.rank_seed(step_seed(cfg.train.seed, step, salt=REWARD_RNG_SALT)))
-    device = models.device
+    if cfg.rollout.dynamic_sampling:
+        s, t_gen, t_reward = fill_step(run, step, rows, meter)
+    else:
+        rows, few_shot_frac = run.few_shot.apply(rows, step)
+        keys = dist.shard_range(len(rows))  # the global indices of this rank's P / world prompts
+        s, t_gen, t_reward = sample_round(run, step, rows[keys.start : keys.stop], keys, meter)
+        s.few_shot_frac = few_shot_frac
+    t_scored = time.perf_counter()
+    exp = experience_of(run, step, s)
+
+    meter.reset()  # 4. reference log-probs for the KL term; advantages
+    exp.ref_logprobs = ref_logprobs(models, exp.batch, cfg)  # [N, C] or None
+    run.algo.advantages(exp)
+    meter.record("reference")
+    exp.seconds = {"generate": t_gen, "reward": t_reward, "ref": time.perf_counter() - t_scored}
+    return exp
+
+
+def sample_round(
+    run: Run, step: int, rows: list[dict], keys: range, meter=NO_METER
+) -> tuple[Sampled, float, float]:
+    """This rank's ``rows`` sampled (G completions or episodes each, every draw keyed by the
+    prompt's global sampling key in ``keys``) and scored; returns them with the seconds spent
+    generating and scoring."""
+    cfg = run.cfg
     t_start = time.perf_counter()
-    rows, few_shot_frac = run.few_shot.apply(rows, step)
-    keys = dist.shard_range(len(rows))  # the global indices of this rank's P / world prompts
-    rows = rows[keys.start : keys.stop]
     episodes = rollout = None
     if run.make_env is None:
         prompt_ids = run.encode(rows)
@@ -230,7 +264,7 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
         rows = episode_rows(cfg, run.task, rows)
 
     meter.reset()  # 1. sample G completions (or episodes) per prompt
-    with autocast(cfg, device, models.policy):  # model.autocast: bf16 rollouts where it pays
+    with autocast(cfg, run.models.device, run.models.policy):  # bf16 rollouts where it pays
         if run.make_env is None:
             rollout = sample(run, prompt_ids, step, keys)
         else:
@@ -248,47 +282,116 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
     meter.reset()  # 2. score them (a reward model's forward is the memory here)
     scores, acc_values = score(run, step, *inputs)
     meter.record("rewards")
-    t_scored = time.perf_counter()
+    s = Sampled(rows, prompt_ids, rollout, scores, acc_values, completion_ids, 0.0, episodes)
+    return s, t_generated - t_start, time.perf_counter() - t_generated
 
-    # 3. the experience: the attention mask says which tokens exist, the loss mask (the
-    # rollout's own, kept apart) which are trained on: an episode's environment tokens are
-    # attended to and never trained on; DAPO's overlong filtering masks truncated completions
-    # out of the loss only
-    if episodes is None:
-        input_ids, attention_mask, _ = rollout.training_batch(models.tokenizer.pad_token_id)
+
+def experience_of(run: Run, step: int, s: Sampled) -> Experience:
+    """3. the experience of what was sampled and scored: the attention mask says which tokens
+    exist, the loss mask (the rollout's own, kept apart) which are trained on: an episode's
+    environment tokens are attended to and never trained on; DAPO's overlong filtering masks
+    truncated completions out of the loss only."""
+    cfg, device = run.cfg, run.models.device
+    if s.episodes is None:
+        rollout = s.rollout
+        input_ids, attention_mask, _ = rollout.training_batch(run.models.tokenizer.pad_token_id)
         loss_mask, sampler_lp = rollout.loss_mask, rollout.sampler_logprobs
         truncated = torch.tensor([f == "length" for f in rollout.finish_reason])  # [N]
     else:
-        b = episodes_batch(episodes, models.tokenizer.pad_token_id)
+        b = episodes_batch(s.episodes, run.models.tokenizer.pad_token_id)
         input_ids, attention_mask = b["input_ids"], b["attention_mask"]
         loss_mask, sampler_lp = b["loss_mask"], b["logprobs"]
-        truncated = torch.tensor([e.finish_reason in CUT_SHORT for e in episodes])  # [N]
+        truncated = torch.tensor([e.finish_reason in CUT_SHORT for e in s.episodes])  # [N]
     if cfg.algo.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).unsqueeze(1).to(loss_mask.dtype)
-    exp = Experience(
+    return Experience(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         loss_mask=loss_mask.to(device),
-        rewards=scores.total,
+        rewards=s.scores.total,
         truncated=truncated,
         policy_version=step,
         sampler_logprobs=None if sampler_lp is None else sampler_lp.to(device),
-        sampled=Sampled(
-            rows, prompt_ids, rollout, scores, acc_values, completion_ids, few_shot_frac, episodes
-        ),
+        sampled=s,
     )
 
-    meter.reset()  # 4. reference log-probs for the KL term; advantages
-    exp.ref_logprobs = ref_logprobs(models, exp.batch, cfg)  # [N, C] or None
-    run.algo.advantages(exp)
-    meter.record("reference")
-    t_ref = time.perf_counter()
-    exp.seconds = {
-        "generate": t_generated - t_start,
-        "reward": t_scored - t_generated,
-        "ref": t_ref - t_scored,
-    }
-    return exp
+
+#: peergrade.seeds: the stream of dynamic sampling's extra prompts (one per step)
+DYNAMIC_ROWS_SALT = 2000
+
+
+def fill_step(
+    run: Run, step: int, rows: list[dict], meter=NO_METER
+) -> tuple[Sampled, float, float]:
+    """Dynamic sampling (``rollout.dynamic_sampling``, ``peergrade.dynamic``): this rank's
+    share of P groups whose rewards differ, out of at most ``rollout.max_rounds`` rounds;
+    returns them with the seconds spent generating and scoring over every round.
+
+    Round 0 is the step's ``rows``, exactly as without dynamic sampling. Round r >= 1 takes
+    rows [(r-1)P, rP) of a stream of the task's training rows seeded by (seed, step)
+    (``DYNAMIC_ROWS_SALT``) -- extra data, beside the main stream, whose offsets (resume,
+    ``data/epoch``) do not move -- and samples them with keys rP + i, distinct from every
+    other round's. So round r is a function of (seed, step, r) alone, whatever the rank
+    count, and a resumed run redraws it exactly. Under torchrun each rank samples its block
+    of every round, the rounds' rewards are gathered, every rank makes the same global picks,
+    and the kept groups move to the rank that trains them (``dist.exchange``): rank k trains
+    slots [kP/W, (k+1)P/W) of the kept list, whole groups, as one process would.
+
+    Slots no round could fill hold groups that did not differ (advantage 0). They count in
+    every loss normaliser like any zero-spread group of a plain step: the batch is always
+    P * G rows, so the loss scale does not jump with how full a step was, and a step that
+    found one informative group does not weigh it P times (the gradient is the one a plain
+    step with those groups would take). With ``algo.skip_zero_advantage`` (beta = 0) they
+    cost no forward/backward."""
+    cfg = run.cfg
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    shard = dist.shard_range(P)  # this rank's block of every round
+    raw, extra = list(rows), None  # extra: the step's stream of extra prompts, opened lazily
+    rounds: list[Sampled] = []
+    seconds = [0.0, 0.0]
+    few_shot_frac = 0.0
+
+    def sample_next(r: int) -> torch.Tensor:  # round r's global rewards [P, G]
+        nonlocal extra, few_shot_frac
+        if r > 0:
+            if extra is None:
+                seed = step_seed(cfg.train.seed, step, salt=DYNAMIC_ROWS_SALT)
+                extra = run.task.train_rows(seed)
+            raw.extend(next(extra) for _ in range(P))
+        # few-shot turns on round 0 and the extra rounds in one call: round 0's draws are the
+        # plain step's, and an extra prompt gets draws of its own
+        shown, frac = run.few_shot.apply(raw, step)
+        few_shot_frac = frac if r == 0 else few_shot_frac
+        keys = range(r * P + shard.start, r * P + shard.stop)
+        s, t_gen, t_reward = sample_round(run, step, shown[keys.start : keys.stop], keys, meter)
+        seconds[0] += t_gen
+        seconds[1] += t_reward
+        rounds.append(s)
+        return dist.gather_rows(s.scores.total.view(len(shard), G).to(torch.float32))
+
+    fill = fill_groups(sample_next, P, cfg.rollout.max_rounds, require_one=not run.informative_seen)
+    run.informative_seen = run.informative_seen or bool(fill.picks)
+    slots = fill.slots(P)  # [P] (round, global group), picks first
+    k = len(shard)
+    owned = {}  # the kept groups this rank sampled, keyed by slot
+    for r, g in slots:
+        if shard.start <= g < shard.stop:
+            owned[(r, g)] = take_groups(rounds[r], [g - shard.start], G, portable=dist.parallel())
+    mine = dist.exchange(owned, slots[shard.start : shard.start + k])
+    s = concat_sampled(
+        mine,
+        run.models.tokenizer.pad_token_id,
+        merge_round_scores([x.scores for x in rounds]),
+    )
+    s.few_shot_frac = few_shot_frac
+    s.dynamic = fill.metrics(G)
+    s.generated_tokens = sum(
+        x.rollout.num_generated_tokens
+        if x.episodes is None
+        else sum(e.num_sampled_tokens for e in x.episodes)
+        for x in rounds
+    )
+    return s, seconds[0], seconds[1]
 
 
 def learn(run: Run, exp: Experience, step: int) -> dict[str, float]:
@@ -321,7 +424,11 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         local_lens = torch.tensor([e.num_sampled_tokens for e in s.episodes])  # [N]
         completions = [e.completion_messages for e in s.episodes]
         finish = [e.finish_reason for e in s.episodes]
-    gen_tokens = dist.sum_int(int(local_lens.sum()))
+    gen_tokens = dist.sum_int(int(local_lens.sum()))  # the trained batch's
+    if s.generated_tokens is not None:  # dynamic sampling: every round's count
+        sampled_tokens = dist.sum_int(s.generated_tokens)
+    else:
+        sampled_tokens = gen_tokens
     lens = g(local_lens.to(exp.loss_mask.device))  # [N]
     rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     group_std = torch.nan_to_num(g(rewards), nan=0.0).std(dim=1)  # [P]
@@ -339,11 +446,12 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         **epoch_metric(run.task, step * cfg.rollout.prompts_per_step),
         **(episode_step_metrics(s.episodes) if s.episodes is not None else {}),
         **upd,
+        **s.dynamic,
         "time/generate_s": sec["generate"],
         "time/reward_s": sec["reward"],
         "time/ref_s": sec["ref"],
         "time/update_s": sec["update"],
-        "perf/tokens_per_s": gen_tokens / max(sec["generate"], 1e-9),
+        "perf/tokens_per_s": sampled_tokens / max(sec["generate"], 1e-9),
         "perf/train_tokens_per_s": gen_tokens * cfg.algo.num_iterations / max(sec["update"], 1e-9),
     }
     per_completion = exp.advantages is not None and exp.advantages.dim() == 1  # GRPO's
@@ -453,14 +561,28 @@ def train(
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
     display = Display(display_mode, t.steps, start_step)
 
+    if cfg.rollout.dynamic_sampling:  # fill_step's require_one, as the checkpoint left it
+        run.informative_seen = out.trainer_state.get("dynamic_informative_seen", False)
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
     stop, step, interrupted, t_run = ckpt.StopFlag(), start_step, False, time.perf_counter()
+    told_unfilled = False
     try:
         with stop.installed(display):
             for step in range(start_step + 1, t.steps + 1):
                 t_step = time.perf_counter()
                 result = train_step(run, step, [next(rows) for _ in range(P)])
                 m = result.metrics
+                if cfg.rollout.dynamic_sampling:
+                    out.trainer_state["dynamic_informative_seen"] = run.informative_seen
+                    if m["dynamic/unfilled_groups"] and not told_unfilled:
+                        told_unfilled = True  # once: the metric has every step's count
+                        display.print(
+                            f"step {step}: dynamic sampling filled "
+                            f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
+                            f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
+                            "are groups whose rewards agree (advantage 0). Each step's count: "
+                            "dynamic/unfilled_groups"
+                        )
                 for sample_row in result.samples:
                     samples_log.write(sample_row)
                 if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
