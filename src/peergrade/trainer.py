@@ -49,7 +49,7 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
-from peergrade import ppo
+from peergrade import flops, ppo
 from peergrade.audit import at_startup as audit_at_startup
 from peergrade.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.components import (  # importable from here too: Given, setup_models, ...)
@@ -453,6 +453,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "time/update_s": sec["update"],
         "perf/tokens_per_s": sampled_tokens / max(sec["generate"], 1e-9),
         "perf/train_tokens_per_s": gen_tokens * cfg.algo.num_iterations / max(sec["update"], 1e-9),
+        **flop_rates(run, exp, sec),
     }
     per_completion = exp.advantages is not None and exp.advantages.dim() == 1  # GRPO's
     samples = []
@@ -480,6 +481,36 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "completion_len": exp.loss_mask.shape[1],
     }
     return StepResult(metrics, samples, shapes)
+
+
+def flop_rates(run: Run, exp: Experience, sec: dict[str, float]) -> dict[str, float]:
+    """``perf/<phase>_tflops``: model FLOPs (``peergrade.flops``: counted from the model's
+    shapes and the tokens each phase fed it, every rank's) per second of the phase: generation,
+    the reference pass (with one), the update (its old-policy pass included; GRPO) and the
+    step (the four phases' work over their seconds, rewards included). Empty for a model whose
+    config does not give the shapes."""
+    try:
+        shape = flops.Shape.of(getattr(run.models.policy, "config", {}))
+    except ValueError:
+        return {}
+    G = run.cfg.rollout.group_size
+    p, c = flops.split_lengths(exp.attention_mask, exp.loss_mask.shape[1])
+    work = {"gen": (flops.generation(shape, p, c, G).flops, sec["generate"])}
+    if exp.ref_logprobs is not None:
+        ref = flops.logprob_pass(shape, p, c, exp.loss_mask.sum(dim=1), G)
+        work["ref"] = (ref.flops, sec["ref"])
+    update_work = getattr(run.algo, "update_work", None)  # GRPO's; PPO's critic is not counted
+    if update_work is not None:
+        work["update"] = (update_work(exp, shape).flops, sec["update"])
+    total = dist.all_sum(torch.tensor([f for f, _ in work.values()], dtype=torch.float64))
+    out = {
+        f"perf/{k}_tflops": float(f) / max(s, 1e-9) / 1e12
+        for (k, (_, s)), f in zip(work.items(), total)
+    }
+    if update_work is not None:
+        seconds = sec["generate"] + sec["reward"] + sec["ref"] + sec["update"]
+        out["perf/step_tflops"] = float(total.sum()) / max(seconds, 1e-9) / 1e12
+    return out
 
 
 # ----------------------------------------------------------------------------- the loop
