@@ -483,31 +483,41 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
     return StepResult(metrics, samples, shapes)
 
 
-def flop_rates(run: Run, exp: Experience, sec: dict[str, float]) -> dict[str, float]:
-    """``perf/<phase>_tflops``: model FLOPs (``peergrade.flops``: counted from the model's
-    shapes and the tokens each phase fed it, every rank's) per second of the phase: generation,
-    the reference pass (with one), the update (its old-policy pass included; GRPO) and the
-    step (the four phases' work over their seconds, rewards included). Empty for a model whose
-    config does not give the shapes."""
+def phase_work(run: Run, exp: Experience) -> dict[str, flops.Work]:
+    """This rank's model work (``peergrade.flops``) per phase of the step on ``exp``: ``gen``,
+    ``ref`` (with a reference) and ``update`` (GRPO's, its old-policy pass included; PPO's
+    critic is not counted). Empty for a model whose config does not give the shapes."""
     try:
         shape = flops.Shape.of(getattr(run.models.policy, "config", {}))
     except ValueError:
         return {}
     G = run.cfg.rollout.group_size
     p, c = flops.split_lengths(exp.attention_mask, exp.loss_mask.shape[1])
-    work = {"gen": (flops.generation(shape, p, c, G).flops, sec["generate"])}
+    work = {"gen": flops.generation(shape, p, c, G)}
     if exp.ref_logprobs is not None:
-        ref = flops.logprob_pass(shape, p, c, exp.loss_mask.sum(dim=1), G)
-        work["ref"] = (ref.flops, sec["ref"])
-    update_work = getattr(run.algo, "update_work", None)  # GRPO's; PPO's critic is not counted
+        work["ref"] = flops.logprob_pass(shape, p, c, exp.loss_mask.sum(dim=1), G)
+    update_work = getattr(run.algo, "update_work", None)  # GRPO's
     if update_work is not None:
-        work["update"] = (update_work(exp, shape).flops, sec["update"])
-    total = dist.all_sum(torch.tensor([f for f, _ in work.values()], dtype=torch.float64))
+        work["update"] = update_work(exp, shape)
+    return work
+
+
+PHASE_SECONDS = {"gen": "generate", "ref": "ref", "update": "update"}
+
+
+def flop_rates(run: Run, exp: Experience, sec: dict[str, float]) -> dict[str, float]:
+    """``perf/<phase>_tflops``: every rank's model FLOPs of each phase (``phase_work``) per
+    second of it, and ``perf/step_tflops``: the phases' work over the step's compute time
+    (generate + reward + reference + update), when the update is counted."""
+    work = phase_work(run, exp)
+    if not work:
+        return {}
+    total = dist.all_sum(torch.tensor([w.flops for w in work.values()], dtype=torch.float64))
     out = {
-        f"perf/{k}_tflops": float(f) / max(s, 1e-9) / 1e12
-        for (k, (_, s)), f in zip(work.items(), total)
+        f"perf/{k}_tflops": float(f) / max(sec[PHASE_SECONDS[k]], 1e-9) / 1e12
+        for k, f in zip(work, total)
     }
-    if update_work is not None:
+    if "update" in work:
         seconds = sec["generate"] + sec["reward"] + sec["ref"] + sec["update"]
         out["perf/step_tflops"] = float(total.sum()) / max(seconds, 1e-9) / 1e12
     return out
