@@ -41,10 +41,16 @@ import _common  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def matmul_rate(shape, rows: int, dtype, autocast_bf16: bool, seconds: float = 0.4):
-    """(layer GFLOP/s, lm_head GFLOP/s) of ``shape``'s linear maps on ``rows`` rows: one
-    layer's q, k, v, o and MLP maps in the model's weight dtype under the run's autocast; the
-    lm_head the same way (generation) -- timed until ``seconds`` have passed."""
+def cpu_seconds(threads: int) -> float:
+    """This process's CPU time per thread it was given: the core-seconds it actually got."""
+    return time.process_time() / threads
+
+
+def matmul_rate(shape, rows: int, dtype, autocast_bf16: bool, threads: int, seconds=0.4):
+    """(layer, lm_head) GFLOP per CPU-second of ``shape``'s linear maps on ``rows`` rows: one
+    layer's q, k, v, o and MLP maps in the weights' dtype under the run's autocast, and the
+    lm_head; forward only. CPU time (``cpu_seconds``), not wall time: another process sharing
+    the core does not lower it."""
     import torch
     import torch.nn.functional as F
 
@@ -52,32 +58,25 @@ def matmul_rate(shape, rows: int, dtype, autocast_bf16: bool, seconds: float = 0
     f = shape.intermediate
     g = torch.Generator().manual_seed(0)
 
-    def w(o, i):
-        return torch.randn(o, i, generator=g, dtype=dtype) * 0.02
+    def w(*size):
+        return torch.randn(*size, generator=g, dtype=dtype) * 0.02
 
-    layer = [w(q, d), w(kv, d), w(kv, d), w(d, q)] + [w(f, d)] * (2 if shape.gated_mlp else 1)
-    down = w(d, f)
-    head = w(shape.vocab, d)
-    x = torch.randn(rows, d, generator=g, dtype=dtype)
+    x, xq, xf = w(rows, d), w(rows, q), w(rows, f)
+    maps = [(x, w(q, d)), (x, w(kv, d)), (x, w(kv, d)), (xq, w(d, q)), (xf, w(d, f))]
+    maps += [(x, w(f, d))] * (2 if shape.gated_mlp else 1)
+    head = [(x, w(shape.vocab, d))]
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
-
-    def one_layer():
-        for m in layer:
-            F.linear(x if m.shape[1] == d else x[:, : m.shape[1]], m)
-        F.linear(torch.zeros(rows, f, dtype=dtype), down)
-
-    def lm_head():
-        F.linear(x, head)
-
     out = []
-    for fn, flop in ((one_layer, shape.per_token / shape.layers), (lm_head, shape.per_logit_row)):
+    for pairs, flop in ((maps, shape.per_token / shape.layers), (head, shape.per_logit_row)):
         with torch.no_grad(), ctx:
-            fn()  # warm-up (weight casts, allocator)
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                fn()
+            for inp, weight in pairs:  # warm-up (weight casts, allocator)
+                F.linear(inp, weight)
+            n, t0 = 0, cpu_seconds(threads)
+            while cpu_seconds(threads) - t0 < seconds:
+                for inp, weight in pairs:
+                    F.linear(inp, weight)
                 n += 1
-            dt = time.perf_counter() - t0
+            dt = cpu_seconds(threads) - t0
         out.append(n * rows * flop / dt / 1e9)
     return tuple(out)
 
@@ -131,26 +130,34 @@ def main() -> None:
         "update": 3 * cfg.algo.num_iterations + (cfg.updates_per_step > 1),
     }
     work: dict[str, flops.Work] = {}
-    seconds = dict.fromkeys(passes, 0.0)
+    wall = dict.fromkeys(passes, 0.0)
+    cpu = dict.fromkeys(("collect", "learn"), 0.0)  # CPU seconds; and their wall seconds
+    cpu_wall = dict.fromkeys(("collect", "learn"), 0.0)
     calls = dict.fromkeys(passes, 0)  # rows per matmul call, summed over the steps
     step_s = 0.0
     for step in range(1, a.warmup + a.steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds(a.threads)
         exp = trainer.collect(run, step, [next(rows) for _ in range(P)])
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), cpu_seconds(a.threads)
         trainer.learn(run, exp, step)
-        exp.seconds["update"] = time.perf_counter() - t1
+        t2, c2 = time.perf_counter(), cpu_seconds(a.threads)
+        exp.seconds["update"] = t2 - t1
         if step <= a.warmup:
             continue
-        step_s += time.perf_counter() - t0
+        step_s += t2 - t0
+        cpu["collect"] += c1 - c0
+        cpu["learn"] += c2 - c1
+        cpu_wall["collect"] += t1 - t0
+        cpu_wall["learn"] += t2 - t1
         N = exp.num_sequences
         for k, w in trainer.phase_work(run, exp).items():
             work[k] = work[k] + w if k in work else w
-            seconds[k] += exp.seconds[trainer.PHASE_SECONDS[k]]
+            wall[k] += exp.seconds[trainer.PHASE_SECONDS[k]]
             # the rows a linear map sees per call: the decode batch; a micro-batch's tokens
             micro = math.ceil(N / cfg.micro_batch_size)
             calls[k] += N if k == "gen" else w.tokens // passes[k] // micro
     steps = a.steps
+    share = {k: cpu[k] / max(cpu_wall[k], 1e-9) for k in cpu}
     print(
         f"{a.config or 'the CPU demo'}, model {a.size or cfg.model.path} ({n_params / 1e6:.1f}M "
         f"parameters, {dtype}{' autocast' if bf16 else ''}), {P} prompts x G = "
@@ -159,18 +166,25 @@ def main() -> None:
         f"thread(s); {_common.load_note()}"
     )
     print(f"peak: {peak_gflops:.0f} GFLOP/s" + (" (given)" if a.peak_gflops else f" = {peak.how}"))
+    print(
+        f"CPU share (CPU seconds / wall seconds / threads): collect {share['collect']:.2f}, "
+        f"update {share['learn']:.2f}"
+    )
     names = {"gen": "generation", "ref": "reference pass", "update": "update (+ old-policy pass)"}
-    table, all_s, all_f, all_mm = [], 0.0, 0.0, 0.0
+    table, why = [], []
+    tot = dict.fromkeys(("wall", "cpu", "flops", "mm"), 0.0)
     for k, w in work.items():
-        sec, fl = seconds[k] / steps, w.flops / steps
+        sec, fl = wall[k] / steps, w.flops / steps
+        csec = sec * share["learn" if k == "update" else "collect"]  # CPU seconds
         m = max(calls[k] // steps, 1)
-        layer_rate, head_rate = matmul_rate(shape, m, weight_dtype, bf16)
+        layer_rate, head_rate = matmul_rate(shape, m, weight_dtype, bf16, a.threads)
         if k != "gen" and bf16:  # the passes' chunked lm_head runs in the weights' dtype
-            head_rate = matmul_rate(shape, m, weight_dtype, False)[1]
+            head_rate = matmul_rate(shape, m, weight_dtype, False, a.threads)[1]
         head = w.logit_rows * shape.per_logit_row / steps
-        mm = (fl - head) / 1e9 / layer_rate + head / 1e9 / head_rate  # seconds
+        mm = (fl - head) / 1e9 / layer_rate + head / 1e9 / head_rate  # CPU seconds at those rates
         rate = fl / sec / 1e9
-        all_s, all_f, all_mm = all_s + sec, all_f + fl, all_mm + mm
+        for key, v in (("wall", sec), ("cpu", csec), ("flops", fl), ("mm", mm)):
+            tot[key] += v
         table.append(
             [
                 names[k],
@@ -178,48 +192,48 @@ def main() -> None:
                 f"{w.tokens / passes[k] / steps:.0f}",
                 f"{fl / 1e9:.2f}",
                 f"{rate:.1f}",
-                f"{rate / peak_gflops:.1%}",
+                f"{rate / peak_gflops:.2%}",
                 f"{head / fl:.0%}",
                 f"{m}",
                 f"{layer_rate:.0f} / {head_rate:.0f}",
-                f"{mm:.3f} ({mm / sec:.0%})",
             ]
         )
-    rate = all_f / all_s / 1e9
+        why.append((names[k], sec, csec, mm, fl / mm / 1e9))
+    rate = tot["flops"] / tot["wall"] / 1e9
     table.append(
+        ["these phases", f"{tot['wall']:.3f}", "", f"{tot['flops'] / 1e9:.2f}", f"{rate:.1f}"]
+        + [f"{rate / peak_gflops:.2%}", "", "", ""]
+    )
+    why.append(("these phases", tot["wall"], tot["cpu"], tot["mm"], tot["flops"] / tot["mm"] / 1e9))
+    print(
+        _common.format_table(
+            ["per step", "s", "tokens fed", "GFLOP", "GFLOP/s", "of peak", "lm_head"]
+            + ["matmul rows", "matmul GFLOP/CPU-s layer / lm_head"],
+            table,
+        )
+    )
+    # achieved / peak = CPU share x (matmul CPU s / CPU s) x (matmul rate / peak)
+    rows_why = [
         [
-            "these phases",
-            f"{all_s:.3f}",
-            "",
-            f"{all_f / 1e9:.2f}",
-            f"{rate:.1f}",
-            f"{rate / peak_gflops:.1%}",
-            "",
-            "",
-            "",
-            f"{all_mm:.3f} ({all_mm / all_s:.0%})",
+            name,
+            f"{csec / sec:.2f}",
+            f"{mm / csec:.2f}",
+            f"{mm_rate / peak_gflops:.3f}",
+            f"{(csec / sec) * (mm / csec) * (mm_rate / peak_gflops):.2%}",
         ]
+        for name, sec, csec, mm, mm_rate in why
+    ]
+    print(
+        "where the rest goes: of peak = CPU share x matmul share of the CPU time x matmul rate / peak"
     )
     print(
         _common.format_table(
-            [
-                "per step",
-                "s",
-                "tokens fed",
-                "GFLOP",
-                "GFLOP/s",
-                "of peak",
-                "lm_head",
-                "matmul rows",
-                "matmul GFLOP/s layer / lm_head",
-                "matmul-only s",
-            ],
-            table,
+            ["per step", "CPU share", "matmul share", "matmul rate / peak", "of peak"], rows_why
         )
     )
     print(
         f"whole step (rewards, bookkeeping): {step_s / steps:.3f} s, "
-        f"{all_f / (step_s / steps) / 1e9:.1f} GFLOP/s"
+        f"{tot['flops'] / (step_s / steps) / 1e9:.1f} GFLOP/s"
     )
     print(_common.load_note())
     tmp.cleanup()
