@@ -14,14 +14,23 @@ achieved GFLOP/s and its fraction of the peak for the dtype the model computes i
 (``flops.cpu_peak``: cores x clock x the widest unit's FLOPs per cycle; printed with how it was
 derived; ``--peak-gflops`` or ``--ghz`` override it).
 
-Where the rest goes: the model's own matmuls (each layer's linear maps, and the lm_head) are
-timed alone at the same thread count, dtype and autocast, at the row counts each phase feeds
-them (the decode batch for generation; the tokens of a micro-batch for the passes). A phase's
-"matmul time" is its FLOPs at those rates: the time it would take if it were nothing but its
-model matmuls. The gap from the peak to the matmul rate is the kernels' efficiency at these
-shapes; the gap from the matmul time to the phase's seconds is everything else (Python and
-dispatch per layer and per token, sampling, norms / softmax / rotary, padding, the chunked
-lm_head's recomputation in the backward, AdamW).
+Where the rest goes, as a product of four factors (printed per phase):
+
+    achieved / peak = CPU share x matmul share x (shape rate / ceiling) x (ceiling / peak)
+
+* CPU share: the CPU seconds the process got over the wall seconds (per thread): below 1 when
+  other processes share the cores;
+* matmul share: the model's own matmuls (each layer's linear maps, and the lm_head), timed
+  alone at the same threads, dtype and autocast and at the row counts each phase feeds them (the
+  decode batch for generation; a micro-batch's tokens for the passes), give the CPU seconds the
+  phase's FLOPs would take if it were nothing but those matmuls; over the phase's CPU seconds.
+  The rest is everything else: Python and dispatch per layer and per token, sampling, norms /
+  softmax / rotary, padding, the chunked lm_head's recomputation in the backward, AdamW;
+* shape rate / ceiling: those matmuls' rate against a 2048^3 matmul in the same dtype (the
+  small-shape and weight-cast penalty);
+* ceiling / peak: the library's best on this core against the derived peak.
+
+Rates are per CPU-second (``process_time``), so a busy machine lowers the CPU share only.
 """
 
 from __future__ import annotations
@@ -79,6 +88,21 @@ def matmul_rate(shape, rows: int, dtype, autocast_bf16: bool, threads: int, seco
             dt = cpu_seconds(threads) - t0
         out.append(n * rows * flop / dt / 1e9)
     return tuple(out)
+
+
+def square_rate(dtype, threads: int, n: int = 2048, seconds=0.6) -> float:
+    """GFLOP per CPU-second of an n x n x n matmul in ``dtype``: about the best the library and
+    this core reach for the dtype at any shape (the ceiling below the derived peak)."""
+    import torch
+
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b
+    k, t0 = 0, cpu_seconds(threads)
+    while cpu_seconds(threads) - t0 < seconds:
+        a @ b
+        k += 1
+    return 2 * n**3 * k / (cpu_seconds(threads) - t0) / 1e9
 
 
 def main() -> None:
@@ -170,6 +194,11 @@ def main() -> None:
         f"CPU share (CPU seconds / wall seconds / threads): collect {share['collect']:.2f}, "
         f"update {share['learn']:.2f}"
     )
+    ceiling = square_rate(torch.bfloat16 if bf16 else weight_dtype, a.threads)
+    print(
+        f"a 2048 x 2048 x 2048 {dtype} matmul: {ceiling:.0f} GFLOP per CPU-second "
+        f"({ceiling / peak_gflops:.0%} of the peak): the library's ceiling on this core"
+    )
     names = {"gen": "generation", "ref": "reference pass", "update": "update (+ old-policy pass)"}
     table, why = [], []
     tot = dict.fromkeys(("wall", "cpu", "flops", "mm"), 0.0)
@@ -212,23 +241,28 @@ def main() -> None:
             table,
         )
     )
-    # achieved / peak = CPU share x (matmul CPU s / CPU s) x (matmul rate / peak)
+    # achieved / peak = CPU share x (matmul CPU s / CPU s) x (shape rate / ceiling) x
+    # (ceiling / peak)
     rows_why = [
         [
             name,
             f"{csec / sec:.2f}",
             f"{mm / csec:.2f}",
-            f"{mm_rate / peak_gflops:.3f}",
+            f"{mm_rate / ceiling:.2f}",
+            f"{ceiling / peak_gflops:.2f}",
             f"{(csec / sec) * (mm / csec) * (mm_rate / peak_gflops):.2%}",
         ]
         for name, sec, csec, mm, mm_rate in why
     ]
     print(
-        "where the rest goes: of peak = CPU share x matmul share of the CPU time x matmul rate / peak"
+        "where the rest goes: of peak = CPU share x matmul share of the CPU time x "
+        "(matmul rate at the model's shapes / the 2048^3 ceiling) x (ceiling / peak)"
     )
     print(
         _common.format_table(
-            ["per step", "CPU share", "matmul share", "matmul rate / peak", "of peak"], rows_why
+            ["per step", "CPU share", "matmul share", "shapes / ceiling", "ceiling / peak"]
+            + ["of peak"],
+            rows_why,
         )
     )
     print(
