@@ -154,11 +154,18 @@ def main() -> None:
         "update": 3 * cfg.algo.num_iterations + (cfg.updates_per_step > 1),
     }
     work: dict[str, flops.Work] = {}
+    # (phase, segment) -> [Work, rows per linear-map call summed over steps]: generation's
+    # prefill (the distinct prompts at once) and decode (one row per sequence) see other shapes
+    segments: dict[tuple[str, str], list] = {}
     wall = dict.fromkeys(passes, 0.0)
     cpu = dict.fromkeys(("collect", "learn"), 0.0)  # CPU seconds; and their wall seconds
     cpu_wall = dict.fromkeys(("collect", "learn"), 0.0)
-    calls = dict.fromkeys(passes, 0)  # rows per matmul call, summed over the steps
     step_s = 0.0
+
+    def add(key, w, rows_per_call):
+        seg = segments.setdefault(key, [flops.Work(0, 0, 0, 0), 0])
+        seg[0], seg[1] = seg[0] + w, seg[1] + rows_per_call
+
     for step in range(1, a.warmup + a.steps + 1):
         t0, c0 = time.perf_counter(), cpu_seconds(a.threads)
         exp = trainer.collect(run, step, [next(rows) for _ in range(P)])
@@ -174,12 +181,18 @@ def main() -> None:
         cpu_wall["collect"] += t1 - t0
         cpu_wall["learn"] += t2 - t1
         N = exp.num_sequences
+        micro = math.ceil(N / cfg.micro_batch_size)
         for k, w in trainer.phase_work(run, exp).items():
             work[k] = work[k] + w if k in work else w
             wall[k] += exp.seconds[trainer.PHASE_SECONDS[k]]
-            # the rows a linear map sees per call: the decode batch; a micro-batch's tokens
-            micro = math.ceil(N / cfg.micro_batch_size)
-            calls[k] += N if k == "gen" else w.tokens // passes[k] // micro
+            if k == "gen":  # the prompts once (a log-prob pass with no completion tokens)
+                p, c = flops.split_lengths(exp.attention_mask, exp.loss_mask.shape[1])
+                zero = torch.zeros_like(c)
+                pre = flops.logprob_pass(shape, p, zero, zero, cfg.rollout.group_size)
+                add(("gen", "prefill"), pre, pre.tokens)
+                add(("gen", "decode"), flops.Work(*(x - y for x, y in zip(w, pre))), N)
+            else:  # a micro-batch's tokens
+                add((k, "pass"), w, w.tokens // passes[k] // micro)
     steps = a.steps
     share = {k: cpu[k] / max(cpu_wall[k], 1e-9) for k in cpu}
     print(
@@ -202,16 +215,26 @@ def main() -> None:
     names = {"gen": "generation", "ref": "reference pass", "update": "update (+ old-policy pass)"}
     table, why = [], []
     tot = dict.fromkeys(("wall", "cpu", "flops", "mm"), 0.0)
+    rates = {}  # rows -> (layer, lm_head in the weights' dtype) GFLOP per CPU-second
+
+    def matmul_seconds(k: str, w, rows: int) -> float:
+        """CPU seconds of ``w``'s FLOPs at the rates of the model's matmuls on ``rows`` rows."""
+        if rows not in rates:
+            rates[rows] = matmul_rate(shape, rows, weight_dtype, bf16, a.threads)
+            if bf16:  # the passes' chunked lm_head runs in the weights' dtype, never autocast
+                rates[rows] += (matmul_rate(shape, rows, weight_dtype, False, a.threads)[1],)
+        layer_rate, head_rate = rates[rows][0], rates[rows][-1 if k != "gen" else 1]
+        head = w.logit_rows * shape.per_logit_row
+        return (w.flops - head) / 1e9 / layer_rate + head / 1e9 / head_rate
+
     for k, w in work.items():
         sec, fl = wall[k] / steps, w.flops / steps
         csec = sec * share["learn" if k == "update" else "collect"]  # CPU seconds
-        m = max(calls[k] // steps, 1)
-        layer_rate, head_rate = matmul_rate(shape, m, weight_dtype, bf16, a.threads)
-        if k != "gen" and bf16:  # the passes' chunked lm_head runs in the weights' dtype
-            head_rate = matmul_rate(shape, m, weight_dtype, False, a.threads)[1]
-        head = w.logit_rows * shape.per_logit_row / steps
-        mm = (fl - head) / 1e9 / layer_rate + head / 1e9 / head_rate  # CPU seconds at those rates
+        mine = [(seg, v) for (ph, seg), v in segments.items() if ph == k]
+        mm = sum(matmul_seconds(k, sw, max(r // steps, 1)) for _, (sw, r) in mine) / steps
+        rows_txt = ", ".join(f"{seg} {max(r // steps, 1)}" for seg, (_, r) in mine)
         rate = fl / sec / 1e9
+        head = w.logit_rows * shape.per_logit_row / steps
         for key, v in (("wall", sec), ("cpu", csec), ("flops", fl), ("mm", mm)):
             tot[key] += v
         table.append(
@@ -223,8 +246,8 @@ def main() -> None:
                 f"{rate:.1f}",
                 f"{rate / peak_gflops:.2%}",
                 f"{head / fl:.0%}",
-                f"{m}",
-                f"{layer_rate:.0f} / {head_rate:.0f}",
+                rows_txt,
+                f"{fl / mm / 1e9:.0f}",
             ]
         )
         why.append((names[k], sec, csec, mm, fl / mm / 1e9))
@@ -237,7 +260,7 @@ def main() -> None:
     print(
         _common.format_table(
             ["per step", "s", "tokens fed", "GFLOP", "GFLOP/s", "of peak", "lm_head"]
-            + ["matmul rows", "matmul GFLOP/CPU-s layer / lm_head"],
+            + ["matmul rows per call", "its matmuls: GFLOP/CPU-s"],
             table,
         )
     )
