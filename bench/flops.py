@@ -68,9 +68,11 @@ def matmul_rate(shape, rows: int, dtype, autocast_bf16: bool, threads: int, seco
     g = torch.Generator().manual_seed(0)
 
     def w(*size):
-        return torch.randn(*size, generator=g, dtype=dtype) * 0.02
+        # a leaf that requires grad, as a parameter: autocast caches its bf16 copy as it
+        # does the model's weights (a plain tensor would be cast again at every call)
+        return (torch.randn(*size, generator=g, dtype=dtype) * 0.02).requires_grad_()
 
-    x, xq, xf = w(rows, d), w(rows, q), w(rows, f)
+    x, xq, xf = (w(rows, n).detach() for n in (d, q, f))
     maps = [(x, w(q, d)), (x, w(kv, d)), (x, w(kv, d)), (xq, w(d, q)), (xf, w(d, f))]
     maps += [(x, w(f, d))] * (2 if shape.gated_mlp else 1)
     head = [(x, w(shape.vocab, d))]
