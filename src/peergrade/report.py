@@ -222,7 +222,6 @@ PANELS: list[tuple[str, str, list[str]]] = [
         "rounds / groups / completions",
         [r"dynamic/(rounds|unfilled_groups|completions_per_informative_group)"],
     ),
-    ("Dynamic sampling", "rounds / groups", [r"dynamic/.+"]),
     ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
     ("Importance ratio", "ratio", [r"ratio/.+"]),
     ("Staleness of the rollouts", "policy versions", [r"async/staleness.*"]),
