@@ -30,7 +30,9 @@ Where the rest goes, as a product of four factors (printed per phase):
   small-shape and weight-cast penalty);
 * ceiling / peak: the library's best on this core against the derived peak.
 
-Rates are per CPU-second (``process_time``), so a busy machine lowers the CPU share only.
+Rates are per CPU-second (``process_time``), so the CPU share carries most of what a busy
+machine costs; the caches and memory bandwidth other jobs share still move the rates (the
+bf16 ceiling varied about 2x between runs on a loaded 2-core machine).
 """
 
 from __future__ import annotations
