@@ -191,3 +191,37 @@ def test_peak_from_a_fake_cpuinfo():
         cpu_peak("float32", cpuinfo="flags\t: avx2\n")
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_peak("int8", cpuinfo=SPR)
+
+
+def test_dynamic_sampling_counts_every_rounds_generation(tiny_model_dir, tmp_path):
+    """With rollout.dynamic_sampling the step generated every round's groups, not only the
+    kept ones: generation's work is counted over all of them."""
+    from peergrade import trainer
+    from peergrade.config import load_config
+
+    rewards = tmp_path / "coarse.py"  # binary: about half of the 2-completion groups agree
+    rewards.write_text(
+        "def coarse(prompts, completions, **kw):\n"
+        "    t = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
+        "    return [float(sum(map(ord, x)) % 97 > 48) for x in t]\n"
+    )
+    over = [("model.path", str(tiny_model_dir)), ("train.threads", 1)]
+    over += [("rewards", [{"name": f"{rewards}:coarse", "weight": 1.0}])]
+    over += [("rollout.prompts_per_step", 4), ("rollout.group_size", 2)]
+    over += [("rollout.max_completion_length", 4), ("train.audit_rewards", "off")]
+    over += [("rollout.dynamic_sampling", True), ("rollout.max_rounds", 6)]
+    run = trainer.setup(load_config(None, over))
+    rows = run.task.train_rows(0)
+    shape = Shape.of(run.models.policy.config)
+    for step in range(1, 6):
+        exp = trainer.collect(run, step, [next(rows) for _ in range(4)])
+        rounds = int(exp.sampled.dynamic["dynamic/rounds"])
+        if rounds > 1:
+            break
+    assert rounds > 1, "no step took a second round: pick another reward"
+    p, c = exp.sampled.generated_lengths
+    assert len(p) == len(c) == rounds * 4 * 2
+    gen = trainer.phase_work(run, exp)["gen"]
+    assert gen == generation(shape, p, c, 2)
+    kept = generation(shape, *split_lengths(exp.attention_mask, exp.loss_mask.shape[1]), 2)
+    assert gen.tokens > kept.tokens

@@ -391,7 +391,18 @@ def fill_step(
         else sum(e.num_sampled_tokens for e in x.episodes)
         for x in rounds
     )
+    s.generated_lengths = tuple(torch.cat(t) for t in zip(*map(sequence_lengths, rounds)))
     return s, seconds[0], seconds[1]
+
+
+def sequence_lengths(s: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([N], [N])`` prompt and completion token counts of one round's sequences (an
+    episode's completion: every token after its prompt, the environment's included)."""
+    if s.episodes is None:
+        p = [len(ids) for ids in s.rollout.prompt_ids]
+        return torch.tensor(p), s.rollout.completion_mask.sum(dim=1).long().cpu()
+    p = [len(e.prompt_ids) for e in s.episodes]
+    return torch.tensor(p), torch.tensor([len(e.completion_ids) for e in s.episodes])
 
 
 def learn(run: Run, exp: Experience, step: int) -> dict[str, float]:
@@ -486,14 +497,17 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
 def phase_work(run: Run, exp: Experience) -> dict[str, flops.Work]:
     """This rank's model work (``peergrade.flops``) per phase of the step on ``exp``: ``gen``,
     ``ref`` (with a reference) and ``update`` (GRPO's, its old-policy pass included; PPO's
-    critic is not counted). Empty for a model whose config does not give the shapes."""
+    critic is not counted). Generation counts every round dynamic sampling sampled. Empty for
+    a model whose config does not give the shapes."""
     try:
         shape = flops.Shape.of(getattr(run.models.policy, "config", {}))
     except ValueError:
         return {}
     G = run.cfg.rollout.group_size
     p, c = flops.split_lengths(exp.attention_mask, exp.loss_mask.shape[1])
-    work = {"gen": flops.generation(shape, p, c, G)}
+    # dynamic sampling generated every round's groups, not only the kept ones
+    generated = exp.sampled.generated_lengths or (p, c)
+    work = {"gen": flops.generation(shape, *generated, G)}
     if exp.ref_logprobs is not None:
         work["ref"] = flops.logprob_pass(shape, p, c, exp.loss_mask.sum(dim=1), G)
     update_work = getattr(run.algo, "update_work", None)  # GRPO's
