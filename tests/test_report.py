@@ -15,7 +15,7 @@ import pytest
 
 from cli_helper import cli
 from peergrade.cli import main
-from peergrade.report import PANELS, load_run, read_jsonl, render_report
+from peergrade.report import OPTIONAL_PANELS, PANELS, load_run, read_jsonl, render_report
 
 TINY = {
     "rollout.prompts_per_step": "2",
@@ -140,8 +140,10 @@ def test_report_content_and_overlay(tmp_path, capsys):
     assert "Time per phase" in figures and "Importance ratio" in figures
     # clip/frac is 0 on every step of both runs, whose one update per batch makes it so
     assert notes == ["Clip fractions"]
-    # the synthetic runs log something for every panel: each is there exactly once
-    assert sorted(figures + notes) == sorted(title for title, _, _ in PANELS)
+    # the synthetic runs log something for every panel but the optional ones of pipelined
+    # rollouts, the correction's masking and FLOP/s: each is there exactly once
+    logged = OPTIONAL_PANELS - {"Dynamic sampling"}
+    assert sorted(figures + notes) == sorted(t for t, _, _ in PANELS if t not in logged)
     # 4 steps x 2 completions per run; the table holds all 16 rows
     assert html.count('data-group="') == 16
     # nothing that could fetch: no http(s) anywhere, CSP forbids any request
@@ -414,3 +416,90 @@ def test_episodes_show_turn_by_turn_with_the_masked_turns_marked(tmp_path):
     plain = synthetic_run(tmp_path / "plain", steps=1)
     page = samples_section([load_run(plain)]).html
     assert 'class="turn' not in page and "episode-legend" not in page and "<pre>2</pre>" in page
+
+
+# ----------------------------------------------------------------------------- optional panels
+
+ASYNC = {  # what a pipelined run with a correction, dynamic sampling and FLOP/s metrics logs
+    "async/staleness_mean": lambda s: 0.5 + 0.1 * (s % 2),
+    "async/staleness_max": lambda s: 1.0,
+    "correction/weight_min": lambda s: 0.5,
+    "correction/weight_max": lambda s: 2.0,
+    "correction/masked_frac": lambda s: 0.01 * s,
+    "correction/truncated_frac": lambda s: 0.02,
+    "dynamic/rounds": lambda s: float(1 + s % 3),
+    "dynamic/unfilled_groups": lambda s: float(s == 4),
+    "dynamic/completions_per_informative_group": lambda s: 12.0,
+    "perf/gen_tflops": lambda s: 0.03,
+    "perf/update_tflops": lambda s: 0.02,
+    "perf/step_tflops": lambda s: 0.025,
+}
+
+
+def _async_run(path: Path) -> Path:
+    run = synthetic_run(path)
+    return _rewrite(run, **{k.replace("/", "__"): fn for k, fn in ASYNC.items()})
+
+
+def _figure(html: str, title: str) -> str:
+    fig = html[html.index(f'data-panel="{title}"') :]
+    return fig[: fig.index("</figure>")]
+
+
+def _sync_run(path: Path) -> Path:
+    """The synthetic run without what only dynamic sampling logs: a plain synchronous run."""
+    run = synthetic_run(path)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if not k.startswith("dynamic/")} for r in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_a_synchronous_run_shows_no_optional_panel_and_names_none(tmp_path):
+    html = render_report([load_run(_sync_run(tmp_path / "sync"))])
+    for title in OPTIONAL_PANELS:
+        assert title not in html, title  # neither drawn nor listed as not logged
+    figures, _ = _panels(html)
+    assert "Tokens per second" in figures and "Off-policy correction" in figures
+
+
+def test_optional_panels_draw_their_own_metrics(tmp_path):
+    html = render_report([load_run(_async_run(tmp_path / "async"))])
+    figures, notes = _panels(html)
+    assert set(figures) >= OPTIONAL_PANELS and not OPTIONAL_PANELS & set(notes)
+    where = {
+        "Staleness of the rollouts": ["async/staleness_mean", "async/staleness_max"],
+        "Off-policy correction": [
+            "correction/weight_mean",
+            "correction/weight_min",
+            "correction/weight_max",
+        ],
+        "Tokens masked or truncated by the correction": [
+            "correction/masked_frac",
+            "correction/truncated_frac",
+        ],
+        "Dynamic sampling": [
+            "dynamic/rounds",
+            "dynamic/unfilled_groups",
+            "dynamic/completions_per_informative_group",
+        ],
+        "Model FLOP/s per phase": ["perf/gen_tflops", "perf/update_tflops", "perf/step_tflops"],
+        "Tokens per second": ["perf/tokens_per_s"],
+    }
+    for title, keys in where.items():
+        fig = _figure(html, title)
+        for key in keys:
+            assert key in fig, (title, key)
+        # each metric is in its own panel only (FLOP/s are not tokens per second)
+        others = [k for t, ks in where.items() if t != title for k in ks]
+        assert not [k for k in others if f">{k}<" in fig], title
+
+
+def test_an_overlay_draws_the_optional_panel_for_the_run_that_logged_it(tmp_path):
+    a = _sync_run(tmp_path / "A")
+    b = _async_run(tmp_path / "B")
+    html = render_report([load_run(a, "A"), load_run(b, "B")])
+    fig = _figure(html, "Staleness of the rollouts")
+    assert "B: async/staleness_mean" in fig and "A: async/staleness" not in fig
+    missing = re.search(r"Not logged in these runs: ([^<]*)", html)
+    assert missing is None or "Staleness" not in missing.group(1)

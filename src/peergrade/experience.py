@@ -42,6 +42,8 @@ class Sampled:
     # rounds; the rounds' own figures, which the kept rows alone cannot tell
     dynamic: dict[str, float] = field(default_factory=dict)  # dynamic/* metrics, else empty
     generated_tokens: int | None = None  # this rank's sampled tokens over every round
+    # ([N'] prompt, [N'] completion) token counts of every round's sequences (model FLOPs)
+    generated_lengths: tuple | None = None
 
 
 @dataclass

@@ -11,7 +11,10 @@ note naming the file and line. ``write_report(runs, out)`` renders one HTML file
   held-out accuracy before/after), and any ``alert/*`` metrics the run logged;
 * plots (matplotlib, inlined as SVG) of reward per function, held-out accuracy (``eval/*``),
   KL, entropy, completion length, zero-signal fraction, clip fractions, importance ratio,
-  tokens/s, time per phase, losses and gradient norms; several runs are overlaid, one colour
+  the off-policy correction's weights, tokens/s, time per phase, losses and gradient norms;
+  and, only for runs that logged them (``OPTIONAL_PANELS``): dynamic sampling's rounds and
+  unfilled groups, the staleness of pipelined rollouts, the tokens the correction masked or
+  truncated, and model FLOP/s per phase. Several runs are overlaid, one colour
   each. A noisy per-step curve is drawn faint with its exponential moving average on top (as
   TensorBoard smooths). A panel whose metric is constant by construction for a run (KL with
   ``algo.beta`` 0, the importance ratio and clip fractions with one optimizer step per batch)
@@ -63,6 +66,7 @@ __all__ = [
     "render_report",
     "write_report",
     "PANELS",
+    "OPTIONAL_PANELS",
     "CONSTANT_BY_CONSTRUCTION",
     "ema",
 ]
@@ -220,8 +224,11 @@ PANELS: list[tuple[str, str, list[str]]] = [
     ),
     ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
     ("Importance ratio", "ratio", [r"ratio/.+"]),
-    ("Off-policy correction", "weight / fraction", [r"correction/.+"]),
-    ("Tokens per second", "tokens / s", [r"perf/.+"]),
+    ("Staleness of the rollouts", "policy versions", [r"async/staleness.*"]),
+    ("Off-policy correction", "weight", [r"correction/weight.*"]),
+    ("Tokens masked or truncated by the correction", "fraction", [r"correction/.*frac.*"]),
+    ("Tokens per second", "tokens / s", [r"perf/(?!.+_tflops$).+"]),
+    ("Model FLOP/s per phase", "TFLOP/s", [r"perf/.+_tflops"]),
     ("Time per phase", "seconds", [r"time/.+_s"]),
     (
         "Losses and gradient norm",
@@ -229,6 +236,19 @@ PANELS: list[tuple[str, str, list[str]]] = [
         [r"loss/(?!kl$).+", r"grad/.+", r"value/(?!clip_frac$).+"],
     ),
 ]
+
+
+# Panels of what only some runs do (pipelined rollouts, the off-policy correction's masking,
+# dynamic sampling) or only newer runs log (model FLOP/s): drawn when a run logged them, and
+# otherwise left out without a word, so a synchronous run's page is what it always was.
+OPTIONAL_PANELS = frozenset(
+    {
+        "Dynamic sampling",
+        "Staleness of the rollouts",
+        "Tokens masked or truncated by the correction",
+        "Model FLOP/s per phase",
+    }
+)
 
 
 def _conf(config: dict, section: str, key: str, default):
@@ -441,7 +461,8 @@ def plots_section(runs: list[Run]) -> Section:
         flat = constant_runs(runs, title, patterns)
         series = panel_series(runs, patterns, skip=flat)
         if not series and not flat:
-            missing.append(title)
+            if title not in OPTIONAL_PANELS:
+                missing.append(title)
             continue
         note = ""
         if flat:

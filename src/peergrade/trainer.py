@@ -49,7 +49,7 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
-from peergrade import ppo
+from peergrade import flops, ppo
 from peergrade.audit import at_startup as audit_at_startup
 from peergrade.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.components import (  # importable from here too: Given, setup_models, ...)
@@ -391,7 +391,18 @@ def fill_step(
         else sum(e.num_sampled_tokens for e in x.episodes)
         for x in rounds
     )
+    s.generated_lengths = tuple(torch.cat(t) for t in zip(*map(sequence_lengths, rounds)))
     return s, seconds[0], seconds[1]
+
+
+def sequence_lengths(s: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([N], [N])`` prompt and completion token counts of one round's sequences (an
+    episode's completion: every token after its prompt, the environment's included)."""
+    if s.episodes is None:
+        p = [len(ids) for ids in s.rollout.prompt_ids]
+        return torch.tensor(p), s.rollout.completion_mask.sum(dim=1).long().cpu()
+    p = [len(e.prompt_ids) for e in s.episodes]
+    return torch.tensor(p), torch.tensor([len(e.completion_ids) for e in s.episodes])
 
 
 def learn(run: Run, exp: Experience, step: int) -> dict[str, float]:
@@ -453,6 +464,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "time/update_s": sec["update"],
         "perf/tokens_per_s": sampled_tokens / max(sec["generate"], 1e-9),
         "perf/train_tokens_per_s": gen_tokens * cfg.algo.num_iterations / max(sec["update"], 1e-9),
+        **flop_rates(run, exp, sec),
     }
     per_completion = exp.advantages is not None and exp.advantages.dim() == 1  # GRPO's
     samples = []
@@ -480,6 +492,49 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "completion_len": exp.loss_mask.shape[1],
     }
     return StepResult(metrics, samples, shapes)
+
+
+def phase_work(run: Run, exp: Experience) -> dict[str, flops.Work]:
+    """This rank's model work (``peergrade.flops``) per phase of the step on ``exp``: ``gen``,
+    ``ref`` (with a reference) and ``update`` (GRPO's, its old-policy pass included; PPO's
+    critic is not counted). Generation counts every round dynamic sampling sampled. Empty for
+    a model whose config does not give the shapes."""
+    try:
+        shape = flops.Shape.of(getattr(run.models.policy, "config", {}))
+    except ValueError:
+        return {}
+    G = run.cfg.rollout.group_size
+    p, c = flops.split_lengths(exp.attention_mask, exp.loss_mask.shape[1])
+    # dynamic sampling generated every round's groups, not only the kept ones
+    generated = exp.sampled.generated_lengths or (p, c)
+    work = {"gen": flops.generation(shape, *generated, G)}
+    if exp.ref_logprobs is not None:
+        work["ref"] = flops.logprob_pass(shape, p, c, exp.loss_mask.sum(dim=1), G)
+    update_work = getattr(run.algo, "update_work", None)  # GRPO's
+    if update_work is not None:
+        work["update"] = update_work(exp, shape)
+    return work
+
+
+PHASE_SECONDS = {"gen": "generate", "ref": "ref", "update": "update"}
+
+
+def flop_rates(run: Run, exp: Experience, sec: dict[str, float]) -> dict[str, float]:
+    """``perf/<phase>_tflops``: every rank's model FLOPs of each phase (``phase_work``) per
+    second of it, and ``perf/step_tflops``: the phases' work over the step's compute time
+    (generate + reward + reference + update), when the update is counted."""
+    work = phase_work(run, exp)
+    if not work:
+        return {}
+    total = dist.all_sum(torch.tensor([w.flops for w in work.values()], dtype=torch.float64))
+    out = {
+        f"perf/{k}_tflops": float(f) / max(sec[PHASE_SECONDS[k]], 1e-9) / 1e12
+        for k, f in zip(work, total)
+    }
+    if "update" in work:
+        seconds = sec["generate"] + sec["reward"] + sec["ref"] + sec["update"]
+        out["perf/step_tflops"] = float(total.sum()) / max(seconds, 1e-9) / 1e12
+    return out
 
 
 # ----------------------------------------------------------------------------- the loop

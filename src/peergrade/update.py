@@ -40,6 +40,7 @@ import torch
 from peergrade import distributed as dist
 from peergrade.algo import group_advantages, off_policy_weights, policy_loss
 from peergrade.experience import Experience
+from peergrade.flops import Shape, Work, logprob_pass, split_lengths
 from peergrade.logprobs import token_logprobs
 from peergrade.models import disable_adapter
 from peergrade.seeds import step_seed
@@ -63,6 +64,7 @@ __all__ = [
     "elided_rows",
     "grpo_plan",
     "grpo_update",
+    "grpo_update_work",
     "Algorithm",
     "GRPO",
 ]
@@ -567,6 +569,23 @@ def grpo_update(
     }
 
 
+def grpo_update_work(shape: Shape, batch, advantages, cfg, kl_on: bool) -> Work:
+    """The model work (``peergrade.flops``) ``grpo_update``'s result needs: forward + backward
+    (3 forwards) per pass (``algo.num_iterations``) over the completions whose gradient is not
+    exactly 0 (every one with a KL term; else those with a nonzero advantage: what ``elided_rows``
+    leaves), plus the old-policy pass over them when a batch takes several optimizer steps.
+    Counted whether or not the update elides (``algo.skip_zero_advantage``, torchrun): a
+    completion computed for nothing is overhead, not model work."""
+    _, attention_mask, cmask = batch
+    rows = ~elided_rows(advantages, kl_on).cpu()  # [N]
+    if not rows.any():
+        return Work(0, 0, 0, 0)
+    p, c = split_lengths(attention_mask, cmask.shape[1])
+    fwd = logprob_pass(shape, p, c, cmask.sum(dim=1), cfg.rollout.group_size, rows)
+    old = fwd if cfg.updates_per_step > 1 else Work(0, 0, 0, 0)
+    return fwd.times(3 * cfg.algo.num_iterations) + old
+
+
 # ----------------------------------------------------------------------------- the interface
 
 
@@ -598,6 +617,11 @@ class GRPO:
         )
         exp.advantages = dist.local_rows(adv).reshape(-1).to(self.models.device)  # [N]
         exp.metrics = {"advantage/std": dist.gather_rows(exp.advantages).std().item()}
+
+    def update_work(self, exp: Experience, shape: Shape) -> Work:
+        """The model work of ``update(exp)`` (``grpo_update_work``)."""
+        kl_on = self.cfg.uses_reference and exp.ref_logprobs is not None
+        return grpo_update_work(shape, exp.batch, exp.advantages, self.cfg, kl_on)
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         return grpo_update(
