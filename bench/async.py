@@ -121,7 +121,14 @@ def main() -> None:
         over = json.dumps(common + SIDES[name])
         argv = [__file__, "--child", "--config", a.config, "--warmup", str(a.warmup)]
         env = {"OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT / "src")}
-        return lambda: _common.run_child([*argv, "--overrides", over], env=env)
+
+        def one():
+            r = _common.run_child([*argv, "--overrides", over], env=env)
+            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+            print(f"  {name}: {shown}  ({_common.load_note()})", flush=True)
+            return r
+
+        return one
 
     print(f"config: {a.config or 'the CPU demo'}  model: {a.model or '(config)'}")
     print(f"{a.steps} steps a run, {a.warmup} not timed, {a.passes} passes, seed {a.seed}")
