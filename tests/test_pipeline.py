@@ -417,3 +417,23 @@ def test_close_stops_a_producer_in_the_middle_of_a_generation(tiny_model_dir, re
     assert not prod.thread.is_alive() and prod.error is None
     with pytest.raises(RuntimeError, match="stopped before step 1"):
         prod.take(1)
+
+
+def test_dynamic_sampling_runs_in_the_producer(tiny_model_dir, reward_file, tmp_path):
+    """Dynamic sampling's rounds run in the producer with the step's version; the run repeats
+    exactly, and the trainer's informative_seen (which a checkpoint keeps) follows the steps."""
+    over = {
+        "train.steps": 3,
+        "rollout.async_steps": 1,
+        "rollout.dynamic_sampling": True,
+        "rollout.max_rounds": 2,
+    }
+    cfg = _cfg(tiny_model_dir, reward_file, **over)
+    for name in ("a", "b"):
+        train(cfg, tmp_path / name)
+    ra, rb = _train_rows(tmp_path / "a"), _train_rows(tmp_path / "b")
+    assert [r["async/staleness_max"] for r in ra] == [0, 1, 1]
+    assert all(r["dynamic/rounds"] >= 1 for r in ra)
+    assert comparable(ra) == comparable(rb)
+    state = (tmp_path / "a/checkpoints/step-3/trainer_state.json").read_text()
+    assert '"dynamic_informative_seen": true' in state
