@@ -24,7 +24,8 @@ What runs where. The producer thread runs the trainer's ``collect`` without the 
 sampling (or episodes), the reward functions, the reference log-probs. The main thread computes
 the advantages (under torchrun they gather every rank's rewards, so every collective stays on
 the main thread, in the same order on every rank), the update, the metrics, the evaluation and
-the checkpoints.
+the checkpoints. Dynamic sampling's rounds gather rewards inside ``collect``, so with several
+ranks the trainer refuses it together with a producer.
 
 Stopping. ``close`` wakes a waiting producer, and a forward pre-hook on the producer's input
 embeddings raises ``Stopped`` at its next forward pass, so a stop (Ctrl-C, the end of the run,
