@@ -437,3 +437,14 @@ def test_dynamic_sampling_runs_in_the_producer(tiny_model_dir, reward_file, tmp_
     assert comparable(ra) == comparable(rb)
     state = (tmp_path / "a/checkpoints/step-3/trainer_state.json").read_text()
     assert '"dynamic_informative_seen": true' in state
+
+
+def test_dynamic_sampling_with_a_producer_is_refused_under_torchrun(
+    tiny_model_dir, reward_file, monkeypatch
+):
+    over = {"rollout.async_steps": 1, "rollout.dynamic_sampling": True}
+    run = trainer_mod.setup(_cfg(tiny_model_dir, reward_file, **over))
+    monkeypatch.setattr(trainer_mod.dist, "parallel", lambda: True)
+    with pytest.raises(ConfigError, match="under torchrun set one of them off"):
+        trainer_mod.start_producer(run, None, iter([]), 0, None)
+    assert not _producers_alive()
