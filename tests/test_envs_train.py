@@ -346,17 +346,22 @@ def test_environment_factory_reward_and_instances_reach_the_score(files, monkeyp
 
 
 @pytest.mark.slow
-def test_train_with_tools_from_the_command_line(files, tool_model, monkeypatch, capsys):
+@pytest.mark.parametrize("async_steps", [0, 1])  # 1: episodes run in the producer thread
+def test_train_with_tools_from_the_command_line(
+    files, tool_model, monkeypatch, capsys, async_steps
+):
     monkeypatch.chdir(files)
     rc = main(
         ["train", "--model", str(tool_model), "--data", "data.jsonl"]
         + ["--tools", "my_tools.py:multiply", "--reward", "my_reward.py:used_a_tool"]
         + ["--steps", "2", "-o", "run", *SMALL, "--env.max_turns", "3"]
+        + ["--rollout.async_steps", str(async_steps)]
     )
     assert rc == 0, capsys.readouterr().err
     lines = [json.loads(x) for x in (files / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "tools/call_frequency" in m]
     assert [m["step"] for m in steps] == [1, 2]
+    assert [m.get("async/staleness_max") for m in steps] == ([0, 1] if async_steps else [None] * 2)
     for m in steps:
         assert m["turns/mean"] >= 1 and m["tools/call_frequency"] >= 0
         assert any(k.startswith("episode/stop_reason/") for k in m)

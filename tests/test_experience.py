@@ -106,7 +106,7 @@ def test_collect_keeps_the_loss_mask_apart(tiny_model_dir, monkeypatch):
     assert (exp.loss_mask[:, 0] == 0).all()
     assert (exp.attention_mask[:, L - C] == 1).all()  # the first completion token is attended
     assert torch.equal(exp.loss_mask[:, 1:], ro.completion_mask[:, 1:])
-    assert exp.policy_version == 1 and exp.advantages.shape == (N,)
+    assert exp.policy_version == 0 and exp.advantages.shape == (N,)  # sampled by the start
     assert exp.sampler_logprobs.shape == (N, C) and exp.ref_logprobs is None
     metrics = trainer.learn(run, exp, 1)
     assert "advantage/std" in metrics and "loss/policy" in metrics

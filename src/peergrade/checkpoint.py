@@ -180,8 +180,11 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     keep_last: int,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``checkpoints/step-<step>`` atomically, then delete all but the last ``keep_last``."""
+    """Write ``checkpoints/step-<step>`` atomically, then delete all but the last ``keep_last``.
+    ``extra``: more files of the checkpoint, {file name: object for ``torch.save``} (the
+    pipelined rollouts' older weights, ``peergrade.pipeline``)."""
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step}"
@@ -200,6 +203,8 @@ def save_checkpoint(
         tmp / "training_state.pt",
     )
     (tmp / "config.yaml").write_text(config_yaml)
+    for name, obj in (extra or {}).items():
+        torch.save(obj, tmp / name)
     apply_umask(tmp)  # safetensors writes its file 0600
     # trainer_state.json last, listing every file: checkpoint_problem checks against the list.
     state = {"step": step, **trainer_state, "files": _file_names(tmp)}
@@ -475,8 +480,9 @@ class RunDir:
             metrics = Tee(metrics, on_log)
         return metrics, JsonlWriter(self.path / "samples.jsonl")
 
-    def save(self, run, step: int) -> None:
-        """Checkpoint ``run`` (the trainer's: models, optimizer_state, scheduler, cfg) at ``step``."""
+    def save(self, run, step: int, extra: dict[str, Any] | None = None) -> None:
+        """Checkpoint ``run`` (the trainer's: models, optimizer_state, scheduler, cfg) at ``step``;
+        ``extra``: more files (``save_checkpoint``)."""
         # FSDP2: gathering the full weights and optimizer state is a collective (all ranks)
         model, optimizer = dist.checkpoint_state(run.models.policy, run.optimizer_state)
         if dist.is_main():
@@ -490,6 +496,7 @@ class RunDir:
                 trainer_state=self.trainer_state,
                 config_yaml=self.config_yaml,
                 keep_last=run.cfg.train.keep_last,
+                extra=extra,
             )
         dist.barrier()  # the others wait until the checkpoint is complete
         self.last_saved = step

@@ -220,6 +220,14 @@ class RolloutConfig:
         "dynamic/unfilled_groups).",
         4,
     )
+    async_steps: int = doc(
+        "k: pipelined rollouts. 0 = synchronous (sample, score, then update). k >= 1 = a "
+        "producer thread with its own copy of the policy collects the next steps' rollouts "
+        "while the trainer updates: step t is sampled by the weights after update "
+        "max(0, t - 1 - k), so at most k versions older than the weights it trains "
+        "(docs/async.md). GRPO only; not with dist.strategy fsdp.",
+        0,
+    )
 
 
 @dataclass
@@ -964,6 +972,17 @@ def validate(cfg: Config) -> None:
         "rollout.dynamic_sampling keeps the groups whose group-relative advantage is nonzero, a "
         "GRPO notion: algo.name=ppo's critic gives groups whose rewards agree an advantage too; "
         "turn rollout.dynamic_sampling off with ppo",
+    )
+    need(r.async_steps >= 0, f"rollout.async_steps must be >= 0 (0 = off), got {r.async_steps}")
+    need(
+        r.async_steps == 0 or a.name == "grpo",
+        f"rollout.async_steps={r.async_steps} is a GRPO option: algo.name=ppo's critic values "
+        "are not pipelined yet; set rollout.async_steps to 0",
+    )
+    need(
+        r.async_steps == 0 or cfg.dist.strategy != "fsdp",
+        f"rollout.async_steps={r.async_steps} needs whole weights on every rank for the "
+        "producer's copy: use dist.strategy ddp, or rollout.async_steps 0 with fsdp",
     )
     need(a.clip_eps > 0, f"algo.clip_eps must be > 0, got {a.clip_eps}")
     need(

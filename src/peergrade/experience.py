@@ -59,7 +59,7 @@ class Experience:
     loss_mask: torch.Tensor  # [N, C] float32: 1 = trained on (never derived from attention_mask)
     rewards: torch.Tensor  # [N] the weighted reward total of each completion
     truncated: torch.Tensor  # [N] bool: the completion hit max_completion_length
-    policy_version: int  # the step this experience trains; sampled by the weights after step-1
+    policy_version: int  # the version that sampled it: the weights after this many updates
     sampler_logprobs: torch.Tensor | None = None  # [N, C] the behaviour policy (rollout)
     ref_logprobs: torch.Tensor | None = None  # [N, C] the reference (beta > 0), else None
     advantages: torch.Tensor | None = None  # [N] or [N, C], set by the algorithm

@@ -17,6 +17,12 @@ call it), with one ``Experience`` (``peergrade.experience``) travelling through 
 GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRPO``,
 ``ppo.PPO``). docs/architecture.md draws the data flow and the Experience's fields.
 
+Pipelined rollouts (``rollout.async_steps`` = k >= 1, ``peergrade.pipeline``): ``train`` starts
+a producer thread that runs ``collect`` (without the advantages) for the next steps with its own
+copy of the policy, at version max(0, step - 1 - k), and each step is ``pipelined_step``: take
+that experience, advantages, ``learn``, hand the new weights to the producer. k = 0 runs
+``train_step`` exactly as before.
+
 Exact resume: everything random is derived from (seed, step) (``peergrade.seeds``) -- the
 prompts of step s are rows [s*P, (s+1)*P) of the task's seeded stream, every sampling draw
 is a function of (seed, step, the prompt's index in the step, the sample's index in its group),
@@ -42,6 +48,7 @@ import itertools
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +56,7 @@ import torch
 
 from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
-from peergrade import flops, ppo
+from peergrade import flops, pipeline, ppo
 from peergrade.audit import at_startup as audit_at_startup
 from peergrade.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.components import (  # importable from here too: Given, setup_models, ...)
@@ -66,7 +73,7 @@ from peergrade.components import (  # importable from here too: Given, setup_mod
     run_header,
     setup_models,
 )
-from peergrade.config import Config, to_yaml
+from peergrade.config import Config, ConfigError, to_yaml
 from peergrade.detectors import Detectors, repetition_rate
 from peergrade.dynamic import fill_groups
 from peergrade.envs import episodes_batch
@@ -221,11 +228,14 @@ NO_METER = NoMeter()
 CUT_SHORT = ("length", "turn_length", "env_over_budget")
 
 
-def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience:
+def collect(
+    run: Run, step: int, rows: list[dict], meter=NO_METER, *, advantages: bool = True
+) -> Experience:
     """Step ``step``'s experience on ``rows`` (P prompts): sample, score, reference log-probs,
-    advantages. ``meter`` brackets the generate / rewards / reference phases. With
-    ``rollout.dynamic_sampling`` the batch is filled with groups whose rewards differ
-    (``fill_step``)."""
+    advantages (``advantages=False``: left to the caller, as the pipelined step does: under
+    torchrun they gather every rank's rewards). ``meter`` brackets the generate / rewards /
+    reference phases. With ``rollout.dynamic_sampling`` the batch is filled with groups whose
+    rewards differ (``fill_step``)."""
     cfg, models = run.cfg, run.models
     # Python's random and numpy's global generator, which reward functions may use (a stream
     # per rank under torchrun, rank 0's the single-process one: a reward function scores a
@@ -243,7 +253,8 @@ def collect(run: Run, step: int, rows: list[dict], meter=NO_METER) -> Experience
 
     meter.reset()  # 4. reference log-probs for the KL term; advantages
     exp.ref_logprobs = ref_logprobs(models, exp.batch, cfg)  # [N, C] or None
-    run.algo.advantages(exp)
+    if advantages:
+        run.algo.advantages(exp)
     meter.record("reference")
     exp.seconds = {"generate": t_gen, "reward": t_reward, "ref": time.perf_counter() - t_scored}
     return exp
@@ -310,7 +321,7 @@ def experience_of(run: Run, step: int, s: Sampled) -> Experience:
         loss_mask=loss_mask.to(device),
         rewards=s.scores.total,
         truncated=truncated,
-        policy_version=step,
+        policy_version=step - 1,  # the weights after step - 1 updates (pipeline: older)
         sampler_logprobs=None if sampler_lp is None else sampler_lp.to(device),
         sampled=s,
     )
@@ -420,6 +431,71 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     meter.record("update")
     exp.seconds["update"] = time.perf_counter() - t_ref
     return step_result(run, exp, upd, step)
+
+
+def pipelined_step(run: Run, producer: pipeline.Producer, step: int) -> StepResult:
+    """Step ``step`` with ``rollout.async_steps`` = k >= 1 (``peergrade.pipeline``): the
+    experience the producer collected with the weights of version max(0, step - 1 - k) while
+    earlier steps trained, its advantages, the update, then the new weights to the producer."""
+    t_wait = time.perf_counter()
+    exp = producer.take(step)
+    t_got = time.perf_counter()
+    run.algo.advantages(exp)  # every rank's rewards under torchrun: on this thread
+    if run.cfg.rollout.dynamic_sampling:  # what fill_step did to the producer's copy, in order
+        kept = run.cfg.rollout.prompts_per_step - exp.sampled.dynamic["dynamic/unfilled_groups"]
+        run.informative_seen = run.informative_seen or kept > 0
+    upd = learn(run, exp, step)
+    producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
+    exp.seconds["update"] = time.perf_counter() - t_got
+    result = step_result(run, exp, upd, step)
+    staleness = (step - 1) - exp.policy_version  # version trained - version sampled
+    result.metrics.update(
+        {
+            "async/staleness_mean": float(staleness),  # one version per step's experience
+            "async/staleness_max": staleness,
+            "async/policy_version": exp.policy_version,
+            "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
+        }
+    )
+    return result
+
+
+def start_producer(run: Run, out: RunDir, rows, start_step: int, display) -> pipeline.Producer:
+    """The producer thread of a pipelined run, from ``start_step`` on. It starts with the
+    trainer's weights (version ``start_step``) and, on resume, the older versions the
+    checkpoint saved for its in-flight steps. The trainer and the producer each get half of
+    torch's threads (at least one)."""
+    cfg = run.cfg
+    k, P = cfg.rollout.async_steps, cfg.rollout.prompts_per_step
+    if cfg.rollout.dynamic_sampling and dist.parallel():
+        raise ConfigError(
+            "rollout.dynamic_sampling with rollout.async_steps >= 1 runs one process only: its "
+            "rounds gather every rank's rewards, and those collectives would race the trainer's "
+            "in the producer thread; under torchrun set one of them off"
+        )
+    versions = {start_step: pipeline.trainable_state(run.models.policy)}
+    saved = out.path / "checkpoints" / f"step-{start_step}" / pipeline.VERSIONS_FILE
+    if saved.is_file():
+        versions |= torch.load(saved, map_location=run.models.device, weights_only=True)
+    elif start_step > 0 and pipeline.sampled_version(start_step + 1, k) < start_step:
+        display.print(
+            f"checkpoint step-{start_step} has no {pipeline.VERSIONS_FILE} (saved with "
+            f"rollout.async_steps 0?): steps {start_step + 1}..{start_step + k} are sampled by "
+            f"its weights (staleness below {k}), not by the older versions a run never "
+            "stopped would use",
+            always=True,
+        )
+    threads = max(1, torch.get_num_threads() // 2)
+    torch.set_num_threads(threads)
+    return pipeline.Producer(
+        partial(collect, advantages=False),
+        pipeline.producer_run(run),
+        k,
+        range(start_step + 1, cfg.train.steps + 1),
+        lambda: [next(rows) for _ in range(P)],
+        versions,
+        threads,
+    ).start()
 
 
 def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> StepResult:
@@ -621,11 +697,23 @@ def train(
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
     stop, step, interrupted, t_run = ckpt.StopFlag(), start_step, False, time.perf_counter()
     told_unfilled = False
+    producer, threads = None, torch.get_num_threads()
+    if cfg.rollout.async_steps and start_step < t.steps:  # pipelined: the producer owns `rows`
+        producer = start_producer(run, out, rows, start_step, display)
+
+    def extra(step: int) -> dict[str, Any] | None:  # what a checkpoint adds when pipelined
+        if producer is None:
+            return None
+        return {pipeline.VERSIONS_FILE: producer.checkpoint_versions(step)}
+
     try:
         with stop.installed(display):
             for step in range(start_step + 1, t.steps + 1):
                 t_step = time.perf_counter()
-                result = train_step(run, step, [next(rows) for _ in range(P)])
+                if producer is None:
+                    result = train_step(run, step, [next(rows) for _ in range(P)])
+                else:
+                    result = pipelined_step(run, producer, step)
                 m = result.metrics
                 if cfg.rollout.dynamic_sampling:
                     out.trainer_state["dynamic_informative_seen"] = run.informative_seen
@@ -647,7 +735,7 @@ def train(
                 metrics_log.write(m)
                 display.update(step, m)
                 if t.save_every and step % t.save_every == 0:
-                    out.save(run, step)
+                    out.save(run, step, extra(step))
                 if dist.any_true(stop.requested):  # all ranks stop after the same step
                     interrupted = True
                     break
@@ -655,10 +743,13 @@ def train(
         interrupted = True
         step -= 1  # the step in flight did not finish; the last complete one is saved below
     finally:
+        if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
+            producer.close()
+            torch.set_num_threads(threads)
         display.close()
         samples_log.close()
     if step > out.last_saved and step > 0:
-        out.save(run, step)
+        out.save(run, step, extra(step))
     if interrupted:
         metrics_log.close()
         display.print(
