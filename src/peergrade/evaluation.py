@@ -477,12 +477,13 @@ def run_eval_command(
             flags.append((key, value))
     cfg = load_config(run_config, flags + list(overrides or []))
 
-    the_task = build_task(cfg)
+    make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
+    the_task = build_task(cfg, make_env)
     d = cfg.data
     if data is not None and not the_task.has_eval and "eval_fraction" not in d.task_options:
         # --data names the rows to evaluate: the file itself is the held-out split
         d.eval_path = d.path
-        the_task = build_task(cfg)
+        the_task = build_task(cfg, make_env)
     with user_input("data" if d.path else "task"):
         # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
         rows = the_task.eval_rows(cfg.train.eval_size)
@@ -504,7 +505,6 @@ def run_eval_command(
         mix = make_reward_specs(items)
     with user_input("reward"):  # a wrong option name fails here, before the model loads
         acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
-    make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
     check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if make_env else ())
     if make_env is not None:
         rows = episode_rows(cfg, the_task, rows)
