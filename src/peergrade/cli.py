@@ -248,6 +248,7 @@ def cmd_sft(args, extra) -> int:
         seed=args.seed,
         overwrite=args.overwrite,
         threads=args.threads,
+        tool_fraction=args.tool_fraction,
     )
     return 0
 
@@ -778,6 +779,13 @@ def _sft_parser(sub) -> None:
     s.add_argument("--lr", type=float, default=3e-3, help="learning rate (AdamW)")
     _seed(s, default=0)
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    s.add_argument(
+        "--tool-fraction",
+        type=float,
+        default=0.0,
+        help="share of examples taught as calculator episodes (call, result, answer; "
+        "arithmetic only): how the calculator demo's model is made",
+    )
     _overwrite(s, "output model dir")
 
 

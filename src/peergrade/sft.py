@@ -8,6 +8,13 @@ find (see docs/getting-started.md, "The bundled model").
 
 Deterministic for a fixed seed, torch version and thread count. The output directory is written
 to a temporary sibling and renamed, so an interrupted run never leaves a half-written model.
+With ``tool_fraction`` (``peergrade sft --tool-fraction F``, arithmetic only), that share of
+the examples are calculator episodes instead (``envs.calculator.calculator_turns``: the call,
+the tool's result, the answer), tokenised exactly as the episode runner builds them: the model's
+turns as their own tokens, the tool's answer as the chat template's token delta
+(``envs.template.turn_delta``), which gets no loss. This is how the calculator demo's model
+(``assets/tiny-calc``) is made: it calls the tool on some problems and answers others in its head.
+
 This module is not a general SFT trainer (no packing, no LoRA, no eval loop).
 """
 
@@ -31,6 +38,11 @@ def sft_batch(rows: list[dict], tokenizer, system_prompt: str | None = None):
     """
     seqs, labels = [], []
     for row in rows:
+        if "turns" in row:
+            s, lab = episode_example(row, tokenizer, system_prompt)
+            seqs.append(s)
+            labels.append(lab)
+            continue
         prompt = render_prompt(row["prompt"], tokenizer, system_prompt=system_prompt)
         p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         a_ids = tokenizer(str(row["answer"]), add_special_tokens=False)["input_ids"] + [
@@ -48,6 +60,47 @@ def sft_batch(rows: list[dict], tokenizer, system_prompt: str | None = None):
         attention_mask[i, : len(s)] = 1
         label_t[i, : len(lab)] = torch.tensor(lab)
     return input_ids, attention_mask, label_t
+
+
+def episode_example(row: dict, tokenizer, system_prompt: str | None = None):
+    """(ids, labels) of an episode row: ``row["turns"]`` are the messages after the prompt. The
+    model's turns are labels (their tokens and eos); what follows each (tool results, the next
+    generation prompt) is the template's token delta, context only."""
+    from peergrade.envs.template import render, turn_delta
+    from peergrade.tasks.prompts import to_messages
+
+    eos = tokenizer.eos_token_id
+    history = to_messages(row["prompt"], system_prompt)
+    ids = render(tokenizer, history, add_generation_prompt=True)
+    labels = [-100] * len(ids)
+    pending: list[dict] = []  # environment messages since the last model turn
+    for m in row["turns"]:
+        if m["role"] != "assistant":
+            pending.append(m)
+            continue
+        if pending:
+            delta = turn_delta(tokenizer, history, pending, eos_ids=[eos])
+            ids, labels = ids + delta, labels + [-100] * len(delta)
+            history, pending = history + pending, []
+        turn = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [eos]
+        ids, labels = ids + turn, labels + turn
+        history.append(m)
+    return ids, labels
+
+
+def with_tool_turns(rows, fraction: float, seed: int):
+    """``rows`` (arithmetic problems) with a ``fraction`` of them, drawn with ``seed``, turned
+    into solved calculator episodes (``turns``)."""
+    import random
+
+    from peergrade.envs.calculator import calculator_turns
+
+    rng = random.Random(f"sft/tool-fraction/{seed}")
+    for row in rows:
+        if rng.random() < fraction:
+            names = {"a": row["a"], "b": row["b"]}  # as envs.calculator.Calculator binds them
+            row = {**row, "turns": calculator_turns(f"a{row['op']}b", names)}
+        yield row
 
 
 def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
@@ -71,12 +124,18 @@ def run_sft(
     overwrite: bool = False,
     threads: int = 0,
     model_sizes: dict | None = None,
+    tool_fraction: float = 0.0,
     log=print,
     on_step=None,
 ) -> Path:
     """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
     from peergrade.models import load_model, load_tokenizer, save_tokenizer
-    from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+    from peergrade.tiny import (
+        COMPACT_CHAT_TEMPLATE,
+        COMPACT_TOOL_CHAT_TEMPLATE,
+        build_char_tokenizer,
+        build_tiny_model,
+    )
 
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:
@@ -86,6 +145,12 @@ def run_sft(
         raise ValueError(
             f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"
         )
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"sft: tool_fraction must be in [0, 1] (got {tool_fraction})")
+    if tool_fraction and task != "arithmetic":
+        raise ValueError(
+            f"sft: tool_fraction needs the arithmetic task (its calculator episodes), got {task!r}"
+        )
     if threads:
         torch.set_num_threads(threads)
     the_task = load_task(task, **(task_options or {}))
@@ -93,7 +158,8 @@ def run_sft(
     if init is not None:
         sizes = {"hidden_size": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
         sizes.update(model_sizes or {})
-        tok = build_char_tokenizer(chat_template=COMPACT_CHAT_TEMPLATE)
+        template = COMPACT_TOOL_CHAT_TEMPLATE if tool_fraction else COMPACT_CHAT_TEMPLATE
+        tok = build_char_tokenizer(chat_template=template)
         net, tok = build_tiny_model(init, tok, seed=seed, **sizes)
     else:
         tok = load_tokenizer(model)
@@ -103,6 +169,8 @@ def run_sft(
     warm = 20  # fixed, so a run of N steps is the prefix of a longer one
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm))
     rows = the_task.train_rows(seed)
+    if tool_fraction:
+        rows = with_tool_turns(rows, tool_fraction, seed)
     t0 = time.perf_counter()
     loss_ema = None
     for step in range(1, steps + 1):
@@ -134,6 +202,7 @@ def run_sft(
         "seed": seed,
         "init": init,
         "base_model": model,
+        **({"tool_fraction": tool_fraction} if tool_fraction else {}),
         "final_loss_ema": loss_ema,
         "torch": torch.__version__,
     }

@@ -37,6 +37,22 @@ COMPACT_CHAT_TEMPLATE = (
     "{% else %}A:{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}A:{% endif %}"
 )
+# The compact template with tool turns, for the calculator demo's model (tiny-calc): "R:" a tool
+# result, left-aligned in a field of 10 characters, so that a result's digits always sit at the
+# same distance from the answer that copies them (a fixed-offset copy is what a 0.75M-parameter
+# model learns in minutes). An assistant turn renders its calls in the Hermes / Qwen2 format
+# after its text; tool schemas are not rendered (with one token per character they would dwarf
+# the problem: the model learns its one tool from its warm-up). Prefix-preserving, as the
+# episode runner needs.
+COMPACT_TOOL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}S:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}Q:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'tool' %}R:{{ '%-10s' | format(m['content']) }}\n"
+    "{% else %}A:{{ m['content'] or '' }}{% for tc in m.get('tool_calls') or [] %}<tool_call>"
+    '{"name": "{{ tc[\'function\'][\'name\'] }}", "arguments": '
+    "{{ tc['function']['arguments'] | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
 # A Qwen2.5-style template that renders tools and tool turns (for episode tests and demos): a
 # default system prompt when the conversation has none, the tool schemas in the system turn,
 # assistant tool calls as <tool_call>{json}</tool_call>, consecutive tool results in one user

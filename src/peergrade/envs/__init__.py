@@ -16,6 +16,8 @@
   message lists, ``environments``).
 - ``verifiers``: ``--env verifiers:MODULE``, a verifiers (0.4) environment's tasks, Python
   Toolsets, stops and rewards as a native environment (its own harness programs do not run here).
+- ``calculator``: the calculator demo's safe ``calculate`` tool and ``Calculator`` environment
+  (``configs/calculator.yaml``).
 
 The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``
 (the Python API with ``make_env_from_objects``),
