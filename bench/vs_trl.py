@@ -448,7 +448,10 @@ def write_results(headers, rows, load, a, wall) -> None:
         "peergrade / TRL generated tokens per second of generation; RSS = peak resident memory "
         "of each child during its steps. Reproduce: `python bench/vs_trl.py --write-results`.\n"
     )
-    path.write_text(text)
+    # the other benchmarks' sections (each a "# bench/NAME" heading) are kept as they are
+    old = path.read_text() if path.exists() else ""
+    rest = old.find("\n# bench/", 1)
+    path.write_text(text + (old[rest:] if rest != -1 else ""))
     print(f"wrote {path}")
 
 
