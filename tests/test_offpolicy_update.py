@@ -87,3 +87,35 @@ def test_run_logs_the_sampler_trainer_mismatch(tiny_model_dir, reward_file, tmp_
     assert row["correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert 0 < row["correction/weight_min"] <= 1.0 <= row["correction/weight_max"] <= 2.0
     assert row["correction/masked_frac"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "over,expected",
+    [
+        ({}, "none"),  # synchronous: the sampler is the current policy
+        ({"rollout.async_steps": 1}, "token_tis"),  # pipelined: samples a version old
+        ({"rollout.async_steps": 2, "algo.off_policy_correction": "none"}, "none"),  # as set
+        ({"algo.off_policy_correction": "sequence_mis"}, "sequence_mis"),
+        ({"algo.name": "ppo"}, "none"),
+    ],
+)
+def test_auto_correction_is_token_tis_exactly_when_rollouts_are_pipelined(over, expected):
+    from peergrade.config import off_policy_correction
+
+    cfg = load_config(None, list(over.items()))
+    assert off_policy_correction(cfg) == expected
+
+
+def test_a_pipelined_run_corrects_by_default(tiny_model_dir, reward_file, tmp_path):  # noqa: F811
+    """rollout.async_steps 1 with the default algo.off_policy_correction (auto): the update
+    weights stale samples (correction/* metrics logged); set none and it does not."""
+    for correction, logged in (("auto", True), ("none", False)):
+        over = {
+            "train.steps": 3,
+            "rollout.async_steps": 1,
+            "algo.off_policy_correction": correction,
+        }
+        cfg = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **over))
+        train(cfg, tmp_path / correction)
+        rows = [r for r in read_metrics(tmp_path / correction) if "loss/policy" in r]
+        assert all(("correction/weight_mean" in r) == logged for r in rows), correction

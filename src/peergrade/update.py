@@ -39,6 +39,7 @@ import torch
 
 from peergrade import distributed as dist
 from peergrade.algo import group_advantages, off_policy_weights, policy_loss
+from peergrade.config import off_policy_correction
 from peergrade.experience import Experience
 from peergrade.flops import Shape, Work, logprob_pass, split_lengths
 from peergrade.logprobs import token_logprobs
@@ -462,7 +463,8 @@ def grpo_update(
     need_old = cfg.updates_per_step > 1 and not dist.all_true(no_signal(all_idx))
     old_lp = frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~drop]) if need_old else None
 
-    correct = a.off_policy_correction != "none" and behaviour_lp is not None
+    correction = off_policy_correction(cfg)  # auto: token_tis with pipelined rollouts
+    correct = correction != "none" and behaviour_lp is not None
     w_range = [math.inf, -math.inf]  # the correction weight's min and max over computed tokens
 
     def plan(mini_idx):
@@ -496,7 +498,7 @@ def grpo_update(
                 old,
                 behaviour_lp[keep, :Tc],
                 cm,
-                correction=a.off_policy_correction,
+                correction=correction,
                 cap=a.off_policy_cap,
                 low=a.off_policy_low,
                 high=a.off_policy_high,
