@@ -18,6 +18,8 @@
   Toolsets, stops and rewards as a native environment (its own harness programs do not run here).
 - ``calculator``: the calculator demo's safe ``calculate`` tool and ``Calculator`` environment
   (``configs/calculator.yaml``).
+- ``python_tool``: ``run_python``, a Python-code tool whose programs run in the code sandbox
+  (fail closed: its self-test runs when the tool is loaded).
 
 The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``
 (the Python API with ``make_env_from_objects``),

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from peergrade.envs.protocol import Step, maybe_await
-from peergrade.errors import InputError
+from peergrade.errors import InputError, PeergradeError
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
@@ -176,6 +176,8 @@ async def _call_tools(
                 result = _sync_with_timeout(fn, args, timeout)
             else:
                 result = fn(**args)
+        except PeergradeError:
+            raise  # the setup is wrong, not the call (e.g. a sandbox that cannot contain code)
         except Exception as e:
             out[i] = (name, {"error": str(e) or type(e).__name__}, True)
             continue
@@ -323,6 +325,10 @@ def tool_environment_factory(
     tools = list(tools or [])
     for fn in tools:
         tool_schema(fn)
+        # a tool's own start-up check (envs.python_tool: the sandbox's self-test, fail closed)
+        check = getattr(fn, "startup_check", None)
+        if callable(check):
+            check()
     if isinstance(environment_factory, dict):
         for key, f in environment_factory.items():
             _check_factory(f, f"environment_factory[{key!r}]")
