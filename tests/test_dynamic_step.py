@@ -22,6 +22,7 @@ from peergrade.config import ConfigError, load_config
 from peergrade.dynamic import informative_groups
 from peergrade.errors import InputError
 from peergrade.rollout import Rollout
+from test_trainer import tiny_overrides
 
 REWARD_FILE = '''
 def _text(c):
@@ -48,22 +49,16 @@ def reward_file(tmp_path_factory) -> Path:
 
 
 def config(model_dir, reward_file, fn="coarse", **extra):
-    base = {
-        "model.path": str(model_dir),
-        "rewards": [{"name": f"{reward_file}:{fn}", "weight": 1.0}],
-        "rollout.prompts_per_step": 4,
-        "rollout.group_size": 2,
-        "rollout.max_completion_length": 4,
-        "rollout.dynamic_sampling": True,
-        "rollout.max_rounds": 6,
-        "optim.lr": 1e-2,
-        "train.eval_size": 2,
-        "train.eval_samples": 2,
-        "train.display": "none",
-        "train.log_samples": 1,
-        "train.threads": 1,
-        "train.audit_rewards": "off",
-    }
+    base = dict(tiny_overrides(model_dir, reward_file))  # the trainer tests' tiny run
+    base.update(
+        {
+            "rewards": [{"name": f"{reward_file}:{fn}", "weight": 1.0}],
+            "rollout.prompts_per_step": 4,
+            "rollout.dynamic_sampling": True,
+            "rollout.max_rounds": 6,
+            "train.audit_rewards": "off",
+        }
+    )
     base.update(extra)
     return load_config(None, list(base.items()))
 

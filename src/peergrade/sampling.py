@@ -35,45 +35,46 @@ def sample(run, prompt_ids: list[list[int]], step: int, row_keys: range) -> Roll
     """G completions for each prompt with the configured sampling settings. Every draw is keyed
     by (train.seed, step, the prompt's global index in the step ``row_keys``, sample index), so
     1 or N ranks and any generation_batch_size sample the same tokens."""
-    r = run.cfg.rollout
     with dist.full_weights(run.models.policy) as policy:  # FSDP2: unshard for sampling
         return generate(
             policy,
             run.models.tokenizer,
             prompt_ids,
-            n=r.group_size,
-            max_new_tokens=r.max_completion_length,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=r.stop,
-            seed=step_seed(run.cfg.train.seed, step),
-            row_keys=row_keys,
-            batch_size=r.generation_batch_size,
+            max_new_tokens=run.cfg.rollout.max_completion_length,
+            **sampler_settings(run, step, row_keys),
         )
+
+
+def sampler_settings(run, step: int, row_keys: range) -> dict:
+    """What single replies and episodes sample with alike: G per prompt, the temperature /
+    top-p / top-k / stop processing, and the keys of (seed, step, row)."""
+    r = run.cfg.rollout
+    return dict(
+        n=r.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop=r.stop,
+        seed=step_seed(run.cfg.train.seed, step),
+        row_keys=row_keys,
+        batch_size=r.generation_batch_size,
+    )
 
 
 def sample_episodes(run, rows: list[dict], step: int, row_keys: range) -> list[Episode]:
     """G episodes for each row (``envs.run_episodes``), keyed by (seed, step, row) as ``sample`` is;
     ``rollout.max_completion_length`` is the budget of a whole episode."""
-    r, e = run.cfg.rollout, run.cfg.env
+    e = run.cfg.env
     with dist.full_weights(run.models.policy) as policy:
         return run_episodes(
             policy,
             run.models.tokenizer,
             rows,
             run.make_env,
-            n=r.group_size,
-            max_completion_length=r.max_completion_length,
+            max_completion_length=run.cfg.rollout.max_completion_length,
             max_turns=e.max_turns,
             max_tokens_per_turn=e.max_tokens_per_turn,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=r.stop,
-            seed=step_seed(run.cfg.train.seed, step),
-            row_keys=row_keys,
-            batch_size=r.generation_batch_size,
+            **sampler_settings(run, step, row_keys),
         )
 
 
