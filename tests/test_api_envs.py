@@ -4,6 +4,8 @@ same start-up checks, and ``GRPOConfig.max_tool_calling_iterations`` reaches ``e
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from peergrade import GRPOConfig, GRPOTrainer
@@ -137,6 +139,34 @@ def test_train_with_tools_and_environment_factory(tiny, tmp_path):
         assert h["tools/call_frequency"] >= 0 and h["turns/mean"] >= 1
         # get_reward: 2.0 for the row whose answer is 12, else 0; one row of each per step
         assert h["rewards/env/mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_episodes_in_a_producer_process_train_as_in_a_producer_thread(tiny, tmp_path):
+    """rollout.async_steps 1: the environments (TRL's class, its get_reward) and the tools run
+    in the producer; a forked process and a thread log the same steps, to the last digit."""
+    from test_trainer import comparable
+
+    model, tok = tiny
+    logged = {}
+    for kind in ("thread", "process"):
+        trainer = GRPOTrainer(
+            model=copy.deepcopy(model),
+            processing_class=tok,
+            reward_funcs=used_a_tool,
+            args=args(tmp_path / kind),
+            train_dataset=ROWS,
+            tools=[multiply],
+            environment_factory=Counter,
+        )
+        trainer.config.rollout.async_steps = 1
+        trainer.config.rollout.producer = kind
+        trainer.train()
+        logged[kind] = comparable(trainer.state.log_history)
+    steps = [h for h in logged["process"] if "tools/call_frequency" in h]
+    assert [h["async/staleness_max"] for h in steps] == [0, 1]
+    assert all(h["rewards/env/mean"] == pytest.approx(1.0) for h in steps)
+    assert logged["process"] == logged["thread"]
 
 
 def test_a_dict_of_environment_classes_gives_the_env_reward_when_one_does():

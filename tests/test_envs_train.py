@@ -346,7 +346,7 @@ def test_environment_factory_reward_and_instances_reach_the_score(files, monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_steps", [0, 1])  # 1: episodes run in the producer thread
+@pytest.mark.parametrize("async_steps", [0, 1])  # 1: episodes run in the producer process
 def test_train_with_tools_from_the_command_line(
     files, tool_model, monkeypatch, capsys, async_steps
 ):

@@ -6,6 +6,7 @@ its errors raised in the trainer, and k = 0 leaving the synchronous step alone."
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -42,8 +43,12 @@ def _train_rows(run: Path) -> list[dict]:
     return [r for r in read_metrics(run) if "loss/policy" in r]
 
 
-def _producers_alive() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "peergrade-producer"]
+def _producers_alive() -> list:
+    """Producer threads and producer processes still running."""
+    threads = [t for t in threading.enumerate() if t.name.startswith("peergrade-producer")]
+    return threads + [
+        p for p in multiprocessing.active_children() if p.name == "peergrade-producer"
+    ]
 
 
 def test_sampled_version_is_a_function_of_step_and_k():
@@ -132,7 +137,8 @@ def test_staleness_is_bounded_nothing_discarded_and_timing_changes_nothing(
     k,
 ):
     steps = 6
-    cfg = _cfg(tiny_model_dir, reward_file, **{"train.steps": steps, "rollout.async_steps": k})
+    over = {"train.steps": steps, "rollout.async_steps": k, "rollout.producer": "thread"}
+    cfg = _cfg(tiny_model_dir, reward_file, **over)
     train(cfg, tmp_path / "plain")
     for seed in (1, 2):  # two different patterns of delays
         with monkeypatch.context() as m:
@@ -229,17 +235,19 @@ def test_behaviour_logprobs_match_the_trainer_at_the_sampling_version(
     assert checked_stale >= 2
 
 
+@pytest.mark.parametrize("producer", ["process", "thread"])
 def test_ctrl_c_stops_the_producer_and_resume_is_exact(
     tiny_model_dir,
     reward_file,
     tmp_path,
     monkeypatch,
+    producer,
 ):
     """A second Ctrl-C inside step 3's update: the run saves step 2 (with the weights that
     sample its in-flight steps), no producer thread is left, and --resume ends where a run
     never stopped ends, bit for bit."""
     over = {"train.steps": 5, "rollout.async_steps": 2, "train.save_every": 1}
-    cfg = _cfg(tiny_model_dir, reward_file, **over)
+    cfg = _cfg(tiny_model_dir, reward_file, **over, **{"rollout.producer": producer})
     train(cfg, tmp_path / "a")
 
     real_learn = trainer_mod.learn
@@ -264,7 +272,10 @@ def test_ctrl_c_stops_the_producer_and_resume_is_exact(
         assert torch.equal(wa[name], wb[name]), name
 
 
-def test_a_failing_reward_in_the_producer_is_raised_by_the_trainer(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("producer", ["process", "thread"])
+def test_a_failing_reward_in_the_producer_is_raised_by_the_trainer(
+    tiny_model_dir, tmp_path, producer
+):
     bad = tmp_path / "bad.py"
     bad.write_text(
         "def boom(prompts, completions, trainer_state=None, **kw):\n"
@@ -277,12 +288,16 @@ def test_a_failing_reward_in_the_producer_is_raised_by_the_trainer(tiny_model_di
         "rollout.async_steps": 1,
         "train.on_reward_error": "fail",
         "train.audit_rewards": "off",
+        "rollout.producer": producer,
     }
     cfg = load_config(None, tiny_overrides(tiny_model_dir, bad, **over))
     cfg.rewards[0].name = f"{bad}:boom"
-    with pytest.raises(Exception, match="boom at step 3"):
+    with pytest.raises(Exception, match="boom at step 3") as info:
         train(cfg, tmp_path / "run")
     assert not _producers_alive()
+    if producer == "process":  # the producer's own traceback comes with it
+        assert any("in the rollout producer process" in n for n in info.value.__notes__)
+        assert any("boom" in n and "bad.py" in n for n in info.value.__notes__)
 
 
 KILL_AFTER_SAVE = """
@@ -327,6 +342,11 @@ def test_sigkill_then_resume_is_exact(tiny_model_dir, reward_file, tmp_path):
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     b = tmp_path / "b"
+    # the producer process (a fork: the trainer's command line) died with the trainer
+    deadline = time.monotonic() + 30
+    while _processes_running(str(b)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_running(str(b))
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert sorted(torch.load(b / "checkpoints/step-2" / pipeline.VERSIONS_FILE)) == [1]
     assert main(["train", "--resume", str(b)]) == 0
@@ -334,6 +354,22 @@ def test_sigkill_then_resume_is_exact(tiny_model_dir, reward_file, tmp_path):
     wa, wb = weights(tmp_path / "a/checkpoints/step-4"), weights(b / "checkpoints/step-4")
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
+
+
+def _processes_running(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line contains ``marker``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(int(d.name))
+    return found
 
 
 def _flag(key, value):
@@ -447,4 +483,172 @@ def test_dynamic_sampling_with_a_producer_is_refused_under_torchrun(
     monkeypatch.setattr(trainer_mod.dist, "parallel", lambda: True)
     with pytest.raises(ConfigError, match="under torchrun set one of them off"):
         trainer_mod.start_producer(run, None, iter([]), 0, None)
+    assert not _producers_alive()
+
+
+# ------------------------------------------------------------------ the producer as a process
+
+
+def test_producer_kind_resolves_auto_and_refuses_a_process_on_a_gpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert pipeline.producer_kind("auto", cpu) == "process"  # Linux: fork exists
+    assert pipeline.producer_kind("auto", gpu) == "thread"
+    assert pipeline.producer_kind("thread", cpu) == "thread"
+    with pytest.raises(ValueError, match="cannot be forked.*rollout.producer to thread"):
+        pipeline.producer_kind("process", gpu)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"rollout.async_steps": 1},
+        {
+            "rollout.async_steps": 2,
+            "model.lora.enabled": True,
+            "model.lora.r": 4,
+            "algo.beta": 0.1,
+            "optim.lr": 1e-2,
+        },
+    ],
+    ids=["k1", "k2-lora-kl"],
+)
+def test_a_producer_process_trains_exactly_as_a_producer_thread(
+    tiny_model_dir, reward_file, tmp_path, extra
+):
+    """Where the producer runs changes nothing but the timings: the same metrics and samples,
+    and the same weights bit for bit (and no producer left behind)."""
+    for kind in ("thread", "process"):
+        over = {"train.steps": 4, **extra, "rollout.producer": kind}
+        train(_cfg(tiny_model_dir, reward_file, **over), tmp_path / kind)
+        assert not _producers_alive()
+    a, b = _train_rows(tmp_path / "thread"), _train_rows(tmp_path / "process")
+    assert [r["async/policy_version"] for r in b] == [
+        max(0, s - 1 - extra["rollout.async_steps"]) for s in range(1, 5)
+    ]
+    assert comparable(a) == comparable(b)
+    sa = (tmp_path / "thread/samples.jsonl").read_text()
+    assert sa and sa == (tmp_path / "process/samples.jsonl").read_text()
+    from test_distributed import weights as ckpt_weights  # LoRA: the adapter
+
+    wa = ckpt_weights(tmp_path / "thread/checkpoints/step-4")
+    wb = ckpt_weights(tmp_path / "process/checkpoints/step-4")
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_close_ends_a_producer_process_in_the_middle_of_a_generation(tiny_model_dir, reward_file):
+    """A collect that would run forever ends at close(); take() then says the producer ended."""
+    run = trainer_mod.setup(_cfg(tiny_model_dir, reward_file))
+    ids = torch.tensor([[5, 6, 7]])
+
+    def endless(r, step, rows):
+        while True:
+            with torch.no_grad():
+                r.models.policy(input_ids=ids)
+
+    state = {0: pipeline.trainable_state(run.models.policy)}
+    prod = pipeline.ProcessProducer(endless, run, 1, range(1, 3), lambda: [], state, 1).start()
+    time.sleep(0.5)
+    assert prod.process.is_alive()
+    t0 = time.monotonic()
+    prod.close(timeout=60)
+    assert time.monotonic() - t0 < 30 and not prod.process.is_alive()
+    assert not _producers_alive()
+    with pytest.raises(RuntimeError, match="ended before step 1"):
+        prod.take(1)
+
+
+def test_process_slots_never_hand_out_a_version_being_written(tiny_model_dir, reward_file):
+    """Version v lives in slot v mod (k + 1): writing version v (after step v was taken)
+    overwrites v - k - 1, older than any version a step still to be collected needs (v - k and
+    newer); the checkpoint gets copies of versions step - k .. step - 1."""
+    run = trainer_mod.setup(_cfg(tiny_model_dir, reward_file))
+    model = run.models.policy
+    with torch.no_grad():  # version u: every parameter is u
+        for p in model.parameters():
+            p.zero_()
+    k = 2
+    state = {0: pipeline.trainable_state(model)}
+    prod = pipeline.ProcessProducer(None, run, k, range(1, 10), lambda: [], state, 1)
+    for v in range(1, 7):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(v))
+        prod.slots.write(v, pipeline.trainable_state(model))
+        needed = [prod.version_of(t) for t in range(v + 1, v + 2 + k)]  # steps not yet collected
+        for u in needed:
+            assert all(float(t.flatten()[0]) == u for t in prod.slots.read(u).values())
+    saved = prod.checkpoint_versions(6)
+    assert sorted(saved) == [4, 5]
+    view = next(iter(prod.slots.read(4).values()))
+    first = next(iter(saved[4].values()))
+    assert first.untyped_storage().nbytes() == view.numel() * view.element_size()
+
+
+ASYNC_REWARD = """
+import asyncio
+
+
+async def char_score(completions, **kw):  # the name tiny_overrides gives
+    await asyncio.sleep(0)
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
+@pytest.mark.slow
+def test_an_async_reward_runs_in_the_producer_process(tiny_model_dir, tmp_path):
+    """The reward event loop's thread stays in the trainer when it forks (the audit started
+    it): the producer starts its own instead of waiting forever on the trainer's."""
+    from peergrade.cli import main  # noqa: F401  (the same interpreter setup as a user's)
+
+    rewards = tmp_path / "async_rewards.py"
+    rewards.write_text(ASYNC_REWARD)
+    over = {"train.steps": 3, "rollout.async_steps": 1}
+    args = [x for k, v in tiny_overrides(tiny_model_dir, rewards, **over) for x in _flag(k, v)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
+    proc = subprocess.run(
+        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _train_rows(tmp_path / "run")
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(r["reward/char_score/mean"] == 0.5 for r in rows)
+
+
+def test_a_python_closure_reward_runs_in_the_producer_process(tiny_model_dir, tmp_path):
+    """Nothing is pickled into the producer: a reward that is a closure over local state (which
+    no pickle could send) scores there, from the Python API."""
+    from datasets import Dataset
+
+    from peergrade.api import GRPOConfig, GRPOTrainer
+
+    target = "7"
+
+    def exact(completions, answer, **kw):
+        return [float(target in c) for c in completions]
+
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(8)]
+    args = GRPOConfig(
+        str(tmp_path / "run"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        report_to="none",
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=exact,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+    )
+    trainer.config.rollout.async_steps = 1
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "async/staleness_max" in h]
+    assert [h["async/staleness_max"] for h in steps] == [0, 1, 1]
     assert not _producers_alive()

@@ -223,11 +223,19 @@ class RolloutConfig:
     )
     async_steps: int = doc(
         "k: pipelined rollouts. 0 = synchronous (sample, score, then update). k >= 1 = a "
-        "producer thread with its own copy of the policy collects the next steps' rollouts "
+        "producer (rollout.producer) with its own copy of the policy collects the next steps' rollouts "
         "while the trainer updates: step t is sampled by the weights after update "
         "max(0, t - 1 - k), so at most k versions older than the weights it trains "
         "(docs/async.md). GRPO only; not with dist.strategy fsdp.",
         0,
+    )
+    producer: Literal["auto", "process", "thread"] = doc(
+        "async_steps >= 1: where the producer runs. process = a forked process (its own "
+        "interpreter, so its Python never waits for the trainer's; weights travel through "
+        "shared memory), thread = a thread of the trainer's process (needed on a GPU: a "
+        "process cannot be forked once CUDA is in use). auto = process on the CPU where fork "
+        "exists (Linux), else thread.",
+        "auto",
     )
 
 

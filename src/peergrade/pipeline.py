@@ -1,5 +1,7 @@
-"""Pipelined rollouts (``rollout.async_steps`` = k >= 1): a producer thread collects the next
-steps' experience with its own copy of the policy while the trainer updates on this one.
+"""Pipelined rollouts (``rollout.async_steps`` = k >= 1): a producer collects the next steps'
+experience with its own copy of the policy while the trainer updates on this one. The producer
+is a forked process (``ProcessProducer``, the CPU default) or a thread (``Producer``, the GPU's:
+CUDA cannot be forked); ``rollout.producer`` picks, ``producer_kind`` resolves ``auto``.
 
 Versions. Version v is the policy after v updates (0 = the starting weights; the update of step
 t turns version t-1 into version t). Step t is sampled by version
@@ -20,7 +22,7 @@ buffers are shared with the trainer's model, not copied (LoRA's base weights, ro
 A checkpoint at step s saves the versions s - k .. s - 1 (``checkpoint_versions``) so that a
 resumed run regenerates its in-flight steps s + 1 .. s + k from the same weights and keys.
 
-What runs where. The producer thread runs the trainer's ``collect`` without the advantages:
+What runs where. The producer (either kind) runs the trainer's ``collect`` without the advantages:
 sampling (or episodes), the reward functions, the reference log-probs. The main thread computes
 the advantages (under torchrun they gather every rank's rewards, so every collective stays on
 the main thread, in the same order on every rank), the update, the metrics, the evaluation and
@@ -32,17 +34,41 @@ embeddings raises ``Stopped`` at its next forward pass, so a stop (Ctrl-C, the e
 an error in the trainer) waits for at most one forward pass or one reward call, never a whole
 generation.
 
+The process. Torch releases the GIL inside its kernels, but not between them: on a small model
+the Python around each op is much of the time, and a producer thread and the trainer then take
+turns rather than run side by side (the CPU demo: each phase 1.2 to 1.5 times slower beside the
+other, docs/async.md). ``ProcessProducer`` forks the trainer's process once, before the first
+pipelined step, so the child starts with everything the trainer has set up (model, reference,
+task, reward functions, environments: nothing is pickled, closures and notebook functions
+included) and its own interpreter. Its policy is its private copy-on-write view of the
+trainer's. Versions travel through k + 1 slots of shared memory made before the fork (version
+v in slot v mod (k + 1)). Writing version v overwrites version v - k - 1, whose last user is
+step v (sampled by it); the trainer writes v only after it took step v, so the producer never
+reads a slot being written. A pipe says which version is ready; the
+finished experience comes back pickled through another, read by a thread of the trainer. What
+the producer's reward functions and environments change stays in the producer (a reward
+function that counts its calls counts them there). It ignores Ctrl-C (the trainer stops it),
+dies with the trainer (``PR_SET_PDEATHSIG``), and its errors are raised by the trainer with the
+producer's traceback as a note.
+
 What it deliberately does not do: no sampling, scoring or update code of its own (the trainer
-passes its ``collect`` in; this module never imports the trainer), no processes (a thread:
-torch releases the GIL inside its kernels; docs/async.md has the measurements), no discarding,
-no PPO (the config refuses it).
+passes its ``collect`` in; this module never imports the trainer), no discarding, no PPO (the
+config refuses it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import dataclasses
+import mmap
+import multiprocessing
+import os
+import pickle
+import signal
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -52,8 +78,10 @@ from peergrade.experience import Experience
 
 __all__ = [
     "VERSIONS_FILE",
+    "ProcessProducer",
     "Producer",
     "Stopped",
+    "producer_kind",
     "producer_run",
     "sampled_version",
     "trainable_state",
@@ -208,3 +236,244 @@ class Producer:
         if self.thread.is_alive():
             self.thread.join(timeout)
         self._hook.remove()
+
+
+def producer_kind(setting: str, device: torch.device) -> str:
+    """``rollout.producer`` resolved: ``process`` or ``thread``. ``auto`` is a process on the CPU
+    where fork exists, else a thread; a process on a GPU is refused (CUDA cannot be forked)."""
+    can_fork = "fork" in multiprocessing.get_all_start_methods()
+    if setting == "auto":
+        return "process" if device.type == "cpu" and can_fork else "thread"
+    if setting == "process" and device.type != "cpu":
+        raise ValueError(
+            f"rollout.producer process runs on the CPU only (the model is on {device}: a process "
+            "that uses CUDA cannot be forked); set rollout.producer to thread (or auto)"
+        )
+    if setting == "process" and not can_fork:
+        raise ValueError(
+            "rollout.producer process needs fork (Linux), which this platform does not offer; "
+            "set rollout.producer to thread (or auto)"
+        )
+    return setting
+
+
+class _Slots:
+    """n = k + 1 snapshots of the trainable parameters in anonymous shared memory (inherited
+    by a forked child, no file descriptor per tensor): slot v mod n holds version v."""
+
+    ALIGN = 64
+
+    def __init__(self, template: dict[str, torch.Tensor], n: int):
+        self.n = n
+        layout, size = [], 0
+        for name, t in template.items():
+            nbytes = t.numel() * t.element_size()
+            layout.append((name, size, nbytes, t.dtype, t.shape))
+            size += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.maps = [mmap.mmap(-1, max(size, 1)) for _ in range(n)]
+        self.views: list[dict[str, torch.Tensor]] = []
+        for mm in self.maps:
+            buf = torch.frombuffer(mm, dtype=torch.uint8)
+            self.views.append(
+                {
+                    name: buf[off : off + nbytes].view(dtype).view(shape)
+                    for name, off, nbytes, dtype, shape in layout
+                }
+            )
+        self.version = [-1] * n  # which version each slot holds (the trainer's record)
+
+    def write(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        i = version % self.n
+        with torch.no_grad():
+            for name, view in self.views[i].items():
+                view.copy_(state[name])
+        self.version[i] = version
+
+    def read(self, version: int) -> dict[str, torch.Tensor]:
+        return self.views[version % self.n]
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when the process that forked it dies (a
+    trainer killed with kill -9 leaves no producer behind)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _portable(exp: Experience) -> Experience:
+    """What the trainer needs of ``exp``, picklable: episodes lose their environment objects
+    (used by the reward functions, in the producer, already)."""
+    for e in getattr(exp.sampled, "episodes", None) or []:
+        e.env = None
+    return exp
+
+
+def _error_payload(exc: BaseException) -> bytes:
+    """The producer's exception for the trainer: itself when it pickles, else a RuntimeError
+    with its type and message; the producer's traceback rides along as a note."""
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        data = pickle.dumps(("error", exc, tb))
+        pickle.loads(data)
+        return data
+    except Exception:
+        return pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+
+
+class ProcessProducer:
+    """The producer as a forked process (module docstring); the same interface as
+    ``Producer``: ``start``, ``take``, ``publish``, ``checkpoint_versions``, ``close``."""
+
+    def __init__(
+        self,
+        collect: Callable[[Any, int, list[dict]], Experience],
+        run,
+        k: int,
+        steps: range,
+        next_rows: Callable[[], list[dict]],
+        versions: dict[int, dict[str, torch.Tensor]],
+        threads: int,
+    ):
+        self.collect, self.run, self.k, self.steps = collect, run, k, steps
+        self.next_rows, self.threads = next_rows, threads
+        self.floor = min(versions)
+        first = self.version_of(steps.start)  # the oldest version a step still needs
+        self.slots = _Slots(versions[max(versions)], k + 1)
+        for v in sorted(versions):
+            if v >= first:
+                self.slots.write(v, versions[v])
+        self.done: dict[int, Experience] = {}
+        self.error: BaseException | None = None
+        self.ended = False
+        self.cond = threading.Condition()
+        ctx = multiprocessing.get_context("fork")
+        self._from_child, self._child_out = ctx.Pipe(duplex=False)
+        self._child_in, self._to_child = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=self._child,
+            args=([v for v in self.slots.version if v >= 0],),
+            name="peergrade-producer",
+            daemon=True,
+        )
+        self.reader = threading.Thread(
+            target=self._read, name="peergrade-producer-reader", daemon=True
+        )
+
+    def version_of(self, step: int) -> int:
+        return max(sampled_version(step, self.k), self.floor)
+
+    def start(self) -> ProcessProducer:
+        # the child must not inherit a tokenizer thread pool it cannot use (the tokenizers
+        # library would say so on stderr): tokenizers stay sequential from here on
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.process.start()
+        self._child_out.close()  # the trainer's copies of the child's ends: EOF when it dies
+        self._child_in.close()
+        self.reader.start()
+        return self
+
+    # ------------------------------------------------------------------ in the child process
+    def _child(self, available: list[int]) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _die_with_parent()
+        self._from_child.close()
+        self._to_child.close()
+        out, inbox = self._child_out, self._child_in
+        try:
+            torch.set_num_threads(self.threads)
+            policy = self.run.models.policy  # this process's own copy-on-write view
+            policy.eval()
+            have, loaded = set(available), None
+            for t in self.steps:
+                v = self.version_of(t)
+                while v not in have:  # admission: step t starts only with version v(t)
+                    msg = inbox.recv()
+                    if msg is None:
+                        return
+                    have.add(msg)
+                if loaded != v:
+                    _load_state(policy, self.slots.read(v))
+                    loaded = v
+                exp = self.collect(self.run, t, self.next_rows())
+                exp.policy_version = v
+                out.send_bytes(pickle.dumps(("done", t, _portable(exp)), pickle.HIGHEST_PROTOCOL))
+        except (EOFError, BrokenPipeError):  # the trainer is gone
+            return
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                out.send_bytes(_error_payload(exc))
+
+    # ------------------------------------------------------------------ in the trainer
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, *rest = pickle.loads(self._from_child.recv_bytes())
+            except (EOFError, OSError):
+                break
+            with self.cond:
+                if kind == "done":
+                    self.done[rest[0]] = rest[1]
+                else:
+                    exc, tb = rest
+                    exc.add_note(f"in the rollout producer process:\n{tb.rstrip()}")
+                    self.error = exc
+                self.cond.notify_all()
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
+
+    def take(self, step: int) -> Experience:
+        """Step ``step``'s experience (waiting until it is collected); the producer's error,
+        re-raised here, when it failed."""
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.done or self.error is not None or self.ended)
+            if step in self.done:
+                return self.done.pop(step)
+            if self.error is not None:
+                raise self.error
+        self.process.join(5)
+        code = self.process.exitcode
+        why = ""
+        if (
+            code is not None and code < 0
+        ):  # killed by a signal; SIGKILL is the kernel's OOM killer's
+            why = f" (signal {-code}" + ("; out of memory?)" if -code == signal.SIGKILL else ")")
+        raise RuntimeError(
+            f"the rollout producer process ended before step {step}, exit code {code}{why}"
+        )
+
+    def publish(self, version: int, model) -> None:
+        """The trainer's weights after its update number ``version``, into their slot; the
+        producer is told it is there."""
+        params = dict(model.named_parameters())
+        self.slots.write(version, {n: params[n] for n in self.slots.views[0]})
+        with contextlib.suppress(OSError):  # the producer has ended: take() says why
+            self._to_child.send(version)
+
+    def checkpoint_versions(self, step: int) -> dict[int, dict[str, torch.Tensor]]:
+        """What a checkpoint at ``step`` saves: the versions older than ``step`` that sample
+        steps step + 1 .. step + k (copies: a slot is a view of a larger buffer)."""
+        oldest = self.version_of(step + 1)
+        return {
+            v: {n: t.clone() for n, t in self.slots.read(v).items()}
+            for v in self.slots.version
+            if oldest <= v < step
+        }
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the producer (at once: it holds nothing the trainer needs) and wait for it."""
+        with contextlib.suppress(OSError):
+            self._to_child.send(None)
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        self._to_child.close()
+        self.reader.join(timeout)
+        self._from_child.close()

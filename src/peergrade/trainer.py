@@ -18,8 +18,8 @@ GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRP
 ``ppo.PPO``). docs/architecture.md draws the data flow and the Experience's fields.
 
 Pipelined rollouts (``rollout.async_steps`` = k >= 1, ``peergrade.pipeline``): ``train`` starts
-a producer thread that runs ``collect`` (without the advantages) for the next steps with its own
-copy of the policy, at version max(0, step - 1 - k), and each step is ``pipelined_step``: take
+a producer (a forked process on the CPU, a thread on a GPU: ``rollout.producer``) that runs
+``collect`` (without the advantages) for the next steps with its own copy of the policy, at version max(0, step - 1 - k), and each step is ``pipelined_step``: take
 that experience, advantages, ``learn``, hand the new weights to the producer. k = 0 runs
 ``train_step`` exactly as before.
 
@@ -433,7 +433,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     return step_result(run, exp, upd, step)
 
 
-def pipelined_step(run: Run, producer: pipeline.Producer, step: int) -> StepResult:
+def pipelined_step(run: Run, producer, step: int) -> StepResult:
     """Step ``step`` with ``rollout.async_steps`` = k >= 1 (``peergrade.pipeline``): the
     experience the producer collected with the weights of version max(0, step - 1 - k) while
     earlier steps trained, its advantages, the update, then the new weights to the producer."""
@@ -460,8 +460,9 @@ def pipelined_step(run: Run, producer: pipeline.Producer, step: int) -> StepResu
     return result
 
 
-def start_producer(run: Run, out: RunDir, rows, start_step: int, display) -> pipeline.Producer:
-    """The producer thread of a pipelined run, from ``start_step`` on. It starts with the
+def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
+    """The producer (``rollout.producer``: a forked process or a thread) of a pipelined run,
+    from ``start_step`` on. It starts with the
     trainer's weights (version ``start_step``) and, on resume, the older versions the
     checkpoint saved for its in-flight steps. The trainer and the producer each get half of
     torch's threads (at least one)."""
@@ -471,7 +472,7 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display) -> pip
         raise ConfigError(
             "rollout.dynamic_sampling with rollout.async_steps >= 1 runs one process only: its "
             "rounds gather every rank's rewards, and those collectives would race the trainer's "
-            "in the producer thread; under torchrun set one of them off"
+            "in the producer; under torchrun set one of them off"
         )
     versions = {start_step: pipeline.trainable_state(run.models.policy)}
     saved = out.path / "checkpoints" / f"step-{start_step}" / pipeline.VERSIONS_FILE
@@ -485,11 +486,21 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display) -> pip
             "stopped would use",
             always=True,
         )
+    try:
+        kind = pipeline.producer_kind(cfg.rollout.producer, run.models.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     threads = max(1, torch.get_num_threads() // 2)
     torch.set_num_threads(threads)
-    return pipeline.Producer(
+    # a forked process starts as a copy of this one: its policy is its own already
+    cls, prun = (
+        (pipeline.ProcessProducer, run)
+        if kind == "process"
+        else (pipeline.Producer, pipeline.producer_run(run))
+    )
+    return cls(
         partial(collect, advantages=False),
-        pipeline.producer_run(run),
+        prun,
         k,
         range(start_step + 1, cfg.train.steps + 1),
         lambda: [next(rows) for _ in range(P)],

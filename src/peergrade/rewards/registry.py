@@ -76,6 +76,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -616,6 +617,17 @@ def _event_loop() -> asyncio.AbstractEventLoop:
             threading.Thread(target=loop.run_forever, name="peergrade-rewards", daemon=True).start()
             _loop = loop
     return _loop
+
+
+def _forget_loop() -> None:
+    """In a forked child (the pipelined rollouts' producer process): the loop's thread stayed
+    in the parent, so the child starts its own on first use."""
+    global _loop, _loop_lock
+    _loop, _loop_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_loop)
 
 
 def _run_awaitables(awaitables: list) -> list:
