@@ -229,3 +229,23 @@ def test_cli_budget_prints_the_settings_to_paste(capsys):
         {"model.lora.enabled": True, "optim.micro_batch_size": micro},
     )
     assert estimate_for_config(cfg, prompt_len=256, device="cuda")["peak"] <= 24 * 2**30
+
+
+def test_a_producer_adds_its_weight_copies_and_runs_beside_the_update():
+    """rollout.async_steps k: k + 2 copies of the trainable weights (the producer's own and the
+    k + 1 versions) and generation's transients on top of the update's; k = 0 adds nothing."""
+    kw = dict(batch=32, seq_len=192, completion_len=32, dtype="float32")
+    sync = estimate_memory(MODELS / "qwen2.5-1.5b", **kw)
+    assert sync == estimate_memory(MODELS / "qwen2.5-1.5b", **kw, async_steps=0)
+    assert "pipelined" not in sync["phases"] and sync["producer"] == 0
+    static = sync["phases"]["generate"] - sync["kv_cache"] - 2 * 32 * 151_936 * 4
+    for k in (1, 2):
+        est = estimate_memory(MODELS / "qwen2.5-1.5b", **kw, async_steps=k)
+        assert est["producer"] == (k + 2) * est["trainable_params"] * 4
+        assert est["phases"]["pipelined"] == (
+            sync["phases"]["update"] + est["producer"] + sync["phases"]["generate"] - static
+        )
+        assert est["peak"] == est["phases"]["pipelined"] > sync["peak"]
+    lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    small = estimate_memory(MODELS / "qwen2.5-1.5b", **kw, lora=lora, async_steps=1)
+    assert small["producer"] == 3 * small["trainable_params"] * 4  # the adapters only

@@ -329,6 +329,12 @@ def cmd_memory(args, extra) -> int:
                 flush=True,
             )
     print(format_table(rows))
+    if cfg.rollout.async_steps:
+        print(
+            "note: rollout.async_steps >= 1: the measurement runs the synchronous step (no "
+            "producer); the estimate adds the producer's weight copies and its generation "
+            "beside the update (docs/async.md)"
+        )
     unit = "CUDA max allocated" if rows[0][1]["device"] == "cuda" else "peak RSS"
     print(
         f"(MiB; measured = {unit} above the process baseline, max over {args.steps} steps, "

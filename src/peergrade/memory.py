@@ -248,6 +248,7 @@ def estimate_memory(
     shared_prompt: bool = True,
     generation_batch: int | None = None,
     minibatch: int | None = None,
+    async_steps: int = 0,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -269,8 +270,13 @@ def estimate_memory(
     rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
     layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
     gathered at a time in the update, and all of them for the rollout).
+    async_steps: ``rollout.async_steps`` k; k >= 1 adds the producer (``peergrade.pipeline``):
+    its copy of the trainable weights and the k + 1 versions it may sample with (``producer``),
+    and a "pipelined" phase where its largest phase's transients (generation, the reference
+    pass, a reward model) sit on top of the update's. What it leaves out: allocator slack per
+    thread or process, which is what a measurement adds on top.
     Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
-    reference pass runs, and "rewards" with a reward model) and ``peak``.
+    reference pass runs, "rewards" with a reward model, "pipelined" with k >= 1) and ``peak``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -397,6 +403,11 @@ def estimate_memory(
         reference = parts["reference"] if not offloaded else reference
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
+    producer = 0
+    if async_steps:  # the producer runs its phases while the trainer updates
+        producer = (async_steps + 2) * P_train * tb
+        beside = max(v - static for k, v in phases.items() if k != "update")
+        phases["pipelined"] = phases["update"] + producer + beside
     peak = max(phases.values())
     return {
         "params": P,
@@ -410,6 +421,7 @@ def estimate_memory(
         "activations": activations,
         "transient": grad_transient + layer_act,
         "kv_cache": kv_cache,
+        "producer": producer,
         "phases": phases,
         "peak": peak,
     }
@@ -497,6 +509,7 @@ def estimate_for_config(
         reward_models=reward_models,
         world=world,
         strategy=cfg.dist.strategy,
+        async_steps=cfg.rollout.async_steps,
     )
 
 
@@ -780,6 +793,8 @@ def format_estimates(rows: list[tuple[str, dict]]) -> str:
     """``rows`` = [(label, estimate)] -> a plain-text table of the estimated breakdown (MiB)."""
     keys = ["weights", "grads", "optimizer", "reference", "critic", "reward_models"]
     keys += ["activations", "kv_cache"]
+    if any(est.get("producer") for _, est in rows):  # rollout.async_steps >= 1
+        keys.append("producer")
     cells = [["config", *keys, "peak"]]
     for label, est in rows:
         cells.append([label, *(_mib(est[k]) for k in keys), _mib(est["peak"])])
