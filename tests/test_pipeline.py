@@ -498,6 +498,13 @@ def test_producer_kind_resolves_auto_and_refuses_a_process_on_a_gpu():
         pipeline.producer_kind("process", gpu)
 
 
+def test_producer_kind_off_linux_is_a_thread(monkeypatch):
+    monkeypatch.setattr(pipeline.sys, "platform", "darwin")
+    assert pipeline.producer_kind("auto", torch.device("cpu")) == "thread"
+    with pytest.raises(ValueError, match="needs Linux's fork"):
+        pipeline.producer_kind("process", torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     "extra",
     [

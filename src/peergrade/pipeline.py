@@ -67,6 +67,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -241,7 +242,8 @@ class Producer:
 def producer_kind(setting: str, device: torch.device) -> str:
     """``rollout.producer`` resolved: ``process`` or ``thread``. ``auto`` is a process on the CPU
     where fork exists, else a thread; a process on a GPU is refused (CUDA cannot be forked)."""
-    can_fork = "fork" in multiprocessing.get_all_start_methods()
+    # Linux only: macOS offers fork but its system libraries are not safe to use after it
+    can_fork = sys.platform.startswith("linux")
     if setting == "auto":
         return "process" if device.type == "cpu" and can_fork else "thread"
     if setting == "process" and device.type != "cpu":
@@ -251,7 +253,7 @@ def producer_kind(setting: str, device: torch.device) -> str:
         )
     if setting == "process" and not can_fork:
         raise ValueError(
-            "rollout.producer process needs fork (Linux), which this platform does not offer; "
+            f"rollout.producer process needs Linux's fork (this is {sys.platform}); "
             "set rollout.producer to thread (or auto)"
         )
     return setting
