@@ -13,13 +13,17 @@ memory and threads are its own) of ``--steps`` steps from the same start, run A 
     sync@1   rollout.async_steps 0, 1 torch thread  (one core: the fair per-core baseline)
     sync@2   rollout.async_steps 0, 2 torch threads (every op on both cores)
     k=1      rollout.async_steps 1, train.threads 2: the trainer and the producer 1 thread each
+             (the producer a forked process: rollout.producer auto on Linux's CPU)
     k=2      rollout.async_steps 2, the same threads
+    k=1/thread  k=1 with rollout.producer thread (the producer a thread of the trainer's
+             process, as on a GPU: the two share Python's GIL)
 
 steps/s is measured over the steps after the first ``--warmup`` (the pipeline's first step has
 nothing to overlap with, and AdamW allocates its state then): (steps - warmup) / the sum of
 their ``time/step_s``. Also the medians per step of generation (``time/generate_s``, in the
 producer when pipelined), update (``time/update_s``) and the trainer's wait for the producer
-(``time/wait_s``). With ``--eval`` each run ends with the held-out evaluation of the config
+(``time/wait_s``), and the peak RSS of the trainer's process and of its producer process
+(each counts the pages they share). With ``--eval`` each run ends with the held-out evaluation of the config
 (greedy and sampled pass@1); without it the held-out split is cut to one problem.
 
 The targets (issue 22): the demo k=1 at least 1.3x sync per step at equal accuracy, SmolLM2 k=1
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -46,6 +51,11 @@ SIDES = {
     "sync@2": [("rollout.async_steps", 0), ("train.threads", 2)],
     "k=1": [("rollout.async_steps", 1), ("train.threads", 2)],
     "k=2": [("rollout.async_steps", 2), ("train.threads", 2)],
+    "k=1/thread": [
+        ("rollout.async_steps", 1),
+        ("train.threads", 2),
+        ("rollout.producer", "thread"),
+    ],
 }
 
 
@@ -76,6 +86,10 @@ def child(a) -> None:
         "wait_s": med("time/wait_s"),
         "staleness_max": max((m.get("async/staleness_max", 0) for m in steps), default=0),
         "reward": sum(m["reward/accuracy"] for m in steps) / len(steps),
+        # peak RSS (GB) of this process (the trainer) and of its largest finished child (a
+        # producer process; 0 with a thread): shared pages count in both
+        "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "producer_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
     }
     after = summary.get("eval_after") or {}
     out.update({k: v for k, v in after.items() if k.startswith("pass@1")})
@@ -154,6 +168,8 @@ def main() -> None:
                 f"{m['wait_s']:.3f}",
                 int(m["staleness_max"]),
                 f"{m['reward']:.3f}",
+                f"{m['rss_gb']:.2f}",
+                f"{m['producer_rss_gb']:.2f}",
                 *(
                     [f"{m.get('pass@1_greedy', 0):.3f}", f"{m.get('pass@1_sampled', 0):.3f}"]
                     if a.eval
@@ -171,13 +187,15 @@ def main() -> None:
         "wait s",
         "stale max",
         "train acc",
+        "RSS GB",
+        "producer RSS GB",
     ]
     if a.eval:
         headers += ["greedy", "sampled"]
     print(_common.format_table(headers, rows))
     print(
         "\nthreads: sync@1 = 1 torch thread; sync@2 = 2; k=1 / k=2 = the trainer 1 + the "
-        "producer 1 (a thread with its own policy copy). Medians over passes; per-step "
+        "producer 1 (a forked process; k=1/thread: a thread). Medians over passes; per-step "
         "columns are medians over the timed steps; train acc = mean reward/accuracy of all steps."
     )
 
