@@ -179,6 +179,46 @@ def test_warm_up_episode_tokens_are_the_runners(tmp_path):
     assert (ep.tool_calls, ep.tool_failures, ep.finish_reason) == (1, 0, "answer")
 
 
+def test_warm_up_prompts_carry_the_tool_schemas_the_episodes_render():
+    """With a template that shows tools in the system turn (Qwen2.5-style), a warm-up example's
+    prompt, bare answer or episode, is the episode runner's prompt token for token: the same
+    tool schemas, not a prompt without them (what a `peergrade sft --model` warm-up of such a
+    model would otherwise be taught on)."""
+    import torch
+
+    from peergrade.envs import make_env_from_objects, run_episodes
+    from peergrade.sft import calculator_tools, sft_batch
+    from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    torch.manual_seed(0)
+    model, tok = build_tiny_model("qwen2", tok, hidden_size=32, num_layers=2, num_heads=2)
+    model.eval()
+    prompt = [{"role": "user", "content": "12*34="}]
+    make_env = make_env_from_objects([], Calculator, max_tool_calling_iterations=2)
+    (ep,) = run_episodes(
+        model,
+        tok,
+        [{"prompt": prompt, "a": 12, "b": 34}],
+        make_env,
+        max_completion_length=2,
+        temperature=0,
+    )
+    assert '"name": "calculate"' in tok.decode(ep.prompt_ids)  # the template shows the tool
+    tools = calculator_tools()
+    rows = [
+        {"prompt": prompt, "answer": "408"},
+        {"prompt": prompt, "turns": calculator_turns("a*b", {"a": 12, "b": 34})},
+    ]
+    ids, _, labels = sft_batch(rows, tok, tools=tools)
+    n = len(ep.prompt_ids)
+    for i in range(2):
+        assert ids[i, :n].tolist() == ep.prompt_ids
+        assert (labels[i, :n] == -100).all() and labels[i, n] != -100
+    without, _, _ = sft_batch(rows[:1], tok)  # no tools: the template shows none
+    assert '"name": "calculate"' not in tok.decode(without[0])
+
+
 # ----------------------------------------------------------------------------- the demo
 
 

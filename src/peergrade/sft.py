@@ -12,7 +12,9 @@ With ``tool_fraction`` (``peergrade sft --tool-fraction F``, arithmetic only), t
 the examples are calculator episodes instead (``envs.calculator.calculator_turns``: the call,
 the tool's result, the answer), tokenised exactly as the episode runner builds them: the model's
 turns as their own tokens, the tool's answer as the chat template's token delta
-(``envs.template.turn_delta``), which gets no loss. This is how the calculator demo's model
+(``envs.template.turn_delta``), which gets no loss; every prompt is rendered with the
+calculator's tool schemas, as the episodes are (templates that show tools in the system turn,
+e.g. Qwen2.5's, show them to the warm-up too). This is how the calculator demo's model
 (``assets/tiny-calc``) is made: it calls the tool on some problems and answers others in its head.
 
 This module is not a general SFT trainer (no packing, no LoRA, no eval loop).
@@ -31,20 +33,31 @@ from peergrade.checkpoint import RunDirError, apply_umask, check_writable
 from peergrade.tasks import load_task, render_prompt
 
 
-def sft_batch(rows: list[dict], tokenizer, system_prompt: str | None = None):
+def sft_batch(
+    rows: list[dict], tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None
+):
     """(input_ids [B, L], attention_mask [B, L], labels [B, L]) with labels = -100 off the answer.
 
     Right-padded: prompt tokens then answer + eos; labels hold the answer + eos token ids.
+    ``tools``: the tool schemas every prompt is rendered with, as episodes render them (a
+    template that shows tools in the system turn shows them to the bare answers too).
     """
     seqs, labels = [], []
     for row in rows:
         if "turns" in row:
-            s, lab = episode_example(row, tokenizer, system_prompt)
+            s, lab = episode_example(row, tokenizer, system_prompt, tools)
             seqs.append(s)
             labels.append(lab)
             continue
-        prompt = render_prompt(row["prompt"], tokenizer, system_prompt=system_prompt)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if tools:
+            from peergrade.envs.template import render
+            from peergrade.tasks.prompts import to_messages
+
+            messages = to_messages(row["prompt"], system_prompt)
+            p_ids = render(tokenizer, messages, add_generation_prompt=True, tools=tools)
+        else:
+            prompt = render_prompt(row["prompt"], tokenizer, system_prompt=system_prompt)
+            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         a_ids = tokenizer(str(row["answer"]), add_special_tokens=False)["input_ids"] + [
             tokenizer.eos_token_id
         ]
@@ -62,16 +75,19 @@ def sft_batch(rows: list[dict], tokenizer, system_prompt: str | None = None):
     return input_ids, attention_mask, label_t
 
 
-def episode_example(row: dict, tokenizer, system_prompt: str | None = None):
+def episode_example(
+    row: dict, tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None
+):
     """(ids, labels) of an episode row: ``row["turns"]`` are the messages after the prompt. The
     model's turns are labels (their tokens and eos); what follows each (tool results, the next
-    generation prompt) is the template's token delta, context only."""
+    generation prompt) is the template's token delta, context only. ``tools``: the schemas the
+    episode runner renders the conversation with (the environment's ``tools``)."""
     from peergrade.envs.template import render, turn_delta
     from peergrade.tasks.prompts import to_messages
 
     eos = tokenizer.eos_token_id
     history = to_messages(row["prompt"], system_prompt)
-    ids = render(tokenizer, history, add_generation_prompt=True)
+    ids = render(tokenizer, history, add_generation_prompt=True, tools=tools)
     labels = [-100] * len(ids)
     pending: list[dict] = []  # environment messages since the last model turn
     for m in row["turns"]:
@@ -79,7 +95,7 @@ def episode_example(row: dict, tokenizer, system_prompt: str | None = None):
             pending.append(m)
             continue
         if pending:
-            delta = turn_delta(tokenizer, history, pending, eos_ids=[eos])
+            delta = turn_delta(tokenizer, history, pending, eos_ids=[eos], tools=tools)
             ids, labels = ids + delta, labels + [-100] * len(delta)
             history, pending = history + pending, []
         turn = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [eos]
@@ -101,6 +117,15 @@ def with_tool_turns(rows, fraction: float, seed: int):
             names = {"a": row["a"], "b": row["b"]}  # as envs.calculator.Calculator binds them
             row = {**row, "turns": calculator_turns(f"a{row['op']}b", names)}
         yield row
+
+
+def calculator_tools() -> list[dict]:
+    """The tool schemas a calculator episode is rendered with (``envs.calculator.Calculator``'s,
+    as the episode runner reads them from the environment)."""
+    from peergrade.envs import make_env_from_objects
+    from peergrade.envs.calculator import Calculator
+
+    return make_env_from_objects([], Calculator)({"a": 0, "b": 0}).tools
 
 
 def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
@@ -169,13 +194,15 @@ def run_sft(
     warm = 20  # fixed, so a run of N steps is the prefix of a longer one
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm))
     rows = the_task.train_rows(seed)
+    tools = None
     if tool_fraction:
         rows = with_tool_turns(rows, tool_fraction, seed)
+        tools = calculator_tools()
     t0 = time.perf_counter()
     loss_ema = None
     for step in range(1, steps + 1):
         batch = [next(rows) for _ in range(batch_size)]
-        ii, am, lab = sft_batch(batch, tok, the_task.system_prompt)
+        ii, am, lab = sft_batch(batch, tok, the_task.system_prompt, tools)
         loss = sft_loss(net, ii, am, lab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
