@@ -492,6 +492,9 @@ def test_dynamic_sampling_with_a_producer_is_refused_under_torchrun(
 def test_producer_kind_resolves_auto_and_refuses_a_process_on_a_gpu():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert pipeline.producer_kind("auto", cpu) == "process"  # Linux: fork exists
+    assert pipeline.producer_kind("auto", cpu, threads=2) == "process"  # one thread each
+    assert pipeline.producer_kind("auto", cpu, threads=4) == "thread"  # a process runs one
+    assert pipeline.producer_kind("process", cpu, threads=8) == "process"  # as asked
     assert pipeline.producer_kind("auto", gpu) == "thread"
     assert pipeline.producer_kind("thread", cpu) == "thread"
     with pytest.raises(ValueError, match="cannot be forked.*rollout.producer to thread"):
@@ -659,3 +662,30 @@ def test_a_python_closure_reward_runs_in_the_producer_process(tiny_model_dir, tm
     steps = [h for h in trainer.state.log_history if "async/staleness_max" in h]
     assert [h["async/staleness_max"] for h in steps] == [0, 1, 1]
     assert not _producers_alive()
+
+
+@pytest.mark.slow
+def test_a_producer_process_after_a_multithreaded_parent_runs_on_one_thread(
+    tiny_model_dir, reward_file, tmp_path
+):
+    """train.threads 4 with a producer process: the trainer ran OpenMP regions on several
+    threads before the fork (the starting evaluation), so a child running more than one thread
+    would wait forever on GNU OpenMP's pool; it runs one, the trainer three, and the run ends."""
+    over = {
+        "train.steps": 3,
+        "train.threads": 4,
+        "rollout.async_steps": 1,
+        "rollout.producer": "process",
+    }
+    args = [x for k, v in tiny_overrides(tiny_model_dir, reward_file, **over) for x in _flag(k, v)]
+    env = {**os.environ, "OMP_NUM_THREADS": "4"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
+    proc = subprocess.run(
+        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["async/staleness_max"] for r in _train_rows(tmp_path / "run")] == [0, 1, 1]

@@ -233,8 +233,9 @@ class RolloutConfig:
         "async_steps >= 1: where the producer runs. process = a forked process (its own "
         "interpreter, so its Python never waits for the trainer's; weights travel through "
         "shared memory), thread = a thread of the trainer's process (needed on a GPU: a "
-        "process cannot be forked once CUDA is in use). auto = process on the CPU where fork "
-        "exists (Linux), else thread.",
+        "process cannot be forked once CUDA is in use). A process runs one torch thread (GNU "
+        "OpenMP cannot be used with more after a fork), the trainer the rest. auto = process on "
+        "the CPU on Linux with train.threads <= 2 (one thread each), else thread.",
         "auto",
     )
 

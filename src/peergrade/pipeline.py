@@ -29,6 +29,10 @@ the main thread, in the same order on every rank), the update, the metrics, the 
 the checkpoints. Dynamic sampling's rounds gather rewards inside ``collect``, so with several
 ranks the trainer refuses it together with a producer.
 
+Threads. A producer process runs one torch thread (``PROCESS_THREADS``: GNU OpenMP cannot run
+a parallel region in a forked child after its parent ran one), the trainer the rest; so
+``auto`` picks a process only when the producer's half of ``train.threads`` is one anyway.
+
 Stopping. ``close`` wakes a waiting producer, and a forward pre-hook on the producer's input
 embeddings raises ``Stopped`` at its next forward pass, so a stop (Ctrl-C, the end of the run,
 an error in the trainer) waits for at most one forward pass or one reward call, never a whole
@@ -239,13 +243,22 @@ class Producer:
         self._hook.remove()
 
 
-def producer_kind(setting: str, device: torch.device) -> str:
-    """``rollout.producer`` resolved: ``process`` or ``thread``. ``auto`` is a process on the CPU
-    where fork exists, else a thread; a process on a GPU is refused (CUDA cannot be forked)."""
+#: torch intra-op threads of a producer process. GNU OpenMP (torch's CPU thread pool) cannot
+#: run a parallel region again in a forked child once the parent has run one: the child waits
+#: forever for pool threads that were not copied. One thread never opens a region.
+PROCESS_THREADS = 1
+
+
+def producer_kind(setting: str, device: torch.device, threads: int = 2) -> str:
+    """``rollout.producer`` resolved: ``process`` or ``thread``. ``auto`` is a process on the
+    CPU where fork exists (Linux) when the producer's share of the ``threads`` torch threads is
+    one (``threads`` <= 2: a producer process runs ``PROCESS_THREADS``), else a thread; a process
+    on a GPU is refused (CUDA cannot be forked)."""
     # Linux only: macOS offers fork but its system libraries are not safe to use after it
     can_fork = sys.platform.startswith("linux")
     if setting == "auto":
-        return "process" if device.type == "cpu" and can_fork else "thread"
+        process = device.type == "cpu" and can_fork and threads <= 2
+        return "process" if process else "thread"
     if setting == "process" and device.type != "cpu":
         raise ValueError(
             f"rollout.producer process runs on the CPU only (the model is on {device}: a process "

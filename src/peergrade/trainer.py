@@ -464,8 +464,8 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
     """The producer (``rollout.producer``: a forked process or a thread) of a pipelined run,
     from ``start_step`` on. It starts with the
     trainer's weights (version ``start_step``) and, on resume, the older versions the
-    checkpoint saved for its in-flight steps. The trainer and the producer each get half of
-    torch's threads (at least one)."""
+    checkpoint saved for its in-flight steps. A producer thread and the trainer each get half
+    of torch's threads (at least one); a producer process gets one, the trainer the rest."""
     cfg = run.cfg
     k, P = cfg.rollout.async_steps, cfg.rollout.prompts_per_step
     if cfg.rollout.dynamic_sampling and dist.parallel():
@@ -486,12 +486,17 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
             "stopped would use",
             always=True,
         )
+    total = torch.get_num_threads()
     try:
-        kind = pipeline.producer_kind(cfg.rollout.producer, run.models.device)
+        kind = pipeline.producer_kind(cfg.rollout.producer, run.models.device, total)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    threads = max(1, torch.get_num_threads() // 2)
-    torch.set_num_threads(threads)
+    if kind == "process":  # one thread for the producer (pipeline.PROCESS_THREADS), the rest here
+        threads = pipeline.PROCESS_THREADS
+        torch.set_num_threads(max(1, total - threads))
+    else:
+        threads = max(1, total // 2)
+        torch.set_num_threads(threads)
     # a forked process starts as a copy of this one: its policy is its own already
     cls, prun = (
         (pipeline.ProcessProducer, run)
