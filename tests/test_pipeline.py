@@ -689,3 +689,40 @@ def test_a_producer_process_after_a_multithreaded_parent_runs_on_one_thread(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["async/staleness_max"] for r in _train_rows(tmp_path / "run")] == [0, 1, 1]
+
+
+PRINTING_REWARD = """
+import sys
+
+
+def char_score(completions, **kw):  # the name tiny_overrides gives
+    print("scored, stdout is a", type(sys.stdout).__name__, flush=True)
+    return [float(i % 2) for i in range(len(completions))]
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_prints_under_the_rich_display_runs_in_the_producer_process(
+    tiny_model_dir, tmp_path
+):
+    """In a terminal the progress display replaces stdout with a proxy that prints through its
+    console (and its lock); a reward function printing in the producer process writes to the
+    terminal itself instead, and the run ends."""
+    rewards = tmp_path / "printing.py"
+    rewards.write_text(PRINTING_REWARD)
+    over = {"train.steps": 3, "rollout.async_steps": 1, "train.display": "rich"}
+    args = [x for k, v in tiny_overrides(tiny_model_dir, rewards, **over) for x in _flag(k, v)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
+    proc = subprocess.run(
+        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = [ln for ln in proc.stdout.splitlines() if "scored, stdout is a" in ln]
+    assert len(printed) >= 3, proc.stdout[-2000:]  # the audit's call, then the steps'
+    assert not any("FileProxy" in ln for ln in printed), printed  # rich's proxy: not used there
+    assert [r["async/staleness_max"] for r in _train_rows(tmp_path / "run")] == [0, 1, 1]

@@ -395,6 +395,10 @@ class ProcessProducer:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _die_with_parent()
+        # the trainer's progress display may have replaced them with proxies that print through
+        # its console (whose lock a display thread, not copied by fork, may have held): what a
+        # reward function prints here goes straight to the terminal instead
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         self._from_child.close()
         self._to_child.close()
         out, inbox = self._child_out, self._child_in
