@@ -356,6 +356,20 @@ def test_sigkill_then_resume_is_exact(tiny_model_dir, reward_file, tmp_path):
         assert torch.equal(wa[name], wb[name]), name
 
 
+def _cli_train(model_dir, rewards, run_dir, threads="1", env=None, **over):
+    """`python -m peergrade train` with ``over`` in a fresh process (a hang fails at 300 s)."""
+    args = [x for k, v in tiny_overrides(model_dir, rewards, **over) for x in _flag(k, v)]
+    env = {**os.environ, "OMP_NUM_THREADS": threads, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
+    return subprocess.run(
+        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
 def _processes_running(marker: str) -> list[int]:
     """Live processes (not zombies) whose command line contains ``marker``."""
     found = []
@@ -614,16 +628,7 @@ def test_an_async_reward_runs_in_the_producer_process(tiny_model_dir, tmp_path):
     rewards = tmp_path / "async_rewards.py"
     rewards.write_text(ASYNC_REWARD)
     over = {"train.steps": 3, "rollout.async_steps": 1}
-    args = [x for k, v in tiny_overrides(tiny_model_dir, rewards, **over) for x in _flag(k, v)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
-    proc = subprocess.run(
-        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = _cli_train(tiny_model_dir, rewards, tmp_path / "run", **over)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _train_rows(tmp_path / "run")
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
@@ -677,16 +682,7 @@ def test_a_producer_process_after_a_multithreaded_parent_runs_on_one_thread(
         "rollout.async_steps": 1,
         "rollout.producer": "process",
     }
-    args = [x for k, v in tiny_overrides(tiny_model_dir, reward_file, **over) for x in _flag(k, v)]
-    env = {**os.environ, "OMP_NUM_THREADS": "4"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
-    proc = subprocess.run(
-        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = _cli_train(tiny_model_dir, reward_file, tmp_path / "run", threads="4", **over)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["async/staleness_max"] for r in _train_rows(tmp_path / "run")] == [0, 1, 1]
 
@@ -711,16 +707,8 @@ def test_a_reward_that_prints_under_the_rich_display_runs_in_the_producer_proces
     rewards = tmp_path / "printing.py"
     rewards.write_text(PRINTING_REWARD)
     over = {"train.steps": 3, "rollout.async_steps": 1, "train.display": "rich"}
-    args = [x for k, v in tiny_overrides(tiny_model_dir, rewards, **over) for x in _flag(k, v)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(pipeline.__file__).parents[1]), *sys.path])
-    proc = subprocess.run(
-        [sys.executable, "-m", "peergrade", "train", *args, "-o", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    terminal = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"}
+    proc = _cli_train(tiny_model_dir, rewards, tmp_path / "run", env=terminal, **over)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [ln for ln in proc.stdout.splitlines() if "scored, stdout is a" in ln]
     assert len(printed) >= 3, proc.stdout[-2000:]  # the audit's call, then the steps'

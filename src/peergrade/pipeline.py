@@ -130,14 +130,13 @@ def producer_run(run):
     return dataclasses.replace(run, models=models)
 
 
-class Producer:
-    """The producer thread of one run (module docstring).
-
-    ``collect(run, step, rows)`` is the trainer's collect without advantages; ``run`` the
-    producer's copy (``producer_run``); ``steps`` the steps to collect, in order; ``next_rows()``
-    the next step's rows; ``versions`` the snapshots already available ({version: state}: the
-    trainer's current weights, and those a checkpoint saved); ``threads`` the producer's torch
-    intra-op threads."""
+class _Producer:
+    """What both kinds of producer hold: ``collect(run, step, rows)`` is the trainer's collect
+    without advantages; ``run`` the run it collects with (a thread: ``producer_run``'s copy; a
+    process: the trainer's, which the fork copies); ``steps`` the steps to collect, in order;
+    ``next_rows()`` the next step's rows; ``versions`` the snapshots already available
+    ({version: state}: the trainer's current weights, and those a checkpoint saved);
+    ``threads`` the producer's torch intra-op threads."""
 
     def __init__(
         self,
@@ -151,14 +150,24 @@ class Producer:
     ):
         self.collect, self.run, self.k, self.steps = collect, run, k, steps
         self.next_rows, self.threads = next_rows, threads
-        self.versions = dict(versions)
         # after a resume from a checkpoint without the older versions (saved with another k),
         # the first steps are sampled by the oldest version there is, and record it
-        self.floor = min(self.versions)
-        self.done: dict[int, Experience] = {}
+        self.floor = min(versions)
+        self.done: dict[int, Experience] = {}  # collected, not yet taken
         self.error: BaseException | None = None
-        self.stopping = False
         self.cond = threading.Condition()
+
+    def version_of(self, step: int) -> int:
+        return max(sampled_version(step, self.k), self.floor)
+
+
+class Producer(_Producer):
+    """The producer thread of one run (module docstring; arguments: ``_Producer``)."""
+
+    def __init__(self, collect, run, k, steps, next_rows, versions, threads):
+        super().__init__(collect, run, k, steps, next_rows, versions, threads)
+        self.versions = dict(versions)
+        self.stopping = False
         self.loaded: int | None = None
         # on the input embeddings: every forward of the copy passes there, whatever wrapper
         # (PEFT) or entry point (the chunked log-prob engine calls the backbone) it goes through
@@ -173,9 +182,6 @@ class Producer:
     def _check_stop(self, module, args):
         if self.stopping:
             raise Stopped
-
-    def version_of(self, step: int) -> int:
-        return max(sampled_version(step, self.k), self.floor)
 
     def _loop(self) -> None:
         torch.set_num_threads(self.threads)
@@ -338,32 +344,19 @@ def _error_payload(exc: BaseException) -> bytes:
         return pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
 
 
-class ProcessProducer:
-    """The producer as a forked process (module docstring); the same interface as
-    ``Producer``: ``start``, ``take``, ``publish``, ``checkpoint_versions``, ``close``."""
+class ProcessProducer(_Producer):
+    """The producer as a forked process (module docstring; arguments: ``_Producer``); the same
+    interface as ``Producer``: ``start``, ``take``, ``publish``, ``checkpoint_versions``,
+    ``close``."""
 
-    def __init__(
-        self,
-        collect: Callable[[Any, int, list[dict]], Experience],
-        run,
-        k: int,
-        steps: range,
-        next_rows: Callable[[], list[dict]],
-        versions: dict[int, dict[str, torch.Tensor]],
-        threads: int,
-    ):
-        self.collect, self.run, self.k, self.steps = collect, run, k, steps
-        self.next_rows, self.threads = next_rows, threads
-        self.floor = min(versions)
+    def __init__(self, collect, run, k, steps, next_rows, versions, threads):
+        super().__init__(collect, run, k, steps, next_rows, versions, threads)
         first = self.version_of(steps.start)  # the oldest version a step still needs
         self.slots = _Slots(versions[max(versions)], k + 1)
         for v in sorted(versions):
             if v >= first:
                 self.slots.write(v, versions[v])
-        self.done: dict[int, Experience] = {}
-        self.error: BaseException | None = None
         self.ended = False
-        self.cond = threading.Condition()
         ctx = multiprocessing.get_context("fork")
         self._from_child, self._child_out = ctx.Pipe(duplex=False)
         self._child_in, self._to_child = ctx.Pipe(duplex=False)
@@ -376,9 +369,6 @@ class ProcessProducer:
         self.reader = threading.Thread(
             target=self._read, name="peergrade-producer-reader", daemon=True
         )
-
-    def version_of(self, step: int) -> int:
-        return max(sampled_version(step, self.k), self.floor)
 
     def start(self) -> ProcessProducer:
         # the child must not inherit a tokenizer thread pool it cannot use (the tokenizers
