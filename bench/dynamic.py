@@ -11,10 +11,13 @@ after), run A B, B A, ... (``--passes`` times per seed, alternating, so that slo
 shared machine hit both sides):
 
     A  the recipe as written (``--set`` overrides applied to both sides)
-    B  the same with ``rollout.dynamic_sampling: true`` (``--max-rounds``)
+    B  the same with ``rollout.dynamic_sampling: true`` (``--max-rounds``; ``--set-b`` overrides
+       for B alone, e.g. ``--set-b rollout.async_steps=1 --set-b train.threads=2``: dynamic
+       sampling with pipelined rollouts, the producer process running the rounds)
 
-Printed per side (medians over passes; one row per seed): training wall time (the step's
-phases, evaluations excluded), held-out pass@1 greedy and sampled after the last step,
+Printed per side (medians over passes; one row per seed): training wall time
+(``peergrade.report.step_train_seconds``: a synchronous step's phases; a pipelined step's wall
+time; evaluations excluded), held-out pass@1 greedy and sampled after the last step,
 completions generated per informative group (every completion sampled, divided by the groups
 whose rewards differed -- over the whole run: the plain step counts its zero-spread groups
 as generated for nothing), the rounds per step and the groups left unfilled. With
@@ -37,14 +40,13 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
-PHASES = ("time/generate_s", "time/reward_s", "time/ref_s", "time/update_s")
-
 
 def child(spec: dict) -> None:
     """One training run; prints its figures as JSON (the last stdout line)."""
     import yaml
 
     from peergrade.config import load_config
+    from peergrade.report import step_train_seconds
     from peergrade.trainer import train
 
     overrides = [(k, yaml.safe_load(v)) for k, v in spec["overrides"]]
@@ -57,7 +59,7 @@ def child(spec: dict) -> None:
     clock, reached = 0.0, []  # training time so far; (time, greedy) at each evaluation
     for r in rows:
         if "loss/policy" in r:
-            clock += sum(r[k] for k in PHASES)
+            clock += step_train_seconds(r)
             if "dynamic/sampled_groups" in r:
                 completions += r["dynamic/sampled_groups"] * G
                 kept = P - r["dynamic/unfilled_groups"]
@@ -95,6 +97,13 @@ def main() -> None:
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="both sides (YAML value)"
     )
+    ap.add_argument(
+        "--set-b",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="side B only, after --set (e.g. rollout.async_steps=1 train.threads=2: pipelined)",
+    )
     a = ap.parse_args()
     common = [kv.split("=", 1) for kv in a.set]
     common += [["train.display", "none"], ["train.eval_every", str(a.eval_every)]]
@@ -109,6 +118,7 @@ def main() -> None:
         "B dynamic": [
             ["rollout.dynamic_sampling", "true"],
             ["rollout.max_rounds", str(a.max_rounds)],
+            *(kv.split("=", 1) for kv in a.set_b),
         ],
     }
     tmp = Path(tempfile.mkdtemp(prefix="bench-dynamic-"))

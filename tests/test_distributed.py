@@ -271,6 +271,9 @@ def test_dynamic_sampling_two_ranks_equal_one_process(tiny_model_dir, reward_fil
         assert [r["step"] for r in steps] == [1, 2, 3], name
         if name == "rounds":  # extra rounds were sampled, and every batch was filled
             assert any(r["dynamic/rounds"] > 1 for r in steps)
+            # and some came in one batch (rollout.rounds_ahead): each rank's blocks of several
+            # rounds, gathered and regrouped per round
+            assert any(r["dynamic/sampling_calls"] < r["dynamic/rounds"] for r in steps)
             assert all(r["dynamic/unfilled_groups"] == 0 for r in steps)
         else:  # some slots stayed empty: padding moved between ranks too
             assert any(r["dynamic/unfilled_groups"] > 0 for r in steps)

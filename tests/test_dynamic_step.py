@@ -91,8 +91,10 @@ def test_every_batch_has_P_groups_with_spread_in_at_most_max_rounds(
         keys.clear()
         exp = trainer.collect(run, step, step_rows(run, step))
         m = exp.sampled.dynamic
-        # round r samples with keys rP .. rP + P - 1: no draw of another round is reused
-        assert keys == [list(range(r * P, (r + 1) * P)) for r in range(int(m["dynamic/rounds"]))]
+        # round r samples with keys rP .. rP + P - 1: no draw of another round is reused;
+        # round 0 alone (the plain step's), the extra rounds batched (rollout.rounds_ahead)
+        assert keys[0] == list(range(P))
+        assert sum(keys, []) == list(range(P * int(m["dynamic/rounds"])))
         assert exp.num_sequences == P * G and len(exp.sampled.rows) == P
         assert 1 <= m["dynamic/rounds"] <= cfg.rollout.max_rounds
         assert m["dynamic/unfilled_groups"] == 0
@@ -190,6 +192,43 @@ def test_a_full_round_zero_is_the_plain_step(tiny_model_dir, reward_file):
         assert rd.samples == rp.samples
     for (k, a), (_, b) in zip(
         plain.models.policy.state_dict().items(), dyn.models.policy.state_dict().items()
+    ):
+        assert torch.equal(a, b), k
+
+
+def test_rounds_ahead_batches_the_rounds_and_keeps_the_same_groups(
+    tiny_model_dir, reward_file, monkeypatch
+):
+    """rollout.rounds_ahead samples the extra rounds in fewer, larger batches; a round's draws
+    are keyed by (seed, step, round, prompt), so the kept groups, the update and the weights
+    are those of one round per batch."""
+    calls = []
+    real_sample = trainer.sample
+
+    def recording(run, prompt_ids, step, row_keys):
+        calls.append(len(row_keys))
+        return real_sample(run, prompt_ids, step, row_keys)
+
+    monkeypatch.setattr(trainer, "sample", recording)
+    one = trainer.setup(config(tiny_model_dir, reward_file, **{"rollout.rounds_ahead": False}))
+    ahead = trainer.setup(config(tiny_model_dir, reward_file))
+    P, batched = 4, False
+    for step in (1, 2, 3):
+        calls.clear()
+        r1 = trainer.train_step(one, step, step_rows(one, step))
+        assert calls == [P] * int(r1.metrics["dynamic/rounds"])
+        calls.clear()
+        r2 = trainer.train_step(ahead, step, step_rows(ahead, step))
+        assert calls[0] == P and sum(calls) == P * r2.metrics["dynamic/rounds"]
+        batched = batched or len(calls) < r2.metrics["dynamic/rounds"]
+        assert r2.metrics["dynamic/rounds"] >= r1.metrics["dynamic/rounds"]
+        drop = ("dynamic/", "time/", "perf/")
+        same = {k: v for k, v in r1.metrics.items() if not k.startswith(drop)}
+        assert same == {k: v for k, v in r2.metrics.items() if not k.startswith(drop)}
+        assert r1.samples == r2.samples
+    assert batched  # some step asked for two or more rounds at once
+    for (k, a), (_, b) in zip(
+        one.models.policy.state_dict().items(), ahead.models.policy.state_dict().items()
     ):
         assert torch.equal(a, b), k
 

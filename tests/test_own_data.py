@@ -213,6 +213,8 @@ def test_walkthrough_plain_prompts_scorer_epoch_and_eval_lines(walkthrough):
     steps = [m for m in jsonl(run / "metrics.jsonl") if "loss/policy" in m]
     assert [m["data/epoch"] for m in steps] == [0.5, 1.0]
     assert "4 training rows, 2 a step: 1.00 epochs in 2 steps" in out
+    # the evaluation's own time, inside the step's wall time (training-time figures leave it out)
+    assert 0 < steps[0]["time/eval_s"] < steps[0]["time/step_s"] and "time/eval_s" not in steps[1]
 
     # item 1 the other way: through the template; the report shows what the model saw
     proc = cli(

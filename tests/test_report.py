@@ -503,3 +503,22 @@ def test_an_overlay_draws_the_optional_panel_for_the_run_that_logged_it(tmp_path
     assert "B: async/staleness_mean" in fig and "A: async/staleness" not in fig
     missing = re.search(r"Not logged in these runs: ([^<]*)", html)
     assert missing is None or "Staleness" not in missing.group(1)
+
+
+def test_training_time_leaves_out_evaluation_and_does_not_add_overlapped_phases():
+    """``step_train_seconds``: a synchronous step is the sum of its phases; a pipelined one
+    (time/wait_s logged) generated while it updated, so its phases overlap and it is the step's
+    wall time less its held-out evaluation (time/eval_s)."""
+    from peergrade.report import step_train_seconds, train_seconds
+
+    phases = {"time/generate_s": 3.0, "time/reward_s": 0.5, "time/ref_s": 0.5, "time/update_s": 2.0}
+    sync = {**phases, "time/step_s": 6.1}
+    sync_eval = {**phases, "time/eval_s": 20.0, "time/step_s": 26.1}
+    piped = {**phases, "time/wait_s": 1.0, "time/step_s": 3.2}
+    piped_eval = {**phases, "time/wait_s": 0.0, "time/eval_s": 20.0, "time/step_s": 22.5}
+    assert step_train_seconds(sync) == step_train_seconds(sync_eval) == 6.0
+    assert step_train_seconds(piped) == pytest.approx(3.2)
+    assert step_train_seconds(piped_eval) == pytest.approx(2.5)
+    assert step_train_seconds({"time/step_s": 4.0}) == 4.0  # only the wall time logged
+    assert step_train_seconds({"eval/pass@1": 0.5}) is None
+    assert train_seconds([sync, {"eval/pass@1": 0.5}, piped]) == pytest.approx([6.0, 6.0, 9.2])

@@ -221,6 +221,14 @@ class RolloutConfig:
         "dynamic/unfilled_groups).",
         4,
     )
+    rounds_ahead: bool = doc(
+        "dynamic_sampling: after round 0, sample the extra rounds the step is expected to need "
+        "(its missing groups over the informative groups found per round so far) as one batch "
+        "instead of one round at a time: the same groups are kept, larger batches generate "
+        "faster, and generation holds up to max_rounds - 1 rounds at once unless "
+        "generation_batch_size bounds it. false = one round per batch.",
+        True,
+    )
     async_steps: int = doc(
         "k: pipelined rollouts. 0 = synchronous (sample, score, then update). k >= 1 = a "
         "producer (rollout.producer) with its own copy of the policy collects the next steps' rollouts "

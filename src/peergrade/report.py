@@ -220,7 +220,7 @@ PANELS: list[tuple[str, str, list[str]]] = [
     (
         "Dynamic sampling",
         "rounds / groups / completions",
-        [r"dynamic/(rounds|unfilled_groups|completions_per_informative_group)"],
+        [r"dynamic/(rounds|sampling_calls|unfilled_groups|completions_per_informative_group)"],
     ),
     ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
     ("Importance ratio", "ratio", [r"ratio/.+"]),
@@ -524,18 +524,26 @@ def _cfg(run: Run, *keys, default=None):
     return node
 
 
+def step_train_seconds(m: dict) -> float | None:
+    """One step's training time, held-out evaluation and logging left out. A synchronous step is
+    the sum of its phases (generate + reward + reference + update). A pipelined one
+    (``rollout.async_steps``, which logs ``time/wait_s``) overlaps generation with the update, so
+    its phases do not add up: it is the step's wall time less its evaluation (``time/eval_s``)."""
+    parts = [m.get(k) for k in ("time/generate_s", "time/reward_s", "time/ref_s", "time/update_s")]
+    if "time/wait_s" not in m and all(_finite(p) for p in parts):
+        return sum(parts)
+    if _finite(m.get("time/step_s")):
+        return m["time/step_s"] - (m.get("time/eval_s") or 0.0)
+    return None
+
+
 def train_seconds(rows: list[dict]) -> list[float]:
-    """Cumulative compute time of the training steps (generate + reward + reference + update),
-    which leaves out held-out evaluation and logging, so runs with other eval settings compare."""
+    """Cumulative training time of the steps (``step_train_seconds``), so runs with other eval
+    settings, synchronous or pipelined, compare."""
     out, total = [], 0.0
     for m in rows:
-        parts = [
-            m.get(k) for k in ("time/generate_s", "time/reward_s", "time/ref_s", "time/update_s")
-        ]
-        if all(_finite(p) for p in parts):
-            total += sum(parts)
-        elif _finite(m.get("time/step_s")):
-            total += m["time/step_s"]
+        t = step_train_seconds(m)
+        total += t or 0.0
         out.append(total)
     return out
 

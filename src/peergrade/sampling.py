@@ -18,6 +18,7 @@ It does not build the training batch, the advantages or the update (``trainer.co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
 
 
-def sample(run, prompt_ids: list[list[int]], step: int, row_keys: range) -> Rollout:
+def sample(run, prompt_ids: list[list[int]], step: int, row_keys: Sequence[int]) -> Rollout:
     """G completions for each prompt with the configured sampling settings. Every draw is keyed
     by (train.seed, step, the prompt's global index in the step ``row_keys``, sample index), so
     1 or N ranks and any generation_batch_size sample the same tokens."""
@@ -45,7 +46,7 @@ def sample(run, prompt_ids: list[list[int]], step: int, row_keys: range) -> Roll
         )
 
 
-def sampler_settings(run, step: int, row_keys: range) -> dict:
+def sampler_settings(run, step: int, row_keys: Sequence[int]) -> dict:
     """What single replies and episodes sample with alike: G per prompt, the temperature /
     top-p / top-k / stop processing, and the keys of (seed, step, row)."""
     r = run.cfg.rollout
@@ -61,7 +62,7 @@ def sampler_settings(run, step: int, row_keys: range) -> dict:
     )
 
 
-def sample_episodes(run, rows: list[dict], step: int, row_keys: range) -> list[Episode]:
+def sample_episodes(run, rows: list[dict], step: int, row_keys: Sequence[int]) -> list[Episode]:
     """G episodes for each row (``envs.run_episodes``), keyed by (seed, step, row) as ``sample`` is;
     ``rollout.max_completion_length`` is the budget of a whole episode."""
     e = run.cfg.env
@@ -175,22 +176,25 @@ def take_groups(s: Sampled, groups: list[int], group_size: int, *, portable: boo
     )
 
 
-def merge_round_scores(rounds: list[RewardScores]) -> dict:
-    """The batch-level fields of several rounds' scores as one batch's: failures and counts
-    summed, messages listed, ``log_metric`` means averaged (each round scores as many
-    completions)."""
+def merge_round_scores(calls: list[RewardScores], rounds: list[int] | None = None) -> dict:
+    """The batch-level fields of several sampling calls' scores as one batch's: failures and
+    counts summed, messages listed, ``log_metric`` means averaged, each call weighted by the
+    rounds it scored (``rounds``, default 1 each: every round scores as many completions)."""
+    weights = [1] * len(calls) if rounds is None else rounds
     counts: dict[str, float] = {}
-    logged: dict[str, list[float]] = {}
-    for sc in rounds:
+    logged: dict[str, list[tuple[float, int]]] = {}
+    for sc, w in zip(calls, weights):
         for k, v in sc.counts.items():
             counts[k] = counts.get(k, 0.0) + v
         for k, v in sc.logged.items():
-            logged.setdefault(k, []).append(v)
+            logged.setdefault(k, []).append((v, w))
     return {
-        "num_errors": sum(sc.num_errors for sc in rounds),
-        "errors": [e for sc in rounds for e in sc.errors],
+        "num_errors": sum(sc.num_errors for sc in calls),
+        "errors": [e for sc in calls for e in sc.errors],
         "counts": counts,
-        "logged": {k: sum(v) / len(v) for k, v in logged.items()},
+        "logged": {
+            k: sum(v * w for v, w in vw) / sum(w for _, w in vw) for k, vw in logged.items()
+        },
     }
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -261,7 +262,7 @@ def collect(
 
 
 def sample_round(
-    run: Run, step: int, rows: list[dict], keys: range, meter=NO_METER
+    run: Run, step: int, rows: list[dict], keys: Sequence[int], meter=NO_METER
 ) -> tuple[Sampled, float, float]:
     """This rank's ``rows`` sampled (G completions or episodes each, every draw keyed by the
     prompt's global sampling key in ``keys``) and scored; returns them with the seconds spent
@@ -343,7 +344,9 @@ def fill_step(
     (``DYNAMIC_ROWS_SALT``) -- extra data, beside the main stream, whose offsets (resume,
     ``data/epoch``) do not move -- and samples them with keys rP + i, distinct from every
     other round's. So round r is a function of (seed, step, r) alone, whatever the rank
-    count, and a resumed run redraws it exactly. Under torchrun each rank samples its block
+    count, and a resumed run redraws it exactly. With ``rollout.rounds_ahead`` the extra rounds
+    the step is expected to need come as one batch (``dynamic.rounds_ahead``): each keeps its
+    prompts and keys, so only the batch size changes. Under torchrun each rank samples its block
     of every round, the rounds' rewards are gathered, every rank makes the same global picks,
     and the kept groups move to the rank that trains them (``dist.exchange``): rank k trains
     slots [kP/W, (k+1)P/W) of the kept list, whole groups, as one process would.
@@ -357,42 +360,55 @@ def fill_step(
     cfg = run.cfg
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     shard = dist.shard_range(P)  # this rank's block of every round
+    k = len(shard)
     raw, extra = list(rows), None  # extra: the step's stream of extra prompts, opened lazily
-    rounds: list[Sampled] = []
+    calls: list[tuple[range, Sampled]] = []  # the rounds of each sampling call, what it drew
     seconds = [0.0, 0.0]
     few_shot_frac = 0.0
 
-    def sample_next(r: int) -> torch.Tensor:  # round r's global rewards [P, G]
+    def sample_rounds(rs: range) -> list[torch.Tensor]:  # each round's global rewards [P, G]
         nonlocal extra, few_shot_frac
-        if r > 0:
+        if rs.stop > 1:
             if extra is None:
                 seed = step_seed(cfg.train.seed, step, salt=DYNAMIC_ROWS_SALT)
                 extra = run.task.train_rows(seed)
-            raw.extend(next(extra) for _ in range(P))
+            raw.extend(next(extra) for _ in range((rs.stop - max(rs.start, 1)) * P))
         # few-shot turns on round 0 and the extra rounds in one call: round 0's draws are the
         # plain step's, and an extra prompt gets draws of its own
         shown, frac = run.few_shot.apply(raw, step)
-        few_shot_frac = frac if r == 0 else few_shot_frac
-        keys = range(r * P + shard.start, r * P + shard.stop)
-        s, t_gen, t_reward = sample_round(run, step, shown[keys.start : keys.stop], keys, meter)
+        few_shot_frac = frac if rs.start == 0 else few_shot_frac
+        # this rank's block of each round, one batch: round r's keys rP + shard, whatever call
+        keys = [r * P + i for r in rs for i in shard]
+        s, t_gen, t_reward = sample_round(run, step, [shown[i] for i in keys], keys, meter)
         seconds[0] += t_gen
         seconds[1] += t_reward
-        rounds.append(s)
-        return dist.gather_rows(s.scores.total.view(len(shard), G).to(torch.float32))
+        calls.append((rs, s))
+        mine = s.scores.total.view(len(rs), k, G).to(torch.float32)
+        everyone = dist.gather_rows(mine.reshape(len(rs) * k, G))  # rank-major
+        return list(everyone.view(-1, len(rs), k, G).transpose(0, 1).reshape(len(rs), -1, G))
 
-    fill = fill_groups(sample_next, P, cfg.rollout.max_rounds, require_one=not run.informative_seen)
+    fill = fill_groups(
+        sample_rounds,
+        P,
+        cfg.rollout.max_rounds,
+        require_one=not run.informative_seen,
+        ahead=cfg.rollout.rounds_ahead,
+    )
     run.informative_seen = run.informative_seen or bool(fill.picks)
     slots = fill.slots(P)  # [P] (round, global group), picks first
-    k = len(shard)
+    where = {r: (s, (r - rs.start) * k) for rs, s in calls for r in rs}  # round -> its call
     owned = {}  # the kept groups this rank sampled, keyed by slot
     for r, g in slots:
         if shard.start <= g < shard.stop:
-            owned[(r, g)] = take_groups(rounds[r], [g - shard.start], G, portable=dist.parallel())
+            src, offset = where[r]
+            owned[(r, g)] = take_groups(
+                src, [offset + g - shard.start], G, portable=dist.parallel()
+            )
     mine = dist.exchange(owned, slots[shard.start : shard.start + k])
     s = concat_sampled(
         mine,
         run.models.tokenizer.pad_token_id,
-        merge_round_scores([x.scores for x in rounds]),
+        merge_round_scores([x.scores for _, x in calls], [len(rs) for rs, _ in calls]),
     )
     s.few_shot_frac = few_shot_frac
     s.dynamic = fill.metrics(G)
@@ -400,9 +416,9 @@ def fill_step(
         x.rollout.num_generated_tokens
         if x.episodes is None
         else sum(e.num_sampled_tokens for e in x.episodes)
-        for x in rounds
+        for _, x in calls
     )
-    s.generated_lengths = tuple(torch.cat(t) for t in zip(*map(sequence_lengths, rounds)))
+    s.generated_lengths = tuple(torch.cat(t) for t in zip(*(sequence_lengths(x) for _, x in calls)))
     return s, seconds[0], seconds[1]
 
 
@@ -745,7 +761,9 @@ def train(
                 for sample_row in result.samples:
                     samples_log.write(sample_row)
                 if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    t_eval = time.perf_counter()
                     m.update(held_out.evaluate_logged(step, display))  # and a line on screen
+                    m["time/eval_s"] = time.perf_counter() - t_eval
                 m["time/step_s"] = time.perf_counter() - t_step
                 m.update(detectors.update(m))  # alert/<name> keys and their messages
                 metrics_log.write(m)
