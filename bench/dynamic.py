@@ -26,6 +26,15 @@ time up to that evaluation, as a fraction of A's), issue 22's "the synchronous r
 accuracy in at most 0.7x its wall time".
 
 Nothing here is timed inside the trainer that a user would not see in metrics.jsonl.
+
+``--rounds-only`` times just the sampling of dynamic steps, ``rollout.rounds_ahead`` off
+(one round per batch) against on (the extra rounds a step needs as one batch), in one process
+with one model: for each of ``--steps`` steps both sides collect the same step (``trainer.collect``,
+sampling and scoring every round, no update), alternating which goes first, and it prints the
+median generation time per step, rounds, batches, and the ratio:
+
+    python bench/dynamic.py --rounds-only --config configs/smollm2-add.yaml \
+        --set model.path=models/smollm2-135m --steps 8 --max-rounds 3 --threads 1
 """
 
 from __future__ import annotations
@@ -84,6 +93,52 @@ def child(spec: dict) -> None:
     )
 
 
+def rounds_only(a, overrides: list) -> None:
+    """rollout.rounds_ahead off vs on: the generation time of the same dynamic steps."""
+    import yaml
+
+    from peergrade import trainer
+    from peergrade.config import load_config
+
+    base = [(k, yaml.safe_load(v)) for k, v in overrides]
+    base += [("rollout.dynamic_sampling", True), ("rollout.max_rounds", a.max_rounds)]
+    cfg = {
+        on: load_config(a.config or None, [*base, ("rollout.rounds_ahead", on)])
+        for on in (False, True)
+    }
+    run = trainer.setup(cfg[False])
+    P = cfg[False].rollout.prompts_per_step
+    stream = run.task.train_rows(cfg[False].train.seed)
+    res = {False: [], True: []}
+    print(_common.load_note())
+    for step in range(1, (a.steps or 8) + 1):
+        rows = [next(stream) for _ in range(P)]
+        for on in (False, True) if step % 2 else (True, False):
+            run.cfg = cfg[on]
+            run.informative_seen = True  # a short step is padded, not fatal
+            exp = trainer.collect(run, step, rows)
+            d = exp.sampled.dynamic
+            res[on].append(
+                (exp.seconds["generate"], d["dynamic/rounds"], d["dynamic/sampling_calls"])
+            )
+    rows_out = []
+    for on in (False, True):
+        rows_out.append(
+            [
+                f"rounds_ahead {str(on).lower()}",
+                f"{_common.median([g for g, _, _ in res[on]]):.2f}",
+                f"{sum(r for _, r, _ in res[on]) / len(res[on]):.2f}",
+                f"{sum(c for _, _, c in res[on]) / len(res[on]):.2f}",
+            ]
+        )
+    print(_common.format_table(["side", "generate s/step (median)", "rounds", "batches"], rows_out))
+    ratio = _common.median([g for g, _, _ in res[True]]) / _common.median(
+        [g for g, _, _ in res[False]]
+    )
+    print(f"rounds_ahead on / off, generation time per step: {ratio:.2f}")
+    print(_common.load_note())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="", help="recipe file ('' = the CPU demo's defaults)")
@@ -96,6 +151,11 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0, help="train.eval_every (0 = none)")
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="both sides (YAML value)"
+    )
+    ap.add_argument(
+        "--rounds-only",
+        action="store_true",
+        help="time only the sampling of dynamic steps, rollout.rounds_ahead off vs on",
     )
     ap.add_argument(
         "--set-b",
@@ -113,6 +173,9 @@ def main() -> None:
         common.append(["train.threads", str(a.threads)])
     if a.eval_size is not None:
         common.append(["train.eval_size", str(a.eval_size)])
+    if a.rounds_only:
+        rounds_only(a, [c for c in common if c[0] != "train.steps"])
+        return
     sides = {
         "A plain": [],
         "B dynamic": [
