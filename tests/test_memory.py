@@ -182,6 +182,27 @@ def test_estimate_for_config_reads_the_model_dir(tiny_model_dir):
     assert estimate_for_config(cfg)["peak"] > 0  # prompt length from the task's prompts
 
 
+def test_dynamic_sampling_rounds_ahead_counts_its_larger_generation_batch(tiny_model_dir):
+    """rollout.rounds_ahead generates up to max_rounds - 1 rounds in one call: the estimate's
+    generation KV cache grows with it, unless rollout.generation_batch_size bounds the call."""
+    dyn = {"rollout.dynamic_sampling": True, "rollout.max_rounds": 4}
+    plain = estimate_for_config(_cfg(tiny_model_dir), prompt_len=10)
+    one = estimate_for_config(
+        _cfg(tiny_model_dir, **dyn, **{"rollout.rounds_ahead": False}), prompt_len=10
+    )
+    ahead = estimate_for_config(_cfg(tiny_model_dir, **dyn), prompt_len=10)
+    bounded = estimate_for_config(
+        _cfg(tiny_model_dir, **dyn, **{"rollout.generation_batch_size": 4}), prompt_len=10
+    )
+    assert one == plain and bounded == plain  # 4 sequences a call, as the plain step's
+    assert ahead["kv_cache"] == 3 * plain["kv_cache"] and ahead["peak"] >= plain["peak"]
+    direct = estimate_memory(
+        tiny_model_dir, batch=4, seq_len=18, completion_len=8, beta=0.04, group_size=2,
+        minibatch=4, generation_rounds=3,
+    )  # fmt: skip
+    assert ahead == direct
+
+
 def test_cli_memory_estimate_only(tiny_model_dir, capsys):
     from peergrade.cli import main
 

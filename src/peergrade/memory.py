@@ -247,6 +247,7 @@ def estimate_memory(
     group_size: int = 1,
     shared_prompt: bool = True,
     generation_batch: int | None = None,
+    generation_rounds: int = 1,
     minibatch: int | None = None,
     async_steps: int = 0,
 ) -> dict[str, Any]:
@@ -264,6 +265,8 @@ def estimate_memory(
     resolved, see ``update.use_bf16_autocast``); group_size and shared_prompt: G, and
     ``model.shared_prompt_forward`` (each distinct prompt of a micro-batch runs once; off under
     gradient checkpointing); generation_batch: ``rollout.generation_batch_size`` (None: all);
+    generation_rounds: the most rounds of ``batch`` sequences one generation call samples
+    (dynamic sampling's ``rollout.rounds_ahead``: max_rounds - 1), before generation_batch cuts it;
     minibatch: sequences per optimizer step (None: batch); with micro-batches below it the
     grads accumulate while the next micro-batch's activations are built.
     world, strategy: ranks under torchrun and ``dist.strategy`` -- the figures are then per
@@ -363,7 +366,8 @@ def estimate_memory(
 
     # generation: KV cache for the generation batch (no grad) + one step's [N, V] float32
     # logits and sampling buffers, + the bf16 casts of every weight under autocast
-    gen_rows = min(batch, generation_batch or batch)
+    gen_all = batch * max(1, int(generation_rounds))  # the largest call's sequences
+    gen_rows = min(gen_all, generation_batch or gen_all)
     kv_cache = 2 * nl * kv_dim * gen_rows * seq_len * b
     gen_logits = 2 * gen_rows * V * f32
     casts = 2 * P if autocast else 0
@@ -494,6 +498,9 @@ def estimate_for_config(
         group_size=r.group_size,
         shared_prompt=cfg.model.shared_prompt_forward,
         generation_batch=r.generation_batch_size,
+        generation_rounds=(
+            max(1, r.max_rounds - 1) if r.dynamic_sampling and r.rounds_ahead else 1
+        ),
         minibatch=cfg.minibatch_size,
         micro_batch=cfg.micro_batch_size,
         seq_len=prompt_len + r.max_completion_length,
