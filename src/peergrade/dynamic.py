@@ -25,8 +25,9 @@ caller's rounds are: it must draw round r's prompts and sampling keys from (seed
 only, which is also what keeps a resumed run exact. Under torchrun the caller passes each
 round's global rewards (every rank's groups), so the *global* batch is filled.
 
-What it deliberately does not do: no sampling, scoring, prompt drawing or batching (the
-trainer's step does those), no config, no staleness bound.
+What it deliberately does not do: no sampling, scoring, prompt drawing or sequence batching
+(the trainer's step does those; this module only says which rounds to ask for together), no
+config, no staleness bound.
 """
 
 from __future__ import annotations
