@@ -46,7 +46,7 @@ def build_random_qwen2(out, shape: dict, dtype=None, rope_theta: float | None = 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from peergrade.tiny import CHARS, build_char_tokenizer, tiny_config
+    from peergrade.model.tiny import CHARS, build_char_tokenizer, tiny_config
 
     tok = build_char_tokenizer(CHARS + [f"<x{i}>" for i in range(shape["vocab"] - len(CHARS) - 4)])
     extra = {"max_position_embeddings": shape["max_pos"]} if "max_pos" in shape else {}

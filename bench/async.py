@@ -61,8 +61,8 @@ SIDES = {
 
 def child(a) -> None:
     """One side: a training run; prints its per-step timings (and accuracy) as JSON."""
-    from peergrade import trainer
     from peergrade.config import load_config
+    from peergrade.training import trainer
 
     overrides = json.loads(a.overrides)
     cfg = load_config(a.config or None, [tuple(o) for o in overrides])

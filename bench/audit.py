@@ -18,8 +18,7 @@ import itertools
 import time
 
 from _common import load_note, median
-from peergrade import audit
-from peergrade.rewards import make_reward_specs
+from peergrade.rewards import audit, make_reward_specs
 from peergrade.rewards.math import clear_caches
 from peergrade.tasks import load_task
 
@@ -62,7 +61,7 @@ def startup(repeat: int) -> None:
     """What ``train.audit_rewards: warn`` adds to ``peergrade train`` (the demo's config)."""
     t0 = time.perf_counter()
     from peergrade.config import load_config
-    from peergrade.trainer import build_rewards, build_task
+    from peergrade.training.trainer import build_rewards, build_task
 
     cfg = load_config(None)
     task = build_task(cfg)

@@ -41,9 +41,9 @@ def main() -> None:
 
     import torch
 
-    from peergrade.logprobs import token_logprobs
-    from peergrade.models import load_model, load_tokenizer
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
+    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.model.logprobs import token_logprobs
 
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ shared machine hit both sides):
        sampling with pipelined rollouts, the producer process running the rounds)
 
 Printed per side (medians over passes; one row per seed): training wall time
-(``peergrade.report.step_train_seconds``: a synchronous step's phases; a pipelined step's wall
+(``peergrade.monitoring.report.step_train_seconds``: a synchronous step's phases; a pipelined step's wall
 time; evaluations excluded), held-out pass@1 greedy and sampled after the last step,
 completions generated per informative group (every completion sampled, divided by the groups
 whose rewards differed -- over the whole run: the plain step counts its zero-spread groups
@@ -55,8 +55,8 @@ def child(spec: dict) -> None:
     import yaml
 
     from peergrade.config import load_config
-    from peergrade.report import step_train_seconds
-    from peergrade.trainer import train
+    from peergrade.monitoring.report import step_train_seconds
+    from peergrade.training.trainer import train
 
     overrides = [(k, yaml.safe_load(v)) for k, v in spec["overrides"]]
     cfg = load_config(spec["config"] or None, overrides)
@@ -97,8 +97,8 @@ def rounds_only(a, overrides: list) -> None:
     """rollout.rounds_ahead off vs on: the generation time of the same dynamic steps."""
     import yaml
 
-    from peergrade import trainer
     from peergrade.config import load_config
+    from peergrade.training import trainer
 
     base = [(k, yaml.safe_load(v)) for k, v in overrides]
     base += [("rollout.dynamic_sampling", True), ("rollout.max_rounds", a.max_rounds)]

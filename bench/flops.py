@@ -9,7 +9,7 @@ One ``trainer.Run`` is set up (``--config`` or the demo's defaults, ``--set KEY=
 overrides), takes ``--warmup`` steps, then ``--steps`` timed steps through the trainer's own
 ``collect`` / ``learn``. Per phase (generation, the reference log-prob pass, the update with its
 old-policy pass), summed over the timed steps: seconds, tokens fed, model GFLOP
-(``peergrade.flops``: counted from the config's shapes and the tokens each phase fed),
+(``peergrade.monitoring.flops``: counted from the config's shapes and the tokens each phase fed),
 achieved GFLOP/s and its fraction of the peak for the dtype the model computes in
 (``flops.cpu_peak``: cores x clock x the widest unit's FLOPs per cycle; printed with how it was
 derived; ``--peak-gflops`` or ``--ghz`` override it).
@@ -124,9 +124,10 @@ def main() -> None:
 
     import torch
 
-    from peergrade import flops, trainer
     from peergrade.config import load_config, parse_override_value
-    from peergrade.update import use_bf16_autocast
+    from peergrade.monitoring import flops
+    from peergrade.training import trainer
+    from peergrade.training.update import use_bf16_autocast
 
     torch.set_num_threads(a.threads)
     over = [(k, parse_override_value(v)) for k, _, v in (s.partition("=") for s in a.set)]

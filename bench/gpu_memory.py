@@ -5,7 +5,7 @@ The model is Qwen2.5-0.5B's shape (vocab 151936, hidden 896, 24 layers, 14 heads
 intermediate 4864, tied embeddings) with random weights, saved with save_pretrained into a
 temporary directory with a character tokenizer padded to the vocabulary (nothing downloaded).
 Each configuration runs two training steps in a fresh child process
-(``peergrade.memory.measure_memory``); the measure is ``torch.cuda.max_memory_allocated`` per
+(``peergrade.planning.memory.measure_memory``); the measure is ``torch.cuda.max_memory_allocated`` per
 phase, above what was allocated before loading (the CUDA context is not included), next to
 ``estimate_for_config``'s estimate.
 
@@ -74,7 +74,7 @@ def main() -> int:
         device, dtype_name, shape = "cuda", "bfloat16", QWEN25_05B
 
     from peergrade.config import load_config
-    from peergrade.memory import estimate_for_config, format_table, measure_memory
+    from peergrade.planning.memory import estimate_for_config, format_table, measure_memory
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     if device == "cuda":

@@ -1,4 +1,4 @@
-"""GPU benchmark: peergrade.rollout.generate vs model.generate on one CUDA device (e.g. an H200).
+"""GPU benchmark: peergrade.generation.kernel.generate vs model.generate on one CUDA device (e.g. an H200).
 
 Run from the repo root:  PYTHONPATH=src python bench/gpu_rollout.py [--passes 2] [--compile]
                                                                    [--hf-static] [--new-tokens 512]
@@ -57,7 +57,7 @@ def build(device):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from peergrade.tiny import CHARS, build_char_tokenizer
+    from peergrade.model.tiny import CHARS, build_char_tokenizer
 
     base = build_char_tokenizer()
     extra = [f"<w{i}>" for i in range(QWEN25_05B["vocab_size"] - len(base))]
@@ -127,7 +127,7 @@ def main() -> None:
             "here; nothing was measured. Run it on the GPU machine (CPU benchmark: "
             "bench/rollout.py)."
         )
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
 
     device = torch.device("cuda")
     print(f"# device: {torch.cuda.get_device_name(device)}; {_common.load_note()}", flush=True)

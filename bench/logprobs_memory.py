@@ -44,8 +44,8 @@ def child(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from peergrade.logprobs import naive_token_logprobs, token_logprobs
-    from peergrade.tiny import tiny_config
+    from peergrade.model.logprobs import naive_token_logprobs, token_logprobs
+    from peergrade.model.tiny import tiny_config
 
     torch.set_num_threads(args.threads)
     cfg = tiny_config(

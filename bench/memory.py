@@ -7,7 +7,7 @@ a temporary directory, with a tokenizer padded to the model's vocabulary) and ea
     ppo        the same plus a critic (a copy of the backbone + value head, with its AdamW)
     grpo-lora  LoRA r=16 on all linear layers, beta 0.04 -> reference = the adapter disabled
 
-``peergrade.memory.measure_memory`` runs two training steps (rollout, rewards, reference,
+``peergrade.planning.memory.measure_memory`` runs two training steps (rollout, rewards, reference,
 update) in a fresh child process and reports the peak RSS *above the child's baseline* (the
 process after imports and a warm-up step on a toy copy of the model; printed once per row as
 "base"). ``estimate_for_config`` predicts the same peak from the config alone.
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from peergrade.config import load_config
-    from peergrade.memory import GB, estimate_for_config, format_table, measure_memory
+    from peergrade.planning.memory import GB, estimate_for_config, format_table, measure_memory
 
     print(f"note: {_common.load_note()}")
     print(

@@ -4,7 +4,7 @@ Run from the repo root:  PYTHONPATH=src python bench/multiturn.py [--passes 3] [
 
 Workload: 8 rows x 4 episodes of 4 model turns each; after each of the first 3 turns the
 environment answers with a short tool result (about 40 template tokens). A random Qwen2 (hidden
-128, 4 layers, character vocabulary, the Qwen2.5-style tool template of peergrade.tiny), float32,
+128, 4 layers, character vocabulary, the Qwen2.5-style tool template of peergrade.model.tiny), float32,
 temperature 1. Every turn ends at the next position that is a multiple of 24 (the wrapper below
 forbids eos elsewhere and forces it there), so both sides sample exactly the same number of
 tokens and append the same deltas.
@@ -12,7 +12,7 @@ tokens and append the same deltas.
 - A, "cached": ``peergrade.envs.run_episodes``: one batched KV cache per episode kept across
   turns; a turn prefills only the environment's delta.
 - B, "re-prefill": what a loop that rebuilds the prompt every turn does (TRL's tool loop,
-  verifiers' chat harness): each turn calls ``peergrade.rollout.generate`` on the whole history
+  verifiers' chat harness): each turn calls ``peergrade.generation.kernel.generate`` on the whole history
   so far (prompt + turns + deltas as token ids, batched over the live episodes), so every turn
   prefills everything again. B is given the same token deltas and never re-tokenises, so only the
   prefill work differs (and at the first turn, A prefills a row's 4 identical prompts once, B
@@ -38,7 +38,7 @@ ROWS, N, TURNS, EVERY = 8, 4, 4, 24
 def build():
     import torch
 
-    from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+    from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
     inner, tok = build_tiny_model(
@@ -99,7 +99,7 @@ def rows():
 
 
 def cached(model, tok, seed):
-    from peergrade.envs import run_episodes
+    from peergrade.generation.episodes import run_episodes
 
     eps = run_episodes(
         model,
@@ -117,7 +117,7 @@ def cached(model, tok, seed):
 
 def reprefill(model, tok, seed):
     from peergrade.envs.template import render, turn_delta
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
 
     envs = [Tool() for _ in range(ROWS * N)]
     msgs = [env.reset(rows()[i // N]) for i, env in enumerate(envs)]

@@ -61,8 +61,8 @@ def main() -> None:
 
     import torch
 
-    from peergrade import trainer
     from peergrade.config import load_config, parse_override_value
+    from peergrade.training import trainer
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -1,4 +1,4 @@
-"""Benchmark: peergrade.rollout.generate vs model.generate(do_sample=True) on CPU.
+"""Benchmark: peergrade.generation.kernel.generate vs model.generate(do_sample=True) on CPU.
 
 Run from the repo root:  PYTHONPATH=src python bench/rollout.py [--passes 3]
 
@@ -47,7 +47,7 @@ MODELS = {
 def _build(name: str):
     import torch
 
-    from peergrade.tiny import CHARS, build_char_tokenizer, build_tiny_model
+    from peergrade.model.tiny import CHARS, build_char_tokenizer, build_tiny_model
 
     spec = dict(MODELS[name])
     vocab = spec.pop("vocab")
@@ -88,7 +88,7 @@ def child(side: str, name: str, threads: int) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
 
     if side == "ours":
-        from peergrade.rollout import generate
+        from peergrade.generation.kernel import generate
 
         def call(ps, n, t):
             r = generate(

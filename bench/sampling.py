@@ -46,7 +46,7 @@ def old_uniforms():
     one generator seeded per call (so they depended on batch composition and order)."""
     import torch
 
-    from peergrade import rollout
+    from peergrade.generation import kernel as rollout
 
     saved = rollout._row_states, rollout._uniforms
     table: dict = {}
@@ -72,9 +72,9 @@ def load_demo():
     """The bundled model and its tokenizer, and encode(n) -> n arithmetic prompts as the demo
     encodes them (task system prompt, chat template)."""
     from peergrade.config import load_config
-    from peergrade.models import load_model, load_tokenizer, resolve_model_path
+    from peergrade.model.load import load_model, load_tokenizer, resolve_model_path
     from peergrade.tasks import load_task
-    from peergrade.trainer import encode_rows
+    from peergrade.training.trainer import encode_rows
 
     path = resolve_model_path("bundled")
     tok = load_tokenizer(path)
@@ -92,8 +92,8 @@ def load_demo():
 def load_recipe(model_dir: str):
     """SmolLM2-135M (a converted model directory) with configs/smollm2-add.yaml's prompts."""
     from peergrade.config import load_config
-    from peergrade.models import load_model, load_tokenizer
-    from peergrade.trainer import build_task, encode_rows
+    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.training.trainer import build_task, encode_rows
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "configs", "smollm2-add.yaml"), [])
@@ -109,7 +109,7 @@ def load_recipe(model_dir: str):
 
 
 def load_34m(tmp: str):
-    from peergrade.models import load_model, load_tokenizer
+    from peergrade.model.load import load_model, load_tokenizer
 
     _common.build_random_qwen2(tmp, SIZES["34m"])
     tok = load_tokenizer(tmp)
@@ -126,7 +126,7 @@ def uniforms_ms(prompts: int, n: int, new: int) -> tuple[float, float]:
     (best of 20 after a warm-up): the whole difference between the two sides."""
     import torch
 
-    from peergrade.rollout import _row_states, _uniforms
+    from peergrade.generation.kernel import _row_states, _uniforms
 
     keys = torch.arange(prompts)
 
@@ -152,7 +152,7 @@ def uniforms_ms(prompts: int, n: int, new: int) -> tuple[float, float]:
 def part_speed(a) -> None:
     import torch
 
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
 
     workloads = {
         "demo": dict(prompts=16, n=8, new=8, calls=5),
@@ -267,7 +267,7 @@ def flip_rows(
 
     import torch
 
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
 
     P = len(prompts)
     bf16 = dtype == "bf16"

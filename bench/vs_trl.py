@@ -90,7 +90,7 @@ def child_peergrade(a) -> dict:
     import torch
 
     from peergrade.config import load_config
-    from peergrade.trainer import setup, train_step
+    from peergrade.training.trainer import setup, train_step
 
     _threads(a.threads)
     beta, ckpt = SETTINGS[a.setting]

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from peergrade.tiny import build_char_tokenizer
+    from peergrade.model.tiny import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -20,7 +20,7 @@ def char_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_qwen2(char_tokenizer):
     """(model, tokenizer): a ~0.1M-param Qwen2ForCausalLM in float32, eval mode."""
-    from peergrade.tiny import build_tiny_model
+    from peergrade.model.tiny import build_tiny_model
 
     model, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
     return model.eval(), tok
@@ -29,7 +29,7 @@ def tiny_qwen2(char_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama(char_tokenizer):
     """(model, tokenizer): a ~0.1M-param LlamaForCausalLM in float32, eval mode."""
-    from peergrade.tiny import build_tiny_model
+    from peergrade.model.tiny import build_tiny_model
 
     model, tok = build_tiny_model("llama", char_tokenizer, seed=1)
     return model.eval(), tok
@@ -38,6 +38,6 @@ def tiny_llama(char_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A directory holding a tiny Qwen2 model + char tokenizer in save_pretrained layout."""
-    from peergrade.tiny import save_tiny_model
+    from peergrade.model.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_model"), "qwen2", seed=0)

@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 from peergrade import distributed as dist
-from peergrade import trainer
 from peergrade.config import load_config
-from peergrade.rollout import Rollout, generate
+from peergrade.generation.kernel import Rollout, generate
 from peergrade.seeds import step_seed
+from peergrade.training import trainer
 
 
 def per_prompt_sample(run, prompt_ids, step, row_keys):

@@ -20,7 +20,7 @@ from peergrade.api import (
     _field_kind,
 )
 from peergrade.config import ConfigError
-from peergrade.models import BUNDLED_MODEL
+from peergrade.model.load import BUNDLED_MODEL
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

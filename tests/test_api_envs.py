@@ -11,7 +11,7 @@ import pytest
 from peergrade import GRPOConfig, GRPOTrainer
 from peergrade.config import ConfigError, EnvConfig
 from peergrade.errors import PeergradeError
-from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 
 ROWS = [{"prompt": f"What is {a} * {b}?", "answer": str(a * b)} for a, b in [(3, 4), (5, 6)]]
 
@@ -90,7 +90,7 @@ def test_max_tool_calling_iterations_maps_onto_env():
     ],
 )
 def test_bad_tools_are_refused_before_the_model_loads(kw, expected, tmp_path, monkeypatch):
-    from peergrade import components, trainer
+    from peergrade.training import components, trainer
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the tools were checked")
@@ -227,8 +227,8 @@ def importable(tmp_path, monkeypatch):
 def test_in_memory_tools_are_recorded_so_a_command_line_resume_loads_them(
     tiny, tmp_path, importable
 ):
-    from peergrade.components import build_env
     from peergrade.config import load_run_config, to_yaml
+    from peergrade.training.components import build_env
 
     model, tok = tiny
     trainer = GRPOTrainer(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from peergrade.audit import EXPLOITS, audit_rewards, cross_check
 from peergrade.rewards import RewardSpec, make_reward_specs
+from peergrade.rewards.audit import EXPLOITS, audit_rewards, cross_check
 from peergrade.rewards.extract import answer_tag, completion_text
 from peergrade.tasks import load_task
 

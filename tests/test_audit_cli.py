@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from cli_helper import cli
-from peergrade.audit import audit_rewards, samples_audit
 from peergrade.cli import main
 from peergrade.rewards import RewardSpec
+from peergrade.rewards.audit import audit_rewards, samples_audit
 from peergrade.tasks import load_task
 
 WEAK = '''

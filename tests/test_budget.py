@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from peergrade.budget import format_budget, parse_size
 from peergrade.cli import main
 from peergrade.errors import InputError
-from peergrade.memory import estimate_memory, param_counts
+from peergrade.planning.budget import format_budget, parse_size
+from peergrade.planning.memory import estimate_memory, param_counts
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -174,8 +174,8 @@ def test_fit_search_keeps_the_objective_when_it_can_and_finds_the_cheapest():
     """Qwen2.5-1.5B, GRPO with a reference, the CPU demo's batch (16 x 8, micro-batch 128) at
     512 tokens, on a 24 GiB GPU: the micro-batch or checkpointing alone must be enough; the
     answer fits, and taking back any one of its changes does not."""
-    from peergrade.budget import _with, fit_search
-    from peergrade.memory import estimate_for_config
+    from peergrade.planning.budget import _with, fit_search
+    from peergrade.planning.memory import estimate_for_config
 
     cfg = _demo_cfg(
         MODELS / "qwen2.5-1.5b",
@@ -195,7 +195,7 @@ def test_fit_search_keeps_the_objective_when_it_can_and_finds_the_cheapest():
 
 
 def test_fit_search_changes_the_objective_only_when_it_must():
-    from peergrade.budget import fit_search
+    from peergrade.planning.budget import fit_search
 
     cfg = _demo_cfg(MODELS / "qwen2.5-7b")
     budget = 24 * 2**30
@@ -220,8 +220,8 @@ def test_cli_budget_prints_the_settings_to_paste(capsys):
     assert "changing the objective" in grpo and "enabled: true" in grpo
     assert "nothing searched fits" in advice[advice.index("  PPO:") :]
     # the pasted lines give a config whose estimate fits
-    from peergrade.budget import _with
-    from peergrade.memory import estimate_for_config
+    from peergrade.planning.budget import _with
+    from peergrade.planning.memory import estimate_for_config
 
     micro = int(re.search(r"micro_batch_size: (\d+)", lora).group(1))
     cfg = _with(

@@ -12,7 +12,7 @@ import pytest
 
 from peergrade.envs.calculator import Calculator, calculate, calculator_turns, tool_call_text
 from peergrade.envs.tools import parse_tool_calls
-from peergrade.models import BUNDLED_MODEL, load_tokenizer, resolve_model_path, save_tokenizer
+from peergrade.model.load import BUNDLED_MODEL, load_tokenizer, resolve_model_path, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "calculator.yaml"
@@ -89,7 +89,7 @@ def test_tiny_calc_tokenizer_files_are_what_sft_writes(tmp_path):
     byte (the weights take the full warm-up to check; docs/environments.md). The second
     command's tokenizer was loaded from the first one's directory, which adds two loading flags
     to tokenizer_config.json: the rest is the same."""
-    from peergrade.tiny import COMPACT_TOOL_CHAT_TEMPLATE, build_char_tokenizer
+    from peergrade.model.tiny import COMPACT_TOOL_CHAT_TEMPLATE, build_char_tokenizer
 
     save_tokenizer(build_char_tokenizer(chat_template=COMPACT_TOOL_CHAT_TEMPLATE), tmp_path)
     for name in ("tokenizer.json", "chat_template.jinja"):
@@ -103,7 +103,7 @@ def test_tiny_calc_tokenizer_files_are_what_sft_writes(tmp_path):
 def test_tiny_calc_config_is_what_the_warm_up_writes(tmp_path):
     """One step of the documented first warm-up command gives the shipped architecture; the
     shipped sft_info.json is the second command's (docs/environments.md)."""
-    from peergrade.sft import run_sft
+    from peergrade.training.sft import run_sft
 
     info = json.loads((TINY_CALC / "sft_info.json").read_text())
     assert info["tool_fraction"] == 0.15 and info["init"] is None
@@ -133,9 +133,14 @@ def test_warm_up_episode_tokens_are_the_runners(tmp_path):
     labels; a greedy episode of a model that learned the transcript reproduces it token for token."""
     import torch
 
-    from peergrade.envs import make_env_from_objects, run_episodes
-    from peergrade.sft import episode_example, sft_loss
-    from peergrade.tiny import COMPACT_TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+    from peergrade.envs import make_env_from_objects
+    from peergrade.generation.episodes import run_episodes
+    from peergrade.model.tiny import (
+        COMPACT_TOOL_CHAT_TEMPLATE,
+        build_char_tokenizer,
+        build_tiny_model,
+    )
+    from peergrade.training.sft import episode_example, sft_loss
 
     tok = build_char_tokenizer(chat_template=COMPACT_TOOL_CHAT_TEMPLATE)
     turns = calculator_turns("a*b", {"a": 12, "b": 34})
@@ -186,9 +191,10 @@ def test_warm_up_prompts_carry_the_tool_schemas_the_episodes_render():
     model would otherwise be taught on)."""
     import torch
 
-    from peergrade.envs import make_env_from_objects, run_episodes
-    from peergrade.sft import calculator_tools, sft_batch
-    from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+    from peergrade.envs import make_env_from_objects
+    from peergrade.generation.episodes import run_episodes
+    from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+    from peergrade.training.sft import calculator_tools, sft_batch
 
     tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
     torch.manual_seed(0)

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from peergrade import checkpoint as ckpt
-from peergrade.checkpoint import RunDirError
 from peergrade.errors import PeergradeError
+from peergrade.training import checkpoint as ckpt
+from peergrade.training.checkpoint import RunDirError
 
 
 @pytest.fixture

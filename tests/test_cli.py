@@ -81,7 +81,7 @@ def my_jsonl(tmp_path) -> Path:
 def test_train_smoke_subprocess(tiny_model_dir, rewards_py, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from peergrade.models import load_tokenizer
+    from peergrade.model.load import load_tokenizer
 
     opts = {
         **TINY,
@@ -407,7 +407,7 @@ def test_unwritable_run_dir_is_one_error_before_the_model_loads(
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
     """As root a chmod'd directory is still writable, so the path lies below a regular file."""
-    import peergrade.trainer as trainer_mod
+    import peergrade.training.trainer as trainer_mod
 
     def no_model(cfg):
         raise AssertionError("the model was loaded before the run directory was checked")

@@ -1,4 +1,4 @@
-"""Failure-mode detectors (peergrade.detectors): each one fires on a synthetic metrics stream
+"""Failure-mode detectors (peergrade.monitoring.detectors): each one fires on a synthetic metrics stream
 that has its failure -- and only that one fires -- and all stay silent on a healthy synthetic
 stream and on the real metrics of the CPU demo run (tests/data/demo_metrics.jsonl).
 
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from peergrade.config import AlertConfig
-from peergrade.detectors import ALERT_NAMES, Detectors, repetition_rate
-from peergrade.metrics import Display, read_jsonl
+from peergrade.monitoring.detectors import ALERT_NAMES, Detectors, repetition_rate
+from peergrade.monitoring.metrics import Display, read_jsonl
 
 DEMO = Path(__file__).parent / "data" / "demo_metrics.jsonl"
 ONSET = 30

@@ -470,7 +470,7 @@ def test_prompts_not_divisible_by_world_is_a_clear_error(monkeypatch):
 
 
 def test_memory_estimate_per_rank():
-    from peergrade.memory import estimate_memory
+    from peergrade.planning.memory import estimate_memory
 
     qwen_1_5b = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                      num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,

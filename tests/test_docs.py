@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from peergrade import cli, docgen
+from peergrade import cli
+from peergrade.cli import docgen
 from peergrade.config import ConfigError, all_keys, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 def test_generated_pages_match_the_code():
     stale = docgen.stale_pages(DOCS)
     assert stale == [], (
-        f"stale generated pages {stale}: regenerate with `python -m peergrade.docgen`"
+        f"stale generated pages {stale}: regenerate with `python -m peergrade.cli.docgen`"
     )
 
 

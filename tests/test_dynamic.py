@@ -1,4 +1,4 @@
-"""peergrade.dynamic: which groups teach, and the filling loop of dynamic sampling (exactly the
+"""peergrade.training.dynamic: which groups teach, and the filling loop of dynamic sampling (exactly the
 target when it can be filled, at most max_rounds rounds, what is short is reported, an
 all-degenerate source raises, deterministic under a seed)."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from peergrade.algo import group_advantages
-from peergrade.dynamic import Fill, fill_groups, informative_groups, rounds_ahead
 from peergrade.errors import InputError
+from peergrade.training.dynamic import Fill, fill_groups, informative_groups, rounds_ahead
 
 NAN = math.nan
 

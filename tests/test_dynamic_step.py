@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peergrade import trainer
 from peergrade.config import ConfigError, load_config
-from peergrade.dynamic import informative_groups
 from peergrade.errors import InputError
-from peergrade.rollout import Rollout
+from peergrade.generation.kernel import Rollout
+from peergrade.training import trainer
+from peergrade.training.dynamic import informative_groups
 from test_trainer import tiny_overrides
 
 REWARD_FILE = '''

@@ -14,13 +14,13 @@ from peergrade.envs import (
     ToolEnvironment,
     episodes_batch,
     parse_tool_calls,
-    run_episodes,
     tool_environment_factory,
 )
 from peergrade.envs.template import render, turn_delta
 from peergrade.errors import InputError
-from peergrade.models import position_ids_from_mask
-from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+from peergrade.generation.episodes import run_episodes
+from peergrade.model.load import position_ids_from_mask
+from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
 
 MARK = "FEEDBACK#"  # environment text that the model's own tokens must never contain
 

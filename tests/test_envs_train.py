@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from peergrade.cli import main
-from peergrade.components import Given
 from peergrade.config import ConfigError, load_config
-from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
+from peergrade.training.components import Given
 
 MARK = "FEEDBACK#"  # environment text that the model's sampled tokens must never contain
 
@@ -258,7 +258,7 @@ class Steered(torch.nn.Module):
 
 
 def test_collected_experience_masks_environment_tokens(files, monkeypatch):
-    from peergrade import trainer
+    from peergrade.training import trainer
 
     monkeypatch.chdir(files)
     tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
@@ -316,7 +316,7 @@ def test_collected_experience_masks_environment_tokens(files, monkeypatch):
 def test_environment_factory_reward_and_instances_reach_the_score(files, monkeypatch):
     """TRL's contract: ``get_reward()`` (async here) is the reward 'env', and reward functions
     get the user's instances in ``environments``."""
-    from peergrade import trainer
+    from peergrade.training import trainer
 
     monkeypatch.chdir(files)
     tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
@@ -386,8 +386,8 @@ def coarse(completions, **kwargs):
 def test_dynamic_sampling_fills_a_step_of_episodes(files, monkeypatch):
     """rollout.dynamic_sampling with an environment: extra rounds run their own episodes (rows
     from the dataset's keyed extra stream) and the kept groups' episodes are the batch."""
-    from peergrade import trainer
-    from peergrade.dynamic import informative_groups
+    from peergrade.training import trainer
+    from peergrade.training.dynamic import informative_groups
 
     monkeypatch.chdir(files)
     write(files / "my_dyn.py", COARSE)

@@ -15,12 +15,12 @@ import torch
 pytest.importorskip("verifiers.v1")
 
 from peergrade.cli import main  # noqa: E402
-from peergrade.components import Given  # noqa: E402
 from peergrade.config import load_config  # noqa: E402
 from peergrade.envs.protocol import run_sync  # noqa: E402
 from peergrade.envs.verifiers import load_verifiers, verifiers_reward  # noqa: E402
 from peergrade.errors import InputError  # noqa: E402
-from peergrade.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
+from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
+from peergrade.training.components import Given  # noqa: E402
 
 CALC = """
 import verifiers.v1 as vf
@@ -313,8 +313,8 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(
 ):
     """Through the trainer: the scripted tool call runs the Toolset's multiply; vf_calc's
     episode then ends with the (empty) answer, vf_stops' on its own stop, ``solved``."""
-    from peergrade import trainer
     from peergrade.envs.template import render
+    from peergrade.training import trainer
 
     tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
     inner, _ = build_tiny_model("qwen2", tok, seed=0, max_position_embeddings=2048)

@@ -9,8 +9,8 @@ import pytest
 
 from peergrade.errors import InputError
 from peergrade.evaluation import evaluate, pass_at_k, pass_at_k_curve, run_eval_command
+from peergrade.generation.kernel import generate
 from peergrade.rewards import RewardSpec, columns_for
-from peergrade.rollout import generate
 from peergrade.tasks.prompts import encode_prompts
 
 

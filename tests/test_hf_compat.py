@@ -19,7 +19,7 @@ import torch
 
 from cli_helper import cli
 from peergrade.config import load_config
-from peergrade.models import (
+from peergrade.model.load import (
     BUNDLED_MODEL,
     auto_tokenizer_mismatches,
     load_model,
@@ -107,7 +107,7 @@ def word_level_char_tokenizer(chat_template: str):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from peergrade.tiny import CHARS, SPECIAL_TOKENS
+    from peergrade.model.tiny import CHARS, SPECIAL_TOKENS
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
@@ -145,7 +145,7 @@ def test_bundled_model_autotokenizer_ids_equal_ours():
 def test_bundled_tokenizer_files_are_what_sft_writes(tmp_path):
     """The documented `peergrade sft --init qwen2 ...` writes these tokenizer files byte for byte
     (the weights take a full SFT run to check; see docs/getting-started.md, "The bundled model")."""
-    from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer
+    from peergrade.model.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer
 
     save_tokenizer(build_char_tokenizer(chat_template=COMPACT_CHAT_TEMPLATE), tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -154,7 +154,7 @@ def test_bundled_tokenizer_files_are_what_sft_writes(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tiny_model_dirs_round_trip_through_autotokenizer(arch, tmp_path):
-    from peergrade.tiny import save_tiny_model
+    from peergrade.model.tiny import save_tiny_model
 
     path = save_tiny_model(tmp_path / arch, arch, hidden_size=16, num_layers=1)
     ours = load_tokenizer(path)
@@ -165,7 +165,7 @@ def test_tiny_model_dirs_round_trip_through_autotokenizer(arch, tmp_path):
 def test_word_level_tokenizer_is_converted_when_saved(tmp_path):
     """The old form loses every newline under AutoTokenizer; save_tokenizer writes the
     byte-level form instead, with the same ids."""
-    from peergrade.tiny import COMPACT_CHAT_TEMPLATE, build_tiny_model
+    from peergrade.model.tiny import COMPACT_CHAT_TEMPLATE, build_tiny_model
 
     old = word_level_char_tokenizer(COMPACT_CHAT_TEMPLATE)
     model, _ = build_tiny_model("qwen2", old, hidden_size=16, num_layers=1)
@@ -202,7 +202,7 @@ def trained_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trained_checkpoint_loads_with_plain_hf_tools(trained_run):
-    from peergrade.checkpoint import latest_checkpoint
+    from peergrade.training.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(trained_run)
     assert ckpt is not None and ckpt.name == "step-2"
@@ -216,7 +216,7 @@ def test_trained_checkpoint_loads_with_plain_hf_tools(trained_run):
 def test_export_full_model(trained_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from peergrade.checkpoint import latest_checkpoint
+    from peergrade.training.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(trained_run)
     proc = cli(["export", str(trained_run), str(tmp_path / "out")], tmp_path)

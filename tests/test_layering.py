@@ -1,7 +1,10 @@
-"""The package's import graph follows the layering of docs/architecture.md: no cycles (lazy
-imports inside functions included), only ``cli``, ``memory`` and ``api`` import the trainer,
-``update`` sits below both ``trainer`` and ``ppo``, rewards/tasks/rollout/models never reach up
-into the step, and the ``Experience`` record imports no other peergrade module."""
+"""The package's import graph follows the layering of docs/architecture.md, stated as rules on
+folders: no cycles (lazy imports inside functions included); ``algo`` imports torch only; the
+foundation modules import nothing of ours; ``generation`` and ``model`` never reach into
+``training`` (nor take the config); ``envs`` never imports ``generation``; ``rewards`` and
+``tasks`` import no model or generation code (the reward-model loader ``rewards.models`` is the
+one door to ``model``); only ``cli``, ``api`` and ``planning`` import the trainer; ``update``
+sits below ``trainer`` and ``ppo``; the ``Experience`` record imports no other module of ours."""
 
 from __future__ import annotations
 
@@ -85,36 +88,83 @@ def test_cycle_finder_can_fail():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_only_cli_memory_and_api_import_the_trainer():
-    importers = {m for m, deps in import_graph().items() if "peergrade.trainer" in deps}
-    assert importers <= {"peergrade.cli", "peergrade.memory", "peergrade.api"}, importers
+def _package(mod: str) -> str:
+    """peergrade.training.trainer -> training; peergrade.errors -> errors."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _deps_of(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    return {m: d for m, d in graph.items() if _package(m) == package}
+
+
+#: the folders (and top-level modules) each folder may import, besides itself
+ALLOWED = {
+    "algo": set(),
+    "errors": set(),
+    "seeds": set(),
+    "files": {"errors"},
+    "tasks": {"errors", "files", "seeds", "rewards"},
+    "rewards": {"errors", "files", "seeds", "algo", "distributed", "model", "monitoring"},
+    "envs": {"errors", "files", "seeds", "rewards", "tasks"},
+    "model": {"errors", "files", "seeds", "algo", "distributed"},
+    "generation": {"errors", "files", "seeds", "envs", "model"},
+}
+
+
+def test_folders_import_only_the_layers_below_them():
+    graph = import_graph()
+    bad = []
+    for package, allowed in ALLOWED.items():
+        for mod, deps in _deps_of(graph, package).items():
+            for dep in deps:
+                if _package(dep) not in allowed | {package}:
+                    bad.append(f"{mod} -> {dep}")
+    assert bad == [], bad
+
+
+def test_the_folder_rules_can_fail():
+    assert _package("peergrade.training.trainer") == "training"
+    assert _package("peergrade.errors") == "errors"
+    fake = {"peergrade.generation.kernel": {"peergrade.training.trainer"}}
+    assert "training" not in ALLOWED["generation"]
+    assert _deps_of(fake, "generation") == fake
+
+
+def test_only_cli_api_and_planning_import_the_trainer():
+    importers = {m for m, deps in import_graph().items() if "peergrade.training.trainer" in deps}
+    assert {_package(m) for m in importers} <= {"cli", "api", "planning"}, importers
     assert "peergrade.api" in importers
     assert "peergrade.cli" in importers
 
 
-def test_lower_layers_do_not_reach_up():
+def test_the_update_sits_below_the_trainer_and_ppo():
     graph = import_graph()
-    step_modules = {"peergrade.trainer", "peergrade.ppo", "peergrade.update", "peergrade.memory"}
+    assert not graph["peergrade.training.update"] & {
+        "peergrade.training.trainer",
+        "peergrade.training.ppo",
+    }
+    assert "peergrade.training.trainer" not in graph["peergrade.training.ppo"]
+
+
+def test_only_the_reward_model_loader_reaches_model_code_from_rewards():
+    graph = import_graph()
     for mod, deps in graph.items():
-        if mod == "peergrade.update":
-            assert not deps & {"peergrade.trainer", "peergrade.ppo"}, (mod, deps)
-        if mod == "peergrade.ppo":
-            assert "peergrade.trainer" not in deps, (mod, deps)
-        lower = mod.startswith(("peergrade.rewards", "peergrade.tasks", "peergrade.algo"))
-        lower |= mod in {
-            "peergrade.rollout",
-            "peergrade.models",
-            "peergrade.logprobs",
-            "peergrade.experience",
-        }
-        if lower:
-            assert not deps & step_modules, (mod, deps & step_modules)
+        if _package(mod) in {"rewards", "tasks"} and mod != "peergrade.rewards.models":
+            assert not {d for d in deps if _package(d) in {"model", "generation"}}, (mod, deps)
+
+
+def test_lower_layers_take_plain_arguments_not_the_config():
+    for mod, deps in import_graph().items():
+        if _package(mod) in {"algo", "generation", "model", "envs", "rewards", "tasks"}:
             assert "peergrade.config" not in deps, (mod, "takes plain arguments, not the config")
-        if mod.startswith(("peergrade.rewards", "peergrade.tasks")):
-            model_code = {"peergrade.models", "peergrade.logprobs", "peergrade.rollout"}
-            assert not deps & model_code, (mod, deps & model_code)
 
 
 def test_the_experience_record_stands_alone():
     """``Experience`` travels from generation to the update: it depends on neither end."""
-    assert import_graph()["peergrade.experience"] == set()
+    assert import_graph()["peergrade.training.experience"] == set()
+
+
+def test_at_most_twelve_modules_sit_directly_in_the_package():
+    flat = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(flat) <= 12, flat

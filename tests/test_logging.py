@@ -22,10 +22,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peergrade import checkpoint as ckpt
 from peergrade.config import ConfigError, load_config
 from peergrade.errors import InputError
-from peergrade.metrics import MetricLogger, check_backends, read_jsonl
+from peergrade.monitoring.metrics import MetricLogger, check_backends, read_jsonl
+from peergrade.training import checkpoint as ckpt
 
 LINES = [
     {"step": 0, "eval/pass@1_greedy": 0.25, "eval/n": 200},
@@ -102,7 +102,7 @@ def test_missing_package_is_named(monkeypatch):
 def test_missing_package_fails_before_the_model_loads(monkeypatch, tmp_path):
     import importlib.util
 
-    import peergrade.trainer as trainer_mod
+    import peergrade.training.trainer as trainer_mod
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -124,7 +124,7 @@ def test_no_backend_writes_only_jsonl_and_imports_none(tmp_path):
     code = textwrap.dedent(
         f"""
         import sys
-        from peergrade.metrics import MetricLogger
+        from peergrade.monitoring.metrics import MetricLogger
         with MetricLogger({str(tmp_path)!r}, []) as log:
             log.write({{"step": 1, "reward/total/mean": 0.5}})
         print([m for m in ("tensorboard", "torch.utils.tensorboard", "wandb", "trackio")
@@ -196,7 +196,7 @@ def test_trackio_store_reads_back(tmp_path):
     code = textwrap.dedent(
         f"""
         import json
-        from peergrade.metrics import MetricLogger
+        from peergrade.monitoring.metrics import MetricLogger
         with MetricLogger({str(run_dir)!r}, ["trackio"], project="pgtest", config={{"a": 1}}) as log:
             for line in {LINES!r}:
                 log.write(line)
@@ -226,7 +226,7 @@ def test_wandb_offline_run_file_written(tmp_path):
     run_dir.mkdir()
     code = textwrap.dedent(
         f"""
-        from peergrade.metrics import MetricLogger
+        from peergrade.monitoring.metrics import MetricLogger
         with MetricLogger({str(run_dir)!r}, ["wandb"], project="pgtest", config={{"a": 1}}) as log:
             for line in {LINES!r}:
                 log.write(line)
@@ -261,7 +261,7 @@ def test_train_feeds_tensorboard_and_logs_rewards_per_function(
     cfg = load_config(
         None, tiny_overrides(tiny_model_dir, reward_file, **{"train.report_to": ["tensorboard"]})
     )
-    from peergrade.trainer import train
+    from peergrade.training.trainer import train
 
     run = tmp_path / "run"
     train(cfg, run)
@@ -297,9 +297,9 @@ def test_nonfinite_loss_skips_the_step_and_is_reported(
 ):
     """A NaN loss gives NaN gradients: every optimizer step is skipped (weights bit-identical
     to the start, AdamW state untouched), counted, and the nonfinite alert is logged."""
-    import peergrade.ppo as ppo_mod
-    import peergrade.trainer as trainer_mod
-    import peergrade.update as update_mod
+    import peergrade.training.ppo as ppo_mod
+    import peergrade.training.trainer as trainer_mod
+    import peergrade.training.update as update_mod
 
     mod = update_mod if algo == "grpo" else ppo_mod
     real = mod.policy_loss

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from peergrade.logprobs import _ChunkedLogProbs, naive_token_logprobs, token_logprobs
-from peergrade.models import apply_lora, position_ids_from_mask
+from peergrade.model.load import apply_lora, position_ids_from_mask
+from peergrade.model.logprobs import _ChunkedLogProbs, naive_token_logprobs, token_logprobs
 
 TOL = 1e-5
 
@@ -98,7 +98,7 @@ def test_entropy_only_gradient(tiny_qwen2):
 
 def test_untied_head_with_bias():
     """Untied lm_head with a bias: head weight, bias and embedding get their own gradients."""
-    from peergrade.tiny import build_tiny_model
+    from peergrade.model.tiny import build_tiny_model
 
     model, _ = build_tiny_model("llama", seed=3, tie_word_embeddings=False)
     old = model.lm_head
@@ -142,7 +142,7 @@ def test_no_full_logits_saved_for_backward():
     does keep one: that shows the hook sees it)."""
     from transformers import AutoModelForCausalLM
 
-    from peergrade.tiny import tiny_config
+    from peergrade.model.tiny import tiny_config
 
     tok_vocab = 5000
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from peergrade.memory import estimate_for_config, estimate_memory, measure_memory, param_counts
-from peergrade.tiny import tiny_config
+from peergrade.model.tiny import tiny_config
+from peergrade.planning.memory import (
+    estimate_for_config,
+    estimate_memory,
+    measure_memory,
+    param_counts,
+)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -21,7 +26,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def test_param_counts_match_real_models(arch, tied, kw):
     from transformers import AutoModelForCausalLM
 
-    from peergrade.models import apply_lora
+    from peergrade.model.load import apply_lora
 
     cfg = tiny_config(arch, vocab_size=101, intermediate_size=80, tie_word_embeddings=tied, **kw)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -255,7 +260,7 @@ def test_estimate_with_the_reference_offloaded():
 def test_memory_follows_the_trainers_few_shot_prompts(tiny_model_dir):
     """`peergrade memory` runs the trainer's own step: few-shot example turns lengthen the
     prompts it measures and the prompts its estimate assumes, as they lengthen training's."""
-    from peergrade.memory import prompt_length
+    from peergrade.planning.memory import prompt_length
 
     seen = {}
     for k in (0, 2):
@@ -278,7 +283,7 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(tmp_path, variant):
     mostly activations (a 3M-parameter Qwen2, 32 completions of 32 tokens in one micro-batch):
     a wrong activation model cannot hide behind the weights. The measurement runs every
     completion to full length and trains every row (``_run_steps``), as the estimate assumes."""
-    from peergrade.tiny import save_tiny_model
+    from peergrade.model.tiny import save_tiny_model
 
     model = save_tiny_model(
         tmp_path / "m", "qwen2", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,

@@ -9,14 +9,14 @@ import shutil
 import pytest
 import torch
 
-from peergrade.logprobs import naive_token_logprobs, token_logprobs
-from peergrade.models import (
+from peergrade.model.load import (
     ModelLoadError,
     apply_lora,
     disable_adapter,
     load_model,
     load_tokenizer,
 )
+from peergrade.model.logprobs import naive_token_logprobs, token_logprobs
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from peergrade.config import ConfigError, load_config
-from peergrade.trainer import train
-from peergrade.update import Models, frozen_logprobs, grpo_update
+from peergrade.training.trainer import train
+from peergrade.training.update import Models, frozen_logprobs, grpo_update
 from test_trainer import read_metrics, reward_file, tiny_overrides  # noqa: F401 (fixture)
 from test_update_fast import ConstantSchedule, RecordingOptimizer, _batch, _cfg
 

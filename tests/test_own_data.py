@@ -109,7 +109,7 @@ def test_file_task_names_the_row_whose_required_column_is_null(tmp_path):
 
 
 def test_chat_template_note_only_for_plain_text_on_a_chat_tokenizer():
-    from peergrade.models import load_tokenizer, resolve_model_path
+    from peergrade.model.load import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(resolve_model_path("bundled"))
     note = chat_template_note("16+44=", tok)

@@ -1,4 +1,4 @@
-"""Pipelined rollouts (``rollout.async_steps``, ``peergrade.pipeline``): deterministic versions
+"""Pipelined rollouts (``rollout.async_steps``, ``peergrade.training.pipeline``): deterministic versions
 and bounded staleness under uneven timings with nothing discarded, the same weights as a run
 without the delays, behaviour log-probs equal to the trainer's recomputation at the sampling
 version, exact resume after Ctrl-C and after SIGKILL, a producer that never outlives the run,
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from peergrade import pipeline
-from peergrade import trainer as trainer_mod
 from peergrade.config import ConfigError, load_config
-from peergrade.trainer import train
-from peergrade.update import frozen_logprobs
+from peergrade.training import pipeline
+from peergrade.training import trainer as trainer_mod
+from peergrade.training.trainer import train
+from peergrade.training.update import frozen_logprobs
 from test_experience import _processed_logprobs
 from test_trainer import REWARD_FILE, comparable, read_metrics, tiny_overrides, weights
 
@@ -302,8 +302,7 @@ def test_a_failing_reward_in_the_producer_is_raised_by_the_trainer(
 
 KILL_AFTER_SAVE = """
 import os, signal, sys
-from peergrade import checkpoint
-
+from peergrade.training import checkpoint
 real_save = checkpoint.save_checkpoint
 
 

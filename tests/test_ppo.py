@@ -14,8 +14,8 @@ import torch
 from peergrade.algo import policy_loss, value_loss
 from peergrade.algo.advantages import last_token_index, token_rewards, whiten
 from peergrade.config import ConfigError, load_config
-from peergrade.ppo import CriticCheckpointState, build_critic, ppo_advantages, ppo_update
-from peergrade.trainer import setup_models
+from peergrade.training.ppo import CriticCheckpointState, build_critic, ppo_advantages, ppo_update
+from peergrade.training.trainer import setup_models
 
 
 def ppo_policy_loss(logp, old, adv, mask, **kw):
@@ -245,7 +245,7 @@ def test_config_validation_for_ppo(tiny_model_dir):
 @pytest.mark.slow
 def test_a_few_ppo_steps_raise_a_dense_reward(tiny_model_dir):
     """Reward = fraction of digit characters in the completion. PPO must raise it."""
-    from peergrade.rollout import generate
+    from peergrade.generation.kernel import generate
 
     cfg = _cfg(
         tiny_model_dir,

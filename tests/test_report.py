@@ -15,7 +15,7 @@ import pytest
 
 from cli_helper import cli
 from peergrade.cli import main
-from peergrade.report import OPTIONAL_PANELS, PANELS, load_run, read_jsonl, render_report
+from peergrade.monitoring.report import OPTIONAL_PANELS, PANELS, load_run, read_jsonl, render_report
 
 TINY = {
     "rollout.prompts_per_step": "2",
@@ -252,7 +252,7 @@ def test_a_panel_with_nothing_logged_is_named_not_drawn(tmp_path):
     ],
 )
 def test_per_function_rewards_in_any_logged_shape(tmp_path, field):
-    from peergrade.report import samples_section
+    from peergrade.monitoring.report import samples_section
 
     run = synthetic_run(tmp_path / "run", steps=1)
     s = json.loads((run / "samples.jsonl").read_text())
@@ -265,7 +265,7 @@ def test_per_function_rewards_in_any_logged_shape(tmp_path, field):
 
 
 def test_no_per_function_column_when_none_logged(tmp_path):
-    from peergrade.report import samples_section
+    from peergrade.monitoring.report import samples_section
 
     run = synthetic_run(tmp_path / "run", steps=2)
     rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
@@ -339,7 +339,7 @@ def test_a_constant_run_is_left_out_of_an_overlay_and_named(tmp_path):
 
 
 def test_ema_is_tensorboards_debiased_average():
-    from peergrade.report import ema
+    from peergrade.monitoring.report import ema
 
     assert ema([4.0], 0.6) == [4.0]  # debiased: the first point is not pulled toward 0
     out = ema([1.0, 3.0], 0.5)
@@ -350,7 +350,7 @@ def test_ema_is_tensorboards_debiased_average():
 def test_noisy_curves_get_a_smoothed_line_beside_the_raw_one(tmp_path):
     import random
 
-    from peergrade.report import is_noisy, panel_series
+    from peergrade.monitoring.report import is_noisy, panel_series
 
     rng = random.Random(0)
     noise = [0.5 + 0.01 * s + rng.uniform(-0.3, 0.3) for s in range(60)]
@@ -381,7 +381,7 @@ def test_noisy_curves_get_a_smoothed_line_beside_the_raw_one(tmp_path):
 def test_episodes_show_turn_by_turn_with_the_masked_turns_marked(tmp_path):
     """samples.jsonl of a run with tools holds message lists (trainer.step_result); the report
     labels every turn and marks the ones not trained on (tool and environment messages)."""
-    from peergrade.report import samples_section
+    from peergrade.monitoring.report import samples_section
 
     run = synthetic_run(tmp_path / "run", steps=1)
     s = json.loads((run / "samples.jsonl").read_text())
@@ -509,7 +509,7 @@ def test_training_time_leaves_out_evaluation_and_does_not_add_overlapped_phases(
     """``step_train_seconds``: a synchronous step is the sum of its phases; a pipelined one
     (time/wait_s logged) generated while it updated, so its phases overlap and it is the step's
     wall time less its held-out evaluation (time/eval_s)."""
-    from peergrade.report import step_train_seconds, train_seconds
+    from peergrade.monitoring.report import step_train_seconds, train_seconds
 
     phases = {"time/generate_s": 3.0, "time/reward_s": 0.5, "time/ref_s": 0.5, "time/update_s": 2.0}
     sync = {**phases, "time/step_s": 6.1}

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from cli_helper import cli
-from peergrade.models import ModelLoadError
-from peergrade.reward_models import (
+from peergrade.model.load import ModelLoadError
+from peergrade.rewards.models import (
     RewardModel,
     is_reward_model_name,
     load_reward_model,
@@ -35,7 +35,7 @@ def make_classifier(out: Path, *, num_labels: int = 1, dropout: float = 0.0, see
     """A tiny Qwen2ForSequenceClassification + char tokenizer saved in ``out``."""
     from transformers import Qwen2ForSequenceClassification
 
-    from peergrade.tiny import build_char_tokenizer, tiny_config
+    from peergrade.model.tiny import build_char_tokenizer, tiny_config
 
     tok = build_char_tokenizer()
     cfg = tiny_config(
@@ -66,7 +66,7 @@ def direct_scores(path: Path, texts: list[str]) -> list[float]:
     """One unpadded forward per text: the score the reward model must reproduce."""
     from transformers import AutoModelForSequenceClassification
 
-    from peergrade.models import load_tokenizer
+    from peergrade.model.load import load_tokenizer
 
     tok = load_tokenizer(path)
     model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
@@ -131,8 +131,13 @@ def test_which_names_are_reward_models(rm_dir, tmp_path, monkeypatch):
 
 
 def test_rewards_package_imports_no_model_code():
-    """Layering: reward functions never import transformers, peergrade.models or this seam."""
-    banned = {"transformers", "peergrade.models", "peergrade.reward_models", "peergrade.trainer"}
+    """Layering: reward functions never import transformers, peergrade.model.load or this seam."""
+    banned = {
+        "transformers",
+        "peergrade.model.load",
+        "peergrade.rewards.models",
+        "peergrade.training.trainer",
+    }
     for path in sorted((SRC / "rewards").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -147,7 +152,7 @@ def test_rewards_package_imports_no_model_code():
         "import sys, peergrade.rewards as r\n"
         "[r.resolve_reward(n) for n in r.available_rewards() if n != 'reasoning_gym']\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'"
-        " or m in ('peergrade.models', 'peergrade.reward_models')))\n"
+        " or m in ('peergrade.model.load', 'peergrade.rewards.models')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -156,7 +161,7 @@ def test_rewards_package_imports_no_model_code():
 
 def test_memory_counts_the_reward_model(rm_dir, tiny_model_dir):
     from peergrade.config import load_config
-    from peergrade.memory import estimate_for_config
+    from peergrade.planning.memory import estimate_for_config
 
     n_params = sum(p.numel() for p in load_reward_model(rm_dir).model.parameters())
     m = reward_model_memory(rm_dir, dtype="float32", seq_len=20, batch_size=4)
@@ -199,7 +204,7 @@ def test_cli_trains_with_a_reward_model(rm_dir, tmp_path):
     assert len(train) == 2 and all("reward/tiny-rm/mean" in r for r in train)
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4
-    from peergrade.models import load_tokenizer
+    from peergrade.model.load import load_tokenizer
 
     tok = load_tokenizer(rm_dir)
     for s in samples:  # the logged total is the reward model's score of prompt + completion
@@ -227,8 +232,8 @@ def test_measured_memory_includes_the_reward_model(tiny_model_dir, tmp_path):
     from transformers import Qwen2ForSequenceClassification
 
     from peergrade.config import load_config
-    from peergrade.memory import estimate_for_config, measure_memory
-    from peergrade.tiny import build_char_tokenizer, tiny_config
+    from peergrade.model.tiny import build_char_tokenizer, tiny_config
+    from peergrade.planning.memory import estimate_for_config, measure_memory
 
     tok = build_char_tokenizer()
     cfg = tiny_config("qwen2", vocab_size=len(tok), hidden_size=384, num_layers=6)

@@ -117,8 +117,8 @@ def test_memo_leaves_the_audits_scores_unchanged(monkeypatch):
     the memo, and so does the report (rows of the arithmetic task: numbers, words, lookalikes)."""
     import itertools
 
-    from peergrade.audit import audit_rewards
     from peergrade.rewards import RewardSpec
+    from peergrade.rewards.audit import audit_rewards
     from peergrade.rewards.math import clear_caches
     from peergrade.tasks import load_task
 

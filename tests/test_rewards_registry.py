@@ -284,7 +284,7 @@ def test_exception_in_batch_only_reports_unknown_sample():
 def test_partial_failures_keep_the_other_scores_and_are_counted_by_kind(capsys):
     """RewardSampleErrors: the samples that failed go through on_error, the others keep their
     scores, and the failures are counted under reward/<fn>/<kind> (0 when declared and none)."""
-    from peergrade.metrics import Display
+    from peergrade.monitoring.metrics import Display
     from peergrade.rewards import RewardSampleErrors
 
     def flaky(prompts, completions, **kw):

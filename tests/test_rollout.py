@@ -1,4 +1,4 @@
-"""Tests for peergrade.rollout: exact log-probs, greedy parity with HF, sampling distribution,
+"""Tests for peergrade.generation.kernel: exact log-probs, greedy parity with HF, sampling distribution,
 truncation, stop strings, determinism, micro-batching and input validation (CPU, tiny models)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peergrade.rollout import Rollout, generate, position_ids_from_mask
+from peergrade.generation.kernel import Rollout, generate, position_ids_from_mask
 
 PROMPTS = ["hello there", "a", "What is 12+7? Answer:", "xyz"]
 
@@ -16,7 +16,7 @@ def _peaky_model(arch: str, tok, seed: int = 0, **extra):
     so greedy outputs vary and distribution tests have power."""
     from transformers import AutoModelForCausalLM
 
-    from peergrade.tiny import tiny_config
+    from peergrade.model.tiny import tiny_config
 
     cfg = tiny_config(
         arch, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
@@ -450,7 +450,7 @@ def test_rank_shards_with_global_keys_equal_one_process(peaky_qwen2):
 def test_keyed_uniforms_are_splitmix64():
     """The int64 tensor hash equals a pure-Python uint64 splitmix64 (wrap-around products,
     logical shifts), for keys and seeds with the top bit set too."""
-    from peergrade.rollout import _row_states, _uniforms
+    from peergrade.generation.kernel import _row_states, _uniforms
 
     mask, golden = 2**64 - 1, 0x9E3779B97F4A7C15
 
@@ -493,7 +493,7 @@ def test_keyed_draws_follow_the_processed_distribution():
     prompt keys) from a fixed 8-token distribution at temperature 0.8, top-k 6, top-p 0.9:
     chi-square fits the processed probabilities, rejects the unprocessed ones, and successive
     positions / samples are independent (a 4 x 4 grid of consecutive pairs is uniform)."""
-    from peergrade.rollout import _row_states, _sample, _uniforms
+    from peergrade.generation.kernel import _row_states, _sample, _uniforms
 
     logits = torch.tensor([2.0, 1.2, 1.0, 0.3, 0.0, -0.5, -2.0, -4.0])
     temperature, top_k, top_p, n = 0.8, 6, 0.9, 20000
@@ -535,7 +535,7 @@ def test_check_every_does_not_change_results(peaky_qwen2):
 
 
 def test_restores_train_mode_and_records_no_grad(char_tokenizer):
-    from peergrade.tiny import build_tiny_model
+    from peergrade.model.tiny import build_tiny_model
 
     model, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
     model.train()
@@ -557,7 +557,7 @@ def test_token_id_prompts_equal_string_prompts(tiny_qwen2):
 
 def test_peft_model(char_tokenizer):
     peft = pytest.importorskip("peft")
-    from peergrade.tiny import build_tiny_model
+    from peergrade.model.tiny import build_tiny_model
 
     base, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
     base.eval()
@@ -628,7 +628,7 @@ def test_tokenizer_without_pad_or_eos(tiny_qwen2):
 def test_completion_id_lists_keep_only_counted_tokens():
     """Rollout.completion_id_lists: each row's ids up to its counted length (the reward
     contract's completion_ids), never the padding after an early EOS."""
-    from peergrade.rollout import Rollout
+    from peergrade.generation.kernel import Rollout
 
     ro = Rollout(
         prompt_ids=[[1], [2], [3]],

@@ -55,7 +55,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
 
     from transformers.utils import logging as hf_logging
 
-    from peergrade.trainer import train
+    from peergrade.training.trainer import train
 
     run = tmp_path_factory.mktemp("finished") / "run"
     overrides = [("model.path", str(tiny_model_dir)), ("train.steps", 2), *TINY.items()]
@@ -98,7 +98,7 @@ def test_checkpoint_export_and_config_get_the_umask(finished_run):
 
 def test_resume_of_a_finished_run_changes_nothing(finished_run, capsys, monkeypatch):
     """Item 9: it says the run is finished and how to extend it; nothing is loaded or written."""
-    import peergrade.trainer as trainer_mod
+    import peergrade.training.trainer as trainer_mod
 
     def no_model(cfg):
         raise AssertionError("a finished run loaded its model again")
@@ -122,7 +122,7 @@ def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(
 ):
     """Item 8, and item 6 end to end: the run is started with relative --data and --reward in
     one directory and resumed from another."""
-    import peergrade.trainer as trainer_mod
+    import peergrade.training.trainer as trainer_mod
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
@@ -161,7 +161,7 @@ def test_ctrl_c_before_the_first_checkpoint_resumes_from_step_0(
 
 
 def test_ctrl_c_while_evaluating_the_starting_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    import peergrade.trainer as trainer_mod
+    import peergrade.training.trainer as trainer_mod
 
     run = tmp_path / "run"
 

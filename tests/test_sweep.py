@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from peergrade.errors import InputError
-from peergrade.report import load_run
-from peergrade.sweep import baseline_se, grid, parse_sets, summarize, variant_name
+from peergrade.monitoring.report import load_run
+from peergrade.planning.sweep import baseline_se, grid, parse_sets, summarize, variant_name
 
 
 def test_parse_sets_and_grid():
@@ -172,7 +172,7 @@ def test_help_mentions_the_new_options(cmd, flag, capsys):
 
 def test_run_sweep_validates_every_variant_before_training(tmp_path):
     from peergrade.config import ConfigError, load_config
-    from peergrade.sweep import run_sweep
+    from peergrade.planning.sweep import run_sweep
 
     calls = []
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from peergrade import checkpoint as ckpt
-from peergrade.checkpoint import RunDirError
 from peergrade.config import load_config
-from peergrade.trainer import train
+from peergrade.training import checkpoint as ckpt
+from peergrade.training.checkpoint import RunDirError
+from peergrade.training.trainer import train
 
 REWARD_FILE = '''
 def char_score(prompts, completions, **kwargs):
@@ -135,7 +135,7 @@ def test_resume_is_exact(tiny_model_dir, reward_file, tmp_path, extra):
 def test_stop_flag_saves_last_completed_step_and_resumes(tiny_model_dir, reward_file, tmp_path):
     """A Ctrl-C during step 2 (the flag set by the SIGINT handler) finishes step 2, saves it and
     returns interrupted; --resume then runs to the end."""
-    import peergrade.update as update_mod  # GRPO.update calls update.grpo_update
+    import peergrade.training.update as update_mod  # GRPO.update calls update.grpo_update
 
     cfg = load_config(None, tiny_overrides(tiny_model_dir, reward_file, **{"train.steps": 4}))
     run = tmp_path / "run"
@@ -222,7 +222,7 @@ def test_zero_signal_batch_skips_forward_and_leaves_weights(
     """All rewards equal and beta 0: the loss is exactly 0, so no forward/backward is run (the
     patched log-prob function would raise) and, with a fresh AdamW and no weight decay, the
     weights do not move at all."""
-    import peergrade.update as update_mod
+    import peergrade.training.update as update_mod
 
     reward = tmp_path / "const.py"
     reward.write_text(ZERO_REWARD_FILE)
@@ -250,7 +250,7 @@ def test_build_optimizer_is_fused_adamw_and_steps_like_the_reference():
     """The trainer's AdamW is the fused kernel (no per-tensor temporaries) and takes the same
     step as torch's single-tensor AdamW to float32 rounding."""
     from peergrade.config import OptimConfig
-    from peergrade.update import build_optimizer
+    from peergrade.training.update import build_optimizer
 
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, adam_betas=[0.9, 0.99])
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def test_few_shot_run_logs_the_curriculum(tiny_model_dir, reward_file, tmp_path)
 def test_ref_offload_puts_the_reference_on_the_device_for_its_pass_only(monkeypatch):
     """model.ref_offload: the reference lives in host memory and visits the device for the
     reference log-prob pass, and goes back even when the pass fails."""
-    from peergrade import update as tr
+    from peergrade.training import update as tr
 
     ref = torch.nn.Linear(2, 2)  # on the CPU, while the run's device is an accelerator
     moves: list[str] = []
@@ -524,7 +524,7 @@ def test_held_out_accuracy_uses_the_verifier_as_configured(tiny_model_dir):
     """A recipe that configures the task's verifier with options (issue 16's arithmetic with
     ``extract: last_number``) is evaluated with those options too, and the training accuracy
     reuses the reward's own scores; without it, the task's default verifier."""
-    import peergrade.trainer as trainer
+    import peergrade.training.trainer as trainer
 
     base = [("model.path", str(tiny_model_dir)), ("train.threads", 1)]
     lenient = [{"name": "arithmetic", "weight": 1.0, "kwargs": {"extract": "last_number"}}]
@@ -542,8 +542,8 @@ def test_misspelt_reward_option_fails_before_the_model_loads(reward_file, tmp_pa
     """`kwargs: {extrct: last_number}` for `arithmetic` was accepted and ignored in training
     (while `peergrade eval --reward-option` rejected it). The model path does not exist: the
     option error comes first."""
-    from peergrade import trainer
     from peergrade.errors import InputError
+    from peergrade.training import trainer
 
     bad = [{"name": "arithmetic", "weight": 1.0, "kwargs": {"extrct": "last_number"}}]
     over = tiny_overrides(tmp_path / "no-model-here", reward_file) + [("rewards", bad)]

@@ -16,7 +16,7 @@ import yaml
 from cli_helper import cli
 from peergrade.api import OPEN_R1_REWARDS, recipe_overrides
 from peergrade.config import ConfigError, load_config
-from peergrade.models import BUNDLED_MODEL
+from peergrade.model.load import BUNDLED_MODEL
 from peergrade.rewards import resolve_reward
 
 # ----------------------------------------------------------------- open-r1's definitions

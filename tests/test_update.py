@@ -1,4 +1,4 @@
-"""The shared update (peergrade.update): gradient accumulation over micro-batches optimises the
+"""The shared update (peergrade.training.update): gradient accumulation over micro-batches optimises the
 minibatch's loss for every loss type, and the logged losses are what their names say."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from peergrade.algo import policy_loss
 from peergrade.config import load_config
-from peergrade.logprobs import token_logprobs
-from peergrade.update import Models, build_optimizer, build_scheduler, grpo_update
+from peergrade.model.logprobs import token_logprobs
+from peergrade.training.update import Models, build_optimizer, build_scheduler, grpo_update
 
 
 def _batch(tok, N=8, P=5, C=4, seed=0):

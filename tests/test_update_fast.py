@@ -11,7 +11,7 @@ import torch
 
 from peergrade.algo import policy_loss
 from peergrade.config import load_config
-from peergrade.update import Models, by_length, elided_rows, grpo_update, trim
+from peergrade.training.update import Models, by_length, elided_rows, grpo_update, trim
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 
@@ -214,7 +214,7 @@ def test_shared_prompt_forward_matches_plain(request, fixture):
     """Each distinct prompt run once, its KV cache expanded to its completions: the same
     log-probs, entropies and gradients (prompt weights included) as the plain forward, with
     prompts of different lengths (left padding) and ragged completions."""
-    from peergrade.logprobs import token_logprobs
+    from peergrade.model.logprobs import token_logprobs
 
     model, _ = request.getfixturevalue(fixture)
     model = copy.deepcopy(model).train()
@@ -238,7 +238,7 @@ def test_shared_prompt_forward_matches_plain(request, fixture):
 
 
 def test_shared_prompt_forward_runs_each_prompt_once(tiny_qwen2):
-    from peergrade.logprobs import token_logprobs
+    from peergrade.model.logprobs import token_logprobs
 
     model, _ = tiny_qwen2
     model = copy.deepcopy(model)
@@ -264,7 +264,7 @@ def test_bf16_autocast_update_is_close_to_fp32(tiny_qwen2):
 
 
 def test_autocast_setting_resolves(tiny_qwen2, monkeypatch):
-    from peergrade import update
+    from peergrade.training import update
 
     model, _ = tiny_qwen2
     assert update.use_bf16_autocast("bf16", "cpu", model)

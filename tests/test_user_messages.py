@@ -11,7 +11,7 @@ import re
 import pytest
 
 from peergrade.cli import build_parser, main
-from peergrade.metrics import Display
+from peergrade.monitoring.metrics import Display
 from peergrade.tasks import load_task
 
 

@@ -475,7 +475,7 @@ def prepare(model):
         return model
     from torch.distributed.fsdp import fully_shard
 
-    from peergrade.models import find_backbone_and_head
+    from peergrade.model.load import find_backbone_and_head
 
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]

@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
 from peergrade.config import Config
 from peergrade.errors import InputError, user_input
+from peergrade.generation.kernel import generate
 from peergrade.rewards import (
     RewardSpec,
     TrainerState,
@@ -67,8 +67,8 @@ from peergrade.rewards import (
     resolve_reward,
     score_rewards,
 )
-from peergrade.rollout import generate
 from peergrade.seeds import step_seed
+from peergrade.training import checkpoint as ckpt
 
 EVAL_SEED_SALT = 99  # peergrade.seeds: the held-out sampling stream
 
@@ -324,8 +324,9 @@ class Replies:
     def of_episodes(
         cls, model, tokenizer, rows, n, temperature, seed, budget, top_p, batch_size, options
     ) -> Replies:
-        from peergrade.envs import reward_inputs, run_episodes
+        from peergrade.envs import reward_inputs
         from peergrade.envs.scoring import environment_rewards
+        from peergrade.generation.episodes import run_episodes
 
         eps = run_episodes(
             model,
@@ -426,10 +427,9 @@ def run_eval_command(
     written with one line per problem (its answers, see ``evaluate``'s completions)."""
     from pathlib import Path
 
-    from peergrade.components import build_env, build_task, encode_rows, episode_rows
     from peergrade.config import load_config
     from peergrade.envs.scoring import EPISODE_COLUMNS
-    from peergrade.models import (
+    from peergrade.model.load import (
         load_model,
         load_tokenizer,
         resolve_device,
@@ -437,6 +437,7 @@ def run_eval_command(
         resolve_model_path,
     )
     from peergrade.rewards import make_reward_specs
+    from peergrade.training.components import build_env, build_task, encode_rows, episode_rows
 
     if (n is not None and n < 1) or (k is not None and k < 1):
         raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
@@ -563,7 +564,7 @@ class HeldOut:
         rows = run.task.eval_rows(n) if getattr(run.task, "has_eval", True) else []
         if getattr(run, "make_env", None) is None:
             return cls(run, rows, run.encode(rows))
-        from peergrade.components import episode_rows
+        from peergrade.training.components import episode_rows
 
         return cls(run, episode_rows(run.cfg, run.task, rows), [])
 

@@ -17,7 +17,12 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["apply_umask", "atomic_write_text", "current_umask"]
+__all__ = ["PYTHON_ONLY", "apply_umask", "atomic_write_text", "current_umask"]
+
+#: how config.yaml records what the Python API was given as an object (a dataset held in memory,
+#: a tool defined in ``__main__``): never a path; loading it from the command line is an error
+#: that says to resume from Python (``components.build_task``, ``envs.load.load_object``)
+PYTHON_ONLY = "python-object:"
 
 
 def current_umask() -> int:

@@ -111,7 +111,7 @@ that holds -inf or NaN log-probabilities cannot leak NaN into the loss or its gr
 
 What it deliberately does not do
 --------------------------------
-No log-prob computation (see peergrade.logprobs), no advantage computation (advantages.py), no
+No log-prob computation (see peergrade.model.logprobs), no advantage computation (advantages.py), no
 cross-process reduction (the caller passes ``num_tokens`` and reduces metrics), no dual-clip,
 no entropy bonus, no config objects, no I/O. It imports torch only.
 """

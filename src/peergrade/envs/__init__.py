@@ -23,14 +23,14 @@
 
 The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``
 (the Python API with ``make_env_from_objects``),
-samples with ``run_episodes`` and trains on ``episodes_batch``; this package knows nothing of
+samples with ``peergrade.generation.episodes.run_episodes`` and trains on ``episodes_batch``; this package knows nothing of
 the trainer. Not done here: sandboxed code tools. See
 docs/environments.md.
 """
 
+from peergrade.envs.episode import Episode, episode_metrics, episodes_batch
 from peergrade.envs.load import make_env_from_objects, make_env_from_specs
 from peergrade.envs.protocol import Environment, Step
-from peergrade.envs.runner import Episode, episode_metrics, episodes_batch, run_episodes
 from peergrade.envs.scoring import reward_inputs
 from peergrade.envs.template import TemplateError, check_template
 from peergrade.envs.tools import ToolEnvironment, parse_tool_calls, tool_environment_factory
@@ -48,6 +48,5 @@ __all__ = [
     "make_env_from_specs",
     "parse_tool_calls",
     "reward_inputs",
-    "run_episodes",
     "tool_environment_factory",
 ]

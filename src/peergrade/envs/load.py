@@ -31,10 +31,10 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from peergrade.config import PYTHON_ONLY  # a tool or class given from Python, not importable
 from peergrade.envs.tools import tool_environment_factory
 from peergrade.envs.verifiers import is_verifiers_spec, load_verifiers
 from peergrade.errors import InputError, PeergradeError
+from peergrade.files import PYTHON_ONLY  # a tool or class given from Python, not importable
 
 
 def reference_of(obj: Any) -> str:

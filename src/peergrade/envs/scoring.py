@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from peergrade.envs.episode import Episode
 from peergrade.envs.protocol import maybe_await, run_sync
-from peergrade.envs.runner import Episode
 
 #: the columns ``reward_inputs`` adds to the dataset's (a reward may require them)
 EPISODE_COLUMNS = ("completion_ids", "environments")

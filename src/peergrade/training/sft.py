@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from peergrade.checkpoint import RunDirError, apply_umask, check_writable
 from peergrade.tasks import load_task, render_prompt
+from peergrade.training.checkpoint import RunDirError, apply_umask, check_writable
 
 
 def sft_batch(
@@ -154,8 +154,8 @@ def run_sft(
     on_step=None,
 ) -> Path:
     """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
-    from peergrade.models import load_model, load_tokenizer, save_tokenizer
-    from peergrade.tiny import (
+    from peergrade.model.load import load_model, load_tokenizer, save_tokenizer
+    from peergrade.model.tiny import (
         COMPACT_CHAT_TEMPLATE,
         COMPACT_TOOL_CHAT_TEMPLATE,
         build_char_tokenizer,

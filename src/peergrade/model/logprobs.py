@@ -54,7 +54,7 @@ What it deliberately does not do
 * It does not read the training config: everything comes in as plain arguments.
 * Models whose logits are post-processed after ``lm_head`` (Gemma-2 logit soft-capping, Cohere's
   ``logit_scale``) are refused (``find_backbone_and_head``) rather than silently computed wrong.
-* No loading (``peergrade.models``), no loss (``peergrade.algo``).
+* No loading (``peergrade.model.load``), no loss (``peergrade.algo``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import inspect
 import torch
 from torch import nn
 
-from peergrade.models import find_backbone_and_head, position_ids_from_mask
+from peergrade.model.load import find_backbone_and_head, position_ids_from_mask
 
 __all__ = ["token_logprobs", "naive_token_logprobs"]
 

@@ -12,7 +12,7 @@ rank: ``distributed.exchange``), and ``concat_sampled`` joins kept groups into t
 ``Sampled``, whose batch-level reward counts (``merge_round_scores``) cover every round.
 
 It does not build the training batch, the advantages or the update (``trainer.collect`` /
-``learn``), nor decide which groups are kept (``peergrade.dynamic``).
+``learn``), nor decide which groups are kept (``peergrade.training.dynamic``).
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ from collections.abc import Sequence
 import torch
 
 from peergrade import distributed as dist
-from peergrade.envs import Episode, episode_metrics, reward_inputs, run_episodes
+from peergrade.envs import Episode, episode_metrics, reward_inputs
 from peergrade.envs.scoring import env_reward, environment_rewards
 from peergrade.evaluation import reward_state
-from peergrade.experience import Sampled
+from peergrade.generation.episodes import run_episodes
+from peergrade.generation.kernel import Rollout, generate
 from peergrade.rewards import RewardScores, columns_for, score_rewards
-from peergrade.rollout import Rollout, generate
 from peergrade.seeds import step_seed
+from peergrade.training.experience import Sampled
 
 
 def sample(run, prompt_ids: list[list[int]], step: int, row_keys: Sequence[int]) -> Rollout:

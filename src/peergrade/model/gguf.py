@@ -10,7 +10,7 @@ What this module does
   says what to ``pip install``.
 * ``find_gguf(path)``: the model spec ``pypi:NAME``, a ``*.gguf`` file, or a directory that holds
   exactly one ``*.gguf`` file and no ``config.json`` -> that file; anything else -> ``None`` (a
-  normal ``save_pretrained`` directory, handled by ``peergrade.models``).
+  normal ``save_pretrained`` directory, handled by ``peergrade.model.load``).
 * ``load_gguf_tokenizer(file)`` / ``load_gguf_model(file, dtype)``: transformers reads the GGUF
   metadata (architecture, tokenizer, chat template) and dequantises every tensor to float32
   (``from_pretrained(dir, gguf_file=name)``; needs the ``gguf`` and ``accelerate`` packages,

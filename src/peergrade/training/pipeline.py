@@ -79,7 +79,7 @@ from typing import Any
 
 import torch
 
-from peergrade.experience import Experience
+from peergrade.training.experience import Experience
 
 __all__ = [
     "VERSIONS_FILE",

@@ -140,7 +140,7 @@ def cmd_config(args, extra) -> int:
 
 
 def cmd_train(args, extra) -> int:
-    from peergrade import checkpoint as ckpt
+    from peergrade.training import checkpoint as ckpt
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -157,7 +157,7 @@ def cmd_train(args, extra) -> int:
         run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
         ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
     from peergrade.distributed import main_guard
-    from peergrade.trainer import train
+    from peergrade.training.trainer import train
 
     # under torchrun: a failure names its rank, and the process group is torn down either way
     try:
@@ -234,7 +234,7 @@ def _kv(text: str, flag: str = "--task-option") -> tuple[str, object]:
 
 
 def cmd_sft(args, extra) -> int:
-    from peergrade.sft import run_sft
+    from peergrade.training.sft import run_sft
 
     run_sft(
         out=args.output,
@@ -254,7 +254,7 @@ def cmd_sft(args, extra) -> int:
 
 
 def cmd_convert(args, extra) -> int:
-    from peergrade.gguf import convert_gguf
+    from peergrade.model.gguf import convert_gguf
 
     t0 = time.perf_counter()
     out = convert_gguf(args.src, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
@@ -263,7 +263,7 @@ def cmd_convert(args, extra) -> int:
 
 
 def cmd_export(args, extra) -> int:
-    from peergrade.export import export_checkpoint
+    from peergrade.training.export import export_checkpoint
 
     export_checkpoint(args.src, args.out, merge_lora=args.merge_lora)
     return 0
@@ -273,7 +273,7 @@ def cmd_memory(args, extra) -> int:
     import copy
 
     from peergrade.config import validate
-    from peergrade.memory import (
+    from peergrade.planning.memory import (
         estimate_for_config,
         format_estimates,
         format_table,
@@ -348,7 +348,7 @@ def _memory_budget(args, cfg) -> int:
     """``memory --budget``: the estimate of GRPO, PPO and GRPO+LoRA against the budget."""
     import copy
 
-    from peergrade.budget import (
+    from peergrade.planning.budget import (
         VARIANTS,
         budget_rows,
         fit_search,
@@ -390,7 +390,7 @@ def _memory_budget(args, cfg) -> int:
     if args.output:
         import html
 
-        from peergrade.report import Section, memory_chart, write_report
+        from peergrade.monitoring.report import Section, memory_chart, write_report
 
         svg = memory_chart(
             rows, budget, title=f"{Path(str(cfg.model.path)).name}: estimated peak per phase"
@@ -410,8 +410,8 @@ def _memory_budget(args, cfg) -> int:
 
 
 def cmd_report(args, extra) -> int:
-    from peergrade.report import is_run_dir, load_run, unique_names, write_report
-    from peergrade.sweep import format_summary, read_sweep, summarize, sweep_section
+    from peergrade.monitoring.report import is_run_dir, load_run, unique_names, write_report
+    from peergrade.planning.sweep import format_summary, read_sweep, summarize, sweep_section
 
     paths, sections = [], []
     for p in map(Path, args.run_dirs):
@@ -436,8 +436,8 @@ def _run_memory_section(run_dir: Path, budget_text: str):
     """The memory estimate of a run's own config (GRPO / PPO / GRPO+LoRA) against a budget."""
     import html
 
-    from peergrade.budget import budget_rows, format_budget, parse_size
-    from peergrade.report import Section, memory_chart
+    from peergrade.monitoring.report import Section, memory_chart
+    from peergrade.planning.budget import budget_rows, format_budget, parse_size
 
     budget = parse_size(budget_text)
     cfg = load_run_config(str(run_dir / "config.yaml"))
@@ -453,7 +453,7 @@ def _run_memory_section(run_dir: Path, budget_text: str):
 
 def cmd_audit(args, extra) -> int:
     """Attack the configured reward functions with known exploits (docs/audit.md)."""
-    from peergrade import audit
+    from peergrade.rewards import audit
 
     if not 0 < args.fail_share <= 1 or args.rows < 1:
         raise InputError("--fail-share must be in (0, 1] and --rows at least 1")
@@ -463,7 +463,7 @@ def cmd_audit(args, extra) -> int:
         found = audit.samples_audit(args.samples, top=args.top)
         print(json.dumps(found) if args.json else audit.format_samples(found))
         return 1 if found["suspects"] else 0
-    from peergrade.components import build_rewards, build_task
+    from peergrade.training.components import build_rewards, build_task
 
     cfg = _config_from(args, extra)
     task = build_task(cfg)
@@ -478,8 +478,8 @@ def cmd_audit(args, extra) -> int:
 
 
 def cmd_sweep(args, extra) -> int:
-    from peergrade.report import load_run, write_report
-    from peergrade.sweep import (
+    from peergrade.monitoring.report import load_run, write_report
+    from peergrade.planning.sweep import (
         format_summary,
         parse_sets,
         run_sweep,
@@ -496,7 +496,7 @@ def cmd_sweep(args, extra) -> int:
         run_dir = out_dir / variant_name(ov)
         return load_config(args.config, [*base, *ov, ("train.output_dir", str(run_dir))])
 
-    from peergrade.trainer import train
+    from peergrade.training.trainer import train
 
     n = 1
     for _, values in axes:
@@ -1022,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from peergrade.metrics import quiet_hf_progress
+    from peergrade.monitoring.metrics import quiet_hf_progress
 
     try:
         if extra and not args.overrides:

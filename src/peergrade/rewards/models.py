@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from peergrade.models import (
+from peergrade.model.load import (
     TOKENIZER_FILES,
     WEIGHT_GLOBS,
     ModelLoadError,

@@ -47,15 +47,15 @@ training (``episodes_batch`` gives the update's tensors).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from peergrade.envs.episode import Episode
 from peergrade.envs.protocol import Step, check_environment, maybe_await, run_sync
 from peergrade.envs.template import check_template, render, turn_delta
 from peergrade.errors import PeergradeError
-from peergrade.rollout import (
+from peergrade.generation.kernel import (
     _check_int,
     _check_row_keys,
     _check_sampling,
@@ -68,100 +68,6 @@ from peergrade.rollout import (
     default_eos_ids,
     slab_cache_ok,
 )
-
-
-@dataclass
-class Episode:
-    """One episode. ``completion_ids``, ``loss_mask`` and ``logprobs`` have one entry per token
-    after the prompt; ``loss_mask == 1`` marks tokens the model sampled (their ``logprobs`` are
-    the sampler's), 0 marks appended environment/template tokens (log-prob 0). Every token is
-    attended to: ``attention_mask`` is all ones, a separate thing from the loss mask."""
-
-    row_index: int
-    prompt_ids: list[int]
-    messages: list[dict]
-    num_prompt_messages: int
-    env: Any = None
-    completion_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = ""
-    num_turns: int = 0
-    tool_calls: int = 0
-    tool_failures: int = 0
-    reward: float | None = None
-
-    @property
-    def input_ids(self) -> list[int]:
-        return self.prompt_ids + self.completion_ids
-
-    @property
-    def attention_mask(self) -> list[int]:
-        return [1] * (len(self.prompt_ids) + len(self.completion_ids))
-
-    @property
-    def completion_messages(self) -> list[dict]:
-        """The messages after the prompt (assistant, tool, assistant, ...): TRL's ``completions``."""
-        return self.messages[self.num_prompt_messages :]
-
-    @property
-    def num_sampled_tokens(self) -> int:
-        return sum(self.loss_mask)
-
-
-def episodes_batch(episodes: Sequence[Episode], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Padded tensors in ``Rollout.training_batch``'s layout: prompts LEFT-padded to ``P``,
-    completions right-padded to ``C``; the log-prob of completion token ``j`` comes from the
-    logits at column ``P + j - 1``.
-
-    Returns ``input_ids [N, P+C]`` long, ``attention_mask [N, P+C]`` long (1 on every real token,
-    environment tokens included), ``loss_mask [N, C]`` float32 (1 only on sampled tokens) and
-    ``logprobs [N, C]`` float32 (the sampler's; 0 elsewhere).
-    """
-    p = max(len(e.prompt_ids) for e in episodes)
-    c = max(1, max(len(e.completion_ids) for e in episodes))
-    n = len(episodes)
-    input_ids = torch.full((n, p + c), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, p + c), dtype=torch.long)
-    loss_mask = torch.zeros((n, c), dtype=torch.float32)
-    logprobs = torch.zeros((n, c), dtype=torch.float32)
-    for i, e in enumerate(episodes):
-        lp, lc = len(e.prompt_ids), len(e.completion_ids)
-        input_ids[i, p - lp : p] = torch.tensor(e.prompt_ids, dtype=torch.long)
-        attention_mask[i, p - lp : p + lc] = 1
-        if lc:
-            input_ids[i, p : p + lc] = torch.tensor(e.completion_ids, dtype=torch.long)
-            loss_mask[i, :lc] = torch.tensor(e.loss_mask, dtype=torch.float32)
-            logprobs[i, :lc] = torch.tensor(e.logprobs, dtype=torch.float32)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "logprobs": logprobs,
-    }
-
-
-def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Metrics of a batch of episodes, named as TRL names them where it has them:
-    ``tools/call_frequency`` (tool calls per episode), ``tools/failure_frequency`` (failed calls
-    per call, 0 without calls), ``turns/mean``, ``episode/stop_reason/<reason>`` (fraction of
-    episodes), ``episode/len_mean`` (tokens after the prompt) and ``episode/sampled_len_mean``
-    (of them, tokens the model sampled: what length metrics of the loss should count).
-    Local to this process: under torchrun, reduce the underlying sums instead."""
-    n = len(episodes)
-    if n == 0:
-        return {}
-    calls = sum(e.tool_calls for e in episodes)
-    out = {
-        "tools/call_frequency": calls / n,
-        "tools/failure_frequency": sum(e.tool_failures for e in episodes) / calls if calls else 0.0,
-        "turns/mean": sum(e.num_turns for e in episodes) / n,
-        "episode/len_mean": sum(len(e.completion_ids) for e in episodes) / n,
-        "episode/sampled_len_mean": sum(e.num_sampled_tokens for e in episodes) / n,
-    }
-    for reason in sorted({e.finish_reason for e in episodes}):
-        out[f"episode/stop_reason/{reason}"] = sum(e.finish_reason == reason for e in episodes) / n
-    return out
 
 
 def _as_step(value: Any, where: str) -> Step:

@@ -3,7 +3,7 @@
 Every field carries its documentation in ``metadata["help"]``; ``peergrade config`` prints the
 whole resolved tree as commented YAML (the file a user starts from) and the documentation's
 configuration reference (docs/reference/configuration.md, written by ``python -m
-peergrade.docgen``) is generated from the same place (``to_markdown``).
+peergrade.cli.docgen``) is generated from the same place (``to_markdown``).
 
 Loading order: defaults -> YAML file (``--config x.yaml``) -> command-line overrides
 (``--algo.beta 0.04``). Every key is checked against the tree (an unknown key names the closest
@@ -43,6 +43,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from peergrade.errors import ConfigError  # the user-error family; importable from here too
+from peergrade.files import PYTHON_ONLY
 
 
 def doc(help: str, default: Any = dataclasses.MISSING, **kw) -> Any:
@@ -365,7 +366,7 @@ class OptimConfig:
 
 @dataclass
 class AlertConfig:
-    """Failure-mode detectors (``peergrade.detectors``): each active one adds ``alert/<name>: 1``
+    """Failure-mode detectors (``peergrade.monitoring.detectors``): each active one adds ``alert/<name>: 1``
     and a message saying what it saw and what to try to metrics.jsonl, and shows in the live
     display. They never stop the run."""
 
@@ -806,10 +807,6 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
 
 #: keys whose value is a file or directory the run reads (rewards' names are handled apart)
 PATH_KEYS = ("model.path", "data.path", "data.eval_path", "algo.critic_path")
-#: how config.yaml records what the Python API was given as an object (a dataset held in memory,
-#: a tool defined in ``__main__``): never a path; loading it from the command line is an error
-#: that says to resume from Python (``components.build_task``, ``envs.load.load_object``)
-PYTHON_ONLY = "python-object:"
 
 
 def _split_path(key: str, value: Any) -> tuple[str, str] | None:

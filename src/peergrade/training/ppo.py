@@ -4,7 +4,7 @@ What this module does
 ---------------------
 GRPO's baseline is the group mean; PPO's is a *value model* V(s_t) that predicts the return
 from every completion prefix. Everything else (rollout, rewards, reference, log-probs, the
-update skeleton, the step) is shared with GRPO (``peergrade.update``, ``peergrade.trainer``);
+update skeleton, the step) is shared with GRPO (``peergrade.training.update``, ``peergrade.training.trainer``);
 the math is in ``peergrade.algo``. This module adds what is truly PPO's:
 
 * ``ValueModel``: a causal-LM backbone (everything up to the final norm, no ``lm_head``) plus a
@@ -48,15 +48,15 @@ from torch import nn
 from peergrade import distributed as dist
 from peergrade.algo import gae, kl_divergence, policy_loss, value_loss
 from peergrade.algo.advantages import token_rewards
-from peergrade.experience import Experience
-from peergrade.models import (
+from peergrade.model.load import (
     find_backbone_and_head,
     load_model,
     position_ids_from_mask,
     resolve_dtype,
     resolve_model_path,
 )
-from peergrade.update import (
+from peergrade.training.experience import Experience
+from peergrade.training.update import (
     Models,
     Trainee,
     build_optimizer,

@@ -21,7 +21,7 @@ What the files hold (what the run report reads):
   ``kl/mean``, ``entropy/mean``, ``rollout/len_mean``, ``rollout/frac_zero_std_groups``,
   ``rollout/repetition``, ``update/nonfinite_frac``, ``perf/tokens_per_s``, ``time/<phase>_s``;
   ``eval/<metric>`` on evaluation steps, step 0 = before training, ``"final": true`` = after);
-  NaN/inf are written as null. Active detectors (``peergrade.detectors``) add
+  NaN/inf are written as null. Active detectors (``peergrade.monitoring.detectors``) add
   ``alert/<name>: 1.0`` and ``"alerts": {<name>: <message>}`` to the step's line, and
   ``update/skipped_total`` counts optimizer steps skipped for a non-finite loss or gradient.
 - samples.jsonl: per logged prompt, ``{"step", "prompt", "answer", "completions": [G],

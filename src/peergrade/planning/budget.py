@@ -1,6 +1,6 @@
 """Does it fit? GRPO, PPO and GRPO+LoRA of one config against a device's memory budget.
 
-``peergrade memory --budget 24GiB`` calls ``budget_rows`` (the estimator in ``peergrade.memory``
+``peergrade memory --budget 24GiB`` calls ``budget_rows`` (the estimator in ``peergrade.planning.memory``
 run for the three variants of the same config: plain GRPO, PPO with its critic, GRPO with a
 LoRA adapter) and prints ``format_budget``: the breakdown, the estimated peak of each phase
 (generate / reference / update) and whether the peak fits under the budget with its headroom.
@@ -13,7 +13,7 @@ is optimised (LoRA, a smaller group, a shorter completion budget), and returns t
 settings that fit; ``format_fits`` prints them as YAML lines to paste into a config.
 
 It only formats, compares and searches: the memory model itself (what each phase holds) lives in
-``peergrade.memory.estimate_memory``, and nothing here measures or loads weights. A model given
+``peergrade.planning.memory.estimate_memory``, and nothing here measures or loads weights. A model given
 as a directory holding only ``config.json`` (e.g. ``configs/models/qwen2.5-7b``) is enough.
 """
 
@@ -85,8 +85,8 @@ def budget_rows(cfg, *, device: str = "cuda", prompt_len: int | None = None):
     prompt length used. Without a tokenizer next to the model config, prompts are taken at
     ``data.max_prompt_length`` tokens (the longest the trainer admits)."""
     from peergrade.config import validate
-    from peergrade.memory import estimate_for_config
-    from peergrade.models import resolve_model_path
+    from peergrade.model.load import resolve_model_path
+    from peergrade.planning.memory import estimate_for_config
 
     path = resolve_model_path(cfg.model.path)
     if not (Path(path) / "config.json").exists():
@@ -105,7 +105,7 @@ def budget_rows(cfg, *, device: str = "cuda", prompt_len: int | None = None):
         est = estimate_for_config(c, prompt_len=prompt_len, device=device)
         rows.append((label, est))
     if prompt_len is None:
-        from peergrade.memory import prompt_length
+        from peergrade.planning.memory import prompt_length
 
         prompt_len = prompt_length(cfg)
     return rows, prompt_len
@@ -151,7 +151,7 @@ def format_budget(rows, budget: int) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(
-        f"({unit}; estimates from the model config, see peergrade.memory; a phase's peak is "
+        f"({unit}; estimates from the model config, see peergrade.planning.memory; a phase's peak is "
         "what is resident while it runs)"
     )
     return "\n".join(lines)
@@ -250,7 +250,7 @@ def fit_search(cfg, budget: int, *, device: str, prompt_len: int, lora: bool = F
     ``floor`` is what no batch knob removes (weights, optimizer state, reference, critic).
     Cheapest: the fewest objective changes (LoRA, each halving of the group size or of the
     completion budget), then the least compute (``_COST_*``). Estimates only."""
-    from peergrade.memory import estimate_for_config
+    from peergrade.planning.memory import estimate_for_config
 
     best = None  # the smallest peak seen, for the answer when nothing fits
     levels: dict[int, list] = {}

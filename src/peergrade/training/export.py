@@ -31,8 +31,8 @@ import json
 import shutil
 from pathlib import Path
 
-from peergrade.checkpoint import RunDirError, apply_umask, latest_checkpoint
 from peergrade.errors import require
+from peergrade.training.checkpoint import RunDirError, apply_umask, latest_checkpoint
 
 __all__ = ["ExportError", "find_checkpoint", "export_checkpoint"]
 
@@ -136,7 +136,7 @@ def _base_model_path(ckpt: Path, adapter_cfg: dict) -> str:
     cfg_file = ckpt / "config.yaml"
     if cfg_file.is_file():  # the run's own model.path, resolved the way the trainer did
         from peergrade.config import load_run_config
-        from peergrade.models import resolve_model_path
+        from peergrade.model.load import resolve_model_path
 
         with contextlib.suppress(Exception):  # an unreadable config: the adapter's own path
             candidates.append(Path(resolve_model_path(load_run_config(str(cfg_file)).model.path)))
@@ -152,7 +152,7 @@ def _base_model_path(ckpt: Path, adapter_cfg: dict) -> str:
 
 def export_checkpoint(src, out, *, merge_lora: bool = False, log=print) -> Path:
     """Write the checkpoint that ``src`` names as a standalone HF directory ``out``."""
-    from peergrade.models import auto_tokenizer_mismatches, load_tokenizer, save_tokenizer
+    from peergrade.model.load import auto_tokenizer_mismatches, load_tokenizer, save_tokenizer
 
     ckpt = find_checkpoint(src)
     out_path = Path(out).expanduser()
@@ -224,7 +224,7 @@ def export_checkpoint(src, out, *, merge_lora: bool = False, log=print) -> Path:
 def _write_merged(ckpt: Path, base: str, out: Path) -> None:
     """Base model + adapter, merged (``merge_and_unload``), saved as a full model in ``out``."""
     PeftModel = require("peft", needed_for="--merge-lora", pip="peft", extra="lora").PeftModel
-    from peergrade.models import load_model
+    from peergrade.model.load import load_model
 
     model = load_model(base, dtype="auto", device="cpu")
     merged = PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()

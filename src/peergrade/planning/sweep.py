@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from peergrade.errors import InputError
-from peergrade.report import (
+from peergrade.monitoring.report import (
     COLORS,
     Run,
     Section,

@@ -273,7 +273,7 @@ def estimate_memory(
     rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
     layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
     gathered at a time in the update, and all of them for the rollout).
-    async_steps: ``rollout.async_steps`` k; k >= 1 adds the producer (``peergrade.pipeline``):
+    async_steps: ``rollout.async_steps`` k; k >= 1 adds the producer (``peergrade.training.pipeline``):
     its copy of the trainable weights and the k + 1 versions it may sample with (``producer``),
     and a "pipelined" phase where its largest phase's transients (generation, the reference
     pass, a reward model) sit on top of the update's. What it leaves out: allocator slack per
@@ -436,8 +436,8 @@ def prompt_length(cfg, n: int = 64) -> int:
     trainer builds them at step 1 (few-shot examples included)."""
     import itertools
 
-    from peergrade.components import build_few_shot, build_task, encode_rows
-    from peergrade.models import load_tokenizer, resolve_model_path
+    from peergrade.model.load import load_tokenizer, resolve_model_path
+    from peergrade.training.components import build_few_shot, build_task, encode_rows
 
     task = build_task(cfg)
     tok = load_tokenizer(resolve_model_path(cfg.model.path))
@@ -452,7 +452,7 @@ def estimate_for_config(
     """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
     import torch
 
-    from peergrade.models import resolve_device, resolve_dtype, resolve_model_path
+    from peergrade.model.load import resolve_device, resolve_dtype, resolve_model_path
 
     path = resolve_model_path(cfg.model.path)
     if device is None:
@@ -464,7 +464,7 @@ def estimate_for_config(
     lora = None
     if cfg.model.lora.enabled:
         lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
-    from peergrade.reward_models import (
+    from peergrade.rewards.models import (
         DEFAULT_BATCH_SIZE,
         is_reward_model_name,
         reward_model_memory,
@@ -481,7 +481,7 @@ def estimate_for_config(
         for i in cfg.rewards
         if is_reward_model_name(i.name)
     ]
-    from peergrade.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
+    from peergrade.training.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
 
     autocast = cfg.model.autocast == "bf16"
     if cfg.model.autocast == "auto":  # update.use_bf16_autocast, from the config alone
@@ -570,7 +570,7 @@ def _shrunk_copy(path: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from peergrade.models import load_tokenizer
+    from peergrade.model.load import load_tokenizer
 
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     heads = cfg.num_attention_heads
@@ -597,8 +597,8 @@ def _child(cfg_path: str, steps: int) -> dict:
     import torch
 
     from peergrade.config import load_config
-    from peergrade.models import resolve_device, resolve_model_path
-    from peergrade.trainer import NO_METER
+    from peergrade.model.load import resolve_device, resolve_model_path
+    from peergrade.training.trainer import NO_METER
 
     cfg = load_config(cfg_path)
     if cfg.train.threads:
@@ -644,7 +644,7 @@ def _full_length_rollouts():
     """The trainer's rollouts ignore EOS while measuring: every completion runs to
     ``max_completion_length``, the length the estimate assumes (the worst case a budget must
     hold). Only ever entered in the measurement's own child process."""
-    from peergrade import sampling
+    from peergrade.training import sampling
 
     real = sampling.generate
     sampling.generate = functools.partial(real, ignore_eos=True)
@@ -663,7 +663,7 @@ def _run_steps(cfg, steps: int, meter) -> dict:
     import time
 
     from peergrade.rewards.registry import RewardSpec
-    from peergrade.trainer import setup, train_step
+    from peergrade.training.trainer import setup, train_step
 
     cfg.rollout.stop = []
     run = setup(cfg)
@@ -721,7 +721,7 @@ def measure_memory(
         path = Path(tmp) / "config.yaml"
         path.write_text(to_yaml(cfg, comments=False))
         proc = subprocess.run(
-            [sys.executable, "-m", "peergrade.memory", "--child", str(path), str(steps)],
+            [sys.executable, "-m", "peergrade.planning.memory", "--child", str(path), str(steps)],
             capture_output=True,
             text=True,
             env=full_env,
@@ -819,7 +819,7 @@ def _main(argv: list[str]) -> None:
         result = _child(argv[1], int(argv[2]))
         print(json.dumps(result), flush=True)
         return
-    raise SystemExit("usage: python -m peergrade.memory --child CONFIG.yaml STEPS")
+    raise SystemExit("usage: python -m peergrade.planning.memory --child CONFIG.yaml STEPS")
 
 
 if __name__ == "__main__":

@@ -16,15 +16,15 @@ log-prob pass runs each distinct prompt once (``model.shared_prompt_forward``). 
 the plain update's gradient up to float summation order.
 
 ``grpo_update`` is that skeleton with ``algo.policy_loss`` on one advantage per completion;
-PPO's update (``peergrade.ppo.ppo_update``) is the same skeleton with per-token advantages and a
+PPO's update (``peergrade.training.ppo.ppo_update``) is the same skeleton with per-token advantages and a
 value loss for its critic. The trainer sees either through one small interface,
 ``Algorithm``: ``advantages(experience)`` then ``update(experience, step)`` (``GRPO`` here,
-``peergrade.ppo.PPO``), both on an ``Experience``. Minibatch orders are derived from (seed, step, pass) only
+``peergrade.training.ppo.PPO``), both on an ``Experience``. Minibatch orders are derived from (seed, step, pass) only
 (``peergrade.seeds``), which is what makes a resumed run exact.
 
 What it deliberately does not do: no loss math (``peergrade.algo``), no sampling or rewards, no
 checkpoints, no loop. It reads the config (batch sizes, loss options) but never the whole run:
-``peergrade.trainer`` owns setup and the step.
+``peergrade.training.trainer`` owns setup and the step.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import torch
 from peergrade import distributed as dist
 from peergrade.algo import group_advantages, off_policy_weights, policy_loss
 from peergrade.config import off_policy_correction
-from peergrade.experience import Experience
-from peergrade.flops import Shape, Work, logprob_pass, split_lengths
-from peergrade.logprobs import token_logprobs
-from peergrade.models import disable_adapter
+from peergrade.model.load import disable_adapter
+from peergrade.model.logprobs import token_logprobs
+from peergrade.monitoring.flops import Shape, Work, logprob_pass, split_lengths
 from peergrade.seeds import step_seed
+from peergrade.training.experience import Experience
 
 __all__ = [
     "Models",
@@ -572,7 +572,7 @@ def grpo_update(
 
 
 def grpo_update_work(shape: Shape, batch, advantages, cfg, kl_on: bool) -> Work:
-    """The model work (``peergrade.flops``) ``grpo_update``'s result needs: forward + backward
+    """The model work (``peergrade.monitoring.flops``) ``grpo_update``'s result needs: forward + backward
     (3 forwards) per pass (``algo.num_iterations``) over the completions whose gradient is not
     exactly 0 (every one with a KL term; else those with a nonzero advantage: what ``elided_rows``
     leaves), plus the old-policy pass over them when a batch takes several optimizer steps.

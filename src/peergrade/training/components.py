@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from peergrade import distributed as dist
-from peergrade.config import PYTHON_ONLY, Config
+from peergrade.config import Config
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
-from peergrade.models import (
+from peergrade.files import PYTHON_ONLY
+from peergrade.model.load import (
     apply_lora,
     load_model,
     load_tokenizer,
@@ -32,12 +33,12 @@ from peergrade.models import (
     resolve_dtype,
     resolve_model_path,
 )
-from peergrade.reward_models import reward_or_model
 from peergrade.rewards import RewardSpec, make_reward_specs
+from peergrade.rewards.models import reward_or_model
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import chat_template_note, encode_prompts, to_messages
-from peergrade.update import Models
+from peergrade.training.update import Models
 
 __all__ = [
     "Given",

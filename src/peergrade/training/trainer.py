@@ -2,7 +2,7 @@
 loops over steps and finishes with the held-out table.
 
 One step (``train_step`` = ``collect`` then ``learn``; the loop and ``peergrade memory`` both
-call it), with one ``Experience`` (``peergrade.experience``) travelling through it:
+call it), with one ``Experience`` (``peergrade.training.experience``) travelling through it:
   ``collect``: P prompts (with solved example turns early on when ``data.few_shot`` is set)
     -> G completions each (``rollout.generate``), or G episodes each with tools or an
        environment (``env:``, ``envs.run_episodes``: environment tokens attended to, never
@@ -10,14 +10,14 @@ call it), with one ``Experience`` (``peergrade.experience``) travelling through 
     -> reference log-probs (beta > 0)
     -> advantages (``run.algo.advantages``: group-relative for GRPO, critic + GAE for PPO)
   With ``rollout.dynamic_sampling`` (``fill_step``), ``collect`` samples and scores rounds of P
-  prompts until P groups whose rewards differ are kept (``peergrade.dynamic``), then builds
+  prompts until P groups whose rewards differ are kept (``peergrade.training.dynamic``), then builds
   the experience of those.
   ``learn``: mu passes of minibatch updates (``run.algo.update``)
   -> metrics and sampled completions, which the loop logs, then evaluation and checkpoints.
 GRPO and PPO differ only behind ``run.algo`` (``update.Algorithm``: ``update.GRPO``,
 ``ppo.PPO``). docs/architecture.md draws the data flow and the Experience's fields.
 
-Pipelined rollouts (``rollout.async_steps`` = k >= 1, ``peergrade.pipeline``): ``train`` starts
+Pipelined rollouts (``rollout.async_steps`` = k >= 1, ``peergrade.training.pipeline``): ``train`` starts
 a producer (a forked process on the CPU, a thread on a GPU: ``rollout.producer``) that runs
 ``collect`` (without the advantages) for the next steps with its own copy of the policy, at version max(0, step - 1 - k), and each step is ``pipelined_step``: take
 that experience, advantages, ``learn``, hand the new weights to the producer. k = 0 runs
@@ -55,12 +55,28 @@ from typing import Any
 
 import torch
 
-from peergrade import checkpoint as ckpt
 from peergrade import distributed as dist
-from peergrade import flops, pipeline, ppo
-from peergrade.audit import at_startup as audit_at_startup
-from peergrade.checkpoint import RunDir, resume_from_checkpoint
-from peergrade.components import (  # importable from here too: Given, setup_models, ...)
+from peergrade.config import Config, ConfigError, to_yaml
+from peergrade.envs import episodes_batch
+from peergrade.envs.scoring import EPISODE_COLUMNS
+from peergrade.envs.verifiers import is_verifiers_spec
+from peergrade.evaluation import (
+    HeldOut,
+    check_reward_columns,
+    held_out_scorer,
+    results_table,
+)
+from peergrade.monitoring import flops
+from peergrade.monitoring.detectors import Detectors, repetition_rate
+from peergrade.monitoring.metrics import Display, check_backends, quiet_hf_progress, read_jsonl
+from peergrade.rewards import RewardSpec
+from peergrade.rewards.audit import at_startup as audit_at_startup
+from peergrade.seeds import step_seed
+from peergrade.tasks.curriculum import FewShot
+from peergrade.training import checkpoint as ckpt
+from peergrade.training import pipeline, ppo
+from peergrade.training.checkpoint import RunDir, resume_from_checkpoint
+from peergrade.training.components import (  # importable from here too: Given, setup_models, ...)
     Given,
     build_env,
     build_few_shot,
@@ -74,22 +90,9 @@ from peergrade.components import (  # importable from here too: Given, setup_mod
     run_header,
     setup_models,
 )
-from peergrade.config import Config, ConfigError, to_yaml
-from peergrade.detectors import Detectors, repetition_rate
-from peergrade.dynamic import fill_groups
-from peergrade.envs import episodes_batch
-from peergrade.envs.scoring import EPISODE_COLUMNS
-from peergrade.envs.verifiers import is_verifiers_spec
-from peergrade.evaluation import (
-    HeldOut,
-    check_reward_columns,
-    held_out_scorer,
-    results_table,
-)
-from peergrade.experience import Experience, Sampled
-from peergrade.metrics import Display, check_backends, quiet_hf_progress, read_jsonl
-from peergrade.rewards import RewardSpec
-from peergrade.sampling import (  # importable from here too (tests patch trainer.sample)
+from peergrade.training.dynamic import fill_groups
+from peergrade.training.experience import Experience, Sampled
+from peergrade.training.sampling import (  # importable from here too (tests patch trainer.sample)
     completion_inputs,
     concat_sampled,
     episode_inputs,
@@ -100,9 +103,7 @@ from peergrade.sampling import (  # importable from here too (tests patch traine
     score,
     take_groups,
 )
-from peergrade.seeds import step_seed
-from peergrade.tasks.curriculum import FewShot
-from peergrade.update import (
+from peergrade.training.update import (
     GRPO,
     Algorithm,
     Models,
@@ -207,7 +208,7 @@ REWARD_RNG_SALT = 1000  # peergrade.seeds: the stream of the global random/numpy
 
 
 class NoMeter:
-    """The phase meter of a plain training step: measures nothing (see ``peergrade.memory``)."""
+    """The phase meter of a plain training step: measures nothing (see ``peergrade.planning.memory``)."""
 
     def reset(self) -> None:
         pass
@@ -335,7 +336,7 @@ DYNAMIC_ROWS_SALT = 2000
 def fill_step(
     run: Run, step: int, rows: list[dict], meter=NO_METER
 ) -> tuple[Sampled, float, float]:
-    """Dynamic sampling (``rollout.dynamic_sampling``, ``peergrade.dynamic``): this rank's
+    """Dynamic sampling (``rollout.dynamic_sampling``, ``peergrade.training.dynamic``): this rank's
     share of P groups whose rewards differ, out of at most ``rollout.max_rounds`` rounds;
     returns them with the seconds spent generating and scoring over every round.
 
@@ -450,7 +451,7 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
 
 
 def pipelined_step(run: Run, producer, step: int) -> StepResult:
-    """Step ``step`` with ``rollout.async_steps`` = k >= 1 (``peergrade.pipeline``): the
+    """Step ``step`` with ``rollout.async_steps`` = k >= 1 (``peergrade.training.pipeline``): the
     experience the producer collected with the weights of version max(0, step - 1 - k) while
     earlier steps trained, its advantages, the update, then the new weights to the producer."""
     t_wait = time.perf_counter()
@@ -603,7 +604,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
 
 
 def phase_work(run: Run, exp: Experience) -> dict[str, flops.Work]:
-    """This rank's model work (``peergrade.flops``) per phase of the step on ``exp``: ``gen``,
+    """This rank's model work (``peergrade.monitoring.flops``) per phase of the step on ``exp``: ``gen``,
     ``ref`` (with a reference) and ``update`` (GRPO's, its old-policy pass included; PPO's
     critic is not counted). Generation counts every round dynamic sampling sampled. Empty for
     a model whose config does not give the shapes."""

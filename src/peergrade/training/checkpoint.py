@@ -53,8 +53,8 @@ import torch
 from peergrade import distributed as dist
 from peergrade.errors import PeergradeError
 from peergrade.files import apply_umask, atomic_write_text  # importable from here too
-from peergrade.metrics import JsonlWriter, MetricLogger, Tee
-from peergrade.models import load_model, resolve_dtype, save_tokenizer
+from peergrade.model.load import load_model, resolve_dtype, save_tokenizer
+from peergrade.monitoring.metrics import JsonlWriter, MetricLogger, Tee
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 #: hidden names of interrupted saves / prunes (never listed as checkpoints)
@@ -184,7 +184,7 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoints/step-<step>`` atomically, then delete all but the last ``keep_last``.
     ``extra``: more files of the checkpoint, {file name: object for ``torch.save``} (the
-    pipelined rollouts' older weights, ``peergrade.pipeline``)."""
+    pipelined rollouts' older weights, ``peergrade.training.pipeline``)."""
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{step}"
