@@ -131,7 +131,8 @@ def test_which_names_are_reward_models(rm_dir, tmp_path, monkeypatch):
 
 
 def test_rewards_package_imports_no_model_code():
-    """Layering: reward functions never import transformers, peergrade.model.load or this seam."""
+    """Layering: reward functions never import transformers, peergrade.model.load or this seam
+    (``rewards.models``, the reward-model loader, is the seam itself)."""
     banned = {
         "transformers",
         "peergrade.model.load",
@@ -139,6 +140,8 @@ def test_rewards_package_imports_no_model_code():
         "peergrade.training.trainer",
     }
     for path in sorted((SRC / "rewards").glob("*.py")):
+        if path.name == "models.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
