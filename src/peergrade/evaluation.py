@@ -30,11 +30,11 @@ rewards takes that reward's options. The seed (``eval_seed``): greedy answers ar
 One evaluator, two callers: ``HeldOut`` and ``peergrade eval`` both go through
 ``evaluate_config`` with the prompts ``components.encode_rows`` makes, so a run's checkpoint
 evaluated with ``peergrade eval --model RUN_DIR`` (which reads the run's config.yaml) gets the
-same prompts (system prompt, chat template), sampling settings (temperature, top_p, stop,
-length), scorer and seed as the table the run printed.
+same prompts (system prompt, chat template), sampler settings (one ``SamplerSettings``:
+temperature, top-k, top-p, stop, length), scorer and seed as the table the run printed.
 
 Episodes (``env:`` set: tools or an environment, docs/environments.md): each held-out answer
-is a whole episode run by ``envs.run_episodes`` with the run's ``env:`` limits, greedy and
+is a whole episode (``generation.sample`` with the run's ``env:`` limits), greedy and
 sampled as above, scored on its messages as training scores them (``envs.reward_inputs``: the
 accuracy reward reads the last message). Two more rates are reported, for the greedy episodes
 and (``_sampled``) the k samples: ``tool_call_rate``, the share of episodes that called a tool at
@@ -55,13 +55,13 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
+from peergrade import generation
 from peergrade.config import Config
 from peergrade.errors import InputError, user_input
-from peergrade.generation.kernel import generate
+from peergrade.generation import SamplerSettings
 from peergrade.rewards import (
     RewardSpec,
     TrainerState,
-    columns_for,
     make_reward_spec,
     required_columns,
     resolve_reward,
@@ -140,18 +140,10 @@ def evaluate_config(
     **options,
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
-    as training draws them (``rollout``: temperature, top_p, stop, length, batch size) from
-    ``eval_seed(train.seed)``; ``options`` go to ``evaluate`` (``curve``, ``keep_completions``).
-    With ``make_env`` (the run's ``env:``), episodes with ``env.max_turns`` and
-    ``env.max_tokens_per_turn``; ``rows`` are then episode rows."""
-    r = cfg.rollout
-    if make_env is not None:
-        options["episodes"] = dict(
-            make_env=make_env,
-            max_turns=cfg.env.max_turns,
-            max_tokens_per_turn=cfg.env.max_tokens_per_turn,
-            top_k=r.top_k,
-        )
+    with the run's own ``SamplerSettings`` (``Config.sampler_settings``: temperature, top-k,
+    top-p, stop, length, batch size, the episodes' limits) from ``eval_seed(train.seed)``;
+    ``options`` go to ``evaluate`` (``curve``, ``keep_completions``). With ``make_env`` (the
+    run's ``env:``) the answers are episodes and ``rows`` episode rows."""
     return evaluate(
         model,
         tokenizer,
@@ -159,12 +151,9 @@ def evaluate_config(
         prompt_ids,
         acc,
         k=cfg.train.eval_samples,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_completion_length,
+        settings=cfg.sampler_settings(),
         seed=eval_seed(cfg.train.seed),
-        batch_size=r.generation_batch_size,
-        stop=r.stop,
+        make_env=make_env,
         extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
         trainer_state=trainer_state,
         **options,
@@ -212,69 +201,40 @@ def evaluate(
     acc: RewardSpec,
     *,
     k: int,
-    temperature: float,
-    max_new_tokens: int,
+    settings: SamplerSettings,
     seed: int,
-    batch_size: int | None = None,
-    top_p: float = 1.0,
-    stop=(),
+    make_env=None,
     extra: list[RewardSpec] = (),
     trainer_state: TrainerState | None = None,
     curve: bool = False,
     keep_completions: bool = False,
-    episodes: dict | None = None,
 ) -> dict[str, Any]:
-    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k; with
-    ``curve``, also pass@j for every j = 1..k (keys ``pass@1`` .. ``pass@{k}``); with
-    ``keep_completions``, the key ``completions``: one dict per problem with its greedy and
-    sampled answers and whether each is correct.
+    """Greedy pass@1 (``settings.greedy()``), sampled pass@1 (mean over k samples per problem,
+    ``settings`` with ``n = k``) and pass@k; with ``curve``, also pass@j for every j = 1..k
+    (keys ``pass@1`` .. ``pass@{k}``); with ``keep_completions``, the key ``completions``: one
+    dict per problem with its greedy and sampled answers and whether each is correct.
 
-    ``episodes``: ``make_env`` and the other ``envs.run_episodes`` options (``max_turns``,
-    ``max_tokens_per_turn``, ``top_k``): each answer is an episode over the (episode) ``rows``,
-    ``max_new_tokens`` its budget, ``prompt_ids`` unused; adds the tool rates (module doc).
+    Every answer comes from ``generation.sample``, as training's do: with ``make_env`` each is
+    an episode over the (episode) ``rows`` (``prompt_ids`` unused; adds the tool rates, module
+    doc), else a reply to ``prompt_ids``.
 
     ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
-    prompts = [r["prompt"] for r in rows]
 
-    def replies(n: int, temp: float, seed_: int) -> Replies:
-        if episodes is not None:
-            return Replies.of_episodes(
-                model, tokenizer, rows, n, temp, seed_, max_new_tokens, top_p, batch_size, episodes
-            )
-        ro = generate(
-            model,
-            tokenizer,
-            prompt_ids,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            temperature=temp,
-            top_p=top_p,
-            stop=stop,
-            seed=seed_,
-            batch_size=batch_size,
+    def answers(s: SamplerSettings, seed_: int):
+        samples = generation.sample(
+            model, tokenizer, rows, s, seed=seed_, prompt_ids=prompt_ids, make_env=make_env
         )
-        columns = {**columns_for(rows, n), "completion_ids": ro.completion_id_lists()}
-        return Replies([p for p in prompts for _ in range(n)], ro.completion_text, columns)
+        return samples, samples.reward_inputs(rows, env_reward=make_env is not None)
 
-    def scores(rep: Replies, specs):
-        return score_rewards(
-            specs,
-            rep.prompts,
-            rep.completions,
-            rep.columns,
-            on_error="zero",
-            trainer_state=trainer_state,
-        )
+    def correct(inputs, spec, repeat):
+        s = score_rewards([spec], *inputs, on_error="zero", trainer_state=trainer_state)
+        return (s.per_fn[spec.name].nan_to_num(0.0) >= 1.0 - 1e-6).view(n_rows, repeat)
 
-    def correct(rep: Replies, repeat):
-        s = scores(rep, [acc])
-        return (s.per_fn[acc.name].nan_to_num(0.0) >= 1.0 - 1e-6).view(n_rows, repeat)
-
-    greedy = replies(1, 0.0, seed)
-    g_ok = correct(greedy, 1)
-    sampled = replies(k, temperature, seed + 1)
-    s_ok = correct(sampled, k)
+    greedy, g_in = answers(settings.greedy(), seed)
+    g_ok = correct(g_in, acc, 1)
+    sampled, s_in = answers(settings.replace(n=k), seed + 1)
+    s_ok = correct(s_in, acc, k)
     c = s_ok.sum(dim=1).tolist()
     out: dict[str, Any] = {
         "pass@1_greedy": g_ok.double().mean().item(),
@@ -286,16 +246,15 @@ def evaluate(
     if curve:
         out.update(pass_at_k_curve([int(ci) for ci in c], k))
     for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
-        for key, rep in (("rate", greedy), ("rate_sampled", sampled)):
-            s = scores(rep, [spec]).per_fn[spec.name]
-            out[f"{spec.name}_{key}"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
-    if episodes is not None:
-        out.update(greedy.tool_rates(""))
-        out.update(sampled.tool_rates("_sampled"))
+        out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
+        out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
+    if make_env is not None:
+        out.update(tool_rates(greedy.episodes, ""))
+        out.update(tool_rates(sampled.episodes, "_sampled"))
     if keep_completions:
         out["completions"] = [
             {
-                "prompt": prompts[i],
+                "prompt": rows[i]["prompt"],
                 "columns": {
                     key: v for key, v in rows[i].items() if key not in ("prompt", "environments")
                 },
@@ -309,52 +268,15 @@ def evaluate(
     return out
 
 
-@dataclass
-class Replies:
-    """The held-out answers of one pass, as the reward functions take them: ``prompts``,
-    ``completions`` and ``columns`` (one entry per answer, rows repeated), and the episodes
-    when the answers are episodes."""
-
-    prompts: list
-    completions: list
-    columns: dict[str, list]
-    episodes: list | None = None
-
-    @classmethod
-    def of_episodes(
-        cls, model, tokenizer, rows, n, temperature, seed, budget, top_p, batch_size, options
-    ) -> Replies:
-        from peergrade.envs import reward_inputs
-        from peergrade.envs.scoring import environment_rewards
-        from peergrade.generation.episodes import run_episodes
-
-        eps = run_episodes(
-            model,
-            tokenizer,
-            rows,
-            n=n,
-            max_completion_length=budget,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            batch_size=batch_size,
-            **options,
-        )
-        prompts, completions, columns = reward_inputs(eps, rows)
-        columns["env_reward"] = environment_rewards(eps)  # for a scorer that is the reward env
-        return cls(prompts, completions, columns, eps)
-
-    def tool_rates(self, suffix: str) -> dict[str, float]:
-        """``tool_call_rate`` (episodes with a tool call) and ``tool_failure_rate`` (failed
-        calls per call, 0 without calls), keys ending in ``suffix``."""
-        eps = self.episodes or []
-        calls = sum(e.tool_calls for e in eps)
-        return {
-            f"tool_call_rate{suffix}": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
-            f"tool_failure_rate{suffix}": sum(e.tool_failures for e in eps) / calls
-            if calls
-            else 0.0,
-        }
+def tool_rates(episodes: list, suffix: str) -> dict[str, float]:
+    """``tool_call_rate`` (episodes with a tool call) and ``tool_failure_rate`` (failed calls
+    per call, 0 without calls) of ``episodes``, keys ending in ``suffix``."""
+    eps = episodes or []
+    calls = sum(e.tool_calls for e in eps)
+    return {
+        f"tool_call_rate{suffix}": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
+        f"tool_failure_rate{suffix}": sum(e.tool_failures for e in eps) / calls if calls else 0.0,
+    }
 
 
 TOOL_KEYS = (

@@ -22,8 +22,9 @@ How (token in, token out):
   left padding of deltas of different lengths, leave masked-out "holes" in its cache row (its
   keys are hidden from every later query, its positions skip them), so each episode sees exactly
   its own token sequence at positions 0, 1, 2, ...
-- Sampling and its log-probs are ``rollout``'s (``_sample``: temperature, top-k, top-p; log-probs
-  of the full tempered distribution, float32). Uniform draws are ``rollout``'s keyed ones: a
+- Sampling and its log-probs are the kernel's (``draw_tokens``: temperature, top-k, top-p;
+  float32 log-probs of the full tempered distribution and, as ``sampler_logprobs``, of the
+  truncated one drawn from). Uniform draws are the kernel's keyed ones: a
   function of (seed, the row's key, the episode's sample index, the sampled token's index), so
   results do not depend on the micro-batch size, the rows' order or the rank.
 
@@ -41,7 +42,7 @@ unless ``reset`` differs per episode) share one prefill, copied in the cache as 
 does for a group.
 
 Not done here: models whose layers are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
-training (``episodes_batch`` gives the update's tensors).
+training (``generation.Samples.of_episodes`` gives the update's tensors).
 """
 
 from __future__ import annotations
@@ -56,17 +57,17 @@ from peergrade.envs.protocol import Step, check_environment, maybe_await, run_sy
 from peergrade.envs.template import check_template, render, turn_delta
 from peergrade.errors import PeergradeError
 from peergrade.generation.kernel import (
-    _check_int,
-    _check_row_keys,
-    _check_sampling,
-    _forward_signature,
-    _model_config,
-    _row_states,
-    _sample,
-    _slab_cache,
-    _uniforms,
+    check_int,
+    check_row_keys,
+    check_sampling,
     default_eos_ids,
+    draw_tokens,
+    forward_signature,
+    model_config,
+    row_states,
+    slab_cache,
     slab_cache_ok,
+    uniforms,
 )
 
 
@@ -137,16 +138,16 @@ def run_episodes(
         chat_template, template_kwargs: an override template and extra template variables.
         check_roles: the roles of environment messages the template must render token-exactly.
     """
-    cfg = _model_config(model)
-    n = _check_int("n", n, 1, "run_episodes")
-    budget = _check_int("max_completion_length", max_completion_length, 1, "run_episodes")
+    cfg = model_config(model)
+    n = check_int("n", n, 1, "run_episodes")
+    budget = check_int("max_completion_length", max_completion_length, 1, "run_episodes")
     if max_turns is not None:
-        _check_int("max_turns", max_turns, 1, "run_episodes")
+        check_int("max_turns", max_turns, 1, "run_episodes")
     if max_tokens_per_turn is not None:
-        _check_int("max_tokens_per_turn", max_tokens_per_turn, 1, "run_episodes")
+        check_int("max_tokens_per_turn", max_tokens_per_turn, 1, "run_episodes")
     if batch_size is not None:
-        _check_int("batch_size", batch_size, 1, "run_episodes")
-    top_k = _check_sampling("run_episodes", temperature, top_p, top_k)
+        check_int("batch_size", batch_size, 1, "run_episodes")
+    top_k = check_sampling("run_episodes", temperature, top_p, top_k)
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(x, str) or x == "" for x in stop):
         raise ValueError(f"run_episodes(): stop must be non-empty strings, got {stop!r}")
@@ -195,8 +196,8 @@ def run_episodes(
     device = next(model.parameters()).device
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    keys = _check_row_keys(row_keys, len(rows)).to(device)
-    uniforms = _uniforms(_row_states(int(seed), keys, n), budget)  # [E, budget]
+    keys = check_row_keys(row_keys, len(rows)).to(device)
+    draws = uniforms(row_states(int(seed), keys, n), budget)  # [E, budget]
 
     engine = _Engine(
         model=model,
@@ -220,7 +221,7 @@ def run_episodes(
         with torch.no_grad():
             for start in range(0, len(episodes), step):
                 idx = list(range(start, min(start + step, len(episodes))))
-                engine.run([episodes[i] for i in idx], uniforms[idx])
+                engine.run([episodes[i] for i in idx], draws[idx])
     finally:
         model.train(was_training)
     return episodes
@@ -255,10 +256,10 @@ class _Engine:
         self.stop = stop
         # decoded tail searched for a stop string: as rollout.generate's window
         self.stop_window = max(len(x) for x in stop) + 8 if stop else 0
-        sig = _forward_signature(model)
+        sig = forward_signature(model)
         self.cache_kw = "cache" if "cache" in sig else "past_key_values"
         self.logits_to_keep = "logits_to_keep" in sig
-        cfg = _model_config(model)
+        cfg = model_config(model)
         self.bool_mask = (getattr(cfg, "_attn_implementation", None) or "eager") == "sdpa"
         self.num_layers = cfg.num_hidden_layers
         float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -320,7 +321,7 @@ class _Engine:
 
     def run(self, episodes: list[Episode], uniforms: torch.Tensor) -> None:
         longest = max(len(e.prompt_ids) for e in episodes)
-        self.cache = _slab_cache(self.num_layers, longest + min(self.budget, 256), grow=True)
+        self.cache = slab_cache(self.num_layers, longest + min(self.budget, 256), grow=True)
         # Prefill each distinct prompt once (the episodes of a row usually share it), then copy
         # its cache row to every episode that starts with it.
         first: dict[tuple[int, ...], int] = {}
@@ -351,13 +352,14 @@ class _Engine:
                 logits = self._feed(pending)
             turn = [[] for _ in rows]
             logps: list[list[float]] = [[] for _ in rows]
+            slps: list[list[float]] = [[] for _ in rows]  # the truncated distribution's
             live = [True] * len(rows)
             ended_by_eos = [False] * len(rows)
             ended_by_stop = [False] * len(rows)
             while True:
                 u = uniforms[rows, [sampled[r] for r in rows]]  # [B]
-                tok, logp, _ = _sample(logits, u, self.temperature, self.top_p, self.top_k)
-                tok_l, logp_l = tok.tolist(), logp.tolist()
+                tok, logp, slp = draw_tokens(logits, u, self.temperature, self.top_p, self.top_k)
+                tok_l, logp_l, slp_l = tok.tolist(), logp.tolist(), slp.tolist()
                 nxt: list[list[int]] = []
                 for j, r in enumerate(rows):
                     if not live[j]:
@@ -365,6 +367,7 @@ class _Engine:
                         continue
                     turn[j].append(tok_l[j])
                     logps[j].append(logp_l[j])
+                    slps[j].append(slp_l[j])
                     sampled[r] += 1
                     if tok_l[j] in self.eos:
                         live[j], ended_by_eos[j] = False, True
@@ -385,6 +388,7 @@ class _Engine:
                 e.completion_ids += turn[j]
                 e.loss_mask += [1] * len(turn[j])
                 e.logprobs += logps[j]
+                e.sampler_logprobs += slps[j]
                 e.num_turns += 1
                 if not (ended_by_eos[j] or ended_by_stop[j]):
                     # A cut turn is part of the conversation the reward judges; the environment
@@ -434,6 +438,7 @@ class _Engine:
                 e.completion_ids += delta
                 e.loss_mask += [0] * len(delta)
                 e.logprobs += [0.0] * len(delta)
+                e.sampler_logprobs += [0.0] * len(delta)
                 pending[j] = pending[j] + delta
                 if total == self.budget or len(e.prompt_ids) + total == self.max_pos:
                     e.finish_reason = "length"  # the answer fits exactly; no room for a turn

@@ -73,144 +73,13 @@ from typing import Any
 import torch
 
 # One rule for positions under left padding, shared with teacher-forced log-probs (models).
+from peergrade.generation.record import Samples
 from peergrade.model.load import position_ids_from_mask
 
 __all__ = ["Rollout", "generate", "position_ids_from_mask"]
 
-
-# --------------------------------------------------------------------------------------------
-# Result container
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """The sampled completions of ``len(prompts) * n`` sequences (N below); groups are adjacent.
-
-    Fields:
-        prompt_ids: N lists of unpadded prompt token ids (sequence i answers prompt i // n).
-        completion_ids: ``[N, C]`` long, right-padded with the tokenizer's pad id;
-            ``C`` = longest completion (``<= max_new_tokens``).
-        completion_mask: ``[N, C]`` float32; 1 = a generated token that counts (including the
-            EOS token and the token where a stop string completes), 0 after.
-        logprobs: ``[N, C]`` float32 log-prob of each sampled token under the full
-            temperature-scaled distribution (before top-k/top-p; untempered when greedy);
-            0 where ``completion_mask == 0``.
-        finish_reason: N strings, ``"eos"`` | ``"stop"`` | ``"length"``.
-        completion_text: N decoded completions (special tokens skipped), cut right after the
-            stop string when one ended the sequence.
-        prompt_index: ``[N]`` long, the prompt each sequence answers (``i // n``).
-        sampler_logprobs: ``[N, C]`` float32 log-prob of each sampled token under the
-            distribution it was drawn from (tempered, cut by top-k/top-p, renormalised: the
-            behaviour policy); equal to ``logprobs`` without truncation, 0 when greedy and
-            where ``completion_mask == 0``. None when the sampler did not record them.
-        loss_mask: ``[N, C]`` float32; 1 = a token the update trains on. A separate tensor
-            from ``completion_mask`` (the tokens that exist, which the model attends to), so a
-            token can be attended to and not trained on (an environment's answer, a truncated
-            completion under overlong filtering); defaults to a copy of ``completion_mask``.
-    """
-
-    prompt_ids: list[list[int]]
-    completion_ids: torch.Tensor  # [N, C] long
-    completion_mask: torch.Tensor  # [N, C] float32
-    logprobs: torch.Tensor  # [N, C] float32
-    finish_reason: list[str]
-    completion_text: list[str]
-    prompt_index: torch.Tensor  # [N] long
-    sampler_logprobs: torch.Tensor | None = None  # [N, C] float32
-    loss_mask: torch.Tensor | None = None  # [N, C] float32
-
-    def __post_init__(self):
-        if self.loss_mask is None:
-            self.loss_mask = self.completion_mask.clone()
-
-    def completion_id_lists(self) -> list[list[int]]:
-        """The counted completion token ids, one list per sequence (``completion_ids`` of the
-        reward contract)."""
-        lens = self.completion_mask.sum(dim=1).long().tolist()
-        return [self.completion_ids[i, :n].tolist() for i, n in enumerate(lens)]
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return int(self.completion_mask.sum().item())
-
-    def take(self, idx: Sequence[int]) -> Rollout:
-        """The sequences ``idx`` (in that order), as their own Rollout; ``prompt_index``
-        renumbers the prompts they answer 0, 1, ... (a group's members stay adjacent)."""
-        ix = torch.tensor(list(idx), dtype=torch.long, device=self.completion_ids.device)
-
-        def rows(t):
-            return None if t is None else t[ix]
-
-        return Rollout(
-            prompt_ids=[self.prompt_ids[i] for i in idx],
-            completion_ids=rows(self.completion_ids),
-            completion_mask=rows(self.completion_mask),
-            logprobs=rows(self.logprobs),
-            finish_reason=[self.finish_reason[i] for i in idx],
-            completion_text=[self.completion_text[i] for i in idx],
-            prompt_index=torch.unique_consecutive(
-                self.prompt_index.to(ix.device)[ix], return_inverse=True
-            )[1],
-            sampler_logprobs=rows(self.sampler_logprobs),
-            loss_mask=rows(self.loss_mask),
-        )
-
-    @staticmethod
-    def concat(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
-        """One Rollout of ``parts``' sequences in order, completions right-padded to the
-        longest (``pad_token_id``; masks and log-probs 0). A single part comes back as it is."""
-        if len(parts) == 1:
-            return parts[0]
-        C = max(p.completion_ids.shape[1] for p in parts)
-
-        def cat(name: str, value):
-            ts = [getattr(p, name) for p in parts]
-            if any(t is None for t in ts):
-                return None
-            return torch.cat(
-                [torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value) for t in ts]
-            )
-
-        offset, index = 0, []
-        for p in parts:
-            index.append(p.prompt_index + offset)
-            offset += int(p.prompt_index.max()) + 1 if len(p.prompt_index) else 0
-        return Rollout(
-            prompt_ids=[ids for p in parts for ids in p.prompt_ids],
-            completion_ids=cat("completion_ids", pad_token_id),
-            completion_mask=cat("completion_mask", 0.0),
-            logprobs=cat("logprobs", 0.0),
-            finish_reason=[f for p in parts for f in p.finish_reason],
-            completion_text=[t for p in parts for t in p.completion_text],
-            prompt_index=torch.cat(index),
-            sampler_logprobs=cat("sampler_logprobs", 0.0),
-            loss_mask=cat("loss_mask", 0.0),
-        )
-
-    def training_batch(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Teacher-forcing inputs: ``(input_ids [N, P+C], attention_mask [N, P+C], completion_mask [N, C])``.
-
-        Prompts are LEFT-padded to ``P`` = longest prompt, completions right-padded to ``C``;
-        the last ``C`` columns of ``input_ids`` are the completions, so the log-prob of completion
-        token ``j`` comes from the logits at column ``P + j - 1``. ``attention_mask`` (long) is 1 on
-        prompt tokens and on completion tokens that count; what the update trains on is
-        ``loss_mask``, which this does not touch. Pass
-        ``position_ids_from_mask(attention_mask)`` to the model as well: that reproduces the
-        positions used while sampling exactly (it matters for absolute-position models; for RoPE
-        models only float rounding differs).
-        """
-        n_seq, c = self.completion_ids.shape
-        p = max(len(ids) for ids in self.prompt_ids)
-        device = self.completion_ids.device
-        input_ids = torch.full((n_seq, p + c), pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((n_seq, p + c), dtype=torch.long, device=device)
-        for i, ids in enumerate(self.prompt_ids):
-            input_ids[i, p - len(ids) : p] = torch.tensor(ids, dtype=torch.long, device=device)
-            attention_mask[i, p - len(ids) : p] = 1
-        input_ids[:, p:] = self.completion_ids
-        attention_mask[:, p:] = self.completion_mask.long()
-        return input_ids, attention_mask, self.completion_mask
+#: the kernel's result is the package's one record (``record.Samples``); the old name stays
+Rollout = Samples
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,7 +87,7 @@ class Rollout:
 # --------------------------------------------------------------------------------------------
 
 
-def _slab_cache(num_layers: int, capacity: int, grow: bool = False):
+def slab_cache(num_layers: int, capacity: int, grow: bool = False):
     """A transformers ``Cache`` whose layers preallocate ``capacity`` positions and write in place.
 
     ``update`` returns views ``[B, H, length, D]`` of the buffers, so attention reads only the
@@ -327,7 +196,7 @@ def _draw(state: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return _mix64(state + (counter + 1) * _GOLDEN)
 
 
-def _row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
+def row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
     """The stream state of every sequence: prompt ``row_keys[i // n]``, sample ``i % n``.
 
     seed: any int (its low 64 bits count); row_keys: [R] int64 >= 0. Returns [R * n] int64.
@@ -341,7 +210,7 @@ def _row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
     return _draw(prompt[:, None], sample[None, :]).reshape(-1)  # [R * n]
 
 
-def _uniforms(states: torch.Tensor, steps: int) -> torch.Tensor:
+def uniforms(states: torch.Tensor, steps: int) -> torch.Tensor:
     """u[i, t] in [0, 1) for sequence state ``states[i]`` and position ``t < steps``: the top 24
     bits of draw ``t`` (every float32 multiple of 2^-24, as ``torch.rand`` gives). [B] -> [B, T]."""
     t = torch.arange(steps, dtype=torch.long, device=states.device)
@@ -361,7 +230,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample(
+def draw_tokens(
     logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: [B, V] float32, u: [B]. Returns (tokens [B], logprobs [B]
@@ -409,10 +278,10 @@ def _sample(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_sampling(caller: str, temperature, top_p, top_k) -> int:
+def check_sampling(caller: str, temperature, top_p, top_k) -> int:
     """The sampling settings every sampler takes (``generate``, ``envs.run_episodes``): a finite
     temperature >= 0, top_p in (0, 1], top_k an int >= 0 (returned)."""
-    top_k = _check_int("top_k", top_k, 0, caller)
+    top_k = check_int("top_k", top_k, 0, caller)
     if (
         not isinstance(temperature, (int, float))
         or not math.isfinite(temperature)
@@ -426,7 +295,7 @@ def _check_sampling(caller: str, temperature, top_p, top_k) -> int:
     return top_k
 
 
-def _check_int(name: str, value, minimum: int, caller: str = "generate") -> int:
+def check_int(name: str, value, minimum: int, caller: str = "generate") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{caller}(): {name} must be an int >= {minimum}, got {value!r}")
     return value
@@ -466,7 +335,7 @@ def _encode_prompts(tokenizer, prompts, vocab_size: int | None) -> list[list[int
     return out
 
 
-def _check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
+def check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
     """``row_keys`` as a [num_prompts] int64 tensor (default 0..num_prompts-1), checked."""
     if row_keys is None:
         return torch.arange(num_prompts, dtype=torch.long)
@@ -498,7 +367,7 @@ def _check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
     return torch.tensor(keys, dtype=torch.long)
 
 
-def _model_config(model):
+def model_config(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise ValueError("generate(): model has no .config; expected a Hugging Face causal LM")
@@ -526,7 +395,7 @@ def default_eos_ids(model, tokenizer) -> list[int]:
     return sorted(eos)
 
 
-def _forward_signature(model) -> set[str]:
+def forward_signature(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
 
@@ -553,7 +422,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     check_every: int | None = None,
-) -> Rollout:
+) -> Samples:
     """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
 
     Args:
@@ -581,11 +450,11 @@ def generate(
         check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
             With stop strings the check runs every step (the text must be decoded anyway).
     """
-    cfg = _model_config(model)
+    cfg = model_config(model)
     vocab_size = getattr(cfg, "vocab_size", None)
-    n = _check_int("n", n, 1)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    top_k = _check_sampling("generate", temperature, top_p, top_k)
+    n = check_int("n", n, 1)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    top_k = check_sampling("generate", temperature, top_p, top_k)
     if isinstance(stop, str):
         stop = (stop,)
     stop = tuple(stop)
@@ -602,9 +471,9 @@ def generate(
             "set tokenizer.eos_token or pass eos_token_ids"
         )
     if batch_size is not None:
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int("batch_size", batch_size, 1)
     if check_every is not None:
-        check_every = _check_int("check_every", check_every, 1)
+        check_every = check_int("check_every", check_every, 1)
 
     prompt_ids = _encode_prompts(tokenizer, prompts, vocab_size)
     max_pos = getattr(cfg, "max_position_embeddings", None)
@@ -637,12 +506,12 @@ def generate(
     elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"generate(): seed must be an int or None, got {seed!r}")
     seed = int(seed)
-    keys = _check_row_keys(row_keys, len(prompt_ids))
-    states = _row_states(seed, keys.to(device), n)  # [N]
+    keys = check_row_keys(row_keys, len(prompt_ids))
+    states = row_states(seed, keys.to(device), n)  # [N]
 
     attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
     fast = slab_cache_ok(cfg)
-    sig = _forward_signature(model)
+    sig = forward_signature(model)
     cache_kw = "cache" if "cache" in sig else "past_key_values"
 
     runner = _Runner(
@@ -690,7 +559,7 @@ def generate(
             rows.append(t.to(dt))
         return torch.cat(rows, 0)
 
-    return Rollout(
+    return Samples(
         prompt_ids=[list(prompt_ids[i // n]) for i in range(num_seq)],
         completion_ids=_cat("tokens", pad_id, torch.long),
         completion_mask=_cat("mask", 0.0, torch.float32),
@@ -762,7 +631,7 @@ class _Runner:
         # ---- prefill (once per unique prompt) ----
         neg = torch.finfo(self.dtype).min
         if self.fast:
-            cache = _slab_cache(self.num_layers, cap)
+            cache = slab_cache(self.num_layers, cap)
             causal = torch.ones(p_len, p_len, dtype=torch.bool, device=dev).tril_()
             allowed = causal & (real[:, None, :] | torch.eye(p_len, dtype=torch.bool, device=dev))
             # Key-visibility per row over the whole capacity (pads hidden): a bool mask for sdpa
@@ -796,13 +665,13 @@ class _Runner:
         finished_at = torch.full((b,), T, dtype=torch.long, device=dev)  # T = not finished
         reason = ["length"] * b
         rows = torch.arange(b, device=dev)  # local index of each running row
-        u_local = _uniforms(states[start:end], T)  # [b, T]
+        u_local = uniforms(states[start:end], T)  # [b, T]
         hist: list[list[int]] | None = [[] for _ in range(b)] if self.stop else None
         stop_window = (max(len(s) for s in self.stop) + 8) if self.stop else 0
 
         cur = p_len  # cache length before this step's token
         for t in range(T):
-            tok, logp, sampler_logp = _sample(
+            tok, logp, sampler_logp = draw_tokens(
                 logits, u_local[rows, t], self.temperature, self.top_p, self.top_k
             )
             tokens_out[rows, t] = tok
