@@ -66,10 +66,11 @@ from peergrade.evaluation import (
     held_out_scorer,
     results_table,
 )
+from peergrade.files import read_jsonl
 from peergrade.generation import SamplerSettings
 from peergrade.monitoring import flops
 from peergrade.monitoring.detectors import Detectors, repetition_rate
-from peergrade.monitoring.metrics import Display, check_backends, quiet_hf_progress, read_jsonl
+from peergrade.monitoring.metrics import Display, check_backends, quiet_hf_progress
 from peergrade.rewards import RewardSpec
 from peergrade.rewards.audit import at_startup as audit_at_startup
 from peergrade.seeds import step_seed
