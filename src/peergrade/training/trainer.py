@@ -436,9 +436,15 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
     if run.cfg.rollout.dynamic_sampling:  # what fill_step did to the producer's copy, in order
         kept = run.cfg.rollout.prompts_per_step - exp.sampled.dynamic["dynamic/unfilled_groups"]
         run.informative_seen = run.informative_seen or kept > 0
+    t_adv = time.perf_counter()
     upd = learn(run, exp, step)
+    t_learned = time.perf_counter()
     producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
-    exp.seconds["update"] = time.perf_counter() - t_got
+    t_published = time.perf_counter()
+    # the phases mean what they mean in a synchronous step: the advantages count with the
+    # reference phase (collect computes them there), the update is learn() alone
+    exp.seconds["ref"] += t_adv - t_got
+    exp.seconds["update"] = t_learned - t_adv
     result = step_result(run, exp, upd, step)
     staleness = (step - 1) - exp.policy_version  # version trained - version sampled
     result.metrics.update(
@@ -447,6 +453,7 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
             "async/staleness_max": staleness,
             "async/policy_version": exp.policy_version,
             "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
+            "time/publish_s": t_published - t_learned,  # the new weights to the producer
         }
     )
     return result
