@@ -63,6 +63,7 @@ repetition penalties, speculative decoding, or multi-GPU sharding.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
@@ -395,6 +396,26 @@ def default_eos_ids(model, tokenizer) -> list[int]:
     return sorted(eos)
 
 
+def eos_ids(model, tokenizer, given: Sequence[int] | None) -> list[int]:
+    """The tokens that end a sequence: ``given`` (sorted, distinct), else the tokenizer's eos
+    plus the model's ``generation_config.eos_token_id``."""
+    if given is not None:
+        return sorted({int(t) for t in given})
+    return default_eos_ids(model, tokenizer)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode without gradients for the block, then back as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
 def forward_signature(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
@@ -451,13 +472,47 @@ def generate(
             With stop strings the check runs every step (the text must be decoded anyway).
     """
     cfg = model_config(model)
-    vocab_size = getattr(cfg, "vocab_size", None)
+    n, max_new_tokens, top_k, stop = _check_settings(
+        tokenizer, n, max_new_tokens, temperature, top_p, top_k, stop, eos_token_ids
+    )
+    batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
+    check_every = None if check_every is None else check_int("check_every", check_every, 1)
+    prompt_ids = _encode_prompts(tokenizer, prompts, getattr(cfg, "vocab_size", None))
+    _check_context(prompt_ids, max_new_tokens, getattr(cfg, "max_position_embeddings", None))
+    eos_token_ids = eos_ids(model, tokenizer, eos_token_ids)
+    device = next(model.parameters()).device
+    num_seq = len(prompt_ids) * n
+    keys = check_row_keys(row_keys, len(prompt_ids))
+    states = row_states(seed_of(seed), keys.to(device), n)  # [N]
+    runner = _Runner.of(
+        model,
+        tokenizer,
+        cfg,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        stop=stop,
+        eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
+        ignore_eos=ignore_eos,
+        check_every=check_every,
+    )
+    step = batch_size or num_seq
+    with eval_mode(model):
+        parts = [
+            runner.run(prompt_ids, states, start, min(start + step, num_seq))
+            for start in range(0, num_seq, step)
+        ]
+    return _assemble(parts, prompt_ids, n, tokenizer.pad_token_id, device)
+
+
+def _check_settings(tokenizer, n, max_new_tokens, temperature, top_p, top_k, stop, eos_token_ids):
+    """``generate``'s sampling arguments checked: ``(n, max_new_tokens, top_k, stop tuple)``."""
     n = check_int("n", n, 1)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     top_k = check_sampling("generate", temperature, top_p, top_k)
-    if isinstance(stop, str):
-        stop = (stop,)
-    stop = tuple(stop)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) or s == "" for s in stop):
         raise ValueError(f"generate(): stop must be non-empty strings, got {stop!r}")
     if tokenizer.pad_token_id is None:
@@ -470,87 +525,38 @@ def generate(
             "generate(): tokenizer has no eos token (tokenizer.eos_token_id is None); "
             "set tokenizer.eos_token or pass eos_token_ids"
         )
-    if batch_size is not None:
-        batch_size = check_int("batch_size", batch_size, 1)
-    if check_every is not None:
-        check_every = check_int("check_every", check_every, 1)
+    return n, max_new_tokens, top_k, stop
 
-    prompt_ids = _encode_prompts(tokenizer, prompts, vocab_size)
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    if max_pos is not None:
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) + max_new_tokens > max_pos:
-                raise ValueError(
-                    f"generate(): prompts[{i}] has {len(ids)} tokens; with max_new_tokens="
-                    f"{max_new_tokens} that exceeds the model's context "
-                    f"(max_position_embeddings={max_pos})"
-                )
 
-    if eos_token_ids is None:
-        eos_token_ids = default_eos_ids(model, tokenizer)
-    else:
-        eos_token_ids = sorted({int(t) for t in eos_token_ids})
+def _check_context(prompt_ids: list[list[int]], max_new_tokens: int, max_pos: int | None) -> None:
+    """Every prompt plus ``max_new_tokens`` fits the model's context."""
+    if max_pos is None:
+        return
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + max_new_tokens > max_pos:
+            raise ValueError(
+                f"generate(): prompts[{i}] has {len(ids)} tokens; with max_new_tokens="
+                f"{max_new_tokens} that exceeds the model's context "
+                f"(max_position_embeddings={max_pos})"
+            )
 
-    param = next(model.parameters())
-    device = param.device
-    float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    dtype = next((p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32)
-    if check_every is None:
-        check_every = 1 if device.type == "cpu" else 8
-    if stop:
-        check_every = 1
 
-    num_seq = len(prompt_ids) * n
+def seed_of(seed) -> int:
+    """The draws' seed: ``seed``, or one from torch's global RNG when None."""
     if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        return int(torch.randint(0, 2**62, ()).item())
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"generate(): seed must be an int or None, got {seed!r}")
-    seed = int(seed)
-    keys = check_row_keys(row_keys, len(prompt_ids))
-    states = row_states(seed, keys.to(device), n)  # [N]
+    return int(seed)
 
-    attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
-    fast = slab_cache_ok(cfg)
-    sig = forward_signature(model)
-    cache_kw = "cache" if "cache" in sig else "past_key_values"
 
-    runner = _Runner(
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        dtype=dtype,
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        stop=stop,
-        eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
-        ignore_eos=ignore_eos,
-        check_every=check_every,
-        fast=fast,
-        cache_kw=cache_kw,
-        bool_mask=attn_impl == "sdpa",
-        logits_to_keep="logits_to_keep" in sig,
-        num_layers=cfg.num_hidden_layers,
-    )
-    step = batch_size or num_seq
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            parts = [
-                runner.run(prompt_ids, states, start, min(start + step, num_seq))
-                for start in range(0, num_seq, step)
-            ]
-    finally:
-        model.train(was_training)
-
-    # Assemble: pad every part to the longest completion.
+def _assemble(parts: list[dict], prompt_ids, n: int, pad_id: int, device) -> Samples:
+    """The micro-batches' results as one ``Samples``, every part padded to the longest
+    completion."""
     c = max(p["tokens"].shape[1] for p in parts)
-    pad_id = tokenizer.pad_token_id
+    num_seq = len(prompt_ids) * n
 
-    def _cat(key, fill, dt):
+    def cat(key, fill, dt):
         rows = []
         for p in parts:
             t = p[key]
@@ -561,10 +567,10 @@ def generate(
 
     return Samples(
         prompt_ids=[list(prompt_ids[i // n]) for i in range(num_seq)],
-        completion_ids=_cat("tokens", pad_id, torch.long),
-        completion_mask=_cat("mask", 0.0, torch.float32),
-        logprobs=_cat("logprobs", 0.0, torch.float32),
-        sampler_logprobs=_cat("sampler_logprobs", 0.0, torch.float32),
+        completion_ids=cat("tokens", pad_id, torch.long),
+        completion_mask=cat("mask", 0.0, torch.float32),
+        logprobs=cat("logprobs", 0.0, torch.float32),
+        sampler_logprobs=cat("sampler_logprobs", 0.0, torch.float32),
         finish_reason=[r for p in parts for r in p["finish"]],
         completion_text=[t for p in parts for t in p["text"]],
         prompt_index=torch.arange(num_seq, device=device) // n,
@@ -595,6 +601,35 @@ class _Runner:
     logits_to_keep: bool  # the forward accepts logits_to_keep
     num_layers: int
 
+    @classmethod
+    def of(cls, model, tokenizer, cfg, *, check_every: int | None, **settings) -> _Runner:
+        """The runner for ``model``: its device and float dtype, the cache and mask its forward
+        takes, and how often finished rows are checked (every step with stop strings: the text
+        must be decoded anyway; else 1 on the CPU, 8 elsewhere)."""
+        device = next(model.parameters()).device
+        float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        dtype = next(
+            (p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32
+        )
+        if check_every is None:
+            check_every = 1 if device.type == "cpu" else 8
+        if settings["stop"]:
+            check_every = 1
+        sig = forward_signature(model)
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            device=device,
+            dtype=dtype,
+            check_every=check_every,
+            fast=slab_cache_ok(cfg),
+            cache_kw="cache" if "cache" in sig else "past_key_values",
+            bool_mask=(getattr(cfg, "_attn_implementation", None) or "eager") == "sdpa",
+            logits_to_keep="logits_to_keep" in sig,
+            num_layers=cfg.num_hidden_layers,
+            **settings,
+        )
+
     def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
         kwargs = {
             "input_ids": input_ids,
@@ -608,7 +643,11 @@ class _Runner:
         out = self.model(**kwargs)
         return out.logits[:, -1, :].float()  # [B, V]
 
-    def run(self, prompt_ids, states, start: int, end: int) -> dict:
+    def _prefill(self, prompt_ids, start: int, end: int):
+        """Each unique prompt of sequences [start, end) run once, its cache rows copied to the
+        sequences that answer it. Returns ``(logits [b, V], next positions [b], cache,
+        visible [b, cap], prompt length)``: ``visible`` says which cache slots each row may
+        attend to (a bool or additive mask with the slab cache, a 0/1 mask otherwise)."""
         dev, n, T = self.device, self.n, self.max_new_tokens
         b = end - start
         # Unique prompts of this micro-batch and how many of its sequences answer each.
@@ -640,12 +679,12 @@ class _Runner:
             key_ok[:, :p_len] = real
             key_ok = key_ok.index_select(0, expand)  # [b, cap]
             if self.bool_mask:
-                mask4, key_bias = allowed, key_ok
+                mask4, visible = allowed, key_ok
             else:
                 mask4 = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
                 mask4.masked_fill_(~allowed, neg)  # [U, P, P]
-                key_bias = torch.zeros((b, cap), dtype=self.dtype, device=dev)
-                key_bias.masked_fill_(~key_ok, neg)  # [b, cap]
+                visible = torch.zeros((b, cap), dtype=self.dtype, device=dev)
+                visible.masked_fill_(~key_ok, neg)  # [b, cap]
             logits = self._forward(ids, mask4[:, None], pos, cache, last_only=True)
             cache.batch_select_indices(expand)
         else:
@@ -654,10 +693,16 @@ class _Runner:
             cache = DynamicCache(config=self.model.config)
             logits = self._forward(ids, real.long(), pos, cache, last_only=True)
             cache.batch_select_indices(expand)
-            attn2d = torch.ones((b, cap), dtype=torch.long, device=dev)
-            attn2d[:, :p_len] = real.long().index_select(0, expand)
+            visible = torch.ones((b, cap), dtype=torch.long, device=dev)
+            visible[:, :p_len] = real.long().index_select(0, expand)
         logits = logits.index_select(0, expand)  # [b, V]
         next_pos = pos[:, -1].index_select(0, expand) + 1  # [b]
+
+        return logits, next_pos, cache, visible, p_len
+
+    def run(self, prompt_ids, states, start: int, end: int) -> dict:
+        dev, T, b = self.device, self.max_new_tokens, end - start
+        logits, next_pos, cache, visible, p_len = self._prefill(prompt_ids, start, end)
 
         tokens_out = torch.full((b, T), self.tokenizer.pad_token_id, dtype=torch.long, device=dev)
         logp_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
@@ -708,19 +753,22 @@ class _Runner:
                     rows, tok = rows[keep], tok[keep]
                     next_pos = next_pos[keep]
                     cache.batch_select_indices(keep)
-                    if self.fast:
-                        key_bias = key_bias.index_select(0, keep)
-                    else:
-                        attn2d = attn2d.index_select(0, keep)
+                    visible = visible.index_select(0, keep)
             if self.fast:
-                step_mask = key_bias[:, None, None, : cur + 1]  # [B, 1, 1, cur+1]
+                step_mask = visible[:, None, None, : cur + 1]  # [B, 1, 1, cur+1]
             else:
-                step_mask = attn2d[:, : cur + 1]
+                step_mask = visible[:, : cur + 1]
             logits = self._forward(tok[:, None], step_mask, next_pos[:, None], cache, False)
             next_pos = next_pos + 1
             cur += 1
 
-        # ---- finish: masks, reasons, texts ----
+        return self._finish(tokens_out, logp_out, sampler_out, finished_at, reason)
+
+    def _finish(self, tokens_out, logp_out, sampler_out, finished_at, reason) -> dict:
+        """The micro-batch's result: masks up to each row's end (its first EOS or the token
+        where a stop string completed), reasons, texts cut after their stop string."""
+        T, b = self.max_new_tokens, tokens_out.shape[0]
+        dev = tokens_out.device
         length = torch.where(finished_at < T, finished_at + 1, T)  # [b]
         col = torch.arange(T, device=dev)
         mask = (col[None, :] < length[:, None]).float()  # [b, T]
