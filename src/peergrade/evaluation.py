@@ -347,19 +347,8 @@ def run_eval_command(
     model, else 128. ``few_shot`` solved training examples go before each prompt (default
     none); ``reward_options`` are keyword arguments for the scorer; ``samples`` is a JSONL file
     written with one line per problem (its answers, see ``evaluate``'s completions)."""
-    from pathlib import Path
-
-    from peergrade.config import load_config
-    from peergrade.envs.scoring import EPISODE_COLUMNS
-    from peergrade.model.load import (
-        load_model,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-        resolve_model_path,
-    )
-    from peergrade.rewards import make_reward_specs
-    from peergrade.training.components import build_env, build_task, encode_rows, episode_rows
+    from peergrade.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from peergrade.training.components import encode_rows
 
     if (n is not None and n < 1) or (k is not None and k < 1):
         raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
@@ -367,38 +356,107 @@ def run_eval_command(
         raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
     if temperature is not None and temperature <= 0:
         raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    flags = dict(n=n, k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    flags.update(batch_size=batch_size, reward=reward)
+    cfg, run_config, path, given = _eval_config(
+        model, config, task, task_options, data, flags, overrides
+    )
+    the_task, rows, acc, why, make_env = _eval_rows(
+        cfg, data, few_shot, few_shot_answer, reward_options
+    )
+    tok = load_tokenizer(path)
+    dev = resolve_device(device)
+    net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
+    ids = [] if make_env is not None else encode_rows(cfg, the_task, tok, rows)
+    result = evaluate_config(
+        cfg,
+        net,
+        tok,
+        rows,
+        ids,
+        acc,
+        curve=curve,
+        keep_completions=samples is not None,
+        make_env=make_env,
+    )
+    if samples is not None:  # one JSON line per problem; never half a file under the name
+        import json
+
+        lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
+        ckpt.atomic_write_text(samples, "".join(lines))
+    return _labelled(result, cfg, model, acc.name, why, run_config, few_shot, reward_options) | (
+        {"checkpoint": path} if path != given else {}
+    )
+
+
+def _labelled(result, cfg, model, scorer, why, run_config, few_shot, reward_options) -> dict:
+    """``peergrade eval``'s result with what it evaluated: task, model, scorer, seed, config."""
+    result["task"] = cfg.data.path or cfg.data.task
+    result["model"] = model
+    result["scorer"] = scorer
+    result["scorer_chosen_by"] = why
+    result["seed"] = eval_seed(cfg.train.seed)
+    if run_config is not None:
+        result["config"] = str(run_config)
+    if few_shot:
+        result["few_shot"] = few_shot
+    if reward_options:
+        result["reward_options"] = dict(reward_options)
+    return result
+
+
+def _eval_config(model, config, task, task_options, data, flags: dict, overrides):
+    """``peergrade eval``'s config: the run's config.yaml (a run or checkpoint directory), or
+    ``config``, or the defaults; the flags where given; ``overrides`` last. Returns ``(cfg,
+    the config file read or None, the model directory, the model as named)``."""
+    from pathlib import Path
+
+    from peergrade.config import load_config
+    from peergrade.model.load import resolve_model_path
+
     given = resolve_model_path(model)
     path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
     run_config = Path(path) / "config.yaml"
     run_config = config if config is not None else (run_config if run_config.is_file() else None)
     base = load_config(run_config)
-    flags: list[tuple[str, Any]] = []
+    keys: list[tuple[str, Any]] = []
     if task is not None:
-        flags += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
+        keys += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
     options = dict(task_options or {})
     if data is not None:
-        flags += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
+        keys += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
     if options:
         new_source = task is not None or data is not None
-        flags.append(
+        keys.append(
             ("data.task_options", {**({} if new_source else base.data.task_options), **options})
         )
     elif task is not None or data is not None:
-        flags.append(("data.task_options", {}))
+        keys.append(("data.task_options", {}))
+    max_new_tokens = flags["max_new_tokens"]
     if max_new_tokens is None and run_config is None:
         max_new_tokens = 16 if model == "bundled" else 128
     for key, value in (
-        ("train.eval_size", n),
-        ("train.eval_samples", k),
-        ("rollout.temperature", temperature),
+        ("train.eval_size", flags["n"]),
+        ("train.eval_samples", flags["k"]),
+        ("rollout.temperature", flags["temperature"]),
         ("rollout.max_completion_length", max_new_tokens),
-        ("train.seed", seed),
-        ("rollout.generation_batch_size", batch_size),
-        ("train.eval_reward", reward),
+        ("train.seed", flags["seed"]),
+        ("rollout.generation_batch_size", flags["batch_size"]),
+        ("train.eval_reward", flags["reward"]),
     ):
         if value is not None:
-            flags.append((key, value))
-    cfg = load_config(run_config, flags + list(overrides or []))
+            keys.append((key, value))
+    return load_config(run_config, keys + list(overrides or [])), run_config, path, given
+
+
+def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_options):
+    """The held-out rows ``peergrade eval`` scores and their scorer, all checked before the
+    model loads: ``(task, rows, scorer, why it was chosen, the env factory or None)``."""
+    from pathlib import Path
+
+    from peergrade.envs.scoring import EPISODE_COLUMNS
+    from peergrade.rewards import make_reward_specs
+    from peergrade.training.components import build_env, build_task, episode_rows
 
     make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
     the_task = build_task(cfg, make_env)
@@ -431,40 +489,7 @@ def run_eval_command(
     check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if make_env else ())
     if make_env is not None:
         rows = episode_rows(cfg, the_task, rows)
-    tok = load_tokenizer(path)
-    dev = resolve_device(device)
-    net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
-    ids = [] if make_env is not None else encode_rows(cfg, the_task, tok, rows)
-    result = evaluate_config(
-        cfg,
-        net,
-        tok,
-        rows,
-        ids,
-        acc,
-        curve=curve,
-        keep_completions=samples is not None,
-        make_env=make_env,
-    )
-    if samples is not None:  # one JSON line per problem; never half a file under the name
-        import json
-
-        lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
-        ckpt.atomic_write_text(samples, "".join(lines))
-    result["task"] = cfg.data.path or cfg.data.task
-    result["model"] = model
-    result["scorer"] = acc.name
-    result["scorer_chosen_by"] = why
-    result["seed"] = eval_seed(cfg.train.seed)
-    if run_config is not None:
-        result["config"] = str(run_config)
-    if few_shot:
-        result["few_shot"] = few_shot
-    if reward_options:
-        result["reward_options"] = dict(reward_options)
-    if path != given:
-        result["checkpoint"] = path
-    return result
+    return the_task, rows, acc, why, make_env
 
 
 # ----------------------------------------------------------------------------- during training
