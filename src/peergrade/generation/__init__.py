@@ -70,6 +70,13 @@ def sample(
         return Samples.of_episodes(episodes, tokenizer.pad_token_id, settings.n)
     if prompt_ids is None:
         raise ValueError("sample(): single replies need prompt_ids (the rows' encoded prompts)")
-    out = generate(model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens, **common)
+    out = generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        max_new_tokens=settings.max_new_tokens,
+        ignore_eos=settings.ignore_eos,
+        **common,
+    )
     out.prompts = [row["prompt"] for row in rows for _ in range(settings.n)]
     return out
