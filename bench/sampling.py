@@ -126,7 +126,7 @@ def uniforms_ms(prompts: int, n: int, new: int) -> tuple[float, float]:
     (best of 20 after a warm-up): the whole difference between the two sides."""
     import torch
 
-    from peergrade.generation.kernel import _row_states, _uniforms
+    from peergrade.generation.kernel import row_states, uniforms
 
     keys = torch.arange(prompts)
 
@@ -135,7 +135,7 @@ def uniforms_ms(prompts: int, n: int, new: int) -> tuple[float, float]:
         return torch.rand((prompts * n, new), generator=gen)
 
     def keyed():
-        return _uniforms(_row_states(1, keys, n), new)
+        return uniforms(row_states(1, keys, n), new)
 
     best = {}
     for name, f in (("old", old), ("new", keyed)):

@@ -23,11 +23,11 @@ from peergrade.seeds import step_seed
 from peergrade.training import trainer
 
 
-def per_prompt_sample(run, prompt_ids, step, row_keys):
+def per_prompt_sample(run, rows, step, row_keys):
     r = run.cfg.rollout
     parts = []
     with dist.full_weights(run.models.policy) as policy:
-        for key, ids in zip(row_keys, prompt_ids):
+        for key, ids in zip(row_keys, run.encode(rows)):
             parts.append(
                 generate(
                     policy,
@@ -41,14 +41,16 @@ def per_prompt_sample(run, prompt_ids, step, row_keys):
                     row_keys=[key],
                 )
             )
-    return Rollout.concat(parts, run.models.tokenizer.pad_token_id)
+    out = Rollout.concat(parts, run.models.tokenizer.pad_token_id)
+    out.prompts = [row["prompt"] for row in rows for _ in range(r.group_size)]
+    return out
 
 
 def recording(sample, path: Path):
     """``sample`` that also appends each completion it returns to ``path`` as a JSON line."""
 
-    def wrapped(run, prompt_ids, step, row_keys):
-        rollout = sample(run, prompt_ids, step, row_keys)
+    def wrapped(run, rows, step, row_keys):
+        rollout = sample(run, rows, step, row_keys)
         n = run.cfg.rollout.group_size
         with path.open("a", encoding="utf-8") as f:
             for i, tokens in enumerate(rollout.completion_id_lists()):

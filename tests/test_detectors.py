@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from peergrade.config import AlertConfig
+from peergrade.files import read_jsonl
 from peergrade.monitoring.detectors import ALERT_NAMES, Detectors, repetition_rate
-from peergrade.monitoring.metrics import Display, read_jsonl
+from peergrade.monitoring.metrics import Display
 
 DEMO = Path(__file__).parent / "data" / "demo_metrics.jsonl"
 ONSET = 30

@@ -81,9 +81,9 @@ def test_every_batch_has_P_groups_with_spread_in_at_most_max_rounds(
     P, G = 4, 2
     real_sample, keys = trainer.sample, []
 
-    def recording(run, prompt_ids, step, row_keys):
+    def recording(run, rows, step, row_keys):
         keys.append(list(row_keys))
-        return real_sample(run, prompt_ids, step, row_keys)
+        return real_sample(run, rows, step, row_keys)
 
     monkeypatch.setattr(trainer, "sample", recording)
     extra_rounds = 0
@@ -205,9 +205,9 @@ def test_rounds_ahead_batches_the_rounds_and_keeps_the_same_groups(
     calls = []
     real_sample = trainer.sample
 
-    def recording(run, prompt_ids, step, row_keys):
+    def recording(run, rows, step, row_keys):
         calls.append(len(row_keys))
-        return real_sample(run, prompt_ids, step, row_keys)
+        return real_sample(run, rows, step, row_keys)
 
     monkeypatch.setattr(trainer, "sample", recording)
     one = trainer.setup(config(tiny_model_dir, reward_file, **{"rollout.rounds_ahead": False}))
@@ -285,8 +285,8 @@ def test_rollout_take_and_concat_keep_each_sequence(tiny_model_dir, reward_file)
     run = trainer.setup(config(tiny_model_dir, reward_file))
     pad = run.models.tokenizer.pad_token_id
     rows = step_rows(run, 1)
-    a = trainer.sample(run, run.encode(rows[:2]), 1, range(2))
-    b = trainer.sample(run, run.encode(rows[2:]), 1, range(2, 4))
+    a = trainer.sample(run, rows[:2], 1, range(2))
+    b = trainer.sample(run, rows[2:], 1, range(2, 4))
     parts = [b.take([2, 3]), a.take([0, 1, 2, 3])]  # group 1 of b, then a's two groups
     joined = Rollout.concat(parts, pad)
     assert joined.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]

@@ -12,12 +12,12 @@ from peergrade.envs import (
     Step,
     TemplateError,
     ToolEnvironment,
-    episodes_batch,
     parse_tool_calls,
     tool_environment_factory,
 )
 from peergrade.envs.template import render, turn_delta
 from peergrade.errors import InputError
+from peergrade.generation import Samples
 from peergrade.generation.episodes import run_episodes
 from peergrade.model.load import position_ids_from_mask
 from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model
@@ -95,6 +95,19 @@ def tool_tok():
 def base_model(tool_tok):
     model, _ = build_tiny_model("qwen2", tool_tok, seed=0, max_position_embeddings=2048)
     return model.eval()
+
+
+def episodes_batch(episodes, pad_id):
+    """The update's tensors of ``episodes``, through the one record (``Samples``)."""
+    s = Samples.of_episodes(episodes, pad_id, n=1)
+    input_ids, attention_mask, _ = s.training_batch(pad_id)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": s.loss_mask,
+        "logprobs": s.logprobs,
+        "sampler_logprobs": s.sampler_logprobs,
+    }
 
 
 def full_forward_logprobs(model, episodes, pad_id, temperature):

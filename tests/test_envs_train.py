@@ -280,7 +280,7 @@ def test_collected_experience_masks_environment_tokens(files, monkeypatch):
     run = trainer.setup(cfg, Given(policy=policy, tokenizer=tok))
     assert [s.name for s in run.rewards] == ["used_a_tool", "env"]
     exp = trainer.collect(run, 1, [{"prompt": "3*4?"}, {"prompt": "5*6?"}])
-    eps = exp.sampled.episodes
+    eps = exp.sampled.samples.episodes
     assert len(eps) == 4 and all(e.num_turns == 3 and e.finish_reason == "done" for e in eps)
 
     n, C = exp.loss_mask.shape
@@ -413,7 +413,7 @@ def test_dynamic_sampling_fills_a_step_of_episodes(files, monkeypatch):
         exp = trainer.collect(run, step, [{"prompt": "3*4?"}, {"prompt": "5*6?"}])
         m = exp.sampled.dynamic
         rounds.append(m["dynamic/rounds"])
-        eps = exp.sampled.episodes
+        eps = exp.sampled.samples.episodes
         assert len(eps) == 4 and m["dynamic/unfilled_groups"] == 0
         assert informative_groups(exp.rewards.view(2, 2)).all()
         C = exp.loss_mask.shape[1]

@@ -340,7 +340,7 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(
     run = trainer.setup(cfg, Given(policy=policy, tokenizer=tok))
     assert [s.name for s in run.rewards] == ["verifiers_reward"]
     exp = trainer.collect(run, 1, rows_of(make, 2))
-    eps = exp.sampled.episodes
+    eps = exp.sampled.samples.episodes
     assert len(eps) == 4
     for e in eps:
         assert e.tool_calls == 1 and e.tool_failures == 0 and e.num_turns == turns

@@ -9,6 +9,7 @@ import pytest
 
 from peergrade.errors import InputError
 from peergrade.evaluation import evaluate, pass_at_k, pass_at_k_curve, run_eval_command
+from peergrade.generation import SamplerSettings
 from peergrade.generation.kernel import generate
 from peergrade.rewards import RewardSpec, columns_for
 from peergrade.tasks.prompts import encode_prompts
@@ -76,7 +77,9 @@ def test_evaluate_matches_reference(tiny_qwen2):
     ids = encode_prompts(rows, tok)
     acc = RewardSpec(name="even", fn=_first_char_even, weight=1.0, kwargs={})
     k, seed = 4, 11
-    out = evaluate(model, tok, rows, ids, acc, k=k, temperature=1.0, max_new_tokens=3, seed=seed)
+    out = evaluate(
+        model, tok, rows, ids, acc, k=k, settings=SamplerSettings(n=1, max_new_tokens=3), seed=seed
+    )
 
     # reference: the same generations, scored one sample at a time
     greedy = generate(model, tok, ids, n=1, max_new_tokens=3, temperature=0.0, seed=seed)
@@ -97,7 +100,7 @@ def test_evaluate_matches_reference(tiny_qwen2):
     # the curve, from the same samples: each pass@j is the share of j-subsets of a problem's
     # samples that hold a correct one, averaged over problems (brute force, not the formula)
     full = evaluate(
-        model, tok, rows, ids, acc, k=k, temperature=1.0, max_new_tokens=3, seed=seed, curve=True
+        model, tok, rows, ids, acc, k=k, settings=SamplerSettings(1, 3), seed=seed, curve=True
     )
     assert {key: full[key] for key in out} == out
     for j in range(1, k + 1):

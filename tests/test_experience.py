@@ -90,15 +90,15 @@ def test_collect_keeps_the_loss_mask_apart(tiny_model_dir, monkeypatch):
     run = trainer.setup(cfg)
     real_sample = trainer.sample
 
-    def sample_with_a_gap(run, prompt_ids, step, row_keys):
-        ro = real_sample(run, prompt_ids, step, row_keys)
+    def sample_with_a_gap(run, rows, step, row_keys):
+        ro = real_sample(run, rows, step, row_keys)
         ro.loss_mask[:, 0] = 0.0  # e.g. an environment's answer: in the context, not trained
         return ro
 
     monkeypatch.setattr(trainer, "sample", sample_with_a_gap)
     rows = list(itertools.islice(run.task.train_rows(0), 2))
     exp = trainer.collect(run, 1, rows)
-    ro = exp.sampled.rollout
+    ro = exp.sampled.samples
     N, C = exp.loss_mask.shape
     L = exp.input_ids.shape[1]
     assert exp.loss_mask is not exp.attention_mask and exp.attention_mask.shape == (N, L)

@@ -274,6 +274,7 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
 @needs_smollm2
 def test_evaluate_reports_format_rate(smol):
     from peergrade.evaluation import accuracy_spec, evaluate
+    from peergrade.generation import SamplerSettings
     from peergrade.tasks import load_task
     from peergrade.tasks.arithmetic import INSTRUCT_TEMPLATE
     from peergrade.tasks.prompts import encode_prompts
@@ -290,8 +291,7 @@ def test_evaluate_reports_format_rate(smol):
         ids,
         accuracy_spec(task),
         k=1,
-        temperature=1.0,
-        max_new_tokens=6,
+        settings=SamplerSettings(n=1, max_new_tokens=6),
         seed=0,
         extra=[answer_format_spec()],
     )

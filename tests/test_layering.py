@@ -108,7 +108,7 @@ ALLOWED = {
     "rewards": {"errors", "files", "seeds", "algo", "distributed", "model", "monitoring"},
     "envs": {"errors", "files", "seeds", "rewards", "tasks"},
     "model": {"errors", "files", "seeds", "algo", "distributed"},
-    "generation": {"errors", "files", "seeds", "envs", "model"},
+    "generation": {"errors", "files", "seeds", "envs", "model", "rewards"},
 }
 
 

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from peergrade.config import ConfigError, load_config
 from peergrade.errors import InputError
-from peergrade.monitoring.metrics import MetricLogger, check_backends, read_jsonl
+from peergrade.files import read_jsonl
+from peergrade.monitoring.metrics import MetricLogger, check_backends
 from peergrade.training import checkpoint as ckpt
 
 LINES = [

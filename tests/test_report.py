@@ -15,7 +15,8 @@ import pytest
 
 from cli_helper import cli
 from peergrade.cli import main
-from peergrade.monitoring.report import OPTIONAL_PANELS, PANELS, load_run, read_jsonl, render_report
+from peergrade.files import read_jsonl
+from peergrade.monitoring.report import OPTIONAL_PANELS, PANELS, load_run, render_report
 
 TINY = {
     "rollout.prompts_per_step": "2",

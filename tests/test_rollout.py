@@ -450,7 +450,7 @@ def test_rank_shards_with_global_keys_equal_one_process(peaky_qwen2):
 def test_keyed_uniforms_are_splitmix64():
     """The int64 tensor hash equals a pure-Python uint64 splitmix64 (wrap-around products,
     logical shifts), for keys and seeds with the top bit set too."""
-    from peergrade.generation.kernel import _row_states, _uniforms
+    from peergrade.generation.kernel import row_states, uniforms
 
     mask, golden = 2**64 - 1, 0x9E3779B97F4A7C15
 
@@ -470,7 +470,7 @@ def test_keyed_uniforms_are_splitmix64():
             for key in keys
             for j in range(3)
         ]
-        u = _uniforms(_row_states(seed, torch.tensor(keys), 3), 5)  # [15, 5]
+        u = uniforms(row_states(seed, torch.tensor(keys), 3), 5)  # [15, 5]
         assert torch.equal((u * 2**24).long(), torch.tensor(want))
 
 
@@ -493,7 +493,7 @@ def test_keyed_draws_follow_the_processed_distribution():
     prompt keys) from a fixed 8-token distribution at temperature 0.8, top-k 6, top-p 0.9:
     chi-square fits the processed probabilities, rejects the unprocessed ones, and successive
     positions / samples are independent (a 4 x 4 grid of consecutive pairs is uniform)."""
-    from peergrade.generation.kernel import _row_states, _sample, _uniforms
+    from peergrade.generation.kernel import draw_tokens, row_states, uniforms
 
     logits = torch.tensor([2.0, 1.2, 1.0, 0.3, 0.0, -0.5, -2.0, -4.0])
     temperature, top_k, top_p, n = 0.8, 6, 0.9, 20000
@@ -501,12 +501,12 @@ def test_keyed_draws_follow_the_processed_distribution():
     kept = probs > 0
     assert 2 < int(kept.sum()) < top_k  # top-p really cuts inside the top-k
     axes = {
-        "positions": _uniforms(_row_states(3, torch.tensor([5]), 1), n)[0],
-        "samples": _uniforms(_row_states(3, torch.tensor([5]), n), 1)[:, 0],
-        "keys": _uniforms(_row_states(3, torch.arange(n), 1), 1)[:, 0],
+        "positions": uniforms(row_states(3, torch.tensor([5]), 1), n)[0],
+        "samples": uniforms(row_states(3, torch.tensor([5]), n), 1)[:, 0],
+        "keys": uniforms(row_states(3, torch.arange(n), 1), 1)[:, 0],
     }
     for axis, u in axes.items():
-        tokens = _sample(logits.expand(n, -1), u, temperature, top_p, top_k)[0]
+        tokens = draw_tokens(logits.expand(n, -1), u, temperature, top_p, top_k)[0]
         counts = torch.bincount(tokens, minlength=len(logits))
         assert counts[~kept].sum() == 0, axis
         assert _chi2_pvalue(counts[kept], probs[kept]) > 1e-3, axis

@@ -342,10 +342,11 @@ class NullWriter:
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Global (count, sum) of ``x`` over ``mask == 1`` entries, every rank's included."""
-    valid = mask == 1
-    s = torch.stack([valid.sum().to(torch.float64), (x * valid).sum().to(torch.float64)])
-    s = all_sum(s)
-    return s[0], s[1]
+    from peergrade.algo.advantages import local_moments
+
+    if not parallel():
+        return local_moments(x, mask)
+    return tuple(all_sum(torch.stack(local_moments(x, mask))))
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> float:
@@ -360,29 +361,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> floa
 
 
 def masked_std(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Population std of ``x`` over ``mask == 1`` entries of every rank (``algo`` in one process)."""
-    from peergrade.algo.advantages import masked_std as local_std
+    """``algo.masked_std`` over every rank's counted entries."""
+    from peergrade.algo.advantages import masked_std as std
 
-    if not parallel():
-        return local_std(x, mask)
-    n, s = masked_moments(x, mask)
-    mean = (s / n.clamp(min=1)).to(x.dtype)
-    _, ss = masked_moments((x - mean) ** 2, mask)
-    return (ss / n.clamp(min=1)).sqrt().item()
+    return std(x, mask, masked_moments)
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """``algo.whiten`` with the mean and std of every rank's counted entries."""
     from peergrade.algo.advantages import whiten as local_whiten
 
-    if not parallel():
-        return local_whiten(x, mask, eps)
-    valid = mask == 1
-    n, s = masked_moments(x, mask)
-    mean = (s / n.clamp(min=1)).to(x.dtype)
-    _, ss = masked_moments((x - mean) ** 2, mask)
-    std = (ss / n.clamp(min=1)).sqrt().to(x.dtype)
-    return torch.where(valid, (x - mean) / (std + eps), torch.zeros_like(x))
+    return local_whiten(x, mask, eps, masked_moments)
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -30,11 +30,11 @@ rewards takes that reward's options. The seed (``eval_seed``): greedy answers ar
 One evaluator, two callers: ``HeldOut`` and ``peergrade eval`` both go through
 ``evaluate_config`` with the prompts ``components.encode_rows`` makes, so a run's checkpoint
 evaluated with ``peergrade eval --model RUN_DIR`` (which reads the run's config.yaml) gets the
-same prompts (system prompt, chat template), sampling settings (temperature, top_p, stop,
-length), scorer and seed as the table the run printed.
+same prompts (system prompt, chat template), sampler settings (one ``SamplerSettings``:
+temperature, top-k, top-p, stop, length), scorer and seed as the table the run printed.
 
 Episodes (``env:`` set: tools or an environment, docs/environments.md): each held-out answer
-is a whole episode run by ``envs.run_episodes`` with the run's ``env:`` limits, greedy and
+is a whole episode (``generation.sample`` with the run's ``env:`` limits), greedy and
 sampled as above, scored on its messages as training scores them (``envs.reward_inputs``: the
 accuracy reward reads the last message). Two more rates are reported, for the greedy episodes
 and (``_sampled``) the k samples: ``tool_call_rate``, the share of episodes that called a tool at
@@ -55,13 +55,13 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
+from peergrade import generation
 from peergrade.config import Config
 from peergrade.errors import InputError, user_input
-from peergrade.generation.kernel import generate
+from peergrade.generation import SamplerSettings
 from peergrade.rewards import (
     RewardSpec,
     TrainerState,
-    columns_for,
     make_reward_spec,
     required_columns,
     resolve_reward,
@@ -140,18 +140,10 @@ def evaluate_config(
     **options,
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
-    as training draws them (``rollout``: temperature, top_p, stop, length, batch size) from
-    ``eval_seed(train.seed)``; ``options`` go to ``evaluate`` (``curve``, ``keep_completions``).
-    With ``make_env`` (the run's ``env:``), episodes with ``env.max_turns`` and
-    ``env.max_tokens_per_turn``; ``rows`` are then episode rows."""
-    r = cfg.rollout
-    if make_env is not None:
-        options["episodes"] = dict(
-            make_env=make_env,
-            max_turns=cfg.env.max_turns,
-            max_tokens_per_turn=cfg.env.max_tokens_per_turn,
-            top_k=r.top_k,
-        )
+    with the run's own ``SamplerSettings`` (``Config.sampler_settings``: temperature, top-k,
+    top-p, stop, length, batch size, the episodes' limits) from ``eval_seed(train.seed)``;
+    ``options`` go to ``evaluate`` (``curve``, ``keep_completions``). With ``make_env`` (the
+    run's ``env:``) the answers are episodes and ``rows`` episode rows."""
     return evaluate(
         model,
         tokenizer,
@@ -159,12 +151,9 @@ def evaluate_config(
         prompt_ids,
         acc,
         k=cfg.train.eval_samples,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_new_tokens=r.max_completion_length,
+        settings=cfg.sampler_settings(),
         seed=eval_seed(cfg.train.seed),
-        batch_size=r.generation_batch_size,
-        stop=r.stop,
+        make_env=make_env,
         extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
         trainer_state=trainer_state,
         **options,
@@ -212,69 +201,40 @@ def evaluate(
     acc: RewardSpec,
     *,
     k: int,
-    temperature: float,
-    max_new_tokens: int,
+    settings: SamplerSettings,
     seed: int,
-    batch_size: int | None = None,
-    top_p: float = 1.0,
-    stop=(),
+    make_env=None,
     extra: list[RewardSpec] = (),
     trainer_state: TrainerState | None = None,
     curve: bool = False,
     keep_completions: bool = False,
-    episodes: dict | None = None,
 ) -> dict[str, Any]:
-    """Greedy pass@1, sampled pass@1 (mean over k samples per problem) and pass@k; with
-    ``curve``, also pass@j for every j = 1..k (keys ``pass@1`` .. ``pass@{k}``); with
-    ``keep_completions``, the key ``completions``: one dict per problem with its greedy and
-    sampled answers and whether each is correct.
+    """Greedy pass@1 (``settings.greedy()``), sampled pass@1 (mean over k samples per problem,
+    ``settings`` with ``n = k``) and pass@k; with ``curve``, also pass@j for every j = 1..k
+    (keys ``pass@1`` .. ``pass@{k}``); with ``keep_completions``, the key ``completions``: one
+    dict per problem with its greedy and sampled answers and whether each is correct.
 
-    ``episodes``: ``make_env`` and the other ``envs.run_episodes`` options (``max_turns``,
-    ``max_tokens_per_turn``, ``top_k``): each answer is an episode over the (episode) ``rows``,
-    ``max_new_tokens`` its budget, ``prompt_ids`` unused; adds the tool rates (module doc).
+    Every answer comes from ``generation.sample``, as training's do: with ``make_env`` each is
+    an episode over the (episode) ``rows`` (``prompt_ids`` unused; adds the tool rates, module
+    doc), else a reply to ``prompt_ids``.
 
     ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
-    prompts = [r["prompt"] for r in rows]
 
-    def replies(n: int, temp: float, seed_: int) -> Replies:
-        if episodes is not None:
-            return Replies.of_episodes(
-                model, tokenizer, rows, n, temp, seed_, max_new_tokens, top_p, batch_size, episodes
-            )
-        ro = generate(
-            model,
-            tokenizer,
-            prompt_ids,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            temperature=temp,
-            top_p=top_p,
-            stop=stop,
-            seed=seed_,
-            batch_size=batch_size,
+    def answers(s: SamplerSettings, seed_: int):
+        samples = generation.sample(
+            model, tokenizer, rows, s, seed=seed_, prompt_ids=prompt_ids, make_env=make_env
         )
-        columns = {**columns_for(rows, n), "completion_ids": ro.completion_id_lists()}
-        return Replies([p for p in prompts for _ in range(n)], ro.completion_text, columns)
+        return samples, samples.reward_inputs(rows, env_reward=make_env is not None)
 
-    def scores(rep: Replies, specs):
-        return score_rewards(
-            specs,
-            rep.prompts,
-            rep.completions,
-            rep.columns,
-            on_error="zero",
-            trainer_state=trainer_state,
-        )
+    def correct(inputs, spec, repeat):
+        s = score_rewards([spec], *inputs, on_error="zero", trainer_state=trainer_state)
+        return (s.per_fn[spec.name].nan_to_num(0.0) >= 1.0 - 1e-6).view(n_rows, repeat)
 
-    def correct(rep: Replies, repeat):
-        s = scores(rep, [acc])
-        return (s.per_fn[acc.name].nan_to_num(0.0) >= 1.0 - 1e-6).view(n_rows, repeat)
-
-    greedy = replies(1, 0.0, seed)
-    g_ok = correct(greedy, 1)
-    sampled = replies(k, temperature, seed + 1)
-    s_ok = correct(sampled, k)
+    greedy, g_in = answers(settings.greedy(), seed)
+    g_ok = correct(g_in, acc, 1)
+    sampled, s_in = answers(settings.replace(n=k), seed + 1)
+    s_ok = correct(s_in, acc, k)
     c = s_ok.sum(dim=1).tolist()
     out: dict[str, Any] = {
         "pass@1_greedy": g_ok.double().mean().item(),
@@ -286,16 +246,15 @@ def evaluate(
     if curve:
         out.update(pass_at_k_curve([int(ci) for ci in c], k))
     for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
-        for key, rep in (("rate", greedy), ("rate_sampled", sampled)):
-            s = scores(rep, [spec]).per_fn[spec.name]
-            out[f"{spec.name}_{key}"] = (s.nan_to_num(0.0) >= 1.0 - 1e-6).double().mean().item()
-    if episodes is not None:
-        out.update(greedy.tool_rates(""))
-        out.update(sampled.tool_rates("_sampled"))
+        out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
+        out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
+    if make_env is not None:
+        out.update(tool_rates(greedy.episodes, ""))
+        out.update(tool_rates(sampled.episodes, "_sampled"))
     if keep_completions:
         out["completions"] = [
             {
-                "prompt": prompts[i],
+                "prompt": rows[i]["prompt"],
                 "columns": {
                     key: v for key, v in rows[i].items() if key not in ("prompt", "environments")
                 },
@@ -309,52 +268,15 @@ def evaluate(
     return out
 
 
-@dataclass
-class Replies:
-    """The held-out answers of one pass, as the reward functions take them: ``prompts``,
-    ``completions`` and ``columns`` (one entry per answer, rows repeated), and the episodes
-    when the answers are episodes."""
-
-    prompts: list
-    completions: list
-    columns: dict[str, list]
-    episodes: list | None = None
-
-    @classmethod
-    def of_episodes(
-        cls, model, tokenizer, rows, n, temperature, seed, budget, top_p, batch_size, options
-    ) -> Replies:
-        from peergrade.envs import reward_inputs
-        from peergrade.envs.scoring import environment_rewards
-        from peergrade.generation.episodes import run_episodes
-
-        eps = run_episodes(
-            model,
-            tokenizer,
-            rows,
-            n=n,
-            max_completion_length=budget,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            batch_size=batch_size,
-            **options,
-        )
-        prompts, completions, columns = reward_inputs(eps, rows)
-        columns["env_reward"] = environment_rewards(eps)  # for a scorer that is the reward env
-        return cls(prompts, completions, columns, eps)
-
-    def tool_rates(self, suffix: str) -> dict[str, float]:
-        """``tool_call_rate`` (episodes with a tool call) and ``tool_failure_rate`` (failed
-        calls per call, 0 without calls), keys ending in ``suffix``."""
-        eps = self.episodes or []
-        calls = sum(e.tool_calls for e in eps)
-        return {
-            f"tool_call_rate{suffix}": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
-            f"tool_failure_rate{suffix}": sum(e.tool_failures for e in eps) / calls
-            if calls
-            else 0.0,
-        }
+def tool_rates(episodes: list, suffix: str) -> dict[str, float]:
+    """``tool_call_rate`` (episodes with a tool call) and ``tool_failure_rate`` (failed calls
+    per call, 0 without calls) of ``episodes``, keys ending in ``suffix``."""
+    eps = episodes or []
+    calls = sum(e.tool_calls for e in eps)
+    return {
+        f"tool_call_rate{suffix}": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
+        f"tool_failure_rate{suffix}": sum(e.tool_failures for e in eps) / calls if calls else 0.0,
+    }
 
 
 TOOL_KEYS = (
@@ -425,19 +347,8 @@ def run_eval_command(
     model, else 128. ``few_shot`` solved training examples go before each prompt (default
     none); ``reward_options`` are keyword arguments for the scorer; ``samples`` is a JSONL file
     written with one line per problem (its answers, see ``evaluate``'s completions)."""
-    from pathlib import Path
-
-    from peergrade.config import load_config
-    from peergrade.envs.scoring import EPISODE_COLUMNS
-    from peergrade.model.load import (
-        load_model,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-        resolve_model_path,
-    )
-    from peergrade.rewards import make_reward_specs
-    from peergrade.training.components import build_env, build_task, encode_rows, episode_rows
+    from peergrade.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from peergrade.training.components import encode_rows
 
     if (n is not None and n < 1) or (k is not None and k < 1):
         raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
@@ -445,38 +356,107 @@ def run_eval_command(
         raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
     if temperature is not None and temperature <= 0:
         raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    flags = dict(n=n, k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    flags.update(batch_size=batch_size, reward=reward)
+    cfg, run_config, path, given = _eval_config(
+        model, config, task, task_options, data, flags, overrides
+    )
+    the_task, rows, acc, why, make_env = _eval_rows(
+        cfg, data, few_shot, few_shot_answer, reward_options
+    )
+    tok = load_tokenizer(path)
+    dev = resolve_device(device)
+    net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
+    ids = [] if make_env is not None else encode_rows(cfg, the_task, tok, rows)
+    result = evaluate_config(
+        cfg,
+        net,
+        tok,
+        rows,
+        ids,
+        acc,
+        curve=curve,
+        keep_completions=samples is not None,
+        make_env=make_env,
+    )
+    if samples is not None:  # one JSON line per problem; never half a file under the name
+        import json
+
+        lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
+        ckpt.atomic_write_text(samples, "".join(lines))
+    return _labelled(result, cfg, model, acc.name, why, run_config, few_shot, reward_options) | (
+        {"checkpoint": path} if path != given else {}
+    )
+
+
+def _labelled(result, cfg, model, scorer, why, run_config, few_shot, reward_options) -> dict:
+    """``peergrade eval``'s result with what it evaluated: task, model, scorer, seed, config."""
+    result["task"] = cfg.data.path or cfg.data.task
+    result["model"] = model
+    result["scorer"] = scorer
+    result["scorer_chosen_by"] = why
+    result["seed"] = eval_seed(cfg.train.seed)
+    if run_config is not None:
+        result["config"] = str(run_config)
+    if few_shot:
+        result["few_shot"] = few_shot
+    if reward_options:
+        result["reward_options"] = dict(reward_options)
+    return result
+
+
+def _eval_config(model, config, task, task_options, data, flags: dict, overrides):
+    """``peergrade eval``'s config: the run's config.yaml (a run or checkpoint directory), or
+    ``config``, or the defaults; the flags where given; ``overrides`` last. Returns ``(cfg,
+    the config file read or None, the model directory, the model as named)``."""
+    from pathlib import Path
+
+    from peergrade.config import load_config
+    from peergrade.model.load import resolve_model_path
+
     given = resolve_model_path(model)
     path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
     run_config = Path(path) / "config.yaml"
     run_config = config if config is not None else (run_config if run_config.is_file() else None)
     base = load_config(run_config)
-    flags: list[tuple[str, Any]] = []
+    keys: list[tuple[str, Any]] = []
     if task is not None:
-        flags += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
+        keys += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
     options = dict(task_options or {})
     if data is not None:
-        flags += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
+        keys += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
     if options:
         new_source = task is not None or data is not None
-        flags.append(
+        keys.append(
             ("data.task_options", {**({} if new_source else base.data.task_options), **options})
         )
     elif task is not None or data is not None:
-        flags.append(("data.task_options", {}))
+        keys.append(("data.task_options", {}))
+    max_new_tokens = flags["max_new_tokens"]
     if max_new_tokens is None and run_config is None:
         max_new_tokens = 16 if model == "bundled" else 128
     for key, value in (
-        ("train.eval_size", n),
-        ("train.eval_samples", k),
-        ("rollout.temperature", temperature),
+        ("train.eval_size", flags["n"]),
+        ("train.eval_samples", flags["k"]),
+        ("rollout.temperature", flags["temperature"]),
         ("rollout.max_completion_length", max_new_tokens),
-        ("train.seed", seed),
-        ("rollout.generation_batch_size", batch_size),
-        ("train.eval_reward", reward),
+        ("train.seed", flags["seed"]),
+        ("rollout.generation_batch_size", flags["batch_size"]),
+        ("train.eval_reward", flags["reward"]),
     ):
         if value is not None:
-            flags.append((key, value))
-    cfg = load_config(run_config, flags + list(overrides or []))
+            keys.append((key, value))
+    return load_config(run_config, keys + list(overrides or [])), run_config, path, given
+
+
+def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_options):
+    """The held-out rows ``peergrade eval`` scores and their scorer, all checked before the
+    model loads: ``(task, rows, scorer, why it was chosen, the env factory or None)``."""
+    from pathlib import Path
+
+    from peergrade.envs.scoring import EPISODE_COLUMNS
+    from peergrade.rewards import make_reward_specs
+    from peergrade.training.components import build_env, build_task, episode_rows
 
     make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
     the_task = build_task(cfg, make_env)
@@ -509,40 +489,7 @@ def run_eval_command(
     check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if make_env else ())
     if make_env is not None:
         rows = episode_rows(cfg, the_task, rows)
-    tok = load_tokenizer(path)
-    dev = resolve_device(device)
-    net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
-    ids = [] if make_env is not None else encode_rows(cfg, the_task, tok, rows)
-    result = evaluate_config(
-        cfg,
-        net,
-        tok,
-        rows,
-        ids,
-        acc,
-        curve=curve,
-        keep_completions=samples is not None,
-        make_env=make_env,
-    )
-    if samples is not None:  # one JSON line per problem; never half a file under the name
-        import json
-
-        lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
-        ckpt.atomic_write_text(samples, "".join(lines))
-    result["task"] = cfg.data.path or cfg.data.task
-    result["model"] = model
-    result["scorer"] = acc.name
-    result["scorer_chosen_by"] = why
-    result["seed"] = eval_seed(cfg.train.seed)
-    if run_config is not None:
-        result["config"] = str(run_config)
-    if few_shot:
-        result["few_shot"] = few_shot
-    if reward_options:
-        result["reward_options"] = dict(reward_options)
-    if path != given:
-        result["checkpoint"] = path
-    return result
+    return the_task, rows, acc, why, make_env
 
 
 # ----------------------------------------------------------------------------- during training

@@ -268,19 +268,30 @@ def token_rewards(
     return r
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def local_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, sum) of ``x`` over ``mask == 1`` entries, float64. ``distributed.masked_moments``
+    is the same over every rank; ``whiten`` and ``masked_std`` take either."""
+    valid = mask == 1
+    return valid.sum().to(torch.float64), torch.where(valid, x, 0).sum().to(torch.float64)
+
+
+def masked_std(x: torch.Tensor, mask: torch.Tensor, moments=local_moments) -> float:
+    """Population std of ``x`` over ``mask == 1`` entries (0 with none); ``moments`` says over
+    which entries (this process's, or every rank's)."""
+    n, s = moments(x, mask)
+    n = n.clamp(min=1)
+    mean = (s / n).to(x.dtype)
+    _, ss = moments((x - mean) ** 2, mask)
+    return (ss / n).sqrt().item()
+
+
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, moments=local_moments
+) -> torch.Tensor:
     """(x - mean) / (std + eps) over ``mask == 1`` entries (population std); 0 elsewhere."""
-    valid = mask == 1
-    n = valid.sum().clamp(min=1)
-    xm = torch.where(valid, x, torch.zeros_like(x))
-    mean = xm.sum() / n
-    var = (torch.where(valid, x - mean, torch.zeros_like(x)) ** 2).sum() / n
-    return torch.where(valid, (x - mean) / (var.sqrt() + eps), torch.zeros_like(x))
-
-
-def masked_std(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Population std of ``x`` over ``mask == 1`` entries (0 with none)."""
-    valid = mask == 1
-    n = valid.sum().clamp(min=1)
-    mean = (x * valid).sum() / n
-    return (((x - mean) * valid) ** 2).sum().div(n).sqrt().item()
+    n, s = moments(x, mask)
+    n = n.clamp(min=1)
+    mean = (s / n).to(x.dtype)
+    _, ss = moments((x - mean) ** 2, mask)
+    std = (ss / n).sqrt().to(x.dtype)
+    return torch.where(mask == 1, (x - mean) / (std + eps), torch.zeros_like(x))

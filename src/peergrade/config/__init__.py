@@ -565,6 +565,25 @@ class Config:
 
     # ---- derived values: the one place each is computed (trainer, ppo, memory, validate)
 
+    def sampler_settings(self):
+        """The one ``generation.SamplerSettings`` of this config (``rollout`` and, for episodes,
+        ``env``): training samples with it, held-out evaluation with its greedy variant and with
+        ``n = train.eval_samples``, so no path forwards a setting one by one."""
+        from peergrade.generation.record import SamplerSettings  # torch: not for `peergrade config`
+
+        r, e = self.rollout, self.env
+        return SamplerSettings(
+            n=r.group_size,
+            max_new_tokens=r.max_completion_length,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop=tuple(r.stop),
+            batch_size=r.generation_batch_size,
+            max_turns=e.max_turns,
+            max_tokens_per_turn=e.max_tokens_per_turn,
+        )
+
     @property
     def batch_size(self) -> int:
         """N = rollout.prompts_per_step * rollout.group_size completions per step."""

@@ -23,12 +23,12 @@
 
 The trainer (``env:`` / ``--tools`` / ``--env``) builds its factory with ``make_env_from_specs``
 (the Python API with ``make_env_from_objects``),
-samples with ``peergrade.generation.episodes.run_episodes`` and trains on ``episodes_batch``; this package knows nothing of
+samples with ``peergrade.generation.sample`` (the episode engine, ``generation.episodes``); this package knows nothing of
 the trainer. Not done here: sandboxed code tools. See
 docs/environments.md.
 """
 
-from peergrade.envs.episode import Episode, episode_metrics, episodes_batch
+from peergrade.envs.episode import Episode, episode_metrics
 from peergrade.envs.load import make_env_from_objects, make_env_from_specs
 from peergrade.envs.protocol import Environment, Step
 from peergrade.envs.scoring import reward_inputs
@@ -43,7 +43,6 @@ __all__ = [
     "ToolEnvironment",
     "check_template",
     "episode_metrics",
-    "episodes_batch",
     "make_env_from_objects",
     "make_env_from_specs",
     "parse_tool_calls",

@@ -1,6 +1,6 @@
 """The ``Episode`` record: one multi-turn episode as token ids, a loss mask that is 1 only on
 tokens the model sampled, the sampler's log-probs, the message list and why it ended; plus
-``episodes_batch`` (the update's tensors) and ``episode_metrics``.
+``episode_metrics``. ``generation.Samples.of_episodes`` turns episodes into the update's tensors.
 
 It does not run episodes: ``peergrade.generation.episodes.run_episodes`` does.
 """
@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 
 @dataclass
 class Episode:
-    """One episode. ``completion_ids``, ``loss_mask`` and ``logprobs`` have one entry per token
-    after the prompt; ``loss_mask == 1`` marks tokens the model sampled (their ``logprobs`` are
-    the sampler's), 0 marks appended environment/template tokens (log-prob 0). Every token is
+    """One episode. ``completion_ids``, ``loss_mask``, ``logprobs`` and ``sampler_logprobs`` have
+    one entry per token after the prompt; ``loss_mask == 1`` marks tokens the model sampled, 0
+    marks appended environment/template tokens (log-probs 0). ``logprobs`` are under the full
+    tempered distribution, ``sampler_logprobs`` under the one drawn from (cut by top-k/top-p,
+    renormalised; 0 when greedy): the behaviour policy. Every token is
     attended to: ``attention_mask`` is all ones, a separate thing from the loss mask."""
 
     row_index: int
@@ -29,6 +29,7 @@ class Episode:
     completion_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)  # the distribution drawn from
     finish_reason: str = ""
     num_turns: int = 0
     tool_calls: int = 0
@@ -51,38 +52,6 @@ class Episode:
     @property
     def num_sampled_tokens(self) -> int:
         return sum(self.loss_mask)
-
-
-def episodes_batch(episodes: Sequence[Episode], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Padded tensors in ``Rollout.training_batch``'s layout: prompts LEFT-padded to ``P``,
-    completions right-padded to ``C``; the log-prob of completion token ``j`` comes from the
-    logits at column ``P + j - 1``.
-
-    Returns ``input_ids [N, P+C]`` long, ``attention_mask [N, P+C]`` long (1 on every real token,
-    environment tokens included), ``loss_mask [N, C]`` float32 (1 only on sampled tokens) and
-    ``logprobs [N, C]`` float32 (the sampler's; 0 elsewhere).
-    """
-    p = max(len(e.prompt_ids) for e in episodes)
-    c = max(1, max(len(e.completion_ids) for e in episodes))
-    n = len(episodes)
-    input_ids = torch.full((n, p + c), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, p + c), dtype=torch.long)
-    loss_mask = torch.zeros((n, c), dtype=torch.float32)
-    logprobs = torch.zeros((n, c), dtype=torch.float32)
-    for i, e in enumerate(episodes):
-        lp, lc = len(e.prompt_ids), len(e.completion_ids)
-        input_ids[i, p - lp : p] = torch.tensor(e.prompt_ids, dtype=torch.long)
-        attention_mask[i, p - lp : p + lc] = 1
-        if lc:
-            input_ids[i, p : p + lc] = torch.tensor(e.completion_ids, dtype=torch.long)
-            loss_mask[i, :lc] = torch.tensor(e.loss_mask, dtype=torch.float32)
-            logprobs[i, :lc] = torch.tensor(e.logprobs, dtype=torch.float32)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "logprobs": logprobs,
-    }
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -1,3 +1,82 @@
-"""Generation: the sampling kernel (keyed draws, slab KV cache, EOS/stop) and the episode engine.
+"""Generation: everything that samples from the policy, behind one function.
 
-Import the modules themselves (``from peergrade.generation import ...``); this file imports nothing."""
+``sample(model, tokenizer, rows, settings, ...) -> Samples`` answers each row ``settings.n``
+times: single replies through the batched KV-cache kernel (``kernel.generate``), or, with
+``make_env``, multi-turn episodes through the episode engine (``episodes.run_episodes``). Both
+come back as one record (``record.Samples``) with the same fields, so training, held-out
+evaluation, ``peergrade eval``, ``peergrade memory`` and the audit read one thing.
+``SamplerSettings`` (``record``) says how to sample, built once per purpose.
+
+Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``episodes`` (the
+episode engine), ``record`` (``Samples``, ``SamplerSettings``).
+
+It does not score (``rewards``), build the update's batch beyond the teacher-forcing tensors,
+or know the config: the trainer builds the settings (``training.sampling.settings_of``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from peergrade.generation.episodes import run_episodes
+from peergrade.generation.kernel import generate
+from peergrade.generation.record import CUT_SHORT, SamplerSettings, Samples
+
+__all__ = ["CUT_SHORT", "SamplerSettings", "Samples", "sample"]
+
+
+def sample(
+    model,
+    tokenizer,
+    rows: Sequence[Any],
+    settings: SamplerSettings,
+    *,
+    seed: int | None,
+    row_keys: Sequence[int] | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    make_env: Callable[[Any], Any] | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+) -> Samples:
+    """``settings.n`` answers to each of ``rows`` (groups adjacent), keyed by (``seed``, the
+    row's key in ``row_keys`` (default its index), sample index, token index).
+
+    Replies: ``prompt_ids`` are the rows' encoded prompts (chat template applied) and each
+    row's ``prompt`` is what the reward functions see. Episodes (``make_env``: ``row ->
+    environment``): the environment's ``reset`` opens each episode, ``prompt_ids`` are unused
+    and ``settings.max_new_tokens`` is the budget of a whole episode."""
+    common = dict(
+        n=settings.n,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        stop=settings.stop,
+        seed=seed,
+        row_keys=row_keys,
+        batch_size=settings.batch_size,
+        eos_token_ids=eos_token_ids,
+    )
+    if make_env is not None:
+        episodes = run_episodes(
+            model,
+            tokenizer,
+            rows,
+            make_env,
+            max_completion_length=settings.max_new_tokens,
+            max_turns=settings.max_turns,
+            max_tokens_per_turn=settings.max_tokens_per_turn,
+            **common,
+        )
+        return Samples.of_episodes(episodes, tokenizer.pad_token_id, settings.n)
+    if prompt_ids is None:
+        raise ValueError("sample(): single replies need prompt_ids (the rows' encoded prompts)")
+    out = generate(
+        model,
+        tokenizer,
+        prompt_ids,
+        max_new_tokens=settings.max_new_tokens,
+        ignore_eos=settings.ignore_eos,
+        **common,
+    )
+    out.prompts = [row["prompt"] for row in rows for _ in range(settings.n)]
+    return out

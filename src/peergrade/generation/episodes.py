@@ -22,8 +22,9 @@ How (token in, token out):
   left padding of deltas of different lengths, leave masked-out "holes" in its cache row (its
   keys are hidden from every later query, its positions skip them), so each episode sees exactly
   its own token sequence at positions 0, 1, 2, ...
-- Sampling and its log-probs are ``rollout``'s (``_sample``: temperature, top-k, top-p; log-probs
-  of the full tempered distribution, float32). Uniform draws are ``rollout``'s keyed ones: a
+- Sampling and its log-probs are the kernel's (``draw_tokens``: temperature, top-k, top-p;
+  float32 log-probs of the full tempered distribution and, as ``sampler_logprobs``, of the
+  truncated one drawn from). Uniform draws are the kernel's keyed ones: a
   function of (seed, the row's key, the episode's sample index, the sampled token's index), so
   results do not depend on the micro-batch size, the rows' order or the rank.
 
@@ -41,7 +42,7 @@ unless ``reset`` differs per episode) share one prefill, copied in the cache as 
 does for a group.
 
 Not done here: models whose layers are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
-training (``episodes_batch`` gives the update's tensors).
+training (``generation.Samples.of_episodes`` gives the update's tensors).
 """
 
 from __future__ import annotations
@@ -56,17 +57,19 @@ from peergrade.envs.protocol import Step, check_environment, maybe_await, run_sy
 from peergrade.envs.template import check_template, render, turn_delta
 from peergrade.errors import PeergradeError
 from peergrade.generation.kernel import (
-    _check_int,
-    _check_row_keys,
-    _check_sampling,
-    _forward_signature,
-    _model_config,
-    _row_states,
-    _sample,
-    _slab_cache,
-    _uniforms,
-    default_eos_ids,
+    check_int,
+    check_row_keys,
+    check_sampling,
+    draw_tokens,
+    eos_ids,
+    eval_mode,
+    forward_signature,
+    model_config,
+    row_states,
+    seed_of,
+    slab_cache,
     slab_cache_ok,
+    uniforms,
 )
 
 
@@ -137,16 +140,58 @@ def run_episodes(
         chat_template, template_kwargs: an override template and extra template variables.
         check_roles: the roles of environment messages the template must render token-exactly.
     """
-    cfg = _model_config(model)
-    n = _check_int("n", n, 1, "run_episodes")
-    budget = _check_int("max_completion_length", max_completion_length, 1, "run_episodes")
-    if max_turns is not None:
-        _check_int("max_turns", max_turns, 1, "run_episodes")
-    if max_tokens_per_turn is not None:
-        _check_int("max_tokens_per_turn", max_tokens_per_turn, 1, "run_episodes")
-    if batch_size is not None:
-        _check_int("batch_size", batch_size, 1, "run_episodes")
-    top_k = _check_sampling("run_episodes", temperature, top_p, top_k)
+    cfg = model_config(model)
+    n, budget, top_k, stop = _check_arguments(
+        cfg, tokenizer, n, max_completion_length, max_turns, max_tokens_per_turn, batch_size,
+        (temperature, top_p, top_k), stop,
+    )  # fmt: skip
+    eos = eos_ids(model, tokenizer, eos_token_ids or None)
+    tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
+    check_template(tokenizer, eos_ids=eos, roles=check_roles, **tkw)
+    max_pos = getattr(cfg, "max_position_embeddings", None) or 10**12
+    episodes = _open(rows, n, make_env, tokenizer, tkw, max_pos)
+
+    device = next(model.parameters()).device
+    keys = check_row_keys(row_keys, len(rows)).to(device)
+    draws = uniforms(row_states(seed_of(seed), keys, n), budget)  # [E, budget]
+
+    engine = _Engine(
+        model=model,
+        tokenizer=tokenizer,
+        eos_ids=eos,
+        budget=budget,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn or budget,
+        max_pos=max_pos,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        stop=stop,
+        template_kw=tkw,
+        device=device,
+    )
+    step = batch_size or len(episodes)
+    with eval_mode(model):
+        for start in range(0, len(episodes), step):
+            idx = list(range(start, min(start + step, len(episodes))))
+            engine.run([episodes[i] for i in idx], draws[idx])
+    return episodes
+
+
+def _check_arguments(
+    cfg, tokenizer, n, budget, max_turns, max_tokens_per_turn, batch_size, sampling, stop
+):
+    """``run_episodes``' arguments checked: ``(n, budget, top_k, stop tuple)``."""
+    n = check_int("n", n, 1, "run_episodes")
+    budget = check_int("max_completion_length", budget, 1, "run_episodes")
+    for name, value in (
+        ("max_turns", max_turns),
+        ("max_tokens_per_turn", max_tokens_per_turn),
+        ("batch_size", batch_size),
+    ):
+        if value is not None:
+            check_int(name, value, 1, "run_episodes")
+    top_k = check_sampling("run_episodes", *sampling)
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(x, str) or x == "" for x in stop):
         raise ValueError(f"run_episodes(): stop must be non-empty strings, got {stop!r}")
@@ -160,21 +205,17 @@ def run_episodes(
         raise ValueError(
             "run_episodes(): tokenizer has no pad token; set tokenizer.pad_token first"
         )
-    eos_ids = (
-        sorted({int(t) for t in eos_token_ids})
-        if eos_token_ids
-        else default_eos_ids(model, tokenizer)
-    )
-    tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
-    check_template(tokenizer, eos_ids=eos_ids, roles=check_roles, **tkw)
+    return n, budget, top_k, stop
 
-    # Start every episode: one environment each, reset concurrently (resets may be async).
+
+def _open(rows, n: int, make_env, tokenizer, tkw: dict, max_pos: int) -> list[Episode]:
+    """Every episode started: one environment each, reset concurrently (resets may be async),
+    its opening messages rendered with the generation prompt."""
     envs = []
     for i in range(len(rows) * n):
         env = make_env(rows[i // n])
         check_environment(env, f"make_env(rows[{i // n}])")
         envs.append(env)
-
     opened = _call_all([(e, "reset", rows[i // n], i // n) for i, e in enumerate(envs)])
     episodes = []
     for i, (env, msgs) in enumerate(zip(envs, opened)):
@@ -182,47 +223,12 @@ def run_episodes(
         ids = render(
             tokenizer, msgs, add_generation_prompt=True, tools=getattr(env, "tools", None), **tkw
         )
-        episodes.append(Episode(i // n, ids, msgs, len(msgs), env))
-
-    max_pos = getattr(cfg, "max_position_embeddings", None) or 10**12
-    for ep in episodes:
-        if len(ep.prompt_ids) >= max_pos:
+        if len(ids) >= max_pos:
             raise ValueError(
-                f"run_episodes(): the prompt of rows[{ep.row_index}] has {len(ep.prompt_ids)} tokens, "
+                f"run_episodes(): the prompt of rows[{i // n}] has {len(ids)} tokens, "
                 f"the model's context is {max_pos}"
             )
-
-    device = next(model.parameters()).device
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    keys = _check_row_keys(row_keys, len(rows)).to(device)
-    uniforms = _uniforms(_row_states(int(seed), keys, n), budget)  # [E, budget]
-
-    engine = _Engine(
-        model=model,
-        tokenizer=tokenizer,
-        eos_ids=eos_ids,
-        budget=budget,
-        max_turns=max_turns,
-        max_tokens_per_turn=max_tokens_per_turn or budget,
-        max_pos=max_pos,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        stop=stop,
-        template_kw=tkw,
-        device=device,
-    )
-    step = batch_size or len(episodes)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(episodes), step):
-                idx = list(range(start, min(start + step, len(episodes))))
-                engine.run([episodes[i] for i in idx], uniforms[idx])
-    finally:
-        model.train(was_training)
+        episodes.append(Episode(i // n, ids, msgs, len(msgs), env))
     return episodes
 
 
@@ -255,10 +261,10 @@ class _Engine:
         self.stop = stop
         # decoded tail searched for a stop string: as rollout.generate's window
         self.stop_window = max(len(x) for x in stop) + 8 if stop else 0
-        sig = _forward_signature(model)
+        sig = forward_signature(model)
         self.cache_kw = "cache" if "cache" in sig else "past_key_values"
         self.logits_to_keep = "logits_to_keep" in sig
-        cfg = _model_config(model)
+        cfg = model_config(model)
         self.bool_mask = (getattr(cfg, "_attn_implementation", None) or "eager") == "sdpa"
         self.num_layers = cfg.num_hidden_layers
         float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -319,10 +325,30 @@ class _Engine:
     # ---- one micro-batch ----
 
     def run(self, episodes: list[Episode], uniforms: torch.Tensor) -> None:
+        logits = self._start(episodes)
+        rows = list(range(len(episodes)))  # episode index of each cache row
+        pending: list[list[int]] = [[] for _ in episodes]
+        sampled = [0] * len(episodes)  # tokens sampled so far: the index into the uniforms
+        while rows:
+            eps = [episodes[r] for r in rows]
+            if any(pending):  # every turn but the first: the last tokens and the deltas
+                logits = self._feed(pending)
+            turns, ended, pending = self._sample_turn(rows, eps, logits, uniforms, sampled)
+            asks = self._record(eps, turns, ended)
+            steps = self._step_all([(eps[j], m) for j, m in asks])
+            self._answer(eps, asks, steps, ended, pending)
+            keep = [j for j, e in enumerate(eps) if not e.finish_reason]
+            if len(keep) < len(rows):
+                if keep:
+                    self._keep(keep)
+                rows = [rows[j] for j in keep]
+                pending = [pending[j] for j in keep]
+
+    def _start(self, episodes: list[Episode]) -> torch.Tensor:
+        """A fresh cache with each distinct prompt prefilled once (the episodes of a row usually
+        share it), its row copied to every episode that starts with it; the last logits [E, V]."""
         longest = max(len(e.prompt_ids) for e in episodes)
-        self.cache = _slab_cache(self.num_layers, longest + min(self.budget, 256), grow=True)
-        # Prefill each distinct prompt once (the episodes of a row usually share it), then copy
-        # its cache row to every episode that starts with it.
+        self.cache = slab_cache(self.num_layers, longest + min(self.budget, 256), grow=True)
         first: dict[tuple[int, ...], int] = {}
         for e in episodes:
             first.setdefault(tuple(e.prompt_ids), len(first))
@@ -332,117 +358,114 @@ class _Engine:
         logits = self._feed([list(p) for p in first])
         expand = [first[tuple(e.prompt_ids)] for e in episodes]
         self._keep(expand)
-        logits = logits.index_select(0, torch.tensor(expand, device=self.device))
-        rows = list(range(len(episodes)))  # episode index of each cache row
-        pending: list[list[int]] = [[] for _ in episodes]
-        sampled = [0] * len(episodes)  # tokens sampled so far: the index into the uniforms
-        while rows:
-            eps = [episodes[r] for r in rows]
-            limits = [
-                min(
-                    self.turn_cap,
-                    self.budget - len(e.completion_ids),
-                    self.max_pos - len(e.prompt_ids) - len(e.completion_ids),
-                )
-                for e in eps
-            ]
-            # Sample one turn for every row: lock-step, rows done early feed holes.
-            if any(pending):  # every turn but the first: the last tokens and the deltas
-                logits = self._feed(pending)
-            turn = [[] for _ in rows]
-            logps: list[list[float]] = [[] for _ in rows]
-            live = [True] * len(rows)
-            ended_by_eos = [False] * len(rows)
-            ended_by_stop = [False] * len(rows)
-            while True:
-                u = uniforms[rows, [sampled[r] for r in rows]]  # [B]
-                tok, logp, _ = _sample(logits, u, self.temperature, self.top_p, self.top_k)
-                tok_l, logp_l = tok.tolist(), logp.tolist()
-                nxt: list[list[int]] = []
-                for j, r in enumerate(rows):
-                    if not live[j]:
-                        nxt.append([])
-                        continue
-                    turn[j].append(tok_l[j])
-                    logps[j].append(logp_l[j])
-                    sampled[r] += 1
-                    if tok_l[j] in self.eos:
-                        live[j], ended_by_eos[j] = False, True
-                    elif self.stop and self._stopped(turn[j]):
-                        live[j], ended_by_stop[j] = False, True
-                    elif len(turn[j]) >= limits[j]:
-                        live[j] = False
-                    nxt.append([tok_l[j]])
-                if not any(live):
-                    break
-                logits = self._feed(nxt)
-            # Tokens sampled at the last step are not in the cache yet: they lead the next feed.
-            pending = nxt
+        return logits.index_select(0, torch.tensor(expand, device=self.device))
 
-            # Record the turns; ask the environments about those that ended with eos.
-            asks = []
-            for j, e in enumerate(eps):
-                e.completion_ids += turn[j]
-                e.loss_mask += [1] * len(turn[j])
-                e.logprobs += logps[j]
-                e.num_turns += 1
-                if not (ended_by_eos[j] or ended_by_stop[j]):
-                    # A cut turn is part of the conversation the reward judges; the environment
-                    # is not asked about it.
-                    text = self.tokenizer.decode(turn[j], skip_special_tokens=True)
-                    e.messages.append({"role": "assistant", "content": text})
-                    tight = self.budget - len(e.completion_ids) <= 0 or (
-                        self.max_pos - len(e.prompt_ids) - len(e.completion_ids) <= 0
-                    )
-                    e.finish_reason = "length" if tight else "turn_length"
+    def _sample_turn(self, rows, eps, logits, uniforms, sampled):
+        """One model turn for every row, in lock-step (rows done early feed holes). Returns
+        ``(turns, ended, pending)``: per row the ``(tokens, log-probs, sampler log-probs)`` of
+        its turn, how it ended (``"eos"``, ``"stop"`` or None: a length limit), and the tokens
+        sampled at the last step, not in the cache yet (they lead the next feed)."""
+        limits = [
+            min(
+                self.turn_cap,
+                self.budget - len(e.completion_ids),
+                self.max_pos - len(e.prompt_ids) - len(e.completion_ids),
+            )
+            for e in eps
+        ]
+        turns = [([], [], []) for _ in rows]
+        live = [True] * len(rows)
+        ended: list[str | None] = [None] * len(rows)
+        while True:
+            u = uniforms[rows, [sampled[r] for r in rows]]  # [B]
+            tok, logp, slp = draw_tokens(logits, u, self.temperature, self.top_p, self.top_k)
+            nxt: list[list[int]] = []
+            for j, (r, t, lp, sp) in enumerate(
+                zip(rows, tok.tolist(), logp.tolist(), slp.tolist())
+            ):
+                if not live[j]:
+                    nxt.append([])
                     continue
-                if ended_by_stop[j]:
-                    text = self.tokenizer.decode(turn[j], skip_special_tokens=True)
-                    text = text[: min(text.find(x) + len(x) for x in self.stop if x in text)]
-                else:
-                    text = self.tokenizer.decode(turn[j][:-1], skip_special_tokens=True)
-                asks.append((j, {"role": "assistant", "content": text}))
-            steps = self._step_all([(eps[j], m) for j, m in asks])
-            for (j, msg), st in zip(asks, steps):
-                e = eps[j]
-                e.messages.append(msg)
-                e.tool_calls += st.tool_calls
-                e.tool_failures += st.tool_failures
-                if st.reward is not None:
-                    e.reward = (e.reward or 0.0) + float(st.reward)
-                if st.done:
-                    e.messages += st.messages
-                    e.finish_reason = st.finish_reason or "done"
-                    continue
-                if self.max_turns is not None and e.num_turns >= self.max_turns:
-                    e.finish_reason = "max_turns"
-                    continue
-                delta = turn_delta(
-                    self.tokenizer,
-                    e.messages,
-                    st.messages,
-                    eos_ids=sorted(self.eos),
-                    tools=getattr(e.env, "tools", None),
-                    close_turn=ended_by_stop[j],
-                    **self.template_kw,
+                for part, value in zip(turns[j], (t, lp, sp)):
+                    part.append(value)
+                sampled[r] += 1
+                if t in self.eos:
+                    live[j], ended[j] = False, "eos"
+                elif self.stop and self._stopped(turns[j][0]):
+                    live[j], ended[j] = False, "stop"
+                elif len(turns[j][0]) >= limits[j]:
+                    live[j] = False
+                nxt.append([t])
+            if not any(live):
+                return turns, ended, nxt
+            logits = self._feed(nxt)
+
+    def _record(self, eps, turns, ended) -> list[tuple[int, dict]]:
+        """The turns appended to their episodes; returns ``(row, assistant message)`` of those to
+        ask the environment about (ended by eos or a stop string). A turn cut by a length limit
+        is part of the conversation the reward judges, and ends its episode unasked."""
+        asks = []
+        for j, e in enumerate(eps):
+            tokens, logps, slps = turns[j]
+            e.completion_ids += tokens
+            e.loss_mask += [1] * len(tokens)
+            e.logprobs += logps
+            e.sampler_logprobs += slps
+            e.num_turns += 1
+            if ended[j] is None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                e.messages.append({"role": "assistant", "content": text})
+                tight = self.budget - len(e.completion_ids) <= 0 or (
+                    self.max_pos - len(e.prompt_ids) - len(e.completion_ids) <= 0
                 )
-                total = len(e.completion_ids) + len(delta)
-                if total > self.budget or len(e.prompt_ids) + total > self.max_pos:
-                    e.finish_reason = "env_over_budget"
-                    continue
+                e.finish_reason = "length" if tight else "turn_length"
+                continue
+            if ended[j] == "stop":
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                text = text[: min(text.find(x) + len(x) for x in self.stop if x in text)]
+            else:
+                text = self.tokenizer.decode(tokens[:-1], skip_special_tokens=True)
+            asks.append((j, {"role": "assistant", "content": text}))
+        return asks
+
+    def _answer(self, eps, asks, steps, ended, pending) -> None:
+        """The environments' answers: an episode ends (done, ``max_turns``, an answer over the
+        budget) or its answer is appended as template tokens (loss mask 0) to ``pending``."""
+        for (j, msg), st in zip(asks, steps):
+            e = eps[j]
+            e.messages.append(msg)
+            e.tool_calls += st.tool_calls
+            e.tool_failures += st.tool_failures
+            if st.reward is not None:
+                e.reward = (e.reward or 0.0) + float(st.reward)
+            if st.done:
                 e.messages += st.messages
-                e.completion_ids += delta
-                e.loss_mask += [0] * len(delta)
-                e.logprobs += [0.0] * len(delta)
-                pending[j] = pending[j] + delta
-                if total == self.budget or len(e.prompt_ids) + total == self.max_pos:
-                    e.finish_reason = "length"  # the answer fits exactly; no room for a turn
-            keep = [j for j, e in enumerate(eps) if not e.finish_reason]
-            if len(keep) < len(rows):
-                if keep:
-                    self._keep(keep)
-                rows = [rows[j] for j in keep]
-                pending = [pending[j] for j in keep]
+                e.finish_reason = st.finish_reason or "done"
+                continue
+            if self.max_turns is not None and e.num_turns >= self.max_turns:
+                e.finish_reason = "max_turns"
+                continue
+            delta = turn_delta(
+                self.tokenizer,
+                e.messages,
+                st.messages,
+                eos_ids=sorted(self.eos),
+                tools=getattr(e.env, "tools", None),
+                close_turn=ended[j] == "stop",
+                **self.template_kw,
+            )
+            total = len(e.completion_ids) + len(delta)
+            if total > self.budget or len(e.prompt_ids) + total > self.max_pos:
+                e.finish_reason = "env_over_budget"
+                continue
+            e.messages += st.messages
+            e.completion_ids += delta
+            e.loss_mask += [0] * len(delta)
+            e.logprobs += [0.0] * len(delta)
+            e.sampler_logprobs += [0.0] * len(delta)
+            pending[j] = pending[j] + delta
+            if total == self.budget or len(e.prompt_ids) + total == self.max_pos:
+                e.finish_reason = "length"  # the answer fits exactly; no room for a turn
 
     def _stopped(self, turn: list[int]) -> bool:
         """Whether the decoded tail of a turn holds a stop string (``rollout.generate``'s test)."""

@@ -63,6 +63,7 @@ repetition penalties, speculative decoding, or multi-GPU sharding.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
@@ -73,144 +74,13 @@ from typing import Any
 import torch
 
 # One rule for positions under left padding, shared with teacher-forced log-probs (models).
+from peergrade.generation.record import Samples
 from peergrade.model.load import position_ids_from_mask
 
 __all__ = ["Rollout", "generate", "position_ids_from_mask"]
 
-
-# --------------------------------------------------------------------------------------------
-# Result container
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """The sampled completions of ``len(prompts) * n`` sequences (N below); groups are adjacent.
-
-    Fields:
-        prompt_ids: N lists of unpadded prompt token ids (sequence i answers prompt i // n).
-        completion_ids: ``[N, C]`` long, right-padded with the tokenizer's pad id;
-            ``C`` = longest completion (``<= max_new_tokens``).
-        completion_mask: ``[N, C]`` float32; 1 = a generated token that counts (including the
-            EOS token and the token where a stop string completes), 0 after.
-        logprobs: ``[N, C]`` float32 log-prob of each sampled token under the full
-            temperature-scaled distribution (before top-k/top-p; untempered when greedy);
-            0 where ``completion_mask == 0``.
-        finish_reason: N strings, ``"eos"`` | ``"stop"`` | ``"length"``.
-        completion_text: N decoded completions (special tokens skipped), cut right after the
-            stop string when one ended the sequence.
-        prompt_index: ``[N]`` long, the prompt each sequence answers (``i // n``).
-        sampler_logprobs: ``[N, C]`` float32 log-prob of each sampled token under the
-            distribution it was drawn from (tempered, cut by top-k/top-p, renormalised: the
-            behaviour policy); equal to ``logprobs`` without truncation, 0 when greedy and
-            where ``completion_mask == 0``. None when the sampler did not record them.
-        loss_mask: ``[N, C]`` float32; 1 = a token the update trains on. A separate tensor
-            from ``completion_mask`` (the tokens that exist, which the model attends to), so a
-            token can be attended to and not trained on (an environment's answer, a truncated
-            completion under overlong filtering); defaults to a copy of ``completion_mask``.
-    """
-
-    prompt_ids: list[list[int]]
-    completion_ids: torch.Tensor  # [N, C] long
-    completion_mask: torch.Tensor  # [N, C] float32
-    logprobs: torch.Tensor  # [N, C] float32
-    finish_reason: list[str]
-    completion_text: list[str]
-    prompt_index: torch.Tensor  # [N] long
-    sampler_logprobs: torch.Tensor | None = None  # [N, C] float32
-    loss_mask: torch.Tensor | None = None  # [N, C] float32
-
-    def __post_init__(self):
-        if self.loss_mask is None:
-            self.loss_mask = self.completion_mask.clone()
-
-    def completion_id_lists(self) -> list[list[int]]:
-        """The counted completion token ids, one list per sequence (``completion_ids`` of the
-        reward contract)."""
-        lens = self.completion_mask.sum(dim=1).long().tolist()
-        return [self.completion_ids[i, :n].tolist() for i, n in enumerate(lens)]
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return int(self.completion_mask.sum().item())
-
-    def take(self, idx: Sequence[int]) -> Rollout:
-        """The sequences ``idx`` (in that order), as their own Rollout; ``prompt_index``
-        renumbers the prompts they answer 0, 1, ... (a group's members stay adjacent)."""
-        ix = torch.tensor(list(idx), dtype=torch.long, device=self.completion_ids.device)
-
-        def rows(t):
-            return None if t is None else t[ix]
-
-        return Rollout(
-            prompt_ids=[self.prompt_ids[i] for i in idx],
-            completion_ids=rows(self.completion_ids),
-            completion_mask=rows(self.completion_mask),
-            logprobs=rows(self.logprobs),
-            finish_reason=[self.finish_reason[i] for i in idx],
-            completion_text=[self.completion_text[i] for i in idx],
-            prompt_index=torch.unique_consecutive(
-                self.prompt_index.to(ix.device)[ix], return_inverse=True
-            )[1],
-            sampler_logprobs=rows(self.sampler_logprobs),
-            loss_mask=rows(self.loss_mask),
-        )
-
-    @staticmethod
-    def concat(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
-        """One Rollout of ``parts``' sequences in order, completions right-padded to the
-        longest (``pad_token_id``; masks and log-probs 0). A single part comes back as it is."""
-        if len(parts) == 1:
-            return parts[0]
-        C = max(p.completion_ids.shape[1] for p in parts)
-
-        def cat(name: str, value):
-            ts = [getattr(p, name) for p in parts]
-            if any(t is None for t in ts):
-                return None
-            return torch.cat(
-                [torch.nn.functional.pad(t, (0, C - t.shape[1]), value=value) for t in ts]
-            )
-
-        offset, index = 0, []
-        for p in parts:
-            index.append(p.prompt_index + offset)
-            offset += int(p.prompt_index.max()) + 1 if len(p.prompt_index) else 0
-        return Rollout(
-            prompt_ids=[ids for p in parts for ids in p.prompt_ids],
-            completion_ids=cat("completion_ids", pad_token_id),
-            completion_mask=cat("completion_mask", 0.0),
-            logprobs=cat("logprobs", 0.0),
-            finish_reason=[f for p in parts for f in p.finish_reason],
-            completion_text=[t for p in parts for t in p.completion_text],
-            prompt_index=torch.cat(index),
-            sampler_logprobs=cat("sampler_logprobs", 0.0),
-            loss_mask=cat("loss_mask", 0.0),
-        )
-
-    def training_batch(self, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Teacher-forcing inputs: ``(input_ids [N, P+C], attention_mask [N, P+C], completion_mask [N, C])``.
-
-        Prompts are LEFT-padded to ``P`` = longest prompt, completions right-padded to ``C``;
-        the last ``C`` columns of ``input_ids`` are the completions, so the log-prob of completion
-        token ``j`` comes from the logits at column ``P + j - 1``. ``attention_mask`` (long) is 1 on
-        prompt tokens and on completion tokens that count; what the update trains on is
-        ``loss_mask``, which this does not touch. Pass
-        ``position_ids_from_mask(attention_mask)`` to the model as well: that reproduces the
-        positions used while sampling exactly (it matters for absolute-position models; for RoPE
-        models only float rounding differs).
-        """
-        n_seq, c = self.completion_ids.shape
-        p = max(len(ids) for ids in self.prompt_ids)
-        device = self.completion_ids.device
-        input_ids = torch.full((n_seq, p + c), pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((n_seq, p + c), dtype=torch.long, device=device)
-        for i, ids in enumerate(self.prompt_ids):
-            input_ids[i, p - len(ids) : p] = torch.tensor(ids, dtype=torch.long, device=device)
-            attention_mask[i, p - len(ids) : p] = 1
-        input_ids[:, p:] = self.completion_ids
-        attention_mask[:, p:] = self.completion_mask.long()
-        return input_ids, attention_mask, self.completion_mask
+#: the kernel's result is the package's one record (``record.Samples``); the old name stays
+Rollout = Samples
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,7 +88,7 @@ class Rollout:
 # --------------------------------------------------------------------------------------------
 
 
-def _slab_cache(num_layers: int, capacity: int, grow: bool = False):
+def slab_cache(num_layers: int, capacity: int, grow: bool = False):
     """A transformers ``Cache`` whose layers preallocate ``capacity`` positions and write in place.
 
     ``update`` returns views ``[B, H, length, D]`` of the buffers, so attention reads only the
@@ -327,7 +197,7 @@ def _draw(state: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return _mix64(state + (counter + 1) * _GOLDEN)
 
 
-def _row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
+def row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
     """The stream state of every sequence: prompt ``row_keys[i // n]``, sample ``i % n``.
 
     seed: any int (its low 64 bits count); row_keys: [R] int64 >= 0. Returns [R * n] int64.
@@ -341,7 +211,7 @@ def _row_states(seed: int, row_keys: torch.Tensor, n: int) -> torch.Tensor:
     return _draw(prompt[:, None], sample[None, :]).reshape(-1)  # [R * n]
 
 
-def _uniforms(states: torch.Tensor, steps: int) -> torch.Tensor:
+def uniforms(states: torch.Tensor, steps: int) -> torch.Tensor:
     """u[i, t] in [0, 1) for sequence state ``states[i]`` and position ``t < steps``: the top 24
     bits of draw ``t`` (every float32 multiple of 2^-24, as ``torch.rand`` gives). [B] -> [B, T]."""
     t = torch.arange(steps, dtype=torch.long, device=states.device)
@@ -361,7 +231,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample(
+def draw_tokens(
     logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits: [B, V] float32, u: [B]. Returns (tokens [B], logprobs [B]
@@ -409,10 +279,10 @@ def _sample(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_sampling(caller: str, temperature, top_p, top_k) -> int:
+def check_sampling(caller: str, temperature, top_p, top_k) -> int:
     """The sampling settings every sampler takes (``generate``, ``envs.run_episodes``): a finite
     temperature >= 0, top_p in (0, 1], top_k an int >= 0 (returned)."""
-    top_k = _check_int("top_k", top_k, 0, caller)
+    top_k = check_int("top_k", top_k, 0, caller)
     if (
         not isinstance(temperature, (int, float))
         or not math.isfinite(temperature)
@@ -426,7 +296,7 @@ def _check_sampling(caller: str, temperature, top_p, top_k) -> int:
     return top_k
 
 
-def _check_int(name: str, value, minimum: int, caller: str = "generate") -> int:
+def check_int(name: str, value, minimum: int, caller: str = "generate") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{caller}(): {name} must be an int >= {minimum}, got {value!r}")
     return value
@@ -466,7 +336,7 @@ def _encode_prompts(tokenizer, prompts, vocab_size: int | None) -> list[list[int
     return out
 
 
-def _check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
+def check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
     """``row_keys`` as a [num_prompts] int64 tensor (default 0..num_prompts-1), checked."""
     if row_keys is None:
         return torch.arange(num_prompts, dtype=torch.long)
@@ -498,7 +368,7 @@ def _check_row_keys(row_keys, num_prompts: int) -> torch.Tensor:
     return torch.tensor(keys, dtype=torch.long)
 
 
-def _model_config(model):
+def model_config(model):
     cfg = getattr(model, "config", None)
     if cfg is None:
         raise ValueError("generate(): model has no .config; expected a Hugging Face causal LM")
@@ -526,7 +396,27 @@ def default_eos_ids(model, tokenizer) -> list[int]:
     return sorted(eos)
 
 
-def _forward_signature(model) -> set[str]:
+def eos_ids(model, tokenizer, given: Sequence[int] | None) -> list[int]:
+    """The tokens that end a sequence: ``given`` (sorted, distinct), else the tokenizer's eos
+    plus the model's ``generation_config.eos_token_id``."""
+    if given is not None:
+        return sorted({int(t) for t in given})
+    return default_eos_ids(model, tokenizer)
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode without gradients for the block, then back as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def forward_signature(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
 
@@ -553,7 +443,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     check_every: int | None = None,
-) -> Rollout:
+) -> Samples:
     """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
 
     Args:
@@ -581,14 +471,48 @@ def generate(
         check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
             With stop strings the check runs every step (the text must be decoded anyway).
     """
-    cfg = _model_config(model)
-    vocab_size = getattr(cfg, "vocab_size", None)
-    n = _check_int("n", n, 1)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    top_k = _check_sampling("generate", temperature, top_p, top_k)
-    if isinstance(stop, str):
-        stop = (stop,)
-    stop = tuple(stop)
+    cfg = model_config(model)
+    n, max_new_tokens, top_k, stop = _check_settings(
+        tokenizer, n, max_new_tokens, temperature, top_p, top_k, stop, eos_token_ids
+    )
+    batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
+    check_every = None if check_every is None else check_int("check_every", check_every, 1)
+    prompt_ids = _encode_prompts(tokenizer, prompts, getattr(cfg, "vocab_size", None))
+    _check_context(prompt_ids, max_new_tokens, getattr(cfg, "max_position_embeddings", None))
+    eos_token_ids = eos_ids(model, tokenizer, eos_token_ids)
+    device = next(model.parameters()).device
+    num_seq = len(prompt_ids) * n
+    keys = check_row_keys(row_keys, len(prompt_ids))
+    states = row_states(seed_of(seed), keys.to(device), n)  # [N]
+    runner = _Runner.of(
+        model,
+        tokenizer,
+        cfg,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        stop=stop,
+        eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
+        ignore_eos=ignore_eos,
+        check_every=check_every,
+    )
+    step = batch_size or num_seq
+    with eval_mode(model):
+        parts = [
+            runner.run(prompt_ids, states, start, min(start + step, num_seq))
+            for start in range(0, num_seq, step)
+        ]
+    return _assemble(parts, prompt_ids, n, tokenizer.pad_token_id, device)
+
+
+def _check_settings(tokenizer, n, max_new_tokens, temperature, top_p, top_k, stop, eos_token_ids):
+    """``generate``'s sampling arguments checked: ``(n, max_new_tokens, top_k, stop tuple)``."""
+    n = check_int("n", n, 1)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    top_k = check_sampling("generate", temperature, top_p, top_k)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) or s == "" for s in stop):
         raise ValueError(f"generate(): stop must be non-empty strings, got {stop!r}")
     if tokenizer.pad_token_id is None:
@@ -601,87 +525,38 @@ def generate(
             "generate(): tokenizer has no eos token (tokenizer.eos_token_id is None); "
             "set tokenizer.eos_token or pass eos_token_ids"
         )
-    if batch_size is not None:
-        batch_size = _check_int("batch_size", batch_size, 1)
-    if check_every is not None:
-        check_every = _check_int("check_every", check_every, 1)
+    return n, max_new_tokens, top_k, stop
 
-    prompt_ids = _encode_prompts(tokenizer, prompts, vocab_size)
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    if max_pos is not None:
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) + max_new_tokens > max_pos:
-                raise ValueError(
-                    f"generate(): prompts[{i}] has {len(ids)} tokens; with max_new_tokens="
-                    f"{max_new_tokens} that exceeds the model's context "
-                    f"(max_position_embeddings={max_pos})"
-                )
 
-    if eos_token_ids is None:
-        eos_token_ids = default_eos_ids(model, tokenizer)
-    else:
-        eos_token_ids = sorted({int(t) for t in eos_token_ids})
+def _check_context(prompt_ids: list[list[int]], max_new_tokens: int, max_pos: int | None) -> None:
+    """Every prompt plus ``max_new_tokens`` fits the model's context."""
+    if max_pos is None:
+        return
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + max_new_tokens > max_pos:
+            raise ValueError(
+                f"generate(): prompts[{i}] has {len(ids)} tokens; with max_new_tokens="
+                f"{max_new_tokens} that exceeds the model's context "
+                f"(max_position_embeddings={max_pos})"
+            )
 
-    param = next(model.parameters())
-    device = param.device
-    float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    dtype = next((p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32)
-    if check_every is None:
-        check_every = 1 if device.type == "cpu" else 8
-    if stop:
-        check_every = 1
 
-    num_seq = len(prompt_ids) * n
+def seed_of(seed) -> int:
+    """The draws' seed: ``seed``, or one from torch's global RNG when None."""
     if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        return int(torch.randint(0, 2**62, ()).item())
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"generate(): seed must be an int or None, got {seed!r}")
-    seed = int(seed)
-    keys = _check_row_keys(row_keys, len(prompt_ids))
-    states = _row_states(seed, keys.to(device), n)  # [N]
+    return int(seed)
 
-    attn_impl = getattr(cfg, "_attn_implementation", None) or "eager"
-    fast = slab_cache_ok(cfg)
-    sig = _forward_signature(model)
-    cache_kw = "cache" if "cache" in sig else "past_key_values"
 
-    runner = _Runner(
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        dtype=dtype,
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        stop=stop,
-        eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
-        ignore_eos=ignore_eos,
-        check_every=check_every,
-        fast=fast,
-        cache_kw=cache_kw,
-        bool_mask=attn_impl == "sdpa",
-        logits_to_keep="logits_to_keep" in sig,
-        num_layers=cfg.num_hidden_layers,
-    )
-    step = batch_size or num_seq
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            parts = [
-                runner.run(prompt_ids, states, start, min(start + step, num_seq))
-                for start in range(0, num_seq, step)
-            ]
-    finally:
-        model.train(was_training)
-
-    # Assemble: pad every part to the longest completion.
+def _assemble(parts: list[dict], prompt_ids, n: int, pad_id: int, device) -> Samples:
+    """The micro-batches' results as one ``Samples``, every part padded to the longest
+    completion."""
     c = max(p["tokens"].shape[1] for p in parts)
-    pad_id = tokenizer.pad_token_id
+    num_seq = len(prompt_ids) * n
 
-    def _cat(key, fill, dt):
+    def cat(key, fill, dt):
         rows = []
         for p in parts:
             t = p[key]
@@ -690,12 +565,12 @@ def generate(
             rows.append(t.to(dt))
         return torch.cat(rows, 0)
 
-    return Rollout(
+    return Samples(
         prompt_ids=[list(prompt_ids[i // n]) for i in range(num_seq)],
-        completion_ids=_cat("tokens", pad_id, torch.long),
-        completion_mask=_cat("mask", 0.0, torch.float32),
-        logprobs=_cat("logprobs", 0.0, torch.float32),
-        sampler_logprobs=_cat("sampler_logprobs", 0.0, torch.float32),
+        completion_ids=cat("tokens", pad_id, torch.long),
+        completion_mask=cat("mask", 0.0, torch.float32),
+        logprobs=cat("logprobs", 0.0, torch.float32),
+        sampler_logprobs=cat("sampler_logprobs", 0.0, torch.float32),
         finish_reason=[r for p in parts for r in p["finish"]],
         completion_text=[t for p in parts for t in p["text"]],
         prompt_index=torch.arange(num_seq, device=device) // n,
@@ -726,6 +601,35 @@ class _Runner:
     logits_to_keep: bool  # the forward accepts logits_to_keep
     num_layers: int
 
+    @classmethod
+    def of(cls, model, tokenizer, cfg, *, check_every: int | None, **settings) -> _Runner:
+        """The runner for ``model``: its device and float dtype, the cache and mask its forward
+        takes, and how often finished rows are checked (every step with stop strings: the text
+        must be decoded anyway; else 1 on the CPU, 8 elsewhere)."""
+        device = next(model.parameters()).device
+        float_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        dtype = next(
+            (p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32
+        )
+        if check_every is None:
+            check_every = 1 if device.type == "cpu" else 8
+        if settings["stop"]:
+            check_every = 1
+        sig = forward_signature(model)
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            device=device,
+            dtype=dtype,
+            check_every=check_every,
+            fast=slab_cache_ok(cfg),
+            cache_kw="cache" if "cache" in sig else "past_key_values",
+            bool_mask=(getattr(cfg, "_attn_implementation", None) or "eager") == "sdpa",
+            logits_to_keep="logits_to_keep" in sig,
+            num_layers=cfg.num_hidden_layers,
+            **settings,
+        )
+
     def _forward(self, input_ids, mask, position_ids, cache, last_only: bool):
         kwargs = {
             "input_ids": input_ids,
@@ -739,7 +643,11 @@ class _Runner:
         out = self.model(**kwargs)
         return out.logits[:, -1, :].float()  # [B, V]
 
-    def run(self, prompt_ids, states, start: int, end: int) -> dict:
+    def _prefill(self, prompt_ids, start: int, end: int):
+        """Each unique prompt of sequences [start, end) run once, its cache rows copied to the
+        sequences that answer it. Returns ``(logits [b, V], next positions [b], cache,
+        visible [b, cap], prompt length)``: ``visible`` says which cache slots each row may
+        attend to (a bool or additive mask with the slab cache, a 0/1 mask otherwise)."""
         dev, n, T = self.device, self.n, self.max_new_tokens
         b = end - start
         # Unique prompts of this micro-batch and how many of its sequences answer each.
@@ -762,7 +670,7 @@ class _Runner:
         # ---- prefill (once per unique prompt) ----
         neg = torch.finfo(self.dtype).min
         if self.fast:
-            cache = _slab_cache(self.num_layers, cap)
+            cache = slab_cache(self.num_layers, cap)
             causal = torch.ones(p_len, p_len, dtype=torch.bool, device=dev).tril_()
             allowed = causal & (real[:, None, :] | torch.eye(p_len, dtype=torch.bool, device=dev))
             # Key-visibility per row over the whole capacity (pads hidden): a bool mask for sdpa
@@ -771,12 +679,12 @@ class _Runner:
             key_ok[:, :p_len] = real
             key_ok = key_ok.index_select(0, expand)  # [b, cap]
             if self.bool_mask:
-                mask4, key_bias = allowed, key_ok
+                mask4, visible = allowed, key_ok
             else:
                 mask4 = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
                 mask4.masked_fill_(~allowed, neg)  # [U, P, P]
-                key_bias = torch.zeros((b, cap), dtype=self.dtype, device=dev)
-                key_bias.masked_fill_(~key_ok, neg)  # [b, cap]
+                visible = torch.zeros((b, cap), dtype=self.dtype, device=dev)
+                visible.masked_fill_(~key_ok, neg)  # [b, cap]
             logits = self._forward(ids, mask4[:, None], pos, cache, last_only=True)
             cache.batch_select_indices(expand)
         else:
@@ -785,10 +693,16 @@ class _Runner:
             cache = DynamicCache(config=self.model.config)
             logits = self._forward(ids, real.long(), pos, cache, last_only=True)
             cache.batch_select_indices(expand)
-            attn2d = torch.ones((b, cap), dtype=torch.long, device=dev)
-            attn2d[:, :p_len] = real.long().index_select(0, expand)
+            visible = torch.ones((b, cap), dtype=torch.long, device=dev)
+            visible[:, :p_len] = real.long().index_select(0, expand)
         logits = logits.index_select(0, expand)  # [b, V]
         next_pos = pos[:, -1].index_select(0, expand) + 1  # [b]
+
+        return logits, next_pos, cache, visible, p_len
+
+    def run(self, prompt_ids, states, start: int, end: int) -> dict:
+        dev, T, b = self.device, self.max_new_tokens, end - start
+        logits, next_pos, cache, visible, p_len = self._prefill(prompt_ids, start, end)
 
         tokens_out = torch.full((b, T), self.tokenizer.pad_token_id, dtype=torch.long, device=dev)
         logp_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
@@ -796,13 +710,13 @@ class _Runner:
         finished_at = torch.full((b,), T, dtype=torch.long, device=dev)  # T = not finished
         reason = ["length"] * b
         rows = torch.arange(b, device=dev)  # local index of each running row
-        u_local = _uniforms(states[start:end], T)  # [b, T]
+        u_local = uniforms(states[start:end], T)  # [b, T]
         hist: list[list[int]] | None = [[] for _ in range(b)] if self.stop else None
         stop_window = (max(len(s) for s in self.stop) + 8) if self.stop else 0
 
         cur = p_len  # cache length before this step's token
         for t in range(T):
-            tok, logp, sampler_logp = _sample(
+            tok, logp, sampler_logp = draw_tokens(
                 logits, u_local[rows, t], self.temperature, self.top_p, self.top_k
             )
             tokens_out[rows, t] = tok
@@ -839,19 +753,22 @@ class _Runner:
                     rows, tok = rows[keep], tok[keep]
                     next_pos = next_pos[keep]
                     cache.batch_select_indices(keep)
-                    if self.fast:
-                        key_bias = key_bias.index_select(0, keep)
-                    else:
-                        attn2d = attn2d.index_select(0, keep)
+                    visible = visible.index_select(0, keep)
             if self.fast:
-                step_mask = key_bias[:, None, None, : cur + 1]  # [B, 1, 1, cur+1]
+                step_mask = visible[:, None, None, : cur + 1]  # [B, 1, 1, cur+1]
             else:
-                step_mask = attn2d[:, : cur + 1]
+                step_mask = visible[:, : cur + 1]
             logits = self._forward(tok[:, None], step_mask, next_pos[:, None], cache, False)
             next_pos = next_pos + 1
             cur += 1
 
-        # ---- finish: masks, reasons, texts ----
+        return self._finish(tokens_out, logp_out, sampler_out, finished_at, reason)
+
+    def _finish(self, tokens_out, logp_out, sampler_out, finished_at, reason) -> dict:
+        """The micro-batch's result: masks up to each row's end (its first EOS or the token
+        where a stop string completed), reasons, texts cut after their stop string."""
+        T, b = self.max_new_tokens, tokens_out.shape[0]
+        dev = tokens_out.device
         length = torch.where(finished_at < T, finished_at + 1, T)  # [b]
         col = torch.arange(T, device=dev)
         mask = (col[None, :] < length[:, None]).float()  # [b, T]

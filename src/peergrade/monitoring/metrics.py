@@ -72,21 +72,6 @@ class JsonlWriter:
         self.close()
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The objects of a JSON-lines file (none when it does not exist); a torn last line (a crash
-    mid-write) is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 @contextlib.contextmanager
 def quiet_hf_progress():
     """transformers' progress bars off inside (a context manager and a decorator: the CLI's

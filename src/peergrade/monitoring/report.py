@@ -53,12 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from peergrade.errors import InputError, require
+from peergrade.files import atomic_write_text, read_jsonl
 
 __all__ = [
-    "Run",
+    "RunLogs",
     "Section",
     "load_run",
-    "read_jsonl",
     "is_run_dir",
     "figure_svg",
     "line_figure",
@@ -77,7 +77,7 @@ MAX_GROUPS_PER_RUN = 1500
 
 
 @dataclass
-class Run:
+class RunLogs:
     """One run directory, read."""
 
     path: Path
@@ -118,43 +118,12 @@ class Section:
 # ----------------------------------------------------------------------------- reading
 
 
-def read_jsonl(path: Path, notes: list[str]) -> list[dict]:
-    """Rows of a JSON-lines file. A last line without its newline that does not parse is a
-    write cut short (a run killed or still writing): dropped, with a note. Any other line that
-    does not parse is skipped with a note naming the file and line."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.split("\n")
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            last = i == len(lines)  # no newline after it: the writer was interrupted
-            if last:
-                notes.append(
-                    f"{path.name}: last line {i} is incomplete (run still going or killed); ignored"
-                )
-            else:
-                notes.append(f"{path.name}: line {i} is not valid JSON ({e.msg}); skipped")
-            continue
-        if not isinstance(obj, dict):
-            notes.append(f"{path.name}: line {i} is not a JSON object; skipped")
-            continue
-        rows.append(obj)
-    return rows
-
-
 def is_run_dir(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and ((path / "metrics.jsonl").exists() or (path / "config.yaml").exists())
 
 
-def load_run(path: Path, name: str | None = None) -> Run:
+def load_run(path: Path, name: str | None = None) -> RunLogs:
     """Read a run directory; raises ``InputError`` naming the path when it is not one."""
     import yaml
 
@@ -184,7 +153,7 @@ def load_run(path: Path, name: str | None = None) -> Run:
     samples = read_jsonl(path / "samples.jsonl", notes)
     if not metrics:
         notes.append("metrics.jsonl has no rows yet")
-    return Run(path, name or path.name, config_text, config, metrics, samples, notes)
+    return RunLogs(path, name or path.name, config_text, config, metrics, samples, notes)
 
 
 def unique_names(paths: list[Path]) -> list[str]:
@@ -402,7 +371,7 @@ def line_figure(
     return figure_svg(fig)
 
 
-def constant_runs(runs: list[Run], title: str, patterns: list[str]) -> list[Run]:
+def constant_runs(runs: list[RunLogs], title: str, patterns: list[str]) -> list[RunLogs]:
     """The runs whose metrics in this panel are constant by construction (their config says
     so, see ``CONSTANT_BY_CONSTRUCTION``, and every value they logged there is one value)."""
     if title not in CONSTANT_BY_CONSTRUCTION:
@@ -417,7 +386,7 @@ def constant_runs(runs: list[Run], title: str, patterns: list[str]) -> list[Run]
 
 
 def panel_series(
-    runs: list[Run], patterns: list[str], *, smooth: bool = True, skip: list[Run] = ()
+    runs: list[RunLogs], patterns: list[str], *, smooth: bool = True, skip: list[RunLogs] = ()
 ):
     """Lines of one panel: per run, per metric key matching a pattern, (step, value) points.
     With ``smooth``, a noisy per-step curve (``is_noisy``) comes twice: raw, faint and out of
@@ -455,7 +424,7 @@ def panel_series(
     return out
 
 
-def plots_section(runs: list[Run]) -> Section:
+def plots_section(runs: list[RunLogs]) -> Section:
     figs, missing = [], []
     for title, ylabel, patterns in PANELS:
         flat = constant_runs(runs, title, patterns)
@@ -515,7 +484,7 @@ def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
     return f'<table class="{cls}"><thead><tr>{h}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def _cfg(run: Run, *keys, default=None):
+def _cfg(run: RunLogs, *keys, default=None):
     node: Any = run.config
     for k in keys:
         if not isinstance(node, dict) or k not in node:
@@ -548,13 +517,13 @@ def train_seconds(rows: list[dict]) -> list[float]:
     return out
 
 
-def completions_per_step(run: Run) -> int | None:
+def completions_per_step(run: RunLogs) -> int | None:
     P = _cfg(run, "rollout", "prompts_per_step")
     G = _cfg(run, "rollout", "group_size")
     return P * G if isinstance(P, int) and isinstance(G, int) else None
 
 
-def summary_section(runs: list[Run]) -> Section:
+def summary_section(runs: list[RunLogs]) -> Section:
     eval_keys: list[str] = []
     for run in runs:
         for m in run.eval_rows():
@@ -605,7 +574,7 @@ def summary_section(runs: list[Run]) -> Section:
     return Section("Runs", body, "runs")
 
 
-def alerts_section(runs: list[Run]) -> Section | None:
+def alerts_section(runs: list[RunLogs]) -> Section | None:
     """``alert/*`` metrics (from the failure-mode detectors) that fired: step, key, value."""
     rows = []
     for run in runs:
@@ -640,7 +609,7 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_section(runs: list[Run]) -> Section:
+def config_section(runs: list[RunLogs]) -> Section:
     parts = []
     if len(runs) > 1:
         flat = [_flatten(r.config) for r in runs]
@@ -736,7 +705,7 @@ def _pick_groups(samples: list[dict]) -> tuple[list[dict], bool]:
     return [s for s in samples if s.get("step") in keep], True
 
 
-def samples_section(runs: list[Run]) -> Section:
+def samples_section(runs: list[RunLogs]) -> Section:
     # the per-function column only when some group logged per-function rewards
     any_fn = any(
         isinstance(g.get("completions"), list) and _per_fn(g, len(g["completions"]))
@@ -944,7 +913,7 @@ SCRIPT = """
 
 
 def render_report(
-    runs: list[Run], extra: list[Section] | None = None, title: str | None = None
+    runs: list[RunLogs], extra: list[Section] | None = None, title: str | None = None
 ) -> str:
     """The whole page as a string: summary, alerts, extra sections, plots, config, samples."""
     sections = [summary_section(runs)] if runs else []
@@ -986,23 +955,5 @@ def write_report(
     runs = [load_run(p, n) for p, n in zip(paths, names)]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out, render_report(runs, extra, title))
+    atomic_write_text(out, render_report(runs, extra, title))
     return out
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Temp file + rename: a report being rewritten is never seen half-written (and this module
-    stays free of checkpoint's torch import)."""
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -84,8 +84,6 @@ more than it allocates: ``max_memory_reserved`` can be 10-20% higher than what i
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import subprocess
@@ -639,21 +637,6 @@ def _probe_reward(G: int):
     return memory_probe
 
 
-@contextlib.contextmanager
-def _full_length_rollouts():
-    """The trainer's rollouts ignore EOS while measuring: every completion runs to
-    ``max_completion_length``, the length the estimate assumes (the worst case a budget must
-    hold). Only ever entered in the measurement's own child process."""
-    from peergrade.training import sampling
-
-    real = sampling.generate
-    sampling.generate = functools.partial(real, ignore_eos=True)
-    try:
-        yield
-    finally:
-        sampling.generate = real
-
-
 def _run_steps(cfg, steps: int, meter) -> dict:
     """``steps`` steps of the trainer's own ``train_step`` on ``cfg``, phases metered, in the
     worst case the estimate describes: full-length completions (no EOS, no stop strings) and a
@@ -672,11 +655,12 @@ def _run_steps(cfg, steps: int, meter) -> dict:
     P = cfg.rollout.prompts_per_step
     rows = iter(run.task.train_rows(cfg.train.seed))
     shapes, skipped, t0 = [], [], time.perf_counter()
-    with _full_length_rollouts():
-        for step in range(1, steps + 1):
-            res = train_step(run, step, [next(rows) for _ in range(P)], meter)
-            shapes.append(res.shapes)
-            skipped.append(res.metrics.get("update/zero_signal_frac", 0.0))
+    # every completion runs to max_completion_length: the worst case the estimate assumes
+    run.sampler = run.sampler.replace(ignore_eos=True)
+    for step in range(1, steps + 1):
+        res = train_step(run, step, [next(rows) for _ in range(P)], meter)
+        shapes.append(res.shapes)
+        skipped.append(res.metrics.get("update/zero_signal_frac", 0.0))
     policy = run.models.policy
     return {
         **{k: max(s[k] for s in shapes) for k in ("seq_len", "completion_len", "prompt_len")},

@@ -46,7 +46,7 @@ from typing import Any
 from peergrade.errors import InputError
 from peergrade.monitoring.report import (
     COLORS,
-    Run,
+    RunLogs,
     Section,
     _table,
     completions_per_step,
@@ -206,7 +206,7 @@ def baseline_se(samples: list[dict]) -> tuple[float, int]:
     return (math.sqrt(total / n) if n else float("nan")), n
 
 
-def _eval_points(run: Run, metric: str) -> list[tuple[int, float, int, float]]:
+def _eval_points(run: RunLogs, metric: str) -> list[tuple[int, float, int, float]]:
     """(step, training seconds, completions, accuracy) at each held-out evaluation."""
     key = f"eval/{metric}"
     rows = run.train_rows
@@ -224,7 +224,7 @@ def _eval_points(run: Run, metric: str) -> list[tuple[int, float, int, float]]:
 
 
 def summarize(
-    runs: list[Run], *, metric: str = "pass@1_sampled", time_budget_s: float | None = None
+    runs: list[RunLogs], *, metric: str = "pass@1_sampled", time_budget_s: float | None = None
 ) -> dict:
     """Per variant: final accuracy, training time, completions, baseline noise; and the best."""
     rows = []
@@ -313,7 +313,7 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep_section(runs: list[Run], s: dict) -> Section:
+def sweep_section(runs: list[RunLogs], s: dict) -> Section:
     """The report section: the table, accuracy vs training time and vs completions, and the
     baseline noise per variant."""
     m = s["metric"]

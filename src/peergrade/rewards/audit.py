@@ -1386,7 +1386,7 @@ def samples_audit(run_dir, *, top: int = 20) -> dict:
     Ranked by reward, then by the number of doubts. Returns ``{"run_dir", "completions"
     (how many were read), "suspects": [...]}``; each suspect has the step, prompt, reference
     answer, completion, total and per-function rewards, and its flags."""
-    from peergrade.monitoring.metrics import read_jsonl
+    from peergrade.files import read_jsonl
 
     path = Path(run_dir) / "samples.jsonl"
     if not path.is_file():

@@ -43,6 +43,7 @@ from peergrade.model.load import (
     ModelLoadError,
     load_tokenizer,
 )
+from peergrade.rewards.registry import is_conversational
 
 __all__ = [
     "RewardModel",
@@ -70,15 +71,6 @@ def is_reward_model_name(name) -> bool:
     return Path(name).expanduser().is_dir()
 
 
-def _is_conversational(prompt) -> bool:
-    return (
-        isinstance(prompt, list)
-        and len(prompt) > 0
-        and isinstance(prompt[0], dict)
-        and "role" in prompt[0]
-    )
-
-
 def _completion_messages(completion) -> list[dict]:
     if isinstance(completion, str):
         return [{"role": "assistant", "content": completion}]
@@ -94,7 +86,7 @@ def _completion_text(completion) -> str:
 def reward_texts(prompts, completions, tokenizer) -> list[str]:
     """The texts a reward model scores (TRL's rule): the chat template over prompt + completion
     messages when the first prompt is a message list, else ``prompt + completion``."""
-    if len(prompts) and _is_conversational(prompts[0]):
+    if len(prompts) and is_conversational(prompts[0]):
         out = []
         for p, c in zip(prompts, completions):
             text = tokenizer.apply_chat_template(list(p) + _completion_messages(c), tokenize=False)

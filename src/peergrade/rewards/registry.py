@@ -579,7 +579,7 @@ def _format_exc(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def _is_conversational(prompt) -> bool:
+def is_conversational(prompt) -> bool:
     """TRL's test: a prompt is conversational when it is a list of messages (dicts with a role)."""
     return (
         isinstance(prompt, (list, tuple))
@@ -593,7 +593,7 @@ def as_trl_completions(prompts: Sequence, completions: Sequence) -> list:
     text}]`` where the row's prompt is conversational, the text otherwise (an item that is not
     a string already is kept as it is)."""
     return [
-        [{"role": "assistant", "content": c}] if isinstance(c, str) and _is_conversational(p) else c
+        [{"role": "assistant", "content": c}] if isinstance(c, str) and is_conversational(p) else c
         for p, c in zip(prompts, completions)
     ]
 

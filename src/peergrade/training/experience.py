@@ -32,12 +32,11 @@ class Sampled:
 
     rows: list[dict]  # this rank's P prompts' dataset rows (few-shot turns applied)
     prompt_ids: list[list[int]]  # P encoded prompts
-    rollout: Any  # rollout.Rollout: texts, finish reasons, counted completion ids (None: episodes)
+    samples: Any  # generation.Samples: what was sampled (replies or episodes), one record
     scores: Any  # rewards.Scores: per-function scores and their metrics
     accuracy: torch.Tensor  # [N] the accuracy verifier's scores
     completion_ids: list[list[int]]  # N lists: the counted tokens of each completion
     few_shot_frac: float = 0.0
-    episodes: list | None = None  # envs.Episode records (tools / environments), else None
     # dynamic sampling (rollout.dynamic_sampling): the step kept these groups out of several
     # rounds; the rounds' own figures, which the kept rows alone cannot tell
     dynamic: dict[str, float] = field(default_factory=dict)  # dynamic/* metrics, else empty

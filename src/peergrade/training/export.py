@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 
 from peergrade.errors import require
-from peergrade.training.checkpoint import RunDirError, apply_umask, latest_checkpoint
+from peergrade.training.checkpoint import RunDirError, apply_umask, resolve_model_dir
 
 __all__ = ["ExportError", "find_checkpoint", "export_checkpoint"]
 
@@ -53,22 +53,17 @@ class ExportError(RunDirError):
 
 
 def find_checkpoint(path) -> Path:
-    """The checkpoint directory that ``path`` (a run dir or a checkpoint dir) names."""
+    """The checkpoint directory that ``path`` (a run dir or a checkpoint dir) names: the one
+    resolver of a run to its checkpoint (``checkpoint.resolve_model_dir``), plus the errors
+    of a path that is neither."""
     p = Path(path).expanduser()
     if not p.exists():
         raise RunDirError(f"export: {str(p)!r} does not exist")
     if not p.is_dir():
         raise RunDirError(f"export: {str(p)!r} is a file; expected a run or checkpoint directory")
-    if (p / "trainer_state.json").is_file():
-        return p
-    if (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():
-        ckpt = latest_checkpoint(p)
-        if ckpt is None:
-            raise RunDirError(
-                f"export: run directory {str(p)!r} has no complete checkpoint under "
-                "checkpoints/step-N (was the run stopped before its first save?)"
-            )
-        return ckpt
+    resolved = Path(resolve_model_dir(str(p)))
+    if (resolved / "trainer_state.json").is_file():
+        return resolved
     raise RunDirError(
         f"export: {str(p)!r} is neither a peergrade run directory (config.yaml + checkpoints/) "
         "nor a checkpoint directory (checkpoints/step-N with trainer_state.json)"

@@ -327,8 +327,7 @@ def _die_with_parent() -> None:
 def _portable(exp: Experience) -> Experience:
     """What the trainer needs of ``exp``, picklable: episodes lose their environment objects
     (used by the reward functions, in the producer, already)."""
-    for e in getattr(exp.sampled, "episodes", None) or []:
-        e.env = None
+    exp.sampled.samples = exp.sampled.samples.portable()
     return exp
 
 

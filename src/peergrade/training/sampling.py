@@ -1,6 +1,7 @@
-"""Sampling and scoring one step's completions or episodes: the parts of ``trainer.collect``
-that turn P rows into G completions (``rollout.generate``) or G episodes (``envs.run_episodes``)
-each, and score them with the reward mix (TRL's calling contract).
+"""Sampling and scoring one step's answers: the parts of ``trainer.collect`` that turn P rows
+into G completions or G episodes each (``generation.sample`` with the run's ``SamplerSettings``,
+``Config.sampler_settings``: one ``Samples`` record either way), and score them with the reward mix
+(TRL's calling contract).
 
 Every draw is keyed by (train.seed, step, the prompt's global index in the step, sample index)
 (docs/sampling.md), so 1 or N ranks sample the same tokens. ``run`` is the trainer's ``Run``
@@ -23,79 +24,39 @@ from collections.abc import Sequence
 import torch
 
 from peergrade import distributed as dist
-from peergrade.envs import Episode, episode_metrics, reward_inputs
-from peergrade.envs.scoring import env_reward, environment_rewards
+from peergrade import generation
+from peergrade.envs import episode_metrics
+from peergrade.envs.scoring import env_reward
 from peergrade.evaluation import reward_state
-from peergrade.generation.episodes import run_episodes
-from peergrade.generation.kernel import Rollout, generate
-from peergrade.rewards import RewardScores, columns_for, score_rewards
+from peergrade.generation import Samples
+from peergrade.rewards import RewardScores, score_rewards
 from peergrade.seeds import step_seed
 from peergrade.training.experience import Sampled
 
 
-def sample(run, prompt_ids: list[list[int]], step: int, row_keys: Sequence[int]) -> Rollout:
-    """G completions for each prompt with the configured sampling settings. Every draw is keyed
-    by (train.seed, step, the prompt's global index in the step ``row_keys``, sample index), so
-    1 or N ranks and any generation_batch_size sample the same tokens."""
+def sample(run, rows: list[dict], step: int, row_keys: Sequence[int]) -> Samples:
+    """G answers (completions, or episodes with ``env:``) for each row with the run's sampler
+    settings. Every draw is keyed by (train.seed, step, the prompt's global index in the step
+    ``row_keys``, sample index), so 1 or N ranks and any generation_batch_size sample the same
+    tokens."""
     with dist.full_weights(run.models.policy) as policy:  # FSDP2: unshard for sampling
-        return generate(
-            policy,
-            run.models.tokenizer,
-            prompt_ids,
-            max_new_tokens=run.cfg.rollout.max_completion_length,
-            **sampler_settings(run, step, row_keys),
-        )
-
-
-def sampler_settings(run, step: int, row_keys: Sequence[int]) -> dict:
-    """What single replies and episodes sample with alike: G per prompt, the temperature /
-    top-p / top-k / stop processing, and the keys of (seed, step, row)."""
-    r = run.cfg.rollout
-    return dict(
-        n=r.group_size,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop=r.stop,
-        seed=step_seed(run.cfg.train.seed, step),
-        row_keys=row_keys,
-        batch_size=r.generation_batch_size,
-    )
-
-
-def sample_episodes(run, rows: list[dict], step: int, row_keys: Sequence[int]) -> list[Episode]:
-    """G episodes for each row (``envs.run_episodes``), keyed by (seed, step, row) as ``sample`` is;
-    ``rollout.max_completion_length`` is the budget of a whole episode."""
-    e = run.cfg.env
-    with dist.full_weights(run.models.policy) as policy:
-        return run_episodes(
+        return generation.sample(
             policy,
             run.models.tokenizer,
             rows,
-            run.make_env,
-            max_completion_length=run.cfg.rollout.max_completion_length,
-            max_turns=e.max_turns,
-            max_tokens_per_turn=e.max_tokens_per_turn,
-            **sampler_settings(run, step, row_keys),
+            run.sampler,
+            seed=step_seed(run.cfg.train.seed, step),
+            row_keys=row_keys,
+            prompt_ids=None if run.make_env else run.encode(rows),
+            make_env=run.make_env,
         )
 
 
-def completion_inputs(run, rows: list[dict], rollout: Rollout, completion_ids):
-    """``(prompts, completions, columns)`` of single replies for ``score``: the dataset
-    columns and ``completion_ids``, each repeated G times."""
-    G = run.cfg.rollout.group_size
-    prompts = [row["prompt"] for row in rows for _ in range(G)]
-    columns = {**columns_for(rows, G), "completion_ids": completion_ids}
-    return prompts, rollout.completion_text, columns
-
-
-def episode_inputs(run, rows: list[dict], episodes: list[Episode]):
-    """``(prompts, completions, columns)`` of episodes for ``score``, in TRL's conversational
-    form (``envs.reward_inputs``), plus the environments' own rewards for the reward ``env``."""
-    prompts, completions, columns = reward_inputs(episodes, rows)
-    if any(s.fn is env_reward for s in run.rewards):
-        columns["env_reward"] = environment_rewards(episodes)
-    return prompts, completions, columns
+def reward_inputs_of(run, rows: list[dict], samples: Samples):
+    """``(prompts, completions, columns)`` for ``score`` in TRL's contract; episodes get the
+    environments' own rewards (``env_reward``) when the reward ``env`` is in the mix."""
+    wants_env = any(s.fn is env_reward for s in run.rewards)
+    return samples.reward_inputs(rows, env_reward=wants_env)
 
 
 def score(run, step: int, prompts: list, texts: list, columns: dict[str, list]):
@@ -119,10 +80,16 @@ def score(run, step: int, prompts: list, texts: list, columns: dict[str, list]):
     return scores, acc_scores.per_fn[acc.name]
 
 
-def episode_step_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """``envs.episode_metrics`` over every rank's episodes (their counts, not their messages)."""
+def episode_step_metrics(samples: Samples) -> dict[str, float]:
+    """``envs.episode_metrics`` over every rank's episodes (their counts, not their messages);
+    empty for single replies."""
+    if samples.episodes is None:
+        return {}
     light = [
-        dataclasses.replace(e, env=None, messages=[], prompt_ids=[], logprobs=[]) for e in episodes
+        dataclasses.replace(
+            e, env=None, messages=[], prompt_ids=[], logprobs=[], sampler_logprobs=[]
+        )
+        for e in samples.episodes
     ]
     return episode_metrics([e for part in dist.gather_objects(light) for e in part])
 
@@ -149,31 +116,17 @@ def take_groups(s: Sampled, groups: list[int], group_size: int, *, portable: boo
         total=rows(sc.total),
         extra={k: [v[i] for i in seqs] for k, v in sc.extra.items()},
     )
-    rollout = episodes = None
-    if s.rollout is not None:
-        rollout = s.rollout.take(seqs)
-        if portable:
-            rollout = dataclasses.replace(
-                rollout,
-                **{
-                    f.name: getattr(rollout, f.name).cpu()
-                    for f in dataclasses.fields(rollout)
-                    if isinstance(getattr(rollout, f.name), torch.Tensor)
-                },
-            )
-    if s.episodes is not None:
-        episodes = [s.episodes[i] for i in seqs]
-        if portable:  # scored already: the environment object is not needed (nor picklable)
-            episodes = [dataclasses.replace(e, env=None) for e in episodes]
+    samples = s.samples.take(seqs)
+    if portable:
+        samples = samples.portable()
     return Sampled(
         rows=[s.rows[g] for g in groups],
         prompt_ids=[s.prompt_ids[g] for g in groups],
-        rollout=rollout,
+        samples=samples,
         scores=scores,
         accuracy=rows(s.accuracy),
         completion_ids=[s.completion_ids[i] for i in seqs],
         few_shot_frac=s.few_shot_frac,
-        episodes=episodes,
     )
 
 
@@ -214,16 +167,12 @@ def concat_sampled(parts: list[Sampled], pad_token_id: int, batch_scores: dict) 
         extra={k: [x for p in parts for x in p.scores.extra[k]] for k in first.scores.extra},
         **batch_scores,
     )
-    rollout = None
-    if first.rollout is not None:
-        rollout = Rollout.concat([p.rollout for p in parts], pad_token_id)
     return Sampled(
         rows=[r for p in parts for r in p.rows],
         prompt_ids=[ids for p in parts for ids in p.prompt_ids],
-        rollout=rollout,
+        samples=Samples.concat([p.samples for p in parts], pad_token_id),
         scores=scores,
         accuracy=cat([p.accuracy for p in parts]),
         completion_ids=[c for p in parts for c in p.completion_ids],
         few_shot_frac=first.few_shot_frac,
-        episodes=None if first.episodes is None else [e for p in parts for e in p.episodes],
     )

@@ -44,6 +44,7 @@ run directory and resume (``checkpoint``) or the held-out evaluator (``evaluatio
 
 from __future__ import annotations
 
+import functools
 import itertools
 import shutil
 import time
@@ -57,7 +58,6 @@ import torch
 
 from peergrade import distributed as dist
 from peergrade.config import Config, ConfigError, to_yaml
-from peergrade.envs import episodes_batch
 from peergrade.envs.scoring import EPISODE_COLUMNS
 from peergrade.envs.verifiers import is_verifiers_spec
 from peergrade.evaluation import (
@@ -66,9 +66,11 @@ from peergrade.evaluation import (
     held_out_scorer,
     results_table,
 )
+from peergrade.files import read_jsonl
+from peergrade.generation import SamplerSettings
 from peergrade.monitoring import flops
 from peergrade.monitoring.detectors import Detectors, repetition_rate
-from peergrade.monitoring.metrics import Display, check_backends, quiet_hf_progress, read_jsonl
+from peergrade.monitoring.metrics import Display, check_backends, quiet_hf_progress
 from peergrade.rewards import RewardSpec
 from peergrade.rewards.audit import at_startup as audit_at_startup
 from peergrade.seeds import step_seed
@@ -93,13 +95,11 @@ from peergrade.training.components import (  # importable from here too: Given, 
 from peergrade.training.dynamic import fill_groups
 from peergrade.training.experience import Experience, Sampled
 from peergrade.training.sampling import (  # importable from here too (tests patch trainer.sample)
-    completion_inputs,
     concat_sampled,
-    episode_inputs,
     episode_step_metrics,
     merge_round_scores,
+    reward_inputs_of,
     sample,
-    sample_episodes,
     score,
     take_groups,
 )
@@ -146,6 +146,11 @@ class Run:
 
     def encode(self, rows: list[dict]) -> list[list[int]]:
         return encode_rows(self.cfg, self.task, self.models.tokenizer, rows)
+
+    @functools.cached_property
+    def sampler(self) -> SamplerSettings:
+        """How this run samples (``rollout`` / ``env``), built once from the config."""
+        return self.cfg.sampler_settings()
 
 
 def setup(cfg: Config, given: Given | None = None) -> Run:
@@ -226,9 +231,6 @@ class StepResult:
 
 NO_METER = NoMeter()
 
-#: episode ends that cut it short of its end (the budget or the per-turn cap): "truncated"
-CUT_SHORT = ("length", "turn_length", "env_over_budget")
-
 
 def collect(
     run: Run, step: int, rows: list[dict], meter=NO_METER, *, advantages: bool = True
@@ -268,55 +270,36 @@ def sample_round(
     """This rank's ``rows`` sampled (G completions or episodes each, every draw keyed by the
     prompt's global sampling key in ``keys``) and scored; returns them with the seconds spent
     generating and scoring."""
-    cfg = run.cfg
     t_start = time.perf_counter()
-    episodes = rollout = None
-    if run.make_env is None:
-        prompt_ids = run.encode(rows)
-    else:
-        rows = episode_rows(cfg, run.task, rows)
-
+    if run.make_env is not None:  # an episode starts from the prompt as chat messages
+        rows = episode_rows(run.cfg, run.task, rows)
     meter.reset()  # 1. sample G completions (or episodes) per prompt
-    with autocast(cfg, run.models.device, run.models.policy):  # bf16 rollouts where it pays
-        if run.make_env is None:
-            rollout = sample(run, prompt_ids, step, keys)
-        else:
-            episodes = sample_episodes(run, rows, step, keys)
+    with autocast(run.cfg, run.models.device, run.models.policy):  # bf16 rollouts where it pays
+        samples = sample(run, rows, step, keys)
     meter.record("generate")
     t_generated = time.perf_counter()
 
-    if episodes is None:
-        completion_ids = rollout.completion_id_lists()  # the counted tokens of each completion
-        inputs = completion_inputs(run, rows, rollout, completion_ids)
-    else:  # what the model sampled counts (repetition, lengths); rewards see every token
-        prompt_ids = [e.prompt_ids for e in episodes[:: cfg.rollout.group_size]]
-        completion_ids = [[t for t, m in zip(e.completion_ids, e.loss_mask) if m] for e in episodes]
-        inputs = episode_inputs(run, rows, episodes)
+    # what the model sampled counts (repetition, lengths); rewards see every token
+    completion_ids = samples.completion_id_lists()
     meter.reset()  # 2. score them (a reward model's forward is the memory here)
-    scores, acc_values = score(run, step, *inputs)
+    scores, acc_values = score(run, step, *reward_inputs_of(run, rows, samples))
     meter.record("rewards")
-    s = Sampled(rows, prompt_ids, rollout, scores, acc_values, completion_ids, 0.0, episodes)
+    prompt_ids = samples.prompt_ids[:: run.cfg.rollout.group_size]
+    s = Sampled(rows, prompt_ids, samples, scores, acc_values, completion_ids, 0.0)
     return s, t_generated - t_start, time.perf_counter() - t_generated
 
 
 def experience_of(run: Run, step: int, s: Sampled) -> Experience:
     """3. the experience of what was sampled and scored: the attention mask says which tokens
-    exist, the loss mask (the rollout's own, kept apart) which are trained on: an episode's
+    exist, the loss mask (the sampler's own, kept apart) which are trained on: an episode's
     environment tokens are attended to and never trained on; DAPO's overlong filtering masks
     truncated completions out of the loss only."""
-    cfg, device = run.cfg, run.models.device
-    if s.episodes is None:
-        rollout = s.rollout
-        input_ids, attention_mask, _ = rollout.training_batch(run.models.tokenizer.pad_token_id)
-        loss_mask, sampler_lp = rollout.loss_mask, rollout.sampler_logprobs
-        truncated = torch.tensor([f == "length" for f in rollout.finish_reason])  # [N]
-    else:
-        b = episodes_batch(s.episodes, run.models.tokenizer.pad_token_id)
-        input_ids, attention_mask = b["input_ids"], b["attention_mask"]
-        loss_mask, sampler_lp = b["loss_mask"], b["logprobs"]
-        truncated = torch.tensor([e.finish_reason in CUT_SHORT for e in s.episodes])  # [N]
+    cfg, device, samples = run.cfg, run.models.device, s.samples
+    input_ids, attention_mask, _ = samples.training_batch(run.models.tokenizer.pad_token_id)
+    loss_mask, truncated = samples.loss_mask, samples.truncated  # [N, C], [N]
     if cfg.algo.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).unsqueeze(1).to(loss_mask.dtype)
+    sampler_lp = samples.sampler_logprobs
     return Experience(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -413,12 +396,7 @@ def fill_step(
     )
     s.few_shot_frac = few_shot_frac
     s.dynamic = fill.metrics(G)
-    s.generated_tokens = sum(
-        x.rollout.num_generated_tokens
-        if x.episodes is None
-        else sum(e.num_sampled_tokens for e in x.episodes)
-        for _, x in calls
-    )
+    s.generated_tokens = sum(x.samples.num_generated_tokens for _, x in calls)
     s.generated_lengths = tuple(torch.cat(t) for t in zip(*(sequence_lengths(x) for _, x in calls)))
     return s, seconds[0], seconds[1]
 
@@ -426,11 +404,8 @@ def fill_step(
 def sequence_lengths(s: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
     """``([N], [N])`` prompt and completion token counts of one round's sequences (an
     episode's completion: every token after its prompt, the environment's included)."""
-    if s.episodes is None:
-        p = [len(ids) for ids in s.rollout.prompt_ids]
-        return torch.tensor(p), s.rollout.completion_mask.sum(dim=1).long().cpu()
-    p = [len(e.prompt_ids) for e in s.episodes]
-    return torch.tensor(p), torch.tensor([len(e.completion_ids) for e in s.episodes])
+    p = [len(ids) for ids in s.samples.prompt_ids]
+    return torch.tensor(p), s.samples.lengths.cpu()
 
 
 def learn(run: Run, exp: Experience, step: int) -> dict[str, float]:
@@ -461,9 +436,15 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
     if run.cfg.rollout.dynamic_sampling:  # what fill_step did to the producer's copy, in order
         kept = run.cfg.rollout.prompts_per_step - exp.sampled.dynamic["dynamic/unfilled_groups"]
         run.informative_seen = run.informative_seen or kept > 0
+    t_adv = time.perf_counter()
     upd = learn(run, exp, step)
+    t_learned = time.perf_counter()
     producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
-    exp.seconds["update"] = time.perf_counter() - t_got
+    t_published = time.perf_counter()
+    # the phases mean what they mean in a synchronous step: the advantages count with the
+    # reference phase (collect computes them there), the update is learn() alone
+    exp.seconds["ref"] += t_adv - t_got
+    exp.seconds["update"] = t_learned - t_adv
     result = step_result(run, exp, upd, step)
     staleness = (step - 1) - exp.policy_version  # version trained - version sampled
     result.metrics.update(
@@ -472,6 +453,7 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
             "async/staleness_max": staleness,
             "async/policy_version": exp.policy_version,
             "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
+            "time/publish_s": t_published - t_learned,  # the new weights to the producer
         }
     )
     return result
@@ -535,15 +517,11 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
     """The step's metrics (over every rank's rows under torchrun) and its logged groups."""
     cfg, s, sec = run.cfg, exp.sampled, exp.seconds
     G, P = cfg.rollout.group_size, len(s.rows)
-    rollout, scores = s.rollout, s.scores
+    samples, scores = s.samples, s.scores
     g = dist.gather_rows
-    if s.episodes is None:
-        local_lens = rollout.completion_mask.sum(dim=1)  # [N]
-        completions, finish = rollout.completion_text, rollout.finish_reason
-    else:  # an episode's length is what the model sampled; environment tokens do not count
-        local_lens = torch.tensor([e.num_sampled_tokens for e in s.episodes])  # [N]
-        completions = [e.completion_messages for e in s.episodes]
-        finish = [e.finish_reason for e in s.episodes]
+    # an answer's length is what the model sampled; an episode's environment tokens do not count
+    local_lens = samples.sampled_lengths  # [N]
+    completions, finish = samples.completions, samples.finish_reason
     gen_tokens = dist.sum_int(int(local_lens.sum()))  # the trained batch's
     if s.generated_tokens is not None:  # dynamic sampling: every round's count
         sampled_tokens = dist.sum_int(s.generated_tokens)
@@ -564,7 +542,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "rollout/repetition": dist.mean_over_ranks(repetition_rate(s.completion_ids)),
         **({"curriculum/few_shot_frac": s.few_shot_frac} if run.few_shot.k else {}),
         **epoch_metric(run.task, step * cfg.rollout.prompts_per_step),
-        **(episode_step_metrics(s.episodes) if s.episodes is not None else {}),
+        **episode_step_metrics(samples),
         **upd,
         **s.dynamic,
         "time/generate_s": sec["generate"],
@@ -582,9 +560,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         samples.append(
             {
                 "step": step,
-                "prompt": s.rows[p]["prompt"]
-                if s.episodes is None  # an episode's opening messages, after its reset
-                else s.episodes[p * G].messages[: s.episodes[p * G].num_prompt_messages],
+                "prompt": s.samples.prompts[p * G],  # an episode's: its messages after reset
                 # what the model saw: chat template, system prompt, few-shot turns applied
                 "prompt_rendered": run.models.tokenizer.decode(s.prompt_ids[p]),
                 "answer": s.rows[p].get("answer"),
