@@ -705,82 +705,60 @@ def _pick_groups(samples: list[dict]) -> tuple[list[dict], bool]:
     return [s for s in samples if s.get("step") in keep], True
 
 
-def samples_section(runs: list[RunLogs]) -> Section:
-    # the per-function column only when some group logged per-function rewards
-    any_fn = any(
-        isinstance(g.get("completions"), list) and _per_fn(g, len(g["completions"]))
-        for run in runs
-        for g in run.samples
-    )
-    rows_html = []
-    n_groups = 0
-    thinned = []
-    steps_all: set = set()
-    for run in runs:
-        groups, thin = _pick_groups(run.samples)
-        if thin:
-            thinned.append(run.name)
-        for s in groups:
-            comps = s.get("completions")
-            if not isinstance(comps, list):
-                continue
-            G = len(comps)
-            rewards = s.get("rewards") if isinstance(s.get("rewards"), list) else [None] * G
-            advs = s.get("advantages") if isinstance(s.get("advantages"), list) else [None] * G
-            finish = (
-                s.get("finish_reason") if isinstance(s.get("finish_reason"), list) else [""] * G
-            )
-            per_fn = _per_fn(s, G)
-            step = s.get("step", "?")
-            steps_all.add(step)
-            n_groups += 1
-            search = " ".join(str(x) for x in [s.get("prompt", ""), s.get("answer", ""), *comps])
-            for i, c in enumerate(comps):
-                a = advs[i] if i < len(advs) else None
-                cls = "pos" if _finite(a) and a > 0 else ("neg" if _finite(a) and a < 0 else "")
-                head = ""
-                if i == 0:
-                    ans = s.get("answer")
-                    # what the model saw (chat template, system prompt), when the run logged it
-                    seen = s.get("prompt_rendered", s.get("prompt", ""))
-                    head = (
-                        f'<td rowspan="{G}" class="prompt"><pre>{html.escape(str(seen))}</pre>'
-                        + (
-                            '<div class="muted">the model saw this; the row\'s prompt: '
-                            f"{html.escape(str(s.get('prompt')))}</div>"
-                            if "prompt_rendered" in s
-                            else ""
-                        )
-                        + (
-                            f'<div class="muted">answer: {html.escape(str(ans))}</div>'
-                            if ans is not None
-                            else ""
-                        )
-                        + "</td>"
-                    )
-                rows_html.append(
-                    f'<tr class="g{n_groups}{" first" if i == 0 else ""}" data-run="{html.escape(run.name)}" '
-                    f'data-step="{html.escape(str(step))}" data-group="{n_groups}" '
-                    f'data-text="{html.escape(search.lower())}">'
-                    + (
-                        f'<td rowspan="{G}">{html.escape(run.name)}</td><td rowspan="{G}">{html.escape(str(step))}</td>'
-                        if i == 0
-                        else ""
-                    )
-                    + head
-                    + f"<td>{_completion_html(c)}</td>"
-                    + f"<td>{_fmt(rewards[i] if i < len(rewards) else None)}</td>"
-                    + (f"<td>{_fn_cell(per_fn, i)}</td>" if any_fn else "")
-                    + f'<td class="{cls}">{_fmt(a)}</td>'
-                    + f"<td>{html.escape(str(finish[i] if i < len(finish) else ''))}</td></tr>"
-                )
-    if not n_groups:
-        return Section(
-            "Sampled groups",
-            '<p id="no-samples">No samples logged (samples.jsonl is empty or missing; '
-            "set train.log_samples &gt; 0).</p>",
-            "samples",
+def _prompt_cell(s: dict, G: int) -> str:
+    """The group's prompt cell, spanning its G rows: what the model saw, and the answer."""
+    ans = s.get("answer")
+    # what the model saw (chat template, system prompt), when the run logged it
+    seen = s.get("prompt_rendered", s.get("prompt", ""))
+    return (
+        f'<td rowspan="{G}" class="prompt"><pre>{html.escape(str(seen))}</pre>'
+        + (
+            '<div class="muted">the model saw this; the row\'s prompt: '
+            f"{html.escape(str(s.get('prompt')))}</div>"
+            if "prompt_rendered" in s
+            else ""
         )
+        + (f'<div class="muted">answer: {html.escape(str(ans))}</div>' if ans is not None else "")
+        + "</td>"
+    )
+
+
+def _group_rows(run: RunLogs, s: dict, n: int, any_fn: bool) -> list[str]:
+    """The table rows of one logged group (group number ``n``): one per completion."""
+    comps = s["completions"]
+    G = len(comps)
+    rewards = s.get("rewards") if isinstance(s.get("rewards"), list) else [None] * G
+    advs = s.get("advantages") if isinstance(s.get("advantages"), list) else [None] * G
+    finish = s.get("finish_reason") if isinstance(s.get("finish_reason"), list) else [""] * G
+    per_fn = _per_fn(s, G)
+    step = s.get("step", "?")
+    search = " ".join(str(x) for x in [s.get("prompt", ""), s.get("answer", ""), *comps])
+    rows_html = []
+    for i, c in enumerate(comps):
+        a = advs[i] if i < len(advs) else None
+        cls = "pos" if _finite(a) and a > 0 else ("neg" if _finite(a) and a < 0 else "")
+        head = _prompt_cell(s, G) if i == 0 else ""
+        rows_html.append(
+            f'<tr class="g{n}{" first" if i == 0 else ""}" data-run="{html.escape(run.name)}" '
+            f'data-step="{html.escape(str(step))}" data-group="{n}" '
+            f'data-text="{html.escape(search.lower())}">'
+            + (
+                f'<td rowspan="{G}">{html.escape(run.name)}</td><td rowspan="{G}">{html.escape(str(step))}</td>'
+                if i == 0
+                else ""
+            )
+            + head
+            + f"<td>{_completion_html(c)}</td>"
+            + f"<td>{_fmt(rewards[i] if i < len(rewards) else None)}</td>"
+            + (f"<td>{_fn_cell(per_fn, i)}</td>" if any_fn else "")
+            + f'<td class="{cls}">{_fmt(a)}</td>'
+            + f"<td>{html.escape(str(finish[i] if i < len(finish) else ''))}</td></tr>"
+        )
+    return rows_html
+
+
+def _samples_controls(runs: list[RunLogs], steps_all: set) -> str:
+    """The search box and the run and step filters above the samples table."""
     steps_sorted = sorted(
         steps_all, key=lambda x: (not isinstance(x, int), x if isinstance(x, int) else 0)
     )
@@ -791,12 +769,16 @@ def samples_section(runs: list[RunLogs]) -> Section:
     run_opts = "".join(
         f'<option value="{html.escape(r.name)}">{html.escape(r.name)}</option>' for r in runs
     )
-    controls = (
+    return (
         '<div class="controls"><input id="q" type="search" placeholder="search prompts, answers, completions">'
         f'<label>run <select id="run"><option value="">all</option>{run_opts}</select></label>'
         f'<label>step <select id="step"><option value="">all</option>{opts}</select></label>'
         '<span id="shown"></span></div>'
     )
+
+
+def _samples_notes(runs: list[RunLogs], thinned: list[str]) -> str:
+    """The legends under the filters: how episodes are shown, and which runs were thinned."""
     note = ""
     if any(
         _is_episode(c)
@@ -816,6 +798,41 @@ def samples_section(runs: list[RunLogs]) -> Section:
             f'<p class="muted">Many groups logged in {html.escape(", ".join(thinned))}: '
             f"the table keeps evenly spaced steps (about {MAX_GROUPS_PER_RUN} groups per run).</p>"
         )
+    return note
+
+
+def samples_section(runs: list[RunLogs]) -> Section:
+    """The sampled groups of every run as one filterable table (prompt, completions, rewards,
+    advantages), thinned to about ``MAX_GROUPS_PER_RUN`` groups per run."""
+    # the per-function column only when some group logged per-function rewards
+    any_fn = any(
+        isinstance(g.get("completions"), list) and _per_fn(g, len(g["completions"]))
+        for run in runs
+        for g in run.samples
+    )
+    rows_html = []
+    n_groups = 0
+    thinned = []
+    steps_all: set = set()
+    for run in runs:
+        groups, thin = _pick_groups(run.samples)
+        if thin:
+            thinned.append(run.name)
+        for s in groups:
+            if not isinstance(s.get("completions"), list):
+                continue
+            steps_all.add(s.get("step", "?"))
+            n_groups += 1
+            rows_html += _group_rows(run, s, n_groups, any_fn)
+    if not n_groups:
+        return Section(
+            "Sampled groups",
+            '<p id="no-samples">No samples logged (samples.jsonl is empty or missing; '
+            "set train.log_samples &gt; 0).</p>",
+            "samples",
+        )
+    controls = _samples_controls(runs, steps_all)
+    note = _samples_notes(runs, thinned)
     table = (
         f'<table id="samples-table" data-groups="{n_groups}"><thead><tr><th>run</th><th>step</th><th>prompt</th>'
         "<th>completion</th><th>reward</th>"

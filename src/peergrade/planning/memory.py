@@ -90,7 +90,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "param_counts",
@@ -222,33 +222,179 @@ def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
     return n + (12 * H + 4 * q + 2 * inter + 4 * r_sum if lora else 0)
 
 
+_F32 = 4  # bytes of a float32 element
+
+
+def _check_estimate_args(dtype, algo, optimizer, device, completion_len, seq_len) -> None:
+    """Raise ValueError for an unknown dtype, algo, optimizer or device, or bad lengths."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+    if algo not in ("grpo", "ppo"):
+        raise ValueError(f"algo={algo!r}: expected 'grpo' or 'ppo'")
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer={optimizer!r}: only 'adamw' is supported")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+    if not 0 < completion_len < seq_len:
+        raise ValueError(f"need 0 < completion_len ({completion_len}) < seq_len ({seq_len})")
+
+
+class _Resident(NamedTuple):
+    """The tensors that live through the whole step, in bytes (one whole copy, unsharded)."""
+
+    params: int  # parameter count
+    trainable_params: int
+    weights: int
+    grads: int
+    optimizer: int  # AdamW's exp_avg and exp_avg_sq, in the trainable weights' dtype
+    reference: int  # the frozen copy for the KL term (none with LoRA: the adapter is turned off)
+
+
+def _resident(pc: dict, b: int, *, lora, beta: float) -> _Resident:
+    """The policy's weights, grads and AdamW state, and the reference, from the counts ``pc``."""
+    P, P_train = pc["total"], (pc["lora"] if lora else pc["total"])
+    # LoRA adapters are created in float32 by peft regardless of the base dtype
+    tb = _F32 if lora else b
+    weights = P * b + (pc["lora"] * _F32 if lora else 0)
+    reference = P * b if (beta > 0 and not lora) else 0
+    return _Resident(P, P_train, weights, P_train * tb, 2 * P_train * tb, reference)
+
+
+class _PolicyPass(NamedTuple):
+    """Bytes of the policy's forward and backward over one micro-batch (``_policy_pass``)."""
+
+    layer_act: int  # one decoder layer's activations
+    acts: int  # what the decoder layers keep for the backward
+    chunk_bufs: int  # the chunked log-prob's two [c, V] float32 buffers
+    hidden: int  # the final norm's output and the completion rows' hidden states
+    grad_transient: int  # the chunked log-prob backward's lm_head gradient buffers
+    head_backward: int  # what the policy's backward adds at its start (the head)
+
+
+def _policy_pass(
+    a: dict, pc: dict, b: int, *, micro: int, L: int, C: int, lora, autocast: bool,
+    group_size: int, shared_prompt: bool, checkpointing: bool, chunk_size: int,
+) -> _PolicyPass:  # fmt: skip
+    """What the policy's forward of one micro-batch keeps for the backward, and what its
+    backward holds on top (see ``_PolicyPass``)."""
+    H, V, nl = a["H"], a["V"], a["layers"]
+    q_dim = a["heads"] * a["head_dim"]
+    Lp = L - C
+    act = "autocast" if autocast else ("float32" if b == _F32 else "half")
+    act_b = _F32 if act == "float32" else 2
+    r_sum = int(lora["r"]) * len(pc["lora_per_target"]) if lora else 0
+    per_tok = _token_bytes(a, L, act=act, r_sum=r_sum, lora=bool(lora))
+    G = max(1, int(group_size))
+    # rows of one micro-batch that share a prompt: completions of equal length keep their
+    # groups together in the length-sorted plan, so a micro-batch spans about micro / G prompts
+    prompts_in_micro = min(micro, -(-micro // G) + (1 if micro % G else 0))
+    shared = (
+        shared_prompt and not checkpointing and a["full_attention"]
+        and prompts_in_micro < micro
+    )  # fmt: skip
+    if shared:  # prompts once, completions against the cache expanded to every row
+        layer_act = (prompts_in_micro * Lp + micro * C) * per_tok + micro * Lp * 2 * q_dim * act_b
+    else:
+        layer_act = micro * L * per_tok
+    # bf16 copies of each layer's float32 weights, cast once per forward by autocast (once in
+    # all when the weights are trained: autocast caches casts of parameters that need grads)
+    weight_copies = 0
+    if autocast:
+        forwards = 2 if (shared and lora) else 1
+        weight_copies = 2 * (pc["per_layer"] + pc["lora"] // nl) * forwards
+    if checkpointing:  # only each layer's input is kept; layers are recomputed later
+        resid_b = _F32 if autocast else b
+        acts = micro * L * H * resid_b * nl
+    else:
+        acts = (layer_act + weight_copies) * nl
+    c = min(chunk_size, micro * C)
+    chunk_bufs = 2 * c * V * _F32  # the chunked log-prob's [c, V] float32 logits and softmax
+    hidden = micro * L * H * (_F32 if autocast else b) + micro * C * H * _F32  # final norm, rows
+    # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
+    # addmm for float32 weights; a half-precision weight adds one [V, H] product per chunk)
+    grad_transient = (V * H * _F32 + (V * H * b if b != _F32 else 0)) if not lora else 0
+    # fused AdamW (update.build_optimizer) steps each tensor in one kernel: no temporaries
+    head_backward = chunk_bufs + grad_transient + layer_act
+    if checkpointing:  # the head's buffers are gone before the first layer is
+        # recomputed; then one layer's activations and their gradients at a time
+        head_backward = max(chunk_bufs + grad_transient, 2 * layer_act + weight_copies)
+    return _PolicyPass(layer_act, acts, chunk_bufs, hidden, grad_transient, head_backward)
+
+
+def _critic_activations(a: dict, b: int, micro: int, L: int, checkpointing: bool) -> int:
+    """What PPO's critic keeps for the joint backward: a plain forward (no autocast)."""
+    H, nl = a["H"], a["layers"]
+    critic_tok = _token_bytes(a, L, act="float32" if b == _F32 else "half", r_sum=0, lora=False)
+    critic_layer = micro * L * critic_tok
+    if checkpointing:  # the critic is built with it too (ppo.build_value_model)
+        return micro * L * H * b * (nl + 1) + 2 * critic_layer
+    return critic_layer * nl + micro * L * H * b
+
+
+def _generation_bytes(a: dict, b: int, *, rows: int, generation_batch, seq_len: int):
+    """(KV cache, one step's [N, V] float32 logits and sampling buffers) of the largest
+    generation call: ``rows`` sequences, cut to ``generation_batch``."""
+    gen_rows = min(rows, generation_batch or rows)
+    kv_cache = 2 * a["layers"] * a["kv_heads"] * a["head_dim"] * gen_rows * seq_len * b
+    gen_logits = 2 * gen_rows * a["V"] * _F32
+    return kv_cache, gen_logits
+
+
+def _phases(
+    static: int, fwd: _PolicyPass, *, critic_acts: int, critic_grads: int, grads: int,
+    accumulate: bool, generation: int, casts: int, reference_pass: bool, reward_models,
+) -> dict[str, int]:  # fmt: skip
+    """Each phase's peak on one process (bytes): the resident ``static`` plus what the phase
+    adds. generate and update always; reference and rewards when they run."""
+    # grads (policy's and critic's) are allocated as the backward frees activations. The
+    # policy's own backward begins with the chunked head's buffers on top of its activations;
+    # PPO's critic, built last, is differentiated first: by the time the policy's head runs,
+    # the critic's activations have become its grads.
+    policy_acts = fwd.acts + fwd.hidden
+    backward = policy_acts + max(critic_acts, critic_grads + fwd.head_backward)
+    if accumulate:  # the earlier micro-batches' grads
+        backward += grads + critic_grads
+    step = grads + critic_grads
+    phases = {"generate": static + generation + casts, "update": static + max(backward, step)}
+    if reference_pass:  # a no-grad pass: one layer's forward at a time
+        phases["reference"] = static + casts + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
+    if reward_models:  # scoring: one reward model's micro-batch forward at a time
+        phases["rewards"] = static + max(m["activations"] for m in reward_models)
+    return phases
+
+
+def _per_rank(
+    phases: dict, res: _Resident, *, static: int, offloaded: bool, a: dict, pc: dict, b: int,
+    world: int, strategy: str, lora,
+) -> tuple[dict, _Resident]:  # fmt: skip
+    """The phases and resident tensors of one of ``world`` ranks under ``strategy``: sharding
+    and communication buffers (``peergrade.distributed.rank_memory``)."""
+    from peergrade.distributed import rank_memory
+
+    resident_ref = 0 if offloaded else res.reference
+    parts = dict(
+        weights=res.weights, grads=res.grads, optimizer=res.optimizer, reference=resident_ref
+    )
+    phases, parts = rank_memory(
+        phases, parts, static=static, world=world, strategy=strategy, lora=bool(lora),
+        layer_fraction=a["layers"] * pc["per_layer"] / res.params, layer_bytes=pc["per_layer"] * b,
+    )  # fmt: skip
+    res = res._replace(
+        weights=parts["weights"], grads=parts["grads"], optimizer=parts["optimizer"],
+        reference=parts["reference"] if not offloaded else res.reference,
+    )  # fmt: skip
+    return phases, res
+
+
 def estimate_memory(
-    model_config,
-    *,
-    batch: int,
-    seq_len: int,
-    completion_len: int,
-    dtype: str = "float32",
-    lora: dict | None = None,
-    algo: str = "grpo",
-    beta: float = 0.0,
-    optimizer: str = "adamw",
-    chunk_size: int = 1024,
-    gradient_checkpointing: bool = False,
-    micro_batch: int | None = None,
-    device: str = "cpu",
-    ref_offload: bool = False,
-    reward_models: list[dict] | None = None,
-    world: int = 1,
-    strategy: str = "ddp",
-    autocast: bool = False,
-    group_size: int = 1,
-    shared_prompt: bool = True,
-    generation_batch: int | None = None,
-    generation_rounds: int = 1,
-    minibatch: int | None = None,
-    async_steps: int = 0,
-) -> dict[str, Any]:
+    model_config, *, batch: int, seq_len: int, completion_len: int, dtype: str = "float32",
+    lora: dict | None = None, algo: str = "grpo", beta: float = 0.0, optimizer: str = "adamw",
+    chunk_size: int = 1024, gradient_checkpointing: bool = False, micro_batch: int | None = None,
+    device: str = "cpu", ref_offload: bool = False, reward_models: list[dict] | None = None,
+    world: int = 1, strategy: str = "ddp", autocast: bool = False, group_size: int = 1,
+    shared_prompt: bool = True, generation_batch: int | None = None, generation_rounds: int = 1,
+    minibatch: int | None = None, async_steps: int = 0,
+) -> dict[str, Any]:  # fmt: skip
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
     batch: sequences per step (P * G); micro_batch: sequences per forward/backward (default
@@ -279,153 +425,59 @@ def estimate_memory(
     Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
     reference pass runs, "rewards" with a reward model, "pipelined" with k >= 1) and ``peak``.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
-    if algo not in ("grpo", "ppo"):
-        raise ValueError(f"algo={algo!r}: expected 'grpo' or 'ppo'")
-    if optimizer != "adamw":
-        raise ValueError(f"optimizer={optimizer!r}: only 'adamw' is supported")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-    if not 0 < completion_len < seq_len:
-        raise ValueError(f"need 0 < completion_len ({completion_len}) < seq_len ({seq_len})")
-    a = _arch(model_config)
-    pc = param_counts(model_config, lora)
-    b = DTYPE_BYTES[dtype]
+    _check_estimate_args(dtype, algo, optimizer, device, completion_len, seq_len)
+    a, pc, b = _arch(model_config), param_counts(model_config, lora), DTYPE_BYTES[dtype]
     batch = batch // max(1, world)  # this rank's sequences
-    f32 = 4
-    H, V, nl = a["H"], a["V"], a["layers"]
-    kv_dim = a["kv_heads"] * a["head_dim"]
-    q_dim = a["heads"] * a["head_dim"]
     micro = min(micro_batch or batch, batch)
-    C, L = completion_len, seq_len
-    Lp = L - C
-    P, P_train = pc["total"], (pc["lora"] if lora else pc["total"])
-    # LoRA adapters are created in float32 by peft regardless of the base dtype
-    tb = f32 if lora else b
-    autocast = autocast and b == f32  # autocast only ever casts float32 weights down
-
-    weights = P * b + (pc["lora"] * f32 if lora else 0)
-    grads = P_train * tb
-    optim = 2 * P_train * tb
-    reference = P * b if (beta > 0 and not lora) else 0
-    critic_params = P - pc["lm_head"]
-    critic = 4 * critic_params * b if algo == "ppo" else 0
-
-    # -- the policy's forward of one micro-batch, kept for the backward
-    act = "autocast" if autocast else ("float32" if b == f32 else "half")
-    act_b = f32 if act == "float32" else 2
-    r_sum = int(lora["r"]) * len(pc["lora_per_target"]) if lora else 0
-    per_tok = _token_bytes(a, L, act=act, r_sum=r_sum, lora=bool(lora))
-    G = max(1, int(group_size))
-    # rows of one micro-batch that share a prompt: completions of equal length keep their
-    # groups together in the length-sorted plan, so a micro-batch spans about micro / G prompts
-    prompts_in_micro = min(micro, -(-micro // G) + (1 if micro % G else 0))
-    shared = (
-        shared_prompt and not gradient_checkpointing and a["full_attention"]
-        and prompts_in_micro < micro
+    autocast = autocast and b == _F32  # autocast only ever casts float32 weights down
+    res = _resident(pc, b, lora=lora, beta=beta)
+    critic_w = (res.params - pc["lm_head"]) * b if algo == "ppo" else 0  # PPO's value model
+    fwd = _policy_pass(
+        a, pc, b, micro=micro, L=seq_len, C=completion_len, lora=lora, autocast=autocast,
+        group_size=group_size, shared_prompt=shared_prompt,
+        checkpointing=gradient_checkpointing, chunk_size=chunk_size,
     )  # fmt: skip
-    if shared:  # prompts once, completions against the cache expanded to every row
-        layer_act = (prompts_in_micro * Lp + micro * C) * per_tok + micro * Lp * 2 * q_dim * act_b
-    else:
-        layer_act = micro * L * per_tok
-    # bf16 copies of each layer's float32 weights, cast once per forward by autocast (once in
-    # all when the weights are trained: autocast caches casts of parameters that need grads)
-    weight_copies = 0
-    if autocast:
-        forwards = 2 if (shared and lora) else 1
-        weight_copies = 2 * (pc["per_layer"] + pc["lora"] // nl) * forwards
-    if gradient_checkpointing:  # only each layer's input is kept; layers are recomputed later
-        resid_b = f32 if autocast else b
-        acts = micro * L * H * resid_b * nl
-    else:
-        acts = (layer_act + weight_copies) * nl
-    c = min(chunk_size, micro * C)
-    chunk_bufs = 2 * c * V * f32  # the chunked log-prob's [c, V] float32 logits and softmax
-    hidden = micro * L * H * (f32 if autocast else b) + micro * C * H * f32  # final norm, rows
-    activations = acts + chunk_bufs + hidden
-    # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
-    # addmm for float32 weights; a half-precision weight adds one [V, H] product per chunk)
-    grad_transient = (V * H * f32 + (V * H * b if b != f32 else 0)) if not lora else 0
-    # fused AdamW (update.build_optimizer) steps each tensor in one kernel: no temporaries
-    head_backward = chunk_bufs + grad_transient + layer_act
-    if gradient_checkpointing:  # the head's buffers are gone before the first layer is
-        # recomputed; then one layer's activations and their gradients at a time
-        head_backward = max(chunk_bufs + grad_transient, 2 * layer_act + weight_copies)
     critic_acts = 0
     if algo == "ppo":  # the critic: a plain forward (no autocast) in the joint backward
-        critic_tok = _token_bytes(a, L, act="float32" if b == f32 else "half", r_sum=0, lora=False)
-        critic_layer = micro * L * critic_tok
-        if gradient_checkpointing:  # the critic is built with it too (ppo.build_value_model)
-            critic_acts = micro * L * H * b * (nl + 1) + 2 * critic_layer
-        else:
-            critic_acts = critic_layer * nl + micro * L * H * b
-        activations += critic_acts
-
-    # generation: KV cache for the generation batch (no grad) + one step's [N, V] float32
-    # logits and sampling buffers, + the bf16 casts of every weight under autocast
-    gen_all = batch * max(1, int(generation_rounds))  # the largest call's sequences
-    gen_rows = min(gen_all, generation_batch or gen_all)
-    kv_cache = 2 * nl * kv_dim * gen_rows * seq_len * b
-    gen_logits = 2 * gen_rows * V * f32
-    casts = 2 * P if autocast else 0
-    # the critic's weights and optimizer state are static; its grads exist during the update
+        critic_acts = _critic_activations(a, b, micro, seq_len, gradient_checkpointing)
+    kv_cache, gen_logits = _generation_bytes(
+        a, b, rows=batch * max(1, int(generation_rounds)), generation_batch=generation_batch,
+        seq_len=seq_len,
+    )  # fmt: skip
     # ref_offload on an accelerator: the reference is resident only for its own pass
-    offloaded = ref_offload and device == "cuda" and reference > 0
-    resident_ref = 0 if offloaded else reference
-    static = weights + resident_ref + (critic_params * b * 3 if algo == "ppo" else 0) + optim
+    offloaded = ref_offload and device == "cuda" and res.reference > 0
     rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
+    # the critic's weights and optimizer state are static; its grads exist during the update
+    static = res.weights + (0 if offloaded else res.reference) + critic_w * 3 + res.optimizer
     static += rm_weights
-    critic_grads = critic_params * b if algo == "ppo" else 0
-    # grads (policy's and critic's) are allocated as the backward frees activations. The
-    # policy's own backward begins with the chunked head's buffers on top of its activations;
-    # PPO's critic, built last, is differentiated first: by the time the policy's head runs,
-    # the critic's activations have become its grads.
-    policy_acts = acts + hidden
-    backward = policy_acts + max(critic_acts, critic_grads + head_backward)
-    if micro < min(minibatch or batch, batch):  # accumulation: the earlier micro-batches' grads
-        backward += grads + critic_grads
-    step = grads + critic_grads
-    update = static + max(backward, step)
-    generate = static + kv_cache + gen_logits + casts
-    phases = {"generate": generate, "update": update}
-    if reference > 0 or (lora and beta > 0):  # a no-grad pass: one layer's forward at a time
-        phases["reference"] = static + casts + layer_act + chunk_bufs + hidden
-    if reward_models:  # scoring: one reward model's micro-batch forward at a time
-        phases["rewards"] = static + max(m["activations"] for m in reward_models)
-    if world > 1:  # per-rank sharding and communication buffers (peergrade.distributed)
-        from peergrade.distributed import rank_memory
-
-        parts = dict(weights=weights, grads=grads, optimizer=optim, reference=resident_ref)
-        phases, parts = rank_memory(
-            phases, parts, static=static, world=world, strategy=strategy, lora=bool(lora),
-            layer_fraction=nl * pc["per_layer"] / P, layer_bytes=pc["per_layer"] * b,
+    phases = _phases(
+        static, fwd, critic_acts=critic_acts, critic_grads=critic_w, grads=res.grads,
+        accumulate=micro < min(minibatch or batch, batch), generation=kv_cache + gen_logits,
+        casts=2 * res.params if autocast else 0, reward_models=reward_models,
+        reference_pass=res.reference > 0 or (lora and beta > 0),
+    )  # fmt: skip
+    # the producer (async_steps k >= 1): its copy of the trainable weights and k + 1 versions
+    producer = (async_steps + 2) * res.grads if async_steps else 0
+    if world > 1:  # per-rank sharding and communication buffers
+        phases, res = _per_rank(
+            phases, res, static=static, offloaded=offloaded, a=a, pc=pc, b=b, world=world,
+            strategy=strategy, lora=lora,
         )  # fmt: skip
-        weights, grads, optim = parts["weights"], parts["grads"], parts["optimizer"]
-        reference = parts["reference"] if not offloaded else reference
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
-        phases["reference"] = static + reference + layer_act + chunk_bufs + hidden
-    producer = 0
+        phases["reference"] = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
     if async_steps:  # the producer runs its phases while the trainer updates
-        producer = (async_steps + 2) * P_train * tb
         beside = max(v - static for k, v in phases.items() if k != "update")
         phases["pipelined"] = phases["update"] + producer + beside
-    peak = max(phases.values())
     return {
-        "params": P,
-        "trainable_params": P_train,
-        "weights": weights,
-        "grads": grads,
-        "optimizer": optim,
-        "reference": reference,
-        "critic": critic,
+        **res._asdict(),
+        "critic": 4 * critic_w,  # weights, grads and AdamW's two states
         "reward_models": rm_weights,
-        "activations": activations,
-        "transient": grad_transient + layer_act,
+        "activations": fwd.acts + fwd.chunk_bufs + fwd.hidden + critic_acts,
+        "transient": fwd.grad_transient + fwd.layer_act,
         "kv_cache": kv_cache,
         "producer": producer,
         "phases": phases,
-        "peak": peak,
+        "peak": max(phases.values()),
     }
 
 

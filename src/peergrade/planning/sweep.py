@@ -313,9 +313,8 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep_section(runs: list[RunLogs], s: dict) -> Section:
-    """The report section: the table, accuracy vs training time and vs completions, and the
-    baseline noise per variant."""
+def _accuracy_figures(s: dict) -> list[str]:
+    """Held-out accuracy vs training time and vs completions generated, one line per variant."""
     m = s["metric"]
     acc_t, acc_c = [], []
     for i, r in enumerate(s["variants"]):
@@ -340,39 +339,39 @@ def sweep_section(runs: list[RunLogs], s: dict) -> Section:
                 ylabel=m,
             )
         )
+    return figs
+
+
+def _noise_figure(s: dict) -> str | None:
+    """The group-mean baseline's standard error vs group size, when the variants differ in G."""
     noise = [
         (r["group_size"], r["baseline_se"])
         for r in s["variants"]
         if isinstance(r["group_size"], int) and not math.isnan(r["baseline_se"])
     ]
-    if len({g for g, _ in noise}) > 1:
-        noise.sort()
-        figs.append(
-            line_figure(
-                [
-                    (
-                        "baseline s.e. (RMS over logged groups)",
-                        [g for g, _ in noise],
-                        [v for _, v in noise],
-                        {"marker": "o", "color": COLORS[0]},
-                    )
-                ],
-                title="Noise of the group-mean baseline vs group size",
-                xlabel="group size G",
-                ylabel="s / sqrt(G)",
-                logx=True,
+    if len({g for g, _ in noise}) <= 1:
+        return None
+    noise.sort()
+    return line_figure(
+        [
+            (
+                "baseline s.e. (RMS over logged groups)",
+                [g for g, _ in noise],
+                [v for _, v in noise],
+                {"marker": "o", "color": COLORS[0]},
             )
-        )
-    fig_html = (
-        '<div class="grid">'
-        + "".join(
-            f'<figure class="plot" data-panel="sweep {i}">{svg}</figure>'
-            for i, svg in enumerate(figs)
-        )
-        + "</div>"
+        ],
+        title="Noise of the group-mean baseline vs group size",
+        xlabel="group size G",
+        ylabel="s / sqrt(G)",
+        logx=True,
     )
-    best = html.escape(format_summary(s).splitlines()[-1])
-    table = _table(
+
+
+def _variants_table(s: dict) -> str:
+    """One row per variant: budget spent, accuracy before and after, baseline noise."""
+    m = s["metric"]
+    return _table(
         [
             "variant",
             "steps",
@@ -398,6 +397,25 @@ def sweep_section(runs: list[RunLogs], s: dict) -> Section:
         ],
         "sweep",
     )
+
+
+def sweep_section(runs: list[RunLogs], s: dict) -> Section:
+    """The report section: the table, accuracy vs training time and vs completions, and the
+    baseline noise per variant."""
+    figs = _accuracy_figures(s)
+    noise = _noise_figure(s)
+    if noise is not None:
+        figs.append(noise)
+    fig_html = (
+        '<div class="grid">'
+        + "".join(
+            f'<figure class="plot" data-panel="sweep {i}">{svg}</figure>'
+            for i, svg in enumerate(figs)
+        )
+        + "</div>"
+    )
+    best = html.escape(format_summary(s).splitlines()[-1])
+    table = _variants_table(s)
     expl = (
         '<p class="muted">Training time: generate + reward + reference + update, evaluation left out. '
         "Baseline s.e.: each advantage is measured against its group's mean reward, an estimate "

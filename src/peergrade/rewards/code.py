@@ -575,6 +575,109 @@ def _preflight(sandbox: str = "auto", **_kwargs) -> None:
     require_sandbox(sandbox)
 
 
+def _plan_jobs(codes: list[str], specs: list[TestSpec | None]):
+    """The sandbox jobs for every (program, tests) pair, identical work run once: (jobs, the
+    nonce of each assert job by job index, each sample's job indices or None without tests)."""
+    jobs: list[dict] = []
+    job_of: dict[tuple, int] = {}  # dedup identical (code, test) work across the batch
+    nonces: dict[int, str] = {}
+    plan: list[list[int] | None] = []
+    for code, spec in zip(codes, specs):
+        if spec is None:
+            plan.append(None)
+        elif spec.kind == "io":
+            ids = []
+            for inp, _ in spec.cases:
+                key = ("io", code, inp)
+                if key not in job_of:
+                    job_of[key] = len(jobs)
+                    jobs.append({"code": code, "stdin": inp})
+                ids.append(job_of[key])
+            plan.append(ids)
+        else:
+            key = ("assert", code, tuple(spec.steps))
+            if key not in job_of:
+                job, nonce = _assert_job(code, spec.steps)
+                job_of[key] = len(jobs)
+                nonces[len(jobs)] = nonce
+                jobs.append(job)
+            plan.append([job_of[key]])
+    return jobs, nonces, plan
+
+
+def _passed_tests(spec: TestSpec, ids: list[int], results, nonces) -> tuple[int, list[str]]:
+    """How many of one sample's tests passed (0 if it tampered with its sandbox), and why the
+    others failed."""
+    reasons: list[str] = []
+    if spec.kind == "io":
+        passed = 0
+        for j, ((_, expected), job_id) in enumerate(zip(spec.cases, ids)):
+            res = results[job_id]
+            if res.status != "ok":
+                reasons.append(f"case {j}: {res.status}: {res.reason}")
+            elif normalise_output(res.stdout) != normalise_output(expected):
+                reasons.append(f"case {j}: wrong output")
+            else:
+                passed += 1
+    else:
+        res = results[ids[0]]
+        passed, reasons = _score_asserts(res, nonces[ids[0]], spec.total)
+    if any(results[k].status == "tampered" for k in ids):
+        # An attack on the sandbox itself voids whatever the program passed before it.
+        passed = 0
+        reasons.append("the program tampered with its sandbox: the sample scores 0")
+    return passed, reasons
+
+
+def _score_samples(specs, plan, results, nonces, mode: str) -> tuple[list, list[dict]]:
+    """Each sample's reward (None without tests) and its report entry (tests passed, statuses,
+    reasons)."""
+    rewards: list[float | None] = []
+    report: list[dict] = []
+    for i, (spec, ids) in enumerate(zip(specs, plan)):
+        if spec is None:
+            rewards.append(None)
+            report.append(
+                {
+                    "index": i,
+                    "reward": None,
+                    "passed": 0,
+                    "total": 0,
+                    "statuses": {},
+                    "reasons": ["no tests"],
+                }
+            )
+            continue
+        passed, reasons = _passed_tests(spec, ids, results, nonces)
+        total = spec.total
+        if mode == "fraction":
+            reward = passed / total
+        elif mode == "all":
+            reward = 1.0 if passed == total else 0.0
+        rewards.append(reward)
+        report.append(
+            {
+                "index": i,
+                "reward": reward,
+                "passed": passed,
+                "total": total,
+                "statuses": dict(Counter(results[k].status for k in ids)),
+                "reasons": reasons,
+            }
+        )
+    return rewards, report
+
+
+def _sandbox_failures(plan: list[list[int] | None], results) -> dict[int, str]:
+    """Sample index -> why, for the samples with a program the sandbox could not run."""
+    return {
+        i: "sandbox error (the program never ran): "
+        + next(results[k].reason for k in ids if results[k].status == "sandbox_error")
+        for i, ids in enumerate(plan)
+        if ids and any(results[k].status == "sandbox_error" for k in ids)
+    }
+
+
 def code_tests(
     prompts,
     completions,
@@ -619,31 +722,7 @@ def code_tests(
         for c, p, e in zip(completions, prompt_list, entry)
     ]
 
-    jobs: list[dict] = []
-    job_of: dict[tuple, int] = {}  # dedup identical (code, test) work across the batch
-    nonces: dict[int, str] = {}
-    plan: list[list[int] | None] = []
-    for code, spec in zip(codes, specs):
-        if spec is None:
-            plan.append(None)
-        elif spec.kind == "io":
-            ids = []
-            for inp, _ in spec.cases:
-                key = ("io", code, inp)
-                if key not in job_of:
-                    job_of[key] = len(jobs)
-                    jobs.append({"code": code, "stdin": inp})
-                ids.append(job_of[key])
-            plan.append(ids)
-        else:
-            key = ("assert", code, tuple(spec.steps))
-            if key not in job_of:
-                job, nonce = _assert_job(code, spec.steps)
-                job_of[key] = len(jobs)
-                nonces[len(jobs)] = nonce
-                jobs.append(job)
-            plan.append([job_of[key]])
-
+    jobs, nonces, plan = _plan_jobs(codes, specs)
     n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
     results = run_many(
         jobs,
@@ -654,63 +733,9 @@ def code_tests(
         mechanism=mechanism,
     )
 
-    rewards: list[float | None] = []
-    report: list[dict] = []
-    for i, (spec, ids) in enumerate(zip(specs, plan)):
-        if spec is None:
-            rewards.append(None)
-            report.append(
-                {
-                    "index": i,
-                    "reward": None,
-                    "passed": 0,
-                    "total": 0,
-                    "statuses": {},
-                    "reasons": ["no tests"],
-                }
-            )
-            continue
-        reasons: list[str] = []
-        if spec.kind == "io":
-            passed = 0
-            for j, ((_, expected), job_id) in enumerate(zip(spec.cases, ids)):
-                res = results[job_id]
-                if res.status != "ok":
-                    reasons.append(f"case {j}: {res.status}: {res.reason}")
-                elif normalise_output(res.stdout) != normalise_output(expected):
-                    reasons.append(f"case {j}: wrong output")
-                else:
-                    passed += 1
-        else:
-            res = results[ids[0]]
-            passed, reasons = _score_asserts(res, nonces[ids[0]], spec.total)
-        total = spec.total
-        if any(results[k].status == "tampered" for k in ids):
-            # An attack on the sandbox itself voids whatever the program passed before it.
-            passed = 0
-            reasons.append("the program tampered with its sandbox: the sample scores 0")
-        if mode == "fraction":
-            reward = passed / total
-        elif mode == "all":
-            reward = 1.0 if passed == total else 0.0
-        rewards.append(reward)
-        report.append(
-            {
-                "index": i,
-                "reward": reward,
-                "passed": passed,
-                "total": total,
-                "statuses": dict(Counter(results[k].status for k in ids)),
-                "reasons": reasons,
-            }
-        )
+    rewards, report = _score_samples(specs, plan, results, nonces, mode)
     last_report = report
-    failed = {
-        i: "sandbox error (the program never ran): "
-        + next(results[k].reason for k in ids if results[k].status == "sandbox_error")
-        for i, ids in enumerate(plan)
-        if ids and any(results[k].status == "sandbox_error" for k in ids)
-    }
+    failed = _sandbox_failures(plan, results)
     if failed:
         for i in failed:
             rewards[i] = None

@@ -282,7 +282,91 @@ def _enter_user_namespace(libc, uid: int, flags: int) -> tuple[int, int]:
     return uid, gid
 
 
+def _read_workdir(workdir: str) -> dict[str, bytes]:
+    """The work directory's files by name, read into memory."""
+    files = {}
+    for name in os.listdir(workdir):
+        with open(os.path.join(workdir, name), "rb") as f:
+            files[name] = f.read()
+    return files
+
+
+def _unshare(libc, cfg: dict) -> tuple[int | None, int, int]:
+    """Enter the mount, PID, IPC, UTS (and network) namespaces under ``cfg``'s mechanism;
+    returns (the uid the program's process still has to switch to or None, its uid, its gid)."""
+    mech = cfg["mechanism"]
+    flags = _CLONE_NEWNS | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWPID
+    if cfg["network_namespace"]:
+        flags |= _CLONE_NEWNET
+    if mech == "root":
+        if os.geteuid() != 0:
+            raise OSError(1, "the 'root' mechanism needs root")
+        _check(libc.unshare(flags), "unshare(mount, PID, IPC, UTS, network)")
+        setuid_to, uid, gid = cfg["uid"], cfg["uid"], cfg["uid"]
+    elif mech == "userns":
+        uid, gid = _enter_user_namespace(libc, cfg["uid"], flags)
+        setuid_to = None  # already the program's uid; execve drops the capabilities
+    else:
+        raise OSError(22, f"unknown mechanism {mech!r}")
+    return setuid_to, uid, gid
+
+
+def _remount_read_only(libc) -> None:
+    """Remount every mount read-only and nosuid; raise (fail closed) if any stays writable."""
+    ro_failed = []
+    for point, mflags in _mountinfo_points():
+        try:
+            _mount(
+                libc,
+                None,
+                point,
+                None,
+                _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | mflags,
+                None,
+            )
+        except OSError:
+            ro_failed.append(point)
+    if ro_failed:  # fail closed: a writable mount is a way out
+        raise OSError(30, f"could not make these mounts read-only: {ro_failed}")
+
+
+def _fill_workdir(libc, cfg: dict, files: dict[str, bytes], uid: int, gid: int) -> None:
+    """Mount the size-capped tmpfs owned by the program over the work directory and write
+    ``files`` back into it."""
+    workdir = cfg["workdir"]
+    data = f"size={int(cfg['disk_mb'])}m,mode=0700,uid={uid},gid={gid}"
+    _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, data)
+    for name, content in files.items():
+        path = os.path.join(workdir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, content)
+        os.close(fd)
+        if cfg["mechanism"] == "root":
+            os.chown(path, uid, gid)
+
+
+def _init_main(libc, cfg: dict, setuid_to, send) -> None:
+    """PID 1 of the new namespace: a minimal init that mounts a /proc showing only the
+    namespace, runs the program as PID 2 and reaps orphans. Never returns."""
+    # The program is not PID 1 because the kernel ignores default-action signals (SIGXCPU,
+    # SIGABRT) sent to PID 1.
+    try:
+        _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+        # A session of its own (after PDEATHSIG: until now the launcher's group kill reached
+        # us): a program that signals its process group (kill(0), killpg) reaches only the
+        # init, which ignores it, and itself, never the launcher outside the namespace.
+        os.setsid()
+        _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+        _spawn_and_wait(libc, cfg, setuid_to, send, report_pid=False)
+    except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
+        send({"setup_error": f"init: {type(exc).__name__}: {exc}"})
+        os._exit(127)
+    os._exit(0)  # every other process in the namespace is killed with us
+
+
 def _launcher_main(config_hex: str) -> None:
+    """Build the sandbox ``config_hex`` describes, run the program in it, and report on the
+    pipe. Never returns."""
     # marshal, not json: it is built in, and importing json (re, enum) costs ~15 ms per program.
     cfg = marshal.loads(bytes.fromhex(config_hex))
     report = cfg["report_fd"]
@@ -302,23 +386,9 @@ def _launcher_main(config_hex: str) -> None:
         _spawn_and_wait(libc, cfg, None, send, report_pid=True)
         os._exit(0)
     try:
-        files = {}  # read now: the work directory's parent (/tmp) is about to be covered
-        for name in os.listdir(workdir):
-            with open(os.path.join(workdir, name), "rb") as f:
-                files[name] = f.read()
-        flags = _CLONE_NEWNS | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWPID
-        if cfg["network_namespace"]:
-            flags |= _CLONE_NEWNET
-        if mech == "root":
-            if os.geteuid() != 0:
-                raise OSError(1, "the 'root' mechanism needs root")
-            _check(libc.unshare(flags), "unshare(mount, PID, IPC, UTS, network)")
-            setuid_to, uid, gid = cfg["uid"], cfg["uid"], cfg["uid"]
-        elif mech == "userns":
-            uid, gid = _enter_user_namespace(libc, cfg["uid"], flags)
-            setuid_to = None  # already the program's uid; execve drops the capabilities
-        else:
-            raise OSError(22, f"unknown mechanism {mech!r}")
+        # read now: the work directory's parent (/tmp) is about to be covered
+        files = _read_workdir(workdir)
+        setuid_to, uid, gid = _unshare(libc, cfg)
         enforced.update(
             user_namespace=mech == "userns",
             network_namespace=bool(cfg["network_namespace"]),
@@ -328,31 +398,9 @@ def _launcher_main(config_hex: str) -> None:
         _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
         enforced["hidden_dirs"] = _hide(libc, cfg["hide"], cfg["expose"])
         os.makedirs(workdir, exist_ok=True)  # inside a cover now: an empty mount point
-        ro_failed = []
-        for point, mflags in _mountinfo_points():
-            try:
-                _mount(
-                    libc,
-                    None,
-                    point,
-                    None,
-                    _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | mflags,
-                    None,
-                )
-            except OSError:
-                ro_failed.append(point)
-        if ro_failed:  # fail closed: a writable mount is a way out
-            raise OSError(30, f"could not make these mounts read-only: {ro_failed}")
+        _remount_read_only(libc)
         enforced["read_only_root"] = True
-        data = f"size={int(cfg['disk_mb'])}m,mode=0700,uid={uid},gid={gid}"
-        _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, data)
-        for name, content in files.items():
-            path = os.path.join(workdir, name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            os.write(fd, content)
-            os.close(fd)
-            if mech == "root":
-                os.chown(path, uid, gid)
+        _fill_workdir(libc, cfg, files, uid, gid)
         enforced["tmpfs_workdir_mb"] = int(cfg["disk_mb"])
         enforced["unprivileged_uid"] = True
     except OSError as exc:
@@ -362,21 +410,7 @@ def _launcher_main(config_hex: str) -> None:
 
     pid = os.fork()
     if pid == 0:
-        # PID 1 of the new namespace: a minimal init that mounts a /proc showing only the
-        # namespace, runs the program as PID 2 and reaps orphans. The program is not PID 1
-        # because the kernel ignores default-action signals (SIGXCPU, SIGABRT) sent to PID 1.
-        try:
-            _check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-            # A session of its own (after PDEATHSIG: until now the launcher's group kill reached
-            # us): a program that signals its process group (kill(0), killpg) reaches only the
-            # init, which ignores it, and itself, never the launcher outside the namespace.
-            os.setsid()
-            _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
-            _spawn_and_wait(libc, cfg, setuid_to, send, report_pid=False)
-        except BaseException as exc:  # noqa: BLE001 - anything here is a setup failure
-            send({"setup_error": f"init: {type(exc).__name__}: {exc}"})
-            os._exit(127)
-        os._exit(0)  # every other process in the namespace is killed with us
+        _init_main(libc, cfg, setuid_to, send)  # never returns
     # Launcher: stay outside the PID namespace; killing `pid` (the init) ends the namespace.
     send({"child_pid": pid})
     _, status = os.waitpid(pid, 0)
@@ -678,27 +712,9 @@ print(json.dumps(found))
 """
 
 
-def self_test(
-    python: str = sys.executable, *, mechanism: str = "auto", network: bool = False
-) -> dict:
-    """Run a canary that tries to escape; report what it managed.
-
-    The canary tries to write into ``$HOME``, the temp directory, ``/dev/shm``, ``/var/tmp``
-    and the current directory; to read a secret file placed in ``$HOME``; to read every visible
-    process's environment (looking for this process's variables); to see this process in
-    ``/proc``; and (unless ``network``) to connect to a listener of this process on 127.0.0.1
-    and to see any network interface but ``lo``. Returns ``{"mechanism", "escapes": [what it
-    did], "error": why it could not run or None, "enforced"}``; contained when both are empty.
-    """
-    import hashlib
-    import socket
-
-    if mechanism == "auto":
-        chosen, failures = select_mechanism(python, network=network)
-        if chosen is None:
-            return {"mechanism": None, "escapes": [], "error": _unavailable(failures)}
-        mechanism = chosen
-    token = secrets.token_hex(16)
+def _canary_files(token: str) -> tuple[list[str], list[str], str]:
+    """Plant the canary's bait: (paths it must not manage to write, the files we created that it
+    must not read, the secret file in ``$HOME``)."""
     created: list[str] = []
     targets = []
     for d in {os.path.expanduser("~"), tempfile.gettempdir(), "/dev/shm", "/var/tmp", os.getcwd()}:
@@ -712,20 +728,29 @@ def self_test(
         created.append(home_secret)
     except OSError:
         pass  # an unwritable $HOME holds nothing we put there; the other checks still run
-    with open("/proc/self/stat") as f:
-        stat = f.read()
-    listener = None
-    port = 0
-    if not network:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.settimeout(0.05)
-        port = listener.getsockname()[1]
+    return targets, created, home_secret
+
+
+def _local_listener():
+    """A listening socket on 127.0.0.1 that the canary must not reach, and its port."""
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.05)
+    return listener, listener.getsockname()[1]
+
+
+def _canary_config(targets: list[str], created: list[str], stat: str, port: int) -> dict:
+    """What the canary is told to try: the paths to write and read, hashes of this process's
+    environment, this process's pid and start time (from ``stat``), and the listener's port."""
+    import hashlib
+
     with open("/proc/self/environ", "rb") as f:  # what this process started with
         ours = {e for e in f.read().split(b"\0") if e}
     ours -= {b"PATH=/usr/local/bin:/usr/bin:/bin", b"LANG=C.UTF-8"}  # what the sandbox sets
-    cfg = {
+    return {
         # hashed: the canary looks for our environment without being handed it
         "env": [hashlib.sha256(e).hexdigest()[:32] for e in ours],
         "write": targets,
@@ -734,6 +759,49 @@ def self_test(
         "start": stat[stat.rindex(")") + 2 :].split()[19],
         "port": port,
     }
+
+
+def _add_canary_escapes(
+    escapes: list[str], found: dict, token: str, home_secret: str, network: bool
+) -> None:
+    """Append to ``escapes`` what the canary's own report (``found``) shows it managed."""
+    if any(token in text for text in found["read"]):
+        escapes.append(f"read a secret file in $HOME ({home_secret})")
+    if found["env_hits"]:
+        escapes.append("read this process's environment through /proc/<pid>/environ")
+    if found["sees_trainer"]:
+        escapes.append(f"see this process (pid {os.getpid()}) in /proc")
+    if not network:
+        if found.get("connected") and not any("network" in e for e in escapes):
+            escapes.append("connect to a listener on 127.0.0.1")
+        others = [n for n in found.get("interfaces", []) if n != "lo"]
+        if others:
+            escapes.append(f"see the host's network interfaces ({', '.join(others)})")
+
+
+def self_test(
+    python: str = sys.executable, *, mechanism: str = "auto", network: bool = False
+) -> dict:
+    """Run a canary that tries to escape; report what it managed.
+
+    The canary tries to write into ``$HOME``, the temp directory, ``/dev/shm``, ``/var/tmp``
+    and the current directory; to read a secret file placed in ``$HOME``; to read every visible
+    process's environment (looking for this process's variables); to see this process in
+    ``/proc``; and (unless ``network``) to connect to a listener of this process on 127.0.0.1
+    and to see any network interface but ``lo``. Returns ``{"mechanism", "escapes": [what it
+    did], "error": why it could not run or None, "enforced"}``; contained when both are empty.
+    """
+    if mechanism == "auto":
+        chosen, failures = select_mechanism(python, network=network)
+        if chosen is None:
+            return {"mechanism": None, "escapes": [], "error": _unavailable(failures)}
+        mechanism = chosen
+    token = secrets.token_hex(16)
+    targets, created, home_secret = _canary_files(token)
+    with open("/proc/self/stat") as f:
+        stat = f.read()
+    listener, port = (None, 0) if network else _local_listener()
+    cfg = _canary_config(targets, created, stat, port)
     escapes: list[str] = []
     try:
         res = run_program(
@@ -766,18 +834,7 @@ def self_test(
     if found is None:
         out["error"] = f"the self-test canary did not run: {res.status}: {res.reason}"
         return out
-    if any(token in text for text in found["read"]):
-        escapes.append(f"read a secret file in $HOME ({home_secret})")
-    if found["env_hits"]:
-        escapes.append("read this process's environment through /proc/<pid>/environ")
-    if found["sees_trainer"]:
-        escapes.append(f"see this process (pid {os.getpid()}) in /proc")
-    if not network:
-        if found.get("connected") and not any("network" in e for e in escapes):
-            escapes.append("connect to a listener on 127.0.0.1")
-        others = [n for n in found.get("interfaces", []) if n != "lo"]
-        if others:
-            escapes.append(f"see the host's network interfaces ({', '.join(others)})")
+    _add_canary_escapes(escapes, found, token, home_secret, network)
     return out
 
 
@@ -873,6 +930,108 @@ def _last_line(text: str, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
+def _checked_files(
+    code, files, timeout_s, memory_mb, max_processes, max_output_bytes
+) -> dict[str, str]:
+    """``files`` as a dict, after raising ValueError for a program that is not a str, a limit
+    that is not positive, or a file name that is not a plain name other than main.py."""
+    if not isinstance(code, str):
+        raise ValueError(f"run_program: code must be a str, got {type(code).__name__}")
+    if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0 or max_output_bytes <= 0:
+        raise ValueError(
+            "run_program: timeout_s, memory_mb, max_processes and max_output_bytes must be > 0"
+        )
+    files = dict(files or {})
+    for name in files:
+        if not isinstance(name, str) or not name or "/" in name or name in (".", "..", "main.py"):
+            raise ValueError(f"run_program: bad file name {name!r} (a plain name, not main.py)")
+    return files
+
+
+def _program_env(workdir: str) -> dict[str, str]:
+    """The program's whole environment: nothing of ours is inherited."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONIOENCODING": "utf-8",
+    }
+
+
+def _write_program(workdir: str, files: dict[str, str]) -> None:
+    """Write the program's files (``main.py`` among them) into the work directory, mode 0644."""
+    for name, content in files.items():
+        with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
+            f.write(content)
+        os.chmod(os.path.join(workdir, name), 0o644)
+
+
+def _give_workdir(workdir: str, uid: int) -> None:
+    """Make the program's uid the owner of the work directory and its files."""
+    for name in os.listdir(workdir):
+        os.chown(os.path.join(workdir, name), uid, uid)
+    os.chown(workdir, uid, uid)
+
+
+def _nproc_limit(max_processes: int, mechanism: str, own_uid: bool) -> int:
+    """RLIMIT_NPROC that leaves the program ``max_processes`` processes of its own."""
+    nproc = max_processes
+    if mechanism == "userns":
+        # Since Linux 5.14 RLIMIT_NPROC counts per user namespace and uid: the program's
+        # processes plus the launcher and the init, which share its namespace and uid.
+        nproc += 2
+    elif not own_uid:
+        # RLIMIT_NPROC counts every process of our uid: allow what already runs.
+        nproc += len(_uid_processes(os.getuid()))
+    return nproc
+
+
+def _launcher_config(
+    workdir, uid, mechanism, python, args, *, network, disk_mb, cpu_s, memory_mb, nofile, nproc
+) -> dict:
+    """What the launcher needs to build the sandbox and start the program under its limits
+    (all but the report pipe's fd)."""
+    return {
+        "workdir": workdir,
+        "uid": uid,
+        "mechanism": mechanism,
+        "python": python,
+        "args": [str(a) for a in args],
+        "env": _program_env(workdir),
+        "disk_mb": disk_mb,
+        "network_namespace": not network,
+        "expose": _python_dirs(python) if mechanism != "none" else [],
+        "hide": _hidden_dirs() if mechanism != "none" else [],
+        "limits": {
+            "cpu_s": cpu_s,
+            "memory_mb": memory_mb,
+            "fsize_mb": disk_mb,
+            "nofile": nofile,
+            "nproc": nproc,
+        },
+    }
+
+
+def _start_launcher(cfg: dict, stdin: str) -> subprocess.Popen:
+    """Start this file as the launcher (``python -I -S``) in a new session, with ``stdin`` as
+    the program's input and only the report pipe passed on."""
+    with tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin.encode("utf-8"))
+        stdin_file.seek(0)
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", os.path.abspath(__file__), marshal.dumps(cfg).hex()],
+            stdin=stdin_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(cfg["report_fd"],),
+            start_new_session=True,
+            env={"PATH": cfg["env"]["PATH"], "LANG": "C.UTF-8"},
+            cwd="/",
+        )
+
+
 def run_program(
     code: str,
     *,
@@ -909,16 +1068,7 @@ def run_program(
         raise ValueError(f"run_program: mechanism must be one of {MECHANISMS}, got {mechanism!r}")
     if not isolate:
         mechanism = "none"
-    if not isinstance(code, str):
-        raise ValueError(f"run_program: code must be a str, got {type(code).__name__}")
-    if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0 or max_output_bytes <= 0:
-        raise ValueError(
-            "run_program: timeout_s, memory_mb, max_processes and max_output_bytes must be > 0"
-        )
-    files = dict(files or {})
-    for name in files:
-        if not isinstance(name, str) or not name or "/" in name or name in (".", "..", "main.py"):
-            raise ValueError(f"run_program: bad file name {name!r} (a plain name, not main.py)")
+    files = _checked_files(code, files, timeout_s, memory_mb, max_processes, max_output_bytes)
     cpu_s = max(1, int(-(-(cpu_time_s if cpu_time_s is not None else timeout_s) // 1)))
     t0 = time.monotonic()
     if mechanism == "auto":
@@ -930,70 +1080,22 @@ def run_program(
             return SandboxResult("sandbox_error", None, "", "", _unavailable(failures), 0.0)
     uid = _acquire_uid()
     workdir = tempfile.mkdtemp(prefix="peergrade-sbx-")
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "LANG": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONIOENCODING": "utf-8",
-    }
     proc = None
     report_r = report_w = -1
     try:
-        for name, content in {**files, "main.py": code}.items():
-            with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
-                f.write(content)
-            os.chmod(os.path.join(workdir, name), 0o644)
-        root = os.geteuid() == 0
+        _write_program(workdir, {**files, "main.py": code})
         # A per-program host uid wherever we can switch to one (root, even without CAP_SYS_ADMIN).
-        own_uid = root and mechanism != "none"
+        own_uid = os.geteuid() == 0 and mechanism != "none"
         if own_uid:
-            for name in os.listdir(workdir):
-                os.chown(os.path.join(workdir, name), uid, uid)
-            os.chown(workdir, uid, uid)
-        nproc = max_processes
-        if mechanism == "userns":
-            # Since Linux 5.14 RLIMIT_NPROC counts per user namespace and uid: the program's
-            # processes plus the launcher and the init, which share its namespace and uid.
-            nproc += 2
-        elif not own_uid:
-            # RLIMIT_NPROC counts every process of our uid: allow what already runs.
-            nproc += len(_uid_processes(os.getuid()))
-        cfg = {
-            "workdir": workdir,
-            "uid": uid,
-            "mechanism": mechanism,
-            "python": python,
-            "args": [str(a) for a in args],
-            "env": env,
-            "disk_mb": disk_mb,
-            "network_namespace": not network,
-            "expose": _python_dirs(python) if mechanism != "none" else [],
-            "hide": _hidden_dirs() if mechanism != "none" else [],
-            "limits": {
-                "cpu_s": cpu_s,
-                "memory_mb": memory_mb,
-                "fsize_mb": disk_mb,
-                "nofile": max_open_files,
-                "nproc": nproc,
-            },
-        }
+            _give_workdir(workdir, uid)
+        nproc = _nproc_limit(max_processes, mechanism, own_uid)
+        cfg = _launcher_config(
+            workdir, uid, mechanism, python, args, network=network, disk_mb=disk_mb,
+            cpu_s=cpu_s, memory_mb=memory_mb, nofile=max_open_files, nproc=nproc,
+        )  # fmt: skip
         report_r, report_w = os.pipe()
         cfg["report_fd"] = report_w
-        with tempfile.TemporaryFile() as stdin_file:
-            stdin_file.write(stdin.encode("utf-8"))
-            stdin_file.seek(0)
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), marshal.dumps(cfg).hex()],
-                stdin=stdin_file,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(report_w,),
-                start_new_session=True,
-                env={"PATH": env["PATH"], "LANG": "C.UTF-8"},
-                cwd="/",
-            )
+        proc = _start_launcher(cfg, stdin)
         os.close(report_w)
         report_w = -1
         return _supervise(
@@ -1051,8 +1153,10 @@ def _parse_report(report: bytes) -> dict:
     return info
 
 
-def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> SandboxResult:
-    deadline = t0 + timeout_s
+def _read_until_done(proc, report_r: int, deadline: float, max_output_bytes: int):
+    """Read the program's stdout and stderr and the launcher's report until all three close,
+    the deadline passes or the output exceeds its cap: (bufs by fd, report, over_output,
+    timed_out)."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     report = bytearray()
     sel = selectors.DefaultSelector()
@@ -1083,6 +1187,67 @@ def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> S
             over_output = True
             break
     sel.close()
+    return bufs, report, over_output, timed_out
+
+
+def _unreported_end(info: dict, proc) -> tuple[str, int | None, str]:
+    """(status, rc, reason) when the launcher ended without the program's wait status."""
+    if not info.get("exec"):
+        return (
+            "sandbox_error",
+            None,
+            f"launcher ended without a report before the program started (rc {proc.returncode})",
+        )
+    # The program ran and its sandbox ended before reporting on it, and not by our hand (a
+    # timeout or the output cap would have been handled above): the program did it.
+    init = info.get("init_status")
+    if init is not None and os.WIFSIGNALED(init):
+        what = f"the sandbox's init (killed by {_signal_name(os.WTERMSIG(init))})"
+    elif proc.returncode is not None and proc.returncode < 0:
+        what = f"its launcher (killed by {_signal_name(-proc.returncode)})"
+    else:
+        what = f"its launcher (exit code {proc.returncode})"
+    return (
+        "tampered",
+        proc.returncode,
+        f"the program ended {what} while it ran, e.g. by signalling its parent or its "
+        "process group",
+    )
+
+
+def _program_end(info: dict, cpu_s: int, stderr: str) -> tuple[str, int | None, str]:
+    """(status, rc, reason) from the program's reported wait status."""
+    status = info["wait_status"]
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and info.get("cpu_s", 0) >= cpu_s):
+            return "timeout", -sig, f"CPU time limit of {cpu_s} s exceeded ({_signal_name(sig)})"
+        if sig == signal.SIGKILL:
+            # The sandbox sends SIGKILL only at a limit (handled above): this one came from the
+            # program itself (os.kill, killpg of its own group) or the kernel's OOM killer.
+            return (
+                "killed",
+                -sig,
+                "killed by SIGKILL, which the sandbox did not send: the program killed itself "
+                "or its own process group (or the kernel's out-of-memory killer ended it)",
+            )
+        return "killed", -sig, f"killed by {_signal_name(sig)}"
+    rc = os.WEXITSTATUS(status)
+    if rc == 0:
+        return "ok", 0, ""
+    last = _last_line(stderr)
+    if last.startswith("MemoryError"):
+        return "memory", rc, f"memory limit exceeded: {last}"
+    return "error", rc, f"exit code {rc}: {last}" if last else f"exit code {rc}"
+
+
+def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> SandboxResult:
+    """Collect the launched program's output under the deadline and the output cap, kill
+    whatever is left of its sandbox, and say how it ended."""
+    deadline = t0 + timeout_s
+    bufs, report, over_output, timed_out = _read_until_done(
+        proc, report_r, deadline, max_output_bytes
+    )
     if not (timed_out or over_output):
         try:
             proc.wait(timeout=max(0.05, deadline - time.monotonic()))
@@ -1117,52 +1282,8 @@ def _supervise(proc, report_r, uid, t0, timeout_s, cpu_s, max_output_bytes) -> S
             f"{str(info['forged'])[:200]!r})",
         )
     if "wait_status" not in info:
-        if not ran:
-            return result(
-                "sandbox_error",
-                None,
-                f"launcher ended without a report before the program started "
-                f"(rc {proc.returncode})",
-            )
-        # The program ran and its sandbox ended before reporting on it, and not by our hand (a
-        # timeout or the output cap would have been handled above): the program did it.
-        init = info.get("init_status")
-        if init is not None and os.WIFSIGNALED(init):
-            what = f"the sandbox's init (killed by {_signal_name(os.WTERMSIG(init))})"
-        elif proc.returncode is not None and proc.returncode < 0:
-            what = f"its launcher (killed by {_signal_name(-proc.returncode)})"
-        else:
-            what = f"its launcher (exit code {proc.returncode})"
-        return result(
-            "tampered",
-            proc.returncode,
-            f"the program ended {what} while it ran, e.g. by signalling its parent or its "
-            "process group",
-        )
-    status = info["wait_status"]
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and info.get("cpu_s", 0) >= cpu_s):
-            return result(
-                "timeout", -sig, f"CPU time limit of {cpu_s} s exceeded ({_signal_name(sig)})"
-            )
-        if sig == signal.SIGKILL:
-            # The sandbox sends SIGKILL only at a limit (handled above): this one came from the
-            # program itself (os.kill, killpg of its own group) or the kernel's OOM killer.
-            return result(
-                "killed",
-                -sig,
-                "killed by SIGKILL, which the sandbox did not send: the program killed itself "
-                "or its own process group (or the kernel's out-of-memory killer ended it)",
-            )
-        return result("killed", -sig, f"killed by {_signal_name(sig)}")
-    rc = os.WEXITSTATUS(status)
-    if rc == 0:
-        return result("ok", 0, "")
-    last = _last_line(stderr)
-    if last.startswith("MemoryError"):
-        return result("memory", rc, f"memory limit exceeded: {last}")
-    return result("error", rc, f"exit code {rc}: {last}" if last else f"exit code {rc}")
+        return result(*_unreported_end(info, proc))
+    return result(*_program_end(info, cpu_s, stderr))
 
 
 def run_many(jobs: Iterable[str | dict], *, workers: int = 4, **defaults) -> list[SandboxResult]:

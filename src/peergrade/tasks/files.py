@@ -245,6 +245,66 @@ def _check_prompt(prompt, where: str):
     )
 
 
+def _column_mapping(columns: dict | None, prompt_column, answer_column) -> dict[str, str]:
+    """Our column names -> the file's, from ``columns`` and the two shorthands (checked)."""
+    mapping = dict(columns or {})
+    for ours, given in (("prompt", prompt_column), ("answer", answer_column)):
+        if given is not None:
+            if ours in mapping and mapping[ours] != given:
+                raise ValueError(
+                    f"{ours}_column={given!r} conflicts with columns[{ours!r}]={mapping[ours]!r}"
+                )
+            mapping[ours] = given
+    mapping.setdefault("prompt", "prompt")
+    for k, v in mapping.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValueError(f"columns must map names to file column names, got {k!r}: {v!r}")
+    return mapping
+
+
+def _check_sources(path, data, eval_data, eval_path, eval_fraction) -> None:
+    """Raise unless exactly one train source and at most one eval source are given."""
+    if eval_path is not None and eval_fraction is not None:
+        raise ValueError("give eval_path or eval_fraction, not both")
+    if eval_fraction is not None and not 0.0 < float(eval_fraction) < 1.0:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+    if (path is None) == (data is None):
+        raise ValueError("give a dataset path or in-memory rows (data=...), exactly one")
+    if eval_data is not None and (eval_path is not None or eval_fraction is not None):
+        raise ValueError("give eval_data, eval_path or eval_fraction, only one")
+
+
+def _hold_out(rows: list[dict], where: list[str], eval_fraction: float, split_seed: int):
+    """Split ``eval_fraction`` of the rows off by a seeded shuffle: (rows, where, eval_rows,
+    eval_where), each side in file order."""
+    order = list(range(len(rows)))
+    random.Random(f"file-split/{split_seed}").shuffle(order)
+    k = max(1, round(float(eval_fraction) * len(rows)))
+    if k >= len(rows):
+        raise ValueError(
+            f"eval_fraction={eval_fraction} leaves no training rows out of {len(rows)}"
+        )
+    held = set(order[:k])
+    eval_rows = [r for i, r in enumerate(rows) if i in held]
+    eval_where = [w for i, w in enumerate(where) if i in held]
+    rows = [r for i, r in enumerate(rows) if i not in held]
+    where = [w for i, w in enumerate(where) if i not in held]
+    return rows, where, eval_rows, eval_where
+
+
+def _fill_columns(rows: list[dict]) -> list[str]:
+    """The non-prompt column names in first-seen order; rows lacking one get ``None`` there."""
+    names = []
+    for r in rows:
+        for k in r:
+            if k != "prompt" and k not in names:
+                names.append(k)
+    for r in rows:  # a column some rows lack: None there
+        for k in names:
+            r.setdefault(k, None)
+    return names
+
+
 class FileTask(Task):
     """Rows from a user dataset file or directory (see module docstring)."""
 
@@ -264,26 +324,8 @@ class FileTask(Task):
         eval_fraction: float | None = None,
         split_seed: int = 0,
     ):
-        mapping = dict(columns or {})
-        for ours, given in (("prompt", prompt_column), ("answer", answer_column)):
-            if given is not None:
-                if ours in mapping and mapping[ours] != given:
-                    raise ValueError(
-                        f"{ours}_column={given!r} conflicts with columns[{ours!r}]={mapping[ours]!r}"
-                    )
-                mapping[ours] = given
-        mapping.setdefault("prompt", "prompt")
-        for k, v in mapping.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise ValueError(f"columns must map names to file column names, got {k!r}: {v!r}")
-        if eval_path is not None and eval_fraction is not None:
-            raise ValueError("give eval_path or eval_fraction, not both")
-        if eval_fraction is not None and not 0.0 < float(eval_fraction) < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-        if (path is None) == (data is None):
-            raise ValueError("give a dataset path or in-memory rows (data=...), exactly one")
-        if eval_data is not None and (eval_path is not None or eval_fraction is not None):
-            raise ValueError("give eval_data, eval_path or eval_fraction, only one")
+        mapping = _column_mapping(columns, prompt_column, answer_column)
+        _check_sources(path, data, eval_data, eval_path, eval_fraction)
         # in-memory rows are named as the Python API's arguments are in messages
         self.path = Path(path) if path is not None else Path("train_dataset")
         self.mapping = mapping
@@ -301,18 +343,7 @@ class FileTask(Task):
             eval_raw, _ = memory_rows(eval_data, "eval_dataset")
             eval_rows, eval_where = self._convert(eval_raw, Path("eval_dataset"))
         elif eval_fraction is not None:
-            order = list(range(len(rows)))
-            random.Random(f"file-split/{split_seed}").shuffle(order)
-            k = max(1, round(float(eval_fraction) * len(rows)))
-            if k >= len(rows):
-                raise ValueError(
-                    f"eval_fraction={eval_fraction} leaves no training rows out of {len(rows)}"
-                )
-            held = set(order[:k])
-            eval_rows = [r for i, r in enumerate(rows) if i in held]
-            eval_where = [w for i, w in enumerate(where) if i in held]
-            rows = [r for i, r in enumerate(rows) if i not in held]
-            where = [w for i, w in enumerate(where) if i not in held]
+            rows, where, eval_rows, eval_where = _hold_out(rows, where, eval_fraction, split_seed)
         elif raw_eval is not None:
             eval_rows, eval_where = self._convert(raw_eval, self.path / "<eval split>")
         else:
@@ -322,14 +353,7 @@ class FileTask(Task):
         self._train = rows
         self._eval = eval_rows
         self.has_eval = eval_rows is not None
-        names = []
-        for r in rows + (eval_rows or []):
-            for k in r:
-                if k != "prompt" and k not in names:
-                    names.append(k)
-        for r in rows + (eval_rows or []):  # a column some rows lack: None there
-            for k in names:
-                r.setdefault(k, None)
+        names = _fill_columns(rows + (eval_rows or []))
         self.columns = tuple(names)
         self.default_rewards = [("math_accuracy", 1.0)] if "answer" in names else []
 

@@ -135,6 +135,62 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
     )
 
 
+def _check_sft_args(out_path: Path, *, overwrite, steps, batch_size, lr, tool_fraction, task):
+    """Raise for an occupied or unwritable output dir or bad settings, before any model loads."""
+    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
+        raise RunDirError(f"output dir {str(out_path)!r} exists and is not empty; pass --overwrite")
+    check_writable(out_path, "output dir")  # before any model is built or loaded
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise ValueError(
+            f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"
+        )
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"sft: tool_fraction must be in [0, 1] (got {tool_fraction})")
+    if tool_fraction and task != "arithmetic":
+        raise ValueError(
+            f"sft: tool_fraction needs the arithmetic task (its calculator episodes), got {task!r}"
+        )
+
+
+def _start_model(init, model, *, seed, model_sizes, tool_fraction):
+    """(model, tokenizer): a fresh tiny ``init`` architecture, or the model directory ``model``."""
+    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.model.tiny import (
+        COMPACT_CHAT_TEMPLATE,
+        COMPACT_TOOL_CHAT_TEMPLATE,
+        build_char_tokenizer,
+        build_tiny_model,
+    )
+
+    if init is not None:
+        sizes = {"hidden_size": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
+        sizes.update(model_sizes or {})
+        template = COMPACT_TOOL_CHAT_TEMPLATE if tool_fraction else COMPACT_CHAT_TEMPLATE
+        tok = build_char_tokenizer(chat_template=template)
+        net, tok = build_tiny_model(init, tok, seed=seed, **sizes)
+    else:
+        tok = load_tokenizer(model)
+        net = load_model(model, dtype="float32", device="cpu")
+    return net, tok
+
+
+def _save_model(out_path: Path, net, tok, info: dict) -> None:
+    """Write the model, tokenizer and ``sft_info.json`` to a temporary sibling, then rename it
+    onto ``out_path``: an interrupted run never leaves a half-written model."""
+    from peergrade.model.load import save_tokenizer
+
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    net.save_pretrained(tmp)
+    save_tokenizer(tok, tmp)
+    (tmp / "sft_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    apply_umask(tmp)  # safetensors writes its file 0600
+    if out_path.exists():
+        shutil.rmtree(out_path)
+    tmp.rename(out_path)
+
+
 def run_sft(
     *,
     out: str,
@@ -154,41 +210,18 @@ def run_sft(
     on_step=None,
 ) -> Path:
     """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
-    from peergrade.model.load import load_model, load_tokenizer, save_tokenizer
-    from peergrade.model.tiny import (
-        COMPACT_CHAT_TEMPLATE,
-        COMPACT_TOOL_CHAT_TEMPLATE,
-        build_char_tokenizer,
-        build_tiny_model,
-    )
-
     out_path = Path(out)
-    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
-        raise RunDirError(f"output dir {str(out_path)!r} exists and is not empty; pass --overwrite")
-    check_writable(out_path, "output dir")  # before any model is built or loaded
-    if steps < 1 or batch_size < 1 or lr <= 0:
-        raise ValueError(
-            f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"
-        )
-    if not 0.0 <= tool_fraction <= 1.0:
-        raise ValueError(f"sft: tool_fraction must be in [0, 1] (got {tool_fraction})")
-    if tool_fraction and task != "arithmetic":
-        raise ValueError(
-            f"sft: tool_fraction needs the arithmetic task (its calculator episodes), got {task!r}"
-        )
+    _check_sft_args(
+        out_path, overwrite=overwrite, steps=steps, batch_size=batch_size, lr=lr,
+        tool_fraction=tool_fraction, task=task,
+    )  # fmt: skip
     if threads:
         torch.set_num_threads(threads)
     the_task = load_task(task, **(task_options or {}))
     torch.manual_seed(seed)
-    if init is not None:
-        sizes = {"hidden_size": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2}
-        sizes.update(model_sizes or {})
-        template = COMPACT_TOOL_CHAT_TEMPLATE if tool_fraction else COMPACT_CHAT_TEMPLATE
-        tok = build_char_tokenizer(chat_template=template)
-        net, tok = build_tiny_model(init, tok, seed=seed, **sizes)
-    else:
-        tok = load_tokenizer(model)
-        net = load_model(model, dtype="float32", device="cpu")
+    net, tok = _start_model(
+        init, model, seed=seed, model_sizes=model_sizes, tool_fraction=tool_fraction
+    )
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warm = 20  # fixed, so a run of N steps is the prefix of a longer one
@@ -215,11 +248,6 @@ def run_sft(
         if step % max(1, steps // 10) == 0 or step == steps:
             log(f"sft step {step}/{steps}  loss {loss_ema:.4f}  ({time.perf_counter() - t0:.0f} s)")
     net.eval()
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    net.save_pretrained(tmp)
-    save_tokenizer(tok, tmp)
     info = {
         "task": task,
         "task_options": task_options or {},
@@ -233,10 +261,6 @@ def run_sft(
         "final_loss_ema": loss_ema,
         "torch": torch.__version__,
     }
-    (tmp / "sft_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    apply_umask(tmp)  # safetensors writes its file 0600
-    if out_path.exists():
-        shutil.rmtree(out_path)
-    tmp.rename(out_path)
+    _save_model(out_path, net, tok, info)
     log(f"saved {out_path}")
     return out_path
