@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .extract import completion_text
-from .registry import RewardError
+from .registry import RewardError, check_reward_options
 
 __all__ = [
     "MAX_SCORE",
@@ -610,6 +610,7 @@ def judge(
 def _preflight(**options) -> None:
     """Checked when the reward mix is built, before the first step: the options and the rubric
     (a clear error), and the local judge model loads once."""
+    check_reward_options("judge", judge, options)  # a misspelt option first, by its name
     make_judge(**{k: v for k, v in options.items() if k in _OPTIONS})
 
 
