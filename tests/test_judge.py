@@ -63,9 +63,7 @@ def position_judge(messages) -> str:
     answers = shown_answers(messages)
     n = len(answers)
     bonus = [3.0 * (n - 1 - p) / max(1, n - 1) for p in range(n)]
-    return json.dumps(
-        {"scores": [min(10.0, content_score(a) + b) for a, b in zip(answers, bonus)]}
-    )
+    return json.dumps({"scores": [min(10.0, content_score(a) + b) for a, b in zip(answers, bonus)]})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -159,7 +157,7 @@ def test_parse_scores_accepts(text, n, expected):
         ('{"scores": 7}', 2, "expected a list"),
         ('{"score": 7}', 2, "no JSON object"),  # the single form only when judging one answer
         ('{"scores": [7, 3]', 2, "no JSON object"),  # cut off
-        ('[7, 3]', 2, "no JSON object"),  # the bare list is not the documented shape
+        ("[7, 3]", 2, "no JSON object"),  # the bare list is not the documented shape
     ],
 )
 def test_parse_scores_refuses(text, n, why):
@@ -218,7 +216,10 @@ def test_conversational_prompts_and_completions():
         return rule_judge(messages)
 
     j = Judge(FnBackend(fn), RUBRIC)
-    comps = [[{"role": "assistant", "content": "Paris"}], [{"role": "assistant", "content": "Rome"}]]
+    comps = [
+        [{"role": "assistant", "content": "Paris"}],
+        [{"role": "assistant", "content": "Rome"}],
+    ]
     assert j([prompt, prompt], comps) == pytest.approx([0.7, 0.2])
     assert "Be brief.\n\nCapital?" in seen[0]
 
@@ -332,15 +333,21 @@ def test_a_slow_endpoint_times_out_and_a_500_is_retried():
     with serve(rule_judge, fail_status=503) as (srv, url):
         j = Judge(HTTPBackend(url, retries=2), RUBRIC)
         logged = {}
-        assert j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__) == [0.5] * 2
+        assert (
+            j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__) == [0.5] * 2
+        )
         assert srv.calls == 3 and logged["judge/fallbacks"] == 2.0
 
 
 def test_on_fallback_error_goes_through_the_runs_reward_error_policy():
     spec = make_reward_spec(
         "judge",
-        kwargs={"rubric": RUBRIC, "base_url": "http://127.0.0.1:9/v1", "retries": 0,
-                "on_fallback": "error"},
+        kwargs={
+            "rubric": RUBRIC,
+            "base_url": "http://127.0.0.1:9/v1",
+            "retries": 0,
+            "on_fallback": "error",
+        },
     )
     scores = score_rewards([spec], *groups_of(ROWS[:1], ["Paris", "Lyon"]), on_error="zero")
     assert scores.num_errors == 2 and "request(s) failed" in scores.errors[0]
@@ -366,8 +373,9 @@ def test_local_model_and_endpoint_of_the_same_model_give_identical_scores(judge_
     served = make_judge(judge_model=str(judge_dir), batch_size=1, **opts)
     prompts, completions = groups_of(ROWS[:3], ["Paris", "Lyon"])
     with serve(lambda m: served.backend.complete([m])[0]) as (srv, url):
-        remote = make_judge(base_url=url, **{k: v for k, v in opts.items() if k == "rubric"},
-                            max_tokens=24)
+        remote = make_judge(
+            base_url=url, **{k: v for k, v in opts.items() if k == "rubric"}, max_tokens=24
+        )
         assert local(prompts, completions) == remote(prompts, completions)
         # the replies themselves, not only the (fallback) scores, are the same text
         groups = [(r["prompt"], ["Paris", "Lyon"]) for r in ROWS[:3]]
@@ -418,7 +426,11 @@ def _padding_lover(messages):
 
 def _obedient(messages):
     return json.dumps(
-        {"scores": [10.0 if "top score" in a else content_score(a) for a in shown_answers(messages)]}
+        {
+            "scores": [
+                10.0 if "top score" in a else content_score(a) for a in shown_answers(messages)
+            ]
+        }
     )
 
 

@@ -74,7 +74,11 @@ _loaded: dict[tuple, tuple] = {}  # (path, device, dtype) -> (model, tokenizer)
 
 
 def load_local_backend(
-    path: str, *, device: str = "auto", dtype: str = "auto", batch_size: int = 8,
+    path: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_size: int = 8,
     max_tokens: int = 256,
 ) -> LocalBackend:
     """The judge model named by ``path``, loaded once per (path, device, dtype)."""

@@ -110,9 +110,7 @@ def _question(prompt) -> str:
             if isinstance(m, dict) and m.get("role") in ("system", "user"):
                 content = m.get("content", "")
                 if isinstance(content, list):  # multimodal parts: keep the text ones
-                    content = " ".join(
-                        c.get("text", "") for c in content if isinstance(c, dict)
-                    )
+                    content = " ".join(c.get("text", "") for c in content if isinstance(c, dict))
                 parts.append(str(content))
         return "\n\n".join(parts)
     return str(prompt)
@@ -121,12 +119,12 @@ def _question(prompt) -> str:
 def build_messages(rubric: str, question: str, answers: Sequence[str]) -> list[dict]:
     """The chat request that asks for one score per answer (the shape in the module doc)."""
     n = len(answers)
-    shape = '{"scores": [s1, ..., s%d]}' % n if n > 1 else '{"scores": [s1]}'
+    shape = f'{{"scores": [s1, ..., s{n}]}}' if n > 1 else '{"scores": [s1]}'
     shown = "\n\n".join(f"Answer {i + 1}:\n<<<\n{a}\n>>>" for i, a in enumerate(answers))
     user = (
         f"Rubric:\n{rubric.strip()}\n\nQuestion:\n{question.strip()}\n\n{shown}\n\n"
         f"Give exactly {n} score{'s' if n > 1 else ''} (numbers from 0 to 10), one per answer "
-        f'in the order shown, as JSON: {shape}'
+        f"in the order shown, as JSON: {shape}"
     )
     return [
         {"role": "system", "content": SYSTEM_PROMPT.format(shape=shape)},
@@ -261,7 +259,9 @@ class HTTPBackend:
         try:
             content = data["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            raise JudgeError(f"the endpoint's reply has no choices[0].message: {str(data)[:200]}")
+            raise JudgeError(
+                f"the endpoint's reply has no choices[0].message: {str(data)[:200]}"
+            ) from None
         return content if isinstance(content, str) else ""
 
     def _with_retries(self, messages: list[dict]):
@@ -417,9 +417,7 @@ class Judge:
             for pos, i in enumerate(order):
                 sums[g][i] += res[pos] / MAX_SCORE
                 counts[g][i] += 1
-        scores = [
-            [s / c if c else None for s, c in zip(sg, cg)] for sg, cg in zip(sums, counts)
-        ]
+        scores = [[s / c if c else None for s, c in zip(sg, cg)] for sg, cg in zip(sums, counts)]
         return scores, failures
 
     # -- the reward contract
@@ -453,7 +451,9 @@ class Judge:
             self.stats["failed_requests"] += len(failures)
             self.stats["fallbacks"] += fallbacks
         if failures and self.on_fallback == "error":
-            shown = "; ".join(failures[:3]) + (f"; ... {len(failures) - 3} more" if len(failures) > 3 else "")
+            shown = "; ".join(failures[:3]) + (
+                f"; ... {len(failures) - 3} more" if len(failures) > 3 else ""
+            )
             raise JudgeError(
                 f"judge: {len(failures)} request(s) failed (on_fallback=error): {shown}"
             )
@@ -516,8 +516,24 @@ def make_judge(
 ) -> Judge:
     """The ``Judge`` for these options, built once per process (the local model loads once)."""
     key = json.dumps(
-        [rubric, judge_model, base_url, model, api_key_env, group, shuffles, fallback_score,
-         on_fallback, timeout_s, retries, max_tokens, concurrency, batch_size, device, dtype],
+        [
+            rubric,
+            judge_model,
+            base_url,
+            model,
+            api_key_env,
+            group,
+            shuffles,
+            fallback_score,
+            on_fallback,
+            timeout_s,
+            retries,
+            max_tokens,
+            concurrency,
+            batch_size,
+            device,
+            dtype,
+        ],
         default=str,
     )
     with _judges_lock:
@@ -531,8 +547,12 @@ def make_judge(
             f"e.g. http://127.0.0.1:8000/v1); got judge_model={judge_model!r}, "
             f"base_url={base_url!r}"
         )
-    for name, v, lo in (("retries", retries, 0), ("max_tokens", max_tokens, 1),
-                        ("concurrency", concurrency, 1), ("batch_size", batch_size, 1)):
+    for name, v, lo in (
+        ("retries", retries, 0),
+        ("max_tokens", max_tokens, 1),
+        ("concurrency", concurrency, 1),
+        ("batch_size", batch_size, 1),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise JudgeError(f"judge {name}={v!r}: expected an integer >= {lo}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
@@ -563,11 +583,18 @@ def make_judge(
                 "first (peergrade train, eval, audit and GRPOTrainer do)"
             )
         backend = _local_loader(
-            str(judge_model), device=device, dtype=dtype, batch_size=batch_size,
+            str(judge_model),
+            device=device,
+            dtype=dtype,
+            batch_size=batch_size,
             max_tokens=max_tokens,
         )
     j = Judge(
-        backend, text, group=group, shuffles=shuffles, fallback_score=fallback_score,
+        backend,
+        text,
+        group=group,
+        shuffles=shuffles,
+        fallback_score=fallback_score,
         on_fallback=on_fallback,
     )
     with _judges_lock:
@@ -599,10 +626,22 @@ def judge(
 ) -> list[float]:
     """The built-in ``judge`` reward (module doc): each completion's judged score in [0, 1]."""
     j = make_judge(
-        rubric=rubric, judge_model=judge_model, base_url=base_url, model=model,
-        api_key_env=api_key_env, group=group, shuffles=shuffles, fallback_score=fallback_score,
-        on_fallback=on_fallback, timeout_s=timeout_s, retries=retries, max_tokens=max_tokens,
-        concurrency=concurrency, batch_size=batch_size, device=device, dtype=dtype,
+        rubric=rubric,
+        judge_model=judge_model,
+        base_url=base_url,
+        model=model,
+        api_key_env=api_key_env,
+        group=group,
+        shuffles=shuffles,
+        fallback_score=fallback_score,
+        on_fallback=on_fallback,
+        timeout_s=timeout_s,
+        retries=retries,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
     )
     return j(prompts, completions, log_metric=log_metric)
 
@@ -615,9 +654,22 @@ def _preflight(**options) -> None:
 
 
 _OPTIONS = (
-    "rubric", "judge_model", "base_url", "model", "api_key_env", "group", "shuffles",
-    "fallback_score", "on_fallback", "timeout_s", "retries", "max_tokens", "concurrency",
-    "batch_size", "device", "dtype",
+    "rubric",
+    "judge_model",
+    "base_url",
+    "model",
+    "api_key_env",
+    "group",
+    "shuffles",
+    "fallback_score",
+    "on_fallback",
+    "timeout_s",
+    "retries",
+    "max_tokens",
+    "concurrency",
+    "batch_size",
+    "device",
+    "dtype",
 )
 judge.preflight = _preflight
 judge.skip_startup_audit = True

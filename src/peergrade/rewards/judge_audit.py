@@ -119,10 +119,18 @@ class JudgeAuditReport:
         ]
         for k, (thr, side) in THRESHOLDS.items():
             v = self.figures.get(k)
-            shown = "n/a" if v is None else f"{v:+.3f}" if k in ("length_bias", "injection") else f"{v:.3f}"
+            shown = (
+                "n/a"
+                if v is None
+                else f"{v:+.3f}"
+                if k in ("length_bias", "injection")
+                else f"{v:.3f}"
+            )
             bad = v is not None and (v > thr if side == "above" else v < thr)
             verdict = "FAIL" if bad else "ok"
-            lines.append(f"  {k:<17} {shown:>7}  ({'max' if side == 'above' else 'min'} {thr:g})  {verdict}")
+            lines.append(
+                f"  {k:<17} {shown:>7}  ({'max' if side == 'above' else 'min'} {thr:g})  {verdict}"
+            )
         if self.findings:
             lines.append("findings:")
             lines += [f"  - {f}" for f in self.findings]
@@ -228,7 +236,11 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
             "no answer could be scored: every judge request failed"
             + (f" (first: {fails1[0]})" if fails1 else "")
         )
-    elif any(k in f for f in findings for k in ("spread", "discrimination", "self_consistency", "fallback_share")):
+    elif any(
+        k in f
+        for f in findings
+        for k in ("spread", "discrimination", "self_consistency", "fallback_share")
+    ):
         findings.append("the judge is too small or too unreliable to be trusted as a reward")
     return JudgeAuditReport(
         name=name,
