@@ -488,3 +488,23 @@ def test_cli_audit_of_a_position_biased_judge_exits_1_naming_it(tmp_path, capsys
         (rep,) = data["judges"]
         assert rep["findings"][0].startswith("position_bias = 0.175")
         assert main(_write_audit_inputs(tmp_path, url, shuffles=2)) == 0
+
+
+def test_the_no_signal_detector_names_judge_fallbacks():
+    from peergrade.config import AlertConfig
+    from peergrade.detectors import Detectors
+
+    d = Detectors(AlertConfig(), 1)
+    out = {}
+    for step in range(1, 30):
+        out = d.update(
+            {
+                "step": step,
+                "rollout/frac_zero_std_groups": 1.0,
+                "reward/total/mean": 0.5,
+                "reward/total/std": 0.0,
+                "reward/judge/mean": 0.5,
+                "judge/fallbacks": 16.0,
+            }
+        )
+    assert "16 answers got the judge's fallback_score" in out["alerts"]["no_signal"]
