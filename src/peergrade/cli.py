@@ -945,7 +945,9 @@ def _audit_parser(sub) -> None:
         "code that exits before its tests, ...) built from the first rows, next to a correct "
         "and a wrong completion, with every reward function of the config. Exit status 1 when "
         "an exploit scores at least as well as the correct completion on --fail-share of the "
-        "rows (see docs/audit.md). With --samples: the suspect completions of a finished run.",
+        "rows (see docs/audit.md). A judge reward is audited for its biases instead (position, "
+        "length, injection, self-consistency; exit 1 above a threshold). With --samples: the "
+        "suspect completions of a finished run.",
     )
     _config(au, ("reward", "rewards"), ("data", "data.path"), ("task", "data.task"))
     au.add_argument("--reward", action="append", metavar="SPEC", help="as for train; repeatable")
