@@ -508,3 +508,23 @@ def test_the_no_signal_detector_names_judge_fallbacks():
             }
         )
     assert "16 answers got the judge's fallback_score" in out["alerts"]["no_signal"]
+
+
+def test_peergrade_memory_counts_a_local_judge(judge_dir, tmp_path):
+    from peergrade.config import load_config
+    from peergrade.memory import estimate_for_config
+
+    f = tmp_path / "cfg.yaml"
+    f.write_text(
+        "rewards:\n  - name: judge\n    kwargs:\n      rubric: be right\n"
+        f"      judge_model: {judge_dir}\n      batch_size: 4\n"
+    )
+    with_judge = estimate_for_config(load_config(str(f)), prompt_len=32, device="cpu")
+    without = estimate_for_config(load_config(None), prompt_len=32, device="cpu")
+    assert without["reward_models"] == 0 and "rewards" not in without["phases"]
+    # the tiny judge: weights in float32 on the CPU, and its scoring batch
+    assert with_judge["reward_models"] == 4 * sum(
+        t.numel()
+        for t in peergrade.judge_local.load_local_backend(str(judge_dir)).model.parameters()
+    )
+    assert with_judge["phases"]["rewards"] > with_judge["reward_models"]

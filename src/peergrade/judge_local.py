@@ -95,3 +95,49 @@ def load_local_backend(
 
 
 register_local_loader(load_local_backend)
+
+
+#: tokens of the judge's instructions and rubric around the answers (an estimate)
+_INSTRUCTION_TOKENS = 256
+
+
+def judge_model_memory(
+    options: dict, *, dtype: str, device: str, prompt_len: int, completion_len: int, group: int
+) -> dict[str, int] | None:
+    """Bytes a ``judge_model`` adds to training on ``device`` (as ``reward_model_memory``):
+    ``weights`` (resident all run; exact parameter count on the meta device) and
+    ``activations`` (one greedy batch: its KV cache and one layer's activations at the
+    request length: the prompt, ``group`` answers when ``group: true``, the instructions and
+    the reply). None when the judge runs on another device type or is not a Hugging Face
+    directory (a GGUF judge is not counted)."""
+    from pathlib import Path
+
+    import torch
+
+    jdev = str(options.get("device", "auto"))
+    if jdev != "auto" and torch.device(jdev).type != device:
+        return None
+    path = ckpt.resolve_model_dir(resolve_model_path(str(options["judge_model"])))
+    if not (Path(path) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        n_params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
+    jdtype = str(options.get("dtype", "auto"))
+    if jdtype == "auto":
+        jdtype = dtype if device != "cpu" else "float32"
+    b = {"float32": 4, "bfloat16": 2, "float16": 2}.get(jdtype, 4)
+    answers = group if options.get("group", True) else 1
+    seq = prompt_len + answers * completion_len + _INSTRUCTION_TOKENS
+    seq += int(options.get("max_tokens", 256))
+    H = int(getattr(cfg, "hidden_size", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 1)
+    kv = int(getattr(cfg, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(cfg, "head_dim", 0) or H // heads)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * H)
+    per_token = 2 * layers * kv * head_dim + 4 * H + 3 * inter  # KV cache + one layer
+    batch = int(options.get("batch_size", 8))
+    return {"weights": n_params * b, "activations": batch * seq * per_token * b}
