@@ -222,6 +222,8 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
         "spread": "the judge gives every answer the same score",
         "discrimination": "the judge does not even prefer the reference answer to 'I am not sure.'",
     }
+    if fails1:  # what the judge said instead of the JSON, so the user sees the failure
+        why["fallback_share"] += f"; e.g. {fails1[0][:300]}"
     findings = []
     for k, (thr, side) in THRESHOLDS.items():
         v = figures[k]
