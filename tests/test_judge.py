@@ -528,3 +528,43 @@ def test_peergrade_memory_counts_a_local_judge(judge_dir, tmp_path):
         for t in peergrade.judge_local.load_local_backend(str(judge_dir)).model.parameters()
     )
     assert with_judge["phases"]["rewards"] > with_judge["reward_models"]
+
+
+def test_a_training_run_with_a_judge_logs_its_fallbacks(tiny_model_dir, tmp_path):
+    """Two steps of the tiny model with the judge as its only reward, over HTTP: the first
+    step's judge answers, the second's endpoint is broken; metrics.jsonl shows both."""
+    from peergrade.config import load_config
+    from peergrade.trainer import train
+
+    broken = {"on": False}
+
+    def length_judge(messages):  # the first request is answered, every later one is not
+        if broken["on"]:
+            return "no JSON today"
+        broken["on"] = True
+        return json.dumps({"scores": [min(10.0, len(a)) for a in shown_answers(messages)]})
+
+    with serve(length_judge) as (_, url):
+        cfg = load_config(
+            None,
+            [
+                ("model.path", str(tiny_model_dir)),
+                ("rewards", [{"name": "judge", "kwargs": {"rubric": RUBRIC, "base_url": url}}]),
+                ("rollout.prompts_per_step", 1),
+                ("rollout.group_size", 2),
+                ("rollout.max_completion_length", 4),
+                ("train.steps", 2),
+                ("train.eval_size", 1),
+                ("train.eval_samples", 1),
+                ("train.display", "none"),
+                ("train.threads", 1),
+            ],
+        )
+        train(cfg, tmp_path / "run")
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"judge/fallbacks"' in line
+    ]
+    assert [r["judge/fallbacks"] for r in rows] == [0.0, 2.0]
+    assert rows[1]["reward/judge/mean"] == 0.5 and rows[1]["judge/failed_requests"] == 1.0
