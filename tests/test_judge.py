@@ -568,3 +568,22 @@ def test_a_training_run_with_a_judge_logs_its_fallbacks(tiny_model_dir, tmp_path
     ]
     assert [r["judge/fallbacks"] for r in rows] == [0.0, 2.0]
     assert rows[1]["reward/judge/mean"] == 0.5 and rows[1]["judge/failed_requests"] == 1.0
+
+
+def test_a_request_too_long_for_the_local_model_fails_alone(tmp_path):
+    from peergrade.tiny import save_tiny_model
+
+    d = save_tiny_model(tmp_path / "m", "qwen2", seed=0, max_position_embeddings=1024)
+    j = make_judge(rubric=RUBRIC, judge_model=str(d), max_tokens=8, device="cpu", dtype="float32")
+    long_prompt = "Tell me everything. " * 40
+    logged = {}
+    out = j(
+        ["Short?", "Short?", long_prompt, long_prompt],
+        ["a", "b", "c", "d"],
+        log_metric=logged.__setitem__,
+    )
+    assert logged["judge/failed_requests"] == 2.0  # the short one: unparsable; the long: too long
+    msgs = [build_messages(RUBRIC, q, ["a", "b"]) for q in ("Short?", long_prompt)]
+    short, long = j.ask(msgs, use_cache=False)
+    assert isinstance(short, str) and "exceeds" in str(long)
+    assert out == [0.5] * 4

@@ -52,22 +52,38 @@ class LocalBackend:
             text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant: "
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    def complete(self, requests: list[list[dict]]) -> list[str]:
+    def complete(self, requests: list[list[dict]]) -> list:
+        """One reply per request; a request longer than the model's context is a
+        ``ValueError`` in its place (the others are still generated)."""
         if not requests:
             return []
         ids = [self.encode(m) for m in requests]
-        with self._lock:
-            ro = generate(
-                self.model,
-                self.tokenizer,
-                ids,
-                n=1,
-                max_new_tokens=self.max_tokens,
-                temperature=0.0,
-                seed=0,
-                batch_size=self.batch_size,
-            )
-        return list(ro.completion_text)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        out: list = [None] * len(ids)
+        fits = []
+        for i, x in enumerate(ids):
+            if limit and len(x) + self.max_tokens > limit:
+                out[i] = ValueError(
+                    f"the judge request has {len(x)} tokens; with max_tokens={self.max_tokens} "
+                    f"that exceeds {self.path}'s context ({limit} positions)"
+                )
+            else:
+                fits.append(i)
+        if fits:
+            with self._lock:
+                ro = generate(
+                    self.model,
+                    self.tokenizer,
+                    [ids[i] for i in fits],
+                    n=1,
+                    max_new_tokens=self.max_tokens,
+                    temperature=0.0,
+                    seed=0,
+                    batch_size=self.batch_size,
+                )
+            for i, text in zip(fits, ro.completion_text):
+                out[i] = text
+        return out
 
 
 _loaded: dict[tuple, tuple] = {}  # (path, device, dtype) -> (model, tokenizer)
