@@ -358,12 +358,35 @@ def test_on_fallback_error_goes_through_the_runs_reward_error_policy():
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory):
+    """A tiny model taught (70 Adam steps on three requests) to reply ``{"scores": [7, 3]}``
+    to a two-answer judge request: replies in the documented shape, so scores are real
+    numbers, not fallbacks."""
+    import torch
+
+    from peergrade.models import load_model, load_tokenizer
     from peergrade.tiny import save_tiny_model
 
     # the judge's instructions are long: a char-level tiny model needs the positions
-    return save_tiny_model(
+    d = save_tiny_model(
         tmp_path_factory.mktemp("judge_model"), "qwen2", seed=3, max_position_embeddings=2048
     )
+    model, tok = load_model(d), load_tokenizer(d)
+    encode = peergrade.judge_local.LocalBackend(
+        model, tok, path=str(d), batch_size=1, max_tokens=1
+    ).encode
+    target = tok('{"scores": [7, 3]}<|im_end|>', add_special_tokens=False)["input_ids"]
+    seqs = [encode(build_messages(RUBRIC, r["prompt"], ["Paris", "Lyon"])) for r in ROWS[:3]]
+    torch.manual_seed(0)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(70):
+        for p in seqs:
+            labels = torch.tensor([[-100] * len(p) + target])
+            model(input_ids=torch.tensor([p + target]), labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(d)
+    return d
 
 
 def test_local_model_and_endpoint_of_the_same_model_give_identical_scores(judge_dir):
@@ -376,7 +399,9 @@ def test_local_model_and_endpoint_of_the_same_model_give_identical_scores(judge_
         remote = make_judge(
             base_url=url, **{k: v for k, v in opts.items() if k == "rubric"}, max_tokens=24
         )
-        assert local(prompts, completions) == remote(prompts, completions)
+        scores = local(prompts, completions)
+        assert scores == pytest.approx([0.7, 0.3] * 3)  # parsed replies, not the fallback
+        assert remote(prompts, completions) == scores
         # the replies themselves, not only the (fallback) scores, are the same text
         groups = [(r["prompt"], ["Paris", "Lyon"]) for r in ROWS[:3]]
         msgs = [build_messages(RUBRIC, q, a) for q, a in groups]
