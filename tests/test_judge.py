@@ -270,6 +270,9 @@ def test_rubric_from_a_file_and_empty_file(tmp_path):
     f.write_text("  \n")
     with pytest.raises(JudgeError, match="rubric file .* is empty"):
         Judge(FnBackend(rule_judge), str(f))
+    with pytest.raises(JudgeError, match="looks like a file name, and there is no such file"):
+        Judge(FnBackend(rule_judge), str(tmp_path / "rubrik.txt"))
+    assert Judge(FnBackend(rule_judge), "Be polite.").rubric == "Be polite."  # text, not a file
 
 
 @pytest.mark.parametrize(

@@ -464,6 +464,9 @@ class Judge:
         return out
 
 
+_RUBRIC_SUFFIXES = (".txt", ".md", ".yaml", ".yml", ".json")
+
+
 def _rubric_text(rubric) -> str:
     """The rubric: the text given, or the contents of the file it names."""
     if rubric is None or not isinstance(rubric, (str, Path)):
@@ -481,6 +484,13 @@ def _rubric_text(rubric) -> str:
                     raise JudgeError(f"the judge's rubric file {str(p)!r} is empty")
         except OSError:
             pass
+        else:
+            if not p.is_file() and " " not in text.strip() and p.suffix in _RUBRIC_SUFFIXES:
+                raise JudgeError(
+                    f"the judge's rubric {text.strip()!r} looks like a file name, and there is "
+                    f"no such file (resolved {p.resolve()}); give the criteria as text or an "
+                    "existing file"
+                )
     if not text.strip():
         raise JudgeError(
             "the judge's rubric is empty: give the criteria the answers are scored on "
