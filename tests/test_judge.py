@@ -615,3 +615,19 @@ def test_a_request_too_long_for_the_local_model_fails_alone(tmp_path):
     short, long = j.ask(msgs, use_cache=False)
     assert isinstance(short, str) and "exceeds" in str(long)
     assert out == [0.5] * 4
+
+
+def test_audit_uses_the_rows_own_answers_and_judges_alone_with_group_false():
+    rows = [{"prompt": "Capital of France?", "answers": ["Paris.", "Lyon.", "Paris, France."]}]
+    seen = []
+
+    def fn(messages):
+        seen.append(shown_answers(messages))
+        return position_judge(messages)
+
+    report = audit_judge(Judge(FnBackend(fn), RUBRIC, group=False), rows)
+    assert report.answers == 3 and report.shuffles == 1
+    assert all(len(a) == 1 for a in seen) and ["Lyon."] in seen
+    # one answer per request: a judge that favours the first position cannot show it
+    assert report.figures["position_bias"] == 0.0 and report.figures["discrimination"] is None
+    assert not report.failed, report.format()
