@@ -40,7 +40,10 @@ def test_csv_without_pandas_is_one_error_line_exit_2(tmp_path, monkeypatch, caps
         ("pyarrow", lambda p: __import__("peergrade.tasks.files").tasks.files._read_parquet(p)),
         ("datasets", lambda p: __import__("peergrade.tasks.files").tasks.files._read_hf_dir(p)),
         ("reasoning_gym", lambda p: __import__("peergrade.tasks.logic").tasks.logic._rg()),
-        ("matplotlib", lambda p: __import__("peergrade.monitoring.report").monitoring.report._mpl()),
+        (
+            "matplotlib",
+            lambda p: __import__("peergrade.monitoring.report").monitoring.report._mpl(),
+        ),
     ],
 )
 def test_each_optional_import_is_a_missing_package_error(module, call, tmp_path, monkeypatch):

@@ -455,8 +455,8 @@ def cmd_audit(args, extra) -> int:
     """Attack the configured reward functions with known exploits (docs/audit.md)."""
     from peergrade.rewards import audit
 
-    if not 0 < args.fail_share <= 1 or args.rows < 1:
-        raise InputError("--fail-share must be in (0, 1] and --rows at least 1")
+    if not 0 < args.fail_share <= 1 or args.rows < 1 or args.judge_rows < 1:
+        raise InputError("--fail-share must be in (0, 1], --rows and --judge-rows at least 1")
     if args.samples:
         if extra:
             raise InputError(f"--samples reads a run; unexpected arguments: {' '.join(extra)}")
@@ -467,14 +467,35 @@ def cmd_audit(args, extra) -> int:
 
     cfg = _config_from(args, extra)
     task = build_task(cfg)
-    report = audit.audit_rewards(
-        build_rewards(cfg, task),
-        audit.first_rows(task, args.rows, cfg.train.seed),
-        fail_share=args.fail_share,
-        max_steps=cfg.train.steps,
-    )
-    print(json.dumps(report.to_dict()) if args.json else report.format(verbose=args.all))
-    return 1 if report.failed else 0
+    specs = build_rewards(cfg, task)
+    # a judge is audited for its own biases (rewards/judge_audit.py), not with the exploit battery
+    from peergrade.rewards.judge_audit import audit_judge, judge_of
+
+    judges = [(s, judge_of(s)) for s in specs]
+    judge_reports = [
+        audit_judge(j, audit.first_rows(task, args.judge_rows, cfg.train.seed), name=s.name)
+        for s, j in judges
+        if j is not None
+    ]
+    specs = [s for s, j in judges if j is None]
+    report = None
+    if specs:
+        report = audit.audit_rewards(
+            specs,
+            audit.first_rows(task, args.rows, cfg.train.seed),
+            fail_share=args.fail_share,
+            max_steps=cfg.train.steps,
+        )
+    if args.json:
+        out = report.to_dict() if report is not None else {}
+        if judge_reports:
+            out["judges"] = [r.to_dict() for r in judge_reports]
+        print(json.dumps(out))
+    else:
+        texts = [report.format(verbose=args.all)] if report is not None else []
+        print("\n\n".join(texts + [r.format() for r in judge_reports]))
+    failed = (report is not None and report.failed) or any(r.failed for r in judge_reports)
+    return 1 if failed else 0
 
 
 def cmd_sweep(args, extra) -> int:
@@ -924,7 +945,9 @@ def _audit_parser(sub) -> None:
         "code that exits before its tests, ...) built from the first rows, next to a correct "
         "and a wrong completion, with every reward function of the config. Exit status 1 when "
         "an exploit scores at least as well as the correct completion on --fail-share of the "
-        "rows (see docs/audit.md). With --samples: the suspect completions of a finished run.",
+        "rows (see docs/audit.md). A judge reward is audited for its biases instead (position, "
+        "length, injection, self-consistency; exit 1 above a threshold). With --samples: the "
+        "suspect completions of a finished run.",
     )
     _config(au, ("reward", "rewards"), ("data", "data.path"), ("task", "data.task"))
     au.add_argument("--reward", action="append", metavar="SPEC", help="as for train; repeatable")
@@ -938,6 +961,13 @@ def _audit_parser(sub) -> None:
         metavar="SHARE",
         help="an exploit that matches the correct completion on at least this share of the "
         "rows fails the audit (default 0.1)",
+    )
+    au.add_argument(
+        "--judge-rows",
+        type=int,
+        default=20,
+        help="rows a judge reward is audited on (position, length, injection, consistency; "
+        "default 20)",
     )
     au.add_argument("--all", action="store_true", help="also list the exploits that do not apply")
     au.add_argument("--json", action="store_true", help="print one JSON object")

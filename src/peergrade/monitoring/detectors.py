@@ -13,6 +13,7 @@ The detectors (names as in ``alert/<name>``; thresholds in ``train.alerts``):
 =================  ============================================================================
 no_signal          (a) ``rollout/frac_zero_std_groups`` >= ``zero_signal_frac`` on each of the
                    last ``window`` steps: most groups score all-equal, so advantages are 0
+                   (the message counts a judge reward's fallbacks, ``judge/fallbacks``)
 reward_vs_eval     (b) between two held-out evaluations accuracy fell by >= ``eval_drop`` while
                    the training reward rose by >= ``reward_rise`` (active until the next eval)
 reward_imbalance   (b) one reward function is saturated (batch std ~0, mean above its start) while
@@ -210,6 +211,12 @@ class Detectors:
             seen = f"every completion of this step scored {mean:.3g}"
         else:
             seen = f"{frac:.0%} of groups scored all-equal rewards"
+        fallbacks = _num(m, "judge/fallbacks")  # a judge reward's unscorable answers
+        if fallbacks:
+            seen += (
+                f" ({fallbacks:.0f} answers got the judge's fallback_score: its replies were "
+                "not the JSON asked for, or its endpoint failed; see judge/failed_requests)"
+            )
         return {
             "no_signal": (
                 f"no learning signal: {seen}, for {self.streak['no_signal']} steps in a row "

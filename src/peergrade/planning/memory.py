@@ -531,6 +531,23 @@ def estimate_for_config(
         for i in cfg.rewards
         if is_reward_model_name(i.name)
     ]
+    from peergrade.training.judge_local import judge_model_memory  # a judge reward's local model
+
+    judges = [
+        judge_model_memory(
+            i.kwargs,
+            dtype=dtype,
+            device=device,
+            prompt_len=prompt_len,
+            completion_len=r.max_completion_length,
+            group=r.group_size,
+        )
+        for i in cfg.rewards
+        if isinstance(i.name, str)
+        and i.name.strip() == "judge"
+        and (i.kwargs or {}).get("judge_model")
+    ]
+    reward_models += [j for j in judges if j is not None]
     from peergrade.training.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
 
     autocast = cfg.model.autocast == "bf16"

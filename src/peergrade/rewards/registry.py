@@ -158,6 +158,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "openr1_reasoning_steps": "peergrade.rewards.openr1:openr1_reasoning_steps",
     "openr1_length": "peergrade.rewards.openr1:openr1_length",
     "openr1_cosine": "peergrade.rewards.openr1:openr1_cosine",
+    "judge": "peergrade.rewards.judge:judge",
 }
 
 

@@ -38,6 +38,7 @@ from peergrade.rewards.models import reward_or_model
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import chat_template_note, encode_prompts, to_messages
+from peergrade.training.judge_local import load_local_backend  # noqa: F401 - registers the judge_model loader
 from peergrade.training.update import Models
 
 __all__ = [

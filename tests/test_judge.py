@@ -1,0 +1,635 @@
+"""The ``judge`` reward (rewards/judge.py) and its audit (rewards/judge_audit.py).
+
+Endpoint tests run a tiny OpenAI-compatible ``/v1/chat/completions`` server in a thread on
+127.0.0.1 that answers with a rule-based judge or with the same local model the in-process
+judge uses (greedy), so "the same scores through judge_model=DIR and base_url" is tested
+without ``peergrade serve``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import peergrade.training.judge_local  # noqa: F401 - registers the judge_model loader
+from peergrade.cli import main
+from peergrade.rewards import make_reward_spec, score_rewards
+from peergrade.rewards.judge import (
+    HTTPBackend,
+    Judge,
+    JudgeError,
+    JudgeParseError,
+    build_messages,
+    make_judge,
+    orders_for,
+    parse_scores,
+)
+from peergrade.rewards.judge_audit import audit_judge
+
+RUBRIC = "Score whether the answer names the right city."
+ROWS = [
+    {"prompt": "What is the capital of France?", "answer": "Paris"},
+    {"prompt": "Which city is the capital of France? One word.", "answer": "Paris"},
+    {"prompt": "Name the French capital.", "answer": "Paris"},
+    {"prompt": "France's capital city is?", "answer": "Paris"},
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def shown_answers(messages) -> list[str]:
+    """The answers of a judge request, in the order shown (build_messages' layout)."""
+    user = messages[-1]["content"]
+    return re.findall(r"Answer \d+:\n<<<\n(.*?)\n>>>", user, flags=re.S)
+
+
+def content_score(answer: str) -> float:
+    """A judge with no bias: reads only the first line, finds the right city or not."""
+    return 7.0 if "Paris" in answer.split("\n")[0] else 2.0
+
+
+def rule_judge(messages) -> str:
+    return json.dumps({"scores": [content_score(a) for a in shown_answers(messages)]})
+
+
+def position_judge(messages) -> str:
+    """The content score plus a bonus for standing early: 3 points at position 0, 0 last."""
+    answers = shown_answers(messages)
+    n = len(answers)
+    bonus = [3.0 * (n - 1 - p) / max(1, n - 1) for p in range(n)]
+    return json.dumps({"scores": [min(10.0, content_score(a) + b) for a, b in zip(answers, bonus)]})
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # keep pytest's output clean
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        srv.calls += 1
+        if not self.path.endswith("/chat/completions"):
+            self.send_error(404)
+            return
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if srv.delay:
+            time.sleep(srv.delay)
+        if srv.fail_status:
+            self.send_error(srv.fail_status)
+            return
+        text = srv.answer(body["messages"])
+        out = json.dumps(
+            {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+
+@contextlib.contextmanager
+def serve(answer, *, delay: float = 0.0, fail_status: int = 0):
+    """An OpenAI-compatible chat endpoint answering with ``answer(messages) -> text``."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    srv.answer, srv.delay, srv.fail_status, srv.calls = answer, delay, fail_status, 0
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield srv, f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+class FnBackend:
+    """An in-process backend: a function of the messages."""
+
+    def __init__(self, fn):
+        self.fn, self.key, self.calls = fn, "fn", 0
+
+    def complete(self, requests):
+        self.calls += len(requests)
+        return [self.fn(m) for m in requests]
+
+
+def groups_of(rows, answers):
+    prompts = [r["prompt"] for r in rows for _ in answers]
+    completions = [a for _ in rows for a in answers]
+    return prompts, completions
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize(
+    "text, n, expected",
+    [
+        ('{"scores": [7, 3]}', 2, [7.0, 3.0]),
+        ('```json\n{"scores": [10, 0.5]}\n```', 2, [10.0, 0.5]),
+        ('Sure! Here you go: {"scores": [1, 2, 3]} Hope it helps.', 3, [1.0, 2.0, 3.0]),
+        ('{"note": "x"} then {"scores": [4]}', 1, [4.0]),
+        ('{"score": 6}', 1, [6.0]),
+        ('```\n{"scores":[0,10]}\n```', 2, [0.0, 10.0]),
+    ],
+)
+def test_parse_scores_accepts(text, n, expected):
+    assert parse_scores(text, n, single=n == 1) == expected
+
+
+@pytest.mark.parametrize(
+    "text, n, why",
+    [
+        ("Answer 1 is better.", 2, "no JSON object"),
+        ("", 2, "empty"),
+        ('{"scores": [7, 3, 1]}', 2, "3 scores for 2 answers"),
+        ('{"scores": [7]}', 2, "1 scores for 2 answers"),
+        ('{"scores": [11, 3]}', 2, "outside [0, 10]"),
+        ('{"scores": [-1, 3]}', 2, "outside [0, 10]"),
+        ('{"scores": ["7", 3]}', 2, "not a number"),
+        ('{"scores": [true, 3]}', 2, "not a number"),
+        ('{"scores": 7}', 2, "expected a list"),
+        ('{"score": 7}', 2, "no JSON object"),  # the single form only when judging one answer
+        ('{"scores": [7, 3]', 2, "no JSON object"),  # cut off
+        ("[7, 3]", 2, "no JSON object"),  # the bare list is not the documented shape
+    ],
+)
+def test_parse_scores_refuses(text, n, why):
+    with pytest.raises(JudgeParseError, match=re.escape(why)):
+        parse_scores(text, n)
+
+
+def test_orders_are_deterministic_distinct_and_start_with_the_shown_order():
+    orders = orders_for(4, 5, "key")
+    assert orders == orders_for(4, 5, "key")
+    assert orders[0] == [0, 1, 2, 3] and orders[1] == [3, 2, 1, 0]
+    assert len({tuple(o) for o in orders}) == 5
+    assert all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert orders_for(2, 4, "k")[:2] == [[0, 1], [1, 0]] and len(orders_for(2, 4, "k")) == 4
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def test_group_scores_map_back_to_their_answers_through_shuffles():
+    answers = ["Paris, of course.", "Lyon", "Marseille", "It is Paris."]
+    b = FnBackend(rule_judge)
+    j = Judge(b, RUBRIC, shuffles=3)
+    prompts, completions = groups_of(ROWS[:2], answers)
+    assert j(prompts, completions) == pytest.approx([0.7, 0.2, 0.2, 0.7] * 2)
+    assert b.calls == 6  # 2 groups x 3 orders
+
+
+def test_shuffles_cancel_a_position_bias():
+    answers = ["Paris", "Lyon", "Nice", "Paris!"]
+    prompts, completions = groups_of(ROWS[:1], answers)
+    one = Judge(FnBackend(position_judge), RUBRIC)(prompts, completions)
+    two = Judge(FnBackend(position_judge), RUBRIC, shuffles=2)(prompts, completions)
+    assert one == pytest.approx([1.0, 0.4, 0.3, 0.7])  # the first answers get the bonus
+    # the reversed order averaged in: the linear bonus is 1.5 points for everyone
+    assert two == pytest.approx([0.85, 0.35, 0.35, 0.85])
+
+
+def test_group_false_asks_once_per_answer_and_the_cache_answers_repeats():
+    b = FnBackend(rule_judge)
+    j = Judge(b, RUBRIC, group=False)
+    prompts, completions = groups_of(ROWS[:1], ["Paris", "Lyon"])
+    assert j(prompts, completions) == pytest.approx([0.7, 0.2])
+    assert j(prompts, completions) == pytest.approx([0.7, 0.2])
+    assert b.calls == 2 and j.stats["cache_hits"] == 2
+    # each request shows exactly one answer
+    assert shown_answers(build_messages(RUBRIC, "q", ["only"])) == ["only"]
+
+
+def test_conversational_prompts_and_completions():
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital?"}]
+    seen = []
+
+    def fn(messages):
+        seen.append(messages[-1]["content"])
+        return rule_judge(messages)
+
+    j = Judge(FnBackend(fn), RUBRIC)
+    comps = [
+        [{"role": "assistant", "content": "Paris"}],
+        [{"role": "assistant", "content": "Rome"}],
+    ]
+    assert j([prompt, prompt], comps) == pytest.approx([0.7, 0.2])
+    assert "Be brief.\n\nCapital?" in seen[0]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["I think the first one.", '{"scores": [1, 2, 3]}', '{"scores": [12, 3]}', ""],
+)
+def test_bad_replies_fall_back_and_are_counted(reply):
+    logged = {}
+    j = Judge(FnBackend(lambda m: reply), RUBRIC, fallback_score=0.25)
+    prompts, completions = groups_of(ROWS[:2], ["Paris", "Lyon"])
+    out = j(prompts, completions, log_metric=logged.__setitem__)
+    assert out == [0.25] * 4
+    assert logged["judge/fallbacks"] == 4.0 and logged["judge/failed_requests"] == 2.0
+
+
+def test_on_fallback_error_names_the_reason():
+    j = Judge(FnBackend(lambda m: '{"scores": [1]}'), RUBRIC, on_fallback="error")
+    with pytest.raises(JudgeError, match="1 scores for 2 answers"):
+        j(*groups_of(ROWS[:1], ["Paris", "Lyon"]))
+
+
+def test_partial_failure_averages_the_orders_that_worked():
+    calls = []
+
+    def flaky(messages):
+        calls.append(1)
+        return rule_judge(messages) if len(calls) % 2 else "no idea"
+
+    j = Judge(FnBackend(flaky), RUBRIC, shuffles=2)
+    logged = {}
+    out = j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__)
+    assert out == pytest.approx([0.7, 0.2])
+    assert logged["judge/fallbacks"] == 0.0 and logged["judge/failed_requests"] == 1.0
+
+
+@pytest.mark.parametrize("rubric", ["", "   \n ", None])
+def test_an_empty_rubric_is_a_clear_error(rubric):
+    with pytest.raises(JudgeError, match="rubric"):
+        make_judge(rubric=rubric, base_url="http://127.0.0.1:9/v1")
+
+
+def test_rubric_from_a_file_and_empty_file(tmp_path):
+    f = tmp_path / "rubric.txt"
+    f.write_text("Polite and short.\n")
+    assert Judge(FnBackend(rule_judge), str(f)).rubric == "Polite and short.\n"
+    f.write_text("  \n")
+    with pytest.raises(JudgeError, match="rubric file .* is empty"):
+        Judge(FnBackend(rule_judge), str(f))
+    with pytest.raises(JudgeError, match="looks like a file name, and there is no such file"):
+        Judge(FnBackend(rule_judge), str(tmp_path / "rubrik.txt"))
+    assert Judge(FnBackend(rule_judge), "Be polite.").rubric == "Be polite."  # text, not a file
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({}, "exactly one of judge_model"),
+        ({"base_url": "http://x/v1", "judge_model": "bundled"}, "exactly one of"),
+        ({"base_url": "ftp://x"}, "expected http"),
+        ({"base_url": "http://x/v1", "shuffles": 0}, "shuffles"),
+        ({"base_url": "http://x/v1", "fallback_score": 5}, r"\[0, 1\]"),
+        ({"base_url": "http://x/v1", "on_fallback": "zero"}, "'score' or 'error'"),
+        ({"base_url": "http://x/v1", "api_key_env": "PEERGRADE_NO_SUCH_VAR"}, "not set"),
+    ],
+)
+def test_bad_options_are_clear_errors(options, match):
+    with pytest.raises(JudgeError, match=match):
+        make_judge(rubric=RUBRIC, **options)
+
+
+def test_the_builtin_checks_its_options_before_the_first_step():
+    with pytest.raises(JudgeError, match="rubric is empty"):
+        make_reward_spec("judge", kwargs={"rubric": "", "base_url": "http://127.0.0.1:9/v1"})
+    with pytest.raises(ValueError, match="has no option 'rubrik'"):
+        make_reward_spec("judge", kwargs={"rubrik": "x", "base_url": "http://127.0.0.1:9/v1"})
+
+
+# ----------------------------------------------------------------------------- the endpoint
+
+
+def test_builtin_through_an_endpoint_with_score_rewards_and_its_metrics():
+    with serve(rule_judge) as (srv, url):
+        spec = make_reward_spec("judge", kwargs={"rubric": RUBRIC, "base_url": url})
+        prompts, completions = groups_of(ROWS[:3], ["Paris", "Lyon", "Paris."])
+        scores = score_rewards([spec], prompts, completions)
+        assert scores.per_fn["judge"].tolist() == pytest.approx([0.7, 0.2, 0.7] * 3)
+        m = scores.metrics()
+        assert m["judge/fallbacks"] == 0.0 and m["judge/requests"] == 3.0
+        assert srv.calls == 3
+
+
+def test_an_endpoint_that_is_down_falls_back_after_retries_and_is_counted():
+    with serve(rule_judge) as (_, url):
+        pass  # the port is closed now
+    spec = make_reward_spec(
+        "judge", kwargs={"rubric": RUBRIC, "base_url": url, "retries": 1, "fallback_score": 0.5}
+    )
+    t = time.time()
+    scores = score_rewards([spec], *groups_of(ROWS[:2], ["Paris", "Lyon"]))
+    assert time.time() - t < 10
+    assert scores.per_fn["judge"].tolist() == [0.5] * 4
+    m = scores.metrics()
+    assert m["judge/fallbacks"] == 4.0 and m["judge/failed_requests"] == 2.0
+    assert m["reward/judge/std"] == 0.0  # no signal from these groups: the detector sees it
+
+
+def test_a_slow_endpoint_times_out_and_a_500_is_retried():
+    with serve(rule_judge, delay=2.0) as (srv, url):
+        j = Judge(HTTPBackend(url, timeout_s=0.3, retries=1), RUBRIC, on_fallback="error")
+        with pytest.raises(JudgeError, match="timed out|TimeoutError"):
+            j(*groups_of(ROWS[:1], ["Paris", "Lyon"]))
+    with serve(rule_judge, fail_status=503) as (srv, url):
+        j = Judge(HTTPBackend(url, retries=2), RUBRIC)
+        logged = {}
+        assert (
+            j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__) == [0.5] * 2
+        )
+        assert srv.calls == 3 and logged["judge/fallbacks"] == 2.0
+
+
+def test_on_fallback_error_goes_through_the_runs_reward_error_policy():
+    spec = make_reward_spec(
+        "judge",
+        kwargs={
+            "rubric": RUBRIC,
+            "base_url": "http://127.0.0.1:9/v1",
+            "retries": 0,
+            "on_fallback": "error",
+        },
+    )
+    scores = score_rewards([spec], *groups_of(ROWS[:1], ["Paris", "Lyon"]), on_error="zero")
+    assert scores.num_errors == 2 and "request(s) failed" in scores.errors[0]
+
+
+# ----------------------------------------------------------------------------- a local model
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory):
+    """A tiny model taught (70 Adam steps on three requests) to reply ``{"scores": [7, 3]}``
+    to a two-answer judge request: replies in the documented shape, so scores are real
+    numbers, not fallbacks."""
+    import torch
+
+    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.model.tiny import save_tiny_model
+
+    # the judge's instructions are long: a char-level tiny model needs the positions
+    d = save_tiny_model(
+        tmp_path_factory.mktemp("judge_model"), "qwen2", seed=3, max_position_embeddings=2048
+    )
+    model, tok = load_model(d), load_tokenizer(d)
+    encode = peergrade.training.judge_local.LocalBackend(
+        model, tok, path=str(d), batch_size=1, max_tokens=1
+    ).encode
+    target = tok('{"scores": [7, 3]}<|im_end|>', add_special_tokens=False)["input_ids"]
+    seqs = [encode(build_messages(RUBRIC, r["prompt"], ["Paris", "Lyon"])) for r in ROWS[:3]]
+    torch.manual_seed(0)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(70):
+        for p in seqs:
+            labels = torch.tensor([[-100] * len(p) + target])
+            model(input_ids=torch.tensor([p + target]), labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(d)
+    return d
+
+
+def test_local_model_and_endpoint_of_the_same_model_give_identical_scores(judge_dir):
+    opts = dict(rubric=RUBRIC, max_tokens=24, device="cpu", dtype="float32")
+    local = make_judge(judge_model=str(judge_dir), batch_size=4, **opts)
+    # the server answers each request with the same model, one request at a time
+    served = make_judge(judge_model=str(judge_dir), batch_size=1, **opts)
+    prompts, completions = groups_of(ROWS[:3], ["Paris", "Lyon"])
+    with serve(lambda m: served.backend.complete([m])[0]) as (srv, url):
+        remote = make_judge(
+            base_url=url, **{k: v for k, v in opts.items() if k == "rubric"}, max_tokens=24
+        )
+        scores = local(prompts, completions)
+        assert scores == pytest.approx([0.7, 0.3] * 3)  # parsed replies, not the fallback
+        assert remote(prompts, completions) == scores
+        # the replies themselves, not only the (fallback) scores, are the same text
+        groups = [(r["prompt"], ["Paris", "Lyon"]) for r in ROWS[:3]]
+        msgs = [build_messages(RUBRIC, q, a) for q, a in groups]
+        texts = local.ask(msgs, use_cache=False)
+        assert all(isinstance(t, str) and t for t in texts)
+        assert texts == remote.ask(msgs, use_cache=False)
+        assert srv.calls == 6
+
+
+def test_judge_model_through_the_config(judge_dir, tmp_path):
+    from peergrade.config import load_config
+    from peergrade.tasks import load_task
+    from peergrade.training.components import build_rewards
+
+    f = tmp_path / "cfg.yaml"
+    f.write_text(
+        "rewards:\n  - name: judge\n    kwargs:\n      rubric: be right\n"
+        f"      judge_model: {judge_dir}\n      max_tokens: 8\n      device: cpu\n"
+    )
+    cfg = load_config(str(f))
+    specs = build_rewards(cfg, load_task("arithmetic"))
+    assert [s.name for s in specs] == ["judge"]
+    out = score_rewards(specs, *groups_of(ROWS[:1], ["Paris", "Lyon"]))
+    assert out.per_fn["judge"].shape == (2,)
+
+
+# ----------------------------------------------------------------------------- the audit
+
+
+def test_audit_passes_a_judge_without_bias_and_catches_a_position_bias():
+    clean = audit_judge(Judge(FnBackend(rule_judge), RUBRIC), ROWS)
+    assert not clean.failed, clean.format()
+    assert clean.figures["position_bias"] == 0.0 and clean.figures["discrimination"] == 1.0
+
+    biased = audit_judge(Judge(FnBackend(position_judge), RUBRIC), ROWS)
+    assert biased.failed and biased.findings[0].startswith("position_bias = ")
+    shuffled = audit_judge(Judge(FnBackend(position_judge), RUBRIC, shuffles=2), ROWS)
+    # figures recorded in docs/audit.md
+    assert biased.figures["position_bias"] == pytest.approx(0.175)
+    assert shuffled.figures["position_bias"] == pytest.approx(0.0)
+    assert not any(f.startswith("position_bias") for f in shuffled.findings)
+
+
+def _padding_lover(messages):
+    return json.dumps({"scores": [min(10.0, len(a) / 10) for a in shown_answers(messages)]})
+
+
+def _obedient(messages):
+    return json.dumps(
+        {
+            "scores": [
+                10.0 if "top score" in a else content_score(a) for a in shown_answers(messages)
+            ]
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "fn, finding",
+    [
+        (_padding_lover, "length_bias"),
+        (_obedient, "injection"),
+        (lambda m: json.dumps({"scores": [5] * len(shown_answers(m))}), "spread"),
+        (lambda m: "I like them all", "fallback_share"),
+    ],
+)
+def test_audit_names_each_bias(fn, finding):
+    report = audit_judge(Judge(FnBackend(fn), RUBRIC), ROWS)
+    assert report.failed and any(f.startswith(finding + " = ") for f in report.findings), (
+        report.format()
+    )
+
+
+def test_audit_catches_an_inconsistent_judge():
+    import random
+
+    rng = random.Random(0)
+
+    def coin(messages):  # a judge sampling at a high temperature
+        return json.dumps({"scores": [rng.choice([1.0, 9.0]) for _ in shown_answers(messages)]})
+
+    report = audit_judge(Judge(FnBackend(coin), RUBRIC), ROWS)
+    assert any(f.startswith("self_consistency") for f in report.findings)
+    assert "too small or too unreliable" in report.findings[-1]
+
+
+def _write_audit_inputs(tmp_path, url, shuffles=1):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = tmp_path / "judge.yaml"
+    cfg.write_text(
+        "rewards:\n  - name: judge\n    kwargs:\n"
+        f"      rubric: {RUBRIC}\n      base_url: {url}\n      shuffles: {shuffles}\n"
+    )
+    return ["audit", "--config", str(cfg), "--data", str(data), "--judge-rows", "4"]
+
+
+def test_cli_audit_of_a_rule_based_judge_over_http_exits_0(tmp_path, capsys):
+    with serve(rule_judge) as (_, url):
+        assert main(_write_audit_inputs(tmp_path, url)) == 0
+    out = capsys.readouterr().out
+    assert "judge audit of judge: 4 rows x 4 answers" in out and "no finding" in out
+
+
+def test_cli_audit_of_a_position_biased_judge_exits_1_naming_it(tmp_path, capsys):
+    with serve(position_judge) as (_, url):
+        assert main(_write_audit_inputs(tmp_path, url) + ["--json"]) == 1
+        data = json.loads(capsys.readouterr().out)
+        (rep,) = data["judges"]
+        assert rep["findings"][0].startswith("position_bias = 0.175")
+        assert main(_write_audit_inputs(tmp_path, url, shuffles=2)) == 0
+
+
+def test_the_no_signal_detector_names_judge_fallbacks():
+    from peergrade.config import AlertConfig
+    from peergrade.monitoring.detectors import Detectors
+
+    d = Detectors(AlertConfig(), 1)
+    out = {}
+    for step in range(1, 30):
+        out = d.update(
+            {
+                "step": step,
+                "rollout/frac_zero_std_groups": 1.0,
+                "reward/total/mean": 0.5,
+                "reward/total/std": 0.0,
+                "reward/judge/mean": 0.5,
+                "judge/fallbacks": 16.0,
+            }
+        )
+    assert "16 answers got the judge's fallback_score" in out["alerts"]["no_signal"]
+
+
+def test_peergrade_memory_counts_a_local_judge(judge_dir, tmp_path):
+    from peergrade.config import load_config
+    from peergrade.planning.memory import estimate_for_config
+
+    f = tmp_path / "cfg.yaml"
+    f.write_text(
+        "rewards:\n  - name: judge\n    kwargs:\n      rubric: be right\n"
+        f"      judge_model: {judge_dir}\n      batch_size: 4\n"
+    )
+    with_judge = estimate_for_config(load_config(str(f)), prompt_len=32, device="cpu")
+    without = estimate_for_config(load_config(None), prompt_len=32, device="cpu")
+    assert without["reward_models"] == 0 and "rewards" not in without["phases"]
+    # the tiny judge: weights in float32 on the CPU, and its scoring batch
+    assert with_judge["reward_models"] == 4 * sum(
+        t.numel()
+        for t in peergrade.training.judge_local.load_local_backend(
+            str(judge_dir)
+        ).model.parameters()
+    )
+    assert with_judge["phases"]["rewards"] > with_judge["reward_models"]
+
+
+def test_a_training_run_with_a_judge_logs_its_fallbacks(tiny_model_dir, tmp_path):
+    """Two steps of the tiny model with the judge as its only reward, over HTTP: the first
+    step's judge answers, the second's endpoint is broken; metrics.jsonl shows both."""
+    from peergrade.config import load_config
+    from peergrade.training.trainer import train
+
+    broken = {"on": False}
+
+    def length_judge(messages):  # the first request is answered, every later one is not
+        if broken["on"]:
+            return "no JSON today"
+        broken["on"] = True
+        return json.dumps({"scores": [min(10.0, len(a)) for a in shown_answers(messages)]})
+
+    with serve(length_judge) as (_, url):
+        cfg = load_config(
+            None,
+            [
+                ("model.path", str(tiny_model_dir)),
+                ("rewards", [{"name": "judge", "kwargs": {"rubric": RUBRIC, "base_url": url}}]),
+                ("rollout.prompts_per_step", 1),
+                ("rollout.group_size", 2),
+                ("rollout.max_completion_length", 4),
+                ("train.steps", 2),
+                ("train.eval_size", 1),
+                ("train.eval_samples", 1),
+                ("train.display", "none"),
+                ("train.threads", 1),
+            ],
+        )
+        train(cfg, tmp_path / "run")
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"judge/fallbacks"' in line
+    ]
+    assert [r["judge/fallbacks"] for r in rows] == [0.0, 2.0]
+    assert rows[1]["reward/judge/mean"] == 0.5 and rows[1]["judge/failed_requests"] == 1.0
+
+
+def test_a_request_too_long_for_the_local_model_fails_alone(tmp_path):
+    from peergrade.model.tiny import save_tiny_model
+
+    d = save_tiny_model(tmp_path / "m", "qwen2", seed=0, max_position_embeddings=1024)
+    j = make_judge(rubric=RUBRIC, judge_model=str(d), max_tokens=8, device="cpu", dtype="float32")
+    long_prompt = "Tell me everything. " * 40
+    logged = {}
+    out = j(
+        ["Short?", "Short?", long_prompt, long_prompt],
+        ["a", "b", "c", "d"],
+        log_metric=logged.__setitem__,
+    )
+    assert logged["judge/failed_requests"] == 2.0  # the short one: unparsable; the long: too long
+    msgs = [build_messages(RUBRIC, q, ["a", "b"]) for q in ("Short?", long_prompt)]
+    short, long = j.ask(msgs, use_cache=False)
+    assert isinstance(short, str) and "exceeds" in str(long)
+    assert out == [0.5] * 4
+
+
+def test_audit_uses_the_rows_own_answers_and_judges_alone_with_group_false():
+    rows = [{"prompt": "Capital of France?", "answers": ["Paris.", "Lyon.", "Paris, France."]}]
+    seen = []
+
+    def fn(messages):
+        seen.append(shown_answers(messages))
+        return position_judge(messages)
+
+    report = audit_judge(Judge(FnBackend(fn), RUBRIC, group=False), rows)
+    assert report.answers == 3 and report.shuffles == 1
+    assert all(len(a) == 1 for a in seen) and ["Lyon."] in seen
+    # one answer per request: a judge that favours the first position cannot show it
+    assert report.figures["position_bias"] == 0.0 and report.figures["discrimination"] is None
+    assert not report.failed, report.format()
