@@ -623,6 +623,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            # YAML 1.1 (and so a YAML file or a command-line value) reads `off`/`on` as
+            # booleans; where 'off'/'on' is a choice, that is what was written
+            return "on" if value else "off"
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
