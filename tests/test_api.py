@@ -184,7 +184,8 @@ def test_every_mapped_field_sets_the_key_it_names():
         "ddp_timeout": 60,
         "model_init_kwargs": {"dtype": "bfloat16"},
     }
-    skip = {"num_train_epochs", "reward_weights", "eval_steps"}  # need rows / rewards / strategy
+    # need rows / rewards / strategy; read by GRPOTrainer.train
+    skip = {"num_train_epochs", "reward_weights", "eval_steps", "overwrite_output_dir"}
     assert set(changed) | skip == set(MAPPED)
 
     def flat(cfg) -> dict:
@@ -446,3 +447,56 @@ def test_native_api_trains_a_config(tmp_path):
     assert isinstance(cfg, peergrade.Config)
     summary = peergrade.train(cfg)
     assert summary["step"] == 1 and (tmp_path / "native" / "metrics.jsonl").is_file()
+
+
+def _tiny_args(out, **kw) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=4, gradient_checkpointing=False, save_strategy="no", **kw,
+    )  # fmt: skip
+
+
+def _zero(completions, **kw):
+    return [0.0 for _ in completions]
+
+
+def test_ctrl_c_saves_raises_and_resumes_and_overwrite_replaces_as_in_trl(tmp_path, capsys):
+    """Ctrl-C in train(): the step finishes, a checkpoint is saved, KeyboardInterrupt is
+    raised (a script does not go on to save a half-trained model as final) and the hint is
+    Python; a rerun is refused in Python's words, resumed with resume_from_checkpoint=True
+    (or the checkpoint's path), replaced with overwrite_output_dir=True."""
+    import os
+    import signal
+
+    from peergrade import GRPOTrainer
+    from peergrade.training.checkpoint import RunDirError
+
+    out = tmp_path / "run"
+
+    class CtrlC:
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    trainer = GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2),
+                          callbacks=[CtrlC()])  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    said = capsys.readouterr()
+    assert "resume_from_checkpoint=" in said.out + said.err
+    assert "peergrade train --resume" not in said.out + said.err
+    assert (out / "checkpoints" / "step-1").is_dir()
+
+    again = GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2))
+    with pytest.raises(RunDirError, match=r"overwrite_output_dir=True.*resume_from_checkpoint"):
+        again.train()
+    with pytest.raises(RunDirError, match="resumes a run from its last checkpoint"):
+        again.train(resume_from_checkpoint=str(out / "checkpoints" / "step-0"))
+    result = again.train(resume_from_checkpoint=str(out / "checkpoints" / "step-1"))
+    assert result.global_step == 3
+    assert [h["step"] for h in again.state.log_history] == [2, 3]
+
+    fresh = GRPOTrainer(str(BUNDLED_MODEL), _zero,
+                        _tiny_args(out, max_steps=1, overwrite_output_dir=True), _rows(2))  # fmt: skip
+    assert fresh.train().global_step == 1
+    assert not (out / "checkpoints" / "step-3").exists()  # replaced, not continued

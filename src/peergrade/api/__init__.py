@@ -158,6 +158,11 @@ MAPPED: dict[str, tuple[str, str]] = {
     "use_cpu": ("model.device", "True = cpu"),
     "ddp_timeout": ("dist.timeout_s", "as is (seconds)"),
     "model_init_kwargs": ("model.dtype", "{dtype: ...} (or torch_dtype); no other key"),
+    "overwrite_output_dir": (
+        "train.output_dir",
+        "True: `train()` replaces an existing, non-empty output_dir (as `peergrade train "
+        "--overwrite`) instead of refusing it (a transformers 4 field)",
+    ),
 }
 
 _VLLM = "peergrade samples with its own batched KV-cache sampler (no vLLM)"
@@ -205,7 +210,6 @@ IGNORED: dict[str, str] = {
     "full_determinism": "peergrade's sampling is a function of (seed, step, prompt, sample)",
     "resume_from_checkpoint": "pass trainer.train(resume_from_checkpoint=True)",
     "save_on_each_node": "rank 0 writes checkpoints",
-    "overwrite_output_dir": "a transformers 4 field: `peergrade train --overwrite` replaces a run",
     "log_completions_hub_repo": _HUB,
 }
 
@@ -379,6 +383,7 @@ class GRPOConfig:
     ddp_timeout: int = 1800
     model_init_kwargs: dict | None = None
     logging_steps: int = 10  # read for eval_steps=None, as TRL does; else report-only
+    overwrite_output_dir: bool = False
 
     def __init__(self, output_dir: str | None = None, **kwargs):
         for f in dataclasses.fields(self):
@@ -701,7 +706,6 @@ _IGNORED_DEFAULTS: dict[str, Any] = {
     "local_rank": -1,
     "full_determinism": False,
     "save_on_each_node": False,
-    "overwrite_output_dir": False,
 }
 
 #: values of refused fields that ask for exactly what peergrade does anyway
@@ -878,21 +882,40 @@ class GRPOTrainer:
             self._call("on_step_end")
         self._call("on_log", logs=logs)
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
-        """Train (or resume the run in output_dir: ``resume_from_checkpoint=True`` or its path)."""
+    def train(
+        self, resume_from_checkpoint: bool | str | None = None, trial=None, **kwargs
+    ) -> TrainOutput:
+        """Train into ``output_dir``, as TRL does: ``resume_from_checkpoint=True`` continues the
+        run in ``output_dir`` from its last checkpoint; a path is that run directory or its last
+        checkpoint (``output_dir/checkpoints/step-N``). An existing, non-empty ``output_dir`` is
+        replaced with ``GRPOConfig(overwrite_output_dir=True)``, else refused. Ctrl-C finishes
+        the step, saves a checkpoint and raises ``KeyboardInterrupt``, as TRL's ``train`` does."""
+        from peergrade.training.checkpoint import RunDirError
         from peergrade.training.trainer import train
 
-        run_dir = self.config.train.output_dir
-        if isinstance(resume_from_checkpoint, str):
-            run_dir = resume_from_checkpoint
+        if trial is not None or kwargs:
+            given = ["trial"] * (trial is not None) + sorted(kwargs)
+            raise ConfigError(
+                f"GRPOTrainer.train: {', '.join(given)} not supported (hyperparameter search "
+                "and transformers 4's model_path are not part of peergrade)"
+            )
+        run_dir, resume = _resume_target(self.config.train.output_dir, resume_from_checkpoint)
+        overwrite = bool(self.args.overwrite_output_dir) and not resume
         self._call("on_train_begin")
-        summary = train(
-            self.config,
-            Path(run_dir),
-            resume=bool(resume_from_checkpoint),
-            run=self._run,
-            on_log=self._on_log,
-        )
+        try:
+            summary = train(
+                self.config,
+                run_dir,
+                resume=resume,
+                overwrite=overwrite,
+                run=self._run,
+                on_log=self._on_log,
+                resume_hint=f"trainer.train(resume_from_checkpoint={str(run_dir)!r})",
+            )
+        except RunDirError as e:  # the command line's advice, said in Python
+            raise RunDirError(_in_python(str(e))) from None
+        if summary.get("interrupted"):  # the checkpoint is saved and the hint printed
+            raise KeyboardInterrupt
         self._call("on_train_end")
         losses = [h["loss/policy"] for h in self.state.log_history if "loss/policy" in h]
         loss = sum(losses) / len(losses) if losses else 0.0
@@ -906,6 +929,42 @@ class GRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(out))
         save_tokenizer(self.processing_class, out)
+
+
+def _resume_target(output_dir: str, resume_from_checkpoint) -> tuple[Path, bool]:
+    """(run directory, resume?) for TRL's ``resume_from_checkpoint``: None/False = a new run
+    in output_dir; True = output_dir's last checkpoint; a path = a run directory or its last
+    checkpoint (peergrade resumes exactly, so only from a run's last checkpoint)."""
+    from peergrade.training.checkpoint import RunDirError, latest_checkpoint
+
+    if resume_from_checkpoint in (None, False):
+        return Path(output_dir), False
+    if resume_from_checkpoint is True:
+        return Path(output_dir), True
+    path = Path(resume_from_checkpoint)
+    if path.parent.name == "checkpoints" and path.name.startswith("step-"):
+        run_dir = path.parent.parent
+        last = latest_checkpoint(run_dir)
+        if last is not None and last.resolve() != path.resolve():
+            raise RunDirError(
+                f"resume_from_checkpoint={str(path)!r}: peergrade resumes a run from its last "
+                f"checkpoint ({last}), so that the resumed run is the one never stopped; pass "
+                f"{str(run_dir)!r} or True"
+            )
+        return run_dir, True
+    return path, True
+
+
+def _in_python(message: str) -> str:
+    """A run-directory message's command-line advice in the Python API's words."""
+    for cli, python in (
+        ("pass --overwrite", "pass GRPOConfig(overwrite_output_dir=True)"),
+        ("with --overwrite", "with GRPOConfig(overwrite_output_dir=True)"),
+        ("--resume to continue it", "trainer.train(resume_from_checkpoint=True) to continue it"),
+        ("pass --train.steps N", "set max_steps higher"),
+    ):
+        message = message.replace(cli, python)
+    return message
 
 
 #: peergrade metric -> the name TRL logs it under (both are in log_history)

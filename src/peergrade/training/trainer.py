@@ -700,12 +700,14 @@ def train(
     overwrite: bool = False,
     run: Run | None = None,
     on_log=None,
+    resume_hint: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) training into ``run_dir``; returns the final summary.
 
     A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
     it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
-    it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets."""
+    it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets;
+    ``resume_hint``: how the caller continues an interrupted run (default: the command line)."""
     t, P = cfg.train, cfg.rollout.prompts_per_step
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
@@ -787,13 +789,14 @@ def train(
         out.save(run, step, extra(step))
     if interrupted:
         metrics_log.close()
+        again = resume_hint or f"peergrade train --resume {out.path}"
         display.print(
             f"interrupted: checkpoint saved at step {step} in {out.path}; "
-            f"continue with: peergrade train --resume {out.path}"
+            f"continue with: {again}"
             if step > 0
             else f"interrupted before the first step finished: nothing saved in {out.path}; "
-            f"start it again with: peergrade train --resume {out.path} (from step 0), or "
-            "replace it with --overwrite",
+            f"start it again with: {again} (from step 0)"
+            + ("" if resume_hint else ", or replace it with --overwrite"),
             always=True,
         )
         return {"interrupted": True, "step": step, "run_dir": str(out.path)}
