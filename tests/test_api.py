@@ -500,3 +500,26 @@ def test_ctrl_c_saves_raises_and_resumes_and_overwrite_replaces_as_in_trl(tmp_pa
                         _tiny_args(out, max_steps=1, overwrite_output_dir=True), _rows(2))  # fmt: skip
     assert fresh.train().global_step == 1
     assert not (out / "checkpoints" / "step-3").exists()  # replaced, not continued
+
+
+def test_every_peergrade_key_is_settable_from_grpoconfig_and_checked():
+    """peergrade={dotted key: value}: the keys TRL has no field for, checked like a YAML file's."""
+    cfg = GRPOConfig(max_steps=2, peergrade={
+        "rollout.async_steps": 1, "rollout.dynamic_sampling": True, "env.tool_timeout": 5,
+        "env.max_tool_output_chars": 100, "train.audit_rewards": "fail",
+    }).to_config()  # fmt: skip
+    assert cfg.rollout.async_steps == 1 and cfg.rollout.dynamic_sampling
+    assert cfg.env.tool_timeout == 5.0 and cfg.env.max_tool_output_chars == 100
+    assert cfg.train.audit_rewards == "fail"
+    with pytest.raises(ConfigError, match=r"peergrade\['rollout.async_step'\].*did you mean "
+                                          r"'rollout.async_steps'"):  # fmt: skip
+        GRPOConfig(peergrade={"rollout.async_step": 1})
+    with pytest.raises(ConfigError, match="rollout.async_steps: expected an integer"):
+        GRPOConfig(peergrade={"rollout.async_steps": "soon"})
+    with pytest.raises(ConfigError, match="set from TRL's num_generations"):
+        GRPOConfig(peergrade={"rollout.group_size": 4})
+    with pytest.raises(ConfigError, match="set from TRL's bf16"):  # bf16=False is autocast off
+        GRPOConfig(peergrade={"model.autocast": "off"})
+    # a peergrade key given as a field says where it goes
+    with pytest.raises(ConfigError, match=r"peergrade=\{'rollout.async_steps'"):
+        GRPOConfig(async_steps=1)

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from peergrade.config import PYTHON_ONLY, Config, ConfigError, load_config
+from peergrade.config import PYTHON_ONLY, Config, ConfigError, all_keys, load_config
 
 __all__ = [
     "GRPOConfig",
@@ -384,6 +384,7 @@ class GRPOConfig:
     model_init_kwargs: dict | None = None
     logging_steps: int = 10  # read for eval_steps=None, as TRL does; else report-only
     overwrite_output_dir: bool = False
+    peergrade: dict[str, Any] | None = None  # any peergrade key: {"rollout.async_steps": 1}
 
     def __init__(self, output_dir: str | None = None, **kwargs):
         for f in dataclasses.fields(self):
@@ -392,6 +393,9 @@ class GRPOConfig:
         ignored: list[str] = []
         for name, value in kwargs.items():
             kind = _field_kind(name)
+            if name == "peergrade":
+                self.peergrade = _check_native(value)
+                continue
             if name == "logging_steps" or kind == "mapped":
                 setattr(self, name, value)
             if kind == "ignored" and value != _trl_default(name):
@@ -404,6 +408,9 @@ class GRPOConfig:
             elif not kind:
                 close = difflib.get_close_matches(name, list(_all_fields()), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
+                native = [k for k in all_keys() if k.rsplit(".", 1)[-1] == name]
+                if native:  # one of peergrade's own keys, by its last part
+                    hint = f"; a peergrade key: GRPOConfig(peergrade={{{native[0]!r}: ...}})"
                 if name in _ELSEWHERE:
                     hint = f" ({_ELSEWHERE[name]})"
                 raise ConfigError(f"GRPOConfig has no field {name!r}{hint}")
@@ -564,6 +571,7 @@ class GRPOConfig:
         dtype = _model_dtype(self.model_init_kwargs)
         if dtype is not None:
             out.append(("model.dtype", dtype))
+        out.extend((self.peergrade or {}).items())  # last: peergrade's own keys, as given
         return out
 
     def to_config(self, num_rows: int | None = None) -> Config:
@@ -594,6 +602,61 @@ class GRPOConfig:
 
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+#: peergrade keys that GRPOTrainer's arguments set; with MAPPED's, not settable through
+#: ``peergrade={...}``, so that one setting has one place
+_SET_BY_TRL = {
+    "rollout.prompts_per_step": "per_device_train_batch_size / gradient_accumulation_steps",
+    "optim.minibatch_size": "gradient_accumulation_steps",
+    "rewards": "GRPOTrainer(reward_funcs=...) and reward_weights",
+    "model.path": "GRPOTrainer(model=...)",
+    "data.path": "GRPOTrainer(train_dataset=...)",
+    "data.eval_path": "GRPOTrainer(eval_dataset=...)",
+    "env.tools": "GRPOTrainer(tools=...)",
+    "env.factory": "GRPOTrainer(environment_factory=...)",
+}
+
+
+def _set_by_trl() -> dict[str, str]:
+    out = {key.split("[")[0]: field for field, (key, _) in MAPPED.items()}
+    out.update(_SET_BY_TRL)
+    return out
+
+
+def _check_native(value) -> dict[str, Any]:
+    """``GRPOConfig(peergrade={...})``: dotted peergrade keys (docs/config.md), each checked
+    now as a YAML file's would be (unknown key: an error with the nearest one; a wrong type:
+    the key and what it takes). A key a TRL field sets is refused, naming that field."""
+    from peergrade.config import _build, _set_path
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"GRPOConfig: peergrade must be a mapping of peergrade keys, e.g. "
+            f"{{'rollout.async_steps': 1}}, got {value!r}"
+        )
+    tree: dict = {}
+    for key, v in value.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"GRPOConfig: peergrade key {key!r} is not a dotted name")
+        owner = next(
+            (f for k, f in _set_by_trl().items() if key == k or key.startswith(k + ".")), None
+        )
+        if owner is not None or key.startswith("rewards["):
+            raise ConfigError(
+                f"GRPOConfig: peergrade[{key!r}] is set from TRL's {owner or 'reward_funcs'}: "
+                "set that instead"
+            )
+        try:
+            _set_path(tree, key, v)
+        except ConfigError as e:
+            raise ConfigError(f"GRPOConfig: peergrade[{key!r}]: {e}") from None
+    try:
+        _build(Config, tree)  # every value's type, named by its key
+    except ConfigError as e:
+        raise ConfigError(f"GRPOConfig: peergrade={{...}}: {e}") from None
+    return dict(value)
 
 
 def _choice(name: str, value, valid) -> Any:
@@ -1354,6 +1417,29 @@ def trl_mapping_markdown() -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name, (key, how) in MAPPED.items():
         lines.append(f"| `{name}` | `{defaults.get(name)!r}` | `{key}` | {how} |")
+    lines += [
+        "",
+        "## peergrade's own settings",
+        "",
+        "Every other peergrade config key ([the config reference](config.md)) is set with the "
+        "`peergrade` field: a mapping of dotted keys, checked as a YAML file's are (an unknown "
+        "key is an error naming the nearest one; a value of the wrong type names the key). A "
+        "key that a TRL field above sets is refused, naming that field.",
+        "",
+        "```python",
+        "GRPOConfig(",
+        '    output_dir="run", max_steps=100,',
+        "    peergrade={",
+        '        "rollout.async_steps": 1,           # pipelined rollouts',
+        '        "rollout.dynamic_sampling": True,   # refill groups whose rewards agree',
+        '        "model.logprob_chunk_size": 256,    # memory of the log-prob pass',
+        '        "env.tool_timeout": 10.0,           # seconds per tool call',
+        '        "env.max_tool_output_chars": 2000,  # tool output cap',
+        '        "train.audit_rewards": "fail",',
+        "    },",
+        ")",
+        "```",
+    ]
     lines += [
         "",
         "## Fields ignored with a warning",
