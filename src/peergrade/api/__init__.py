@@ -1421,7 +1421,7 @@ def trl_mapping_markdown() -> str:
         "",
         "## peergrade's own settings",
         "",
-        "Every other peergrade config key ([the config reference](config.md)) is set with the "
+        "Every other peergrade config key ([the config reference](reference/configuration.md)) is set with the "
         "`peergrade` field: a mapping of dotted keys, checked as a YAML file's are (an unknown "
         "key is an error naming the nearest one; a value of the wrong type names the key). A "
         "key that a TRL field above sets is refused, naming that field.",
