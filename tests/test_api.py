@@ -183,6 +183,7 @@ def test_every_mapped_field_sets_the_key_it_names():
         "use_cpu": True,
         "ddp_timeout": 60,
         "model_init_kwargs": {"dtype": "bfloat16"},
+        "disable_dropout": True,
     }
     # need rows / rewards / strategy; read by GRPOTrainer.train
     skip = {"num_train_epochs", "reward_weights", "eval_steps", "overwrite_output_dir"}
@@ -523,3 +524,47 @@ def test_every_peergrade_key_is_settable_from_grpoconfig_and_checked():
     # a peergrade key given as a field says where it goes
     with pytest.raises(ConfigError, match=r"peergrade=\{'rollout.async_steps'"):
         GRPOConfig(async_steps=1)
+
+
+def test_length_limits_beyond_the_context_fail_when_the_trainer_is_built(tmp_path):
+    """TRL's default max_completion_length (512) on the bundled model (512 positions): an
+    error naming max_completion_length and the model's limit at GRPOTrainer(...), before any
+    evaluation or run directory; eval_strategy without eval data is TRL's error."""
+    from peergrade import GRPOTrainer
+
+    out = tmp_path / "run"
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
+                      max_steps=1)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"max_completion_length.*= 512.*context of 512 tokens"
+                                          r".*at most 256"):  # fmt: skip
+        GRPOTrainer(str(BUNDLED_MODEL), _zero, args, _rows(2))
+    assert not out.exists()
+    # a loaded model object: its config says the same
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL))
+    with pytest.raises(ConfigError, match="context of 512 tokens"):
+        GRPOTrainer(model, _zero, args, _rows(2))
+    with pytest.raises(ConfigError, match=r"eval_strategy='steps'.*no eval_dataset"):
+        GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, eval_strategy="steps"), _rows(2))
+
+
+def test_disable_dropout_sets_the_policys_dropout_to_zero(tmp_path):
+    import json
+    import shutil
+
+    from peergrade import GRPOTrainer
+
+    model = tmp_path / "dropout"
+    shutil.copytree(BUNDLED_MODEL, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["attention_dropout"] = 0.3
+    (model / "config.json").write_text(json.dumps(cfg))
+    attn = [m for m in GRPOTrainer(str(model), _zero, _tiny_args(tmp_path / "a", max_steps=1),
+                                   _rows(2)).model.modules() if hasattr(m, "attention_dropout")]
+    assert attn and all(m.attention_dropout == 0.3 for m in attn)  # kept by default, as TRL
+    trainer = GRPOTrainer(str(model), _zero,
+                          _tiny_args(tmp_path / "b", max_steps=1, disable_dropout=True), _rows(2))
+    attn = [m for m in trainer.model.modules() if hasattr(m, "attention_dropout")]
+    assert attn and all(m.attention_dropout == 0.0 for m in attn)
+    assert trainer.config.model.disable_dropout

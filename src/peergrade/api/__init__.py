@@ -158,6 +158,11 @@ MAPPED: dict[str, tuple[str, str]] = {
     "use_cpu": ("model.device", "True = cpu"),
     "ddp_timeout": ("dist.timeout_s", "as is (seconds)"),
     "model_init_kwargs": ("model.dtype", "{dtype: ...} (or torch_dtype); no other key"),
+    "disable_dropout": (
+        "model.disable_dropout",
+        "as is. Sampling, evaluation and the reference always run in eval mode (no dropout); "
+        "True also sets the policy's dropout to 0 for the update's train-mode forwards",
+    ),
     "overwrite_output_dir": (
         "train.output_dir",
         "True: `train()` replaces an existing, non-empty output_dir (as `peergrade train "
@@ -272,7 +277,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "debug": ("", _NO),
     "trust_remote_code": (False, "a standard transformers architecture (no remote code)"),
     "router_aux_loss_coef": (None, _NO),
-    "disable_dropout": (False, _NO),
     "cast_lm_head_to_fp32": (False, "model.dtype: float32"),
     "shuffle_dataset": (True, "peergrade always shuffles the training rows"),
     "min_p": (None, "top_p, top_k"),
@@ -383,6 +387,7 @@ class GRPOConfig:
     ddp_timeout: int = 1800
     model_init_kwargs: dict | None = None
     logging_steps: int = 10  # read for eval_steps=None, as TRL does; else report-only
+    disable_dropout: bool = False
     overwrite_output_dir: bool = False
     peergrade: dict[str, Any] | None = None  # any peergrade key: {"rollout.async_steps": 1}
 
@@ -559,6 +564,7 @@ class GRPOConfig:
             ("model.gradient_checkpointing", self.gradient_checkpointing),
             ("model.autocast", {True: "bf16", False: "off", None: "auto"}[self.bf16]),
             ("dist.timeout_s", float(self.ddp_timeout)),
+            ("model.disable_dropout", self.disable_dropout),
         ]
         if self.max_prompt_length is not None:
             out.append(("data.max_prompt_length", self.max_prompt_length))
@@ -874,6 +880,12 @@ class GRPOTrainer:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         items, fns = _reward_items(funcs, self.args.reward_weights)
         task = FileTask(data=train_dataset, eval_data=eval_dataset)
+        if self.args.eval_strategy != "no" and not task.has_eval:  # as transformers' Trainer
+            raise ConfigError(
+                f"GRPOConfig: eval_strategy={self.args.eval_strategy!r} but GRPOTrainer got no "
+                "eval_dataset (nor a DatasetDict with a test split): pass eval_dataset=... or "
+                "set eval_strategy='no'"
+            )
         overrides = self.args.to_overrides(len(task))
         overrides.append(("rewards", items))
         # recorded in config.yaml as in-memory data, so a command-line resume stops with an

@@ -109,6 +109,13 @@ class ModelConfig:
         "otherwise (tiny models run slower in bf16). See bench/bf16_cpu.py.",
         "auto",
     )
+    disable_dropout: bool = doc(
+        "Set every dropout probability of the policy to 0 (TRL's disable_dropout). Sampling, "
+        "evaluation and the reference always run in eval mode (no dropout); the update's "
+        "forwards run in train mode, where the model's own dropout applies unless this is set "
+        "(most causal LMs, e.g. Llama, Qwen2 and SmolLM2, configure 0 dropout).",
+        False,
+    )
     shared_prompt_forward: bool = doc(
         "Log-prob passes (update, reference, old policy) run each distinct prompt of a "
         "micro-batch once and its completions against the expanded KV cache, kept in the "

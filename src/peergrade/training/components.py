@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peergrade import distributed as dist
-from peergrade.config import Config
+from peergrade.config import Config, ConfigError
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
@@ -215,6 +215,8 @@ def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
     else:
         tokenizer = prepare_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(path)
         policy = prepare_model(policy, device=device, gradient_checkpointing=gc)
+    if cfg.model.disable_dropout:
+        disable_dropout(policy)
     reference = None
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
@@ -230,6 +232,65 @@ def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
     # FSDP2 under torchrun shards both (before the optimizer sees the parameters)
     return Models(dist.prepare(policy), tokenizer, dist.prepare(reference), device)
+
+
+def disable_dropout(model) -> None:
+    """Every dropout of ``model`` at probability 0: ``nn.Dropout`` modules and the attention
+    dropout transformers' attention layers read from an attribute (TRL's disable_dropout)."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+def model_context(cfg: Config, policy=None) -> tuple[int | None, str]:
+    """(the model's context in tokens, where it comes from): ``max_position_embeddings`` of
+    the given policy's config, else of ``model.path``'s config.json (read without loading the
+    weights); None where neither says (a GGUF file: checked once it is loaded)."""
+    import json
+    from pathlib import Path
+
+    if policy is not None:
+        config = getattr(policy, "config", None)
+        return getattr(config, "max_position_embeddings", None), "the model"
+    path = Path(resolve_model_path(cfg.model.path))
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, str(path)
+    context = config.get("max_position_embeddings")
+    return (context if isinstance(context, int) else None), f"{path}/config.json"
+
+
+def check_context(cfg: Config, policy=None) -> None:
+    """A prompt of ``data.max_prompt_length`` tokens and a completion of
+    ``rollout.max_completion_length`` must fit the model's context, else sampling fails
+    mid-run: an error naming both and the model's limit, before anything runs."""
+    context, where = model_context(cfg, policy)
+    if context is None:
+        return
+    completion, prompt = cfg.rollout.max_completion_length, cfg.data.max_prompt_length
+    if completion + prompt <= context:
+        return
+    room = context - prompt
+    advice = (
+        f"lower max_completion_length (rollout.max_completion_length) to at most {room}"
+        if room >= 1
+        else "lower data.max_prompt_length (TRL: max_prompt_length)"
+    )
+    raise ConfigError(
+        f"max_completion_length (rollout.max_completion_length) = {completion} plus "
+        f"max_prompt_length (data.max_prompt_length) = {prompt} is more than the model's "
+        f"context of {context} tokens (max_position_embeddings in {where}): {advice}, or "
+        "max_prompt_length, or use a model with a longer context"
+    )
 
 
 def epoch_metric(task, rows_used: int) -> dict[str, float]:

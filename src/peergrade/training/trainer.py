@@ -82,6 +82,7 @@ from peergrade.training.components import (  # importable from here too: Given, 
     build_few_shot,
     build_rewards,
     build_task,
+    check_context,
     check_env_template,
     encode_rows,
     env_reward_spec,
@@ -176,7 +177,9 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     few_shot = build_few_shot(cfg, task)
     if make_env is not None:  # a template that cannot render tool turns fails before the model
         check_env_template(cfg, given.tokenizer)
+    check_context(cfg, given.policy)  # before the model loads, where its config says
     models = setup_models(cfg, given.policy, given.tokenizer)
+    check_context(cfg, models.policy)  # a GGUF file's context, known once loaded
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
     optimizer = build_optimizer(trainable, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg)
