@@ -568,3 +568,18 @@ def test_disable_dropout_sets_the_policys_dropout_to_zero(tmp_path):
     attn = [m for m in trainer.model.modules() if hasattr(m, "attention_dropout")]
     assert attn and all(m.attention_dropout == 0.0 for m in attn)
     assert trainer.config.model.disable_dropout
+
+
+def test_progress_line_counts_the_steps_log_history_counts(tmp_path, capsys):
+    """Two optimizer steps per generation step: the progress line and log_history both count
+    TRL's optimizer steps (2/4, 4/4), not peergrade's generation steps (1/2, 2/2)."""
+    from peergrade import GRPOTrainer
+
+    args = _tiny_args(tmp_path / "run", max_steps=4, steps_per_generation=4,
+                      gradient_accumulation_steps=2)  # fmt: skip
+    trainer = GRPOTrainer(str(BUNDLED_MODEL), _zero, args, _rows(4))
+    assert trainer.config.train.steps == 2 and trainer.state.max_steps == 4
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history] == [2, 4]
+    shown = re.findall(r"^step (\d+)/(\d+) ", capsys.readouterr().out, re.M)
+    assert shown == [("2", "4"), ("4", "4")]

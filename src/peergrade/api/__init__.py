@@ -986,6 +986,7 @@ class GRPOTrainer:
                 run=self._run,
                 on_log=self._on_log,
                 resume_hint=f"trainer.train(resume_from_checkpoint={str(run_dir)!r})",
+                count_steps=self._global_step,  # the progress line counts as log_history
             )
         except RunDirError as e:  # the command line's advice, said in Python
             raise RunDirError(_in_python(str(e))) from None

@@ -704,13 +704,16 @@ def train(
     run: Run | None = None,
     on_log=None,
     resume_hint: str | None = None,
+    count_steps=None,
 ) -> dict[str, Any]:
     """Run (or resume) training into ``run_dir``; returns the final summary.
 
     A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
     it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
     it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets;
-    ``resume_hint``: how the caller continues an interrupted run (default: the command line)."""
+    ``resume_hint``: how the caller continues an interrupted run (default: the command line);
+    ``count_steps(step)``: the step number the progress line shows (the Python API: TRL's
+    optimizer steps, as its log_history)."""
     t, P = cfg.train, cfg.rollout.prompts_per_step
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
@@ -722,13 +725,13 @@ def train(
     held_out = HeldOut.of(run)
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
     display_mode = t.display if dist.is_main() else "none"
-    display = Display(display_mode, t.steps)
+    display = Display(display_mode, t.steps, count=count_steps)
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume, on_log=on_log)
     evaluate_start(held_out, out, display, metrics_log, detectors)
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
-    display = Display(display_mode, t.steps, start_step)
+    display = Display(display_mode, t.steps, start_step, count=count_steps)
 
     if cfg.rollout.dynamic_sampling:  # fill_step's require_one, as the checkpoint left it
         run.informative_seen = out.trainer_state.get("dynamic_informative_seen", False)
