@@ -504,6 +504,13 @@ class EnvConfig:
         "as the data and its rewards as the reward 'verifiers_reward'.",
         None,
     )
+    unrendered_tools: bool = doc(
+        "Train tools with a chat template that does not render tool schemas: the model never "
+        "sees them, so it must know the tools already (a warm-up, as bundled:tiny-calc and "
+        "configs/smollm2-calculator.yaml). false: such a template is an error before the "
+        "model loads (docs/environments.md, 'A template that shows the tools').",
+        False,
+    )
     max_tool_calling_iterations: int | None = doc(
         "Rounds of tool calls per episode (TRL's name); a turn that calls tools after that many "
         "ends the episode. null = no limit.",

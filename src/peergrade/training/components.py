@@ -164,16 +164,21 @@ def env_reward_spec(make_env) -> list[RewardSpec]:
     return make_reward_specs([(env_reward, 1.0, {}, "env")])
 
 
-def check_env_template(cfg: Config, tokenizer=None) -> None:
-    """The chat template can render episodes token-exactly (``envs.check_template``), checked
-    on the tokenizer alone (``model.path``'s unless one is given), before the model loads. A
-    model's own extra end-of-turn ids (its generation config) are checked again when episodes
-    run."""
+def check_env_template(cfg: Config, tokenizer=None, make_env=None) -> None:
+    """The chat template can render episodes token-exactly (``envs.check_template``) and shows
+    the tools to the model (``envs.template.check_tools_rendered``, unless
+    ``env.unrendered_tools``), checked on the tokenizer alone (``model.path``'s unless one is
+    given), before the model loads. A model's own extra end-of-turn ids (its generation
+    config) are checked again when episodes run."""
+    from peergrade.envs.template import check_tools_rendered
+
     if tokenizer is None:
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     eos = tokenizer.eos_token_id
     with user_input("model"):
         check_template(tokenizer, eos_ids=[] if eos is None else [eos])
+        if not cfg.env.unrendered_tools:
+            check_tools_rendered(tokenizer, getattr(make_env, "tool_schemas", None) or [])
 
 
 def episode_rows(cfg: Config, task, rows: list[dict]) -> list[dict]:

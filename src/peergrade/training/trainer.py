@@ -176,7 +176,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
     if make_env is not None:  # a template that cannot render tool turns fails before the model
-        check_env_template(cfg, given.tokenizer)
+        check_env_template(cfg, given.tokenizer, make_env)
     check_context(cfg, given.policy)  # before the model loads, where its config says
     models = setup_models(cfg, given.policy, given.tokenizer)
     check_context(cfg, models.policy)  # a GGUF file's context, known once loaded
