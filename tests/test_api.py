@@ -583,3 +583,36 @@ def test_progress_line_counts_the_steps_log_history_counts(tmp_path, capsys):
     assert [h["step"] for h in trainer.state.log_history] == [2, 4]
     shown = re.findall(r"^step (\d+)/(\d+) ", capsys.readouterr().out, re.M)
     assert shown == [("2", "4"), ("4", "4")]
+
+
+def test_first_bf16_step_that_moves_the_model_far_more_than_float32_raises_an_alert(tmp_path):
+    """A model whose weights sit on bfloat16 midpoints (a de-quantised GGUF's), trained with
+    bf16 autocast at TRL's lr 1e-6: the first step's line has the probe's numbers and the
+    bf16_update alert; after round_bf16_ties (what `peergrade convert` writes) it has neither."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peergrade import GRPOTrainer
+    from peergrade.model.gguf import round_bf16_ties
+
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+    lines = {}
+    for name in ("ties", "rounded"):
+        model = AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL), dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(((p.view(torch.int32) & -65536) | 0x8000).view(torch.float32))
+        if name == "rounded":
+            round_bf16_ties(model)
+        args = _tiny_args(tmp_path / name, max_steps=1, bf16=True, learning_rate=1e-6)
+        trainer = GRPOTrainer(model, _zero_one, args, _rows(2), processing_class=tok)
+        trainer.train()
+        lines[name] = trainer.state.log_history[0]
+    assert lines["ties"]["precision/bf16_step_ratio"] > 30
+    assert "bf16_update" in lines["ties"]["alerts"]
+    assert lines["rounded"]["precision/bf16_step_ratio"] < 3
+    assert "bf16_update" not in lines["rounded"].get("alerts", {})
+
+
+def _zero_one(completions, **kw):  # rewards that differ, so that the update moves the weights
+    return [float(i % 2) for i in range(len(completions))]

@@ -424,6 +424,11 @@ class AlertConfig:
         "ratio_blowup: largest per-token importance ratio (ratio/max) above this on any step.",
         10.0,
     )
+    bf16_step_max: float = doc(
+        "bf16_update: on the first step under bf16 autocast, the bf16 casts of the weights "
+        "moved more than this many times as far as the float32 weights.",
+        3.0,
+    )
 
 
 @dataclass

@@ -671,6 +671,18 @@ def open_run_dir(run: Run, out: RunDir, display, detectors, *, resume: bool, ove
     return 0
 
 
+def bf16_probe(run: Run):
+    """A ``precision.Bf16StepProbe`` of the policy when its forwards run under bf16 autocast
+    with float32 weights, else None."""
+    from peergrade.training.precision import Bf16StepProbe
+    from peergrade.training.update import use_bf16_autocast
+
+    policy = run.models.policy
+    if not use_bf16_autocast(run.cfg.model.autocast, run.models.device, policy):
+        return None
+    return Bf16StepProbe(policy)
+
+
 def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detectors) -> None:
     """The run header (components.run_header), then the starting model on the held-out split,
     once per run (a resumed run has it)."""
@@ -747,6 +759,8 @@ def train(
             return None
         return {pipeline.VERSIONS_FILE: producer.checkpoint_versions(step)}
 
+    # the first step's update under bf16 autocast, against the float32 one (detector bf16_update)
+    probe = bf16_probe(run) if start_step == 0 else None
     try:
         with stop.installed(display):
             for step in range(start_step + 1, t.steps + 1):
@@ -756,6 +770,9 @@ def train(
                 else:
                     result = pipelined_step(run, producer, step)
                 m = result.metrics
+                if probe is not None:
+                    m.update(probe.metrics())
+                    probe = None
                 if cfg.rollout.dynamic_sampling:
                     out.trainer_state["dynamic_informative_seen"] = run.informative_seen
                     if m["dynamic/unfilled_groups"] and not told_unfilled:
