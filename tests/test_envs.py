@@ -494,7 +494,10 @@ class Counter:
 def test_parse_tool_calls(text, n_calls, n_errors):
     content, calls, errors = parse_tool_calls(text)
     assert (len(calls), len(errors)) == (n_calls, n_errors)
-    assert "<tool_call>" not in content
+    # a well-formed call leaves the content; a malformed one stays in it as the model wrote it
+    assert ("<tool_call>" in content) == bool(n_errors)
+    if n_errors:
+        assert text.strip() in content or content in text
     for c in calls:
         assert c["type"] == "function" and isinstance(c["function"]["arguments"], dict)
 
@@ -516,7 +519,8 @@ def test_tool_environment_runs_every_call_and_reports_failures():
     assert [m["content"] for m in st.messages[:2]] == ["42", "3"]
     assert "boom" in st.messages[2]["content"] and "not found" in st.messages[3]["content"]
     assert "error" in st.messages[4]["content"] and "error" in st.messages[5]["content"]
-    assert msg["content"] == "ok" and len(msg["tool_calls"]) == 5
+    # the malformed call's text stays in the message (logs, report, rewards see it)
+    assert msg["content"] == "ok <tool_call>{bad</tool_call>" and len(msg["tool_calls"]) == 5
     st = asyncio.run(env.step({"role": "assistant", "content": "42"}))
     assert st.done and st.finish_reason == "answer"
 
