@@ -977,3 +977,25 @@ def test_episode_metrics():
         "episode/stop_reason/length": 0.5,
     }
     assert episode_metrics([ep("done", 1, 0, 0, [1])])["tools/failure_frequency"] == 0.0
+
+
+def test_an_env_file_importing_a_sibling_module_loads_from_anywhere(tmp_path, monkeypatch):
+    """`from helpers import ...` in my_env.py works as `python my_env.py` would: the file's
+    folder is importable, wherever peergrade runs from (it was 'pip install helpers')."""
+    from peergrade.envs.load import load_object
+
+    d = tmp_path / "proj"
+    d.mkdir()
+    (d / "calc_helpers_34.py").write_text("def double(x):\n    return 2 * x\n")
+    (d / "my_env_34.py").write_text(
+        "from calc_helpers_34 import double\n\n"
+        "def twice(x: int) -> int:\n"
+        '    """Double it.\n\n    Args:\n        x: a number\n    """\n'
+        "    return double(x)\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path])  # restored after
+    fn = load_object(str(d / "my_env_34.py") + ":twice", "--tools")
+    assert fn(4) == 8
