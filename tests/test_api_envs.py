@@ -347,3 +347,22 @@ def test_a_template_that_hides_the_tools_is_an_error_before_the_model_loads(
     with pytest.raises(AssertionError, match="loaded before the template"):  # got past it
         GRPOTrainer(model="bundled", reward_funcs=used_a_tool, train_dataset=ROWS,
                     args=args(tmp_path, peergrade={"env.unrendered_tools": True}), **kw)  # fmt: skip
+
+
+def test_episode_start_up_line_shows_the_prompt_the_model_sees():
+    """Episode mode's start-up line renders the opening as the episodes do: the chat template
+    with the tool schemas, whatever data.use_chat_template says for single replies."""
+    from peergrade.config import load_config
+    from peergrade.envs import make_env_from_objects
+    from peergrade.rewards import make_reward_specs
+    from peergrade.tasks.files import FileTask
+    from peergrade.training.components import run_header
+
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    cfg = load_config(None, [("data.use_chat_template", False)])
+    make_env = make_env_from_objects([multiply], None)
+    (scorer,) = make_reward_specs([(used_a_tool, 1.0, {}, "used_a_tool")])
+    lines = run_header(cfg, FileTask(data=ROWS), tok, scorer, "the only reward", make_env)
+    (line,) = [x for x in lines if x.startswith("episodes:")]
+    assert "with the schemas of multiply" in line and "<tools>" in line
+    assert "What is" in line and "<|im_start|>assistant" in line

@@ -307,10 +307,14 @@ def epoch_metric(task, rows_used: int) -> dict[str, float]:
     return {"data/epoch": rows_used / len(task)}
 
 
-def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> list[str]:
+def run_header(
+    cfg: Config, task, tokenizer, scorer: RewardSpec, why: str, make_env=None
+) -> list[str]:
     """What a user must know before the first step: the held-out scorer (and how it was
     chosen), how many epochs the steps make of a dataset, and, for plain-text prompts on a
-    tokenizer with a chat template, what the model sees (``tasks.prompts.chat_template_note``)."""
+    tokenizer with a chat template, what the model sees (``tasks.prompts.chat_template_note``);
+    with episodes (``make_env``), the opening prompt as the episodes render it (always through
+    the chat template, with the tool schemas)."""
     lines = [
         f"held-out scorer: {scorer.name} ({why}; train.eval_reward picks another); pass@1 "
         "counts a score of 1.0 as correct"
@@ -322,6 +326,8 @@ def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> li
             "(each epoch a fresh shuffle)"
         )
     first = next(task.train_rows(cfg.train.seed))
+    if make_env is not None:
+        return lines + [episode_prompt_note(cfg, task, tokenizer, first, make_env)]
     note = chat_template_note(
         first["prompt"],
         tokenizer,
@@ -329,3 +335,26 @@ def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> li
         use_chat_template=cfg.data.use_chat_template,
     )
     return lines + ([note] if note else [])
+
+
+def episode_prompt_note(cfg: Config, task, tokenizer, row: dict, make_env) -> str:
+    """The start-up line of episode mode: the first row's opening messages rendered as the
+    episodes render them (chat template, system prompt, tool schemas), before the environment's
+    reset adds anything."""
+    from peergrade.envs.template import render
+
+    (opening,) = episode_rows(cfg, task, [row])
+    tools = getattr(make_env, "tool_schemas", None) or None
+    try:
+        text = tokenizer.decode(
+            render(tokenizer, opening["prompt"], add_generation_prompt=True, tools=tools)
+        )
+    except Exception as e:  # the template check before the model loads says more
+        return f"episodes: the chat template could not render the first prompt: {e}"
+    shown = repr(text if len(text) <= 240 else text[:150] + " ... " + text[-80:])
+    names = [t.get("function", t).get("name", "?") for t in tools or []]
+    tools_part = f" with the schemas of {', '.join(names)}" if names else ""
+    return (
+        f"episodes: every prompt goes through the chat template{tools_part}; the first "
+        f"one's opening ({len(text)} characters; an environment's reset may add to it): {shown}"
+    )

@@ -687,7 +687,9 @@ def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detecto
     """The run header (components.run_header), then the starting model on the held-out split,
     once per run (a resumed run has it)."""
     run = held_out.run
-    header = run_header(run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why)
+    header = run_header(
+        run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why, run.make_env
+    )
     for line in header:
         display.print(line, literal=True)
     if not held_out.rows:
