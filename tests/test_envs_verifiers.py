@@ -57,6 +57,10 @@ class CalcTask(vf.Task[CalcData]):
     async def used_tools(self, trace: vf.Trace) -> float:
         return float(len(trace.tool_messages) > 0)
 
+    @vf.metric
+    async def tool_messages(self, trace: vf.Trace) -> float:
+        return float(len(trace.tool_messages))
+
 
 class CalcTaskset(vf.Taskset[CalcTask]):
     def load(self):
@@ -358,6 +362,8 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(
     m = trainer.step_result(run, exp, {}, 1).metrics
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.0
     assert m[f"episode/stop_reason/{finish}"] == 1.0 and m["turns/mean"] == turns
+    if module == "vf_calc":  # its @vf.metric, averaged over the episodes
+        assert m["verifiers/tool_messages"] == 1.0
 
 
 @pytest.mark.slow

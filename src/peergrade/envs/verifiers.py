@@ -467,9 +467,11 @@ class VerifiersEnvironment:
         return self._reward
 
 
-def verifiers_reward(completions, environments, **kwargs) -> list[float]:
+def verifiers_reward(completions, environments, log_metric=None, **kwargs) -> list[float]:
     """The verifiers task's reward of each episode: ``trace.reward``, the weighted sum of its
-    ``@vf.reward`` functions (``Task.score`` on the episode's trace)."""
+    ``@vf.reward`` functions (``Task.score`` on the episode's trace). The task's ``@vf.metric``
+    values (``trace.metrics``) go to metrics.jsonl as ``verifiers/<name>``, averaged over the
+    episodes that have one."""
     bad = [type(e).__name__ for e in environments if not isinstance(e, VerifiersEnvironment)]
     if bad:
         raise ValueError(f"verifiers_reward scores verifiers episodes only, got {bad[0]}")
@@ -477,4 +479,10 @@ def verifiers_reward(completions, environments, **kwargs) -> list[float]:
     async def all_of():
         return await asyncio.gather(*(e.get_reward() for e in environments))
 
-    return [float(r) for r in run_sync(all_of())]
+    rewards = [float(r) for r in run_sync(all_of())]
+    if log_metric is not None:
+        for e in environments:
+            for name, value in (getattr(e.trace, "metrics", None) or {}).items():
+                if value is not None:
+                    log_metric(f"verifiers/{name}", value)
+    return rewards
