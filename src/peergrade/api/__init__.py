@@ -968,8 +968,8 @@ class GRPOTrainer:
         from peergrade.training.checkpoint import RunDirError
         from peergrade.training.trainer import train
 
-        if trial is not None or kwargs:
-            given = ["trial"] * (trial is not None) + sorted(kwargs)
+        given = ["trial"] * (trial is not None) + sorted(k for k, v in kwargs.items() if v)
+        if given:  # TRL's ignore_keys_for_eval=None and the like are no news
             raise ConfigError(
                 f"GRPOTrainer.train: {', '.join(given)} not supported (hyperparameter search "
                 "and transformers 4's model_path are not part of peergrade)"
