@@ -98,7 +98,11 @@ def make_env_from_specs(
                 f"--env {env!r} is a verifiers environment: its Toolsets are its tools; "
                 "--tools cannot be added to it"
             )
-        return load_verifiers(env)
+        return load_verifiers(
+            env,
+            tool_timeout=options.get("tool_timeout"),
+            max_tool_output_chars=options.get("max_tool_output_chars"),
+        )
     fns = [load_object(s, "--tools") for s in tools]
     cls = load_object(env, "--env") if env else None
     return make_env_from_objects(
