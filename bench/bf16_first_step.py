@@ -55,7 +55,9 @@ def main() -> None:
     run = trainer.setup(cfg, trainer.Given(policy=policy, tokenizer=tok))
     before = copy.deepcopy(run.models.policy).eval()
     probe = trainer.bf16_probe(run)
-    rows = [r for r, _ in zip(run.task.train_rows(cfg.train.seed), range(cfg.rollout.prompts_per_step))]
+    rows = [
+        r for r, _ in zip(run.task.train_rows(cfg.train.seed), range(cfg.rollout.prompts_per_step))
+    ]
     exp = trainer.collect(run, 1, rows)
     trainer.learn(run, exp, 1)
     after = run.models.policy.eval()
@@ -71,7 +73,9 @@ def main() -> None:
             lp = [
                 torch.log_softmax(
                     m(input_ids=ids[sl], attention_mask=am[sl], position_ids=pos)
-                    .logits[:, -C - 1 : -1].float(), dim=-1,
+                    .logits[:, -C - 1 : -1]
+                    .float(),
+                    dim=-1,
                 )  # [n, C, V]
                 for m in (before, after)
             ]

@@ -560,11 +560,17 @@ def test_disable_dropout_sets_the_policys_dropout_to_zero(tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     cfg["attention_dropout"] = 0.3
     (model / "config.json").write_text(json.dumps(cfg))
-    attn = [m for m in GRPOTrainer(str(model), _zero, _tiny_args(tmp_path / "a", max_steps=1),
-                                   _rows(2)).model.modules() if hasattr(m, "attention_dropout")]
+    attn = [
+        m
+        for m in GRPOTrainer(
+            str(model), _zero, _tiny_args(tmp_path / "a", max_steps=1), _rows(2)
+        ).model.modules()
+        if hasattr(m, "attention_dropout")
+    ]
     assert attn and all(m.attention_dropout == 0.3 for m in attn)  # kept by default, as TRL
-    trainer = GRPOTrainer(str(model), _zero,
-                          _tiny_args(tmp_path / "b", max_steps=1, disable_dropout=True), _rows(2))
+    trainer = GRPOTrainer(
+        str(model), _zero, _tiny_args(tmp_path / "b", max_steps=1, disable_dropout=True), _rows(2)
+    )
     attn = [m for m in trainer.model.modules() if hasattr(m, "attention_dropout")]
     assert attn and all(m.attention_dropout == 0.0 for m in attn)
     assert trainer.config.model.disable_dropout

@@ -319,7 +319,10 @@ def test_bf16_update_probe_and_alert(tiny_qwen2):
     assert tied["precision/bf16_tie_frac"] == 1.0 and tied["precision/bf16_step_ratio"] > 100
     line = {"step": 1, "loss/policy": 0.0, **tied}
     alert = Detectors(AlertConfig()).update(line)
-    assert "bf16_update" in alert["alerts"] and "100.0% of the weights" in alert["alerts"]["bf16_update"]
+    assert (
+        "bf16_update" in alert["alerts"]
+        and "100.0% of the weights" in alert["alerts"]["bf16_update"]
+    )
     round_bf16_ties(model)
     fixed = first_step_ratio(model)
     assert fixed["precision/bf16_tie_frac"] == 0.0 and fixed["precision/bf16_step_ratio"] < 3

@@ -429,9 +429,7 @@ def test_tool_output_cap_and_timeout_apply_to_toolset_calls(vf_dir):
     reach TRL tools' (make_env_from_specs passes them)."""
     from peergrade.envs import make_env_from_specs
 
-    make = make_env_from_specs(
-        env="verifiers:vf_calc", tool_timeout=30.0, max_tool_output_chars=1
-    )
+    make = make_env_from_specs(env="verifiers:vf_calc", tool_timeout=30.0, max_tool_output_chars=1)
     row = next(r for r in rows_of(make, 2) if "3 * 4" in r["prompt"])
     env = make(row)
     assert (env.timeout, env.max_chars) == (30.0, 1)

@@ -816,8 +816,7 @@ def train(
         metrics_log.close()
         again = resume_hint or f"peergrade train --resume {out.path}"
         display.print(
-            f"interrupted: checkpoint saved at step {step} in {out.path}; "
-            f"continue with: {again}"
+            f"interrupted: checkpoint saved at step {step} in {out.path}; continue with: {again}"
             if step > 0
             else f"interrupted before the first step finished: nothing saved in {out.path}; "
             f"start it again with: {again} (from step 0)"
