@@ -366,3 +366,20 @@ def test_episode_start_up_line_shows_the_prompt_the_model_sees():
     (line,) = [x for x in lines if x.startswith("episodes:")]
     assert "with the schemas of multiply" in line and "<tools>" in line
     assert "What is" in line and "<|im_start|>assistant" in line
+
+
+def test_episode_start_up_line_says_when_the_template_hides_the_tools():
+    from peergrade.config import load_config
+    from peergrade.envs import make_env_from_objects
+    from peergrade.model.tiny import COMPACT_TOOL_CHAT_TEMPLATE
+    from peergrade.rewards import make_reward_specs
+    from peergrade.tasks.files import FileTask
+    from peergrade.training.components import run_header
+
+    tok = build_char_tokenizer(chat_template=COMPACT_TOOL_CHAT_TEMPLATE)
+    cfg = load_config(None, [("env.unrendered_tools", True)])
+    (scorer,) = make_reward_specs([(used_a_tool, 1.0, {}, "used_a_tool")])
+    lines = run_header(cfg, FileTask(data=ROWS), tok, scorer, "the only reward",
+                       make_env_from_objects([multiply], None))  # fmt: skip
+    (line,) = [x for x in lines if x.startswith("episodes:")]
+    assert "shows no tool schemas: the model must know multiply already" in line

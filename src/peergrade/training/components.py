@@ -341,7 +341,7 @@ def episode_prompt_note(cfg: Config, task, tokenizer, row: dict, make_env) -> st
     """The start-up line of episode mode: the first row's opening messages rendered as the
     episodes render them (chat template, system prompt, tool schemas), before the environment's
     reset adds anything."""
-    from peergrade.envs.template import render
+    from peergrade.envs.template import render, renders_tools
 
     (opening,) = episode_rows(cfg, task, [row])
     tools = getattr(make_env, "tool_schemas", None) or None
@@ -352,8 +352,14 @@ def episode_prompt_note(cfg: Config, task, tokenizer, row: dict, make_env) -> st
     except Exception as e:  # the template check before the model loads says more
         return f"episodes: the chat template could not render the first prompt: {e}"
     shown = repr(text if len(text) <= 240 else text[:150] + " ... " + text[-80:])
-    names = [t.get("function", t).get("name", "?") for t in tools or []]
-    tools_part = f" with the schemas of {', '.join(names)}" if names else ""
+    names = ", ".join(t.get("function", t).get("name", "?") for t in tools or [])
+    tools_part = ""
+    if names:
+        tools_part = (
+            f" with the schemas of {names}"
+            if renders_tools(tokenizer, tools)
+            else f" (which shows no tool schemas: the model must know {names} already)"
+        )
     return (
         f"episodes: every prompt goes through the chat template{tools_part}; the first "
         f"one's opening ({len(text)} characters; an environment's reset may add to it): {shown}"
