@@ -183,8 +183,10 @@ def test_every_mapped_field_sets_the_key_it_names():
         "use_cpu": True,
         "ddp_timeout": 60,
         "model_init_kwargs": {"dtype": "bfloat16"},
+        "disable_dropout": True,
     }
-    skip = {"num_train_epochs", "reward_weights", "eval_steps"}  # need rows / rewards / strategy
+    # need rows / rewards / strategy; read by GRPOTrainer.train
+    skip = {"num_train_epochs", "reward_weights", "eval_steps", "overwrite_output_dir"}
     assert set(changed) | skip == set(MAPPED)
 
     def flat(cfg) -> dict:
@@ -446,3 +448,177 @@ def test_native_api_trains_a_config(tmp_path):
     assert isinstance(cfg, peergrade.Config)
     summary = peergrade.train(cfg)
     assert summary["step"] == 1 and (tmp_path / "native" / "metrics.jsonl").is_file()
+
+
+def _tiny_args(out, **kw) -> GRPOConfig:
+    return GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=4, gradient_checkpointing=False, save_strategy="no", **kw,
+    )  # fmt: skip
+
+
+def _zero(completions, **kw):
+    return [0.0 for _ in completions]
+
+
+def test_ctrl_c_saves_raises_and_resumes_and_overwrite_replaces_as_in_trl(tmp_path, capsys):
+    """Ctrl-C in train(): the step finishes, a checkpoint is saved, KeyboardInterrupt is
+    raised (a script does not go on to save a half-trained model as final) and the hint is
+    Python; a rerun is refused in Python's words, resumed with resume_from_checkpoint=True
+    (or the checkpoint's path), replaced with overwrite_output_dir=True."""
+    import os
+    import signal
+
+    from peergrade import GRPOTrainer
+    from peergrade.training.checkpoint import RunDirError
+
+    out = tmp_path / "run"
+
+    class CtrlC:
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    trainer = GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2),
+                          callbacks=[CtrlC()])  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    said = capsys.readouterr()
+    assert "resume_from_checkpoint=" in said.out + said.err
+    assert "peergrade train --resume" not in said.out + said.err
+    assert (out / "checkpoints" / "step-1").is_dir()
+
+    again = GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2))
+    with pytest.raises(RunDirError, match=r"overwrite_output_dir=True.*resume_from_checkpoint"):
+        again.train()
+    with pytest.raises(RunDirError, match="resumes a run from its last checkpoint"):
+        again.train(resume_from_checkpoint=str(out / "checkpoints" / "step-0"))
+    result = again.train(resume_from_checkpoint=str(out / "checkpoints" / "step-1"))
+    assert result.global_step == 3
+    assert [h["step"] for h in again.state.log_history] == [2, 3]
+
+    fresh = GRPOTrainer(str(BUNDLED_MODEL), _zero,
+                        _tiny_args(out, max_steps=1, overwrite_output_dir=True), _rows(2))  # fmt: skip
+    assert fresh.train().global_step == 1
+    assert not (out / "checkpoints" / "step-3").exists()  # replaced, not continued
+
+
+def test_every_peergrade_key_is_settable_from_grpoconfig_and_checked():
+    """peergrade={dotted key: value}: the keys TRL has no field for, checked like a YAML file's."""
+    cfg = GRPOConfig(max_steps=2, peergrade={
+        "rollout.async_steps": 1, "rollout.dynamic_sampling": True, "env.tool_timeout": 5,
+        "env.max_tool_output_chars": 100, "train.audit_rewards": "fail",
+    }).to_config()  # fmt: skip
+    assert cfg.rollout.async_steps == 1 and cfg.rollout.dynamic_sampling
+    assert cfg.env.tool_timeout == 5.0 and cfg.env.max_tool_output_chars == 100
+    assert cfg.train.audit_rewards == "fail"
+    with pytest.raises(ConfigError, match=r"peergrade\['rollout.async_step'\].*did you mean "
+                                          r"'rollout.async_steps'"):  # fmt: skip
+        GRPOConfig(peergrade={"rollout.async_step": 1})
+    with pytest.raises(ConfigError, match="rollout.async_steps: expected an integer"):
+        GRPOConfig(peergrade={"rollout.async_steps": "soon"})
+    with pytest.raises(ConfigError, match="set from TRL's num_generations"):
+        GRPOConfig(peergrade={"rollout.group_size": 4})
+    with pytest.raises(ConfigError, match="set from TRL's bf16"):  # bf16=False is autocast off
+        GRPOConfig(peergrade={"model.autocast": "off"})
+    # a peergrade key given as a field says where it goes
+    with pytest.raises(ConfigError, match=r"peergrade=\{'rollout.async_steps'"):
+        GRPOConfig(async_steps=1)
+
+
+def test_length_limits_beyond_the_context_fail_when_the_trainer_is_built(tmp_path):
+    """TRL's default max_completion_length (512) on the bundled model (512 positions): an
+    error naming max_completion_length and the model's limit at GRPOTrainer(...), before any
+    evaluation or run directory; eval_strategy without eval data is TRL's error."""
+    from peergrade import GRPOTrainer
+
+    out = tmp_path / "run"
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
+                      max_steps=1)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"max_completion_length.*= 512.*context of 512 tokens"
+                                          r".*at most 256"):  # fmt: skip
+        GRPOTrainer(str(BUNDLED_MODEL), _zero, args, _rows(2))
+    assert not out.exists()
+    # a loaded model object: its config says the same
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL))
+    with pytest.raises(ConfigError, match="context of 512 tokens"):
+        GRPOTrainer(model, _zero, args, _rows(2))
+    with pytest.raises(ConfigError, match=r"eval_strategy='steps'.*no eval_dataset"):
+        GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, eval_strategy="steps"), _rows(2))
+
+
+def test_disable_dropout_sets_the_policys_dropout_to_zero(tmp_path):
+    import json
+    import shutil
+
+    from peergrade import GRPOTrainer
+
+    model = tmp_path / "dropout"
+    shutil.copytree(BUNDLED_MODEL, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["attention_dropout"] = 0.3
+    (model / "config.json").write_text(json.dumps(cfg))
+    attn = [
+        m
+        for m in GRPOTrainer(
+            str(model), _zero, _tiny_args(tmp_path / "a", max_steps=1), _rows(2)
+        ).model.modules()
+        if hasattr(m, "attention_dropout")
+    ]
+    assert attn and all(m.attention_dropout == 0.3 for m in attn)  # kept by default, as TRL
+    trainer = GRPOTrainer(
+        str(model), _zero, _tiny_args(tmp_path / "b", max_steps=1, disable_dropout=True), _rows(2)
+    )
+    attn = [m for m in trainer.model.modules() if hasattr(m, "attention_dropout")]
+    assert attn and all(m.attention_dropout == 0.0 for m in attn)
+    assert trainer.config.model.disable_dropout
+
+
+def test_progress_line_counts_the_steps_log_history_counts(tmp_path, capsys):
+    """Two optimizer steps per generation step: the progress line and log_history both count
+    TRL's optimizer steps (2/4, 4/4), not peergrade's generation steps (1/2, 2/2)."""
+    from peergrade import GRPOTrainer
+
+    args = _tiny_args(tmp_path / "run", max_steps=4, steps_per_generation=4,
+                      gradient_accumulation_steps=2)  # fmt: skip
+    trainer = GRPOTrainer(str(BUNDLED_MODEL), _zero, args, _rows(4))
+    assert trainer.config.train.steps == 2 and trainer.state.max_steps == 4
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history] == [2, 4]
+    shown = re.findall(r"^step (\d+)/(\d+) ", capsys.readouterr().out, re.M)
+    assert shown == [("2", "4"), ("4", "4")]
+
+
+def test_first_bf16_step_that_moves_the_model_far_more_than_float32_raises_an_alert(tmp_path):
+    """A model whose weights sit on bfloat16 midpoints (a de-quantised GGUF's), trained with
+    bf16 autocast at TRL's lr 1e-6: the first step's line has the probe's numbers and the
+    bf16_update alert; after round_bf16_ties (what `peergrade convert` writes) it has neither."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peergrade import GRPOTrainer
+    from peergrade.model.gguf import round_bf16_ties
+
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+    lines = {}
+    for name in ("ties", "rounded"):
+        model = AutoModelForCausalLM.from_pretrained(str(BUNDLED_MODEL), dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(((p.view(torch.int32) & -65536) | 0x8000).view(torch.float32))
+        if name == "rounded":
+            round_bf16_ties(model)
+        args = _tiny_args(tmp_path / name, max_steps=1, bf16=True, learning_rate=1e-6)
+        trainer = GRPOTrainer(model, _zero_one, args, _rows(2), processing_class=tok)
+        trainer.train()
+        lines[name] = trainer.state.log_history[0]
+    assert lines["ties"]["precision/bf16_step_ratio"] > 30
+    assert "bf16_update" in lines["ties"]["alerts"]
+    assert lines["rounded"]["precision/bf16_step_ratio"] < 3
+    assert "bf16_update" not in lines["rounded"].get("alerts", {})
+
+
+def _zero_one(completions, **kw):  # rewards that differ, so that the update moves the weights
+    return [float(i % 2) for i in range(len(completions))]

@@ -316,3 +316,70 @@ def test_in_memory_data_stops_a_command_line_resume_instead_of_training_the_defa
     assert rc == 2 and err.startswith("error:") and err.count("\n") == 1, err
     assert "data.path: python-object:train_dataset (2 rows)" in err, err
     assert "--data FILE" in err, err
+
+
+@pytest.mark.parametrize("kw", [dict(tools=[multiply]), dict(environment_factory=Counter)])
+def test_a_template_that_hides_the_tools_is_an_error_before_the_model_loads(
+    kw, tmp_path, monkeypatch
+):
+    """The bundled model's template renders no tool schemas: with tools the model would never
+    see them (0 calls, no warning). An error naming the template and the way out, before
+    the model loads; env.unrendered_tools (a model that knows its tools) lets it run."""
+    from peergrade.envs.template import renders_tools
+    from peergrade.model.load import BUNDLED_MODEL, load_tokenizer
+    from peergrade.training import trainer
+
+    tok = load_tokenizer(str(BUNDLED_MODEL))
+    shown = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    from peergrade.envs.tools import tool_schema
+
+    assert not renders_tools(tok, [tool_schema(multiply)])
+    assert renders_tools(shown, [tool_schema(multiply)])
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the template was checked")
+
+    monkeypatch.setattr(trainer, "setup_models", no_load)
+    with pytest.raises(PeergradeError, match=r"tiny-arith does not render tool schemas.*"
+                                             r"(multiply|bump).*env.unrendered_tools"):  # fmt: skip
+        GRPOTrainer(model="bundled", reward_funcs=used_a_tool, args=args(tmp_path),
+                    train_dataset=ROWS, **kw)  # fmt: skip
+    with pytest.raises(AssertionError, match="loaded before the template"):  # got past it
+        GRPOTrainer(model="bundled", reward_funcs=used_a_tool, train_dataset=ROWS,
+                    args=args(tmp_path, peergrade={"env.unrendered_tools": True}), **kw)  # fmt: skip
+
+
+def test_episode_start_up_line_shows_the_prompt_the_model_sees():
+    """Episode mode's start-up line renders the opening as the episodes do: the chat template
+    with the tool schemas, whatever data.use_chat_template says for single replies."""
+    from peergrade.config import load_config
+    from peergrade.envs import make_env_from_objects
+    from peergrade.rewards import make_reward_specs
+    from peergrade.tasks.files import FileTask
+    from peergrade.training.components import run_header
+
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    cfg = load_config(None, [("data.use_chat_template", False)])
+    make_env = make_env_from_objects([multiply], None)
+    (scorer,) = make_reward_specs([(used_a_tool, 1.0, {}, "used_a_tool")])
+    lines = run_header(cfg, FileTask(data=ROWS), tok, scorer, "the only reward", make_env)
+    (line,) = [x for x in lines if x.startswith("episodes:")]
+    assert "with the schemas of multiply" in line and "<tools>" in line
+    assert "What is" in line and "<|im_start|>assistant" in line
+
+
+def test_episode_start_up_line_says_when_the_template_hides_the_tools():
+    from peergrade.config import load_config
+    from peergrade.envs import make_env_from_objects
+    from peergrade.model.tiny import COMPACT_TOOL_CHAT_TEMPLATE
+    from peergrade.rewards import make_reward_specs
+    from peergrade.tasks.files import FileTask
+    from peergrade.training.components import run_header
+
+    tok = build_char_tokenizer(chat_template=COMPACT_TOOL_CHAT_TEMPLATE)
+    cfg = load_config(None, [("env.unrendered_tools", True)])
+    (scorer,) = make_reward_specs([(used_a_tool, 1.0, {}, "used_a_tool")])
+    lines = run_header(cfg, FileTask(data=ROWS), tok, scorer, "the only reward",
+                       make_env_from_objects([multiply], None))  # fmt: skip
+    (line,) = [x for x in lines if x.startswith("episodes:")]
+    assert "shows no tool schemas: the model must know multiply already" in line

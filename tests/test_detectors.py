@@ -127,6 +127,15 @@ def nonfinite(s, m):
         m["update/nonfinite_frac"] = 0.5  # one of the step's two optimizer steps
 
 
+def bf16_update(s, m):
+    if s == ONSET:  # the first step's probe (peergrade.training.precision) says 90x
+        m["precision/bf16_step_ratio"], m["precision/bf16_tie_frac"] = 90.0, 0.081
+
+
+def tools_always_fail(s, m):
+    m["tools/call_frequency"], m["tools/failure_frequency"] = 1.2, 1.0
+
+
 def reward_imbalance(s, m):
     # format saturates at 1.0 on every sample; accuracy slides from 0.5 to ~0.05
     m["reward/format/mean"], m["reward/format/std"] = 1.0, 0.0
@@ -147,6 +156,8 @@ CASES = {
     "kl_blowup": (kl_blowup, None, 60, 60),
     "ratio_blowup": (ratio_blowup, None, 50, 50),
     "nonfinite": (nonfinite, None, 40, 40),
+    "bf16_update": (bf16_update, None, ONSET, ONSET),
+    "tools_always_fail": (tools_always_fail, None, ONSET + 9, ONSET + 9),
     "reward_imbalance": (reward_imbalance, None, ONSET + 9, ONSET + 25),
     # training reward climbs while held-out accuracy falls at the step-60 evaluation
     "reward_vs_eval": (reward_up, {0: 0.40, 30: 0.45, 60: 0.30}, 60, 60),
@@ -278,3 +289,54 @@ def test_the_final_evaluation_line_is_checked():
     last = d.update({"step": STEPS, "eval/pass@1_sampled": 0.30, "eval/n": 200, "final": True})
     assert set(last["alerts"]) == {"reward_vs_eval"}
     assert "from 0.450 (step 30) to 0.300 (step 80)" in last["alerts"]["reward_vs_eval"]
+
+
+def test_bf16_update_probe_and_alert(tiny_qwen2):
+    """Weights on bfloat16 midpoints: a 1e-7 update moves their bf16 casts a whole bfloat16 step
+    (ratio >> 3, alert bf16_update with the numbers); rounded first, the casts move about as
+    far as the float32 weights (no alert)."""
+    import copy
+
+    import torch
+
+    from peergrade.config import AlertConfig
+    from peergrade.model.gguf import round_bf16_ties
+    from peergrade.monitoring.detectors import Detectors
+    from peergrade.training.precision import Bf16StepProbe
+
+    def first_step_ratio(model) -> dict:
+        probe = Bf16StepProbe(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1e-7 * torch.sign(torch.randn_like(p)))  # a tiny Adam-like first step
+        return probe.metrics()
+
+    torch.manual_seed(0)
+    model = copy.deepcopy(tiny_qwen2[0]).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(((p.view(torch.int32) & -65536) | 0x8000).view(torch.float32))
+    tied = first_step_ratio(copy.deepcopy(model))
+    assert tied["precision/bf16_tie_frac"] == 1.0 and tied["precision/bf16_step_ratio"] > 100
+    line = {"step": 1, "loss/policy": 0.0, **tied}
+    alert = Detectors(AlertConfig()).update(line)
+    assert (
+        "bf16_update" in alert["alerts"]
+        and "100.0% of the weights" in alert["alerts"]["bf16_update"]
+    )
+    round_bf16_ties(model)
+    fixed = first_step_ratio(model)
+    assert fixed["precision/bf16_tie_frac"] == 0.0 and fixed["precision/bf16_step_ratio"] < 3
+    assert not Detectors(AlertConfig()).update({"step": 1, "loss/policy": 0.0, **fixed})
+
+
+def test_tools_always_fail_fires_after_a_window_of_failed_calls():
+    from peergrade.config import AlertConfig
+    from peergrade.monitoring.detectors import Detectors
+
+    d = Detectors(AlertConfig(window=3))
+    line = {"loss/policy": 0.0, "tools/call_frequency": 1.5, "tools/failure_frequency": 1.0}
+    assert not d.update(line) and not d.update(line)
+    assert "tools_always_fail" in d.update(line)["alerts"]
+    assert not d.update({**line, "tools/failure_frequency": 0.5})  # one call worked: reset
+    assert not Detectors(AlertConfig(window=1)).update({**line, "tools/call_frequency": 0.0})

@@ -507,7 +507,10 @@ class Counter:
 def test_parse_tool_calls(text, n_calls, n_errors):
     content, calls, errors = parse_tool_calls(text)
     assert (len(calls), len(errors)) == (n_calls, n_errors)
-    assert "<tool_call>" not in content
+    # a well-formed call leaves the content; a malformed one stays in it as the model wrote it
+    assert ("<tool_call>" in content) == bool(n_errors)
+    if n_errors:
+        assert text.strip() in content or content in text
     for c in calls:
         assert c["type"] == "function" and isinstance(c["function"]["arguments"], dict)
 
@@ -529,7 +532,8 @@ def test_tool_environment_runs_every_call_and_reports_failures():
     assert [m["content"] for m in st.messages[:2]] == ["42", "3"]
     assert "boom" in st.messages[2]["content"] and "not found" in st.messages[3]["content"]
     assert "error" in st.messages[4]["content"] and "error" in st.messages[5]["content"]
-    assert msg["content"] == "ok" and len(msg["tool_calls"]) == 5
+    # the malformed call's text stays in the message (logs, report, rewards see it)
+    assert msg["content"] == "ok <tool_call>{bad</tool_call>" and len(msg["tool_calls"]) == 5
     st = asyncio.run(env.step({"role": "assistant", "content": "42"}))
     assert st.done and st.finish_reason == "answer"
 
@@ -986,3 +990,25 @@ def test_episode_metrics():
         "episode/stop_reason/length": 0.5,
     }
     assert episode_metrics([ep("done", 1, 0, 0, [1])])["tools/failure_frequency"] == 0.0
+
+
+def test_an_env_file_importing_a_sibling_module_loads_from_anywhere(tmp_path, monkeypatch):
+    """`from helpers import ...` in my_env.py works as `python my_env.py` would: the file's
+    folder is importable, wherever peergrade runs from (it was 'pip install helpers')."""
+    from peergrade.envs.load import load_object
+
+    d = tmp_path / "proj"
+    d.mkdir()
+    (d / "calc_helpers_34.py").write_text("def double(x):\n    return 2 * x\n")
+    (d / "my_env_34.py").write_text(
+        "from calc_helpers_34 import double\n\n"
+        "def twice(x: int) -> int:\n"
+        '    """Double it.\n\n    Args:\n        x: a number\n    """\n'
+        "    return double(x)\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path])  # restored after
+    fn = load_object(str(d / "my_env_34.py") + ":twice", "--tools")
+    assert fn(4) == 8

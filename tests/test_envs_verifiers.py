@@ -57,6 +57,10 @@ class CalcTask(vf.Task[CalcData]):
     async def used_tools(self, trace: vf.Trace) -> float:
         return float(len(trace.tool_messages) > 0)
 
+    @vf.metric
+    async def tool_messages(self, trace: vf.Trace) -> float:
+        return float(len(trace.tool_messages))
+
 
 class CalcTaskset(vf.Taskset[CalcTask]):
     def load(self):
@@ -358,6 +362,8 @@ def test_collect_runs_the_tools_and_scores_with_the_verifiers_rewards(
     m = trainer.step_result(run, exp, {}, 1).metrics
     assert m["tools/call_frequency"] == 1.0 and m["tools/failure_frequency"] == 0.0
     assert m[f"episode/stop_reason/{finish}"] == 1.0 and m["turns/mean"] == turns
+    if module == "vf_calc":  # its @vf.metric, averaged over the episodes
+        assert m["verifiers/tool_messages"] == 1.0
 
 
 @pytest.mark.slow
@@ -416,3 +422,17 @@ def test_missing_or_unsupported_verifiers_is_one_error(vf_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(MissingPackageError, match="peergrade\\[verifiers\\]"):
         load_verifiers("verifiers:vf_calc")
+
+
+def test_tool_output_cap_and_timeout_apply_to_toolset_calls(vf_dir):
+    """env.max_tool_output_chars and env.tool_timeout reach a verifiers Toolset's calls as they
+    reach TRL tools' (make_env_from_specs passes them)."""
+    from peergrade.envs import make_env_from_specs
+
+    make = make_env_from_specs(env="verifiers:vf_calc", tool_timeout=30.0, max_tool_output_chars=1)
+    row = next(r for r in rows_of(make, 2) if "3 * 4" in r["prompt"])
+    env = make(row)
+    assert (env.timeout, env.max_chars) == (30.0, 1)
+    run_sync(env.reset(row))
+    step = run_sync(env.step({"role": "assistant", "content": TOOL_CALL}))
+    assert step.messages[0]["content"].startswith("1... [truncated 1 characters]")

@@ -373,3 +373,32 @@ def test_add_recipe_gives_signal_from_step_one(converted, tmp_path):
     for m, r in zip(mixed, results):
         assert r.metrics["rollout/frac_zero_std_groups"] == pytest.approx(1 - m / P)
     assert not torch.equal(before, head.detach())  # the update ran on those groups
+
+
+def _ties(t: torch.Tensor) -> torch.Tensor:
+    """``t`` moved onto bfloat16 midpoints (what de-quantised Q4_1 weights often are)."""
+    return ((t.view(torch.int32) & -65536) | 0x8000).view(torch.float32)
+
+
+def test_bf16_ties_are_rounded_and_every_other_weight_kept(tiny_qwen2):
+    import copy
+
+    from peergrade.training.precision import bf16_ties
+
+    model = copy.deepcopy(tiny_qwen2[0]).float()
+    params = list(model.parameters())
+    with torch.no_grad():
+        params[0].copy_(_ties(params[0]))  # every weight of the first tensor a tie
+    before = [p.detach().clone() for p in params]
+    n_ties = int(bf16_ties(before[0]).sum())
+    assert n_ties == before[0].numel()
+    rounded, total = gguf.round_bf16_ties(model)
+    assert total == sum(p.numel() for p in params)
+    assert rounded == n_ties + sum(int(bf16_ties(b).sum()) for b in before[1:])
+    after = list(model.parameters())
+    assert not any(bf16_ties(p.detach()).any() for p in after)
+    # the ties became what bf16 compute used; the rest are exactly as they were
+    assert torch.equal(after[0], before[0].bfloat16().float())
+    for a, b in zip(after[1:], before[1:]):
+        keep = ~bf16_ties(b)
+        assert torch.equal(a[keep], b[keep])

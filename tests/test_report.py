@@ -434,6 +434,8 @@ ASYNC = {  # what a pipelined run with a correction, dynamic sampling and FLOP/s
     "perf/gen_tflops": lambda s: 0.03,
     "perf/update_tflops": lambda s: 0.02,
     "perf/step_tflops": lambda s: 0.025,
+    "tools/call_frequency": lambda s: 0.2 * s,
+    "tools/failure_frequency": lambda s: 0.5 / s,
 }
 
 
@@ -485,6 +487,7 @@ def test_optional_panels_draw_their_own_metrics(tmp_path):
             "dynamic/completions_per_informative_group",
         ],
         "Model FLOP/s per phase": ["perf/gen_tflops", "perf/update_tflops", "perf/step_tflops"],
+        "Tool use": ["tools/call_frequency", "tools/failure_frequency"],
         "Tokens per second": ["perf/tokens_per_s"],
     }
     for title, keys in where.items():

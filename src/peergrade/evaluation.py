@@ -548,7 +548,8 @@ class HeldOut:
         k = result["k"]
         shown = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS, *TOOL_KEYS)
         values = "  ".join(f"{n} {result[n]:.3f}" for n in shown if n in result)
-        display.print(f"eval after step {step} ({result['n']} held-out problems): {values}")
+        at = display.count(step) if hasattr(display, "count") else step  # as the progress line
+        display.print(f"eval after step {at} ({result['n']} held-out problems): {values}")
         return {f"eval/{key}": v for key, v in result.items()}
 
 

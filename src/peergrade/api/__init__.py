@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from peergrade.config import PYTHON_ONLY, Config, ConfigError, load_config
+from peergrade.config import PYTHON_ONLY, Config, ConfigError, all_keys, load_config
 
 __all__ = [
     "GRPOConfig",
@@ -158,6 +158,16 @@ MAPPED: dict[str, tuple[str, str]] = {
     "use_cpu": ("model.device", "True = cpu"),
     "ddp_timeout": ("dist.timeout_s", "as is (seconds)"),
     "model_init_kwargs": ("model.dtype", "{dtype: ...} (or torch_dtype); no other key"),
+    "disable_dropout": (
+        "model.disable_dropout",
+        "as is. Sampling, evaluation and the reference always run in eval mode (no dropout); "
+        "True also sets the policy's dropout to 0 for the update's train-mode forwards",
+    ),
+    "overwrite_output_dir": (
+        "train.output_dir",
+        "True: `train()` replaces an existing, non-empty output_dir (as `peergrade train "
+        "--overwrite`) instead of refusing it (a transformers 4 field)",
+    ),
 }
 
 _VLLM = "peergrade samples with its own batched KV-cache sampler (no vLLM)"
@@ -205,7 +215,6 @@ IGNORED: dict[str, str] = {
     "full_determinism": "peergrade's sampling is a function of (seed, step, prompt, sample)",
     "resume_from_checkpoint": "pass trainer.train(resume_from_checkpoint=True)",
     "save_on_each_node": "rank 0 writes checkpoints",
-    "overwrite_output_dir": "a transformers 4 field: `peergrade train --overwrite` replaces a run",
     "log_completions_hub_repo": _HUB,
 }
 
@@ -268,7 +277,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "debug": ("", _NO),
     "trust_remote_code": (False, "a standard transformers architecture (no remote code)"),
     "router_aux_loss_coef": (None, _NO),
-    "disable_dropout": (False, _NO),
     "cast_lm_head_to_fp32": (False, "model.dtype: float32"),
     "shuffle_dataset": (True, "peergrade always shuffles the training rows"),
     "min_p": (None, "top_p, top_k"),
@@ -379,6 +387,9 @@ class GRPOConfig:
     ddp_timeout: int = 1800
     model_init_kwargs: dict | None = None
     logging_steps: int = 10  # read for eval_steps=None, as TRL does; else report-only
+    disable_dropout: bool = False
+    overwrite_output_dir: bool = False
+    peergrade: dict[str, Any] | None = None  # any peergrade key: {"rollout.async_steps": 1}
 
     def __init__(self, output_dir: str | None = None, **kwargs):
         for f in dataclasses.fields(self):
@@ -387,6 +398,9 @@ class GRPOConfig:
         ignored: list[str] = []
         for name, value in kwargs.items():
             kind = _field_kind(name)
+            if name == "peergrade":
+                self.peergrade = _check_native(value)
+                continue
             if name == "logging_steps" or kind == "mapped":
                 setattr(self, name, value)
             if kind == "ignored" and value != _trl_default(name):
@@ -399,6 +413,9 @@ class GRPOConfig:
             elif not kind:
                 close = difflib.get_close_matches(name, list(_all_fields()), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
+                native = [k for k in all_keys() if k.rsplit(".", 1)[-1] == name]
+                if native:  # one of peergrade's own keys, by its last part
+                    hint = f"; a peergrade key: GRPOConfig(peergrade={{{native[0]!r}: ...}})"
                 if name in _ELSEWHERE:
                     hint = f" ({_ELSEWHERE[name]})"
                 raise ConfigError(f"GRPOConfig has no field {name!r}{hint}")
@@ -547,6 +564,7 @@ class GRPOConfig:
             ("model.gradient_checkpointing", self.gradient_checkpointing),
             ("model.autocast", {True: "bf16", False: "off", None: "auto"}[self.bf16]),
             ("dist.timeout_s", float(self.ddp_timeout)),
+            ("model.disable_dropout", self.disable_dropout),
         ]
         if self.max_prompt_length is not None:
             out.append(("data.max_prompt_length", self.max_prompt_length))
@@ -559,6 +577,7 @@ class GRPOConfig:
         dtype = _model_dtype(self.model_init_kwargs)
         if dtype is not None:
             out.append(("model.dtype", dtype))
+        out.extend((self.peergrade or {}).items())  # last: peergrade's own keys, as given
         return out
 
     def to_config(self, num_rows: int | None = None) -> Config:
@@ -589,6 +608,61 @@ class GRPOConfig:
 
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+
+#: peergrade keys that GRPOTrainer's arguments set; with MAPPED's, not settable through
+#: ``peergrade={...}``, so that one setting has one place
+_SET_BY_TRL = {
+    "rollout.prompts_per_step": "per_device_train_batch_size / gradient_accumulation_steps",
+    "optim.minibatch_size": "gradient_accumulation_steps",
+    "rewards": "GRPOTrainer(reward_funcs=...) and reward_weights",
+    "model.path": "GRPOTrainer(model=...)",
+    "data.path": "GRPOTrainer(train_dataset=...)",
+    "data.eval_path": "GRPOTrainer(eval_dataset=...)",
+    "env.tools": "GRPOTrainer(tools=...)",
+    "env.factory": "GRPOTrainer(environment_factory=...)",
+}
+
+
+def _set_by_trl() -> dict[str, str]:
+    out = {key.split("[")[0]: field for field, (key, _) in MAPPED.items()}
+    out.update(_SET_BY_TRL)
+    return out
+
+
+def _check_native(value) -> dict[str, Any]:
+    """``GRPOConfig(peergrade={...})``: dotted peergrade keys (docs/config.md), each checked
+    now as a YAML file's would be (unknown key: an error with the nearest one; a wrong type:
+    the key and what it takes). A key a TRL field sets is refused, naming that field."""
+    from peergrade.config import _build, _set_path
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"GRPOConfig: peergrade must be a mapping of peergrade keys, e.g. "
+            f"{{'rollout.async_steps': 1}}, got {value!r}"
+        )
+    tree: dict = {}
+    for key, v in value.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"GRPOConfig: peergrade key {key!r} is not a dotted name")
+        owner = next(
+            (f for k, f in _set_by_trl().items() if key == k or key.startswith(k + ".")), None
+        )
+        if owner is not None or key.startswith("rewards["):
+            raise ConfigError(
+                f"GRPOConfig: peergrade[{key!r}] is set from TRL's {owner or 'reward_funcs'}: "
+                "set that instead"
+            )
+        try:
+            _set_path(tree, key, v)
+        except ConfigError as e:
+            raise ConfigError(f"GRPOConfig: peergrade[{key!r}]: {e}") from None
+    try:
+        _build(Config, tree)  # every value's type, named by its key
+    except ConfigError as e:
+        raise ConfigError(f"GRPOConfig: peergrade={{...}}: {e}") from None
+    return dict(value)
 
 
 def _choice(name: str, value, valid) -> Any:
@@ -701,7 +775,6 @@ _IGNORED_DEFAULTS: dict[str, Any] = {
     "local_rank": -1,
     "full_determinism": False,
     "save_on_each_node": False,
-    "overwrite_output_dir": False,
 }
 
 #: values of refused fields that ask for exactly what peergrade does anyway
@@ -807,6 +880,12 @@ class GRPOTrainer:
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         items, fns = _reward_items(funcs, self.args.reward_weights)
         task = FileTask(data=train_dataset, eval_data=eval_dataset)
+        if self.args.eval_strategy != "no" and not task.has_eval:  # as transformers' Trainer
+            raise ConfigError(
+                f"GRPOConfig: eval_strategy={self.args.eval_strategy!r} but GRPOTrainer got no "
+                "eval_dataset (nor a DatasetDict with a test split): pass eval_dataset=... or "
+                "set eval_strategy='no'"
+            )
         overrides = self.args.to_overrides(len(task))
         overrides.append(("rewards", items))
         # recorded in config.yaml as in-memory data, so a command-line resume stops with an
@@ -878,21 +957,41 @@ class GRPOTrainer:
             self._call("on_step_end")
         self._call("on_log", logs=logs)
 
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
-        """Train (or resume the run in output_dir: ``resume_from_checkpoint=True`` or its path)."""
+    def train(
+        self, resume_from_checkpoint: bool | str | None = None, trial=None, **kwargs
+    ) -> TrainOutput:
+        """Train into ``output_dir``, as TRL does: ``resume_from_checkpoint=True`` continues the
+        run in ``output_dir`` from its last checkpoint; a path is that run directory or its last
+        checkpoint (``output_dir/checkpoints/step-N``). An existing, non-empty ``output_dir`` is
+        replaced with ``GRPOConfig(overwrite_output_dir=True)``, else refused. Ctrl-C finishes
+        the step, saves a checkpoint and raises ``KeyboardInterrupt``, as TRL's ``train`` does."""
+        from peergrade.training.checkpoint import RunDirError
         from peergrade.training.trainer import train
 
-        run_dir = self.config.train.output_dir
-        if isinstance(resume_from_checkpoint, str):
-            run_dir = resume_from_checkpoint
+        given = ["trial"] * (trial is not None) + sorted(k for k, v in kwargs.items() if v)
+        if given:  # TRL's ignore_keys_for_eval=None and the like are no news
+            raise ConfigError(
+                f"GRPOTrainer.train: {', '.join(given)} not supported (hyperparameter search "
+                "and transformers 4's model_path are not part of peergrade)"
+            )
+        run_dir, resume = _resume_target(self.config.train.output_dir, resume_from_checkpoint)
+        overwrite = bool(self.args.overwrite_output_dir) and not resume
         self._call("on_train_begin")
-        summary = train(
-            self.config,
-            Path(run_dir),
-            resume=bool(resume_from_checkpoint),
-            run=self._run,
-            on_log=self._on_log,
-        )
+        try:
+            summary = train(
+                self.config,
+                run_dir,
+                resume=resume,
+                overwrite=overwrite,
+                run=self._run,
+                on_log=self._on_log,
+                resume_hint=f"trainer.train(resume_from_checkpoint={str(run_dir)!r})",
+                count_steps=self._global_step,  # the progress line counts as log_history
+            )
+        except RunDirError as e:  # the command line's advice, said in Python
+            raise RunDirError(_in_python(str(e))) from None
+        if summary.get("interrupted"):  # the checkpoint is saved and the hint printed
+            raise KeyboardInterrupt
         self._call("on_train_end")
         losses = [h["loss/policy"] for h in self.state.log_history if "loss/policy" in h]
         loss = sum(losses) / len(losses) if losses else 0.0
@@ -906,6 +1005,42 @@ class GRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(out))
         save_tokenizer(self.processing_class, out)
+
+
+def _resume_target(output_dir: str, resume_from_checkpoint) -> tuple[Path, bool]:
+    """(run directory, resume?) for TRL's ``resume_from_checkpoint``: None/False = a new run
+    in output_dir; True = output_dir's last checkpoint; a path = a run directory or its last
+    checkpoint (peergrade resumes exactly, so only from a run's last checkpoint)."""
+    from peergrade.training.checkpoint import RunDirError, latest_checkpoint
+
+    if resume_from_checkpoint in (None, False):
+        return Path(output_dir), False
+    if resume_from_checkpoint is True:
+        return Path(output_dir), True
+    path = Path(resume_from_checkpoint)
+    if path.parent.name == "checkpoints" and path.name.startswith("step-"):
+        run_dir = path.parent.parent
+        last = latest_checkpoint(run_dir)
+        if last is not None and last.resolve() != path.resolve():
+            raise RunDirError(
+                f"resume_from_checkpoint={str(path)!r}: peergrade resumes a run from its last "
+                f"checkpoint ({last}), so that the resumed run is the one never stopped; pass "
+                f"{str(run_dir)!r} or True"
+            )
+        return run_dir, True
+    return path, True
+
+
+def _in_python(message: str) -> str:
+    """A run-directory message's command-line advice in the Python API's words."""
+    for cli, python in (
+        ("pass --overwrite", "pass GRPOConfig(overwrite_output_dir=True)"),
+        ("with --overwrite", "with GRPOConfig(overwrite_output_dir=True)"),
+        ("--resume to continue it", "trainer.train(resume_from_checkpoint=True) to continue it"),
+        ("pass --train.steps N", "set max_steps higher"),
+    ):
+        message = message.replace(cli, python)
+    return message
 
 
 #: peergrade metric -> the name TRL logs it under (both are in log_history)
@@ -1295,6 +1430,29 @@ def trl_mapping_markdown() -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name, (key, how) in MAPPED.items():
         lines.append(f"| `{name}` | `{defaults.get(name)!r}` | `{key}` | {how} |")
+    lines += [
+        "",
+        "## peergrade's own settings",
+        "",
+        "Every other peergrade config key ([the config reference](reference/configuration.md)) is set with the "
+        "`peergrade` field: a mapping of dotted keys, checked as a YAML file's are (an unknown "
+        "key is an error naming the nearest one; a value of the wrong type names the key). A "
+        "key that a TRL field above sets is refused, naming that field.",
+        "",
+        "```python",
+        "GRPOConfig(",
+        '    output_dir="run", max_steps=100,',
+        "    peergrade={",
+        '        "rollout.async_steps": 1,           # pipelined rollouts',
+        '        "rollout.dynamic_sampling": True,   # refill groups whose rewards agree',
+        '        "model.logprob_chunk_size": 256,    # memory of the log-prob pass',
+        '        "env.tool_timeout": 10.0,           # seconds per tool call',
+        '        "env.max_tool_output_chars": 2000,  # tool output cap',
+        '        "train.audit_rewards": "fail",',
+        "    },",
+        ")",
+        "```",
+    ]
     lines += [
         "",
         "## Fields ignored with a warning",

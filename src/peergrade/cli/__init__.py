@@ -259,6 +259,14 @@ def cmd_convert(args, extra) -> int:
     t0 = time.perf_counter()
     out = convert_gguf(args.src, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out} ({args.dtype}) in {time.perf_counter() - t0:.0f} s")
+    rounded, total = getattr(convert_gguf, "bf16_ties", (0, 0))
+    if rounded:
+        print(
+            f"{rounded:,} of {total:,} weights ({rounded / total:.1%}) lay exactly halfway between "
+            "two bfloat16 values: written as the bfloat16 value (round half to even, what bf16 "
+            "compute uses), so bf16 autocast training does not tip them all the way each update "
+            "pushes; every other weight is the de-quantised value exactly"
+        )
     return 0
 
 

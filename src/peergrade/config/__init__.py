@@ -109,6 +109,13 @@ class ModelConfig:
         "otherwise (tiny models run slower in bf16). See bench/bf16_cpu.py.",
         "auto",
     )
+    disable_dropout: bool = doc(
+        "Set every dropout probability of the policy to 0 (TRL's disable_dropout). Sampling, "
+        "evaluation and the reference always run in eval mode (no dropout); the update's "
+        "forwards run in train mode, where the model's own dropout applies unless this is set "
+        "(most causal LMs, e.g. Llama, Qwen2 and SmolLM2, configure 0 dropout).",
+        False,
+    )
     shared_prompt_forward: bool = doc(
         "Log-prob passes (update, reference, old policy) run each distinct prompt of a "
         "micro-batch once and its completions against the expanded KV cache, kept in the "
@@ -417,6 +424,11 @@ class AlertConfig:
         "ratio_blowup: largest per-token importance ratio (ratio/max) above this on any step.",
         10.0,
     )
+    bf16_step_max: float = doc(
+        "bf16_update: on the first step under bf16 autocast, the bf16 casts of the weights "
+        "moved more than this many times as far as the float32 weights.",
+        3.0,
+    )
 
 
 @dataclass
@@ -496,6 +508,13 @@ class EnvConfig:
         "'verifiers:path/to/file.py'): a verifiers environment's load_environment(), its tasks "
         "as the data and its rewards as the reward 'verifiers_reward'.",
         None,
+    )
+    unrendered_tools: bool = doc(
+        "Train tools with a chat template that does not render tool schemas: the model never "
+        "sees them, so it must know the tools already (a warm-up, as bundled:tiny-calc and "
+        "configs/smollm2-calculator.yaml). false: such a template is an error before the "
+        "model loads (docs/environments.md, 'A template that shows the tools').",
+        False,
     )
     max_tool_calling_iterations: int | None = doc(
         "Rounds of tool calls per episode (TRL's name); a turn that calls tools after that many "
@@ -642,6 +661,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            # YAML 1.1 (and so a YAML file or a command-line value) reads `off`/`on` as
+            # booleans; where 'off'/'on' is a choice, that is what was written
+            return "on" if value else "off"
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

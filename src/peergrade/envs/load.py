@@ -98,7 +98,11 @@ def make_env_from_specs(
                 f"--env {env!r} is a verifiers environment: its Toolsets are its tools; "
                 "--tools cannot be added to it"
             )
-        return load_verifiers(env)
+        return load_verifiers(
+            env,
+            tool_timeout=options.get("tool_timeout"),
+            max_tool_output_chars=options.get("max_tool_output_chars"),
+        )
     fns = [load_object(s, "--tools") for s in tools]
     cls = load_object(env, "--env") if env else None
     return make_env_from_objects(
@@ -135,4 +139,24 @@ def make_env_from_objects(
     else:
         make = tool_environment_factory(fns, cls, **options)
     make.environment_class = cls
+    make.tool_schemas = _tool_schemas(fns, cls)
     return make
+
+
+def _tool_schemas(fns: list, cls: Any) -> list[dict]:
+    """The tool schemas the episodes pass to the chat template, known before any environment
+    is made: the functions', an environment class's public methods', or a native environment
+    class's ``tools`` attribute (empty where only an instance knows them)."""
+    from peergrade.envs.tools import _public_methods, tool_schema
+
+    classes = list(cls.values()) if isinstance(cls, dict) else [cls] if cls is not None else []
+    out = [tool_schema(fn) for fn in fns]
+    for c in classes:
+        if not isinstance(c, type):
+            continue
+        if callable(getattr(c, "step", None)):  # native: its own schemas, if the class has them
+            tools = getattr(c, "tools", None)
+            out += [t for t in tools if isinstance(t, dict)] if isinstance(tools, list) else []
+        else:
+            out += [tool_schema(getattr(c, n)) for n in _public_methods(c)]
+    return out

@@ -171,3 +171,29 @@ def check_template(
                 f"chat template of {name} drops the content of {role} messages (a tool or "
                 f"environment answer would never reach the model); {FIX}"
             )
+
+
+def renders_tools(tokenizer, tools: list[dict], **kw) -> bool:
+    """Whether the chat template shows ``tools`` to the model: a probe conversation rendered
+    with and without them differs."""
+    user = [{"role": "user", "content": "probe question"}]
+    with_tools = render(tokenizer, user, add_generation_prompt=True, tools=tools, **kw)
+    return with_tools != render(tokenizer, user, add_generation_prompt=True, **kw)
+
+
+def check_tools_rendered(tokenizer, tools: list[dict], **kw) -> None:
+    """A TemplateError naming the template, the tools and the ways out unless the template
+    renders tool schemas (a template that drops them trains with tools the model never sees,
+    so it makes no calls and nothing says why)."""
+    if not tools or renders_tools(tokenizer, tools, **kw):
+        return
+    names = ", ".join(t.get("function", t).get("name", "?") for t in tools)
+    raise TemplateError(
+        f"chat template of {template_name(tokenizer)} does not render tool schemas: the "
+        f"model would never see the tools ({names}) and would train making no calls. Use a "
+        "tokenizer whose chat template renders `tools` (e.g. Qwen2.5's; from Python: "
+        "processing_class=tokenizer with tokenizer.chat_template set), or, when the model "
+        "already knows the tools (a warm-up: docs/environments.md), describe them in "
+        "data.system_prompt and set env.unrendered_tools: true (GRPOConfig(peergrade="
+        "{'env.unrendered_tools': True}))"
+    )

@@ -102,22 +102,26 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
 
     Calls are ``{"type": "function", "function": {"name": str, "arguments": dict}}`` (the
     message format chat templates render); ``arguments`` may also arrive as a JSON string. Each
-    block that is not such a JSON object, and an unclosed ``<tool_call>``, is one error string.
+    block that is not such a JSON object, and an unclosed ``<tool_call>``, is one error string,
+    and its raw text stays in the content: the logged messages, the report and the reward
+    functions see what the model wrote, as the trained tokens are what it sampled.
     """
     calls: list[dict] = []
     errors: list[str] = []
-    for m in _CALL.finditer(text):
+
+    def one(m: re.Match) -> str:
+        """'' for a well-formed call (it moves to ``calls``), else the block as written."""
         raw = m.group(1).strip()
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
             errors.append(f"tool call is not valid JSON ({e.msg}): {raw[:200]}")
-            continue
+            return m.group(0)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             errors.append(
                 f'tool call must be {{"name": ..., "arguments": {{...}}}}, got {raw[:200]}'
             )
-            continue
+            return m.group(0)
         args = obj.get("arguments", {})
         if isinstance(args, str):
             with contextlib.suppress(json.JSONDecodeError):  # reported as not an object below
@@ -126,12 +130,13 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
             errors.append(
                 f"arguments of tool call {obj['name']} must be a JSON object, got {args!r}"
             )
-            continue
+            return m.group(0)
         calls.append({"type": "function", "function": {"name": obj["name"], "arguments": args}})
-    rest = _CALL.sub("", text)
-    if _OPEN in rest:
+        return ""
+
+    rest = _CALL.sub(one, text)
+    if _OPEN in _CALL.sub("", text):
         errors.append("unclosed <tool_call> (no </tool_call>)")
-        rest = rest[: rest.index(_OPEN)]
     return rest.strip(), calls, errors
 
 

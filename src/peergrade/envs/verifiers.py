@@ -61,7 +61,7 @@ from collections.abc import Callable
 from typing import Any, get_type_hints
 
 from peergrade.envs.protocol import Step, run_sync
-from peergrade.envs.tools import _call_tools, parse_tool_calls
+from peergrade.envs.tools import _call_tools, _truncate, parse_tool_calls
 from peergrade.errors import InputError, PeergradeError, require
 
 PREFIX = "verifiers:"
@@ -119,10 +119,14 @@ def _load_module(target: str, what: str):
     return fn
 
 
-def load_verifiers(spec: str) -> Callable[[Any], VerifiersEnvironment]:
+def load_verifiers(
+    spec: str, *, tool_timeout: float | None = None, max_tool_output_chars: int | None = None
+) -> Callable[[Any], VerifiersEnvironment]:
     """The checked ``row -> VerifiersEnvironment`` factory of ``verifiers:MODULE`` (see the
     module docstring), with ``.task`` (the rows and the reward) and ``.environment_class``
-    (None: the reward is ``verifiers_reward``, a reward of the task, not the trainer's ``env``)."""
+    (None: the reward is ``verifiers_reward``, a reward of the task, not the trainer's ``env``).
+    ``tool_timeout`` / ``max_tool_output_chars``: ``env.*``'s, applied to the Toolsets' calls
+    as to TRL tools'."""
     vf = _import_vf()
     target = spec.strip()[len(PREFIX) :].strip()
     what = f"--env {spec.strip()!r}"
@@ -213,7 +217,9 @@ def load_verifiers(spec: str) -> Callable[[Any], VerifiersEnvironment]:
             t = task_cls(task_cls.data_type().model_validate(data), taskset.config.task)
         else:
             t = t.with_data()  # a copy per episode
-        return VerifiersEnvironment(vf, t, shared, agent_config, max_turns, ready)
+        env = VerifiersEnvironment(vf, t, shared, agent_config, max_turns, ready)
+        env.timeout, env.max_chars = tool_timeout, max_tool_output_chars
+        return env
 
     make.task = task
     make.environment_class = None
@@ -322,6 +328,8 @@ class VerifiersEnvironment:
         self.vf, self.task, self.ready = vf, task, ready
         self.shared, self.agent_config, self.max_turns = shared, agent_config, max_turns
         self.tools: list[dict] | None = None
+        self.timeout: float | None = None  # env.tool_timeout (load_verifiers sets them)
+        self.max_chars: int | None = None  # env.max_tool_output_chars
         self.trace = None
         self._reward: float | None = None
         # verifiers runs a stop on the Response after a model turn, else before the next turn
@@ -432,10 +440,10 @@ class VerifiersEnvironment:
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
-        results = await _call_tools(calls, self.registry)
+        results = await _call_tools(calls, self.registry, self.timeout)
         answers = []
-        for call_id, (name, result, _) in zip(ids, results):
-            text = str(result)
+        for call_id, (name, result, failed) in zip(ids, results):
+            text = str(result) if failed else _truncate(str(result), self.max_chars)
             answers.append({"role": "tool", "name": name, "content": text})
             self._add(vf.ToolMessage(tool_call_id=call_id, name=name, content=text))
         for e in errors:
@@ -467,9 +475,11 @@ class VerifiersEnvironment:
         return self._reward
 
 
-def verifiers_reward(completions, environments, **kwargs) -> list[float]:
+def verifiers_reward(completions, environments, log_metric=None, **kwargs) -> list[float]:
     """The verifiers task's reward of each episode: ``trace.reward``, the weighted sum of its
-    ``@vf.reward`` functions (``Task.score`` on the episode's trace)."""
+    ``@vf.reward`` functions (``Task.score`` on the episode's trace). The task's ``@vf.metric``
+    values (``trace.metrics``) go to metrics.jsonl as ``verifiers/<name>``, averaged over the
+    episodes that have one."""
     bad = [type(e).__name__ for e in environments if not isinstance(e, VerifiersEnvironment)]
     if bad:
         raise ValueError(f"verifiers_reward scores verifiers episodes only, got {bad[0]}")
@@ -477,4 +487,10 @@ def verifiers_reward(completions, environments, **kwargs) -> list[float]:
     async def all_of():
         return await asyncio.gather(*(e.get_reward() for e in environments))
 
-    return [float(r) for r in run_sync(all_of())]
+    rewards = [float(r) for r in run_sync(all_of())]
+    if log_metric is not None:
+        for e in environments:
+            for name, value in (getattr(e.trace, "metrics", None) or {}).items():
+                if value is not None:
+                    log_metric(f"verifiers/{name}", value)
+    return rewards

@@ -29,6 +29,11 @@ entropy_collapse   (c) the ``window``-step mean of ``entropy/mean`` fell below
                    ``entropy_collapse`` times the first window's
 kl_blowup          (d) ``kl/mean`` > ``kl_max`` on this step
 ratio_blowup       (d) ``ratio/max`` (largest per-token importance ratio) > ``ratio_max``
+bf16_update        (d) on the first step under bf16 autocast, the bf16 casts of the weights moved
+                   more than ``bf16_step_max`` times as far as the float32 weights
+                   (``precision/bf16_step_ratio``, ``peergrade.training.precision``)
+tools_always_fail  (f) every tool call failed (``tools/failure_frequency`` 1 with calls made) on
+                   each of the last ``window`` steps
 nonfinite          (e) the loss or gradient norm was NaN/inf: ``update/nonfinite_frac`` > 0 (the
                    trainer skipped those optimizer steps; parameters untouched) -- the message
                    counts the skipped steps so far, also logged as ``update/skipped_total``
@@ -56,6 +61,8 @@ ALERT_NAMES = (
     "entropy_collapse",
     "kl_blowup",
     "ratio_blowup",
+    "bf16_update",
+    "tools_always_fail",
     "nonfinite",
 )
 
@@ -132,7 +139,7 @@ class Detectors:
         self.skipped_total = 0.0
         self.series: dict[str, _Series] = {}
         # consecutive steps each persistent condition has held
-        self.streak: dict[str, int] = {"no_signal": 0, "length_cap": 0}
+        self.streak: dict[str, int] = {"no_signal": 0, "length_cap": 0, "tools_always_fail": 0}
         # (step, accuracy, train-reward window mean) at each held-out evaluation
         self.evals: list[tuple[int, float, float | None]] = []
         self.eval_alert: str | None = None
@@ -175,6 +182,8 @@ class Detectors:
                 self._repetition,
                 self._entropy,
                 self._blowup,
+                self._bf16_update,
+                self._tools_always_fail,
             ):
                 alerts.update(check(m))
             nf = self._nonfinite(m)
@@ -353,6 +362,41 @@ class Detectors:
                 "smaller optim.max_grad_norm."
             )
         return out
+
+    def _bf16_update(self, m: dict) -> dict[str, str]:
+        ratio = _num(m, "precision/bf16_step_ratio")
+        limit = getattr(self.s, "bf16_step_max", 3.0)
+        if ratio is None or ratio <= limit:
+            return {}
+        ties = _num(m, "precision/bf16_tie_frac") or 0.0
+        return {
+            "bf16_update": (
+                f"bf16 autocast moved the model {ratio:.3g}x as far as the update moved the "
+                f"float32 weights on the first step (above {limit:g}): the effective step is "
+                f"far above optim.lr. {ties:.1%} of the weights sit exactly halfway between two "
+                "bfloat16 values (typical of a de-quantised GGUF), so any update tips them all "
+                "the way it pushes. Try model.autocast: off, or convert the model again with "
+                "`peergrade convert` (which rounds those ties)."
+            )
+        }
+
+    # -------------------------------------------------------------------------- (f)
+
+    def _tools_always_fail(self, m: dict) -> dict[str, str]:
+        calls, fails = _num(m, "tools/call_frequency"), _num(m, "tools/failure_frequency")
+        hit = bool(calls) and fails is not None and fails >= 1.0
+        self.streak["tools_always_fail"] = self.streak["tools_always_fail"] + 1 if hit else 0
+        if self.streak["tools_always_fail"] < self.w:
+            return {}
+        return {
+            "tools_always_fail": (
+                f"every tool call failed for {self.streak['tools_always_fail']} steps in a row "
+                f"({calls:.2g} calls per episode): the model learns that calling does not pay. "
+                "Read the tool turns in samples.jsonl for the cause (a malformed call format, "
+                "a tool that raises on every input); try a template that shows the tools, a "
+                "warm-up on the call format, or a longer env.tool_timeout."
+            )
+        }
 
     # -------------------------------------------------------------------------- (e)
 

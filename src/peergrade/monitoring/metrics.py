@@ -260,7 +260,9 @@ def _stats_progress(*columns, **kwargs):
 
 class Display:
     """Live progress: ``mode`` is 'rich', 'plain', 'none' or 'auto' (rich on a terminal).
-    ``console``: the rich console to draw on (default: the terminal's)."""
+    ``console``: the rich console to draw on (default: the terminal's). ``count``: the number
+    shown for a step (the Python API shows TRL's optimizer steps, as its log_history counts);
+    default: the step itself."""
 
     COLUMNS = [
         ("reward", "reward/total/mean", ".3f"),
@@ -277,10 +279,12 @@ class Display:
         start_step: int = 0,
         title: str = "peergrade",
         console=None,
+        count=None,
     ):
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
+        self.count = count or (lambda step: step)
         self.total = total_steps
         self.start_step = start_step
         self.t0 = time.perf_counter()
@@ -306,7 +310,7 @@ class Display:
                 console=self.console,
             )
             self._task = self._progress.add_task(
-                title, total=total_steps, completed=start_step, stats=""
+                title, total=self.count(total_steps), completed=self.count(start_step), stats=""
             )
             self._progress.start()
 
@@ -334,12 +338,13 @@ class Display:
                 else f"alerts: {', '.join(alerts)}"
             )
         if self.mode == "rich":
-            self._progress.update(self._task, completed=step, stats=stats)
+            self._progress.update(self._task, completed=self.count(step), stats=stats)
         elif self.mode == "plain":
             done = step - self.start_step
             elapsed = time.perf_counter() - self.t0
             eta = elapsed / max(done, 1) * (self.total - step)
-            print(f"step {step}/{self.total}  {stats}  eta {_eta(eta)}", flush=True)
+            shown = f"{self.count(step)}/{self.count(self.total)}"
+            print(f"step {shown}  {stats}  eta {_eta(eta)}", flush=True)
 
     def show_alerts(self, step: int, metrics: dict[str, Any]) -> dict[str, str]:
         """Print the message of each alert in ``metrics`` that was not active on the previous
@@ -349,9 +354,9 @@ class Display:
             if name not in self._alerts:
                 # even with display none: a user who silenced progress still needs to know
                 self.print(
-                    f"[bold yellow]alert[/] step {step}: {_escape(message)}"
+                    f"[bold yellow]alert[/] step {self.count(step)}: {_escape(message)}"
                     if self.mode == "rich"
-                    else f"[alert] step {step}: {message}",
+                    else f"[alert] step {self.count(step)}: {message}",
                     always=True,
                 )
         self._alerts = set(alerts)

@@ -14,7 +14,8 @@ note naming the file and line. ``write_report(runs, out)`` renders one HTML file
   the off-policy correction's weights, tokens/s, time per phase, losses and gradient norms;
   and, only for runs that logged them (``OPTIONAL_PANELS``): dynamic sampling's rounds and
   unfilled groups, the staleness of pipelined rollouts, the tokens the correction masked or
-  truncated, and model FLOP/s per phase. Several runs are overlaid, one colour
+  truncated, model FLOP/s per phase, and tool use (calls and failed calls per episode).
+  Several runs are overlaid, one colour
   each. A noisy per-step curve is drawn faint with its exponential moving average on top (as
   TensorBoard smooths). A panel whose metric is constant by construction for a run (KL with
   ``algo.beta`` 0, the importance ratio and clip fractions with one optimizer step per batch)
@@ -191,6 +192,11 @@ PANELS: list[tuple[str, str, list[str]]] = [
         "rounds / groups / completions",
         [r"dynamic/(rounds|sampling_calls|unfilled_groups|completions_per_informative_group)"],
     ),
+    (
+        "Tool use",
+        "per episode / fraction",
+        [r"tools/call_frequency", r"tools/failure_frequency", r"turns/mean"],
+    ),
     ("Clip fractions", "fraction", [r"clip/.+", r"value/clip_frac"]),
     ("Importance ratio", "ratio", [r"ratio/.+"]),
     ("Staleness of the rollouts", "policy versions", [r"async/staleness.*"]),
@@ -208,7 +214,7 @@ PANELS: list[tuple[str, str, list[str]]] = [
 
 
 # Panels of what only some runs do (pipelined rollouts, the off-policy correction's masking,
-# dynamic sampling) or only newer runs log (model FLOP/s): drawn when a run logged them, and
+# dynamic sampling, tools and environments) or only newer runs log (model FLOP/s): drawn when a run logged them, and
 # otherwise left out without a word, so a synchronous run's page is what it always was.
 OPTIONAL_PANELS = frozenset(
     {
@@ -216,6 +222,7 @@ OPTIONAL_PANELS = frozenset(
         "Staleness of the rollouts",
         "Tokens masked or truncated by the correction",
         "Model FLOP/s per phase",
+        "Tool use",
     }
 )
 

@@ -238,12 +238,25 @@ def _load_file(path_str: str, attr: str, *, what: str):
             raise ValueError(f"{what}: {str(path)!r} cannot be loaded as a Python file")
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
+        # its own folder is importable, as for `python file.py`: a file importing a sibling
+        # module (`from helpers import ...`) loads wherever peergrade runs from (appended, so
+        # a sibling never shadows an installed package)
+        if str(resolved.parent) not in sys.path:
+            sys.path.append(str(resolved.parent))
         try:
             spec.loader.exec_module(module)
         except ModuleNotFoundError as exc:
             del sys.modules[mod_name]
             if exc.name is None:
                 raise
+            top = exc.name.split(".")[0]
+            if (resolved.parent / f"{top}.py").is_file() or (resolved.parent / top).is_dir():
+                raise MissingPackageError(
+                    f"{what}: {str(path)!r} imports {exc.name!r}; {top!r} next to it in "
+                    f"{str(resolved.parent)!r} could not be imported as {exc.name!r} (an "
+                    "installed package of that name comes first, or a submodule is missing): "
+                    "rename the sibling module, or import it relative to a package"
+                ) from None
             # the user's file imports a package this environment lacks: the pip line, no traceback
             raise MissingPackageError(
                 f"{what}: {str(path)!r} imports {exc.name!r}, which is not installed: "

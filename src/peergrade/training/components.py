@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peergrade import distributed as dist
-from peergrade.config import Config
+from peergrade.config import Config, ConfigError
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
 from peergrade.errors import InputError, user_input
@@ -165,16 +165,21 @@ def env_reward_spec(make_env) -> list[RewardSpec]:
     return make_reward_specs([(env_reward, 1.0, {}, "env")])
 
 
-def check_env_template(cfg: Config, tokenizer=None) -> None:
-    """The chat template can render episodes token-exactly (``envs.check_template``), checked
-    on the tokenizer alone (``model.path``'s unless one is given), before the model loads. A
-    model's own extra end-of-turn ids (its generation config) are checked again when episodes
-    run."""
+def check_env_template(cfg: Config, tokenizer=None, make_env=None) -> None:
+    """The chat template can render episodes token-exactly (``envs.check_template``) and shows
+    the tools to the model (``envs.template.check_tools_rendered``, unless
+    ``env.unrendered_tools``), checked on the tokenizer alone (``model.path``'s unless one is
+    given), before the model loads. A model's own extra end-of-turn ids (its generation
+    config) are checked again when episodes run."""
+    from peergrade.envs.template import check_tools_rendered
+
     if tokenizer is None:
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
     eos = tokenizer.eos_token_id
     with user_input("model"):
         check_template(tokenizer, eos_ids=[] if eos is None else [eos])
+        if not cfg.env.unrendered_tools:
+            check_tools_rendered(tokenizer, getattr(make_env, "tool_schemas", None) or [])
 
 
 def episode_rows(cfg: Config, task, rows: list[dict]) -> list[dict]:
@@ -216,6 +221,8 @@ def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
     else:
         tokenizer = prepare_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(path)
         policy = prepare_model(policy, device=device, gradient_checkpointing=gc)
+    if cfg.model.disable_dropout:
+        disable_dropout(policy)
     reference = None
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
@@ -233,6 +240,65 @@ def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
     return Models(dist.prepare(policy), tokenizer, dist.prepare(reference), device)
 
 
+def disable_dropout(model) -> None:
+    """Every dropout of ``model`` at probability 0: ``nn.Dropout`` modules and the attention
+    dropout transformers' attention layers read from an attribute (TRL's disable_dropout)."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+def model_context(cfg: Config, policy=None) -> tuple[int | None, str]:
+    """(the model's context in tokens, where it comes from): ``max_position_embeddings`` of
+    the given policy's config, else of ``model.path``'s config.json (read without loading the
+    weights); None where neither says (a GGUF file: checked once it is loaded)."""
+    import json
+    from pathlib import Path
+
+    if policy is not None:
+        config = getattr(policy, "config", None)
+        return getattr(config, "max_position_embeddings", None), "the model"
+    path = Path(resolve_model_path(cfg.model.path))
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, str(path)
+    context = config.get("max_position_embeddings")
+    return (context if isinstance(context, int) else None), f"{path}/config.json"
+
+
+def check_context(cfg: Config, policy=None) -> None:
+    """A prompt of ``data.max_prompt_length`` tokens and a completion of
+    ``rollout.max_completion_length`` must fit the model's context, else sampling fails
+    mid-run: an error naming both and the model's limit, before anything runs."""
+    context, where = model_context(cfg, policy)
+    if context is None:
+        return
+    completion, prompt = cfg.rollout.max_completion_length, cfg.data.max_prompt_length
+    if completion + prompt <= context:
+        return
+    room = context - prompt
+    advice = (
+        f"lower max_completion_length (rollout.max_completion_length) to at most {room}"
+        if room >= 1
+        else "lower data.max_prompt_length (TRL: max_prompt_length)"
+    )
+    raise ConfigError(
+        f"max_completion_length (rollout.max_completion_length) = {completion} plus "
+        f"max_prompt_length (data.max_prompt_length) = {prompt} is more than the model's "
+        f"context of {context} tokens (max_position_embeddings in {where}): {advice}, or "
+        "max_prompt_length, or use a model with a longer context"
+    )
+
+
 def epoch_metric(task, rows_used: int) -> dict[str, float]:
     """``data/epoch``: passes over a finite dataset's training rows once ``rows_used`` rows have
     been drawn (each epoch a fresh shuffle without replacement; TRL's fractional epoch).
@@ -242,10 +308,14 @@ def epoch_metric(task, rows_used: int) -> dict[str, float]:
     return {"data/epoch": rows_used / len(task)}
 
 
-def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> list[str]:
+def run_header(
+    cfg: Config, task, tokenizer, scorer: RewardSpec, why: str, make_env=None
+) -> list[str]:
     """What a user must know before the first step: the held-out scorer (and how it was
     chosen), how many epochs the steps make of a dataset, and, for plain-text prompts on a
-    tokenizer with a chat template, what the model sees (``tasks.prompts.chat_template_note``)."""
+    tokenizer with a chat template, what the model sees (``tasks.prompts.chat_template_note``);
+    with episodes (``make_env``), the opening prompt as the episodes render it (always through
+    the chat template, with the tool schemas)."""
     lines = [
         f"held-out scorer: {scorer.name} ({why}; train.eval_reward picks another); pass@1 "
         "counts a score of 1.0 as correct"
@@ -257,6 +327,8 @@ def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> li
             "(each epoch a fresh shuffle)"
         )
     first = next(task.train_rows(cfg.train.seed))
+    if make_env is not None:
+        return lines + [episode_prompt_note(cfg, task, tokenizer, first, make_env)]
     note = chat_template_note(
         first["prompt"],
         tokenizer,
@@ -264,3 +336,32 @@ def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> li
         use_chat_template=cfg.data.use_chat_template,
     )
     return lines + ([note] if note else [])
+
+
+def episode_prompt_note(cfg: Config, task, tokenizer, row: dict, make_env) -> str:
+    """The start-up line of episode mode: the first row's opening messages rendered as the
+    episodes render them (chat template, system prompt, tool schemas), before the environment's
+    reset adds anything."""
+    from peergrade.envs.template import render, renders_tools
+
+    (opening,) = episode_rows(cfg, task, [row])
+    tools = getattr(make_env, "tool_schemas", None) or None
+    try:
+        text = tokenizer.decode(
+            render(tokenizer, opening["prompt"], add_generation_prompt=True, tools=tools)
+        )
+    except Exception as e:  # the template check before the model loads says more
+        return f"episodes: the chat template could not render the first prompt: {e}"
+    shown = repr(text if len(text) <= 240 else text[:150] + " ... " + text[-80:])
+    names = ", ".join(t.get("function", t).get("name", "?") for t in tools or [])
+    tools_part = ""
+    if names:
+        tools_part = (
+            f" with the schemas of {names}"
+            if renders_tools(tokenizer, tools)
+            else f" (which shows no tool schemas: the model must know {names} already)"
+        )
+    return (
+        f"episodes: every prompt goes through the chat template{tools_part}; the first "
+        f"one's opening ({len(text)} characters; an environment's reset may add to it): {shown}"
+    )

@@ -84,6 +84,7 @@ from peergrade.training.components import (  # importable from here too: Given, 
     build_few_shot,
     build_rewards,
     build_task,
+    check_context,
     check_env_template,
     encode_rows,
     env_reward_spec,
@@ -180,8 +181,10 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
     if make_env is not None:  # a template that cannot render tool turns fails before the model
-        check_env_template(cfg, given.tokenizer)
+        check_env_template(cfg, given.tokenizer, make_env)
+    check_context(cfg, given.policy)  # before the model loads, where its config says
     models = setup_models(cfg, given.policy, given.tokenizer)
+    check_context(cfg, models.policy)  # a GGUF file's context, known once loaded
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
     optimizer = build_optimizer(trainable, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg)
@@ -644,11 +647,25 @@ def open_run_dir(run: Run, out: RunDir, display, detectors, *, resume: bool, ove
     return 0
 
 
+def bf16_probe(run: Run):
+    """A ``precision.Bf16StepProbe`` of the policy when its forwards run under bf16 autocast
+    with float32 weights, else None."""
+    from peergrade.training.precision import Bf16StepProbe
+    from peergrade.training.update import use_bf16_autocast
+
+    policy = run.models.policy
+    if not use_bf16_autocast(run.cfg.model.autocast, run.models.device, policy):
+        return None
+    return Bf16StepProbe(policy)
+
+
 def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detectors) -> None:
     """The run header (components.run_header), then the starting model on the held-out split,
     once per run (a resumed run has it)."""
     run = held_out.run
-    header = run_header(run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why)
+    header = run_header(
+        run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why, run.make_env
+    )
     for line in header:
         display.print(line, literal=True)
     if not held_out.rows:
@@ -676,12 +693,17 @@ def train(
     overwrite: bool = False,
     run: Run | None = None,
     on_log=None,
+    resume_hint: str | None = None,
+    count_steps=None,
 ) -> dict[str, Any]:
     """Run (or resume) training into ``run_dir``; returns the final summary.
 
     A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
     it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
-    it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets."""
+    it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets;
+    ``resume_hint``: how the caller continues an interrupted run (default: the command line);
+    ``count_steps(step)``: the step number the progress line shows (the Python API: TRL's
+    optimizer steps, as its log_history)."""
     t, P = cfg.train, cfg.rollout.prompts_per_step
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
@@ -693,13 +715,13 @@ def train(
     held_out = HeldOut.of(run)
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
     display_mode = t.display if dist.is_main() else "none"
-    display = Display(display_mode, t.steps)
+    display = Display(display_mode, t.steps, count=count_steps)
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume, on_log=on_log)
     evaluate_start(held_out, out, display, metrics_log, detectors)
     display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
-    display = Display(display_mode, t.steps, start_step)
+    display = Display(display_mode, t.steps, start_step, count=count_steps)
 
     if cfg.rollout.dynamic_sampling:  # fill_step's require_one, as the checkpoint left it
         run.informative_seen = out.trainer_state.get("dynamic_informative_seen", False)
@@ -715,6 +737,8 @@ def train(
             return None
         return {pipeline.VERSIONS_FILE: producer.checkpoint_versions(step)}
 
+    # the first step's update under bf16 autocast, against the float32 one (detector bf16_update)
+    probe = bf16_probe(run) if start_step == 0 else None
     try:
         with stop.installed(display):
             for step in range(start_step + 1, t.steps + 1):
@@ -724,6 +748,9 @@ def train(
                 else:
                     result = pipelined_step(run, producer, step)
                 m = result.metrics
+                if probe is not None:
+                    m.update(probe.metrics())
+                    probe = None
                 if cfg.rollout.dynamic_sampling:
                     out.trainer_state["dynamic_informative_seen"] = run.informative_seen
                     if m["dynamic/unfilled_groups"] and not told_unfilled:
@@ -763,13 +790,13 @@ def train(
         out.save(run, step, extra(step))
     if interrupted:
         metrics_log.close()
+        again = resume_hint or f"peergrade train --resume {out.path}"
         display.print(
-            f"interrupted: checkpoint saved at step {step} in {out.path}; "
-            f"continue with: peergrade train --resume {out.path}"
+            f"interrupted: checkpoint saved at step {step} in {out.path}; continue with: {again}"
             if step > 0
             else f"interrupted before the first step finished: nothing saved in {out.path}; "
-            f"start it again with: peergrade train --resume {out.path} (from step 0), or "
-            "replace it with --overwrite",
+            f"start it again with: {again} (from step 0)"
+            + ("" if resume_hint else ", or replace it with --overwrite"),
             always=True,
         )
         return {"interrupted": True, "step": step, "run_dir": str(out.path)}
