@@ -431,11 +431,15 @@ class EntropyControl:
         return self.coef
 
     def close_window(self, a) -> None:
-        """End of an optimizer step: its (every rank's) mean entropy moves the coefficient."""
+        """End of an optimizer step: its (every rank's) mean entropy moves the coefficient
+        (``algo.use_adaptive_entropy``)."""
         if self.window is None:
             return
         s, n = dist.gather_rows(torch.tensor([self.window], dtype=torch.float64)).sum(0).tolist()
         self.last_entropy = s / max(n, 1.0)
+        self.window, self.mini = None, None
+        if not a.use_adaptive_entropy:  # a static coefficient never moves
+            return
         self.coef = adaptive_entropy_coef(
             self.coef,
             self.last_entropy,
@@ -444,7 +448,6 @@ class EntropyControl:
             coef_min=a.entropy_coef_min,
             coef_max=a.entropy_coef_max,
         )
-        self.window, self.mini = None, None
 
 
 def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.Tensor]:
