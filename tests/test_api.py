@@ -113,14 +113,20 @@ def test_every_trl_loss_type_is_accepted_with_its_parameters():
     """TRL 1.16's loss_type values all map to algo.loss_type, with their own parameters."""
     for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"):
         assert GRPOConfig(loss_type=lt, max_steps=1).to_config().algo.loss_type == lt
-    a = GRPOConfig(
-        loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, max_steps=1
-    ).to_config().algo
+    a = (
+        GRPOConfig(
+            loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, max_steps=1
+        )
+        .to_config()
+        .algo
+    )
     assert (a.sapo_temperature_pos, a.sapo_temperature_neg) == (0.5, 2.0)
     with pytest.warns(UserWarning, match="vespo.*importance_sampling_level"):
-        a = GRPOConfig(
-            loss_type="vespo", importance_sampling_level="sequence", max_steps=1
-        ).to_config().algo
+        a = (
+            GRPOConfig(loss_type="vespo", importance_sampling_level="sequence", max_steps=1)
+            .to_config()
+            .algo
+        )
     assert a.ratio_level == "token"
     with pytest.raises(ConfigError, match="algo.delta.*loss_type='cispo'"):
         GRPOConfig(loss_type="cispo", delta=4.0, max_steps=1).to_config()

@@ -256,9 +256,7 @@ class AlgoConfig:
         "token-level GAE advantages; the memory baseline GRPO is measured against).",
         "grpo",
     )
-    loss_type: Literal[
-        "grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"
-    ] = doc(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = doc(
         "Loss aggregation / variant: grpo (per-sequence mean), bnpo (token mean over the "
         "micro-batch), dr_grpo (sum / (B * max_completion_length)), dapo (token mean over the "
         "global batch), cispo (clipped IS-weight policy gradient, token mean over the global batch), "
@@ -329,7 +327,7 @@ class AlgoConfig:
         None,
     )
     top_entropy_quantile: float = doc(
-        "Train the policy loss only on the top rho fraction of tokens by entropy (\"Beyond the "
+        'Train the policy loss only on the top rho fraction of tokens by entropy ("Beyond the '
         "80/20 Rule\"; the paper uses 0.2), the quantile taken over each micro-batch's counted "
         "tokens; in [0, 1], 1 = every token.",
         1.0,

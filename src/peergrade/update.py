@@ -623,10 +623,14 @@ def grpo_update(
             if entropy.window_metrics is None or metrics is entropy.window_metrics:
                 entropy.window_metrics = metrics
                 w = [float((ent.detach() * ent_mask).sum()), float(ent_mask.sum())]
-                entropy.window = w if entropy.window is None else [
-                    entropy.window[0] + w[0],
-                    entropy.window[1] + w[1],
-                ]
+                entropy.window = (
+                    w
+                    if entropy.window is None
+                    else [
+                        entropy.window[0] + w[0],
+                        entropy.window[1] + w[1],
+                    ]
+                )
                 entropy.mini = mini_idx
                 metrics.add("entropy/coef", coef)
         # dapo/cispo/vespo losses are this micro-batch's share of the minibatch's: scaled so that

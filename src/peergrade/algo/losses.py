@@ -654,9 +654,7 @@ def vespo_weights(
 
 
 @torch.no_grad()
-def high_entropy_mask(
-    entropy: torch.Tensor, mask: torch.Tensor, quantile: float
-) -> torch.Tensor:
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """``[B, T]`` bool: the counted tokens whose entropy is in the top ``quantile`` fraction.
 
     "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM

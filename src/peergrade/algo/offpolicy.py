@@ -254,7 +254,9 @@ def off_policy_sequence_mask(
         valid = mask == 1
     else:
         raise ValueError("mask: expected only 0/1 values (mask == 1 marks tokens that count)")
-    dtype = torch.promote_types(torch.promote_types(logp.dtype, behaviour_logp.dtype), torch.float32)
+    dtype = torch.promote_types(
+        torch.promote_types(logp.dtype, behaviour_logp.dtype), torch.float32
+    )
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     d = behaviour_logp.detach().to(dtype) - logp.detach().to(dtype)  # [B, T]
     d = torch.where(valid & ~torch.isnan(d), d, zero)  # [B, T]
