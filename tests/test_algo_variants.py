@@ -501,3 +501,40 @@ def test_high_entropy_mask_matches_trl():
     for rho in (0.0, 0.2, 0.5, 0.9, 1.0):
         theirs = T.get_high_entropy_mask(one_process, ent, mask, 1 - rho)
         assert high_entropy_mask(ent, mask, rho).tolist() == theirs.tolist(), rho
+
+
+# --------------------------------------------------------------------------------------------
+# the CLI end to end (one tiny run per new loss type, every new option on)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--algo.loss_type", "sapo"],
+        ["--algo.loss_type", "luspo", "--algo.ratio_level", "sequence", "--algo.delta", "4"],
+        [
+            "--algo.loss_type", "vespo", "--algo.off_policy_mask_threshold", "0.5",
+            "--algo.top_entropy_quantile", "0.5", "--algo.entropy_coef", "0.01",
+            "--algo.use_adaptive_entropy", "true", "--algo.entropy_target", "5",
+            "--algo.multi_objective_aggregation", "normalize_then_sum",
+        ],
+    ],
+    ids=["sapo", "luspo", "vespo+all"],
+)  # fmt: skip
+def test_cli_trains_two_steps_with_the_new_options(tmp_path, extra):
+    import json
+
+    from cli_helper import cli
+
+    args = ["train", "--train.steps", "2", "--train.threads", "1", "--train.eval_size", "4",
+            "--train.eval_every", "0", "--rollout.prompts_per_step", "4", "--train.display",
+            "plain", "-o", str(tmp_path / "run"), *extra]  # fmt: skip
+    out = cli(args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss/policy" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["loss/policy"]) for r in steps)
+    if "vespo" in extra:
+        assert "vespo/phi_mean" in steps[-1] and "entropy/selected_frac" in steps[-1]
+        assert "opsm/masked_frac" in steps[-1] and "entropy/coef" in steps[-1]
