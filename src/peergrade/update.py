@@ -204,7 +204,9 @@ def ref_logprobs(models: Models, batch, cfg) -> torch.Tensor | None:
 # algo.policy_loss's metrics that are token means of one micro-batch: weighted by its token
 # count, their mean is the token mean of the whole update however rows are grouped into
 # micro-batches or ranks (a weight per row would make 1 x P and N x P/N disagree).
-TOKEN_MEANS = frozenset({"clip/low_frac", "clip/high_frac", "clip/frac", "ratio/mean", "kl/mean"})
+TOKEN_MEANS = frozenset(
+    {"clip/low_frac", "clip/high_frac", "clip/frac", "clip/delta_frac", "ratio/mean", "kl/mean"}
+)
 
 
 class MeanMetrics:
