@@ -423,7 +423,6 @@ class EntropyControl:
     coef: float
     last_entropy: float = math.inf
     window: list | None = None  # [entropy sum, token count] of the current optimizer step
-    mini: Any = None  # the minibatch the window belongs to
     window_metrics: Any = None  # the update's metrics (FSDP's padding passes bring others)
 
     def applied(self, adaptive: bool, target: float) -> float:
@@ -434,12 +433,15 @@ class EntropyControl:
 
     def close_window(self, a) -> None:
         """End of an optimizer step: its (every rank's) mean entropy moves the coefficient
-        (``algo.use_adaptive_entropy``)."""
+        (``algo.use_adaptive_entropy``). Called at the same points on every rank (a
+        collective): before each minibatch (``run_update``'s skip test) and after the last."""
         if self.window is None:
             return
         s, n = dist.gather_rows(torch.tensor([self.window], dtype=torch.float64)).sum(0).tolist()
-        self.last_entropy = s / max(n, 1.0)
-        self.window, self.mini = None, None
+        self.window = None
+        if n == 0:  # no token anywhere: nothing measured
+            return
+        self.last_entropy = s / n
         if not a.use_adaptive_entropy:  # a static coefficient never moves
             return
         self.coef = adaptive_entropy_coef(
@@ -507,6 +509,8 @@ def grpo_update(
     bonus_on = a.entropy_coef != 0 or a.use_adaptive_entropy
     if bonus_on and entropy is None:
         entropy = EntropyControl(a.entropy_coef)
+    if bonus_on:
+        entropy.window, entropy.window_metrics = None, None
     select = a.top_entropy_quantile < 1
     # Elision and the length-sorted plan count rows of the whole minibatch: one process only
     # (under torchrun each rank computes all of its rows, in schedule order).
@@ -518,7 +522,11 @@ def grpo_update(
     # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
     # a model never earns any reward. (Not with the entropy bonus: its gradient is not 0.)
     def no_signal(idx) -> bool:
-        return not kl_on and not bonus_on and bool((advantages[idx] == 0).all())
+        if bonus_on:  # once per minibatch on every rank: the previous optimizer step ended
+            entropy.close_window(a)
+            entropy.window = [0.0, 0.0]
+            return False
+        return not kl_on and bool((advantages[idx] == 0).all())
 
     all_idx = torch.arange(N, device=cmask.device)
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
@@ -617,23 +625,13 @@ def grpo_update(
             **elide,
         )
         if bonus_on:  # L - coef * H over the trained tokens, this micro-batch's share
-            if entropy.mini is not mini_idx and entropy.window is not None:
-                entropy.close_window(a)  # the previous optimizer step's entropy
             coef = entropy.applied(a.use_adaptive_entropy, a.entropy_target)
             h = entropy_bonus(ent, ent_mask)
             loss = loss - coef * h * (len(keep) / len(mini_idx))
             if entropy.window_metrics is None or metrics is entropy.window_metrics:
-                entropy.window_metrics = metrics
-                w = [float((ent.detach() * ent_mask).sum()), float(ent_mask.sum())]
-                entropy.window = (
-                    w
-                    if entropy.window is None
-                    else [
-                        entropy.window[0] + w[0],
-                        entropy.window[1] + w[1],
-                    ]
-                )
-                entropy.mini = mini_idx
+                entropy.window_metrics = metrics  # (not FSDP's zero-weight padding passes)
+                entropy.window[0] += float((ent.detach() * ent_mask).sum())
+                entropy.window[1] += float(ent_mask.sum())
                 metrics.add("entropy/coef", coef)
         # dapo/cispo/vespo losses are this micro-batch's share of the minibatch's: scaled so that
         # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
