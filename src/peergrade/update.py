@@ -522,11 +522,13 @@ def grpo_update(
     # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
     # a model never earns any reward. (Not with the entropy bonus: its gradient is not 0.)
     def no_signal(idx) -> bool:
-        if bonus_on:  # once per minibatch on every rank: the previous optimizer step ended
+        return not kl_on and not bonus_on and bool((advantages[idx] == 0).all())
+
+    def skip(idx) -> bool:  # run_update's test, once per minibatch on every rank
+        if bonus_on:  # a new optimizer step: the previous one's entropy moves the coefficient
             entropy.close_window(a)
             entropy.window = [0.0, 0.0]
-            return False
-        return not kl_on and bool((advantages[idx] == 0).all())
+        return no_signal(idx)
 
     all_idx = torch.arange(N, device=cmask.device)
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
@@ -659,7 +661,7 @@ def grpo_update(
         step,
         [Trainee(params, optimizer, scheduler)],
         micro_loss,
-        skip=no_signal,
+        skip=skip,
         plan=None if parallel else plan,
     )
     if bonus_on:
