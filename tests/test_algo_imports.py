@@ -28,12 +28,17 @@ def test_import_algo_pulls_in_neither_transformers_nor_config():
     assert result["missing"] == []
     assert result["all"] == sorted(
         [
+            "adaptive_entropy_coef",
+            "entropy_bonus",
             "group_advantages",
             "gae",
+            "high_entropy_mask",
             "kl_divergence",
+            "off_policy_sequence_mask",
             "off_policy_weights",
             "policy_loss",
             "value_loss",
+            "vespo_weights",
         ]
     )
 

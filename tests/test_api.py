@@ -100,13 +100,40 @@ def test_unsupported_field_is_an_error_naming_it_and_what_to_use():
         GRPOConfig(optim="adafactor")
     with pytest.raises(ConfigError, match=r"'fp16'.*bf16"):
         GRPOConfig(fp16=True)
-    with pytest.raises(ConfigError, match="loss_type='sapo'.*dapo"):
-        GRPOConfig(loss_type="sapo", max_steps=1).to_config()
+    with pytest.raises(ConfigError, match="loss_type='sapo2'.*dapo.*vespo"):
+        GRPOConfig(loss_type="sapo2", max_steps=1).to_config()
     with pytest.raises(ConfigError, match="no field 'num_generation'.*'num_generations'"):
         GRPOConfig(num_generation=4)
     with pytest.raises(ConfigError, match="no field 'use_peft'.*peft_config=LoraConfig"):
         GRPOConfig(use_peft=True)
     GRPOConfig(optim="adamw_torch_fused", fp16=False)  # TRL's own defaults ask for nothing
+
+
+def test_every_trl_loss_type_is_accepted_with_its_parameters():
+    """TRL 1.16's loss_type values all map to algo.loss_type, with their own parameters."""
+    for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"):
+        assert GRPOConfig(loss_type=lt, max_steps=1).to_config().algo.loss_type == lt
+    a = (
+        GRPOConfig(
+            loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, max_steps=1
+        )
+        .to_config()
+        .algo
+    )
+    assert (a.sapo_temperature_pos, a.sapo_temperature_neg) == (0.5, 2.0)
+    with pytest.warns(UserWarning, match="vespo.*importance_sampling_level"):
+        a = (
+            GRPOConfig(loss_type="vespo", importance_sampling_level="sequence", max_steps=1)
+            .to_config()
+            .algo
+        )
+    assert a.ratio_level == "token"
+    with pytest.raises(ConfigError, match="algo.delta.*loss_type='cispo'"):
+        GRPOConfig(loss_type="cispo", delta=4.0, max_steps=1).to_config()
+    with pytest.raises(ConfigError, match="multi_objective_aggregation='mean'.*normalize_then_sum"):
+        GRPOConfig(multi_objective_aggregation="mean", max_steps=1).to_config()
+    with pytest.raises(ConfigError, match="algo.top_entropy_quantile must be in"):
+        GRPOConfig(top_entropy_quantile=1.5, max_steps=1).to_config()
 
 
 def test_meaningless_fields_are_warned_about_once():
@@ -167,6 +194,22 @@ def test_every_mapped_field_sets_the_key_it_names():
         "epsilon_high": 0.28,
         "loss_type": "grpo",
         "importance_sampling_level": "sequence",
+        "delta": 4.0,
+        "sapo_temperature_neg": 1.2,
+        "sapo_temperature_pos": 0.9,
+        "vespo_k_pos": 1.5,
+        "vespo_lambda_pos": 2.5,
+        "vespo_k_neg": 2.5,
+        "vespo_lambda_neg": 1.5,
+        "multi_objective_aggregation": "normalize_then_sum",
+        "off_policy_mask_threshold": 0.5,
+        "top_entropy_quantile": 0.2,
+        "entropy_coef": 0.01,
+        "use_adaptive_entropy": True,
+        "entropy_coef_min": 0.001,
+        "entropy_coef_max": 0.5,
+        "entropy_coef_delta": 0.01,
+        "entropy_target": 1.0,
         "scale_rewards": "batch",
         "num_iterations": 2,
         "mask_truncated_completions": True,

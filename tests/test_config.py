@@ -61,11 +61,41 @@ def test_int_widens_to_float_but_not_the_reverse():
         (("train.on_reward_error", "ignore"), "choose one of 'fail', 'zero'"),
         (("data.few_shot", -1), "data.few_shot must be >= 0"),
         (("data.few_shot_fade_steps", -2), "data.few_shot_fade_steps must be >= 0"),
+        (("algo.loss_type", "sapo2"), "'cispo', 'sapo', 'luspo', 'vespo'"),
+        (("algo.delta", 1.0), "algo.delta must be > 1"),
+        (("algo.sapo_temperature_neg", 0.0), "algo.sapo_temperature_neg must be > 0"),
+        (("algo.vespo_lambda_pos", -1.0), "algo.vespo_lambda_pos must be >= 0"),
+        (("algo.off_policy_mask_threshold", 0.0), "algo.off_policy_mask_threshold must be > 0"),
+        (("algo.top_entropy_quantile", -0.1), "algo.top_entropy_quantile must be in [0, 1]"),
+        (("algo.entropy_coef_delta", -0.1), "algo.entropy_coef_delta must be >= 0"),
+        (
+            ("algo.entropy_coef_min", 2.0),
+            "algo.entropy_coef_min (2.0) must be <= algo.entropy_coef_max",
+        ),
+        (("algo.multi_objective_aggregation", "sum"), "choose one of 'sum_then_normalize'"),
     ],
 )
 def test_bad_values_name_key_and_allowed(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([("algo.loss_type", "sapo"), ("algo.delta", 4.0)], "no effect with algo.loss_type='sapo'"),
+        ([("algo.loss_type", "vespo"), ("algo.ratio_level", "sequence")], "set algo.ratio_level"),
+        (
+            [("algo.loss_type", "vespo"), ("algo.off_policy_correction", "sequence_tis")],
+            "'sequence_tis' is not supported with it",
+        ),
+        ([("algo.name", "ppo"), ("algo.entropy_coef", 0.01)], "algo.entropy_coef=0.01 is a GRPO"),
+    ],
+)
+def test_variant_combinations_are_checked(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
     assert message in str(e.value)
 
 

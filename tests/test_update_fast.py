@@ -13,7 +13,7 @@ from peergrade.algo import policy_loss
 from peergrade.config import load_config
 from peergrade.training.update import Models, by_length, elided_rows, grpo_update, trim
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 
 def _batch(vocab: int, prompt_lens, group: int, max_c: int, seed: int = 0):
@@ -157,7 +157,7 @@ def test_by_length_is_stable_longest_first():
 @pytest.mark.parametrize(
     "loss_type,ratio_level,shared",
     [(t, "token", False) for t in LOSS_TYPES]
-    + [(t, "sequence", False) for t in LOSS_TYPES]
+    + [(t, "sequence", False) for t in LOSS_TYPES if t != "vespo"]  # vespo: token only
     + [(t, "token", True) for t in LOSS_TYPES],
 )
 def test_elision_gives_the_same_gradients(tiny_qwen2, loss_type, ratio_level, shared):
@@ -300,3 +300,127 @@ def test_bnpo_micro_batch_left_out_entirely(tiny_qwen2):
     assert rows_got == rows_ref - 6
     assert m_got["loss/policy"] == pytest.approx(m_ref["loss/policy"], rel=1e-4, abs=1e-7)
     assert m_got["advantage/mean"] == pytest.approx(m_ref["advantage/mean"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- issue 37 variants
+
+
+def _sum_grads(a, b):
+    return [[x + y for x, y in zip(sa, sb)] for sa, sb in zip(a, b)]
+
+
+def test_entropy_bonus_is_linear_and_keeps_zero_advantage_rows(tiny_qwen2):
+    """L - c H: the gradient is the policy gradient plus the pure entropy gradient (an update
+    with every advantage 0, which is then neither skipped nor elided)."""
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=8)
+    adv = torch.tensor([0, 0, 0, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    zero = torch.zeros(12)
+    bonus = {"algo.entropy_coef": 0.3}
+    g_pg, _, _ = _update(model, tok, batch, adv, _cfg())
+    plain = {"model.shared_prompt_forward": False}  # rows counted one forward each
+    g_h, m_h, rows_h = _update(model, tok, batch, zero, _cfg(**bonus, **plain))
+    g_all, m_all, _ = _update(model, tok, batch, adv, _cfg(**bonus))
+    assert m_h["update/elided_frac"] == 0.0 and m_h["update/zero_signal_frac"] == 0.0
+    assert rows_h == 2 * 12  # old-policy pass and update, every row
+    assert any(g.abs().sum() > 0 for g in g_h[0])
+    assert m_all["entropy/coef"] == pytest.approx(0.3)
+    for step_sum, step_all in zip(_sum_grads(g_pg, g_h), g_all):
+        for a, b in zip(step_sum, step_all):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    # without the bonus, all-zero advantages give exactly zero gradient (skipped)
+    g0, m0, _ = _update(model, tok, batch, zero, _cfg())
+    assert all(g.abs().sum() == 0 for step in g0 for g in step)
+
+
+def test_adaptive_entropy_coefficient_moves_per_optimizer_step(tiny_qwen2):
+    """use_adaptive_entropy: the first optimizer step applies no bonus (no entropy measured
+    yet), then the coefficient rises by entropy_coef_delta per step while entropy <= target."""
+    from peergrade.training.update import EntropyControl
+
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=9)
+    adv = torch.tensor([0.2, 0, -0.2, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    over = {
+        "algo.entropy_coef": 0.1,
+        "algo.use_adaptive_entropy": True,
+        "algo.entropy_target": 100.0,
+        "algo.entropy_coef_delta": 0.05,
+    }
+    cfg = _cfg(**over)
+    policy = copy.deepcopy(model)
+    opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
+    models = Models(policy, tok, None, torch.device("cpu"))
+    state = EntropyControl(0.1)
+    grpo_update(models, opt, ConstantSchedule(), batch, adv, None, cfg, step=3, entropy=state)
+    assert state.coef == pytest.approx(0.2)  # two optimizer steps, each + 0.05
+    assert 0 < state.last_entropy <= 100.0
+    g_pg, _, _ = _update(model, tok, batch, adv, _cfg())
+    g_h, _, _ = _update(model, tok, batch, torch.zeros(12), _cfg(**{"algo.entropy_coef": 0.15}))
+    for a, b in zip(g_pg[0], opt.grads[0]):  # step 1: coefficient 0.1, not applied yet
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    for a, b in zip(_sum_grads(g_pg, g_h)[1], opt.grads[1]):  # step 2: 0.15 applied
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_opsm_drops_negative_advantage_rows_far_from_the_sampler(tiny_qwen2):
+    """Sampler log-probs 5 nats above the policy's: every negative-advantage completion's mean
+    KL is 5 > 0.5, so the update is the one with those advantages set to 0."""
+    from peergrade.training.update import frozen_logprobs
+
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=10)
+    adv = torch.tensor([0.2, 0, -0.2, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    cfg = _cfg(**{"algo.off_policy_mask_threshold": 0.5, "algo.loss_type": "dapo"})
+    policy = copy.deepcopy(model)
+    behaviour = frozen_logprobs(policy, batch, cfg) + 5.0
+    opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
+    models = Models(policy, tok, None, torch.device("cpu"))
+    m = grpo_update(models, opt, ConstantSchedule(), batch, adv, None, cfg, 3, behaviour)
+    # over the computed completions: the 8 with a nonzero advantage (4 elided), 4 negative
+    assert m["opsm/masked_frac"] == pytest.approx(4 / 8, abs=1e-6)
+    g_pos, _, _ = _update(model, tok, batch, adv.clamp(min=0), _cfg(**{"algo.loss_type": "dapo"}))
+    for step_ref, step_got in zip(g_pos, opt.grads):
+        for a, b in zip(step_ref, step_got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_top_entropy_quantile_trains_on_a_subset(tiny_qwen2):
+    model, tok = tiny_qwen2
+    batch = _batch(model.config.vocab_size, [3, 5, 4], group=4, max_c=6, seed=11)
+    adv = torch.tensor([0.2, 0, -0.2, 0, 0.5, 0, -0.5, 0, 1.0, -1.0, 0.3, -0.3])
+    g_all, _, _ = _update(model, tok, batch, adv, _cfg())
+    g_one, m_one, _ = _update(model, tok, batch, adv, _cfg(**{"algo.top_entropy_quantile": 1.0}))
+    g_sel, m_sel, _ = _update(model, tok, batch, adv, _cfg(**{"algo.top_entropy_quantile": 0.2}))
+    assert "entropy/selected_frac" not in m_one  # 1.0 is off
+    assert 0.1 < m_sel["entropy/selected_frac"] <= 0.5
+    assert m_sel["update/elided_frac"] == 0.0
+    for a, b in zip(g_all[0], g_one[0]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    diff = sum(float((a - b).abs().sum()) for a, b in zip(g_all[0], g_sel[0]))
+    assert diff > 1e-4
+
+
+def test_gdpo_advantages_from_the_step_scores(tiny_qwen2):
+    """multi_objective_aggregation normalize_then_sum: GRPO.advantages reads each reward
+    function's scores and weights from the step's RewardScores."""
+    from types import SimpleNamespace
+
+    from peergrade.algo.advantages import gdpo_advantages
+    from peergrade.rewards import RewardScores
+    from peergrade.training.update import GRPO
+
+    model, tok = tiny_qwen2
+    cfg = _cfg(**{"algo.multi_objective_aggregation": "normalize_then_sum"})
+    f0 = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 0])
+    f1 = torch.tensor([0.5, 0.5, 0, 0, 1, 0, 1, 0, 2, 2, 2, 2])
+    scores = RewardScores(
+        per_fn={"a": f0, "b": f1}, total=f0 + 0.2 * f1, weights={"a": 1.0, "b": 0.2}
+    )
+    exp = SimpleNamespace(rewards=scores.total, sampled=SimpleNamespace(scores=scores))
+    GRPO(Models(model, tok, None, torch.device("cpu")), None, None, cfg).advantages(exp)
+    expected = gdpo_advantages(
+        torch.stack([f0, f1], dim=1).view(3, 4, 2), torch.tensor([1.0, 0.2])
+    ).reshape(-1)
+    torch.testing.assert_close(exp.advantages, expected)
+    assert exp.advantages.abs().sum() > 0

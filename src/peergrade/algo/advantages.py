@@ -38,6 +38,23 @@ NaN rewards and edge cases (decided here, tested in tests/test_algo_advantages.p
   input. With scale "none" the output is r - b, which overflows only if the rewards of
   one group span more than the dtype's largest value.
 
+``gdpo_advantages(rewards, weights, *, eps)`` is GDPO (Liu et al. 2026, "GDPO: Group reward-
+Decoupled Normalization Policy Optimization for Multi-reward RL Optimization", arXiv 2601.05242;
+TRL's ``multi_objective_aggregation="normalize_then_sum"``) for K reward functions, rewards
+``[P, G, K]``, weights ``[K]``:
+
+    A^k_pg = (r^k_pg - mean_g r^k_pg) / (std_g r^k_pg + eps)     each function within its group
+    S_pg   = sum_k w_k A^k_pg
+    A_pg   = (S_pg - mean S) / (std S + eps)                      over the whole batch
+
+std is Bessel-corrected (n - 1), as TRL's ``nanstd``. NaN = not scored: a NaN score is left out
+of its function's group statistics and adds 0 to S; a function with fewer than 2 scored members
+in a group (its std undefined) adds 0 for that group; a completion that no function scored gets
+advantage 0 and is left out of the batch statistics. Unlike ``group_advantages``, a group whose
+scores are all equal does *not* get exactly 0: S = 0 there, and the batch normalisation shifts
+it by -mean S / (std S + eps), as in TRL and the paper (the batch step is a plain z-score). With
+fewer than 2 scored completions in the batch every advantage is 0.
+
 ``gae(rewards, values, mask, gamma, lam)`` is Generalized Advantage Estimation (Schulman et
 al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation") on
 token-level ``[B, T]`` tensors, as used by PPO for LLMs (Ouyang et al. 2022; Schulman et al.
@@ -75,6 +92,7 @@ from peergrade.algo.losses import kl_divergence
 
 __all__ = [
     "gae",
+    "gdpo_advantages",
     "group_advantages",
     "last_token_index",
     "masked_std",
@@ -177,6 +195,56 @@ def group_advantages(
         gmin = torch.where(scored, r0, torch.full_like(r0, big)).amin(dim=1, keepdim=True)
         informative = (n >= 2) & (gmax > gmin)  # [P, 1]
         adv = torch.where(scored & informative, adv, torch.zeros_like(adv))
+    return adv.to(out_dtype)
+
+
+def gdpo_advantages(
+    rewards: torch.Tensor, weights: torch.Tensor, *, eps: float = 1e-4
+) -> torch.Tensor:
+    """GDPO advantages ``[P, G]`` from per-function rewards ``[P, G, K]`` (module docstring).
+
+    Args:
+        rewards: ``[P, G, K]`` scores of K reward functions; NaN = not scored.
+        weights: ``[K]`` the reward functions' weights.
+        eps: positive constant added to every std before dividing.
+
+    Returns:
+        ``[P, G]`` advantages in the dtype of ``rewards`` (float32 for non-float input), no grad.
+    """
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 3:
+        got = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards)
+        raise ValueError(f"rewards: expected a [P, G, K] torch.Tensor, got {got}")
+    K = rewards.shape[2]
+    if not isinstance(weights, torch.Tensor) or weights.shape != (K,):
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
+        raise ValueError(f"weights: expected shape ({K},) (one per reward function), got {got}")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    if rewards.numel() == 0:
+        return torch.zeros(rewards.shape[:2], dtype=out_dtype, device=rewards.device)
+    with torch.no_grad():
+        wd = _work_dtype(rewards.device)
+        r = rewards.detach().to(wd)  # [P, G, K]
+        if torch.isinf(r).any():
+            raise ValueError("rewards: +-inf is not a valid reward (use NaN for 'not scored')")
+        scored = ~torch.isnan(r)  # [P, G, K]
+        m = scored.to(wd)
+        r0 = torch.where(scored, r, torch.zeros_like(r))
+        n = m.sum(dim=1, keepdim=True)  # [P, 1, K]
+        mean = r0.sum(dim=1, keepdim=True) / n.clamp(min=1)  # [P, 1, K]
+        var = (m * (r0 - mean) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+        a_k = (r0 - mean) / (var.sqrt() + eps)  # [P, G, K]
+        a_k = torch.where(scored & (n >= 2), a_k, torch.zeros_like(a_k))  # NaN -> adds 0
+        total = (a_k * weights.detach().to(device=r.device, dtype=wd)).sum(dim=2)  # [P, G]
+        any_scored = scored.any(dim=2)  # [P, G]
+        mb = any_scored.to(wd)
+        n_all = mb.sum()
+        mean_all = (total * mb).sum() / n_all.clamp(min=1)
+        var_all = (mb * (total - mean_all) ** 2).sum() / (n_all - 1).clamp(min=1)
+        adv = (total - mean_all) / (var_all.sqrt() + eps)  # [P, G]
+        ok = any_scored & (n_all >= 2)
+        adv = torch.where(ok, adv, torch.zeros_like(adv))
     return adv.to(out_dtype)
 
 

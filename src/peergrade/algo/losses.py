@@ -1,4 +1,5 @@
-"""Policy-gradient losses (GRPO family, GSPO, CISPO), KL estimators and the PPO value loss.
+"""Policy-gradient losses (GRPO family, GSPO, CISPO, SAPO, LUSPO, VESPO), KL estimators, the
+entropy helpers and the PPO value loss.
 
 What this module does
 ---------------------
@@ -37,6 +38,50 @@ from above and detached, and every token keeps a gradient (no token is dropped b
 
     l_it = -sg(min(rho_it, 1 + eps_high)) A_i logp_it (+ beta * KL_it)
 
+``loss_type="sapo"`` is SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization",
+arXiv 2511.20347): the hard clip is replaced by a smooth gate of the ratio with a temperature
+tau that depends on the sign of the advantage (tau_pos for A > 0, tau_neg for A <= 0):
+
+    f(rho) = (4 / tau) * sigmoid(tau * (rho - 1))          l_it = -f(rho_it) A_i (+ beta * KL_it)
+
+f(1) = 2 / tau and f'(1) = 1, so on-policy the gradient is GRPO's; far from 1 the gate's slope
+4 sigma (1 - sigma) decays smoothly instead of dropping to 0 at the clip boundary. Aggregated as
+``grpo`` (sequence mean), as in the paper and TRL.
+
+``loss_type="luspo"`` is LUSPO (arXiv 2602.05261, "Length-Unbiased Sequence Policy
+Optimization"): the clipped surrogate (normally with ``ratio_level="sequence"``, i.e. GSPO) whose
+per-sequence loss is scaled by the sequence's length, i.e. summed over its tokens instead of
+averaged: ``mean_i( sum_t m_it l_it )`` (see the aggregation table).
+
+``loss_type="vespo"`` is VESPO (arXiv 2602.10693, "Variational Sequence-Level Soft Policy
+Optimization"): a detached, smooth Gamma-shaped weight of the *sequence* importance ratio w_i
+(the product of token ratios, not GSPO's geometric mean) replaces clipping, and the surrogate is
+a REINFORCE term:
+
+    log w_i  = clamp( sum_t m_it clamp(logp_it - old_logp_it, -20, 20), log 1e-8, 20 )
+    phi(w)   = exp( lam + k log w - lam w )       (= e^lam w^k e^{-lam w}; phi(1) = 1)
+    l_it     = -sg(phi(w_i)) A_i logp_it (+ beta * KL_it)
+
+with (k, lam) = (k_pos, lam_pos) when A_i >= 0 and (k_neg, lam_neg) otherwise (lam clamped to
+>= 1e-4; a non-finite phi becomes 0). phi rises as w^k below 1 and decays as e^{-lam w} above
+1, down-weighting sequences far off-policy on either side. Aggregated as ``dapo``. ``ratio_level``
+does not enter (VESPO forms its own sequence ratio). With off-policy ``weights`` (token-level
+TIS/MIS toward the sampler), VESPO does not multiply the surrogate by them but adds
+``sum_t m_it clamp(log w_it, log 1e-8, 20)`` to log w_i before its clamp (a masked token, weight 0,
+contributes log 1e-8), as TRL does with its vLLM importance ratio.
+
+``delta`` (optional) is INTELLECT-2's two-sided clip (Prime Intellect 2025, arXiv 2505.07291):
+the unclipped branch's ratio is capped at delta, l_it = -min(min(rho_it, delta) A_i,
+clip(rho_it, 1 - eps, 1 + eps_high) A_i), which bounds the loss of a negative-advantage token
+whose ratio has exploded (delta > 1, normally > 1 + eps_high). Clipped-surrogate loss types only
+(grpo, bnpo, dr_grpo, dapo, luspo), as in TRL.
+
+``keep`` (optional, ``[B, T]`` 0/1 or bool): tokens whose surrogate counts, multiplied into
+the per-token surrogate (not the KL term) like ``weights`` and changing no normaliser: the
+product of the off-policy sequence mask (``offpolicy.off_policy_sequence_mask``, DeepSeek-V3.2's
+OPSM) and the high-entropy token mask (``high_entropy_mask``, "Beyond the 80/20 Rule"), as TRL
+applies them.
+
 ``weights`` (optional, ``[B, T]``): per-token off-policy correction weights w_it
 (``offpolicy.off_policy_weights``: truncated or masked importance sampling toward the sampler's
 log-probs) multiply the surrogate part, l_it = -w_it min(...) + beta * KL_it (for CISPO
@@ -48,21 +93,25 @@ give the same loss bit for bit.
 Aggregation of the masked per-token losses l (m = mask, B = number of sequences):
 
     grpo     mean_i( sum_t m_it l_it / sum_t m_it )       DeepSeekMath GRPO (sequence mean)
+    sapo     as grpo
+    luspo    mean_i( sum_t m_it l_it )                     LUSPO (length-scaled sequence loss)
     bnpo     sum m l / sum m                              token mean over this (micro)batch
     dr_grpo  sum m l / (B * max_completion_length)        Dr. GRPO (Liu et al. 2025), constant
     dapo     sum m l / num_tokens                         DAPO token-level loss
     cispo    sum m l / num_tokens                         as DAPO
+    vespo    sum m l / num_tokens                         as DAPO
 
 ``num_tokens`` is the active-token count of the whole global batch (across gradient
 accumulation steps and processes) so that micro-batch losses add up to the global token mean;
-it defaults to sum m (local). It is used by ``dapo`` and ``cispo`` only. A sequence with no
+it defaults to sum m (local). It is used by ``dapo``, ``cispo`` and ``vespo`` only. A sequence with no
 active token contributes 0 to ``grpo`` but still counts in the mean over B (as in TRL).
 
 ``num_sequences`` is the minibatch rule for gradient accumulation: when the B sequences here
 are one micro-batch of a minibatch of ``num_sequences`` sequences, the returned loss of the
-per-batch normalised types (``grpo``, ``bnpo``, ``dr_grpo``) is scaled by B / num_sequences,
+per-batch normalised types (``grpo``, ``sapo``, ``luspo``, ``bnpo``, ``dr_grpo``) is scaled by
+B / num_sequences,
 its share of the minibatch, so that the micro-batch gradients add up to the minibatch's
-(size-weighted for ``bnpo``, exact for the others). ``dapo`` and ``cispo`` are already
+(size-weighted for ``bnpo``, exact for the others). ``dapo``, ``cispo`` and ``vespo`` are already
 normalised by the minibatch's ``num_tokens`` and are not scaled. The metrics stay this
 micro-batch's own normalised values.
 
@@ -84,6 +133,9 @@ over zero tokens is 0):
   ``clip/frac``: their sum. These are the tokens whose gradient the clip removes (the way TRL
   and verl count them). For ``cispo``, ``clip/high_frac`` counts tokens whose weight was
   truncated at 1 + eps_high (any sign of A) and ``clip/low_frac`` is 0 (CISPO has no low clip).
+  ``sapo`` and ``vespo`` have no hard clip: all three are 0. With ``delta``, ``clip/delta_frac``
+  counts tokens with A < 0 and rho > delta (their gradient is removed by the delta cap).
+- ``vespo/phi_mean`` (vespo only): the mean of phi(w_i) over the B sequences.
 - ``ratio/mean``, ``ratio/min``, ``ratio/max``: of rho over active tokens (for GSPO every
   token carries its sequence's ratio, so the mean is token-weighted); all 0 with no tokens.
 - ``kl/mean``: token mean of the chosen KL estimator whenever ``ref_logp`` is given (also with
@@ -111,20 +163,36 @@ that holds -inf or NaN log-probabilities cannot leak NaN into the loss or its gr
 
 What it deliberately does not do
 --------------------------------
-No log-prob computation (see peergrade.model.logprobs), no advantage computation (advantages.py), no
-cross-process reduction (the caller passes ``num_tokens`` and reduces metrics), no dual-clip,
-no entropy bonus, no config objects, no I/O. It imports torch only.
+No log-prob or entropy computation (see peergrade.model.logprobs), no advantage computation
+(advantages.py), no cross-process reduction (the caller passes ``num_tokens`` and reduces
+metrics), no dual-clip, no config objects, no I/O. The entropy bonus and the high-entropy token
+selection are separate functions (``entropy_bonus``, ``high_entropy_mask``,
+``adaptive_entropy_coef``) that the caller adds to the loss. It imports torch only.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
-__all__ = ["kl_divergence", "policy_loss", "value_loss"]
+__all__ = [
+    "LOSS_TYPES",
+    "adaptive_entropy_coef",
+    "entropy_bonus",
+    "high_entropy_mask",
+    "kl_divergence",
+    "policy_loss",
+    "value_loss",
+    "vespo_weights",
+]
 
-_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES = _LOSS_TYPES
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the hard-clipped surrogate (and delta)
+_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # normalised by the global token count num_tokens
+_VESPO_LOG_MIN = math.log(1e-8)  # VESPO's lower clamp of log w
 _RATIO_LEVELS = ("token", "sequence")
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -208,6 +276,14 @@ def policy_loss(
     stands_for: float | None = None,
     batch_tokens: float | int | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss over a batch of completions (see the module docstring).
 
@@ -216,7 +292,8 @@ def policy_loss(
         old_logp: ``[B, T]`` log-probs under the policy that sampled them (detached here).
         advantages: ``[B]`` one advantage per sequence (GRPO), or ``[B, T]`` one per token (PPO).
         mask: ``[B, T]``, ``mask == 1`` marks completion tokens that count.
-        loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"`` or ``"cispo"``.
+        loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"cispo"``, ``"sapo"``,
+            ``"luspo"`` or ``"vespo"``.
         ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
         clip_eps: lower clip range, rho >= 1 - clip_eps (> 0).
         clip_eps_high: upper clip range, rho <= 1 + clip_eps_high (> 0); defaults to clip_eps.
@@ -233,6 +310,12 @@ def policy_loss(
             (default ``mask.sum()``).
         weights: ``[B, T]`` off-policy correction weights multiplying the per-token surrogate
             (detached here; e.g. from ``off_policy_weights``); None = no correction.
+        keep: ``[B, T]`` 0/1 (or bool) tokens whose surrogate counts (OPSM x high-entropy
+            selection); multiplies the surrogate only, no normaliser changes; None = all.
+        delta: INTELLECT-2's cap of the unclipped ratio (> 1); clipped loss types only.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's tau for A > 0 and A <= 0 (> 0).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma shape
+            (k >= 0) and decay (lam >= 0) for A >= 0 and A < 0.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
@@ -250,6 +333,10 @@ def policy_loss(
         _check_same_shape("ref_logp", ref_logp, "logp", logp)
     if weights is not None:
         _check_same_shape("weights", weights, "logp", logp)
+    if keep is not None:
+        _check_same_shape("keep", keep, "logp", logp)
+        if keep.dtype != torch.bool and not bool(((keep == 0) | (keep == 1)).all()):
+            raise ValueError("keep: expected only 0/1 values (keep == 1 marks tokens that count)")
     if not isinstance(advantages, torch.Tensor) or advantages.shape not in ((B,), (B, T)):
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
         raise ValueError(
@@ -272,6 +359,28 @@ def policy_loss(
         )
     if not (_is_number(beta) and beta >= 0):
         raise ValueError(f"beta: expected a number >= 0, got {beta!r}")
+    if delta is not None:
+        if not (_is_number(delta) and delta > 1):
+            raise ValueError(f"delta: expected a number > 1 or None, got {delta!r}")
+        if loss_type not in _CLIPPED:
+            raise ValueError(
+                f"delta: applies to the clipped loss types {_CLIPPED} only, not "
+                f"loss_type={loss_type!r}"
+            )
+    for name, v in (
+        ("sapo_temperature_pos", sapo_temperature_pos),
+        ("sapo_temperature_neg", sapo_temperature_neg),
+    ):
+        if not (_is_number(v) and v > 0):
+            raise ValueError(f"{name}: expected a positive number, got {v!r}")
+    for name, v in (
+        ("vespo_k_pos", vespo_k_pos),
+        ("vespo_lambda_pos", vespo_lambda_pos),
+        ("vespo_k_neg", vespo_k_neg),
+        ("vespo_lambda_neg", vespo_lambda_neg),
+    ):
+        if not (_is_number(v) and v >= 0):
+            raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError(
@@ -345,22 +454,59 @@ def policy_loss(
     rho = torch.exp(log_rho)  # [B, T]
 
     lo, hi = 1.0 - clip_eps, 1.0 + clip_eps_high
+    no_clip = torch.zeros_like(valid)
+    clipped_delta = None
+    phi = None
     if loss_type == "cispo":
         weight = rho.clamp(max=hi).detach()  # [B, T], sg(min(rho, 1 + eps_high))
         pg = -weight * adv * lp  # [B, T]
         clipped_low = torch.zeros_like(valid)
         clipped_high = rho.detach() > hi
-    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-        unclipped = rho * adv  # [B, T]
+    elif loss_type in _CLIPPED:
+        # INTELLECT-2's delta caps the unclipped branch (only A < 0 can reach it: for A > 0
+        # the clipped branch, <= 1 + eps_high < delta, is the minimum first)
+        capped = rho if delta is None else rho.clamp(max=delta)  # [B, T]
+        unclipped = capped * adv  # [B, T]
         clipped = rho.clamp(min=lo, max=hi) * adv  # [B, T]
         pg = -torch.minimum(unclipped, clipped)  # [B, T]
         rd = rho.detach()
         clipped_low = (adv < 0) & (rd < lo)  # [B, T]
         clipped_high = (adv > 0) & (rd > hi)  # [B, T]
+        if delta is not None:
+            clipped_delta = (adv < 0) & (rd > delta)  # [B, T]
+    elif loss_type == "sapo":
+        tau = torch.where(
+            adv > 0,
+            torch.full_like(adv, float(sapo_temperature_pos)),
+            torch.full_like(adv, float(sapo_temperature_neg)),
+        )  # [B, 1] or [B, T]
+        gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)  # [B, T], f(rho)
+        pg = -gate * adv  # [B, T]
+        clipped_low = clipped_high = no_clip
+    elif loss_type == "vespo":
+        if advantages.dim() != 1:
+            raise ValueError(
+                f"advantages: loss_type='vespo' needs one advantage per sequence, shape ({B},)"
+            )
+        phi = vespo_weights(
+            lp.detach(),
+            old,
+            advantages.detach().to(logp.dtype),
+            valid,
+            weights=weights,
+            k_pos=vespo_k_pos,
+            lambda_pos=vespo_lambda_pos,
+            k_neg=vespo_k_neg,
+            lambda_neg=vespo_lambda_neg,
+        )  # [B]
+        pg = -phi[:, None] * adv * lp  # [B, T]
+        clipped_low = clipped_high = no_clip
     else:  # pragma: no cover - validated above
         raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
-    if weights is not None:  # off-policy correction of the surrogate; padding gets 0
+    if weights is not None and loss_type != "vespo":  # off-policy correction; padding gets 0
         pg = pg * torch.where(valid, weights.detach().to(logp.dtype), zero)  # [B, T]
+    if keep is not None:  # OPSM / high-entropy selection: surrogate only, normalisers unchanged
+        pg = pg * (keep.detach().to(torch.bool) & valid).to(logp.dtype)  # [B, T]
 
     kl = None
     if ref_logp is not None:
@@ -370,7 +516,7 @@ def policy_loss(
 
     # ---- aggregation -------------------------------------------------------------------
     n_active = m.sum()  # []
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
 
         def aggregate(x: torch.Tensor) -> torch.Tensor:
             per_seq = (x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [B]
@@ -392,7 +538,13 @@ def policy_loss(
         def aggregate(x: torch.Tensor) -> torch.Tensor:
             return (x * m).sum() / (B_all * max_completion_length)
 
-    elif loss_type in ("dapo", "cispo"):
+    elif loss_type == "luspo":
+
+        def aggregate(x: torch.Tensor) -> torch.Tensor:
+            per_seq = (x * m).sum(dim=1)  # [B], the sequence loss times its length
+            return per_seq.mean() if stands_for is None else per_seq.sum() / B_all
+
+    elif loss_type in _TOKEN_MEAN:
         if num_tokens is None:
             norm = n_active.clamp(min=1)
         elif isinstance(num_tokens, torch.Tensor):
@@ -409,7 +561,7 @@ def policy_loss(
     loss_pg = aggregate(pg)
     loss = loss_pg + beta * aggregate(kl) if use_kl else loss_pg
     share = 1.0
-    if num_sequences is not None and loss_type in ("grpo", "bnpo", "dr_grpo"):
+    if num_sequences is not None and loss_type not in _TOKEN_MEAN:
         share = B_all / num_sequences  # this micro-batch's share of the minibatch
 
     # ---- metrics (no grad, one host sync) ------------------------------------------------
@@ -450,7 +602,131 @@ def policy_loss(
         "loss/policy",
         "loss/kl",
     )
-    return (loss * share if share != 1.0 else loss), dict(zip(names, values))
+    metrics = dict(zip(names, values))
+    if clipped_delta is not None:
+        metrics["clip/delta_frac"] = float((clipped_delta & valid).sum()) / max(
+            float(n_active), 1.0
+        )
+    if phi is not None:
+        metrics["vespo/phi_mean"] = float(phi.mean())
+    return (loss * share if share != 1.0 else loss), metrics
+
+
+@torch.no_grad()
+def vespo_weights(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's detached sequence weight phi(w_i) (see the module docstring), ``[B]``.
+
+    Args:
+        logp, old_logp: ``[B, T]`` current and old log-probs (padding may hold anything).
+        advantages: ``[B]`` one advantage per sequence (its sign picks k and lambda).
+        mask: ``[B, T]`` 0/1 or bool, 1 = counts.
+        weights: ``[B, T]`` token-level off-policy weights whose logs join log w, or None.
+        k_pos, lambda_pos, k_neg, lambda_neg: the Gamma shape and decay for A >= 0 / A < 0.
+
+    Returns:
+        ``[B]`` phi(w_i) = exp(lam + k log w_i - lam w_i), 0 where not finite.
+    """
+    valid = _check_mask(mask)  # [B, T]
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    log_ratio = torch.where(valid, (logp - old_logp.to(logp.dtype)).clamp(-20.0, 20.0), zero)
+    log_w = log_ratio.sum(dim=1)  # [B], the product of the token ratios, in log space
+    if weights is not None:
+        lw = torch.log(weights.to(logp.dtype)).clamp(_VESPO_LOG_MIN, 20.0)  # [B, T]
+        log_w = log_w + torch.where(valid, lw, zero).sum(dim=1)  # [B]
+    log_w = log_w.clamp(_VESPO_LOG_MIN, 20.0)  # [B]
+    nonneg = advantages >= 0  # [B]
+    k = torch.where(nonneg, float(k_pos), float(k_neg)).to(logp.dtype)  # [B]
+    lam = torch.where(nonneg, float(lambda_pos), float(lambda_neg)).to(logp.dtype)
+    lam = lam.clamp(min=1e-4)  # [B]
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)  # [B]
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [B]
+
+
+@torch.no_grad()
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """``[B, T]`` bool: the counted tokens whose entropy is in the top ``quantile`` fraction.
+
+    "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM
+    Reasoning" (Wang et al. 2025, arXiv 2506.01939), as TRL's ``top_entropy_quantile`` (rho):
+    with tau = the (1 - rho)-quantile of the entropies of the counted tokens (linear
+    interpolation, ``torch.quantile``), keep the counted tokens with H_it >= tau. rho = 1 keeps
+    every counted token (tau is their minimum); rho = 0 keeps only the highest-entropy ones (ties
+    included). No counted token: all False.
+
+    Args:
+        entropy: ``[B, T]`` per-token entropy of the policy's distribution (any grad, detached).
+        mask: ``[B, T]`` 0/1 or bool, 1 = counts.
+        quantile: rho in [0, 1].
+    """
+    _check_tensor_2d("entropy", entropy)
+    _check_same_shape("mask", mask, "entropy", entropy)
+    if not (_is_number(quantile) and 0 <= quantile <= 1):
+        raise ValueError(f"quantile: expected a number in [0, 1], got {quantile!r}")
+    valid = _check_mask(mask)  # [B, T]
+    counted = entropy.detach()[valid].float()  # [M]
+    if counted.numel() == 0:
+        return torch.zeros_like(valid)
+    tau = torch.quantile(counted, 1.0 - float(quantile))  # []
+    return (entropy.detach().float() >= tau) & valid  # [B, T]
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked token mean of ``entropy`` (with gradient): the H of L = L_policy - coef * H.
+
+    As TRL's ``entropy_coef``: the mean per-token entropy over the tokens that count (the
+    high-entropy subset when tokens are selected), the same for every loss type (not rescaled
+    to the policy term's normaliser); 0 when no token counts.
+
+    Args:
+        entropy: ``[B, T]`` per-token entropy (with gradient).
+        mask: ``[B, T]`` 0/1 or bool, 1 = counts.
+    """
+    _check_tensor_2d("entropy", entropy)
+    _check_same_shape("mask", mask, "entropy", entropy)
+    valid = _check_mask(mask)  # [B, T]
+    zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
+    ent = torch.where(valid, entropy, zero)  # [B, T], padding cannot leak NaN
+    return ent.sum() / valid.sum().clamp(min=1).to(entropy.dtype)
+
+
+def adaptive_entropy_coef(
+    coef: float,
+    entropy: float,
+    *,
+    target: float,
+    step: float,
+    coef_min: float,
+    coef_max: float,
+) -> float:
+    """Skywork-OR1's adaptive entropy control (He et al. 2025, arXiv 2505.22312), TRL's rule.
+
+    After each optimizer step, with H the step's mean entropy over the tokens the bonus acts on:
+    coef <- min(coef + step, coef_max) if H <= target, else max(coef - step, coef_min). The
+    coefficient applied in the next step is coef when that H <= target, else 0 (the caller
+    keeps the last H and gates the bonus with it).
+    """
+    for name, v in (("coef", coef), ("entropy", entropy), ("target", target), ("step", step)):
+        if not _is_number(v):
+            raise ValueError(f"{name}: expected a number, got {v!r}")
+    if not (_is_number(coef_min) and _is_number(coef_max) and coef_min <= coef_max):
+        raise ValueError(
+            f"coef_min, coef_max: expected numbers with coef_min <= coef_max, got "
+            f"{coef_min!r}, {coef_max!r}"
+        )
+    if entropy <= target:
+        return min(coef + step, coef_max)
+    return max(coef - step, coef_min)
 
 
 def value_loss(

@@ -28,6 +28,12 @@ and the weight w (0 on padding in every mode) is
     token_mis:       w_it = r_it if low <= r_it <= high else 0    masked IS
     sequence_mis:    w_it = r_i  if low <= r_i  <= high else 0    (the whole sequence)
 
+IcePop (Ling Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for
+Trillion-Scale Thinking Model", arXiv 2510.18855; TRL's ``vllm_importance_sampling_mode=
+"token_mask"`` with both ``_clip_min`` and ``_clip_max``, trl#4732) is ``token_mis``: the
+bidirectional token mask, weight r_it inside [low, high] and 0 outside (the paper's
+[alpha, beta] = [0.5, 5]: ``low=0.5, high=5``).
+
 TIS keeps every token and bounds its weight from above (the variance of IS comes from large
 ratios); MIS drops tokens or whole sequences whose behaviour probability is too far from
 pi_old to be corrected for, and keeps the others with their full ratio.
@@ -52,6 +58,18 @@ exp(0) = 1 exactly, every weight is exactly 1 on counted tokens (``cap >= 1`` an
 ``low <= 1 <= high`` are required for this reason) and nothing is masked: multiplying the
 surrogate by it changes no bit of the loss.
 
+``off_policy_sequence_mask(logp, behaviour_logp, advantages, mask, threshold)`` is
+DeepSeek-V3.2's off-policy sequence mask (OPSM, DeepSeek-AI 2025, arXiv 2512.02556, Eq. 9;
+TRL's ``off_policy_mask_threshold``): a sequence is dropped from the surrogate when its
+advantage is negative *and* its mean per-token KL estimate from the behaviour policy is above
+delta:
+
+    D_i    = sum_t m_it (behaviour_logp_it - logp_it) / sum_t m_it     (NaN terms count 0)
+    keep_i = A_i >= 0  or  D_i <= delta
+
+(logp detached). Negative-advantage samples that the current policy already finds unlikely
+carry the most harmful, least reliable gradient; positive ones are always kept.
+
 Weights are detached (they correct the sampling distribution; no gradient flows through
 them) and are returned in float32 or the inputs' wider float dtype.
 
@@ -69,7 +87,7 @@ import numbers
 
 import torch
 
-__all__ = ["CORRECTIONS", "SEQUENCE_RATIOS", "off_policy_weights"]
+__all__ = ["CORRECTIONS", "SEQUENCE_RATIOS", "off_policy_sequence_mask", "off_policy_weights"]
 
 CORRECTIONS = ("none", "token_tis", "sequence_tis", "token_mis", "sequence_mis")
 SEQUENCE_RATIOS = ("geometric", "product")
@@ -195,3 +213,52 @@ def off_policy_weights(
         "correction/truncated_frac",
     )
     return weights, dict(zip(names, stats))
+
+
+@torch.no_grad()
+def off_policy_sequence_mask(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """``[B]`` bool, True = keep: DeepSeek-V3.2's OPSM (see the module docstring).
+
+    Args:
+        logp: ``[B, T]`` log-probs of the current policy (detached here).
+        behaviour_logp: ``[B, T]`` log-probs of the policy that sampled (the sampler's, else
+            pi_old); NaN on a counted token means "not scored" and counts 0.
+        advantages: ``[B]`` one advantage per sequence.
+        mask: ``[B, T]`` 0/1 or bool, 1 = counts.
+        threshold: delta, > 0.
+    """
+    for name, t in (("logp", logp), ("behaviour_logp", behaviour_logp), ("mask", mask)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
+            raise ValueError(f"{name}: expected a [B, T] torch.Tensor, got {got}")
+    if behaviour_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            f"behaviour_logp {tuple(behaviour_logp.shape)} and mask {tuple(mask.shape)}: "
+            f"expected the shape of logp {tuple(logp.shape)}"
+        )
+    B = logp.shape[0]
+    if not isinstance(advantages, torch.Tensor) or advantages.shape != (B,):
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
+        raise ValueError(f"advantages: expected shape ({B},) (one per sequence), got {got}")
+    if not (_is_number(threshold) and threshold > 0):
+        raise ValueError(f"threshold: expected a positive number, got {threshold!r}")
+    if mask.dtype == torch.bool:
+        valid = mask
+    elif bool(((mask == 0) | (mask == 1)).all()):
+        valid = mask == 1
+    else:
+        raise ValueError("mask: expected only 0/1 values (mask == 1 marks tokens that count)")
+    dtype = torch.promote_types(
+        torch.promote_types(logp.dtype, behaviour_logp.dtype), torch.float32
+    )
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    d = behaviour_logp.detach().to(dtype) - logp.detach().to(dtype)  # [B, T]
+    d = torch.where(valid & ~torch.isnan(d), d, zero)  # [B, T]
+    kl = d.sum(dim=1) / valid.sum(dim=1).clamp(min=1).to(dtype)  # [B]
+    return (advantages.detach() >= 0) | (kl <= threshold)  # [B]

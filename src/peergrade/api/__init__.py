@@ -126,8 +126,31 @@ MAPPED: dict[str, tuple[str, str]] = {
     "beta": ("algo.beta", "as is"),
     "epsilon": ("algo.clip_eps", "as is"),
     "epsilon_high": ("algo.clip_eps_high", "as is"),
-    "loss_type": ("algo.loss_type", "grpo, bnpo, dr_grpo, dapo, cispo"),
-    "importance_sampling_level": ("algo.ratio_level", "token, sequence (GSPO)"),
+    "loss_type": ("algo.loss_type", "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"),
+    "importance_sampling_level": (
+        "algo.ratio_level",
+        "token, sequence (GSPO); with loss_type vespo always token (VESPO forms its own "
+        "sequence ratio; TRL warns)",
+    ),
+    "delta": ("algo.delta", "as is (loss types grpo, bnpo, dr_grpo, dapo, luspo)"),
+    "sapo_temperature_neg": ("algo.sapo_temperature_neg", "as is"),
+    "sapo_temperature_pos": ("algo.sapo_temperature_pos", "as is"),
+    "vespo_k_pos": ("algo.vespo_k_pos", "as is"),
+    "vespo_lambda_pos": ("algo.vespo_lambda_pos", "as is"),
+    "vespo_k_neg": ("algo.vespo_k_neg", "as is"),
+    "vespo_lambda_neg": ("algo.vespo_lambda_neg", "as is"),
+    "multi_objective_aggregation": (
+        "algo.multi_objective_aggregation",
+        "sum_then_normalize, normalize_then_sum (GDPO)",
+    ),
+    "off_policy_mask_threshold": ("algo.off_policy_mask_threshold", "as is (OPSM)"),
+    "top_entropy_quantile": ("algo.top_entropy_quantile", "as is"),
+    "entropy_coef": ("algo.entropy_coef", "as is"),
+    "use_adaptive_entropy": ("algo.use_adaptive_entropy", "as is"),
+    "entropy_coef_min": ("algo.entropy_coef_min", "as is"),
+    "entropy_coef_max": ("algo.entropy_coef_max", "as is"),
+    "entropy_coef_delta": ("algo.entropy_coef_delta", "as is"),
+    "entropy_target": ("algo.entropy_target", "as is"),
     "scale_rewards": (
         "algo.advantage_scale",
         "group, batch, none (True = group, False = none)",
@@ -283,28 +306,9 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "generation_kwargs": (None, "temperature, top_p, top_k, rollout.stop"),
     "chat_template_kwargs": (None, "data.system_prompt, data.use_chat_template"),
     "repetition_penalty": (1.0, "the repetition_penalty reward"),
-    "delta": (None, "epsilon / epsilon_high"),
-    "sapo_temperature_neg": (1.05, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
-    "sapo_temperature_pos": (1.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
-    "vespo_k_pos": (2.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
-    "vespo_lambda_pos": (3.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
-    "vespo_k_neg": (3.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
-    "vespo_lambda_neg": (2.0, "loss_type grpo, bnpo, dr_grpo, dapo or cispo"),
-    "multi_objective_aggregation": (
-        "sum_then_normalize",
-        "the weighted sum, then group normalisation (TRL's default)",
-    ),
     "sync_ref_model": (False, "beta (a fixed reference)"),
     "ref_model_mixup_alpha": (0.6, "beta (a fixed reference)"),
     "ref_model_sync_steps": (512, "beta (a fixed reference)"),
-    "top_entropy_quantile": (1.0, _NO),
-    "entropy_coef": (0.0, _NO),
-    "use_adaptive_entropy": (False, _NO),
-    "entropy_coef_min": (0.0, _NO),
-    "entropy_coef_max": (1.0, _NO),
-    "entropy_coef_delta": (0.005, _NO),
-    "entropy_target": (0.2, _NO),
-    "off_policy_mask_threshold": (None, _NO),
     "use_bias_correction_kl": (True, _NO),
     "use_transformers_continuous_batching": (False, _VLLM),
     "transformers_continuous_batching_config": (None, _VLLM),
@@ -368,6 +372,22 @@ class GRPOConfig:
     epsilon_high: float | None = None
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
+    delta: float | None = None
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    multi_objective_aggregation: str = "sum_then_normalize"
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     scale_rewards: str | bool = "group"
     num_iterations: int = 1
     mask_truncated_completions: bool = False
@@ -540,7 +560,30 @@ class GRPOConfig:
             ("algo.clip_eps", self.epsilon),
             ("algo.clip_eps_high", self.epsilon_high),
             ("algo.loss_type", _choice("loss_type", self.loss_type, LOSS_TYPES)),
-            ("algo.ratio_level", self.importance_sampling_level),
+            ("algo.ratio_level", self._ratio_level()),
+            ("algo.delta", self.delta),
+            ("algo.sapo_temperature_neg", self.sapo_temperature_neg),
+            ("algo.sapo_temperature_pos", self.sapo_temperature_pos),
+            ("algo.vespo_k_pos", self.vespo_k_pos),
+            ("algo.vespo_lambda_pos", self.vespo_lambda_pos),
+            ("algo.vespo_k_neg", self.vespo_k_neg),
+            ("algo.vespo_lambda_neg", self.vespo_lambda_neg),
+            (
+                "algo.multi_objective_aggregation",
+                _choice(
+                    "multi_objective_aggregation",
+                    self.multi_objective_aggregation,
+                    ("sum_then_normalize", "normalize_then_sum"),
+                ),
+            ),
+            ("algo.off_policy_mask_threshold", self.off_policy_mask_threshold),
+            ("algo.top_entropy_quantile", self.top_entropy_quantile),
+            ("algo.entropy_coef", self.entropy_coef),
+            ("algo.use_adaptive_entropy", self.use_adaptive_entropy),
+            ("algo.entropy_coef_min", self.entropy_coef_min),
+            ("algo.entropy_coef_max", self.entropy_coef_max),
+            ("algo.entropy_coef_delta", self.entropy_coef_delta),
+            ("algo.entropy_target", self.entropy_target),
             ("algo.advantage_scale", _scale(self.scale_rewards)),
             ("algo.num_iterations", self.num_iterations),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
@@ -585,6 +628,19 @@ class GRPOConfig:
         defaults: ``GRPOTrainer`` sets them from its arguments)."""
         return load_config(None, self.to_overrides(num_rows))
 
+    def _ratio_level(self) -> str:
+        """algo.ratio_level; VESPO forms its own sequence ratio, so with loss_type vespo it is
+        token whatever importance_sampling_level says (TRL warns the same way)."""
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            warnings.warn(
+                "GRPOConfig: loss_type='vespo' computes its sequence-level weight itself; "
+                f"importance_sampling_level={self.importance_sampling_level!r} is not used",
+                UserWarning,
+                stacklevel=3,
+            )
+            return "token"
+        return self.importance_sampling_level
+
     def _warmup(self, steps: int) -> int:
         w = self.warmup_steps
         if isinstance(w, float) and 0 < w < 1:  # transformers: a float below 1 is a ratio
@@ -607,7 +663,7 @@ class GRPOConfig:
         return max(1, math.ceil(every / self.updates_per_generation))
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 #: peergrade keys that GRPOTrainer's arguments set; with MAPPED's, not settable through
 #: ``peergrade={...}``, so that one setting has one place

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -263,10 +264,15 @@ class AlgoConfig:
         "token-level GAE advantages; the memory baseline GRPO is measured against).",
         "grpo",
     )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = doc(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = doc(
         "Loss aggregation / variant: grpo (per-sequence mean), bnpo (token mean over the "
         "micro-batch), dr_grpo (sum / (B * max_completion_length)), dapo (token mean over the "
-        "global batch), cispo (clipped IS-weight policy gradient, token mean over the global batch).",
+        "global batch), cispo (clipped IS-weight policy gradient, token mean over the global batch), "
+        "sapo (SAPO: a smooth sigmoid gate of the ratio instead of the clip, per-sequence mean; "
+        "sapo_temperature_*), luspo (LUSPO: the clipped surrogate summed over each sequence's "
+        "tokens, mean over sequences; use with ratio_level sequence), vespo (VESPO: REINFORCE "
+        "weighted by a detached Gamma function of the sequence ratio, token mean over the global "
+        "batch; vespo_*). Formulas: docs/algorithms.md.",
         "grpo",
     )
     ratio_level: Literal["token", "sequence"] = doc(
@@ -276,6 +282,32 @@ class AlgoConfig:
     clip_eps_high: float | None = doc(
         "Upper clip epsilon (DAPO clip-higher, e.g. 0.28); null = clip_eps.", None
     )
+    delta: float | None = doc(
+        "INTELLECT-2 two-sided clip: cap the unclipped ratio at delta, so a negative-advantage "
+        "token's loss is bounded (> 1, normally > 1 + clip_eps_high, e.g. 4); null = off. Loss "
+        "types grpo, bnpo, dr_grpo, dapo, luspo.",
+        None,
+    )
+    sapo_temperature_pos: float = doc(
+        "SAPO: gate temperature tau for tokens of positive-advantage completions (> 0).", 1.0
+    )
+    sapo_temperature_neg: float = doc(
+        "SAPO: gate temperature tau for tokens of non-positive-advantage completions (> 0; the "
+        "paper takes it above sapo_temperature_pos, so negative updates decay faster).",
+        1.05,
+    )
+    vespo_k_pos: float = doc(
+        "VESPO: power k of phi(w) = e^lam w^k e^(-lam w) for A >= 0 (>= 0): how strongly "
+        "sequences with ratio w < 1 are down-weighted.",
+        2.0,
+    )
+    vespo_lambda_pos: float = doc(
+        "VESPO: decay lam of phi(w) for A >= 0 (>= 0): how strongly ratios w > 1 are "
+        "down-weighted.",
+        3.0,
+    )
+    vespo_k_neg: float = doc("VESPO: power k of phi(w) for A < 0 (>= 0).", 3.0)
+    vespo_lambda_neg: float = doc("VESPO: decay lam of phi(w) for A < 0 (>= 0).", 2.0)
     beta: float = doc("KL penalty coefficient toward the reference policy (0 = no reference).", 0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = doc("Per-token KL estimator (Schulman).", "k3")
     advantage_scale: Literal["group", "batch", "none"] = doc(
@@ -284,9 +316,52 @@ class AlgoConfig:
     advantage_baseline: Literal["mean", "leave_one_out"] = doc(
         "Group mean, or RLOO leave-one-out mean.", "mean"
     )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = doc(
+        "Several reward functions: sum_then_normalize (the weighted sum, then group-relative "
+        "advantages as advantage_scale / advantage_baseline say) or normalize_then_sum (GDPO: "
+        "each function's scores normalised within the group (mean, std + 1e-4) separately, "
+        "summed with the reward weights, then normalised over the batch (mean, std + 1e-4); "
+        "advantage_scale and advantage_baseline are then not used). TRL's field of the same name.",
+        "sum_then_normalize",
+    )
     num_iterations: int = doc("mu: optimisation passes over each generated batch.", 1)
     mask_truncated_completions: bool = doc(
         "DAPO overlong filtering: completions cut by max_completion_length get no loss.", False
+    )
+    off_policy_mask_threshold: float | None = doc(
+        "DeepSeek-V3.2 off-policy sequence masking (OPSM): a completion with a negative "
+        "advantage whose mean per-token KL from the sampler's log-probs to the current policy "
+        "exceeds this (> 0, e.g. 0.5) gets no policy loss; null = off.",
+        None,
+    )
+    top_entropy_quantile: float = doc(
+        'Train the policy loss only on the top rho fraction of tokens by entropy ("Beyond the '
+        "80/20 Rule\"; the paper uses 0.2), the quantile taken over each micro-batch's counted "
+        "tokens; in [0, 1], 1 = every token.",
+        1.0,
+    )
+    entropy_coef: float = doc(
+        "Entropy bonus: the loss is L - entropy_coef * H, H the mean per-token entropy over the "
+        "tokens the policy loss trains on (the same for every loss_type); 0 = off. With "
+        "use_adaptive_entropy, the initial coefficient.",
+        0.0,
+    )
+    use_adaptive_entropy: bool = doc(
+        "Skywork-OR1 adaptive entropy control: after each optimizer step the coefficient moves "
+        "by entropy_coef_delta up (entropy <= entropy_target) or down (above it), within "
+        "[entropy_coef_min, entropy_coef_max], and it is applied only while the last step's "
+        "entropy was <= entropy_target.",
+        False,
+    )
+    entropy_coef_min: float = doc("Adaptive entropy control: lower bound of the coefficient.", 0.0)
+    entropy_coef_max: float = doc("Adaptive entropy control: upper bound of the coefficient.", 1.0)
+    entropy_coef_delta: float = doc(
+        "Adaptive entropy control: the coefficient's step per optimizer step (>= 0).", 0.005
+    )
+    entropy_target: float = doc(
+        "Adaptive entropy control: target mean per-token entropy in nats (>= 0), measured over "
+        "the tokens the policy loss trains on.",
+        0.2,
     )
     skip_zero_advantage: bool = doc(
         "GRPO with beta = 0: leave completions whose advantage is exactly 0 out of the update's "
@@ -1085,6 +1160,68 @@ def validate(cfg: Config) -> None:
         "options: algo.name=ppo always uses the token-level clipped loss (token mean); leave "
         "them at their defaults ('grpo', 'token')",
     )
+    need(
+        a.delta is None or a.delta > 1,
+        f"algo.delta must be > 1 (normally > 1 + clip_eps_high) or null, got {a.delta}",
+    )
+    need(
+        a.delta is None or a.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"),
+        f"algo.delta caps the clipped surrogate's ratio: it has no effect with "
+        f"algo.loss_type={a.loss_type!r} (TRL ignores it there); use grpo, bnpo, dr_grpo, dapo "
+        "or luspo, or set algo.delta to null",
+    )
+    for k in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        need(getattr(a, k) > 0, f"algo.{k} must be > 0, got {getattr(a, k)}")
+    for k in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        need(getattr(a, k) >= 0, f"algo.{k} must be >= 0, got {getattr(a, k)}")
+    need(
+        a.loss_type != "vespo" or a.ratio_level == "token",
+        "algo.loss_type=vespo forms its own sequence-level ratio (the product of the token "
+        "ratios): set algo.ratio_level to token",
+    )
+    need(
+        a.loss_type != "vespo" or a.off_policy_correction not in ("sequence_tis", "sequence_mis"),
+        f"algo.loss_type=vespo folds token-level off-policy weights into its sequence ratio: "
+        f"algo.off_policy_correction={a.off_policy_correction!r} is not supported with it; use "
+        "token_tis, token_mis, auto or none",
+    )
+    need(
+        a.off_policy_mask_threshold is None or a.off_policy_mask_threshold > 0,
+        f"algo.off_policy_mask_threshold must be > 0 or null, got {a.off_policy_mask_threshold}",
+    )
+    need(
+        0 <= a.top_entropy_quantile <= 1,
+        f"algo.top_entropy_quantile must be in [0, 1] (1 = every token), got "
+        f"{a.top_entropy_quantile}",
+    )
+    need(
+        math.isfinite(a.entropy_coef),
+        f"algo.entropy_coef must be a finite number, got {a.entropy_coef}",
+    )
+    need(
+        a.entropy_coef_min <= a.entropy_coef_max,
+        f"algo.entropy_coef_min ({a.entropy_coef_min}) must be <= algo.entropy_coef_max "
+        f"({a.entropy_coef_max})",
+    )
+    need(
+        a.entropy_coef_delta >= 0,
+        f"algo.entropy_coef_delta must be >= 0, got {a.entropy_coef_delta}",
+    )
+    need(a.entropy_target >= 0, f"algo.entropy_target must be >= 0, got {a.entropy_target}")
+    grpo_only = {
+        "delta": None,
+        "multi_objective_aggregation": "sum_then_normalize",
+        "off_policy_mask_threshold": None,
+        "top_entropy_quantile": 1.0,
+        "entropy_coef": 0.0,
+        "use_adaptive_entropy": False,
+    }
+    for k, default in grpo_only.items():
+        need(
+            a.name == "grpo" or getattr(a, k) == default,
+            f"algo.{k}={getattr(a, k)!r} is a GRPO option: algo.name=ppo does not use it; "
+            f"leave it at {default!r}",
+        )
     need(
         a.critic_path is None or a.name == "ppo",
         f"algo.critic_path is set ({a.critic_path!r}) but algo.name is {a.name!r}: only ppo "

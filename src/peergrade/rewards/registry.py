@@ -550,6 +550,7 @@ class RewardScores:
     extra: dict[str, list] = field(default_factory=dict)  # log_extra: column -> N values
     logged: dict[str, float] = field(default_factory=dict)  # log_metric: name -> batch mean
     counts: dict[str, float] = field(default_factory=dict)  # e.g. reward/<fn>/sandbox_errors
+    weights: dict[str, float] = field(default_factory=dict)  # name -> weight (GDPO reads them)
 
     def metrics(self) -> dict[str, float]:
         """``reward/<name>/mean|std``, ``reward/total/mean|std``, ``reward/errors``, the
@@ -944,6 +945,7 @@ def score_rewards(
         extra=extra,
         logged={k: sum(v) / len(v) for k, v in logged.items()},  # TRL: the mean of the calls
         counts=counts,
+        weights={spec.name: spec.weight for spec in specs},
     )
 
 

@@ -115,6 +115,7 @@ def take_groups(s: Sampled, groups: list[int], group_size: int, *, portable: boo
         per_fn={k: rows(v) for k, v in sc.per_fn.items()},
         total=rows(sc.total),
         extra={k: [v[i] for i in seqs] for k, v in sc.extra.items()},
+        weights=sc.weights,
     )
     samples = s.samples.take(seqs)
     if portable:
@@ -165,6 +166,7 @@ def concat_sampled(parts: list[Sampled], pad_token_id: int, batch_scores: dict) 
         per_fn={k: cat([p.scores.per_fn[k] for p in parts]) for k in first.scores.per_fn},
         total=cat([p.scores.total for p in parts]),
         extra={k: [x for p in parts for x in p.scores.extra[k]] for k in first.scores.extra},
+        weights=first.scores.weights,
         **batch_scores,
     )
     return Sampled(

@@ -38,7 +38,16 @@ from typing import Any, Protocol
 import torch
 
 from peergrade import distributed as dist
-from peergrade.algo import group_advantages, off_policy_weights, policy_loss
+from peergrade.algo import (
+    adaptive_entropy_coef,
+    entropy_bonus,
+    group_advantages,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+    off_policy_weights,
+    policy_loss,
+)
+from peergrade.algo.advantages import gdpo_advantages
 from peergrade.config import off_policy_correction
 from peergrade.model.load import disable_adapter
 from peergrade.model.logprobs import token_logprobs
@@ -195,7 +204,9 @@ def ref_logprobs(models: Models, batch, cfg) -> torch.Tensor | None:
 # algo.policy_loss's metrics that are token means of one micro-batch: weighted by its token
 # count, their mean is the token mean of the whole update however rows are grouped into
 # micro-batches or ranks (a weight per row would make 1 x P and N x P/N disagree).
-TOKEN_MEANS = frozenset({"clip/low_frac", "clip/high_frac", "clip/frac", "ratio/mean", "kl/mean"})
+TOKEN_MEANS = frozenset(
+    {"clip/low_frac", "clip/high_frac", "clip/frac", "clip/delta_frac", "ratio/mean", "kl/mean"}
+)
 
 
 class MeanMetrics:
@@ -403,6 +414,46 @@ def elided_rows(advantages: torch.Tensor, kl_on: bool, enabled: bool = True) -> 
     return advantages == 0
 
 
+@dataclass
+class EntropyControl:
+    """The entropy bonus's state across optimizer steps (``algo.entropy_coef``): the coefficient
+    (moved by ``algo.use_adaptive_entropy``) and the last optimizer step's mean entropy over
+    the trained tokens (inf before the first: the adaptive bonus starts off, as in TRL)."""
+
+    coef: float
+    last_entropy: float = math.inf
+    window: list | None = None  # [entropy sum, token count] of the current optimizer step
+    window_metrics: Any = None  # the update's metrics (FSDP's padding passes bring others)
+
+    def applied(self, adaptive: bool, target: float) -> float:
+        """The coefficient the current optimizer step's loss uses."""
+        if adaptive:
+            return self.coef if self.last_entropy <= target else 0.0
+        return self.coef
+
+    def close_window(self, a) -> None:
+        """End of an optimizer step: its (every rank's) mean entropy moves the coefficient
+        (``algo.use_adaptive_entropy``). Called at the same points on every rank (a
+        collective): before each minibatch (``run_update``'s skip test) and after the last."""
+        if self.window is None:
+            return
+        s, n = dist.gather_rows(torch.tensor([self.window], dtype=torch.float64)).sum(0).tolist()
+        self.window = None
+        if n == 0:  # no token anywhere: nothing measured
+            return
+        self.last_entropy = s / n
+        if not a.use_adaptive_entropy:  # a static coefficient never moves
+            return
+        self.coef = adaptive_entropy_coef(
+            self.coef,
+            self.last_entropy,
+            target=a.entropy_target,
+            step=a.entropy_coef_delta,
+            coef_min=a.entropy_coef_min,
+            coef_max=a.entropy_coef_max,
+        )
+
+
 def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.Tensor]:
     """The micro-batches of one GRPO minibatch.
 
@@ -425,6 +476,7 @@ def grpo_update(
     cfg,
     step: int,
     behaviour_lp: torch.Tensor | None = None,
+    entropy: EntropyControl | None = None,
 ) -> dict[str, float]:
     """The GRPO update of one step: ``algo.policy_loss`` with one advantage per completion
     (``[N]``), over ``run_update``; returns the averaged metrics.
@@ -441,21 +493,42 @@ def grpo_update(
     never forwarded (``elided_rows``); ``policy_loss`` gets ``stands_for`` / ``batch_tokens`` so
     every normaliser still counts them, and the gradient is the one of the full batch up to
     float summation order. ``update/elided_frac`` is the fraction left out. The clip, ratio,
-    KL and entropy statistics are then over the computed completions only."""
+    KL and entropy statistics are then over the computed completions only.
+
+    Token selection and the entropy bonus: ``algo.off_policy_mask_threshold`` (OPSM, toward
+    ``behaviour_lp``, else pi_old) and ``algo.top_entropy_quantile`` (the quantile over each
+    micro-batch's counted tokens) give ``policy_loss`` its ``keep`` mask; ``algo.entropy_coef``
+    subtracts coef x the micro-batch's mean entropy over the kept tokens, times its share of the
+    minibatch (``entropy``: the coefficient's state, adaptive with ``algo.use_adaptive_entropy``).
+    A completion with advantage 0 then still matters (its entropy has a gradient; its tokens
+    enter the quantile), so nothing is elided or skipped with either on."""
     input_ids, attention_mask, cmask = batch
     N = cmask.shape[0]
     a = cfg.algo
     kl_on = cfg.uses_reference and ref_lp is not None
+    bonus_on = a.entropy_coef != 0 or a.use_adaptive_entropy
+    if bonus_on and entropy is None:
+        entropy = EntropyControl(a.entropy_coef)
+    if bonus_on:
+        entropy.window, entropy.window_metrics = None, None
+    select = a.top_entropy_quantile < 1
     # Elision and the length-sorted plan count rows of the whole minibatch: one process only
     # (under torchrun each rank computes all of its rows, in schedule order).
     parallel = dist.world() > 1
-    drop = elided_rows(advantages, kl_on, a.skip_zero_advantage and not parallel)  # [N]
+    elide_ok = a.skip_zero_advantage and not parallel and not bonus_on and not select
+    drop = elided_rows(advantages, kl_on, elide_ok)  # [N]
 
     # Zero advantages and no KL term make every token's loss exactly 0, so the gradient is 0:
     # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
-    # a model never earns any reward.
+    # a model never earns any reward. (Not with the entropy bonus: its gradient is not 0.)
     def no_signal(idx) -> bool:
-        return not kl_on and bool((advantages[idx] == 0).all())
+        return not kl_on and not bonus_on and bool((advantages[idx] == 0).all())
+
+    def skip(idx) -> bool:  # run_update's test, once per minibatch on every rank
+        if bonus_on:  # a new optimizer step: the previous one's entropy moves the coefficient
+            entropy.close_window(a)
+            entropy.window = [0.0, 0.0]
+        return no_signal(idx)
 
     all_idx = torch.arange(N, device=cmask.device)
     # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
@@ -510,6 +583,23 @@ def grpo_update(
             if n_tok > 0:
                 w_range[0] = min(w_range[0], wm["correction/weight_min"])
                 w_range[1] = max(w_range[1], wm["correction/weight_max"])
+        keep_tok = None  # [b, Tc] bool: tokens whose surrogate counts (OPSM, high entropy)
+        if a.off_policy_mask_threshold is not None:
+            mu = old if behaviour_lp is None else behaviour_lp[keep, :Tc]
+            seq_keep = off_policy_sequence_mask(
+                logp, mu, advantages[keep], cm, a.off_policy_mask_threshold
+            )  # [b]
+            metrics.add("opsm/masked_frac", float((~seq_keep).float().mean()), len(keep))
+            keep_tok = seq_keep[:, None].expand_as(cm) & (cm == 1)
+        ent_mask = cm == 1  # [b, Tc]
+        if select:
+            ent_mask = high_entropy_mask(ent, cm, a.top_entropy_quantile)
+            keep_tok = ent_mask if keep_tok is None else keep_tok & ent_mask
+            metrics.add(
+                "entropy/selected_frac",
+                float(ent_mask.sum()) / max(float(cm.sum()), 1.0),
+                float(cm.sum()),
+            )
         loss, m = policy_loss(
             logp,
             old,
@@ -526,11 +616,28 @@ def grpo_update(
             num_tokens=num_tokens,
             num_sequences=len(mini_idx),
             weights=weights,
+            keep=keep_tok,
+            delta=a.delta,
+            sapo_temperature_pos=a.sapo_temperature_pos,
+            sapo_temperature_neg=a.sapo_temperature_neg,
+            vespo_k_pos=a.vespo_k_pos,
+            vespo_lambda_pos=a.vespo_lambda_pos,
+            vespo_k_neg=a.vespo_k_neg,
+            vespo_lambda_neg=a.vespo_lambda_neg,
             **elide,
         )
-        # dapo/cispo losses are this micro-batch's share of the minibatch's: scaled so that
+        if bonus_on:  # L - coef * H over the trained tokens, this micro-batch's share
+            coef = entropy.applied(a.use_adaptive_entropy, a.entropy_target)
+            h = entropy_bonus(ent, ent_mask)
+            loss = loss - coef * h * (len(keep) / len(mini_idx))
+            if entropy.window_metrics is None or metrics is entropy.window_metrics:
+                entropy.window_metrics = metrics  # (not FSDP's zero-weight padding passes)
+                entropy.window[0] += float((ent.detach() * ent_mask).sum())
+                entropy.window[1] += float(ent_mask.sum())
+                metrics.add("entropy/coef", coef)
+        # dapo/cispo/vespo losses are this micro-batch's share of the minibatch's: scaled so that
         # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
-        shared = a.loss_type in ("dapo", "cispo")
+        shared = a.loss_type in ("dapo", "cispo", "vespo")
         n_tok = int(cm.sum().item())
         for k, v in m.items():
             # whole-batch values weigh what they stand for; the others what was computed
@@ -554,9 +661,12 @@ def grpo_update(
         step,
         [Trainee(params, optimizer, scheduler)],
         micro_loss,
-        skip=no_signal,
+        skip=skip,
         plan=None if parallel else plan,
     )
+    if bonus_on:
+        entropy.close_window(a)  # the last optimizer step's entropy moves the coefficient
+        entropy.window_metrics = None
     extremes = {}
     if correct:  # every rank's extremes (a rank that computed no token holds +-inf)
         lo_hi = dist.gather_rows(torch.tensor([w_range], dtype=torch.float64))  # [W, 2]
@@ -601,6 +711,25 @@ class Algorithm(Protocol):
         """The policy update of one step on ``exp``; returns the averaged metrics."""
 
 
+def gdpo_inputs(exp: Experience, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-function scores ``[P, G, K]`` (float32, NaN = not scored) and weights ``[K]`` of
+    ``exp`` for ``gdpo_advantages``, in the reward functions' order."""
+    scores = exp.sampled.scores if exp.sampled is not None else None
+    if scores is None or not scores.per_fn:
+        raise ValueError(
+            "algo.multi_objective_aggregation=normalize_then_sum needs each reward function's "
+            "scores, which this step's experience does not carry"
+        )
+    names = list(scores.per_fn)
+    per_fn = torch.stack([scores.per_fn[k].to(torch.float32) for k in names], dim=1)  # [N, K]
+    if per_fn.shape[0] != exp.rewards.shape[0]:
+        raise ValueError(
+            f"GDPO: {per_fn.shape[0]} per-function scores for {exp.rewards.shape[0]} completions"
+        )
+    weights = torch.tensor([float(scores.weights.get(k, 1.0)) for k in names])  # [K]
+    return per_fn.view(-1, G, len(names)), weights.to(per_fn.device)
+
+
 @dataclass
 class GRPO:
     """Group-relative advantages (one per completion) and ``grpo_update``."""
@@ -609,14 +738,25 @@ class GRPO:
     optimizer: Any
     scheduler: Any
     cfg: Any
+    entropy: EntropyControl | None = None  # algo.entropy_coef's state across steps
 
     def advantages(self, exp: Experience) -> None:
         a, G = self.cfg.algo, self.cfg.rollout.group_size
         rewards = exp.rewards.view(-1, G).to(torch.float32)  # [P, G]
-        # over every rank's groups ([P_global, G]; batch scaling needs them all), then ours
-        adv = group_advantages(
-            dist.gather_rows(rewards), scale=a.advantage_scale, baseline=a.advantage_baseline
-        )
+        if a.multi_objective_aggregation == "normalize_then_sum":
+            # GDPO: each function normalised in its group, the weighted sum over the batch
+            per_fn, weights = gdpo_inputs(exp, G)  # [P, G, K], [K]
+            adv = gdpo_advantages(dist.gather_rows(per_fn.to(self.models.device)), weights)
+        elif a.multi_objective_aggregation == "sum_then_normalize":
+            # over every rank's groups ([P_global, G]; batch scaling needs them all), then ours
+            adv = group_advantages(
+                dist.gather_rows(rewards), scale=a.advantage_scale, baseline=a.advantage_baseline
+            )
+        else:
+            raise ValueError(
+                "algo.multi_objective_aggregation: expected sum_then_normalize or "
+                f"normalize_then_sum, got {a.multi_objective_aggregation!r}"
+            )
         exp.advantages = dist.local_rows(adv).reshape(-1).to(self.models.device)  # [N]
         exp.metrics = {"advantage/std": dist.gather_rows(exp.advantages).std().item()}
 
@@ -636,4 +776,12 @@ class GRPO:
             self.cfg,
             step,
             behaviour_lp=exp.sampler_logprobs,  # algo.off_policy_correction's mu
+            entropy=self.entropy_control(),
         )
+
+    def entropy_control(self) -> EntropyControl | None:
+        """The entropy bonus's state (None without one), made at the first update."""
+        a = self.cfg.algo
+        if self.entropy is None and (a.entropy_coef != 0 or a.use_adaptive_entropy):
+            self.entropy = EntropyControl(a.entropy_coef)
+        return self.entropy
