@@ -13,12 +13,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from test_envs import Fixed, Steered, forced_model, full_forward_logprobs  # noqa: E402
-
 from peergrade.envs.template import render, turn_delta  # noqa: E402
 from peergrade.generation.episodes import run_episodes  # noqa: E402
 from peergrade.generation.harness import HarnessRunner, harness_metrics  # noqa: E402
 from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
+from test_envs import Fixed, Steered, forced_model, full_forward_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +203,7 @@ def test_a_changed_history_splits_the_episode(inner, merge_tok):
     def harness(row, base_url, model_name):
         c = client(base_url)
         m = [{"role": "user", "content": "q"}]
-        r = c.chat.completions.create(model=model_name, messages=m)
+        c.chat.completions.create(model=model_name, messages=m)
         # the client rewrites the model's reply before going on: not the recorded tokens
         m += [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "?"}]
         c.chat.completions.create(model=model_name, messages=m)

@@ -20,6 +20,7 @@ It does not score with reward functions, compute advantages or train.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import numbers
@@ -61,10 +62,8 @@ def _in_thread(fn: Callable, *args) -> asyncio.Future:
             value, ok = fn(*args), True
         except BaseException as e:  # handed to the caller
             value, ok = e, False
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
             loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop is gone: nobody waits any more
-            pass
 
     threading.Thread(target=target, name="peergrade-harness", daemon=True).start()
     return fut
