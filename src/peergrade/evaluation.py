@@ -137,15 +137,19 @@ def evaluate_config(
     *,
     trainer_state: TrainerState | None = None,
     make_env=None,
+    episode_fn=None,
     **options,
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
     as training draws them (``rollout``: temperature, top_p, stop, length, batch size) from
     ``eval_seed(train.seed)``; ``options`` go to ``evaluate`` (``curve``, ``keep_completions``).
     With ``make_env`` (the run's ``env:``), episodes with ``env.max_turns`` and
-    ``env.max_tokens_per_turn``; ``rows`` are then episode rows."""
+    ``env.max_tokens_per_turn``; ``rows`` are then episode rows. With ``episode_fn`` (an
+    external agent: ``training.harness.episode_fn``), its episodes instead of the engine's."""
     r = cfg.rollout
-    if make_env is not None:
+    if episode_fn is not None:
+        options["episodes"] = dict(episode_fn=episode_fn)
+    elif make_env is not None:
         options["episodes"] = dict(
             make_env=make_env,
             max_turns=cfg.env.max_turns,
@@ -328,7 +332,8 @@ class Replies:
         from peergrade.envs.scoring import environment_rewards
         from peergrade.generation.episodes import run_episodes
 
-        eps = run_episodes(
+        options = dict(options)
+        eps = (options.pop("episode_fn", None) or run_episodes)(
             model,
             tokenizer,
             rows,
@@ -562,7 +567,7 @@ class HeldOut:
     def of(cls, run) -> HeldOut:
         n = run.cfg.train.eval_size
         rows = run.task.eval_rows(n) if getattr(run.task, "has_eval", True) else []
-        if getattr(run, "make_env", None) is None:
+        if getattr(run, "make_env", None) is None and getattr(run, "harness", None) is None:
             return cls(run, rows, run.encode(rows))
         from peergrade.training.components import episode_rows
 
@@ -592,6 +597,7 @@ class HeldOut:
             self.run.accuracy,
             trainer_state=state,
             make_env=getattr(self.run, "make_env", None),
+            episode_fn=getattr(self.run, "harness_episodes", None),
         )
 
     def evaluate_logged(self, step: int, display) -> dict[str, float]:

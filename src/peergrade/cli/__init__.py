@@ -614,6 +614,7 @@ def _train_parser(sub) -> None:
         ("reward", "rewards"),
         ("tools", "env.tools"),
         ("env", "env.factory"),
+        ("harness", "harness.fn"),
         ("steps", "train.steps"),
         ("seed", "train.seed"),
         ("output", "train.output_dir"),
@@ -646,6 +647,13 @@ def _train_parser(sub) -> None:
         help="an environment class: TRL's environment_factory or a native reset/step "
         "environment, or verifiers:MODULE, a verifiers environment (= env.factory; see "
         "docs/environments.md)",
+    )
+    t.add_argument(
+        "--harness",
+        metavar="FILE.py:fn",
+        help="an external agent, fn(row, base_url, model) -> reward: each completion is an "
+        "episode it runs against the policy served as an OpenAI-compatible endpoint "
+        "(= harness.fn; see docs/serving.md)",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
     _seed(t, "random seed (= --train.seed)")

@@ -188,6 +188,8 @@ class HarnessRunner:
                 ep = self._empty_episode(i // n, row)
             if error is not None:
                 reward = 0.0
+            if not ep.finish_reason:  # the harness ended the conversation itself
+                ep.finish_reason = "done"
             ep.reward = reward
             return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits)
 

@@ -74,7 +74,7 @@ from peergrade.rewards.audit import at_startup as audit_at_startup
 from peergrade.seeds import step_seed
 from peergrade.tasks.curriculum import FewShot
 from peergrade.training import checkpoint as ckpt
-from peergrade.training import pipeline, ppo
+from peergrade.training import harness, pipeline, ppo
 from peergrade.training.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.training.components import (  # importable from here too: Given, setup_models, ...)
     Given,
@@ -133,6 +133,9 @@ class Run:
     algo: Algorithm  # advantages + update: update.GRPO or ppo.PPO
     accuracy_why: str = ""  # how the scorer was chosen, for the run header
     make_env: Any = None  # env: row -> environment (episodes); None = single replies
+    harness: Any = None  # harness: fn(row, base_url, model), the episode source (or None)
+    harness_runner: Any = None  # its endpoint (training.harness.start)
+    harness_episodes: Any = None  # the held-out evaluation's episodes through the harness
     # dynamic sampling: some group's rewards have differed in this run (a checkpoint keeps it);
     # until then a step that finds none stops the run (dynamic.fill_groups' require_one)
     informative_seen: bool = False
@@ -163,15 +166,17 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     make_env = build_env(cfg, given.tools, given.environment_factory)
     if task is None:  # a verifiers environment's taskset is the data
         task = build_task(cfg, make_env)
-    rewards = build_rewards(cfg, task, given.reward_fns)
+    harness_fn = harness.load(cfg, given.harness)  # an external agent: its reward is the mix
+    rewards = [] if harness_fn and not cfg.rewards else build_rewards(cfg, task, given.reward_fns)
     acc, why = held_out_scorer(task, rewards, t.eval_reward)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
     # a column a reward cannot score without, checked in every row before the model loads
     check_reward_columns(
-        task, rewards, None if in_mix else acc, EPISODE_COLUMNS if make_env else ()
+        task, rewards, None if in_mix else acc, EPISODE_COLUMNS if make_env or harness_fn else ()
     )
     rewards += env_reward_spec(make_env)  # the environments' own reward: episodes give its column
-    if make_env is None:  # its exploits are single replies: episodes are not audited (yet)
+    rewards += harness.reward_specs() if harness_fn else []  # what the harness returned
+    if make_env is None and harness_fn is None:  # its exploits are single replies
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
     if make_env is not None:  # a template that cannot render tool turns fails before the model
@@ -185,7 +190,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         algo = ppo.PPO(models, critic, optimizer, scheduler, cfg)
     else:
         critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
-    return Run(
+    run = Run(
         cfg,
         task,
         rewards,
@@ -200,6 +205,10 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         why,
         make_env,
     )
+    if harness_fn is not None:  # serve the policy to the harness (a free local port)
+        run.harness, run.harness_runner = harness_fn, harness.start(run)
+        run.harness_episodes = harness.episode_fn(run)
+    return run
 
 
 # ----------------------------------------------------------------------------- one step
@@ -271,14 +280,16 @@ def sample_round(
     cfg = run.cfg
     t_start = time.perf_counter()
     episodes = rollout = None
-    if run.make_env is None:
+    if run.make_env is None and run.harness is None:
         prompt_ids = run.encode(rows)
     else:
         rows = episode_rows(cfg, run.task, rows)
 
     meter.reset()  # 1. sample G completions (or episodes) per prompt
     with autocast(cfg, run.models.device, run.models.policy):  # bf16 rollouts where it pays
-        if run.make_env is None:
+        if run.harness is not None:  # an external agent through the endpoint
+            episodes, harness_results = harness.sample(run, rows, step, keys)
+        elif run.make_env is None:
             rollout = sample(run, prompt_ids, step, keys)
         else:
             episodes = sample_episodes(run, rows, step, keys)
@@ -292,6 +303,8 @@ def sample_round(
         prompt_ids = [e.prompt_ids for e in episodes[:: cfg.rollout.group_size]]
         completion_ids = [[t for t, m in zip(e.completion_ids, e.loss_mask) if m] for e in episodes]
         inputs = episode_inputs(run, rows, episodes)
+        if run.harness is not None:
+            inputs[2][harness.COLUMN] = harness_results
     meter.reset()  # 2. score them (a reward model's forward is the memory here)
     scores, acc_values = score(run, step, *inputs)
     meter.record("rewards")
