@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -301,3 +302,32 @@ def test_failing_harnesses_score_zero_and_the_rest_run(inner, merge_tok):
     assert sum(by["never_calls"].episode.loss_mask) == 0
     m = harness_metrics(res + hang_res)
     assert m["harness/failed"] == 5 / 7 and m["harness/failed_timeout"] == 2 / 7
+
+
+def test_grpo_trainer_takes_a_harness(tmp_path):
+    """``GRPOTrainer(harness=fn)``: no reward_funcs needed; one step trains on the recorded
+    episodes, the harness's reward is the mix."""
+    from peergrade import GRPOTrainer
+    from peergrade.api import GRPOConfig
+
+    calls = []
+
+    async def harness(row, base_url, model):  # an async harness, with the async client
+        c = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0)
+        r = await c.chat.completions.create(model=model, messages=row["prompt"], max_tokens=8)
+        calls.append(r.choices[0].message.content)
+        return {"reward": float(len(calls) % 2), "answer_len": len(r.choices[0].message.content)}
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a, b in [(12, 7), (23, 41)]]  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+        max_steps=1, max_completion_length=16, gradient_checkpointing=False,
+    )  # fmt: skip
+    trainer = GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=harness)
+    assert [s.name for s in trainer._run.rewards] == ["harness"]
+    trainer.train()
+    assert len(calls) >= 4  # every (prompt, sample) of the step (and the held-out passes)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    m = next(json.loads(x) for x in lines if "loss/policy" in x)
+    assert m["harness/failed"] == 0.0 and "harness/answer_len" in m
