@@ -103,12 +103,13 @@ class HarnessRunner:
         tokenizer,
         name: str = "policy",
         *,
-        window_s: float = 0.002,
+        window_s: float = 0.02,
         chat_template: str | None = None,
     ):
         self.name = name
         self.engine = Engine(model, tokenizer, name, window_s=window_s, chat_template=chat_template)
         self.recorder = Recorder(self.engine)
+        self.engine.expected = self.recorder.open_count
         self.server = Server(build_app(self.engine, self.recorder)).start()
 
     @property

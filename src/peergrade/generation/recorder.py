@@ -95,6 +95,10 @@ class Recorder:
         self._by_id: dict[str, Recording] = {}
         self._mutex = threading.Lock()
 
+    def open_count(self) -> int:
+        """Episodes open now: the most requests that can be waiting at once."""
+        return len(self._by_id)
+
     def open(self, row_index: int, settings: EpisodeSettings) -> Recording:
         rec = Recording(secrets.token_urlsafe(12), row_index, settings)
         with self._mutex:

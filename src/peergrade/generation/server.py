@@ -166,6 +166,10 @@ class Engine:
         self.max_pos = int(getattr(cfg, "max_position_embeddings", None) or 10**9)
         self.created = int(time.time())
         self._q: queue.Queue = queue.Queue()
+        #: how many requests can arrive before the next batch at most (the trainer's open
+        #: episodes: each has one request in flight at a time); None = unknown
+        self.expected = None
+        self.busy_s = 0.0  # seconds spent sampling
         self.calls = 0  # generate calls made
         self.jobs = 0  # jobs answered
         self._taken = 0  # requests the worker holds while ``hold`` is on
@@ -203,18 +207,26 @@ class Engine:
             self._go.wait()
             self._taken = 0
             batch = [item]
-            if self.window_s > 0:
-                time.sleep(self.window_s)
-            while sum(len(j) for j, _ in batch) < self.max_batch:
+            # Collect more: each next request may arrive within window_s of the last one; stop
+            # early once every client that can send (``expected``) has sent.
+            while (size := sum(len(j) for j, _ in batch)) < self.max_batch:
+                if self.expected is not None and size >= self.expected():
+                    break
                 try:
-                    nxt = self._q.get_nowait()
+                    nxt = (
+                        self._q.get(timeout=self.window_s)
+                        if self.window_s > 0
+                        else (self._q.get_nowait())
+                    )
                 except queue.Empty:
                     break
                 if nxt is None:
                     self._q.put(None)
                     break
                 batch.append(nxt)
+            t0 = time.perf_counter()
             self._run(batch)
+            self.busy_s += time.perf_counter() - t0
 
     def _run(self, batch: list[tuple[list[Job], concurrent.futures.Future]]) -> None:
         flat = [(bi, ji, job) for bi, (jobs, _) in enumerate(batch) for ji, job in enumerate(jobs)]
