@@ -89,6 +89,25 @@ def test_recorded_episodes_are_token_exact(inner, merge_tok):
     assert harness_metrics(res)["harness/split_episodes"] == 0.0
 
 
+def test_kept_kv_cache_feeds_only_new_tokens_and_samples_the_same(inner, merge_tok):
+    """Each episode's KV cache is kept between its requests: later turns feed only the last
+    sampled token and the template delta, and the episodes are those of re-prefilling the whole
+    history every turn (the same keyed draws)."""
+    out = {}
+    for keep in (True, False):
+        model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=6.0)
+        runner = HarnessRunner(model, merge_tok, keep_cache=keep)
+        try:
+            res = runner.run(chat_loop(3), [{"q": "hi"}, {"q": "tell me more"}], n=2,
+                             max_completion_length=120, temperature=1.0, seed=5,
+                             max_tokens_per_turn=12)  # fmt: skip
+        finally:
+            runner.close()
+        out[keep] = ([r.episode.input_ids for r in res], sum(model.widths))
+    assert out[True][0] == out[False][0]
+    assert out[True][1] < out[False][1] * 0.7  # tokens fed through the model
+
+
 def test_sampled_turns_are_never_retokenised(inner, merge_tok):
     """The model samples "x", "a", "b": re-rendering the history from text would hold the
     merged token "ab". The record is prompt + sampled ids + the template's delta, exactly what

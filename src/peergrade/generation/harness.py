@@ -105,11 +105,14 @@ class HarnessRunner:
         *,
         window_s: float = 0.02,
         chat_template: str | None = None,
+        keep_cache: bool = True,
     ):
         self.name = name
         self.engine = Engine(model, tokenizer, name, window_s=window_s, chat_template=chat_template)
         self.recorder = Recorder(self.engine)
         self.engine.expected = self.recorder.open_count
+        if keep_cache:  # each episode's KV cache kept between its requests
+            self.engine.keep_sessions()
         self.server = Server(build_app(self.engine, self.recorder)).start()
 
     @property

@@ -110,6 +110,7 @@ class Recorder:
         with self._mutex:
             rec = self._by_id.pop(eid)
         rec.closed = True
+        self.engine.forget(eid)
         return rec
 
     def get(self, eid: str) -> Recording:
@@ -188,6 +189,7 @@ class Recorder:
                 s.stop,
                 seed=s.seed,
                 key=mix_key(s.key, rec.turns),
+                session=rec.eid,
             )
             rec.turns += 1
             (sampled,) = await handler.sample([job])

@@ -123,6 +123,7 @@ class Job:
     seed: int = 0
     key: int = 0
     top_logprobs: int = 0  # > 0: the top tokens' log-probs at every position
+    session: str | None = None  # a training episode: its KV cache row is kept (``sessions``)
 
     def group(self) -> tuple:
         return (self.temperature, self.top_p, self.top_k, self.stop, self.seed)
@@ -170,6 +171,7 @@ class Engine:
         #: episodes: each has one request in flight at a time); None = unknown
         self.expected = None
         self.busy_s = 0.0  # seconds spent sampling
+        self.sessions = None  # training episodes' KV cache rows (``keep_sessions``)
         self.calls = 0  # generate calls made
         self.jobs = 0  # jobs answered
         self._taken = 0  # requests the worker holds while ``hold`` is on
@@ -177,6 +179,15 @@ class Engine:
         self._go.set()
         self._thread = threading.Thread(target=self._loop, name="peergrade-engine", daemon=True)
         self._thread.start()
+
+    def keep_sessions(self) -> None:
+        """Keep each training episode's KV cache between its requests (``sessions``), when
+        the model's attention allows it (full attention, sdpa or eager)."""
+        from peergrade.generation.kernel import slab_cache_ok
+        from peergrade.generation.sessions import Sessions
+
+        if slab_cache_ok(self.model.config):
+            self.sessions = Sessions(self.model, self.tokenizer, self.eos_ids, self.max_pos)
 
     def hold(self) -> None:
         """Keep queued requests waiting until ``release`` (then they form one batch)."""
@@ -236,6 +247,11 @@ class Engine:
             for item in flat:
                 groups.setdefault(item[2].group(), []).append(item)
             for items in groups.values():
+                kept = [it for it in items if it[2].session is not None and self.sessions]
+                if kept:
+                    for (bi, ji, _), res in zip(kept, self._session_run([j for *_, j in kept])):
+                        results[(bi, ji)] = res
+                    items = [it for it in items if it not in kept]
                 for part in _split_calls(items, self.max_pos):
                     for (bi, ji, _), res in zip(part, self._generate([j for _, _, j in part])):
                         results[(bi, ji)] = res
@@ -246,6 +262,26 @@ class Engine:
             return
         for bi, (jobs, fut) in enumerate(batch):
             fut.set_result([results[(bi, ji)] for ji in range(len(jobs))])
+
+    def forget(self, session: str) -> None:
+        """The episode ``session`` is over: its KV cache row can go."""
+        if self.sessions:
+            self.sessions.forget(session)
+
+    def _session_run(self, jobs: list[Job]) -> list[Sampled]:
+        self.calls += 1
+        self.jobs += len(jobs)
+        out = []
+        for j, (ids, lps, finish) in zip(jobs, self.sessions.run(jobs)):
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if finish == "stop":
+                ends = [text.find(x) + len(x) for x in j.stop if x in text]
+                text = text[: min(ends)] if ends else text
+            out.append(Sampled(ids, lps, text, finish))
+        for j, s in zip(jobs, out):
+            if j.top_logprobs > 0 and s.token_ids:
+                s.top = self._top_logprobs(j, s.token_ids)
+        return out
 
     def _generate(self, jobs: list[Job]) -> list[Sampled]:
         j0 = jobs[0]
