@@ -50,18 +50,20 @@ def in_process(model, tok, seed):
     return sum(len(e.completion_ids) for e in eps), {}
 
 
+from openai import DefaultHttpxClient, OpenAI  # noqa: E402
+
+HTTP = DefaultHttpxClient()  # one pool for all agents (an OpenAI() without one costs ~60 ms)
+
+
 def agent(row, base_url, model):
     """A chat agent on the official client: its own loop and tool, as a user writes one."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=base_url, api_key="-", max_retries=0)
+    client = OpenAI(base_url=base_url, api_key="-", max_retries=0, http_client=HTTP)
     messages = [{"role": "user", "content": f"What is {row['a']} * {row['b']}? Use the tool."}]
     for turn in range(1, TURNS + 1):
         r = client.chat.completions.create(model=model, messages=messages, max_tokens=EVERY)
         messages.append(r.choices[0].message.model_dump(exclude_none=True))
         if turn < TURNS:
             messages.append({"role": "tool", "name": "multiply", "content": f"result {turn * 42}"})
-    client.close()
     return 1.0
 
 

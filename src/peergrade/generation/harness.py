@@ -103,7 +103,7 @@ class HarnessRunner:
         tokenizer,
         name: str = "policy",
         *,
-        window_s: float = 0.02,
+        window_s: float = 0.1,
         chat_template: str | None = None,
         keep_cache: bool = True,
     ):
