@@ -290,9 +290,18 @@ def cmd_serve(args, extra) -> int:
     dev = resolve_device(args.device)
     tok = prepare_tokenizer(load_tokenizer(path), args.model)
     net = load_model(path, dtype=resolve_dtype(args.dtype, dev), device=str(dev)).eval()
-    print(f"serving {args.model} as {args.name or args.model!r} on http://{args.host}:{args.port}/v1")
-    serve(net, tok, args.name or args.model, host=args.host, port=args.port,
-          max_tokens=args.max_tokens, window_s=args.window_ms / 1000)
+    print(
+        f"serving {args.model} as {args.name or args.model!r} on http://{args.host}:{args.port}/v1"
+    )
+    serve(
+        net,
+        tok,
+        args.name or args.model,
+        host=args.host,
+        port=args.port,
+        max_tokens=args.max_tokens,
+        window_s=args.window_ms / 1000,
+    )
     return 0
 
 

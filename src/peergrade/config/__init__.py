@@ -531,16 +531,15 @@ class HarnessConfig:
         "The harness, 'path/to/file.py:fn' or 'module:fn' (sync or async def). null = no harness.",
         None,
     )
-    concurrency: int | None = doc(
-        "Episodes run at once; null = all of the step's episodes.", None
-    )
+    concurrency: int | None = doc("Episodes run at once; null = all of the step's episodes.", None)
     timeout_s: float | None = doc(
         "Seconds one episode's harness may take; a slower one scores 0 (train.on_reward_error: "
         "zero) or stops the run (fail). null = no limit.",
         600.0,
     )
-    model_name: str = doc("The model id the endpoint serves (what the harness gets as model).",
-                          "policy")
+    model_name: str = doc(
+        "The model id the endpoint serves (what the harness gets as model).", "policy"
+    )
 
     @property
     def enabled(self) -> bool:

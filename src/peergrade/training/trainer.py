@@ -179,7 +179,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     if make_env is None and harness_fn is None:  # its exploits are single replies
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
-    if make_env is not None:  # a template that cannot render tool turns fails before the model
+    if make_env is not None or harness_fn is not None:  # a template that cannot render tool turns
         check_env_template(cfg, given.tokenizer)
     models = setup_models(cfg, given.policy, given.tokenizer)
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
