@@ -137,13 +137,15 @@ def evaluate_config(
     *,
     trainer_state: TrainerState | None = None,
     make_env=None,
+    episode_fn=None,
     **options,
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
     with the run's own ``SamplerSettings`` (``Config.sampler_settings``: temperature, top-k,
     top-p, stop, length, batch size, the episodes' limits) from ``eval_seed(train.seed)``;
     ``options`` go to ``evaluate`` (``curve``, ``keep_completions``). With ``make_env`` (the
-    run's ``env:``) the answers are episodes and ``rows`` episode rows."""
+    run's ``env:``) the answers are episodes and ``rows`` episode rows; with ``episode_fn`` (an
+    external agent: ``training.harness.episode_fn``) its episodes instead of the engine's."""
     return evaluate(
         model,
         tokenizer,
@@ -154,6 +156,7 @@ def evaluate_config(
         settings=cfg.sampler_settings(),
         seed=eval_seed(cfg.train.seed),
         make_env=make_env,
+        episodes_from=episode_fn,
         extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
         trainer_state=trainer_state,
         **options,
@@ -204,6 +207,7 @@ def evaluate(
     settings: SamplerSettings,
     seed: int,
     make_env=None,
+    episodes_from=None,
     extra: list[RewardSpec] = (),
     trainer_state: TrainerState | None = None,
     curve: bool = False,
@@ -214,18 +218,25 @@ def evaluate(
     (keys ``pass@1`` .. ``pass@{k}``); with ``keep_completions``, the key ``completions``: one
     dict per problem with its greedy and sampled answers and whether each is correct.
 
-    Every answer comes from ``generation.sample``, as training's do: with ``make_env`` each is
-    an episode over the (episode) ``rows`` (``prompt_ids`` unused; adds the tool rates, module
-    doc), else a reply to ``prompt_ids``.
+    Every answer comes from ``generation.sample``, as training's do: with ``make_env`` (or an
+    external agent's ``episodes_from``) each is an episode over the (episode) ``rows``
+    (``prompt_ids`` unused; adds the tool rates, module doc), else a reply to ``prompt_ids``.
 
     ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
     n_rows = len(rows)
 
     def answers(s: SamplerSettings, seed_: int):
         samples = generation.sample(
-            model, tokenizer, rows, s, seed=seed_, prompt_ids=prompt_ids, make_env=make_env
+            model,
+            tokenizer,
+            rows,
+            s,
+            seed=seed_,
+            prompt_ids=prompt_ids,
+            make_env=make_env,
+            episodes_from=episodes_from,
         )
-        return samples, samples.reward_inputs(rows, env_reward=make_env is not None)
+        return samples, samples.reward_inputs(rows, env_reward=samples.episodes is not None)
 
     def correct(inputs, spec, repeat):
         s = score_rewards([spec], *inputs, on_error="zero", trainer_state=trainer_state)
@@ -248,7 +259,7 @@ def evaluate(
     for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
         out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
         out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
-    if make_env is not None:
+    if greedy.episodes is not None:
         out.update(tool_rates(greedy.episodes, ""))
         out.update(tool_rates(sampled.episodes, "_sampled"))
     if keep_completions:
@@ -509,7 +520,7 @@ class HeldOut:
     def of(cls, run) -> HeldOut:
         n = run.cfg.train.eval_size
         rows = run.task.eval_rows(n) if getattr(run.task, "has_eval", True) else []
-        if getattr(run, "make_env", None) is None:
+        if getattr(run, "make_env", None) is None and getattr(run, "harness", None) is None:
             return cls(run, rows, run.encode(rows))
         from peergrade.training.components import episode_rows
 
@@ -539,6 +550,7 @@ class HeldOut:
             self.run.accuracy,
             trainer_state=state,
             make_env=getattr(self.run, "make_env", None),
+            episode_fn=getattr(self.run, "harness_episodes", None),
         )
 
     def evaluate_logged(self, step: int, display) -> dict[str, float]:

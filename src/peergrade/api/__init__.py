@@ -903,6 +903,7 @@ class GRPOTrainer:
         tools=None,
         rollout_func=None,
         environment_factory=None,
+        harness=None,
     ):
         from peergrade.envs.load import reference_of
         from peergrade.tasks.files import FileTask
@@ -923,7 +924,7 @@ class GRPOTrainer:
         for name, (value, instead) in refused.items():
             if value is not None:
                 raise ConfigError(f"GRPOTrainer argument {name!r} is not supported: use {instead}")
-        if reward_funcs is None:
+        if reward_funcs is None and harness is None:
             raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
         if train_dataset is None:
             raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
@@ -934,6 +935,7 @@ class GRPOTrainer:
             args = GRPOConfig(f"{name}-GRPO")
         self.args = args
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        funcs = [f for f in funcs if f is not None]  # harness= alone: its reward is the mix
         items, fns = _reward_items(funcs, self.args.reward_weights)
         task = FileTask(data=train_dataset, eval_data=eval_dataset)
         if self.args.eval_strategy != "no" and not task.has_eval:  # as transformers' Trainer
@@ -967,6 +969,8 @@ class GRPOTrainer:
             overrides.append(("env.tools", [reference_of(f) for f in tools]))
         if environment_factory is not None:
             overrides.append(("env.factory", reference_of(environment_factory)))
+        if harness is not None:  # an external agent (peergrade.training.harness)
+            overrides.append(("harness.fn", reference_of(harness)))
         self.config = load_config(None, overrides)
         given = Given(
             task=task,
@@ -975,6 +979,7 @@ class GRPOTrainer:
             tokenizer=processing_class,
             tools=list(tools or []),
             environment_factory=environment_factory,
+            harness=harness,
         )
         self._run = setup(self.config, given)
         self.model = self._run.models.policy

@@ -614,6 +614,33 @@ class EnvConfig:
 
 
 @dataclass
+class HarnessConfig:
+    """Training through an external agent (docs/serving.md): ``fn(row, base_url, model)`` runs
+    every (prompt, sample) as its own program against an OpenAI-compatible endpoint that serves
+    the policy at a base URL private to that episode, and returns the reward (a float, or a dict
+    with ``reward`` and more metrics). The server records the episode in tokens; the trainer's
+    sampling settings (rollout.*) win over the client's."""
+
+    fn: str | None = doc(
+        "The harness, 'path/to/file.py:fn' or 'module:fn' (sync or async def). null = no harness.",
+        None,
+    )
+    concurrency: int | None = doc("Episodes run at once; null = all of the step's episodes.", None)
+    timeout_s: float | None = doc(
+        "Seconds one episode's harness may take; a slower one scores 0 (train.on_reward_error: "
+        "zero) or stops the run (fail). null = no limit.",
+        600.0,
+    )
+    model_name: str = doc(
+        "The model id the endpoint serves (what the harness gets as model).", "policy"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.fn is not None
+
+
+@dataclass
 class DistConfig:
     strategy: Literal["ddp", "fsdp"] = doc(
         "Under torchrun: 'ddp' (every rank holds the whole model; gradients all-reduced) or "
@@ -651,6 +678,10 @@ class Config:
     env: EnvConfig = doc(
         "Tools and environments: multi-turn episodes (see docs/environments.md).",
         default_factory=EnvConfig,
+    )
+    harness: HarnessConfig = doc(
+        "An external agent as the episode source (see docs/serving.md).",
+        default_factory=HarnessConfig,
     )
 
     #: not a config key: the relative paths as typed, by key (``data.path``, ``rewards[0].name``),
@@ -938,7 +969,7 @@ def _split_path(key: str, value: Any) -> tuple[str, str] | None:
         if target.endswith(".py") or "/" in target or "\\" in target:
             return target, ""  # verifiers:path/to/file.py (the prefix is put back by the caller)
         return None  # verifiers:MODULE
-    if key.startswith(("env.tools[", "env.factory")):
+    if key.startswith(("env.tools[", "env.factory", "harness.fn")):
         target, sep, attr = value.rpartition(":")
         if sep and (target.endswith(".py") or "/" in target or "\\" in target):
             return target, sep + attr  # path/to/file.py:name
@@ -977,6 +1008,9 @@ def _resolve_paths(tree: dict, base: Path, given: dict[str, str]) -> None:
                 item = rewards[i] = reward_item(item, f"rewards[{i}]")
             if isinstance(item, dict) and "name" in item:
                 found.append((f"rewards[{i}].name", item, "name"))
+    harness = tree.get("harness")
+    if isinstance(harness, dict) and "fn" in harness:
+        found.append(("harness.fn", harness, "fn"))
     env = tree.get("env")
     if isinstance(env, dict):
         if "factory" in env:
@@ -1316,6 +1350,26 @@ def validate(cfg: Config) -> None:
         e.factory is None or ":" in e.factory.strip().strip(":"),
         f"env.factory must be 'path/to/file.py:Class', 'module:Class' or 'verifiers:MODULE', got {e.factory!r}",
     )
+    h = cfg.harness
+    need(
+        h.fn is None or ":" in h.fn.strip().strip(":"),
+        f"harness.fn must be 'path/to/file.py:fn' or 'module:fn', got {h.fn!r}",
+    )
+    need(
+        h.concurrency is None or h.concurrency >= 1,
+        f"harness.concurrency must be >= 1 or null, got {h.concurrency}",
+    )
+    need(
+        h.timeout_s is None or h.timeout_s > 0,
+        f"harness.timeout_s must be > 0 or null, got {h.timeout_s}",
+    )
+    if h.enabled:
+        need(
+            not e.enabled,
+            "harness.fn and env.tools / env.factory are two episode sources: the harness runs "
+            "its own tools; set one of them",
+        )
+        need(a.name != "ppo", "algo.name=ppo does not train episodes (harness.fn is set)")
     if e.enabled:
         need(
             a.name != "ppo",

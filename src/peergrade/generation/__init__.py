@@ -36,6 +36,7 @@ def sample(
     row_keys: Sequence[int] | None = None,
     prompt_ids: Sequence[Sequence[int]] | None = None,
     make_env: Callable[[Any], Any] | None = None,
+    episodes_from: Callable[..., list] | None = None,
     eos_token_ids: Sequence[int] | None = None,
 ) -> Samples:
     """``settings.n`` answers to each of ``rows`` (groups adjacent), keyed by (``seed``, the
@@ -44,7 +45,9 @@ def sample(
     Replies: ``prompt_ids`` are the rows' encoded prompts (chat template applied) and each
     row's ``prompt`` is what the reward functions see. Episodes (``make_env``: ``row ->
     environment``): the environment's ``reset`` opens each episode, ``prompt_ids`` are unused
-    and ``settings.max_new_tokens`` is the budget of a whole episode."""
+    and ``settings.max_new_tokens`` is the budget of a whole episode. ``episodes_from`` is
+    another episode source with ``episodes.run_episodes``' signature (an external agent through
+    the endpoint, ``generation.harness``): its episodes come back as the same record."""
     common = dict(
         n=settings.n,
         temperature=settings.temperature,
@@ -56,12 +59,12 @@ def sample(
         batch_size=settings.batch_size,
         eos_token_ids=eos_token_ids,
     )
-    if make_env is not None:
-        episodes = run_episodes(
+    if make_env is not None or episodes_from is not None:
+        episodes = (episodes_from or run_episodes)(
             model,
             tokenizer,
             rows,
-            make_env,
+            make_env=make_env,
             max_completion_length=settings.max_new_tokens,
             max_turns=settings.max_turns,
             max_tokens_per_turn=settings.max_tokens_per_turn,

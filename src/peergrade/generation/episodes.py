@@ -155,7 +155,7 @@ def run_episodes(
     keys = check_row_keys(row_keys, len(rows)).to(device)
     draws = uniforms(row_states(seed_of(seed), keys, n), budget)  # [E, budget]
 
-    engine = _Engine(
+    engine = TurnEngine(
         model=model,
         tokenizer=tokenizer,
         eos_ids=eos,
@@ -232,7 +232,7 @@ def _open(rows, n: int, make_env, tokenizer, tkw: dict, max_pos: int) -> list[Ep
     return episodes
 
 
-class _Engine:
+class TurnEngine:
     """Runs one micro-batch of episodes to the end with one batched KV cache (see module doc)."""
 
     def __init__(

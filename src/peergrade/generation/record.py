@@ -13,7 +13,8 @@ padded tensors plus what the reward functions and the logs read:
   distribution actually drawn from (tempered, cut by top-k/top-p, renormalised; 0 when
   greedy): the behaviour policy of the off-policy corrections;
 - ``prompts`` / ``completions``: TRL's form (strings for replies, message lists for episodes);
-  ``episodes``: the ``envs.Episode`` records (turns, tool calls) when an environment ran.
+  ``episodes``: the ``envs.Episode`` records (turns, tool calls) when an environment ran;
+  ``columns``: reward columns the source adds per answer (an external agent's own result).
 
 It has the few operations the trainer needs: ``take`` (groups of one round), ``concat`` (rounds
 joined), ``training_batch`` (teacher-forcing tensors), ``reward_inputs`` and ``portable`` (for a
@@ -95,6 +96,7 @@ class Samples:
     prompts: list | None = None  # N prompts in TRL's form (None: unknown, e.g. token ids given)
     completions: list | None = None  # N completions in TRL's form (default: completion_text)
     episodes: list[Episode] | None = None  # N episode records when an environment ran
+    columns: dict[str, list] | None = None  # per-answer reward columns the source adds
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -141,10 +143,10 @@ class Samples:
             prompts, completions, columns = reward_inputs(self.episodes, rows)
             if env_reward:
                 columns["env_reward"] = environment_rewards(self.episodes)
-            return prompts, completions, columns
+            return prompts, completions, {**columns, **(self.columns or {})}
         n = len(self.prompt_ids) // max(1, len(rows))
         columns = {**columns_for(list(rows), n), "completion_ids": self.completion_id_lists()}
-        return self.prompts, self.completions, columns
+        return self.prompts, self.completions, {**columns, **(self.columns or {})}
 
     # ------------------------------------------------------------------ moving answers about
 
@@ -157,6 +159,8 @@ class Samples:
         def pick(value):
             if isinstance(value, torch.Tensor):
                 return value[ix.to(value.device)]
+            if isinstance(value, dict):
+                return {k: pick(v) for k, v in value.items()}
             return None if value is None else [value[i] for i in idx]
 
         fields = {f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -178,6 +182,8 @@ class Samples:
             ts = [getattr(p, name) for p in parts]
             if any(t is None for t in ts):
                 return None
+            if isinstance(ts[0], dict):
+                return {k: [x for t in ts for x in t[k]] for k in ts[0]}
             if not isinstance(ts[0], torch.Tensor):
                 return [x for t in ts for x in t]
             pad = torch.nn.functional.pad

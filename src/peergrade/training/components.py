@@ -67,6 +67,7 @@ class Given:
     tokenizer: Any = None
     tools: list | None = None  # tool functions: with environment_factory, replace env.tools/factory
     environment_factory: Any = None  # a class (or dict of classes), TRL's environment_factory
+    harness: Any = None  # fn(row, base_url, model): replaces harness.fn (training.harness)
 
 
 def python_only_entries(cfg: Config) -> list[tuple[str, str]]:

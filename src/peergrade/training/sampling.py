@@ -31,6 +31,7 @@ from peergrade.evaluation import reward_state
 from peergrade.generation import Samples
 from peergrade.rewards import RewardScores, score_rewards
 from peergrade.seeds import step_seed
+from peergrade.training import harness
 from peergrade.training.experience import Sampled
 
 
@@ -39,6 +40,11 @@ def sample(run, rows: list[dict], step: int, row_keys: Sequence[int]) -> Samples
     settings. Every draw is keyed by (train.seed, step, the prompt's global index in the step
     ``row_keys``, sample index), so 1 or N ranks and any generation_batch_size sample the same
     tokens."""
+    if getattr(run, "harness", None) is not None:  # an external agent through the endpoint
+        episodes, results = harness.sample(run, rows, step, row_keys)
+        samples = Samples.of_episodes(episodes, run.models.tokenizer.pad_token_id, run.sampler.n)
+        samples.columns = {harness.COLUMN: results}  # what each run of the harness returned
+        return samples
     with dist.full_weights(run.models.policy) as policy:  # FSDP2: unshard for sampling
         return generation.sample(
             policy,

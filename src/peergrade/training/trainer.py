@@ -76,7 +76,7 @@ from peergrade.rewards.audit import at_startup as audit_at_startup
 from peergrade.seeds import step_seed
 from peergrade.tasks.curriculum import FewShot
 from peergrade.training import checkpoint as ckpt
-from peergrade.training import pipeline, ppo
+from peergrade.training import harness, pipeline, ppo
 from peergrade.training.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.training.components import (  # importable from here too: Given, setup_models, ...)
     Given,
@@ -134,6 +134,9 @@ class Run:
     algo: Algorithm  # advantages + update: update.GRPO or ppo.PPO
     accuracy_why: str = ""  # how the scorer was chosen, for the run header
     make_env: Any = None  # env: row -> environment (episodes); None = single replies
+    harness: Any = None  # harness: fn(row, base_url, model), the episode source (or None)
+    harness_runner: Any = None  # its endpoint (training.harness.start)
+    harness_episodes: Any = None  # the held-out evaluation's episodes through the harness
     # dynamic sampling: some group's rewards have differed in this run (a checkpoint keeps it);
     # until then a step that finds none stops the run (dynamic.fill_groups' require_one)
     informative_seen: bool = False
@@ -169,19 +172,21 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     make_env = build_env(cfg, given.tools, given.environment_factory)
     if task is None:  # a verifiers environment's taskset is the data
         task = build_task(cfg, make_env)
-    rewards = build_rewards(cfg, task, given.reward_fns)
+    harness_fn = harness.load(cfg, given.harness)  # an external agent: its reward is the mix
+    rewards = [] if harness_fn and not cfg.rewards else build_rewards(cfg, task, given.reward_fns)
     acc, why = held_out_scorer(task, rewards, t.eval_reward)
     in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
     # a column a reward cannot score without, checked in every row before the model loads
     check_reward_columns(
-        task, rewards, None if in_mix else acc, EPISODE_COLUMNS if make_env else ()
+        task, rewards, None if in_mix else acc, EPISODE_COLUMNS if make_env or harness_fn else ()
     )
     rewards += env_reward_spec(make_env)  # the environments' own reward: episodes give its column
-    if make_env is None:  # its exploits are single replies: episodes are not audited (yet)
+    rewards += harness.reward_specs() if harness_fn else []  # what the harness returned
+    if make_env is None and harness_fn is None:  # its exploits are single replies
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
-    if make_env is not None:  # a template that cannot render tool turns fails before the model
-        check_env_template(cfg, given.tokenizer, make_env)
+    if make_env is not None or harness_fn is not None:  # a template that cannot render tool turns
+        check_env_template(cfg, given.tokenizer, make_env)  # fails before the model loads
     check_context(cfg, given.policy)  # before the model loads, where its config says
     models = setup_models(cfg, given.policy, given.tokenizer)
     check_context(cfg, models.policy)  # a GGUF file's context, known once loaded
@@ -193,7 +198,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         algo = ppo.PPO(models, critic, optimizer, scheduler, cfg)
     else:
         critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
-    return Run(
+    run = Run(
         cfg,
         task,
         rewards,
@@ -208,6 +213,10 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         why,
         make_env,
     )
+    if harness_fn is not None:  # serve the policy to the harness (a free local port)
+        run.harness, run.harness_runner = harness_fn, harness.start(run)
+        run.harness_episodes = harness.episode_fn(run)
+    return run
 
 
 # ----------------------------------------------------------------------------- one step
@@ -274,7 +283,7 @@ def sample_round(
     prompt's global sampling key in ``keys``) and scored; returns them with the seconds spent
     generating and scoring."""
     t_start = time.perf_counter()
-    if run.make_env is not None:  # an episode starts from the prompt as chat messages
+    if run.make_env is not None or run.harness is not None:  # an episode starts from messages
         rows = episode_rows(run.cfg, run.task, rows)
     meter.reset()  # 1. sample G completions (or episodes) per prompt
     with autocast(run.cfg, run.models.device, run.models.policy):  # bf16 rollouts where it pays

@@ -1,0 +1,140 @@
+"""Benchmark: 32 concurrent chat agents through the OpenAI-compatible endpoint vs the same
+episodes run in-process.
+
+Run from the repo root:  PYTHONPATH=src python bench/serve.py [--passes 3] [--threads 1]
+
+Workload (bench/multiturn.py's): 8 rows x 4 episodes = 32 episodes of 4 model turns; after each
+of the first 3 turns a tool answers with a short result. A random Qwen2 (hidden 128, 4 layers,
+character vocabulary, the Qwen2.5-style tool template of peergrade.model.tiny), float32,
+temperature 1; every turn ends at the next position that is a multiple of 24, so both sides
+sample the same number of tokens and append the same template deltas.
+
+- A, "in-process": ``peergrade.generation.episodes.run_episodes`` with a native environment:
+  one batched KV cache kept across turns, all 32 episodes in lock-step.
+- B, "endpoint": ``peergrade.generation.harness.HarnessRunner``, what ``train --harness`` runs:
+  32 agents, each its own thread with its own ``openai.OpenAI`` client and tool loop, talking
+  HTTP to the policy's endpoint on 127.0.0.1; every request is recorded into an Episode in
+  tokens; the server batches the requests queued at each moment into one ``generate`` call.
+
+Sides alternate A B / B A in one process; the table shows medians of episodes/s and the ratio,
+and the machine's load average. What it does not measure: GPU speed, memory, agents that take
+time between requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+from multiturn import EVERY, TURNS, Tool, build  # noqa: E402
+
+ROWS, N = 8, 4
+
+
+def rows():
+    return [{"a": 100 + 7 * i, "b": 30 + i} for i in range(ROWS)]
+
+
+def in_process(model, tok, seed):
+    from peergrade.generation.episodes import run_episodes
+
+    eps = run_episodes(
+        model, tok, rows(), lambda r: Tool(), n=N, max_completion_length=1000, temperature=1.0,
+        seed=seed,
+    )  # fmt: skip
+    assert all(e.num_turns == TURNS for e in eps), [e.finish_reason for e in eps]
+    return sum(len(e.completion_ids) for e in eps), {}
+
+
+from openai import DefaultHttpxClient, OpenAI  # noqa: E402
+
+HTTP = DefaultHttpxClient()  # one pool for all agents (an OpenAI() without one costs ~60 ms)
+
+
+def agent(row, base_url, model):
+    """A chat agent on the official client: its own loop and tool, as a user writes one."""
+    client = OpenAI(base_url=base_url, api_key="-", max_retries=0, http_client=HTTP)
+    messages = [{"role": "user", "content": f"What is {row['a']} * {row['b']}? Use the tool."}]
+    for turn in range(1, TURNS + 1):
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=EVERY)
+        messages.append(r.choices[0].message.model_dump(exclude_none=True))
+        if turn < TURNS:
+            messages.append({"role": "tool", "name": "multiply", "content": f"result {turn * 42}"})
+    return 1.0
+
+
+def endpoint(runner, seed):
+    engine = runner.engine
+    calls0, jobs0, busy0 = engine.calls, engine.jobs, engine.busy_s
+    res = runner.run(agent, rows(), n=N, max_completion_length=1000, temperature=1.0, seed=seed)
+    assert all(r.error is None and r.episode.num_turns == TURNS for r in res), [
+        (r.error, r.episode.num_turns) for r in res
+    ]
+    calls = engine.calls - calls0
+    return sum(len(r.episode.completion_ids) for r in res), {
+        "generate calls": calls,
+        "requests per call": (engine.jobs - jobs0) / max(calls, 1),
+        "sampling s": engine.busy_s - busy0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    import torch
+
+    from peergrade.generation.harness import HarnessRunner
+
+    torch.set_num_threads(args.threads)
+    model, tok = build()
+    runner = HarnessRunner(model, tok, "bench")
+    in_process(model, tok, 0)  # warm-up
+    endpoint(runner, 0)
+
+    def side(fn, arg):
+        def run():
+            t0 = time.perf_counter()
+            tokens, extra = fn(arg, 1) if fn is endpoint else fn(model, tok, 1)
+            dt = time.perf_counter() - t0
+            return {"s": dt, "episodes_per_s": ROWS * N / dt, "tokens": tokens, **extra}
+
+        return run
+
+    load_before = _common.load_note()
+    res = _common.alternate(
+        {"in-process": side(in_process, None), "endpoint": side(endpoint, runner)}, args.passes
+    )
+    runner.close()
+    med = {k: _common.median([r["episodes_per_s"] for r in v]) for k, v in res.items()}
+    print(
+        _common.format_table(
+            ["side", "episodes/s (median)", "s per pass", "tokens after prompts"],
+            [
+                [k, f"{med[k]:.2f}", " ".join(f"{r['s']:.2f}" for r in v), v[0]["tokens"]]
+                for k, v in res.items()
+            ],
+        )
+    )
+    ep = res["endpoint"]
+    print(
+        f"endpoint: {_common.median([r['generate calls'] for r in ep]):.0f} generate calls per "
+        f"pass, {_common.median([r['requests per call'] for r in ep]):.1f} requests per call, "
+        f"{_common.median([r['sampling s'] for r in ep]):.2f} s sampling of "
+        f"{_common.median([r['s'] for r in ep]):.2f} s (in-process: one lock-step batch of "
+        f"{ROWS * N})"
+    )
+    print(
+        f"endpoint / in-process = {med['endpoint'] / med['in-process']:.2f}x "
+        f"({ROWS * N} episodes of {TURNS} turns, {args.threads} thread(s)); "
+        f"before: {load_before}; after: {_common.load_note()}"
+    )
+
+
+if __name__ == "__main__":
+    main()

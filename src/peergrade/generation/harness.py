@@ -1,0 +1,243 @@
+"""Episodes run by an external agent (a "harness") against the policy's own endpoint.
+
+``HarnessRunner(model, tokenizer)`` starts the OpenAI-compatible server (``generation.server``)
+on a free local port, with a ``Recorder``. ``runner.run(fn, rows, n=G, ...)`` calls
+``fn(row, base_url, model)`` (sync or ``async def``) once per (row, sample), each with a base URL
+private to that episode (``http://127.0.0.1:PORT/v1/episodes/<id>``), at most ``concurrency`` at
+once, and returns one ``HarnessResult`` each: the recorded ``envs.Episode`` (the same record
+``generation.episodes`` builds: prompt, sampled tokens with loss mask 1 and the sampler's
+log-probs, template/tool tokens with mask 0), the reward and what went wrong.
+
+A harness fails when it raises, runs past ``timeout_s``, returns something other than a number
+or a dict with a numeric ``reward``, or never calls the server. A failed episode gets reward 0
+and its ``error``; the caller decides whether that stops the run. A sync harness that overruns
+cannot be killed (Python cannot stop a thread): it is abandoned on a daemon thread, and the
+server refuses its episode's later requests. An ``async def`` harness that overruns is cancelled.
+
+It does not score with reward functions, compute advantages or train.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import numbers
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from peergrade.envs.episode import Episode
+from peergrade.envs.protocol import run_sync
+from peergrade.envs.template import render
+from peergrade.generation.recorder import EpisodeSettings, Recorder
+from peergrade.generation.server import Engine, Server, build_app, mix_key
+
+
+@dataclass
+class HarnessResult:
+    episode: Episode
+    reward: float
+    metrics: dict[str, float] = field(default_factory=dict)  # a dict return's other numbers
+    error: str | None = None
+    kind: str | None = None  # exception | timeout | bad_return | no_request
+    requests: int = 0
+    splits: int = 0
+
+
+def _in_thread(fn: Callable, *args) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread, as a future of this loop (an overrunning call is left
+    running; its result, if it ever comes, is dropped)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def target():
+        try:
+            value, ok = fn(*args), True
+        except BaseException as e:  # handed to the caller
+            value, ok = e, False
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=target, name="peergrade-harness", daemon=True).start()
+    return fut
+
+
+def reward_of(value: Any) -> tuple[float, dict[str, float]]:
+    """(reward, extra metrics) of what a harness returned; TypeError for anything else."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        r = float(value)
+        extra: dict[str, float] = {}
+    elif (
+        isinstance(value, dict)
+        and isinstance(value.get("reward"), numbers.Real)
+        and not isinstance(value.get("reward"), bool)
+    ):
+        r = float(value["reward"])
+        extra = {}
+        for k, v in value.items():
+            if k != "reward" and isinstance(v, numbers.Real) and not isinstance(v, bool):
+                extra[str(k)] = float(v)
+    else:
+        raise TypeError(
+            "a harness must return a number or a dict with a numeric 'reward', got "
+            f"{type(value).__name__}: {str(value)[:200]}"
+        )
+    if not math.isfinite(r):
+        raise TypeError(f"a harness returned a non-finite reward: {r}")
+    return r, extra
+
+
+class HarnessRunner:
+    """The policy's endpoint plus the loop that runs a harness over a batch of rows."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str = "policy",
+        *,
+        window_s: float = 0.1,
+        chat_template: str | None = None,
+        keep_cache: bool = True,
+    ):
+        self.name = name
+        self.engine = Engine(model, tokenizer, name, window_s=window_s, chat_template=chat_template)
+        self.recorder = Recorder(self.engine)
+        self.engine.expected = self.recorder.open_count
+        if keep_cache:  # each episode's KV cache kept between its requests
+            self.engine.keep_sessions()
+        self.server = Server(build_app(self.engine, self.recorder)).start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.close()
+
+    def run(
+        self,
+        fn: Callable,
+        rows: Sequence[dict],
+        *,
+        n: int,
+        max_completion_length: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str = (),
+        seed: int = 0,
+        row_keys: Sequence[int] | None = None,
+        max_turns: int | None = None,
+        max_tokens_per_turn: int | None = None,
+        concurrency: int | None = None,
+        timeout_s: float | None = None,
+    ) -> list[HarnessResult]:
+        """One ``HarnessResult`` per (row, sample), episode ``i`` answering row ``i // n``.
+        The draws of an episode's turn ``k`` are keyed by (seed, the row's key, the sample
+        index, k)."""
+        keys = list(range(len(rows))) if row_keys is None else list(row_keys)
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        total = len(rows) * n
+
+        def settings(i: int) -> EpisodeSettings:
+            return EpisodeSettings(
+                max_completion_length=max_completion_length,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                stop=stop,
+                seed=int(seed),
+                key=mix_key(keys[i // n], i % n),
+                max_turns=max_turns,
+                max_tokens_per_turn=max_tokens_per_turn,
+            )
+
+        async def one(i: int, gate: asyncio.Semaphore) -> HarnessResult:
+            row = rows[i // n]
+            async with gate:
+                rec = self.recorder.open(i // n, settings(i))
+                base_url = f"{self.url}/v1/episodes/{rec.eid}"
+                error = kind = None
+                value = None
+                try:
+                    if inspect.iscoroutinefunction(fn):
+                        call = fn(row, base_url, self.name)
+                    else:
+                        call = _in_thread(fn, row, base_url, self.name)
+                    value = await asyncio.wait_for(call, timeout_s)
+                except asyncio.TimeoutError:
+                    error, kind = f"timed out after {timeout_s:g}s", "timeout"
+                except Exception as e:
+                    error, kind = f"{type(e).__name__}: {e}", "exception"
+                rec = self.recorder.close(rec.eid)
+            reward, extra = 0.0, {}
+            if error is None:
+                try:
+                    reward, extra = reward_of(value)
+                except TypeError as e:
+                    error, kind = str(e), "bad_return"
+            ep = rec.episode
+            if ep is None:
+                if error is None:
+                    error, kind = "the harness never called the server", "no_request"
+                ep = self._empty_episode(i // n, row)
+            if error is not None:
+                reward = 0.0
+            if not ep.finish_reason:  # the harness ended the conversation itself
+                ep.finish_reason = "done"
+            ep.reward = reward
+            return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits)
+
+        async def all_of():
+            gate = asyncio.Semaphore(concurrency or max(total, 1))
+            return await asyncio.gather(*(one(i, gate) for i in range(total)))
+
+        return run_sync(all_of())
+
+    def _empty_episode(self, row_index: int, row: dict) -> Episode:
+        """The record of an episode that sampled nothing: its prompt, no completion."""
+        msgs = row.get("prompt") if isinstance(row, dict) else None
+        if isinstance(msgs, str):
+            msgs = [{"role": "user", "content": msgs}]
+        tok = self.engine.tokenizer
+        try:
+            ids = render(
+                tok, msgs, add_generation_prompt=True, chat_template=self.engine.chat_template
+            )
+        except Exception:
+            msgs, ids = [], []
+        if not ids:
+            ids = [tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id]
+        return Episode(
+            row_index, ids, list(msgs or []), len(msgs or []), finish_reason="no_request"
+        )
+
+
+def harness_metrics(results: Sequence[HarnessResult]) -> dict[str, float]:
+    """``harness/failed`` and one rate per kind of failure, ``harness/requests_mean``,
+    ``harness/split_episodes`` (episodes whose history the client changed) and the means of
+    the harness's own numbers (``harness/<name>``)."""
+    n = len(results)
+    if n == 0:
+        return {}
+    out = {
+        "harness/failed": sum(r.error is not None for r in results) / n,
+        "harness/requests_mean": sum(r.requests for r in results) / n,
+        "harness/split_episodes": sum(r.splits > 0 for r in results) / n,
+    }
+    for kind in ("exception", "timeout", "bad_return", "no_request"):
+        out[f"harness/failed_{kind}"] = sum(r.kind == kind for r in results) / n
+    names = sorted({k for r in results for k in r.metrics})
+    for k in names:
+        vals = [r.metrics[k] for r in results if k in r.metrics]
+        out[f"harness/{k}"] = sum(vals) / len(vals)
+    return out

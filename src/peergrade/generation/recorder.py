@@ -1,0 +1,254 @@
+"""Training episodes recorded from an external agent's HTTP requests, token-exactly.
+
+The trainer opens one ``Recording`` per (prompt, sample) and gives the agent (a "harness") the
+base URL ``<server>/v1/episodes/<id>``. Every chat request under it is answered by the policy,
+and recorded as tokens into one ``envs.Episode``, the record the in-process episode engine
+(``generation.episodes``) builds:
+
+- the first request's messages (and tools) are rendered by the chat template with the
+  generation prompt: the episode's prompt;
+- each reply's sampled tokens are appended as they were sampled (loss mask 1, the sampler's
+  log-probs: the full tempered distribution's, as the engine records them);
+- a follow-up request whose messages extend the recorded conversation (the earlier messages and
+  the assistant replies as this server sent them; tool call ids and whitespace around content
+  are not compared) is matched to it: only the new messages are rendered, as the chat template's
+  token delta after the recorded turn (``envs.template.turn_delta``; loss mask 0). The sampled
+  turns are never decoded and re-encoded;
+- a follow-up that changes the history (an edited or dropped message, a summarised context)
+  cannot extend the recorded tokens: the episode is split. The new request starts a new segment
+  (its messages rendered afresh as its prompt) and ``splits`` counts it; the episode handed to
+  the trainer is the last segment (earlier segments are kept in ``segments`` but not trained on).
+
+The trainer's sampling settings win over the client's (temperature, top-p, top-k, stop, the
+seed: the draws of turn ``k`` are keyed by (seed, episode key, k)); the client's
+``max_tokens`` can only shorten a turn. The budgets are the engine's: ``max_completion_length``
+tokens after the prompt, ``max_tokens_per_turn``, ``max_turns``; a request past a budget gets an
+empty reply with finish_reason ``length`` (nothing is sampled), and the episode's
+``finish_reason`` says which budget ended it, as in the engine.
+
+It does not run the agent (``generation.harness``) or score anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from dataclasses import dataclass, field, replace
+
+from peergrade.envs.episode import Episode
+from peergrade.envs.template import TemplateError, turn_delta
+from peergrade.generation.server import (
+    APIError,
+    Handler,
+    Job,
+    Sampled,
+    canonical,
+    check_tools,
+    mix_key,
+    normalise_messages,
+    parse_settings,
+    render_prompt,
+)
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What the trainer imposes on one episode's requests."""
+
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    key: int = 0  # the episode's key: (prompt's global index, sample index) mixed
+    max_turns: int | None = None
+    max_tokens_per_turn: int | None = None
+
+
+@dataclass
+class Recording:
+    """One episode being recorded (see the module doc)."""
+
+    eid: str
+    row_index: int
+    settings: EpisodeSettings
+    episode: Episode | None = None  # the current segment
+    segments: list[Episode] = field(default_factory=list)  # earlier segments (after splits)
+    messages: list[dict] = field(default_factory=list)  # the current segment's conversation
+    tools: list[dict] | None = None
+    last_end: str | None = None  # how the last sampled turn ended: eos | stop | length
+    turns: int = 0  # turns sampled over all segments: the key of the next turn's draws
+    requests: int = 0
+    splits: int = 0
+    closed: bool = False
+    lock: asyncio.Lock | None = None
+
+
+class Recorder:
+    """The episodes a server records, by id. ``open`` and ``close`` are called by the trainer
+    (any thread); ``chat`` runs on the server's event loop."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._by_id: dict[str, Recording] = {}
+        self._mutex = threading.Lock()
+
+    def open_count(self) -> int:
+        """Episodes open now: the most requests that can be waiting at once."""
+        return len(self._by_id)
+
+    def open(self, row_index: int, settings: EpisodeSettings) -> Recording:
+        rec = Recording(secrets.token_urlsafe(12), row_index, settings)
+        with self._mutex:
+            self._by_id[rec.eid] = rec
+        return rec
+
+    def close(self, eid: str) -> Recording:
+        """Stop recording ``eid`` (later requests are refused) and forget it."""
+        with self._mutex:
+            rec = self._by_id.pop(eid)
+        rec.closed = True
+        self.engine.forget(eid)
+        return rec
+
+    def get(self, eid: str) -> Recording:
+        with self._mutex:
+            rec = self._by_id.get(eid)
+        if rec is None or rec.closed:
+            raise APIError(
+                f"no open training episode {eid!r} (finished, timed out, or never opened)",
+                status=404,
+                code="episode_not_found",
+            )
+        return rec
+
+    async def chat(self, handler: Handler, rec: Recording, body: dict):
+        if rec.lock is None:
+            rec.lock = asyncio.Lock()
+        async with rec.lock:  # one request of an episode at a time: each extends the last
+            return await self._chat(handler, rec, body)
+
+    async def _chat(self, handler: Handler, rec: Recording, body: dict):
+        if rec.closed:
+            raise APIError(
+                f"training episode {rec.eid!r} is over", status=404, code="episode_not_found"
+            )
+        model = handler.check_model(body)
+        asked = parse_settings(body, chat=True)
+        if asked.n != 1:
+            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
+        messages = normalise_messages(body.get("messages"))
+        tools = check_tools(body.get("tools"))
+        rec.requests += 1
+        s = rec.settings
+        # the trainer's settings win; the client keeps only what cannot change the policy's draws
+        settings = replace(
+            asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
+        )
+        ep = rec.episode
+        if ep is not None and self._extends(rec, messages, tools):
+            if not ep.finish_reason:
+                self._append(rec, messages[len(rec.messages) :])
+        else:
+            if ep is not None:
+                rec.splits += 1
+                rec.segments.append(ep)
+            prompt = render_prompt(self.engine, messages, tools)
+            if len(prompt) >= self.engine.max_pos:
+                raise APIError(
+                    f"this model's maximum context length is {self.engine.max_pos} tokens; the "
+                    f"messages have {len(prompt)}",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+            ep = Episode(rec.row_index, prompt, list(messages), len(messages))
+            rec.episode, rec.messages, rec.tools, rec.last_end = ep, list(messages), tools, None
+        full = ep.prompt_ids + ep.completion_ids
+        if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
+            ep.finish_reason = "max_turns"
+        limit = min(
+            s.max_tokens_per_turn or s.max_completion_length,
+            s.max_completion_length - len(ep.completion_ids),
+            self.engine.max_pos - len(full),
+        )
+        if asked.max_tokens is not None:
+            limit = min(limit, asked.max_tokens)
+        if not ep.finish_reason and limit <= 0:
+            ep.finish_reason = "length"
+        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
+            sampled = Sampled([], [], "", "length")
+        else:
+            job = Job(
+                full,
+                limit,
+                s.temperature,
+                s.top_p,
+                s.top_k,
+                s.stop,
+                seed=s.seed,
+                key=mix_key(s.key, rec.turns),
+                session=rec.eid,
+            )
+            rec.turns += 1
+            (sampled,) = await handler.sample([job])
+            ep.completion_ids += sampled.token_ids
+            ep.loss_mask += [1] * len(sampled.token_ids)
+            ep.logprobs += sampled.logprobs
+            ep.sampler_logprobs += sampled.sampler_logprobs or sampled.logprobs
+            ep.num_turns += 1
+            rec.last_end = sampled.finish
+            if sampled.finish == "length":
+                tight = (
+                    len(ep.completion_ids) >= s.max_completion_length
+                    or len(ep.prompt_ids) + len(ep.completion_ids) >= self.engine.max_pos
+                )
+                # the client's own max_tokens cut it: the episode may go on (after the
+                # template's end-of-turn token, as after a stop string)
+                if tight or asked.max_tokens is None or len(sampled.token_ids) < asked.max_tokens:
+                    ep.finish_reason = "length" if tight else "turn_length"
+        response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
+        if sampled.token_ids:
+            msg = pairs[0][1]["template"]
+            rec.messages.append(msg)
+            ep.messages.append(msg)
+            ep.tool_calls += len(msg.get("tool_calls") or [])
+            ep.tool_failures += len(pairs[0][1]["tool_errors"])
+        return response
+
+    def _extends(self, rec: Recording, messages: list[dict], tools) -> bool:
+        """Whether ``messages`` continue the recorded conversation after a sampled reply."""
+        n = len(rec.messages)
+        return (
+            rec.last_end is not None
+            and tools == rec.tools
+            and len(messages) > n
+            and all(canonical(a) == canonical(b) for a, b in zip(messages, rec.messages))
+        )
+
+    def _append(self, rec: Recording, new: list[dict]) -> None:
+        """The template's token delta of ``new`` after the recorded turn (loss mask 0)."""
+        ep, s = rec.episode, rec.settings
+        try:
+            delta = turn_delta(
+                self.engine.tokenizer,
+                rec.messages,
+                new,
+                eos_ids=self.engine.eos_ids,
+                tools=rec.tools,
+                chat_template=self.engine.chat_template,
+                close_turn=rec.last_end != "eos",
+            )
+        except TemplateError as e:
+            raise APIError(str(e), param="messages", code="template_error") from e
+        total = len(ep.completion_ids) + len(delta)
+        if total > s.max_completion_length or len(ep.prompt_ids) + total > self.engine.max_pos:
+            ep.finish_reason = "env_over_budget"  # dropped, as the engine drops it
+            return
+        rec.messages += new
+        ep.messages += new
+        ep.completion_ids += delta
+        ep.loss_mask += [0] * len(delta)
+        ep.logprobs += [0.0] * len(delta)
+        ep.sampler_logprobs += [0.0] * len(delta)

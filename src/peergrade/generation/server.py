@@ -1,0 +1,991 @@
+"""An OpenAI-compatible HTTP endpoint in front of the policy: ``peergrade serve`` and the
+trainer's own server for harness training.
+
+``build_app(engine)`` is a Starlette app (served by uvicorn) speaking the parts of the OpenAI API
+that agents use, as vLLM speaks them:
+
+- ``GET /v1/models``;
+- ``POST /v1/chat/completions``: ``messages``, ``tools`` (rendered by the model's chat template;
+  Hermes/Qwen2 ``<tool_call>`` blocks in the reply are parsed with ``envs.tools.parse_tool_calls``
+  into ``message.tool_calls``, finish_reason ``tool_calls``), ``n``, ``temperature`` (0 =
+  greedy), ``top_p``, ``top_k`` (vLLM's extra), ``max_tokens`` / ``max_completion_tokens``,
+  ``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``stream`` (server-sent events);
+- ``POST /v1/completions`` for plain prompts (a string or token ids);
+- vLLM's ``return_token_ids: true``: ``prompt_token_ids`` and ``choices[i].token_ids``;
+- ``POST /v1/episodes/<id>/chat/completions`` (and ``.../completions``, ``.../models``): the same
+  API under a base URL private to one training episode (``generation.recorder``).
+
+Requests are queued to one worker thread (``Engine``) that owns the model: it takes everything
+queued (after a short collection window) and answers it with as few ``kernel.generate`` calls
+as the requests' sampling settings allow (one per distinct temperature / top-p / top-k / stop /
+seed), so concurrent agents share batched forward passes instead of queueing one by one.
+
+Bad requests get OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with
+HTTP 400: an unknown model, malformed messages, a chat template that fails to render them (or
+the tools), a prompt that does not fit the context.
+
+Why Starlette + uvicorn: the ASGI pair vLLM's and SGLang's servers sit on (through FastAPI,
+which adds only schema generation on top of Starlette), small (no pydantic models to keep in
+step with the OpenAI schema), maintained by Encode for years, with streaming responses built in
+and a ``uvicorn.Server`` that can run on a thread inside the trainer on an ephemeral port.
+
+What it does not do: authentication, token-by-token streaming latency (a stream is sent once
+its batch has finished, as chunks of one token each), continuous batching inside a running
+``generate`` call (requests that arrive during one wait for the next), images, audio, the
+Responses API, or ``tool_choice`` other than ``auto`` (the model decides; nothing is forced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from peergrade.envs.template import render
+from peergrade.envs.tools import parse_tool_calls
+from peergrade.generation.kernel import default_eos_ids, generate
+
+__all__ = ["APIError", "Engine", "Job", "Server", "build_app", "serve"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """A request the server refuses, answered in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = (
+            message,
+            status,
+            param,
+            code,
+            type,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def mix_key(*parts: int) -> int:
+    """A key in [0, 2**63) from ints (splitmix64 over them): row keys of the keyed sampler."""
+    z = 0x9E3779B97F4A7C15
+    for p in parts:
+        z = (z ^ (int(p) & (2**64 - 1))) & (2**64 - 1)
+        z = (z + 0x9E3779B97F4A7C15) & (2**64 - 1)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        z ^= z >> 31
+    return z & (2**63 - 1)
+
+
+@dataclass
+class Job:
+    """One completion to sample: a prompt in tokens and its sampling settings. The draws are
+    keyed by (``seed``, ``key``) only, so a job samples the same tokens whatever else shares
+    its batch."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    key: int = 0
+    top_logprobs: int = 0  # > 0: the top tokens' log-probs at every position
+    session: str | None = None  # a training episode: its KV cache row is kept (``sessions``)
+
+    def group(self) -> tuple:
+        return (self.temperature, self.top_p, self.top_k, self.stop, self.seed)
+
+
+@dataclass
+class Sampled:
+    """What a job sampled: the counted tokens, their log-probs (full tempered distribution,
+    untempered when greedy: ``Samples.logprobs``; ``sampler_logprobs``: under the truncated
+    distribution actually drawn from), the decoded text (stop string kept),
+    why it ended (``eos`` | ``stop`` | ``length``) and, when asked, the top log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish: str
+    top: list[list[tuple[int, float]]] | None = None
+    sampler_logprobs: list[float] | None = None  # the distribution drawn from (top-k/top-p)
+
+
+class Engine:
+    """The model behind the endpoint: one worker thread runs every ``generate`` call, batching
+    the jobs queued at that moment (after ``window_s``) into as few calls as their settings allow.
+
+    ``submit(jobs)`` returns a ``concurrent.futures.Future`` of their ``Sampled`` results.
+    The model object is used as it is (the trainer's policy: its current weights)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str,
+        *,
+        window_s: float = 0.005,
+        max_batch: int = 256,
+        chat_template: str | None = None,
+    ):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.window_s, self.max_batch = window_s, max_batch
+        self.chat_template = chat_template
+        self.eos_ids = default_eos_ids(model, tokenizer)
+        cfg = model.config
+        self.max_pos = int(getattr(cfg, "max_position_embeddings", None) or 10**9)
+        self.created = int(time.time())
+        self._q: queue.Queue = queue.Queue()
+        #: how many requests can arrive before the next batch at most (the trainer's open
+        #: episodes: each has one request in flight at a time); None = unknown
+        self.expected = None
+        self.busy_s = 0.0  # seconds spent sampling
+        self.sessions = None  # training episodes' KV cache rows (``keep_sessions``)
+        self.calls = 0  # generate calls made
+        self.jobs = 0  # jobs answered
+        self._taken = 0  # requests the worker holds while ``hold`` is on
+        self._go = threading.Event()  # cleared: the worker holds queued requests (``hold``)
+        self._go.set()
+        self._thread = threading.Thread(target=self._loop, name="peergrade-engine", daemon=True)
+        self._thread.start()
+
+    def keep_sessions(self) -> None:
+        """Keep each training episode's KV cache between its requests (``sessions``), when
+        the model's attention allows it (full attention, sdpa or eager)."""
+        from peergrade.generation.kernel import slab_cache_ok
+        from peergrade.generation.sessions import Sessions
+
+        if slab_cache_ok(self.model.config):
+            self.sessions = Sessions(self.model, self.tokenizer, self.eos_ids, self.max_pos)
+
+    def hold(self) -> None:
+        """Keep queued requests waiting until ``release`` (then they form one batch)."""
+        self._go.clear()
+
+    def release(self) -> None:
+        self._go.set()
+
+    def queued(self) -> int:
+        """Requests waiting for the worker."""
+        return self._q.qsize() + self._taken
+
+    def submit(self, jobs: Sequence[Job]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put((list(jobs), fut))
+        return fut
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            self._go.wait()
+            item = self._q.get()
+            if item is None:
+                return
+            self._taken = 1
+            self._go.wait()
+            self._taken = 0
+            batch = [item]
+            # Collect more: each next request may arrive within window_s of the last one; stop
+            # early once every client that can send (``expected``) has sent.
+            while (size := sum(len(j) for j, _ in batch)) < self.max_batch:
+                if self.expected is not None and size >= self.expected():
+                    break
+                try:
+                    nxt = (
+                        self._q.get(timeout=self.window_s)
+                        if self.window_s > 0
+                        else (self._q.get_nowait())
+                    )
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)
+                    break
+                batch.append(nxt)
+            t0 = time.perf_counter()
+            self._run(batch)
+            self.busy_s += time.perf_counter() - t0
+
+    def _run(self, batch: list[tuple[list[Job], concurrent.futures.Future]]) -> None:
+        flat = [(bi, ji, job) for bi, (jobs, _) in enumerate(batch) for ji, job in enumerate(jobs)]
+        results: dict[tuple[int, int], Any] = {}
+        try:
+            groups: dict[tuple, list] = {}
+            for item in flat:
+                groups.setdefault(item[2].group(), []).append(item)
+            for items in groups.values():
+                kept = [it for it in items if it[2].session is not None and self.sessions]
+                if kept:
+                    for (bi, ji, _), res in zip(kept, self._session_run([j for *_, j in kept])):
+                        results[(bi, ji)] = res
+                    items = [it for it in items if it not in kept]
+                for part in _split_calls(items, self.max_pos):
+                    for (bi, ji, _), res in zip(part, self._generate([j for _, _, j in part])):
+                        results[(bi, ji)] = res
+        except BaseException as e:  # every waiting request learns of it; the thread goes on
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        for bi, (jobs, fut) in enumerate(batch):
+            fut.set_result([results[(bi, ji)] for ji in range(len(jobs))])
+
+    def forget(self, session: str) -> None:
+        """The episode ``session`` is over: its KV cache row can go."""
+        if self.sessions:
+            self.sessions.forget(session)
+
+    def _session_run(self, jobs: list[Job]) -> list[Sampled]:
+        self.calls += 1
+        self.jobs += len(jobs)
+        out = []
+        for j, (ids, lps, slps, finish) in zip(jobs, self.sessions.run(jobs)):
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if finish == "stop":
+                ends = [text.find(x) + len(x) for x in j.stop if x in text]
+                text = text[: min(ends)] if ends else text
+            out.append(Sampled(ids, lps, text, finish, sampler_logprobs=slps))
+        for j, s in zip(jobs, out):
+            if j.top_logprobs > 0 and s.token_ids:
+                s.top = self._top_logprobs(j, s.token_ids)
+        return out
+
+    def _generate(self, jobs: list[Job]) -> list[Sampled]:
+        j0 = jobs[0]
+        T = max(j.max_tokens for j in jobs)
+        ro = generate(
+            self.model,
+            self.tokenizer,
+            [j.prompt_ids for j in jobs],
+            n=1,
+            max_new_tokens=T,
+            temperature=j0.temperature,
+            top_p=j0.top_p,
+            top_k=j0.top_k,
+            stop=j0.stop,
+            seed=j0.seed,
+            row_keys=[j.key for j in jobs],
+            eos_token_ids=self.eos_ids,
+        )
+        self.calls += 1
+        self.jobs += len(jobs)
+        out = []
+        lens = ro.completion_mask.sum(1).long().tolist()
+        for i, j in enumerate(jobs):
+            n = lens[i]
+            ids = ro.completion_ids[i, :n].tolist()
+            lp = ro.logprobs[i, :n].tolist()
+            slp = ro.sampler_logprobs[i, :n].tolist()
+            text, finish = ro.completion_text[i], ro.finish_reason[i]
+            if n > j.max_tokens:  # a shorter budget than the call's: cut it there
+                ids, lp, finish = ids[: j.max_tokens], lp[: j.max_tokens], "length"
+                slp = slp[: j.max_tokens]
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            out.append(Sampled(ids, lp, text, finish, sampler_logprobs=slp))
+        for j, s in zip(jobs, out):
+            if j.top_logprobs > 0 and s.token_ids:
+                s.top = self._top_logprobs(j, s.token_ids)
+        return out
+
+    @torch.no_grad()
+    def _top_logprobs(self, job: Job, ids: list[int]) -> list[list[tuple[int, float]]]:
+        """The ``top_logprobs`` most likely tokens at each sampled position, from one forward
+        pass over prompt + completion (at the job's temperature; untempered when greedy)."""
+        dev = next(self.model.parameters()).device
+        x = torch.tensor([job.prompt_ids + ids], device=dev)
+        was = self.model.training
+        self.model.eval()
+        try:
+            logits = self.model(input_ids=x).logits[0, len(job.prompt_ids) - 1 : -1].float()
+        finally:
+            self.model.train(was)
+        if job.temperature > 0:
+            logits = logits / job.temperature
+        lp = torch.log_softmax(logits, -1)  # [C, V]
+        v, ix = lp.topk(min(job.top_logprobs, lp.shape[-1]), -1)
+        return [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
+
+
+def _split_calls(items: list, max_pos: int) -> list[list]:
+    """Items of one settings group as ``generate`` calls: keys distinct within a call, and
+    every prompt fits the context with the call's longest budget."""
+    calls: list[list] = []
+    for item in sorted(items, key=lambda it: -it[2].max_tokens):
+        job = item[2]
+        for call in calls:
+            T = call[0][2].max_tokens  # sorted: the first is the longest budget
+            if len(job.prompt_ids) + T <= max_pos and all(c[2].key != job.key for c in call):
+                call.append(item)
+                break
+        else:
+            calls.append([item])
+    return calls
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool):
+        kind = "an integer" if integer else "a number"
+        raise APIError(f"'{name}' must be {kind}, got {v!r}", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise APIError(f"'{name}' must be in [{lo}, {hi}], got {v!r}", param=name)
+    return v
+
+
+def _text_of(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, None, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise APIError(
+                    f"{where}.content: only text parts are supported, got {p!r}", param="messages"
+                )
+        return "".join(parts)
+    raise APIError(f"{where}.content must be a string or a list of text parts", param="messages")
+
+
+def normalise_messages(messages: Any) -> list[dict]:
+    """The request's messages in the form chat templates render: text content, tool calls
+    with their arguments as objects (sent as JSON strings by the OpenAI client)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise APIError(
+                f"{where} must be an object with a role of system, user, assistant "
+                f"or tool, got {str(m)[:200]}",
+                param="messages",
+            )
+        msg = {"role": "system" if m["role"] == "developer" else m["role"]}
+        msg["content"] = _text_of(m.get("content"), where)
+        if msg["content"] is None and m["role"] != "assistant":
+            raise APIError(f"{where} ({m['role']}) has no content", param="messages")
+        for k in ("name", "tool_call_id"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise APIError(f"{where}.tool_calls must be a list", param="messages")
+            norm = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise APIError(
+                        f"{where}.tool_calls: each needs function.name", param="messages"
+                    )
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    with contextlib.suppress(json.JSONDecodeError):  # else as the client sent it
+                        args = json.loads(args) if args.strip() else {}
+                norm.append(
+                    {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+                )
+            msg["tool_calls"] = norm
+        out.append(msg)
+    return out
+
+
+def canonical(m: dict) -> tuple:
+    """What identifies a message when a follow-up is matched to a recorded conversation."""
+    calls = tuple(
+        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+        for c in m.get("tool_calls") or []
+    )
+    return (m["role"], (m.get("content") or "").strip(), calls)
+
+
+def check_tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or any(
+        not isinstance(t, dict) or not isinstance((t.get("function") or {}).get("name"), str)
+        for t in tools
+    ):
+        raise APIError(
+            "'tools' must be a list of {type: function, function: {name, ...}}", param="tools"
+        )
+    return tools or None
+
+
+def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    try:
+        return render(
+            engine.tokenizer,
+            messages,
+            add_generation_prompt=True,
+            tools=tools,
+            chat_template=engine.chat_template,
+        )
+    except Exception as e:
+        what = "these messages with these tools" if tools else "these messages"
+        raise APIError(
+            f"the chat template of {engine.name} cannot render {what}: {type(e).__name__}: {e}",
+            param="tools" if tools else "messages",
+            code="template_error",
+        ) from e
+
+
+@dataclass
+class Settings:
+    """A request's sampling settings, checked."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    return_token_ids: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def parse_settings(body: dict, chat: bool) -> Settings:
+    s = Settings()
+    s.n = _number(body, "n", 1, 1, 128, integer=True)
+    mt = body.get("max_completion_tokens") if chat else None
+    s.max_tokens = _number(
+        body,
+        "max_completion_tokens" if mt is not None else "max_tokens",
+        None,
+        1,
+        None,
+        integer=True,
+    )
+    s.temperature = float(_number(body, "temperature", 1.0, 0, 2))
+    s.top_p = float(_number(body, "top_p", 1.0, 0, 1))
+    if s.top_p == 0:
+        raise APIError("'top_p' must be > 0", param="top_p")
+    s.top_k = int(_number(body, "top_k", 0, -1, None, integer=True))
+    s.top_k = max(s.top_k, 0)
+    stop = body.get("stop")
+    if stop is None:
+        s.stop = ()
+    elif isinstance(stop, str):
+        s.stop = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(x, str) and x for x in stop) and len(stop) <= 16:
+        s.stop = tuple(stop)
+    else:
+        raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
+    s.seed = _number(body, "seed", None, None, None, integer=True)
+    if chat:
+        s.logprobs = bool(body.get("logprobs") or False)
+        s.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        if s.top_logprobs and not s.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:
+        lp = _number(body, "logprobs", None, 0, 20, integer=True)
+        s.logprobs, s.top_logprobs = lp is not None, lp or 0
+    s.stream = bool(body.get("stream") or False)
+    s.return_token_ids = bool(body.get("return_token_ids") or False)
+    return s
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def _token_str(tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def _strip_stop(text: str, finish: str, stop: Sequence[str]) -> str:
+    """OpenAI's content leaves the stop string out (the tokens keep it)."""
+    if finish != "stop":
+        return text
+    cuts = [text.find(x) for x in stop if x in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def chat_choice(
+    engine: Engine, index: int, s: Sampled, settings: Settings, tools
+) -> tuple[dict, dict]:
+    """(choice, the assistant message in template form) of one sampled reply."""
+    content = _strip_stop(s.text, s.finish, settings.stop)
+    calls, errors = [], []
+    if tools:
+        content, calls, errors = parse_tool_calls(content)
+    finish = "tool_calls" if calls else ("length" if s.finish == "length" else "stop")
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if (content or not calls) else None,
+    }
+    if calls:
+        msg["tool_calls"] = [
+            {
+                "id": "call_" + secrets.token_hex(8),
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": json.dumps(c["function"]["arguments"]),
+                },
+            }
+            for c in calls
+        ]
+    choice: dict[str, Any] = {
+        "index": index,
+        "message": msg,
+        "finish_reason": finish,
+        "logprobs": None,
+    }
+    if settings.logprobs:
+        choice["logprobs"] = {"content": _chat_logprobs(engine, s, settings)}
+    if settings.return_token_ids:
+        choice["token_ids"] = list(s.token_ids)
+    template_msg = {"role": "assistant", "content": content or ""}
+    if calls:
+        template_msg["tool_calls"] = calls
+    return choice, {"template": template_msg, "tool_errors": errors}
+
+
+def _chat_logprobs(engine: Engine, s: Sampled, settings: Settings) -> list[dict]:
+    tok = engine.tokenizer
+    out = []
+    for i, (t, lp) in enumerate(zip(s.token_ids, s.logprobs)):
+        ts = _token_str(tok, t)
+        item = {"token": ts, "logprob": lp, "bytes": list(ts.encode()), "top_logprobs": []}
+        if s.top is not None:
+            item["top_logprobs"] = [
+                {
+                    "token": _token_str(tok, a),
+                    "logprob": b,
+                    "bytes": list(_token_str(tok, a).encode()),
+                }
+                for a, b in s.top[i]
+            ]
+        out.append(item)
+    return out
+
+
+def completion_choice(
+    engine: Engine, index: int, s: Sampled, settings: Settings, echo_text: str = ""
+) -> dict:
+    text = _strip_stop(s.text, s.finish, settings.stop)
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": echo_text + text,
+        "finish_reason": "length" if s.finish == "length" else "stop",
+        "logprobs": None,
+    }
+    if settings.logprobs:
+        tok = engine.tokenizer
+        toks = [_token_str(tok, t) for t in s.token_ids]
+        offsets, pos = [], len(echo_text)
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        choice["logprobs"] = {
+            "tokens": toks,
+            "token_logprobs": list(s.logprobs),
+            "top_logprobs": None
+            if s.top is None
+            else [{_token_str(tok, a): b for a, b in row} for row in s.top],
+            "text_offset": offsets,
+        }
+    if settings.return_token_ids:
+        choice["token_ids"] = list(s.token_ids)
+    return choice
+
+
+def stream_chat(
+    engine: Engine,
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[dict],
+    sampled: list[Sampled],
+    settings: Settings,
+    prompt_ids: list[int],
+):
+    """The server-sent events of a chat completion: a role chunk, one chunk per token of
+    content, the tool calls, the finish reason, [DONE]."""
+    tok = engine.tokenizer
+
+    def chunk(index, delta, finish=None, **extra):
+        c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
+        body = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [c],
+        }
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events():
+        for ch, s in zip(choices, sampled):
+            i = ch["index"]
+            first = {"role": "assistant", "content": ""}
+            if settings.return_token_ids and i == choices[0]["index"]:
+                yield chunk(i, first, prompt_token_ids=list(prompt_ids))
+            else:
+                yield chunk(i, first)
+            content = ch["message"]["content"] or ""
+            done, lps = 0, (ch.get("logprobs") or {}).get("content") or []
+            for k in range(len(s.token_ids)):
+                upto = min(
+                    len(tok.decode(s.token_ids[: k + 1], skip_special_tokens=True)), len(content)
+                )
+                extra = {}
+                if settings.return_token_ids:
+                    extra["token_ids"] = [s.token_ids[k]]
+                piece = content[done:upto] if upto > done else ""
+                if piece or extra:
+                    c = chunk(i, {"content": piece}, **extra)
+                    if lps:
+                        body = json.loads(c[6:])
+                        body["choices"][0]["logprobs"] = {"content": [lps[k]]}
+                        c = f"data: {json.dumps(body)}\n\n"
+                    yield c
+                done = max(done, upto)
+            if done < len(content):
+                yield chunk(i, {"content": content[done:]})
+            for k, tc in enumerate(ch["message"].get("tool_calls") or []):
+                yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
+            yield chunk(i, {}, ch["finish_reason"])
+        yield "data: [DONE]\n\n"
+
+    return events()
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+class Handler:
+    """The endpoint's logic, independent of the HTTP framework (the app calls it)."""
+
+    def __init__(self, engine: Engine, recorder=None, max_tokens: int | None = None):
+        self.engine, self.recorder, self.default_max_tokens = engine, recorder, max_tokens
+
+    def check_model(self, body: dict) -> str:
+        model = body.get("model")
+        if model != self.engine.name:
+            raise APIError(
+                f"model {model!r} does not exist; this server serves "
+                f"{self.engine.name!r} (GET /v1/models)",
+                status=400,
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def budget(self, prompt_ids: list[int], asked: int | None) -> int:
+        room = self.engine.max_pos - len(prompt_ids)
+        if room < 1 or (asked is not None and asked > room):
+            raise APIError(
+                f"this model's maximum context length is {self.engine.max_pos} tokens; the "
+                f"prompt has {len(prompt_ids)} tokens"
+                + (f" and max_tokens is {asked}" if asked is not None else "")
+                + "; shorten the messages or lower max_tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if asked is None:
+            asked = room if self.default_max_tokens is None else min(room, self.default_max_tokens)
+        return asked
+
+    def jobs(self, prompt_ids, settings: Settings, max_tokens: int) -> list[Job]:
+        base = secrets.randbits(62) if settings.seed is None else settings.seed
+        return [
+            Job(
+                list(prompt_ids),
+                max_tokens,
+                settings.temperature,
+                settings.top_p,
+                settings.top_k,
+                settings.stop,
+                seed=0,
+                key=mix_key(base, i),
+                top_logprobs=settings.top_logprobs,
+            )
+            for i in range(settings.n)
+        ]
+
+    async def sample(self, jobs: list[Job]) -> list[Sampled]:
+        return await asyncio.wrap_future(self.engine.submit(jobs))
+
+    async def chat(self, body: dict):
+        model = self.check_model(body)
+        settings = parse_settings(body, chat=True)
+        messages = normalise_messages(body.get("messages"))
+        tools = check_tools(body.get("tools"))
+        prompt_ids = render_prompt(self.engine, messages, tools)
+        max_tokens = self.budget(prompt_ids, settings.max_tokens)
+        sampled = await self.sample(self.jobs(prompt_ids, settings, max_tokens))
+        return self.chat_response(model, settings, tools, prompt_ids, sampled)[0]
+
+    def chat_response(self, model, settings, tools, prompt_ids, sampled):
+        rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+        pairs = [chat_choice(self.engine, i, s, settings, tools) for i, s in enumerate(sampled)]
+        choices = [c for c, _ in pairs]
+        if settings.stream:
+            return stream_chat(
+                self.engine, rid, created, model, choices, sampled, settings, prompt_ids
+            ), pairs
+        out = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": sum(len(s.token_ids) for s in sampled),
+                "total_tokens": len(prompt_ids) + sum(len(s.token_ids) for s in sampled),
+            },
+        }
+        if settings.return_token_ids:
+            out["prompt_token_ids"] = list(prompt_ids)
+        return out, pairs
+
+    async def completions(self, body: dict):
+        model = self.check_model(body)
+        settings = parse_settings(body, chat=False)
+        if settings.stream:
+            raise APIError("'stream' is supported on /v1/chat/completions only", param="stream")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tok) for t in prompt
+            )
+        ):
+            prompt_ids = list(prompt)
+        else:
+            raise APIError(
+                "'prompt' must be a non-empty string or a list of token ids "
+                "(one prompt per request)",
+                param="prompt",
+            )
+        if not prompt_ids:
+            raise APIError("'prompt' is empty", param="prompt")
+        max_tokens = self.budget(
+            prompt_ids, settings.max_tokens if settings.max_tokens is not None else 16
+        )
+        sampled = await self.sample(self.jobs(prompt_ids, settings, max_tokens))
+        echo = tok.decode(prompt_ids) if body.get("echo") else ""
+        out = {
+            "id": "cmpl-" + secrets.token_hex(12),
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                completion_choice(self.engine, i, s, settings, echo) for i, s in enumerate(sampled)
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": sum(len(s.token_ids) for s in sampled),
+                "total_tokens": len(prompt_ids) + sum(len(s.token_ids) for s in sampled),
+            },
+        }
+        if settings.return_token_ids:
+            out["prompt_token_ids"] = list(prompt_ids)
+        return out
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.engine.name,
+                    "object": "model",
+                    "created": self.engine.created,
+                    "owned_by": "peergrade",
+                }
+            ],
+        }
+
+
+def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
+    """The Starlette app: the OpenAI routes, and the per-episode routes when a ``recorder``
+    (``generation.recorder.Recorder``) is given."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    handler = Handler(engine, recorder, max_tokens)
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def read_json(request) -> dict:
+        try:
+            body = await request.json()
+        except Exception as e:
+            raise APIError(f"the request body is not JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        return body
+
+    def answer(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    def wrap(fn):
+        async def endpoint(request):
+            try:
+                return answer(await fn(request))
+            except APIError as e:
+                return error(e)
+            except Exception as e:  # a bug or a model failure: a 500 in the same shape
+                return error(APIError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
+
+        return endpoint
+
+    async def models(request):
+        return handler.models()
+
+    async def chat(request):
+        return await handler.chat(await read_json(request))
+
+    async def completions(request):
+        return await handler.completions(await read_json(request))
+
+    def episode_of(request):
+        if recorder is None:
+            raise APIError("this server records no episodes", status=404, code="not_found")
+        return recorder.get(request.path_params["eid"])
+
+    async def ep_models(request):
+        episode_of(request)
+        return handler.models()
+
+    async def ep_chat(request):
+        ep = episode_of(request)
+        return await recorder.chat(handler, ep, await read_json(request))
+
+    async def ep_completions(request):
+        episode_of(request)
+        raise APIError(
+            "an episode records chat requests only: use /chat/completions", code="unsupported"
+        )
+
+    routes = [
+        Route("/v1/models", wrap(models), methods=["GET"]),
+        Route("/v1/chat/completions", wrap(chat), methods=["POST"]),
+        Route("/v1/completions", wrap(completions), methods=["POST"]),
+        Route("/v1/episodes/{eid}/models", wrap(ep_models), methods=["GET"]),
+        Route("/v1/episodes/{eid}/chat/completions", wrap(ep_chat), methods=["POST"]),
+        Route("/v1/episodes/{eid}/completions", wrap(ep_completions), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+class Server:
+    """The app served by uvicorn on a background thread (the trainer's server; tests).
+    ``port=0`` takes a free port; ``url`` is ``http://host:port``."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, name="peergrade-serve", daemon=True
+        )
+        self.host = host
+
+    def start(self) -> Server:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server failed to start (see the log above)")
+            time.sleep(0.01)
+        sock = self._server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(
+    model,
+    tokenizer,
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_tokens: int | None = None,
+    window_s: float = 0.005,
+) -> None:
+    """Serve until interrupted (``peergrade serve``)."""
+    import uvicorn
+
+    engine = Engine(model, tokenizer, name, window_s=window_s)
+    uvicorn.run(build_app(engine, max_tokens=max_tokens), host=host, port=port, log_level="info")

@@ -1,0 +1,149 @@
+"""Training through an external agent (``harness:``, ``GRPOTrainer(harness=fn)``): the parts of
+a step that differ from in-process episodes.
+
+``start(run)`` serves the policy (``generation.harness.HarnessRunner``: the OpenAI-compatible
+endpoint on a free local port, recording every episode in tokens). ``sample(run, rows, step,
+keys)`` runs the harness once per (prompt, sample) with the step's sampling settings (the
+trainer's win over the client's; every draw keyed by (seed, step, prompt, sample, turn)) and
+returns the recorded ``Episode`` records, the one record the in-process engine makes, so
+scoring, advantages and the update are unchanged. The harness's return value is the reward
+``harness`` (one more reward function, reading the ``harness_result`` column); a failed harness
+(raised, timed out, returned something else, never called the server) scores 0, its error
+written into ``samples.jsonl`` (``extra.harness_error``) and counted (``harness/failed*``),
+unless ``train.on_reward_error: fail``, which stops the run naming the episode and the error.
+
+``episode_fn(run)`` is the same for the held-out evaluation (greedy and sampled passes run the
+harness too). It does not score with other reward functions or train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from peergrade.generation.harness import HarnessResult, HarnessRunner, harness_metrics
+from peergrade.rewards import make_reward_specs
+from peergrade.rewards.registry import RewardError
+from peergrade.seeds import step_seed
+
+#: the column the reward ``harness`` reads: one ``HarnessResult`` per episode
+COLUMN = "harness_result"
+
+
+def harness_reward(completions, harness_result, log_extra=None, log_metric=None, **kwargs):
+    """The reward ``harness``: what each episode's harness returned (0 for a failed one)."""
+    results: list[HarnessResult] = list(harness_result)
+    if log_extra is not None and any(r.error for r in results):
+        log_extra("harness_error", [r.error for r in results])
+    if log_metric is not None:
+        for name, value in harness_metrics(results).items():
+            log_metric(name, value)
+    return [r.reward for r in results]
+
+
+def reward_specs():
+    return make_reward_specs([(harness_reward, 1.0, {}, "harness")])
+
+
+def load(cfg, given_fn: Callable | None = None) -> Callable | None:
+    """The harness function: the Python caller's, else ``harness.fn`` loaded (None: none)."""
+    if given_fn is not None:
+        if not callable(given_fn):
+            from peergrade.errors import InputError
+
+            raise InputError(
+                f"harness must be a callable fn(row, base_url, model), got {given_fn!r}"
+            )
+        return given_fn
+    if cfg.harness.fn is None:
+        return None
+    from peergrade.envs.load import load_object
+
+    fn = load_object(cfg.harness.fn, "harness.fn")
+    if not callable(fn):
+        from peergrade.errors import InputError
+
+        raise InputError(f"harness.fn {cfg.harness.fn!r} is not callable")
+    return fn
+
+
+def start(run) -> HarnessRunner:
+    return HarnessRunner(run.models.policy, run.models.tokenizer, run.cfg.harness.model_name)
+
+
+def _run(run, rows, *, n, temperature, top_p, seed, row_keys, stop) -> list[HarnessResult]:
+    cfg = run.cfg
+    h, r = cfg.harness, cfg.rollout
+    results = run.harness_runner.run(
+        run.harness,
+        rows,
+        n=n,
+        max_completion_length=r.max_completion_length,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=r.top_k,
+        stop=stop,
+        seed=seed,
+        row_keys=row_keys,
+        max_turns=cfg.env.max_turns,
+        max_tokens_per_turn=cfg.env.max_tokens_per_turn,
+        concurrency=h.concurrency,
+        timeout_s=h.timeout_s,
+    )
+    failed = [(i, res) for i, res in enumerate(results) if res.error]
+    if failed and cfg.train.on_reward_error == "fail":
+        i, res = failed[0]
+        raise RewardError(
+            f"harness {cfg.harness.fn or 'harness'} failed on episode {i} (rows[{i // n}], sample "
+            f"{i % n}): {res.error}; {len(failed)} of {len(results)} episodes failed. Set "
+            "train.on_reward_error: zero to score a failed harness 0 and go on"
+        )
+    return results
+
+
+def sample(run, rows: list[dict], step: int, row_keys: Sequence[int]):
+    """(episodes, results) of G harness runs per row with the step's sampling settings."""
+    r = run.cfg.rollout
+    results = _run(
+        run,
+        rows,
+        n=r.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=step_seed(run.cfg.train.seed, step),
+        row_keys=row_keys,
+        stop=r.stop,
+    )
+    return [res.episode for res in results], results
+
+
+def episode_fn(run) -> Callable:
+    """``run_episodes``' calling form over the harness: the held-out evaluation's episodes."""
+
+    def episodes(
+        model,
+        tokenizer,
+        rows,
+        *,
+        n,
+        max_completion_length,
+        temperature,
+        top_p,
+        seed,
+        batch_size=None,
+        **_,
+    ):
+        return [
+            res.episode
+            for res in _run(
+                run,
+                rows,
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                row_keys=None,
+                stop=run.cfg.rollout.stop,
+            )
+        ]
+
+    return episodes

@@ -1,0 +1,285 @@
+"""The OpenAI-compatible endpoint (``peergrade.generation.server``), through the official
+``openai`` client against a server started in-process on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from peergrade.generation.server import Engine, Server, build_app  # noqa: E402
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def calc():
+    """The bundled tiny-calc model (it calls a calculator tool in the Hermes format)."""
+    from peergrade.model.load import (
+        load_model,
+        load_tokenizer,
+        prepare_tokenizer,
+        resolve_model_path,
+    )
+
+    path = resolve_model_path("bundled:tiny-calc")
+    return load_model(path).eval(), prepare_tokenizer(load_tokenizer(path))
+
+
+@pytest.fixture(scope="module")
+def server(calc):
+    model, tok = calc
+    engine = Engine(model, tok, MODEL, window_s=0.05)
+    with Server(build_app(engine)) as s:
+        s.engine = engine
+        yield s
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+
+
+QUESTION = [{"role": "user", "content": "1234*5678="}]
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_equals_hf_generate(client, calc):
+    model, tok = calc
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        extra_body={"return_token_ids": True},
+    )
+    body = r.model_dump()
+    prompt = body["prompt_token_ids"]
+    assert prompt == tok.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    ids = body["choices"][0]["token_ids"]
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=24,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    assert ids == ref[0, len(prompt) :].tolist()[: len(ids)]
+    assert len(ids) == len(ref[0]) - len(prompt)  # same end (eos or length)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
+
+
+def test_logprobs_are_the_model_s(client, calc):
+    model, _ = calc
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0.7,
+        max_tokens=12,
+        seed=3,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    ).model_dump()
+    ids, lps = r["choices"][0]["token_ids"], r["choices"][0]["logprobs"]["content"]
+    assert len(lps) == len(ids) and all(len(x["top_logprobs"]) == 3 for x in lps)
+    with torch.no_grad():
+        x = torch.tensor([r["prompt_token_ids"] + ids])
+        logits = model(input_ids=x).logits[0, len(r["prompt_token_ids"]) - 1 : -1].float() / 0.7
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([x["logprob"] for x in lps]), ref, atol=1e-4)
+    # the sampled token's log-prob is at most the best one's
+    assert all(x["logprob"] <= x["top_logprobs"][0]["logprob"] + 1e-4 for x in lps)
+
+
+def test_seed_reproducible_and_n(client):
+    kw = dict(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=1.0,
+        max_tokens=16,
+        seed=11,
+        n=3,
+        extra_body={"return_token_ids": True},
+    )
+    a = client.chat.completions.create(**kw).model_dump()
+    b = client.chat.completions.create(**kw).model_dump()
+    assert len(a["choices"]) == 3
+    assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
+
+
+def test_tool_calls_parsed(client):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculate",
+                "description": "evaluate",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            },
+        }
+    ]
+    # the tiny-calc model calls the tool on some problems: sample until one does
+    r = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=tools, n=16, temperature=1.0, max_tokens=96, seed=0
+    )
+    called = [c for c in r.choices if c.finish_reason == "tool_calls"]
+    assert called, [c.message.content for c in r.choices]
+    call = called[0].message.tool_calls[0]
+    assert call.function.name == "calculate"
+    assert isinstance(json.loads(call.function.arguments), dict)
+    assert "<tool_call>" not in (called[0].message.content or "")
+
+
+def test_stream(client):
+    kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
+    full = client.chat.completions.create(**kw).choices[0]
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        ch = chunk.choices[0]
+        pieces.append(ch.delta.content or "")
+        finish = ch.finish_reason or finish
+    assert "".join(pieces) == full.message.content
+    assert finish == full.finish_reason
+    assert sum(1 for p in pieces if p) > 1  # more than one chunk of content
+
+
+def test_stop_and_completions(client, calc):
+    _, tok = calc
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Q:12+34\nA:",
+        max_tokens=8,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
+    body = r.model_dump()
+    assert body["prompt_token_ids"] == tok.encode("Q:12+34\nA:", add_special_tokens=False)
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == len(
+        body["choices"][0]["token_ids"]
+    )
+    text = body["choices"][0]["text"]
+    if len(text) > 1:
+        stop = text[1]
+        s = client.completions.create(
+            model=MODEL, prompt="Q:12+34\nA:", max_tokens=8, temperature=0, stop=[stop]
+        )
+        assert s.choices[0].text == text[: text.index(stop)]
+        assert s.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_and_length(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=2,
+        extra_body={"return_token_ids": True},
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert len(r.model_dump()["choices"][0]["token_ids"]) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, code, param",
+    [
+        (dict(model="nope", messages=QUESTION), "model_not_found", "model"),
+        (dict(model=MODEL, messages=[{"role": "wizard", "content": "x"}]), None, "messages"),
+        (dict(model=MODEL, messages=[]), None, "messages"),
+        (dict(model=MODEL, messages=[{"role": "user"}]), None, "messages"),
+        (
+            dict(model=MODEL, messages=[{"role": "user", "content": "x" * 600}]),
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            dict(model=MODEL, messages=[{"role": "user", "content": "hi"}] * 10_000),
+            "context_length_exceeded",
+            "messages",
+        ),
+        (
+            dict(model=MODEL, messages=QUESTION, max_tokens=10_000),
+            "context_length_exceeded",
+            "messages",
+        ),
+        (dict(model=MODEL, messages=QUESTION, temperature=5), None, "temperature"),
+        (dict(model=MODEL, messages=QUESTION, tools=[{"type": "function"}]), None, "tools"),
+    ],
+)
+def test_errors_are_openai_shaped(client, kwargs, code, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert isinstance(err.get("message"), str) and err["message"]
+    assert err.get("type") == "invalid_request_error"
+    assert err.get("param") == param
+    if code:
+        assert err.get("code") == code
+
+
+def test_template_that_cannot_render_tools(calc):
+    model, tok = calc
+    engine = Engine(
+        model,
+        tok,
+        MODEL,
+        chat_template="{% for t in tools %}{{ t.missing.name() }}{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    with Server(build_app(engine)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            )
+        assert e.value.body["code"] == "template_error" and e.value.body["param"] == "tools"
+    engine.close()
+
+
+def test_concurrent_requests_share_generate_calls(server):
+    """16 concurrent clients are answered by fewer generate calls than requests, and each gets
+    what it gets alone (draws keyed by its seed, not by its batch)."""
+    kw = dict(model=MODEL, temperature=1.0, max_tokens=12, extra_body={"return_token_ids": True})
+
+    async def run(ids):
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+
+        async def one(i):
+            r = await aclient.chat.completions.create(
+                messages=[{"role": "user", "content": f"{100 + i}*{203 + i}="}], seed=i, **kw
+            )
+            return r.model_dump()["choices"][0]["token_ids"]
+
+        return await asyncio.gather(*(one(i) for i in ids))
+
+    import threading
+
+    calls0, out = server.engine.calls, {}
+    server.engine.hold()  # the 16 requests queue up, whatever the timing, then go together
+    t = threading.Thread(target=lambda: out.setdefault("r", asyncio.run(run(range(16)))))
+    t.start()
+    while server.engine.queued() < 16:
+        t.join(0.01)
+    server.engine.release()
+    t.join()
+    together = out["r"]
+    assert server.engine.calls - calls0 == 1
+    alone = [asyncio.run(run([i]))[0] for i in (0, 7)]
+    assert alone == [together[0], together[7]]
