@@ -414,6 +414,31 @@ def test_local_model_and_endpoint_of_the_same_model_give_identical_scores(judge_
         assert srv.calls == 6
 
 
+def test_local_model_and_peergrade_serve_of_the_same_model_give_identical_scores(judge_dir):
+    """The issue's target: the same groups through ``judge_model=DIR`` and through the
+    ``base_url`` of ``peergrade serve`` (its real engine, chat template and greedy sampler) of the
+    same model give identical scores, and they are parsed replies, not fallbacks."""
+    pytest.importorskip("uvicorn")
+    from peergrade.generation.server import Engine, Server, build_app
+    from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+
+    opts = dict(rubric=RUBRIC, max_tokens=24)
+    local = make_judge(judge_model=str(judge_dir), batch_size=4, device="cpu", **opts)
+    model = load_model(str(judge_dir)).eval()
+    engine = Engine(
+        model, prepare_tokenizer(load_tokenizer(str(judge_dir))), "judge", window_s=0.02
+    )
+    prompts, completions = groups_of(ROWS[:3], ["Paris", "Lyon"])
+    try:
+        with Server(build_app(engine)) as srv:
+            remote = make_judge(base_url=srv.url + "/v1", model="judge", **opts)
+            scores = local(prompts, completions)
+            assert scores == pytest.approx([0.7, 0.3] * 3)  # parsed replies, not the fallback
+            assert remote(prompts, completions) == scores
+    finally:
+        engine.close()
+
+
 def test_judge_model_through_the_config(judge_dir, tmp_path):
     from peergrade.config import load_config
     from peergrade.tasks import load_task
