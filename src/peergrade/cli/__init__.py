@@ -164,17 +164,25 @@ def cmd_train(args, extra) -> int:
         summary = main_guard(
             train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         # while loading or evaluating the starting model: the run directory may already exist
-        if (run_dir / "config.yaml").is_file() and ckpt.latest_checkpoint(run_dir) is None:
+        code, what = (143, "SIGTERM") if isinstance(stop, ckpt.Terminated) else (130, "interrupted")
+        if (run_dir / "config.yaml").is_file():
+            last = ckpt.latest_checkpoint(run_dir)
             print(
-                f"interrupted before the first checkpoint: continue with: peergrade train "
-                f"--resume {run_dir} (starts from step 0), or start over with --overwrite",
+                f"{what} before the first checkpoint: continue with: peergrade train "
+                f"--resume {run_dir} (starts from step 0), or start over with --overwrite"
+                if last is None
+                else f"{what} before training went on: {last.name} is the last checkpoint; "
+                f"continue with: peergrade train --resume {run_dir}",
                 file=sys.stderr,
             )
-            return 130
-        raise
-    return 130 if summary.get("interrupted") else 0
+            return code
+        print(what, file=sys.stderr)
+        return code
+    if summary.get("interrupted"):
+        return 143 if summary.get("signal") == "SIGTERM" else 130
+    return 0
 
 
 def cmd_eval(args, extra) -> int:

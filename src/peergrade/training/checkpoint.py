@@ -209,15 +209,16 @@ def save_checkpoint(
     # trainer_state.json last, listing every file: checkpoint_problem checks against the list.
     state = {"step": step, **trainer_state, "files": _file_names(tmp)}
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
-        old = ckpt_root / f"{OLD_PREFIX}{step}"
-        if old.exists():
+    with critical():  # a second Ctrl-C waits for the renames: never a step-N half in place
+        if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
+            old = ckpt_root / f"{OLD_PREFIX}{step}"
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+            tmp.rename(final)
             shutil.rmtree(old)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+        else:
+            tmp.rename(final)
     prune_checkpoints(run_dir, keep_last)
     return final
 
@@ -554,30 +555,92 @@ def resume_from_checkpoint(run, run_dir: RunDir) -> Path | None:
     return last
 
 
-class StopFlag:
-    """First Ctrl-C: finish the current step, save a checkpoint, exit (the trainer checks
-    ``requested`` after each step). Second Ctrl-C: stop at once."""
+class Terminated(KeyboardInterrupt):
+    """The stop a SIGTERM asked for, raised where a Ctrl-C would raise ``KeyboardInterrupt``
+    (the CLI exits 143 for it, 130 for a Ctrl-C)."""
 
-    def __init__(self):
+
+_ACTIVE: list[StopFlag] = []  # the installed flag (the innermost), for ``critical``
+
+
+@contextmanager
+def critical():
+    """A stretch no second Ctrl-C may cut in two: a step's update and the record that it
+    happened, the renames of a save. A press inside it is held and raised (as
+    ``KeyboardInterrupt``) when the stretch ends; with no flag installed it changes nothing."""
+    flag = _ACTIVE[-1] if _ACTIVE else None
+    if flag is None:
+        yield
+        return
+    flag.depth += 1
+    try:
+        yield
+    except BaseException:
+        flag.depth -= 1
+        raise
+    flag.depth -= 1
+    if flag.depth == 0 and flag.pending is not None:
+        pending, flag.pending = flag.pending, None
+        raise pending
+
+
+class StopFlag:
+    """First Ctrl-C, or a SIGTERM (what Kubernetes, Slurm preemption and ``docker stop`` send):
+    finish the current step, save a checkpoint, exit (the trainer checks ``requested`` after
+    each step). Second Ctrl-C: stop at once (``KeyboardInterrupt``), except inside ``critical``,
+    which finishes first -- so the trainer always knows whether the update of the step in
+    flight happened, and a checkpoint's step is the step whose weights it holds. A repeated
+    SIGTERM changes nothing (launchers resend it before they kill).
+
+    ``immediate``: there is nothing a step could add (loading, the evaluations before the first
+    and after the last step): the first signal stops at once. ``say``: prints one line (the
+    trainer points it at its display of the moment)."""
+
+    def __init__(self, say=print):
         self.requested = False
+        self.signal: str | None = None  # the first signal: "SIGINT" or "SIGTERM"
+        self.immediate = False
+        self.say = say
+        self.depth = 0  # inside ``critical`` (nested)
+        self.pending: KeyboardInterrupt | None = None  # a stop held until ``critical`` ends
+
+    def _stop(self, signum) -> KeyboardInterrupt:
+        return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def handler(self, signum, frame) -> None:
+        name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        if self.requested or self.immediate:
+            if self.requested and signum == signal.SIGTERM:
+                return  # a launcher's repeat: the stop already asked for goes on
+            self.requested, self.signal = True, self.signal or name
+            if self.depth:
+                if self.pending is None:
+                    self.pending = self._stop(signum)
+                    self.say("[interrupt] stopping as soon as the update in flight is recorded")
+                return
+            raise self._stop(signum)
+        self.requested, self.signal = True, name
+        what = "[interrupt]" if name == "SIGINT" else "[SIGTERM]"
+        self.say(
+            f"{what} finishing this step, saving a checkpoint, then exiting "
+            "(Ctrl-C again to stop at once)"
+        )
 
     @contextmanager
-    def installed(self, display):
-        def handler(signum, frame):
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-            display.print(
-                "[interrupt] finishing this step, saving a checkpoint, then exiting "
-                "(Ctrl-C again to stop at once)"
-            )
-
+    def installed(self, display=None):
+        if display is not None:
+            self.say = display.print
+        handler = self.handler
         try:
-            old = signal.signal(signal.SIGINT, handler)
+            old_int = signal.signal(signal.SIGINT, handler)
         except ValueError:  # not the main thread
             yield self
             return
+        old_term = signal.signal(signal.SIGTERM, handler)
+        _ACTIVE.append(self)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, old)
+            _ACTIVE.remove(self)
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)

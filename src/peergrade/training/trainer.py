@@ -44,6 +44,7 @@ run directory and resume (``checkpoint``) or the held-out evaluator (``evaluatio
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 import time
@@ -117,6 +118,17 @@ from peergrade.training.update import (
 
 
 @dataclass
+class Done:
+    """The last step whose update happened: its number, its metrics and logged groups (None
+    until the step's result is computed: the loop logs them if it was interrupted before it
+    could), and dynamic sampling's ``informative_seen`` as it stood after that step."""
+
+    step: int
+    result: Any = None
+    informative_seen: bool = False
+
+
+@dataclass
 class Run:
     """Everything one training run holds between steps."""
 
@@ -136,6 +148,9 @@ class Run:
     # dynamic sampling: some group's rewards have differed in this run (a checkpoint keeps it);
     # until then a step that finds none stops the run (dynamic.fill_groups' require_one)
     informative_seen: bool = False
+    # the last step whose update happened (its weights are the model's), recorded together
+    # with the update (``commit``): what an interrupted run saves, whatever the moment
+    done: Done = field(default_factory=lambda: Done(0))
 
     @property
     def optimizer_state(self):
@@ -444,10 +459,14 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     exp = collect(run, step, rows, meter)
     t_ref = time.perf_counter()
     meter.reset()  # 5. policy update
-    upd = learn(run, exp, step)
-    meter.record("update")
-    exp.seconds["update"] = time.perf_counter() - t_ref
-    return step_result(run, exp, upd, step)
+    # a second Ctrl-C waits: the update, its record and the step's metrics are one
+    with ckpt.critical():
+        upd = learn(run, exp, step)
+        run.done = Done(step, None, run.informative_seen)
+        meter.record("update")
+        exp.seconds["update"] = time.perf_counter() - t_ref
+        run.done.result = step_result(run, exp, upd, step)
+    return run.done.result
 
 
 def pipelined_step(run: Run, producer, step: int) -> StepResult:
@@ -461,19 +480,23 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
     if run.cfg.rollout.dynamic_sampling:  # what fill_step did to the producer's copy, in order
         kept = run.cfg.rollout.prompts_per_step - exp.sampled.dynamic["dynamic/unfilled_groups"]
         run.informative_seen = run.informative_seen or kept > 0
-    upd = learn(run, exp, step)
-    producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
-    exp.seconds["update"] = time.perf_counter() - t_got
-    result = step_result(run, exp, upd, step)
-    staleness = (step - 1) - exp.policy_version  # version trained - version sampled
-    result.metrics.update(
-        {
-            "async/staleness_mean": float(staleness),  # one version per step's experience
-            "async/staleness_max": staleness,
-            "async/policy_version": exp.policy_version,
-            "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
-        }
-    )
+    # a second Ctrl-C waits: the update, its record and the step's metrics are one
+    with ckpt.critical():
+        upd = learn(run, exp, step)
+        producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
+        run.done = Done(step, None, run.informative_seen)
+        exp.seconds["update"] = time.perf_counter() - t_got
+        result = step_result(run, exp, upd, step)
+        staleness = (step - 1) - exp.policy_version  # version trained - version sampled
+        result.metrics.update(
+            {
+                "async/staleness_mean": float(staleness),  # one version per step's experience
+                "async/staleness_max": staleness,
+                "async/policy_version": exp.policy_version,
+                "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
+            }
+        )
+        run.done.result = result
     return result
 
 
@@ -706,7 +729,7 @@ def train(
     A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
     it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
     it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets."""
-    t, P = cfg.train, cfg.rollout.prompts_per_step
+    t = cfg.train
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
     if resume and (done := ckpt.finished_run(Path(run_dir), t.steps)) is not None:
@@ -721,14 +744,30 @@ def train(
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume, on_log=on_log)
-    evaluate_start(held_out, out, display, metrics_log, detectors)
-    display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
-    display = Display(display_mode, t.steps, start_step)
+    # Ctrl-C / SIGTERM from here on (checkpoint.StopFlag): before the first step and after the
+    # last there is nothing a step could add, so the first one stops at once
+    stop = ckpt.StopFlag()
+    with stop.installed(display):
+        stop.immediate = True
+        evaluate_start(held_out, out, display, metrics_log, detectors)
+        display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
+        display = Display(display_mode, t.steps, start_step)
+        stop.say = display.print
+        stop.immediate = False
+        return _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop, start_step)
 
+
+def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop, start_step):
+    """The steps after ``start_step``, then the final evaluation (``finish``); a stop asked for
+    by ``stop`` saves the last step whose update happened (``Run.done``)."""
+    cfg = run.cfg
+    t, P = cfg.train, cfg.rollout.prompts_per_step
     if cfg.rollout.dynamic_sampling:  # fill_step's require_one, as the checkpoint left it
         run.informative_seen = out.trainer_state.get("dynamic_informative_seen", False)
+    run.done = Done(start_step, None, run.informative_seen)
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
-    stop, step, interrupted, t_run = ckpt.StopFlag(), start_step, False, time.perf_counter()
+    interrupted, t_run = False, time.perf_counter()
+    logged = start_step  # the last step whose metrics line is written
     told_unfilled = False
     producer, threads = None, torch.get_num_threads()
     if cfg.rollout.async_steps and start_step < t.steps:  # pipelined: the producer owns `rows`
@@ -740,67 +779,130 @@ def train(
         return {pipeline.VERSIONS_FILE: producer.checkpoint_versions(step)}
 
     try:
-        with stop.installed(display):
-            for step in range(start_step + 1, t.steps + 1):
-                t_step = time.perf_counter()
-                if producer is None:
-                    result = train_step(run, step, [next(rows) for _ in range(P)])
-                else:
-                    result = pipelined_step(run, producer, step)
-                m = result.metrics
-                if cfg.rollout.dynamic_sampling:
-                    out.trainer_state["dynamic_informative_seen"] = run.informative_seen
-                    if m["dynamic/unfilled_groups"] and not told_unfilled:
-                        told_unfilled = True  # once: the metric has every step's count
-                        display.print(
-                            f"step {step}: dynamic sampling filled "
-                            f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
-                            f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
-                            "are groups whose rewards agree (advantage 0). Each step's count: "
-                            "dynamic/unfilled_groups"
-                        )
+        # a SIGTERM while the starting model was evaluated: stop before the first step
+        if dist.any_true(stop.requested):
+            raise KeyboardInterrupt
+        for step in range(start_step + 1, t.steps + 1):
+            t_step = time.perf_counter()
+            if producer is None:
+                result = train_step(run, step, [next(rows) for _ in range(P)])
+            else:
+                result = pipelined_step(run, producer, step)
+            m = result.metrics
+            if cfg.rollout.dynamic_sampling:
+                out.trainer_state["dynamic_informative_seen"] = run.informative_seen
+                if m["dynamic/unfilled_groups"] and not told_unfilled:
+                    told_unfilled = True  # once: the metric has every step's count
+                    display.print(
+                        f"step {step}: dynamic sampling filled "
+                        f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
+                        f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
+                        "are groups whose rewards agree (advantage 0). Each step's count: "
+                        "dynamic/unfilled_groups"
+                    )
+            with ckpt.critical():  # the step's groups whole, and marked as written
                 for sample_row in result.samples:
                     samples_log.write(sample_row)
-                if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    t_eval = time.perf_counter()
-                    m.update(held_out.evaluate_logged(step, display))  # and a line on screen
-                    m["time/eval_s"] = time.perf_counter() - t_eval
-                m["time/step_s"] = time.perf_counter() - t_step
-                m.update(detectors.update(m))  # alert/<name> keys and their messages
+                result.samples = []
+            if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                t_eval = time.perf_counter()
+                m.update(held_out.evaluate_logged(step, display))  # and a line on screen
+                m["time/eval_s"] = time.perf_counter() - t_eval
+            m["time/step_s"] = time.perf_counter() - t_step
+            m.update(detectors.update(m))  # alert/<name> keys and their messages
+            with ckpt.critical():
                 metrics_log.write(m)
-                display.update(step, m)
-                if t.save_every and step % t.save_every == 0:
-                    out.save(run, step, extra(step))
-                if dist.any_true(stop.requested):  # all ranks stop after the same step
-                    interrupted = True
-                    break
+                logged = step
+            display.update(step, m)
+            if t.save_every and step % t.save_every == 0:
+                out.save(run, step, extra(step))
+            if dist.any_true(stop.requested):  # all ranks stop after the same step
+                interrupted = True
+                break
     except KeyboardInterrupt:
+        # a second Ctrl-C (or a failure of this rank's peers' stop): the step in flight stops
+        # where it is; run.done says whether its update happened
         interrupted = True
-        step -= 1  # the step in flight did not finish; the last complete one is saved below
     finally:
-        if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
-            producer.close()
-            torch.set_num_threads(threads)
-        display.close()
-        samples_log.close()
+        with contextlib.suppress(KeyboardInterrupt), ckpt.critical():
+            # a further Ctrl-C waits for the producer to go and the logs to be whole
+            if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
+                producer.close(timeout=5.0 if interrupted else 60.0)
+                torch.set_num_threads(threads)
+            display.close()
+            done = run.done
+            if interrupted and done.result is not None and done.step > logged:
+                # interrupted after the update of step done.step, before its line was written
+                for sample_row in done.result.samples:
+                    samples_log.write(sample_row)
+                metrics_log.write({**done.result.metrics, "interrupted": True})
+            samples_log.close()
+    step = run.done.step
+    if cfg.rollout.dynamic_sampling:
+        out.trainer_state["dynamic_informative_seen"] = run.done.informative_seen
+    hint = f"continue with: peergrade train --resume {out.path}"
     if step > out.last_saved and step > 0:
-        out.save(run, step, extra(step))
+        try:
+            out.save(run, step, extra(step))
+        except KeyboardInterrupt:  # a further Ctrl-C during this save: it is given up
+            metrics_log.close()
+            last = ckpt.latest_checkpoint(out.path)
+            display.print(
+                f"stopped at step {step} while saving its checkpoint: the save was abandoned; "
+                + (
+                    f"the last complete checkpoint is {last.name} in {out.path}; {hint}"
+                    if last is not None
+                    else f"nothing saved in {out.path}; start it again with: peergrade "
+                    f"train --resume {out.path} (from step 0), or replace it with --overwrite"
+                ),
+                always=True,
+            )
+            return stopped(stop, last_step(last), out)
     if interrupted:
         metrics_log.close()
         display.print(
-            f"interrupted: checkpoint saved at step {step} in {out.path}; "
-            f"continue with: peergrade train --resume {out.path}"
+            f"{stop_name(stop)}: stopped at step {step}; checkpoint saved at step {step} in "
+            f"{out.path}; {hint}"
             if step > 0
-            else f"interrupted before the first step finished: nothing saved in {out.path}; "
-            f"start it again with: peergrade train --resume {out.path} (from step 0), or "
-            "replace it with --overwrite",
+            else f"{stop_name(stop)} before the first step finished: nothing saved in "
+            f"{out.path}; start it again with: peergrade train --resume {out.path} (from "
+            "step 0), or replace it with --overwrite",
             always=True,
         )
-        return {"interrupted": True, "step": step, "run_dir": str(out.path)}
-    with metrics_log:
-        return finish(
-            run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
+        return stopped(stop, step, out)
+    stop.immediate = True  # the final evaluation: a Ctrl-C or SIGTERM stops it at once
+    try:
+        with metrics_log:
+            return finish(
+                run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
+            )
+    except KeyboardInterrupt:
+        display.print(
+            f"{stop_name(stop)} during the final evaluation: checkpoint step-{step} is saved "
+            f"in {out.path}; --resume runs the final evaluation: peergrade train --resume "
+            f"{out.path}",
+            always=True,
         )
+        return stopped(stop, step, out)
+
+
+def stop_name(stop: ckpt.StopFlag) -> str:
+    return "SIGTERM" if stop.signal == "SIGTERM" else "interrupted"
+
+
+def last_step(ckpt_dir: Path | None) -> int:
+    return int(ckpt.STEP_RE.match(ckpt_dir.name).group(1)) if ckpt_dir is not None else 0
+
+
+def stopped(stop: ckpt.StopFlag, step: int, out: RunDir) -> dict[str, Any]:
+    """The summary of a run stopped by Ctrl-C or SIGTERM (``signal``: which; the CLI exits
+    143 for SIGTERM, 130 for Ctrl-C)."""
+    return {
+        "interrupted": True,
+        "signal": stop.signal or "SIGINT",
+        "step": step,
+        "run_dir": str(out.path),
+    }
 
 
 def finish(run: Run, held_out: HeldOut, out: RunDir, display, metrics_log, detectors, wall: float):

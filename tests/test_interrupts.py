@@ -1,0 +1,174 @@
+"""Stops that must not lie (issue 33 item 1): a second Ctrl-C during the held-out evaluation,
+inside a checkpoint write or inside the update, a SIGTERM, and a third Ctrl-C that abandons the
+last save. Each run is the CLI in a subprocess with the signals raised at one hook point (a
+driver script wraps a function of peergrade's); the checkpoint left behind must carry the step
+whose weights it holds, and ``--resume`` must end bit-identical to a run never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peergrade.training import checkpoint as ckpt
+
+DRIVER = """
+import os, signal, sys
+from peergrade.training import checkpoint as ckpt
+import peergrade.training.trainer as tr
+import peergrade.training.update as upd
+
+# STOP_AT: "hook:step:SIG,SIG;..." -- raise those signals in this process at that hook
+hooks = {}
+for part in filter(None, os.environ.get("STOP_AT", "").split(";")):
+    hook, step, sigs = part.split(":")
+    hooks[hook] = (int(step), [getattr(signal, "SIG" + s) for s in sigs.split(",")])
+
+
+def fire(hook, step):
+    if hook in hooks and hooks[hook][0] == step:
+        _, sigs = hooks.pop(hook)  # once
+        for s in sigs:
+            signal.raise_signal(s)
+
+
+real_eval = tr.HeldOut.evaluate_logged
+def evaluate_logged(self, step, display):
+    fire("eval", step)
+    return real_eval(self, step, display)
+tr.HeldOut.evaluate_logged = evaluate_logged
+
+real_tok = ckpt.save_tokenizer
+def save_tokenizer(tok, path):  # the model's weights are written, the rest is not
+    fire("save", int(str(path).rsplit("-", 1)[1]))
+    return real_tok(tok, path)
+ckpt.save_tokenizer = save_tokenizer
+
+calls = []
+real_update = upd.grpo_update
+def grpo_update(*a, **kw):  # one call per step here (mu = 1)
+    out = real_update(*a, **kw)
+    calls.append(1)
+    fire("update", len(calls))
+    return out
+upd.grpo_update = grpo_update
+
+real_collect = tr.collect
+def collect(run, step, *a, **kw):
+    fire("collect", step)
+    return real_collect(run, step, *a, **kw)
+tr.collect = collect
+
+from peergrade.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+REWARDS_PY = '''
+def my_fn(prompts, completions, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(sum(ord(ch) for ch in t) % 97) / 97.0 for t in texts]
+'''
+
+TINY = {
+    "rollout.prompts_per_step": "2",
+    "rollout.group_size": "2",
+    "rollout.max_completion_length": "4",
+    "optim.lr": "1e-2",
+    "train.eval_size": "2",
+    "train.eval_samples": "2",
+    "train.eval_every": "1",
+    "train.display": "plain",
+    "train.threads": "1",
+    "train.steps": "3",
+}
+
+
+def run_cli(tmp_path: Path, args: list[str], stop_at: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "STOP_AT": stop_at}
+    return subprocess.run(
+        [sys.executable, "-c", DRIVER, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def start_args(model: Path, reward: Path, run: Path, **more: str) -> list[str]:
+    opts = {**TINY, **more}
+    args = ["train", "--model", str(model), "--reward", f"{reward}:my_fn", "-o", str(run)]
+    return args + [x for k, v in opts.items() for x in (f"--{k}", v)]
+
+
+def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt_dir / "model.safetensors"))
+
+
+def train_steps(run: Path) -> list[int]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss/policy" in r]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    """(work dir, reward file, the final weights of a run never stopped)."""
+    work = tmp_path_factory.mktemp("interrupts")
+    reward = work / "rewards.py"
+    reward.write_text(REWARDS_PY)
+    proc = run_cli(work, start_args(tiny_model_dir, reward, work / "plain"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work, reward, weights(work / "plain/checkpoints/step-3")
+
+
+CASES = {
+    # name: (STOP_AT, more options, exit code, the step saved, what the user is told)
+    "second_ctrl_c_in_eval": ("eval:2:INT,INT", {}, 130, 2, "stopped at step 2"),
+    "second_ctrl_c_in_save": (
+        "save:2:INT,INT",
+        {"train.save_every": "2"},
+        130,
+        2,
+        "stopped at step 2",
+    ),
+    "second_ctrl_c_in_update": ("update:2:INT,INT", {}, 130, 2, "stopped at step 2"),
+    "sigterm": ("collect:2:TERM", {}, 143, 2, "SIGTERM: stopped at step 2"),
+    "sigterm_twice_then_ctrl_c": ("collect:2:TERM,TERM;eval:2:INT", {}, 143, 2, "stopped at step 2"),
+    "third_ctrl_c_abandons_the_save": (
+        "eval:2:INT,INT;save:2:INT",
+        {"train.save_every": "1"},
+        130,
+        1,
+        "the last complete checkpoint is step-1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stop_then_resume_is_exact(setup, tiny_model_dir, case):
+    work, reward, expected = setup
+    stop_at, more, code, saved, told = CASES[case]
+    run = work / case
+    proc = run_cli(work, start_args(tiny_model_dir, reward, run, **more), stop_at)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == code, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert told in said and f"--resume {run}" in said, said[-3000:]
+    last = ckpt.latest_checkpoint(run)
+    assert last is not None and last.name == f"step-{saved}", said[-3000:]
+    assert ckpt.read_trainer_state(last)["step"] == saved
+
+    proc = run_cli(work, ["train", "--resume", str(run)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_steps(run) == [1, 2, 3]
+    got = weights(run / "checkpoints/step-3")
+    assert got.keys() == expected.keys()
+    for k in got:
+        assert torch.equal(got[k], expected[k]), (case, k)
