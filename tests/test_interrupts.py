@@ -19,9 +19,13 @@ from safetensors.torch import load_file
 
 from peergrade.training import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # each case is two CLI runs in a subprocess
+
 DRIVER = """
 import os, signal, sys
 from peergrade.training import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow  # each case is two CLI runs in a subprocess
 import peergrade.training.trainer as tr
 import peergrade.training.update as upd
 

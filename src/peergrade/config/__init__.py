@@ -191,6 +191,13 @@ class RewardItem:
         "name already taken.",
         None,
     )
+    timeout_s: float | None = doc(
+        "Seconds one call of this function (on one batch) may take; past it the call is a "
+        "failure (on_reward_error), counted in reward/<name>/timeouts. null = "
+        "train.reward_timeout_s. Your own functions only: built-in rewards have their own "
+        "limits.",
+        None,
+    )
 
 
 @dataclass
@@ -450,6 +457,14 @@ class TrainConfig:
         "A reward function that raises or returns bad values (not a number, NaN/inf, beyond "
         "the float32 range): stop the run, or score 0 and count it.",
         "fail",
+    )
+    reward_timeout_s: float = doc(
+        "Seconds one call of your own reward function (on one batch) may take before it counts "
+        "as a failure (on_reward_error: fail stops with one line naming it; zero scores 0 and "
+        "counts it in reward/<name>/timeouts); 0 = no limit. rewards[i].timeout_s overrides "
+        "it. A call that also calls sys.exit() or raises KeyboardInterrupt is that function's "
+        "failure, not the end of the run.",
+        300.0,
     )
     audit_rewards: Literal["warn", "fail", "off"] = doc(
         "Before the model loads, attack the reward functions with known exploits on a few "
@@ -1077,6 +1092,10 @@ def validate(cfg: Config) -> None:
     need(t.eval_size >= 1, f"train.eval_size must be >= 1, got {t.eval_size}")
     need(t.eval_samples >= 1, f"train.eval_samples must be >= 1, got {t.eval_samples}")
     need(t.threads >= 0, f"train.threads must be >= 0, got {t.threads}")
+    need(
+        t.reward_timeout_s >= 0,
+        f"train.reward_timeout_s must be >= 0 (0 = no limit), got {t.reward_timeout_s}",
+    )
     al = t.alerts
     need(al.window >= 1, f"train.alerts.window must be >= 1, got {al.window}")
     for k in ("zero_signal_frac", "truncated_frac", "length_collapse", "entropy_collapse"):
@@ -1112,6 +1131,10 @@ def validate(cfg: Config) -> None:
     )
     for i, item in enumerate(cfg.rewards):
         need(bool(item.name.strip()), f"rewards[{i}].name must not be empty")
+        need(
+            item.timeout_s is None or item.timeout_s >= 0,
+            f"rewards[{i}].timeout_s must be >= 0 (0 = no limit) or null, got {item.timeout_s}",
+        )
     need(
         t.eval_reward is None or bool(t.eval_reward.strip()),
         "train.eval_reward must be a reward name or null (the task's verifier)",

@@ -14,6 +14,7 @@ What it deliberately does not do: no optimizer, critic or step (``trainer``, ``u
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,8 @@ from peergrade.model.load import (
     resolve_dtype,
     resolve_model_path,
 )
-from peergrade.rewards import RewardSpec, make_reward_specs
-from peergrade.rewards.models import reward_or_model
+from peergrade.rewards import BUILTIN_REWARDS, RewardSpec, make_reward_specs
+from peergrade.rewards.models import is_reward_model_name, reward_or_model
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import chat_template_note, encode_prompts, to_messages
@@ -129,6 +130,13 @@ def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec
         else:
             items = [(name, w, {}, None) for name, w in task.default_rewards]
         specs = make_reward_specs(items)
+    if cfg.rewards:  # the user's own functions get a time limit and a thread of their own
+        for spec, item, fn in zip(specs, cfg.rewards, fns):
+            if fn is not None or not (
+                item.name.strip() in BUILTIN_REWARDS or is_reward_model_name(item.name)
+            ):
+                limit = cfg.train.reward_timeout_s if item.timeout_s is None else item.timeout_s
+                spec.timeout_s = limit or math.inf
     if not specs:
         raise InputError(
             f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
