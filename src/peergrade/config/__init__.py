@@ -522,10 +522,19 @@ class EnvConfig:
         "Most tokens per model turn; null = the rest of the episode's budget.", None
     )
     tool_timeout: float | None = doc(
-        "Seconds a tool call may take; a slower call is a failed call. null = no limit.", None
+        "Seconds a tool call may take; a slower call is a failed call (the model reads "
+        "'timed out', tools/failure_frequency counts it). null = no limit.",
+        60.0,
     )
     max_tool_output_chars: int | None = doc(
-        "A longer tool result is cut (with a note saying how much). null = no limit.", None
+        "A longer tool result is cut (with a note saying how much), and counted in "
+        "tools/truncated_frequency. null = no limit.",
+        10000,
+    )
+    tool_concurrency: int = doc(
+        "Tool calls running at once across the episodes of a step (each on a thread of its "
+        "own): one slow tool does not hold up the other episodes' tools.",
+        8,
     )
 
     @property
@@ -1151,6 +1160,7 @@ def validate(cfg: Config) -> None:
         e.tool_timeout is None or e.tool_timeout > 0,
         f"env.tool_timeout must be > 0 or null, got {e.tool_timeout}",
     )
+    need(e.tool_concurrency >= 1, f"env.tool_concurrency must be >= 1, got {e.tool_concurrency}")
     for i, spec in enumerate(e.tools):
         need(
             ":" in spec.strip().strip(":"),

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
-from peergrade.errors import PeergradeError
+from peergrade.errors import PeergradeError, Stop
 from peergrade.files import apply_umask, atomic_write_text  # importable from here too
 from peergrade.model.load import load_model, resolve_dtype, save_tokenizer
 from peergrade.monitoring.metrics import JsonlWriter, MetricLogger, Tee
@@ -555,7 +555,7 @@ def resume_from_checkpoint(run, run_dir: RunDir) -> Path | None:
     return last
 
 
-class Terminated(KeyboardInterrupt):
+class Terminated(Stop):
     """The stop a SIGTERM asked for, raised where a Ctrl-C would raise ``KeyboardInterrupt``
     (the CLI exits 143 for it, 130 for a Ctrl-C)."""
 
@@ -605,7 +605,7 @@ class StopFlag:
         self.pending: KeyboardInterrupt | None = None  # a stop held until ``critical`` ends
 
     def _stop(self, signum) -> KeyboardInterrupt:
-        return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        return Terminated() if signum == signal.SIGTERM else Stop()
 
     def handler(self, signum, frame) -> None:
         name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"

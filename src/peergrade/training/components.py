@@ -22,6 +22,7 @@ from peergrade import distributed as dist
 from peergrade.config import Config
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
+from peergrade.envs.verifiers import is_verifiers_spec
 from peergrade.errors import InputError, user_input
 from peergrade.files import PYTHON_ONLY
 from peergrade.model.load import (
@@ -156,6 +157,7 @@ def build_env(cfg: Config, tools: list | None = None, environment_factory: Any =
         max_tool_calling_iterations=e.max_tool_calling_iterations,
         tool_timeout=e.tool_timeout,
         max_tool_output_chars=e.max_tool_output_chars,
+        tool_concurrency=e.tool_concurrency,
     )
     if tools or environment_factory is not None:
         return make_env_from_objects(tools or [], environment_factory, **options)
@@ -262,6 +264,16 @@ def run_header(cfg: Config, task, tokenizer, scorer: RewardSpec, why: str) -> li
         lines.append(
             f"data: {n} training rows, {P} a step: {steps * P / n:.2f} epochs in {steps} steps "
             "(each epoch a fresh shuffle)"
+        )
+    e = cfg.env
+    if e.enabled and not is_verifiers_spec(e.factory):
+        lines.append(
+            "tools: each call may take "
+            + (f"{e.tool_timeout:g} s" if e.tool_timeout else "unlimited time")
+            + " (env.tool_timeout), a result is cut at "
+            + (f"{e.max_tool_output_chars} characters" if e.max_tool_output_chars else "no length")
+            + f" (env.max_tool_output_chars), {e.tool_concurrency} calls at once "
+            "(env.tool_concurrency)"
         )
     first = next(task.train_rows(cfg.train.seed))
     note = chat_template_note(
