@@ -83,3 +83,23 @@ def test_no_limit_still_guards_exit():
 
 def teardown_module():
     RELEASE.set()
+
+
+@pytest.mark.parametrize(
+    "source, said",
+    [
+        ("def f(completions, **kw)\n    return []\n", "failed at line 1: SyntaxError"),
+        ("import os\n\nX = 1 / 0\n", "failed at line 3: ZeroDivisionError: division by zero"),
+        ("import sys\nsys.exit(2)\n", "failed at line 2: called sys.exit(2)"),
+    ],
+)
+def test_a_file_that_fails_to_import_is_one_line_with_file_and_line(tmp_path, source, said):
+    from peergrade.errors import PeergradeError
+    from peergrade.rewards.registry import resolve_reward
+
+    path = tmp_path / "mine.py"
+    path.write_text(source)
+    with pytest.raises(PeergradeError) as got:
+        resolve_reward(f"{path}:f")
+    msg = str(got.value)
+    assert str(path) in msg and said in msg and "\n" not in msg, msg

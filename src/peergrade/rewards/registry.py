@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from peergrade.errors import MissingPackageError, PeergradeError
+from peergrade.errors import MissingPackageError, PeergradeError, describe_exit, users_own_stop
 
 if TYPE_CHECKING:  # torch is imported when scoring, so importing this package stays light
     import torch
@@ -186,6 +186,12 @@ class RewardSampleErrors(RewardError):
         self.kind = kind
 
 
+class UserFileError(PeergradeError, ImportError):
+    """A user's Python file (reward, tool, environment) that fails to import: a syntax error,
+    an exception or a ``sys.exit()`` at import time; one line naming the file, the line and the
+    exception."""
+
+
 class RewardTimeout(Exception):
     """A reward function's call that had not returned within its limit (``RewardSpec.timeout_s``:
     ``rewards[i].timeout_s`` or ``train.reward_timeout_s``); the call is abandoned (its thread
@@ -261,12 +267,32 @@ def _load_file(path_str: str, attr: str, *, what: str):
                 f"{what}: {str(path)!r} imports {exc.name!r}, which is not installed: "
                 f"pip install {exc.name.split('.')[0]} (or the package that provides it)"
             ) from None
-        except Exception as exc:
+        except BaseException as exc:
             del sys.modules[mod_name]
-            raise ImportError(
-                f"{what}: executing {str(path)!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            if not isinstance(exc, Exception) and not users_own_stop(exc):
+                raise  # a real Ctrl-C while importing
+            raise UserFileError(
+                f"{what}: executing {str(path)!r} failed{_line_in(exc, resolved)}: "
+                + (
+                    describe_exit(exc)
+                    if not isinstance(exc, Exception)
+                    else f"{type(exc).__name__}: {exc}"
+                )
+            ) from None
     return _get_callable(module, attr, what=what, where=f"file {str(path)!r}")
+
+
+def _line_in(exc: BaseException, path: Path) -> str:
+    """`` at line N``: the last line of ``path`` in ``exc``'s traceback (a SyntaxError's own
+    line), or nothing."""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f" at line {exc.lineno}"
+    lines = [
+        f.lineno
+        for f in traceback.extract_tb(exc.__traceback__)
+        if Path(f.filename).resolve() == path
+    ]
+    return f" at line {lines[-1]}" if lines else ""
 
 
 def resolve_reward(spec: str | Callable) -> Callable:
