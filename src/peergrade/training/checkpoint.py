@@ -449,6 +449,40 @@ def _check_writable(out_dir: Path, directory: Path, what: str = "run directory")
         ) from None
 
 
+class StorageError(PeergradeError, OSError):
+    """A save that the disk refused (full, read-only, not permitted): which path, why, and the
+    last good checkpoint."""
+
+
+#: what torch.save says when the disk fills under it (its writer hides the OSError)
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+_FULL_BELOW = 64 * 2**20  # bytes free under which a failed write is put down to a full disk
+
+
+def storage_problem(exc: BaseException, where: Path) -> str | None:
+    """What about the storage under ``where`` made ``exc`` (a failed write) happen, in words,
+    or None when it is not a storage problem."""
+    import errno
+
+    code = getattr(exc, "errno", None)
+    try:
+        free = shutil.disk_usage(where if Path(where).exists() else Path(where).parent).free
+    except OSError:
+        free = None
+    free_note = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full{free_note}" if code == errno.ENOSPC else "the disk quota is used up"
+    if code == errno.EROFS:
+        return "the file system is read-only"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"writing there is not permitted ({exc.strerror or exc})"
+    if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TORCH_WRITE_FAILED):
+        if free is not None and free < _FULL_BELOW:
+            return f"the disk is full{free_note}"
+        return f"the write failed ({str(exc).splitlines()[0][:120]}){free_note}"
+    return None
+
+
 # ----------------------------------------------------------------------------- a run's directory
 
 
@@ -487,18 +521,37 @@ class RunDir:
         # FSDP2: gathering the full weights and optimizer state is a collective (all ranks)
         model, optimizer = dist.checkpoint_state(run.models.policy, run.optimizer_state)
         if dist.is_main():
-            save_checkpoint(
-                self.path,
-                step,
-                model=model,
-                tokenizer=run.models.tokenizer,
-                optimizer=optimizer,
-                scheduler=run.scheduler,
-                trainer_state=self.trainer_state,
-                config_yaml=self.config_yaml,
-                keep_last=run.cfg.train.keep_last,
-                extra=extra,
-            )
+            try:
+                save_checkpoint(
+                    self.path,
+                    step,
+                    model=model,
+                    tokenizer=run.models.tokenizer,
+                    optimizer=optimizer,
+                    scheduler=run.scheduler,
+                    trainer_state=self.trainer_state,
+                    config_yaml=self.config_yaml,
+                    keep_last=run.cfg.train.keep_last,
+                    extra=extra,
+                )
+            except (OSError, RuntimeError) as exc:
+                problem = storage_problem(exc, self.path / "checkpoints")
+                if problem is None:
+                    raise
+                # the half-written save goes (it holds the space); the last good one stays
+                shutil.rmtree(self.path / "checkpoints" / f"{TMP_PREFIX}{step}", ignore_errors=True)
+                last = latest_checkpoint(self.path)
+                raise StorageError(
+                    f"cannot save checkpoint step-{step} in {str(self.path / 'checkpoints')!r}: "
+                    f"{problem}; "
+                    + (
+                        f"the last good checkpoint is {last.name} (intact): make room, then "
+                        f"continue with: peergrade train --resume {self.path}"
+                        if last is not None
+                        else "no checkpoint was saved before: make room, then start again with: "
+                        f"peergrade train --resume {self.path} (from step 0)"
+                    )
+                ) from None
         dist.barrier()  # the others wait until the checkpoint is complete
         self.last_saved = step
 
