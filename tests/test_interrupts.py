@@ -176,3 +176,67 @@ def test_stop_then_resume_is_exact(setup, tiny_model_dir, case):
     assert got.keys() == expected.keys()
     for k in got:
         assert torch.equal(got[k], expected[k]), (case, k)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+TERM_REWARD = '''
+import os, signal
+
+CALLS = []
+
+def term_parent(completions, **kwargs):
+    """A dense score; on rank 0's 2nd call (step 2) it sends SIGTERM to torchrun, the launcher,
+    as a preempting scheduler would: torchrun passes it on to every rank."""
+    CALLS.append(1)
+    if os.environ.get("RANK") == "0" and len(CALLS) == 2 and os.environ.get("TERM_PARENT"):
+        os.kill(os.getppid(), signal.SIGTERM)
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(sum(ord(ch) for ch in t) % 97) / 97.0 for t in texts]
+'''
+
+
+def torchrun_cmd(run: Path, reward: Path, model: Path, steps: int) -> list[str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = {**TINY, "rollout.prompts_per_step": "4", "train.eval_every": "0",
+            "train.audit_rewards": "\"off\"", "train.steps": str(steps), "dist.timeout_s": "120"}  # fmt: skip
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.5",
+        "-m", "peergrade", "train", "--model", str(model), "--reward", f"{reward}:term_parent",
+        "-o", str(run), *[x for k, v in opts.items() for x in (f"--{k}", v)],
+    ]  # fmt: skip
+
+
+def test_sigterm_under_torchrun_saves_on_every_rank_and_resumes_exactly(tiny_model_dir, tmp_path):
+    reward = tmp_path / "term.py"
+    reward.write_text(TERM_REWARD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    plain, stopped = tmp_path / "plain", tmp_path / "stopped"
+    out = subprocess.run(torchrun_cmd(plain, reward, tiny_model_dir, 4), env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    out = subprocess.run(torchrun_cmd(stopped, reward, tiny_model_dir, 4),
+                         env={**env, "TERM_PARENT": "1"}, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode != 0, said[-4000:]
+    assert "SIGTERM: stopped at step" in said and f"--resume {stopped}" in said, said[-4000:]
+    # torchrun re-raises the SIGTERM it got (no per-rank summary); rank 0 said the above
+    last = ckpt.latest_checkpoint(stopped)
+    assert last is not None and 2 <= ckpt.read_trainer_state(last)["step"] < 4, said[-4000:]
+
+    cmd = torchrun_cmd(stopped, reward, tiny_model_dir, 4)
+    cmd = cmd[: cmd.index("train") + 1] + ["--resume", str(stopped)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert train_steps(stopped) == [1, 2, 3, 4]
+    a, b = weights(plain / "checkpoints/step-4"), weights(stopped / "checkpoints/step-4")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
