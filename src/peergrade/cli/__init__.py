@@ -123,7 +123,13 @@ def _config_from(args, extra: list[str], *, run_config: bool = False):
     if getattr(args, "trl_config", None):
         from peergrade.api import recipe_overrides
 
-        overrides = recipe_overrides(args.trl_config) + overrides
+        try:
+            overrides = recipe_overrides(args.trl_config) + overrides
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"--trl-config {args.trl_config!r} is not UTF-8 text (byte {e.start}: "
+                f"{e.object[e.start:e.start + 1]!r}); a TRL recipe is a YAML file"
+            ) from None
     return (load_run_config if run_config else load_config)(args.config, overrides)
 
 
@@ -459,6 +465,9 @@ def _run_memory_section(run_dir: Path, budget_text: str):
     return Section("Memory budget", body, "memory")
 
 
+AUDIT_MAX_ROWS = 10_000  # peergrade audit --rows on a task without an end (generated rows)
+
+
 def cmd_audit(args, extra) -> int:
     """Attack the configured reward functions with known exploits (docs/audit.md)."""
     from peergrade.rewards import audit
@@ -475,9 +484,18 @@ def cmd_audit(args, extra) -> int:
 
     cfg = _config_from(args, extra)
     task = build_task(cfg)
+    rows = args.rows
+    size = len(task) if hasattr(task, "__len__") else None
+    if size and rows > size:  # the stream repeats the data (epochs): more rows add nothing
+        print(f"audit: --rows {rows} is more than the data's {size} training rows: "
+              f"auditing those {size}", file=sys.stderr)  # fmt: skip
+        rows = size
+    elif rows > AUDIT_MAX_ROWS:  # a generated task has no end
+        print(f"audit: --rows {rows} capped at {AUDIT_MAX_ROWS}", file=sys.stderr)
+        rows = AUDIT_MAX_ROWS
     report = audit.audit_rewards(
         build_rewards(cfg, task),
-        audit.first_rows(task, args.rows, cfg.train.seed),
+        audit.first_rows(task, rows, cfg.train.seed),
         fail_share=args.fail_share,
         max_steps=cfg.train.steps,
     )
@@ -938,7 +956,12 @@ def _audit_parser(sub) -> None:
     au.add_argument("--reward", action="append", metavar="SPEC", help="as for train; repeatable")
     au.add_argument("--data", help="user dataset file (= --data.path)")
     au.add_argument("--task", help="built-in task (= --data.task)")
-    au.add_argument("--rows", type=int, default=100, help="rows to attack (default 100)")
+    au.add_argument(
+        "--rows",
+        type=_whole_number,
+        default=100,
+        help="rows to attack (default 100; capped at the data's size)",
+    )
     au.add_argument(
         "--fail-share",
         type=float,
@@ -1007,6 +1030,17 @@ COMMANDS = (
     _convert_parser,
     _export_parser,
 )
+
+
+def _whole_number(text: str) -> int:
+    """An argparse type: a whole number, also written as 1e6."""
+    try:
+        value = float(text)
+        if not value.is_integer():
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -500,6 +502,40 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
     return result
 
 
+#: rollout.async_steps above this warns: staleness, and the versions kept, grow with it
+ASYNC_STEPS_WARN = 4
+
+
+def check_run_conflicts(cfg: Config) -> None:
+    """Conflicts of the config with how the run is launched (torchrun's world size, the
+    device), found before any model loads or run directory is made: a ``ConfigError``. Also
+    warns (one line) of a pipelined run far ahead of its trainer."""
+    r = cfg.rollout
+    world = int(os.environ["WORLD_SIZE"]) if dist.launched() else dist.world()
+    if r.dynamic_sampling and r.async_steps and world > 1:
+        raise ConfigError(
+            "rollout.dynamic_sampling with rollout.async_steps >= 1 runs one process only: its "
+            "rounds gather every rank's rewards, and those collectives would race the trainer's "
+            f"in the producer; under torchrun ({world} processes) set one of them off"
+        )
+    if r.async_steps:
+        from peergrade.model.load import resolve_device
+
+        try:
+            pipeline.producer_kind(r.producer, resolve_device(cfg.model.device))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if r.async_steps > ASYNC_STEPS_WARN and os.environ.get("RANK", "0") == "0":
+            print(
+                f"warning: rollout.async_steps {r.async_steps} samples each step with weights "
+                f"{r.async_steps} updates old (more than {ASYNC_STEPS_WARN}: the off-policy "
+                f"correction has more to correct) and keeps {r.async_steps + 1} copies of the "
+                "trainable weights; 1 or 2 usually hides generation as well",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
     """The producer (``rollout.producer``: a forked process or a thread) of a pipelined run,
     from ``start_step`` on. It starts with the
@@ -730,6 +766,7 @@ def train(
     it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
     it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets."""
     t = cfg.train
+    check_run_conflicts(cfg)  # before the process group, the model and the run directory
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
     if resume and (done := ckpt.finished_run(Path(run_dir), t.steps)) is not None:
