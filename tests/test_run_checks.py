@@ -86,3 +86,48 @@ def test_a_recipe_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert main(["train", "--trl-config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --trl-config") and "not UTF-8" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_samples_log_under_torchrun_has_the_groups_one_process_logs(tiny_model_dir, tmp_path):
+    """train.log_samples 4 of P = 4 prompts on 2 ranks (2 groups each): samples.jsonl holds all
+    4 groups a step, the same lines as one process writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    reward = tmp_path / "r.py"
+    reward.write_text(
+        "def score(completions, **kw):\n"
+        "    t = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
+        "    return [(sum(map(ord, x)) % 97) / 97.0 for x in t]\n"
+    )
+    over = [["model.path", str(tiny_model_dir)], ["rewards", [{"name": f"{reward}:score"}]],
+            ["rollout.prompts_per_step", 4], ["rollout.group_size", 2],
+            ["rollout.max_completion_length", 4], ["train.steps", 2], ["train.log_samples", 4],
+            ["train.save_every", 0], ["train.eval_size", 2], ["train.eval_samples", 2],
+            ["train.display", "none"], ["train.threads", 1], ["train.audit_rewards", "off"]]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, launcher in [
+        ("one", [sys.executable]),
+        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                 "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.5"]),
+    ]:  # fmt: skip
+        spec = tmp_path / f"{name}.json"
+        runs = [{"dir": str(tmp_path / name), "overrides": over}]
+        spec.write_text(json.dumps({"fixed_rollouts": True, "runs": runs}))
+        out = subprocess.run([*launcher, str(root / "tests/dist_worker.py"), str(spec)], env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-4000:]
+    one = (tmp_path / "one/samples.jsonl").read_text()
+    assert [json.loads(x)["step"] for x in one.splitlines()] == [1] * 4 + [2] * 4
+    assert (tmp_path / "two/samples.jsonl").read_text() == one

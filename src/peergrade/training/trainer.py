@@ -654,6 +654,10 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
                 "finish_reason": finish[group],
             }
         )
+    if dist.parallel() and cfg.train.log_samples > P:  # rank 0 holds the first P of them:
+        # the rest live on the next ranks (whole, contiguous blocks), as one process logs them
+        samples = [x for part in dist.gather_objects(samples) for x in part]
+        samples = samples[: cfg.train.log_samples]
     shapes = {
         "prompt_len": max(len(ids) for ids in s.prompt_ids),
         "seq_len": exp.input_ids.shape[1],
