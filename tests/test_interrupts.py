@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,10 @@ from peergrade.training import checkpoint as ckpt
 pytestmark = pytest.mark.slow  # each case is two CLI runs in a subprocess
 
 DRIVER = """
-import os, signal, sys
+import os, signal, sys, threading, time
 from peergrade.training import checkpoint as ckpt
+from peergrade.training import pipeline
 
-pytestmark = pytest.mark.slow  # each case is two CLI runs in a subprocess
 import peergrade.training.trainer as tr
 import peergrade.training.update as upd
 
@@ -33,14 +34,22 @@ import peergrade.training.update as upd
 hooks = {}
 for part in filter(None, os.environ.get("STOP_AT", "").split(";")):
     hook, step, sigs = part.split(":")
-    hooks[hook] = (int(step), [getattr(signal, "SIG" + s) for s in sigs.split(",")])
+    hooks[(hook, int(step))] = sigs.split(",")
 
 
-def fire(hook, step):
-    if hook in hooks and hooks[hook][0] == step:
-        _, sigs = hooks.pop(hook)  # once
+def fire(hook, step, producer=None):
+    if (hook, step) in hooks:
+        sigs = hooks.pop((hook, step))  # once
+        if os.environ.get("HOOK_TIME"):
+            with open(os.environ["HOOK_TIME"], "w") as f:
+                f.write(repr(time.time()))
         for s in sigs:
-            signal.raise_signal(s)
+            if s == "STOP":  # the producer process stops (SIGSTOP: alive, never answers)
+                os.kill(producer.process.pid, signal.SIGSTOP)
+            elif s == "LATEINT":  # a Ctrl-C a second later, while the trainer waits
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            elif s:
+                signal.raise_signal(getattr(signal, "SIG" + s))
 
 
 real_eval = tr.HeldOut.evaluate_logged
@@ -69,6 +78,21 @@ def collect(run, step, *a, **kw):
     fire("collect", step)
     return real_collect(run, step, *a, **kw)
 tr.collect = collect
+
+real_take = pipeline.ProcessProducer.take
+def take(self, step):
+    fire("take", step, self)
+    return real_take(self, step)
+pipeline.ProcessProducer.take = take
+
+real_publish = pipeline.ProcessProducer.publish
+def publish(self, version, model):
+    if ("publish", version) in hooks:  # once the step before has arrived
+        with self.cond:
+            self.cond.wait_for(lambda: version + 1 in self.done, timeout=120)
+    fire("publish", version, self)
+    return real_publish(self, version, model)
+pipeline.ProcessProducer.publish = publish
 
 from peergrade.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -176,6 +200,73 @@ def test_stop_then_resume_is_exact(setup, tiny_model_dir, case):
     assert got.keys() == expected.keys()
     for k in got:
         assert torch.equal(got[k], expected[k]), (case, k)
+
+
+# ----------------------------------------------------------------------------- pipelined
+
+PIPELINED = {"rollout.async_steps": "1", "rollout.producer": "process", "train.steps": "4"}
+
+
+@pytest.fixture(scope="module")
+def pipelined(setup, tiny_model_dir):
+    """The final weights of a pipelined run (a producer process, one step ahead) never stopped."""
+    work, reward, _ = setup
+    proc = run_cli(work, start_args(tiny_model_dir, reward, work / "plain-pipelined", **PIPELINED))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return weights(work / "plain-pipelined/checkpoints/step-4")
+
+
+PIPELINED_CASES = {
+    # name: (STOP_AT, more options, exit code, the steps it may have saved, what the user is told)
+    "second_ctrl_c_in_eval": ("eval:2:INT,INT", {}, 130, (2,), "stopped at step 2"),
+    # stopped once it has delivered step 2 (sampled by version 0), before version 1 is
+    # published: it never samples step 3
+    "stopped_producer_then_two_ctrl_c": (
+        "publish:1:STOP;take:3:INT,LATEINT",
+        {},
+        130,
+        (2,),
+        "stopped at step 2",
+    ),
+    "stopped_producer_times_out": (
+        "publish:1:STOP",
+        {"rollout.producer_timeout_s": "3"},
+        2,
+        (2,),
+        "delivered nothing for step 3 within 3 s (rollout.producer_timeout_s)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINED_CASES))
+def test_pipelined_stop_then_resume_is_exact(setup, pipelined, tiny_model_dir, tmp_path, case):
+    work, reward, _ = setup
+    stop_at, more, code, saved, told = PIPELINED_CASES[case]
+    run = work / f"pipelined-{case}"
+    hook_time = tmp_path / "hook"
+    env_extra = {"HOOK_TIME": str(hook_time)}
+    old = os.environ.copy()
+    os.environ.update(env_extra)
+    try:
+        args = start_args(tiny_model_dir, reward, run, **PIPELINED, **more)
+        proc = run_cli(work, args, stop_at)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    ended = time.time()
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == code, said[-3000:]
+    assert "Traceback" not in said and told in said and f"--resume {run}" in said, said[-3000:]
+    # a stopped producer holds nothing up: the run ends within seconds (it waited 60 s before)
+    assert ended - float(hook_time.read_text()) < 40, said[-3000:]
+    last = ckpt.latest_checkpoint(run)
+    assert last is not None and int(last.name.split("-")[1]) in saved, said[-3000:]
+    proc = run_cli(work, ["train", "--resume", str(run)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_steps(run) == [1, 2, 3, 4]
+    got = weights(run / "checkpoints/step-4")
+    for k in got:
+        assert torch.equal(got[k], pipelined[k]), (case, k)
 
 
 # ----------------------------------------------------------------------------- torchrun

@@ -254,6 +254,12 @@ class RolloutConfig:
         "the CPU on Linux with train.threads <= 2 (one thread each), else thread.",
         "auto",
     )
+    producer_timeout_s: float = doc(
+        "async_steps >= 1: seconds the trainer waits for the producer's next step before it "
+        "stops with an error naming the producer (stopped, hung, or slower than this); 0 = "
+        "wait for ever.",
+        1800.0,
+    )
 
 
 @dataclass
@@ -1025,6 +1031,10 @@ def validate(cfg: Config) -> None:
         "turn rollout.dynamic_sampling off with ppo",
     )
     need(r.async_steps >= 0, f"rollout.async_steps must be >= 0 (0 = off), got {r.async_steps}")
+    need(
+        r.producer_timeout_s >= 0,
+        f"rollout.producer_timeout_s must be >= 0 (0 = no limit), got {r.producer_timeout_s}",
+    )
     need(
         r.async_steps == 0 or a.name == "grpo",
         f"rollout.async_steps={r.async_steps} is a GRPO option: algo.name=ppo's critic values "

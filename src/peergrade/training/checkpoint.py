@@ -26,8 +26,11 @@ checkpoint.
 
 ``RunDir`` is the trainer's view of a run directory (its logs, ``save`` at a step),
 ``finished_run`` says whether ``--resume`` has anything left to do,
-``resume_from_checkpoint`` loads the last checkpoint into a run, and ``StopFlag`` turns a
-first Ctrl-C into "save after this step, then stop". ``RunDir`` and the resume take the
+``resume_from_checkpoint`` loads the last checkpoint into a run, ``StopFlag`` turns a
+first Ctrl-C or a SIGTERM into "save after this step, then stop" (a second Ctrl-C stops at once,
+but never inside a ``critical`` stretch: a step's update and its record, a save's renames), and
+``RunDir.save`` turns a save the disk refuses into one ``StorageError`` naming the path, the
+cause and the last good checkpoint. ``RunDir`` and the resume take the
 trainer's run duck-typed (its models, optimizer state, scheduler and config), so this module never imports
 the trainer.
 

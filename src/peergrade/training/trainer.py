@@ -579,7 +579,7 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
         if kind == "process"
         else (pipeline.Producer, pipeline.producer_run(run))
     )
-    return cls(
+    producer = cls(
         partial(collect, advantages=False),
         prun,
         k,
@@ -587,7 +587,9 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
         lambda: [next(rows) for _ in range(P)],
         versions,
         threads,
-    ).start()
+    )
+    producer.timeout_s = cfg.rollout.producer_timeout_s
+    return producer.start()
 
 
 def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> StepResult:
@@ -807,7 +809,7 @@ def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop
         run.informative_seen = out.trainer_state.get("dynamic_informative_seen", False)
     run.done = Done(start_step, None, run.informative_seen)
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
-    interrupted, t_run = False, time.perf_counter()
+    interrupted, t_run, stalled = False, time.perf_counter(), None
     logged = start_step  # the last step whose metrics line is written
     told_unfilled = False
     producer, threads = None, torch.get_num_threads()
@@ -864,11 +866,13 @@ def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop
         # a second Ctrl-C (or a failure of this rank's peers' stop): the step in flight stops
         # where it is; run.done says whether its update happened
         interrupted = True
+    except pipeline.ProducerStalled as e:  # the trainer is fine: keep what it finished
+        stalled = e
     finally:
         with contextlib.suppress(KeyboardInterrupt), ckpt.critical():
             # a further Ctrl-C waits for the producer to go and the logs to be whole
             if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
-                producer.close(timeout=5.0 if interrupted else 60.0)
+                producer.close(timeout=5.0 if interrupted or stalled else 60.0)
                 torch.set_num_threads(threads)
             display.close()
             done = run.done
@@ -899,6 +903,13 @@ def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop
                 always=True,
             )
             return stopped(stop, last_step(last), out)
+    if stalled is not None:
+        metrics_log.close()
+        raise pipeline.ProducerStalled(
+            f"{stalled}; checkpoint saved at step {step} in {out.path}; {hint}"
+            if step > 0
+            else f"{stalled}; nothing saved in {out.path}"
+        ) from None
     if interrupted:
         metrics_log.close()
         display.print(
