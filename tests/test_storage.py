@@ -104,3 +104,30 @@ def test_a_refused_save_names_the_cause_and_keeps_the_last_checkpoint(
     got_w = load_file(str(run / "checkpoints/step-3/model.safetensors"))
     for k in expected:
         assert torch.equal(got_w[k], expected[k]), k
+
+
+def test_a_log_write_the_disk_refuses_is_one_named_error(plain, tiny_model_dir, monkeypatch):
+    """metrics.jsonl cannot grow (the disk filled under another process): one error naming the
+    file, the cause and the last good checkpoint; resume then ends exact."""
+    from peergrade.monitoring import metrics
+
+    work, reward, expected = plain
+    run = work / "run-log-full"
+    real_write = metrics.JsonlWriter.write
+
+    def write(self, obj):
+        if self.path.name == "metrics.jsonl" and obj.get("step") == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real_write(self, obj)
+
+    monkeypatch.setattr(metrics.JsonlWriter, "write", write)
+    with pytest.raises(ckpt.StorageError) as got:
+        train(config(tiny_model_dir, reward), run)
+    msg = str(got.value)
+    assert str(run / "metrics.jsonl") in msg and "the disk is full" in msg, msg
+    assert "last good checkpoint is step-1" in msg, msg
+    monkeypatch.undo()
+    train(load_config(run / "config.yaml"), run, resume=True)
+    got_w = load_file(str(run / "checkpoints/step-3/model.safetensors"))
+    for k in expected:
+        assert torch.equal(got_w[k], expected[k]), k

@@ -868,8 +868,25 @@ def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop
         interrupted = True
     except pipeline.ProducerStalled as e:  # the trainer is fine: keep what it finished
         stalled = e
+    except ckpt.StorageError:
+        raise
+    except OSError as e:  # a log write the disk refused: named, with the last good checkpoint
+        problem = ckpt.storage_problem(e, out.path)
+        if problem is None:
+            raise
+        last = ckpt.latest_checkpoint(out.path)
+        raise ckpt.StorageError(
+            f"cannot write {str(e.filename or out.path)!r}: {problem}; "
+            + (
+                f"the last good checkpoint is {last.name} (intact): make room, then continue "
+                f"with: peergrade train --resume {out.path}"
+                if last is not None
+                else f"no checkpoint yet: make room, then: peergrade train --resume {out.path}"
+            )
+        ) from None
     finally:
-        with contextlib.suppress(KeyboardInterrupt), ckpt.critical():
+        # (OSError: the disk that refused a write refuses the logs' last flush too)
+        with contextlib.suppress(KeyboardInterrupt, OSError), ckpt.critical():
             # a further Ctrl-C waits for the producer to go and the logs to be whole
             if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
                 producer.close(timeout=5.0 if interrupted or stalled else 60.0)
