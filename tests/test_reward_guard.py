@@ -103,3 +103,14 @@ def test_a_file_that_fails_to_import_is_one_line_with_file_and_line(tmp_path, so
         resolve_reward(f"{path}:f")
     msg = str(got.value)
     assert str(path) in msg and said in msg and "\n" not in msg, msg
+
+
+def test_the_audit_of_a_hanging_reward_waits_once_and_says_it_is_broken():
+    from peergrade.rewards.audit import audit_rewards
+
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(3)]
+    t0 = time.monotonic()
+    report = audit_rewards([spec(hangs, 0.5)], rows)
+    assert time.monotonic() - t0 < 20  # one limit, not one per exploit (40 of them)
+    (unit,) = [u for u in report.units if u.name == "hangs"]
+    assert unit.verdict == "broken" and "did not return within 0.5 s" in unit.note

@@ -826,6 +826,10 @@ class _Scored:
     errors: dict[str, dict[int, str]]  # name -> {completion index: why}
 
 
+#: id(spec) -> its timeout message: a function that hung is not called again in this audit
+_TIMED_OUT: dict[int, str] = {}
+
+
 def _score(specs, ctxs, row_of: list[int], completions: list, state: TrainerState) -> _Scored:
     """Every function on the batch through ``score_rewards`` (errors kept per sample)."""
     rows = [ctxs[i].row for i in row_of]
@@ -835,9 +839,16 @@ def _score(specs, ctxs, row_of: list[int], completions: list, state: TrainerStat
     values: dict[str, list] = {}
     errors: dict[str, dict[int, str]] = {}
     for spec in specs:  # one call per function, so that one's failure never hides another's
+        hung = _TIMED_OUT.get(id(spec))
+        if hung is not None:  # it hung once: not called again (each call would wait as long)
+            values[spec.name] = [None] * len(completions)
+            errors[spec.name] = {i: hung for i in range(len(completions))}
+            continue
         res = score_rewards(
             [spec], prompts, completions, columns, on_error="zero", trainer_state=state
         )
+        if res.counts.get(f"reward/{spec.name}/timeouts"):
+            _TIMED_OUT[id(spec)] = next(m for m in res.errors if "did not return within" in m)
         errs: dict[int, str] = {}
         for msg in res.errors:
             m = _ERR_RE.match(msg)
@@ -997,6 +1008,7 @@ def audit_rewards(
     if not rows:
         raise ValueError("audit: no rows to build exploits from")
     t0 = time.perf_counter()
+    _TIMED_OUT.clear()
     ctxs = row_contexts(rows)
     state = TrainerState(global_step=0, max_steps=max(1, max_steps), num_train_epochs=1)
     names = [s.name for s in specs]
