@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -46,6 +45,9 @@ def fire(hook, step, producer=None):
         for s in sigs:
             if s == "STOP":  # the producer process stops (SIGSTOP: alive, never answers)
                 os.kill(producer.process.pid, signal.SIGSTOP)
+            elif s == "TERMALL":  # as Slurm does: every process of the job, producer too
+                os.kill(producer.process.pid, signal.SIGTERM)
+                signal.raise_signal(signal.SIGTERM)
             elif s == "LATEINT":  # a Ctrl-C a second later, while the trainer waits
                 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
             elif s:
@@ -98,11 +100,11 @@ from peergrade.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-REWARDS_PY = '''
+REWARDS_PY = """
 def my_fn(prompts, completions, **kwargs):
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [(sum(ord(ch) for ch in t) % 97) / 97.0 for t in texts]
-'''
+"""
 
 TINY = {
     "rollout.prompts_per_step": "2",
@@ -168,7 +170,13 @@ CASES = {
     ),
     "second_ctrl_c_in_update": ("update:2:INT,INT", {}, 130, 2, "stopped at step 2"),
     "sigterm": ("collect:2:TERM", {}, 143, 2, "SIGTERM: stopped at step 2"),
-    "sigterm_twice_then_ctrl_c": ("collect:2:TERM,TERM;eval:2:INT", {}, 143, 2, "stopped at step 2"),
+    "sigterm_twice_then_ctrl_c": (
+        "collect:2:TERM,TERM;eval:2:INT",
+        {},
+        143,
+        2,
+        "stopped at step 2",
+    ),
     "third_ctrl_c_abandons_the_save": (
         "eval:2:INT,INT;save:2:INT",
         {"train.save_every": "1"},
@@ -219,6 +227,7 @@ def pipelined(setup, tiny_model_dir):
 PIPELINED_CASES = {
     # name: (STOP_AT, more options, exit code, the steps it may have saved, what the user is told)
     "second_ctrl_c_in_eval": ("eval:2:INT,INT", {}, 130, (2,), "stopped at step 2"),
+    "sigterm_to_every_process": ("take:3:TERMALL", {}, 143, (3,), "SIGTERM: stopped at step 3"),
     # stopped once it has delivered step 2 (sampled by version 0), before version 1 is
     # published: it never samples step 3
     "stopped_producer_then_two_ctrl_c": (

@@ -45,7 +45,9 @@ def spec(fn, limit=1.0):
 
 def run(*specs, on_error="zero"):
     state = TrainerState(global_step=4, max_steps=10)
-    return score_rewards(list(specs), ["p", "q"], ["a", "b"], on_error=on_error, trainer_state=state)
+    return score_rewards(
+        list(specs), ["p", "q"], ["a", "b"], on_error=on_error, trainer_state=state
+    )
 
 
 @pytest.mark.parametrize("fn", [hangs, hangs_async])

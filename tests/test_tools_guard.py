@@ -54,7 +54,10 @@ def flood(n: int) -> str:
 
 
 def call(name: str, args: str) -> dict:
-    return {"role": "assistant", "content": f'<tool_call>{{"name": "{name}", "arguments": {{{args}}}}}</tool_call>'}
+    return {
+        "role": "assistant",
+        "content": f'<tool_call>{{"name": "{name}", "arguments": {{{args}}}}}</tool_call>',
+    }
 
 
 def steps_of(make, n: int, message: dict):

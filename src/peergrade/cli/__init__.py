@@ -128,7 +128,7 @@ def _config_from(args, extra: list[str], *, run_config: bool = False):
         except UnicodeDecodeError as e:
             raise InputError(
                 f"--trl-config {args.trl_config!r} is not UTF-8 text (byte {e.start}: "
-                f"{e.object[e.start:e.start + 1]!r}); a TRL recipe is a YAML file"
+                f"{e.object[e.start : e.start + 1]!r}); a TRL recipe is a YAML file"
             ) from None
     return (load_run_config if run_config else load_config)(args.config, overrides)
 

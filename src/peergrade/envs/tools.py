@@ -186,7 +186,9 @@ async def _in_thread(fn: Callable, args: dict, timeout: float | None):
             error = e
         except BaseException as e:  # sys.exit(), KeyboardInterrupt: this call's failure
             error = ToolExited(
-                f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised KeyboardInterrupt"
+                f"called sys.exit({e.code!r})"
+                if isinstance(e, SystemExit)
+                else "raised KeyboardInterrupt"
             )
         with contextlib.suppress(RuntimeError):  # the batch's loop is closed: abandoned
             loop.call_soon_threadsafe(settle, value, error)
@@ -214,7 +216,9 @@ async def _awaited(awaitable, timeout: float | None):
         raise
     except BaseException as e:  # sys.exit(), KeyboardInterrupt inside the tool
         raise ToolExited(
-            f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised KeyboardInterrupt"
+            f"called sys.exit({e.code!r})"
+            if isinstance(e, SystemExit)
+            else "raised KeyboardInterrupt"
         ) from None
 
 
@@ -258,9 +262,7 @@ async def _call_tools(
             async with limiter.slot():
                 return await _awaited(awaitable, timeout)
 
-        results = await asyncio.gather(
-            *(limited(c) for _, _, c in pending), return_exceptions=True
-        )
+        results = await asyncio.gather(*(limited(c) for _, _, c in pending), return_exceptions=True)
         for (i, name, _), r in zip(pending, results):
             if isinstance(r, PeergradeError):
                 raise r

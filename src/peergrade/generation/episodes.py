@@ -495,8 +495,10 @@ def _call_all(calls: list[tuple[Any, str, Any, int]]) -> list[Any]:
             # one line naming the user's class (a TRL environment_factory class, not our
             # wrapper), the method, the row and what it raised, with its file and line
             cls = type(getattr(env, "instance", None) or env).__name__
-            what = str(r) if isinstance(r, _Exited) else (
-                f"raised {type(r).__name__}: {r}{where_raised(r)}"
+            what = (
+                str(r)
+                if isinstance(r, _Exited)
+                else (f"raised {type(r).__name__}: {r}{where_raised(r)}")
             )
             raise UserCodeError(f"environment {cls}.{method} (rows[{row}]) {what}") from r
     return results

@@ -474,7 +474,9 @@ def storage_problem(exc: BaseException, where: Path) -> str | None:
         free = None
     free_note = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk is full{free_note}" if code == errno.ENOSPC else "the disk quota is used up"
+        return (
+            f"the disk is full{free_note}" if code == errno.ENOSPC else "the disk quota is used up"
+        )
     if code == errno.EROFS:
         return "the file system is read-only"
     if code in (errno.EACCES, errno.EPERM):

@@ -403,7 +403,9 @@ class ProcessProducer(_Producer):
     # ------------------------------------------------------------------ in the child process
     def _child(self, available: list[int]) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # and so is SIGTERM (Slurm signals every process of a job): the trainer saves, then
+        # ends this process itself (close); a dead trainer ends it too (_die_with_parent)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _die_with_parent()
         # the trainer's progress display may have replaced them with proxies that print through
         # its console (whose lock a display thread, not copied by fork, may have held): what a
@@ -500,11 +502,9 @@ class ProcessProducer(_Producer):
     def close(self, timeout: float = 60.0) -> None:
         """Stop the producer (at once: it holds nothing the trainer needs) and wait for it."""
         with contextlib.suppress(OSError):
-            self._to_child.send(None)
-        if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(timeout)
-        if self.process.is_alive():
+            self._to_child.send(None)  # a producer waiting for weights returns at once
+        self.process.join(min(timeout, 2.0))
+        if self.process.is_alive():  # mid-step (or stopped): it ignores SIGTERM, see _child
             self.process.kill()
             self.process.join(timeout)
         self._to_child.close()

@@ -797,7 +797,9 @@ def train(
         display = Display(display_mode, t.steps, start_step)
         stop.say = display.print
         stop.immediate = False
-        return _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop, start_step)
+        return _loop(
+            run, held_out, out, display, metrics_log, samples_log, detectors, stop, start_step
+        )
 
 
 def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop, start_step):
