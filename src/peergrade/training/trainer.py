@@ -891,7 +891,7 @@ def _loop(run, held_out, out, display, metrics_log, samples_log, detectors, stop
         with contextlib.suppress(KeyboardInterrupt, OSError), ckpt.critical():
             # a further Ctrl-C waits for the producer to go and the logs to be whole
             if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
-                producer.close(timeout=5.0 if interrupted or stalled else 60.0)
+                producer.close(timeout=1.0 if interrupted or stalled else 60.0)
                 torch.set_num_threads(threads)
             display.close()
             done = run.done
