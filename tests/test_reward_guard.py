@@ -63,8 +63,9 @@ def test_a_hanging_reward_times_out_and_is_counted(fn):
 
 
 def test_a_timeout_under_fail_names_the_function_the_step_and_the_limit():
-    with pytest.raises(RewardError, match=r"'hangs' did not return within 0.5 s .* in step 5"):
+    with pytest.raises(RewardError, match=r"'hangs' did not return within 0.5 s .* in step 5") as e:
         run(spec(hangs, 0.5), on_error="fail")
+    assert "\n" not in str(e.value) and "first prompt: 'p'" in str(e.value)
 
 
 @pytest.mark.parametrize(

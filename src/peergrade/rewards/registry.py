@@ -927,7 +927,11 @@ def score_rewards(
         elif isinstance(out, RewardTimeout):  # no search for the culprit: n more hangs
             key = f"reward/{spec.name}/timeouts"
             counts[key] = counts.get(key, 0.0) + 1
-            problems.append(f"{out}{_at_step(state)}")
+            first = prompts[0] if prompts else ""
+            first = first[-1].get("content", "") if _is_conversational(first) else first
+            problems.append(
+                f"{out}{_at_step(state)}; the batch's first prompt: {str(first)[:60]!r}"
+            )
             bad = [True] * n
         elif isinstance(out, BaseException) and not isinstance(out, Exception):
             # sys.exit() or KeyboardInterrupt inside the function (here only from a function
@@ -987,9 +991,7 @@ def score_rewards(
             if on_error == "fail":
                 shown = problems[:10]
                 more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
-                raise RewardError(
-                    "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(shown) + more
-                )
+                raise RewardError(_failed(shown, more))
             errors.extend(problems)
             for i in range(n):
                 if bad[i]:
@@ -1016,9 +1018,7 @@ def score_rewards(
             for i in over
         ]
         if on_error == "fail":
-            raise RewardError(
-                "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(problems[:10])
-            )
+            raise RewardError(_failed(problems[:10]))
         errors.extend(problems)
         total[over] = 0.0
         num_errors += len(over)
@@ -1031,6 +1031,13 @@ def score_rewards(
         logged={k: sum(v) / len(v) for k, v in logged.items()},  # TRL: the mean of the calls
         counts=counts,
     )
+
+
+def _failed(problems: list[str], more: str = "") -> str:
+    """The ``on_reward_error=fail`` message: one line for one problem, else one per problem."""
+    if len(problems) == 1 and not more:
+        return f"reward function failed (on_reward_error=fail): {problems[0]}"
+    return "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(problems) + more
 
 
 async def _raise_later(exc: Exception):
