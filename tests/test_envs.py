@@ -975,7 +975,7 @@ def test_episode_metrics():
 
     def ep(reason, turns, calls, fails, mask):
         e = Episode(0, [1], [], 0, finish_reason=reason, num_turns=turns)
-        e.tool_calls, e.tool_failures = calls, fails
+        e.tool_calls, e.tool_failures, e.tool_truncated = calls, fails, fails
         e.loss_mask, e.completion_ids = mask, [5] * len(mask)
         return e
 
@@ -983,6 +983,7 @@ def test_episode_metrics():
     assert m == {
         "tools/call_frequency": 2.0,
         "tools/failure_frequency": 0.5,
+        "tools/truncated_frequency": 0.5,
         "turns/mean": 1.5,
         "episode/len_mean": 3.0,
         "episode/sampled_len_mean": 2.5,

@@ -15,6 +15,7 @@ The family::
                         from there)
       ModelLoadError    a model or tokenizer directory is missing something (models, gguf)
       MissingPackageError  an optional package a feature needs is not installed (``require``)
+      UserCodeError     the user's environment raised, exited or hung (named, with the row)
       ...               next to the code that raises them: ``DataError`` (tasks.files),
                         ``RewardError`` (rewards), ``RunDirError`` (checkpoint)
 
@@ -58,6 +59,46 @@ class ModelLoadError(PeergradeError, ValueError):
 class MissingPackageError(PeergradeError, ImportError):
     """An optional package that a feature needs is not installed (the message has the pip
     command). Also an ``ImportError``, so code that falls back on a missing package still can."""
+
+
+class UserCodeError(PeergradeError, RuntimeError):
+    """The user's own code (an environment's ``reset`` / ``step``) raised, exited or hung: the
+    message names the user's class or function, the row, and the exception with its file and
+    line."""
+
+
+class Stop(KeyboardInterrupt):
+    """A stop that a Ctrl-C or SIGTERM asked for, raised by the trainer's signal handler
+    (``training.checkpoint.StopFlag``): never the user's code's own ``KeyboardInterrupt``."""
+
+
+def users_own_stop(exc: BaseException) -> bool:
+    """Whether ``exc``, caught around a call of user code, is that code's own doing: a
+    ``SystemExit``, or a ``KeyboardInterrupt`` that no Ctrl-C sent (not a ``Stop``, while a
+    handler other than Python's default one owns SIGINT, so a real Ctrl-C would be a ``Stop``)."""
+    import signal
+
+    if isinstance(exc, SystemExit):
+        return True
+    if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Stop):
+        return signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    return False
+
+
+def describe_exit(exc: BaseException) -> str:
+    """``SystemExit`` / ``KeyboardInterrupt`` raised by user code, in words."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    return "raised KeyboardInterrupt"
+
+
+def where_raised(exc: BaseException) -> str:
+    """`` (at file.py:line)``: the innermost frame of ``exc``'s traceback, or nothing."""
+    import traceback
+    from pathlib import Path
+
+    tb = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    return f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
 
 
 def require(module: str, *, needed_for: str, pip: str, extra: str | None = None) -> ModuleType:

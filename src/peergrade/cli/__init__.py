@@ -124,7 +124,13 @@ def _config_from(args, extra: list[str], *, run_config: bool = False):
     if getattr(args, "trl_config", None):
         from peergrade.api import recipe_overrides
 
-        overrides = recipe_overrides(args.trl_config) + overrides
+        try:
+            overrides = recipe_overrides(args.trl_config) + overrides
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"--trl-config {args.trl_config!r} is not UTF-8 text (byte {e.start}: "
+                f"{e.object[e.start : e.start + 1]!r}); a TRL recipe is a YAML file"
+            ) from None
     return (load_run_config if run_config else load_config)(args.config, overrides)
 
 
@@ -165,17 +171,25 @@ def cmd_train(args, extra) -> int:
         summary = main_guard(
             train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         # while loading or evaluating the starting model: the run directory may already exist
-        if (run_dir / "config.yaml").is_file() and ckpt.latest_checkpoint(run_dir) is None:
+        code, what = (143, "SIGTERM") if isinstance(stop, ckpt.Terminated) else (130, "interrupted")
+        if (run_dir / "config.yaml").is_file():
+            last = ckpt.latest_checkpoint(run_dir)
             print(
-                f"interrupted before the first checkpoint: continue with: peergrade train "
-                f"--resume {run_dir} (starts from step 0), or start over with --overwrite",
+                f"{what} before the first checkpoint: continue with: peergrade train "
+                f"--resume {run_dir} (starts from step 0), or start over with --overwrite"
+                if last is None
+                else f"{what} before training went on: {last.name} is the last checkpoint; "
+                f"continue with: peergrade train --resume {run_dir}",
                 file=sys.stderr,
             )
-            return 130
-        raise
-    return 130 if summary.get("interrupted") else 0
+            return code
+        print(what, file=sys.stderr)
+        return code
+    if summary.get("interrupted"):
+        return 143 if summary.get("signal") == "SIGTERM" else 130
+    return 0
 
 
 def cmd_eval(args, extra) -> int:
@@ -495,6 +509,9 @@ def _run_memory_section(run_dir: Path, budget_text: str):
     return Section("Memory budget", body, "memory")
 
 
+AUDIT_MAX_ROWS = 10_000  # peergrade audit --rows on a task without an end (generated rows)
+
+
 def cmd_audit(args, extra) -> int:
     """Attack the configured reward functions with known exploits (docs/audit.md)."""
     from peergrade.rewards import audit
@@ -511,6 +528,15 @@ def cmd_audit(args, extra) -> int:
 
     cfg = _config_from(args, extra)
     task = build_task(cfg)
+    rows = args.rows
+    size = len(task) if hasattr(task, "__len__") else None
+    if size and rows > size:  # the stream repeats the data (epochs): more rows add nothing
+        print(f"audit: --rows {rows} is more than the data's {size} training rows: "
+              f"auditing those {size}", file=sys.stderr)  # fmt: skip
+        rows = size
+    elif rows > AUDIT_MAX_ROWS:  # a generated task has no end
+        print(f"audit: --rows {rows} capped at {AUDIT_MAX_ROWS}", file=sys.stderr)
+        rows = AUDIT_MAX_ROWS
     specs = build_rewards(cfg, task)
     # a judge is audited for its own biases (rewards/judge_audit.py), not with the exploit battery
     from peergrade.rewards.judge_audit import audit_judge, judge_of
@@ -526,7 +552,7 @@ def cmd_audit(args, extra) -> int:
     if specs:
         report = audit.audit_rewards(
             specs,
-            audit.first_rows(task, args.rows, cfg.train.seed),
+            audit.first_rows(task, rows, cfg.train.seed),
             fail_share=args.fail_share,
             max_steps=cfg.train.steps,
         )
@@ -1005,7 +1031,12 @@ def _audit_parser(sub) -> None:
     au.add_argument("--reward", action="append", metavar="SPEC", help="as for train; repeatable")
     au.add_argument("--data", help="user dataset file (= --data.path)")
     au.add_argument("--task", help="built-in task (= --data.task)")
-    au.add_argument("--rows", type=int, default=100, help="rows to attack (default 100)")
+    au.add_argument(
+        "--rows",
+        type=_whole_number,
+        default=100,
+        help="rows to attack (default 100; capped at the data's size)",
+    )
     au.add_argument(
         "--fail-share",
         type=float,
@@ -1127,6 +1158,17 @@ COMMANDS = (
     _export_parser,
     _serve_parser,
 )
+
+
+def _whole_number(text: str) -> int:
+    """An argparse type: a whole number, also written as 1e6."""
+    try:
+        value = float(text)
+        if not value.is_integer():
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -199,6 +199,13 @@ class RewardItem:
         "name already taken.",
         None,
     )
+    timeout_s: float | None = doc(
+        "Seconds one call of this function (on one batch) may take; past it the call is a "
+        "failure (on_reward_error), counted in reward/<name>/timeouts. null = "
+        "train.reward_timeout_s. Your own functions only: built-in rewards have their own "
+        "limits.",
+        None,
+    )
 
 
 @dataclass
@@ -254,6 +261,12 @@ class RolloutConfig:
         "OpenMP cannot be used with more after a fork), the trainer the rest. auto = process on "
         "the CPU on Linux with train.threads <= 2 (one thread each), else thread.",
         "auto",
+    )
+    producer_timeout_s: float = doc(
+        "async_steps >= 1: seconds the trainer waits for the producer's next step before it "
+        "stops with an error naming the producer (stopped, hung, or slower than this); 0 = "
+        "wait for ever.",
+        1800.0,
     )
 
 
@@ -538,6 +551,14 @@ class TrainConfig:
         "the float32 range): stop the run, or score 0 and count it.",
         "fail",
     )
+    reward_timeout_s: float = doc(
+        "Seconds one call of your own reward function (on one batch) may take before it counts "
+        "as a failure (on_reward_error: fail stops with one line naming it; zero scores 0 and "
+        "counts it in reward/<name>/timeouts); 0 = no limit. rewards[i].timeout_s overrides "
+        "it. A call that also calls sys.exit() or raises KeyboardInterrupt is that function's "
+        "failure, not the end of the run.",
+        300.0,
+    )
     audit_rewards: Literal["warn", "fail", "off"] = doc(
         "Before the model loads, attack the reward functions with known exploits on a few "
         "rows (peergrade audit's battery): warn prints one line per exploitable function, "
@@ -601,10 +622,19 @@ class EnvConfig:
         "Most tokens per model turn; null = the rest of the episode's budget.", None
     )
     tool_timeout: float | None = doc(
-        "Seconds a tool call may take; a slower call is a failed call. null = no limit.", None
+        "Seconds a tool call may take; a slower call is a failed call (the model reads "
+        "'timed out', tools/failure_frequency counts it). null = no limit.",
+        60.0,
     )
     max_tool_output_chars: int | None = doc(
-        "A longer tool result is cut (with a note saying how much). null = no limit.", None
+        "A longer tool result is cut (with a note saying how much), and counted in "
+        "tools/truncated_frequency. null = no limit.",
+        10000,
+    )
+    tool_concurrency: int = doc(
+        "Tool calls running at once across the episodes of a step (each on a thread of its "
+        "own): one slow tool does not hold up the other episodes' tools.",
+        8,
     )
 
     @property
@@ -1153,6 +1183,10 @@ def validate(cfg: Config) -> None:
     )
     need(r.async_steps >= 0, f"rollout.async_steps must be >= 0 (0 = off), got {r.async_steps}")
     need(
+        r.producer_timeout_s >= 0,
+        f"rollout.producer_timeout_s must be >= 0 (0 = no limit), got {r.producer_timeout_s}",
+    )
+    need(
         r.async_steps == 0 or a.name == "grpo",
         f"rollout.async_steps={r.async_steps} is a GRPO option: algo.name=ppo's critic values "
         "are not pipelined yet; set rollout.async_steps to 0",
@@ -1290,6 +1324,10 @@ def validate(cfg: Config) -> None:
     need(t.eval_size >= 1, f"train.eval_size must be >= 1, got {t.eval_size}")
     need(t.eval_samples >= 1, f"train.eval_samples must be >= 1, got {t.eval_samples}")
     need(t.threads >= 0, f"train.threads must be >= 0, got {t.threads}")
+    need(
+        t.reward_timeout_s >= 0,
+        f"train.reward_timeout_s must be >= 0 (0 = no limit), got {t.reward_timeout_s}",
+    )
     al = t.alerts
     need(al.window >= 1, f"train.alerts.window must be >= 1, got {al.window}")
     for k in ("zero_signal_frac", "truncated_frac", "length_collapse", "entropy_collapse"):
@@ -1325,6 +1363,10 @@ def validate(cfg: Config) -> None:
     )
     for i, item in enumerate(cfg.rewards):
         need(bool(item.name.strip()), f"rewards[{i}].name must not be empty")
+        need(
+            item.timeout_s is None or item.timeout_s >= 0,
+            f"rewards[{i}].timeout_s must be >= 0 (0 = no limit) or null, got {item.timeout_s}",
+        )
     need(
         t.eval_reward is None or bool(t.eval_reward.strip()),
         "train.eval_reward must be a reward name or null (the task's verifier)",
@@ -1341,6 +1383,7 @@ def validate(cfg: Config) -> None:
         e.tool_timeout is None or e.tool_timeout > 0,
         f"env.tool_timeout must be > 0 or null, got {e.tool_timeout}",
     )
+    need(e.tool_concurrency >= 1, f"env.tool_concurrency must be >= 1, got {e.tool_concurrency}")
     for i, spec in enumerate(e.tools):
         need(
             ":" in spec.strip().strip(":"),

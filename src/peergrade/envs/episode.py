@@ -34,6 +34,7 @@ class Episode:
     num_turns: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
+    tool_truncated: int = 0
     reward: float | None = None
 
     @property
@@ -57,7 +58,8 @@ class Episode:
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Metrics of a batch of episodes, named as TRL names them where it has them:
     ``tools/call_frequency`` (tool calls per episode), ``tools/failure_frequency`` (failed calls
-    per call, 0 without calls), ``turns/mean``, ``episode/stop_reason/<reason>`` (fraction of
+    per call, 0 without calls), ``tools/truncated_frequency`` (results cut to
+    ``env.max_tool_output_chars``, per call), ``turns/mean``, ``episode/stop_reason/<reason>`` (fraction of
     episodes), ``episode/len_mean`` (tokens after the prompt) and ``episode/sampled_len_mean``
     (of them, tokens the model sampled: what length metrics of the loss should count).
     Local to this process: under torchrun, reduce the underlying sums instead."""
@@ -68,6 +70,9 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     out = {
         "tools/call_frequency": calls / n,
         "tools/failure_frequency": sum(e.tool_failures for e in episodes) / calls if calls else 0.0,
+        "tools/truncated_frequency": sum(e.tool_truncated for e in episodes) / calls
+        if calls
+        else 0.0,
         "turns/mean": sum(e.num_turns for e in episodes) / n,
         "episode/len_mean": sum(len(e.completion_ids) for e in episodes) / n,
         "episode/sampled_len_mean": sum(e.num_sampled_tokens for e in episodes) / n,

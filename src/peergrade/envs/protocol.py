@@ -37,7 +37,8 @@ class Step:
         reward: optional reward for this turn; an episode's reward is the sum of its turns'
             rewards (None when no turn gave one).
         finish_reason: why the episode ended when ``done`` (default ``"done"``).
-        tool_calls, tool_failures: tool calls made and failed in this turn (for metrics).
+        tool_calls, tool_failures, tool_truncated: tool calls made, failed, and whose result was
+            cut to the output cap in this turn (for metrics).
     """
 
     messages: list[dict] = field(default_factory=list)
@@ -46,6 +47,7 @@ class Step:
     finish_reason: str | None = None
     tool_calls: int = 0
     tool_failures: int = 0
+    tool_truncated: int = 0  # tool results cut to the output cap
 
 
 @runtime_checkable

@@ -21,8 +21,11 @@
 - A turn without tool calls ends the episode (``finish_reason`` ``"answer"``); a turn with tool
   calls after ``max_tool_calling_iterations`` rounds ends it unexecuted (``"max_tool_calls"``).
 
-Beyond TRL: an optional per-call timeout (a sync tool that overruns is abandoned on its daemon
-thread, not killed; an async one is cancelled) and a cap on the characters of a tool result.
+Beyond TRL: a per-call timeout (a sync tool that overruns is abandoned on its daemon thread, not
+killed; an async one is cancelled), a cap on the characters of a tool result (the cut is marked
+in the text and counted), a bound on the tool calls running at once across a batch's episodes
+(each sync call runs on a thread of its own, so episodes do not wait for each other's tools),
+and a tool's ``sys.exit()`` / ``KeyboardInterrupt`` is its failed call, not the end of the run.
 
 Not done here: other model families' call formats (Llama 3 JSON, Mistral ``[TOOL_CALLS]``) and
 the code sandbox for Python-code tools.
@@ -140,34 +143,101 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
     return rest.strip(), calls, errors
 
 
-def _sync_with_timeout(fn: Callable, args: dict, timeout: float):
-    """``fn(**args)`` on a daemon thread, waited for at most ``timeout`` seconds. A call that
-    overruns is abandoned, not killed (Python cannot stop a thread): it keeps its thread until it
-    returns, but the episode goes on without it."""
-    box: dict[str, Any] = {}
+class ToolLimiter:
+    """At most ``concurrency`` tool calls at once across every episode of a batch (the episodes
+    of a step run their tools concurrently: one slow tool does not hold up the others). Shared
+    by the environments of one factory; a semaphore per event loop (each batch runs its own)."""
+
+    def __init__(self, concurrency: int | None = None):
+        self.concurrency = concurrency
+        self._loop: Any = None
+        self._sem: asyncio.Semaphore | None = None
+
+    def slot(self):
+        if self.concurrency is None:
+            return contextlib.nullcontext()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._sem = loop, asyncio.Semaphore(self.concurrency)
+        return self._sem
+
+
+class ToolExited(Exception):
+    """A tool that called ``sys.exit()`` or raised ``KeyboardInterrupt``: its failed call."""
+
+
+async def _in_thread(fn: Callable, args: dict, timeout: float | None):
+    """``fn(**args)`` on a daemon thread of its own, awaited (at most ``timeout`` seconds): the
+    event loop runs other episodes' tools meanwhile. A call that overruns is abandoned, not
+    killed (Python cannot stop a thread): it keeps its thread until it returns, but the episode
+    goes on without it. Its ``sys.exit()`` / ``KeyboardInterrupt`` is its failure
+    (``ToolExited``)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(value, error):
+        if done.done():  # timed out and abandoned
+            return
+        if error is None:
+            done.set_result(value)
+        else:
+            done.set_exception(error)
 
     def target():
+        value = error = None
         try:
-            box["value"] = fn(**args)
-        except BaseException as e:
-            box["error"] = e
+            value = fn(**args)
+        except Exception as e:
+            error = e
+        except BaseException as e:  # sys.exit(), KeyboardInterrupt: this call's failure
+            error = ToolExited(
+                f"called sys.exit({e.code!r})"
+                if isinstance(e, SystemExit)
+                else "raised KeyboardInterrupt"
+            )
+        with contextlib.suppress(RuntimeError):  # the batch's loop is closed: abandoned
+            loop.call_soon_threadsafe(settle, value, error)
 
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise TimeoutError(f"timed out after {timeout:g}s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    threading.Thread(target=target, name="peergrade-tool", daemon=True).start()
+    if timeout is None:
+        return await done
+    try:
+        return await asyncio.wait_for(done, timeout)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"timed out after {timeout:g}s") from None
+
+
+async def _awaited(awaitable, timeout: float | None):
+    """An async tool's result (at most ``timeout`` seconds); its exit is its failure."""
+    try:
+        if timeout is None:
+            return await awaitable
+        return await asyncio.wait_for(awaitable, timeout)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise TimeoutError(f"timed out after {timeout:g}s") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        raise
+    except BaseException as e:  # sys.exit(), KeyboardInterrupt inside the tool
+        raise ToolExited(
+            f"called sys.exit({e.code!r})"
+            if isinstance(e, SystemExit)
+            else "raised KeyboardInterrupt"
+        ) from None
 
 
 async def _call_tools(
-    calls: list[dict], registry: dict[str, Callable], timeout: float | None = None
+    calls: list[dict],
+    registry: dict[str, Callable],
+    timeout: float | None = None,
+    limiter: ToolLimiter | None = None,
 ) -> list[tuple[str, Any, bool]]:
     """(name, result, failed) per call, in call order; sync tools run in order, async ones
-    together afterwards (TRL's order of execution). With ``timeout``, a call that takes longer
-    fails with a timeout error."""
+    together afterwards (TRL's order of execution), each on its own thread / task so other
+    episodes' calls run meanwhile (at most ``limiter.concurrency`` at once). With ``timeout``,
+    a call that takes longer fails with a timeout error."""
+    limiter = limiter or ToolLimiter()
     out: list[tuple[str, Any, bool] | None] = [None] * len(calls)
     pending: list[tuple[int, str, Any]] = []
     for i, call in enumerate(calls):
@@ -177,27 +247,31 @@ async def _call_tools(
             out[i] = (name, {"error": f"Tool {name} not found."}, True)
             continue
         try:
-            if timeout is not None and not inspect.iscoroutinefunction(fn):
-                result = _sync_with_timeout(fn, args, timeout)
-            else:
+            if inspect.iscoroutinefunction(fn):
                 result = fn(**args)
+            else:
+                async with limiter.slot():
+                    result = await _in_thread(fn, args, timeout)
         except PeergradeError:
             raise  # the setup is wrong, not the call (e.g. a sandbox that cannot contain code)
         except Exception as e:
             out[i] = (name, {"error": str(e) or type(e).__name__}, True)
             continue
         if inspect.isawaitable(result):
-            if timeout is not None:
-                result = asyncio.wait_for(result, timeout)
             pending.append((i, name, result))
         else:
             out[i] = (name, check_result(name, result), False)
     if pending:
-        results = await asyncio.gather(*(c for _, _, c in pending), return_exceptions=True)
+
+        async def limited(awaitable):
+            async with limiter.slot():
+                return await _awaited(awaitable, timeout)
+
+        results = await asyncio.gather(*(limited(c) for _, _, c in pending), return_exceptions=True)
         for (i, name, _), r in zip(pending, results):
+            if isinstance(r, PeergradeError):
+                raise r
             failed = isinstance(r, Exception)
-            if isinstance(r, (TimeoutError, asyncio.TimeoutError)):
-                r = TimeoutError(f"timed out after {timeout:g}s")
             out[i] = (
                 name,
                 {"error": str(r) or type(r).__name__} if failed else check_result(name, r),
@@ -210,6 +284,14 @@ def _truncate(text: str, limit: int | None) -> str:
     if limit is None or len(text) <= limit:
         return text
     return text[:limit] + f"... [truncated {len(text) - limit} characters]"
+
+
+def _result_text(result: Any, limit: int | None) -> tuple[str, bool]:
+    """A tool's result as the model reads it, cut to ``limit`` characters; whether it was cut.
+    A long str is cut before anything else is done with it; another value is turned into text
+    first (``str``, as TRL does)."""
+    text = result if isinstance(result, str) else str(result)
+    return _truncate(text, limit), limit is not None and len(text) > limit
 
 
 def _public_methods(cls: type) -> list[str]:
@@ -248,8 +330,10 @@ class ToolEnvironment:
         max_tool_calling_iterations: int | None = None,
         tool_timeout: float | None = None,
         max_tool_output_chars: int | None = None,
+        limiter: ToolLimiter | None = None,
     ):
         self.instance = instance
+        self.limiter = limiter or ToolLimiter()
         fns = list(tools)
         if instance is not None:
             fns += [getattr(instance, n) for n in _public_methods(type(instance))]
@@ -272,6 +356,7 @@ class ToolEnvironment:
         )
         if self.instance is not None:
             kwargs = {k: v for k, v in row.items() if k != "environment"}
+            # what it raises is named by the episode engine (the class, the row, the line)
             observation = await maybe_await(self.instance.reset(**kwargs))
             if observation is not None:
                 messages[-1] = {
@@ -290,26 +375,29 @@ class ToolEnvironment:
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
-        results = await _call_tools(calls, self.registry, self.timeout)
-        answers = [
-            {
-                "role": "tool",
-                "name": name,
-                # errors are ours and short: only what a tool returned is capped
-                "content": result
-                if isinstance(result, list)
-                else str(result)
-                if failed
-                else _truncate(str(result), self.max_chars),
-            }
-            for name, result, failed in results
-        ]
+        results = await _call_tools(calls, self.registry, self.timeout, self.limiter)
+        answers, truncated = [], 0
+        for name, result, failed in results:
+            # errors are ours and short: only what a tool returned is capped
+            if isinstance(result, list):
+                content = result
+            elif failed:
+                content = str(result)
+            else:
+                content, cut = _result_text(result, self.max_chars)
+                truncated += cut
+            answers.append({"role": "tool", "name": name, "content": content})
         answers += [
             {"role": "tool", "name": "invalid_tool_call", "content": str({"error": e})}
             for e in errors
         ]
         failures = sum(failed for _, _, failed in results) + len(errors)
-        return Step(messages=answers, tool_calls=len(calls) + len(errors), tool_failures=failures)
+        return Step(
+            messages=answers,
+            tool_calls=len(calls) + len(errors),
+            tool_failures=failures,
+            tool_truncated=truncated,
+        )
 
 
 def tool_environment_factory(
@@ -319,6 +407,7 @@ def tool_environment_factory(
     *,
     tool_timeout: float | None = None,
     max_tool_output_chars: int | None = None,
+    tool_concurrency: int | None = None,
 ) -> Callable[[Any], ToolEnvironment]:
     """A ``row -> ToolEnvironment`` factory for ``run_episodes`` from TRL's arguments, checked
     now (before any model loads): every tool has a schema, every environment class a ``reset``
@@ -326,7 +415,9 @@ def tool_environment_factory(
     ``environment`` column.
 
     Beyond TRL: ``tool_timeout`` (seconds per call; an overrun is a failed call) and
-    ``max_tool_output_chars`` (a longer result is cut, with a note saying how much was cut)."""
+    ``max_tool_output_chars`` (a longer result is cut, with a note saying how much was cut,
+    and counted: ``Step.tool_truncated``), ``tool_concurrency`` (tool calls running at once
+    across the episodes of a batch; None = no bound)."""
     tools = list(tools or [])
     for fn in tools:
         tool_schema(fn)
@@ -365,6 +456,14 @@ def tool_environment_factory(
             f"max_tool_output_chars must be an int >= 1 or None, got {max_tool_output_chars!r}"
         )
 
+    if tool_concurrency is not None and (
+        isinstance(tool_concurrency, bool)
+        or not isinstance(tool_concurrency, int)
+        or tool_concurrency < 1
+    ):
+        raise InputError(f"tool_concurrency must be an int >= 1 or None, got {tool_concurrency!r}")
+    limiter = ToolLimiter(tool_concurrency)
+
     def make(row: Any) -> ToolEnvironment:
         factory = environment_factory
         if isinstance(factory, dict):
@@ -376,7 +475,12 @@ def tool_environment_factory(
             factory = factory[key]
         instance = factory() if factory is not None else None
         return ToolEnvironment(
-            tools, instance, max_tool_calling_iterations, tool_timeout, max_tool_output_chars
+            tools,
+            instance,
+            max_tool_calling_iterations,
+            tool_timeout,
+            max_tool_output_chars,
+            limiter,
         )
 
     return make

@@ -55,7 +55,13 @@ import torch
 from peergrade.envs.episode import Episode
 from peergrade.envs.protocol import Step, check_environment, maybe_await, run_sync
 from peergrade.envs.template import check_template, render, turn_delta
-from peergrade.errors import PeergradeError
+from peergrade.errors import (
+    PeergradeError,
+    UserCodeError,
+    describe_exit,
+    users_own_stop,
+    where_raised,
+)
 from peergrade.generation.kernel import (
     check_int,
     check_row_keys,
@@ -436,6 +442,7 @@ class TurnEngine:
             e.messages.append(msg)
             e.tool_calls += st.tool_calls
             e.tool_failures += st.tool_failures
+            e.tool_truncated += st.tool_truncated
             if st.reward is not None:
                 e.reward = (e.reward or 0.0) + float(st.reward)
             if st.done:
@@ -487,7 +494,14 @@ def _call_all(calls: list[tuple[Any, str, Any, int]]) -> list[Any]:
         return []
 
     async def one(env, method, arg):
-        return await maybe_await(getattr(env, method)(arg))
+        try:
+            return await maybe_await(getattr(env, method)(arg))
+        except Exception as e:
+            return e
+        except BaseException as e:  # the user's sys.exit() / KeyboardInterrupt: its failure
+            if users_own_stop(e):
+                return _Exited(describe_exit(e) + where_raised(e))
+            raise
 
     async def go():
         import asyncio
@@ -501,7 +515,17 @@ def _call_all(calls: list[tuple[Any, str, Any, int]]) -> list[Any]:
         ):  # the user's input, already named (a row without a prompt)
             raise r
         if isinstance(r, BaseException):
-            raise RuntimeError(
-                f"{type(env).__name__}.{method} (rows[{row}]) raised {type(r).__name__}: {r}"
-            ) from r
+            # one line naming the user's class (a TRL environment_factory class, not our
+            # wrapper), the method, the row and what it raised, with its file and line
+            cls = type(getattr(env, "instance", None) or env).__name__
+            what = (
+                str(r)
+                if isinstance(r, _Exited)
+                else (f"raised {type(r).__name__}: {r}{where_raised(r)}")
+            )
+            raise UserCodeError(f"environment {cls}.{method} (rows[{row}]) {what}") from r
     return results
+
+
+class _Exited(Exception):
+    """An environment method's ``sys.exit()`` / ``KeyboardInterrupt``, as a value."""

@@ -826,6 +826,10 @@ class _Scored:
     errors: dict[str, dict[int, str]]  # name -> {completion index: why}
 
 
+#: id(spec) -> its timeout message: a function that hung is not called again in this audit
+_TIMED_OUT: dict[int, str] = {}
+
+
 def _score(specs, ctxs, row_of: list[int], completions: list, state: TrainerState) -> _Scored:
     """Every function on the batch through ``score_rewards`` (errors kept per sample)."""
     rows = [ctxs[i].row for i in row_of]
@@ -835,9 +839,16 @@ def _score(specs, ctxs, row_of: list[int], completions: list, state: TrainerStat
     values: dict[str, list] = {}
     errors: dict[str, dict[int, str]] = {}
     for spec in specs:  # one call per function, so that one's failure never hides another's
+        hung = _TIMED_OUT.get(id(spec))
+        if hung is not None:  # it hung once: not called again (each call would wait as long)
+            values[spec.name] = [None] * len(completions)
+            errors[spec.name] = {i: hung for i in range(len(completions))}
+            continue
         res = score_rewards(
             [spec], prompts, completions, columns, on_error="zero", trainer_state=state
         )
+        if res.counts.get(f"reward/{spec.name}/timeouts"):
+            _TIMED_OUT[id(spec)] = next(m for m in res.errors if "did not return within" in m)
         errs: dict[int, str] = {}
         for msg in res.errors:
             m = _ERR_RE.match(msg)
@@ -881,7 +892,7 @@ class UnitReport:
     correct_mean: float | None
     wrong_mean: float | None
     findings: list[Finding]
-    verdict: str  # clean | exploitable | fragile
+    verdict: str  # clean | exploitable | fragile | broken (it scored no completion at all)
     note: str = ""
 
     @property
@@ -904,7 +915,8 @@ class AuditReport:
     def failed(self) -> bool:
         """Exit status 1: a judged unit is exploitable, or any function is fragile."""
         return any(
-            (u.judged and u.verdict == "exploitable") or u.verdict == "fragile" for u in self.units
+            (u.judged and u.verdict == "exploitable") or u.verdict in ("fragile", "broken")
+            for u in self.units
         )
 
     def to_dict(self) -> dict:
@@ -922,7 +934,10 @@ class AuditReport:
         out = []
         for u in self.units:
             w = u.worst
-            if u.verdict == "clean" or w is None:
+            if u.verdict == "broken" and u.name != "total":
+                out.append(f"reward audit: {u.name} is broken: {u.note}")
+                continue
+            if u.verdict == "clean" or w is None or u.verdict == "broken":
                 continue
             what = (
                 f"{w.exploit} scores as well as the correct answer on {w.wins}/{w.rows} rows"
@@ -962,7 +977,15 @@ class AuditReport:
             out.append(f"  verdict: {verdict}{extra}{judged}")
             if w is not None and w.example is not None:
                 out.append(f"  e.g. {json.dumps(w.example)[:200]}")
-        out.append("\nFAILED: an exploit earns credit" if self.failed else "\nno exploit found")
+        broken = [u.name for u in self.units if u.verdict == "broken" and u.name != "total"]
+        if broken:
+            out.append(f"\nFAILED: {', '.join(broken)} scored no completion at all")
+        elif any(u.judged and u.verdict == "exploitable" for u in self.units):
+            out.append("\nFAILED: an exploit earns credit")
+        elif self.failed:
+            out.append("\nFAILED: a reward function fails on some completions")
+        else:
+            out.append("\nno exploit found")
         return "\n".join(out)
 
 
@@ -985,6 +1008,7 @@ def audit_rewards(
     if not rows:
         raise ValueError("audit: no rows to build exploits from")
     t0 = time.perf_counter()
+    _TIMED_OUT.clear()
     ctxs = row_contexts(rows)
     state = TrainerState(global_step=0, max_steps=max(1, max_steps), num_train_epochs=1)
     names = [s.name for s in specs]
@@ -1185,6 +1209,20 @@ def audit_rewards(
         )
         if not cs:
             note = "no correct completion could be written for these rows"
+        if not cs and not ws and ctxs:
+            # it scored nothing at all: not "clean", and not an exploit that "earns credit"
+            raised = next((f for f in fs if f.exploit == "correct_completion"), None)
+            if raised is not None and raised.errors:
+                note = (
+                    f"it raised on every completion ({raised.error}): it scores nothing; fix "
+                    "it before training"
+                )
+            else:
+                note = (
+                    "it returned None for every completion (None = 'does not apply'): it "
+                    "scores nothing; check that it reads the columns these rows have"
+                )
+            verdict = "broken"
         judged = u == "total" or len(specs) == 1 or reads[u]
         units.append(
             UnitReport(

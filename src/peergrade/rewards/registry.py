@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from peergrade.errors import MissingPackageError, PeergradeError
+from peergrade.errors import MissingPackageError, PeergradeError, describe_exit, users_own_stop
 
 if TYPE_CHECKING:  # torch is imported when scoring, so importing this package stays light
     import torch
@@ -187,6 +187,25 @@ class RewardSampleErrors(RewardError):
         self.kind = kind
 
 
+class UserFileError(PeergradeError, ImportError):
+    """A user's Python file (reward, tool, environment) that fails to import: a syntax error,
+    an exception or a ``sys.exit()`` at import time; one line naming the file, the line and the
+    exception."""
+
+
+class RewardTimeout(Exception):
+    """A reward function's call that had not returned within its limit (``RewardSpec.timeout_s``:
+    ``rewards[i].timeout_s`` or ``train.reward_timeout_s``); the call is abandoned (its thread
+    is left to finish on its own) and goes through ``on_error`` like an exception."""
+
+    def __init__(self, name: str, limit: float, n: int):
+        super().__init__(
+            f"reward {name!r} did not return within {limit:g} s on a batch of {n} completions "
+            "(rewards[i].timeout_s / train.reward_timeout_s)"
+        )
+        self.limit = limit
+
+
 def available_rewards() -> list[str]:
     """The names of the built-in rewards."""
     return sorted(BUILTIN_REWARDS)
@@ -262,12 +281,32 @@ def _load_file(path_str: str, attr: str, *, what: str):
                 f"{what}: {str(path)!r} imports {exc.name!r}, which is not installed: "
                 f"pip install {exc.name.split('.')[0]} (or the package that provides it)"
             ) from None
-        except Exception as exc:
+        except BaseException as exc:
             del sys.modules[mod_name]
-            raise ImportError(
-                f"{what}: executing {str(path)!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            if not isinstance(exc, Exception) and not users_own_stop(exc):
+                raise  # a real Ctrl-C while importing
+            raise UserFileError(
+                f"{what}: executing {str(path)!r} failed{_line_in(exc, resolved)}: "
+                + (
+                    describe_exit(exc)
+                    if not isinstance(exc, Exception)
+                    else f"{type(exc).__name__}: {exc}"
+                )
+            ) from None
     return _get_callable(module, attr, what=what, where=f"file {str(path)!r}")
+
+
+def _line_in(exc: BaseException, path: Path) -> str:
+    """`` at line N``: the last line of ``path`` in ``exc``'s traceback (a SyntaxError's own
+    line), or nothing."""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f" at line {exc.lineno}"
+    lines = [
+        f.lineno
+        for f in traceback.extract_tb(exc.__traceback__)
+        if Path(f.filename).resolve() == path
+    ]
+    return f" at line {lines[-1]}" if lines else ""
 
 
 def resolve_reward(spec: str | Callable) -> Callable:
@@ -320,6 +359,9 @@ class RewardSpec:
     fn: Callable
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+    # user code only (the trainer sets it): each batch call runs in a thread of its own, given
+    # this many seconds (inf: no limit), so a hang or a sys.exit() in it is its own failure
+    timeout_s: float | None = None
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -664,6 +706,59 @@ def _call_now(call: Callable, kwargs: dict):
     return out
 
 
+def _call_guarded(spec: RewardSpec, call: Callable, kwargs: dict, n: int):
+    """``call(**kwargs)``'s result, or what stopped it as a value: an exception, ``SystemExit``
+    or ``KeyboardInterrupt`` raised by the function (a failure of that function, never the end
+    of the run), or a ``RewardTimeout``. With ``spec.timeout_s`` (user code) the call runs in a
+    thread of its own, so that a Ctrl-C reaches the trainer, not the function, and a hang is
+    named; built-in rewards run here."""
+    if spec.timeout_s is None:
+        try:
+            return _call_now(call, kwargs)
+        except Exception as exc:
+            return exc
+    import torch
+
+    box: dict = {}
+    grad = torch.is_grad_enabled()  # thread-local in torch: the caller's, as a direct call has
+
+    def target():
+        try:
+            with torch.set_grad_enabled(grad):
+                box["out"] = _call_now(call, kwargs)
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the function's failure
+            box["out"] = exc
+
+    worker = threading.Thread(target=target, name=f"peergrade-reward-{spec.name}", daemon=True)
+    worker.start()
+    worker.join(None if math.isinf(spec.timeout_s) else spec.timeout_s)
+    if worker.is_alive():
+        return RewardTimeout(spec.name, spec.timeout_s, n)
+    return box["out"]
+
+
+async def _await_guarded(spec: RewardSpec, awaitable, n: int):
+    """An async function's result or what stopped it (``_call_guarded``'s rules)."""
+    limit = spec.timeout_s
+    try:
+        if limit is None or math.isinf(limit):
+            return await awaitable
+        return await asyncio.wait_for(awaitable, limit)
+    except asyncio.TimeoutError:
+        return RewardTimeout(spec.name, limit, n)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: the function's failure
+        return exc
+
+
+def _stopped_how(exc: BaseException) -> str:
+    """What a SystemExit / KeyboardInterrupt raised by a reward function was."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r}) (SystemExit)"
+    return "raised KeyboardInterrupt"
+
+
 # ----------------------------------------------------------------------------- logging
 
 
@@ -802,16 +897,13 @@ def score_rewards(
         if spec.is_async:
             pending.append(j)
             continue
-        try:
-            outcomes[j] = _call_now(call, kwargs)
-        except Exception as exc:
-            outcomes[j] = exc
+        outcomes[j] = _call_guarded(spec, call, kwargs, n)
     if pending:
         coros = []
         for j in pending:
             call, kwargs = calls[j]
             try:
-                coros.append(call(**kwargs))
+                coros.append(_await_guarded(specs[j], call(**kwargs), n))
             except Exception as exc:  # raised before its first await (e.g. a bad signature)
                 coros.append(_raise_later(exc))
         for j, out in zip(pending, _run_awaitables(coros)):
@@ -847,12 +939,24 @@ def score_rewards(
                 out = _REPORTED
         if out is _REPORTED:
             pass
+        elif isinstance(out, RewardTimeout):  # no search for the culprit: n more hangs
+            key = f"reward/{spec.name}/timeouts"
+            counts[key] = counts.get(key, 0.0) + 1
+            first = prompts[0] if prompts else ""
+            first = first[-1].get("content", "") if is_conversational(first) else first
+            problems.append(
+                f"{out}{_at_step(state)}; the batch's first prompt: {str(first)[:60]!r}"
+            )
+            bad = [True] * n
+        elif isinstance(out, BaseException) and not isinstance(out, Exception):
+            # sys.exit() or KeyboardInterrupt inside the function (here only from a function
+            # run in its own thread, or awaited): its failure, named
+            problems.append(f"reward {spec.name!r} {_stopped_how(out)}{_at_step(state)}")
+            bad = [True] * n
         elif isinstance(out, BaseException):
-            if not isinstance(out, Exception):  # KeyboardInterrupt, SystemExit: not ours
-                raise out
             if getattr(out, "stops_run", False):
                 raise out  # e.g. no sandbox for the code reward: no policy may score that as 0
-            culprit = _locate_failure(call, kwargs, n)
+            culprit = _locate_failure(spec, call, kwargs, n)
             problems.append(
                 f"reward {spec.name!r} raised on the batch of {n}"
                 + (f" (first failing sample index {culprit[0]}: {culprit[1]})" if culprit else "")
@@ -902,9 +1006,7 @@ def score_rewards(
             if on_error == "fail":
                 shown = problems[:10]
                 more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
-                raise RewardError(
-                    "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(shown) + more
-                )
+                raise RewardError(_failed(shown, more))
             errors.extend(problems)
             for i in range(n):
                 if bad[i]:
@@ -931,9 +1033,7 @@ def score_rewards(
             for i in over
         ]
         if on_error == "fail":
-            raise RewardError(
-                "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(problems[:10])
-            )
+            raise RewardError(_failed(problems[:10]))
         errors.extend(problems)
         total[over] = 0.0
         num_errors += len(over)
@@ -949,19 +1049,35 @@ def score_rewards(
     )
 
 
+def _failed(problems: list[str], more: str = "") -> str:
+    """The ``on_reward_error=fail`` message: one line for one problem, else one per problem."""
+    if len(problems) == 1 and not more:
+        return f"reward function failed (on_reward_error=fail): {problems[0]}"
+    return "reward function failed (on_reward_error=fail):\n  " + "\n  ".join(problems) + more
+
+
 async def _raise_later(exc: Exception):
     raise exc
 
 
-def _locate_failure(call, kwargs: dict, n: int) -> tuple[int, str] | None:
-    """Re-run ``call`` one sample at a time; the first sample that raises, else ``None``."""
+def _locate_failure(spec: RewardSpec, call, kwargs: dict, n: int) -> tuple[int, str] | None:
+    """Re-run ``call`` one sample at a time (guarded as the batch call was); the first sample
+    that raises, else ``None`` (also when a one-sample call runs past the limit)."""
     shared = ("trainer_state", "log_extra", "log_metric")
     per_sample = [k for k in kwargs if k not in shared]
     for i in range(n):
         one = {k: [kwargs[k][i]] for k in per_sample}
         one.update(trainer_state=kwargs["trainer_state"], log_extra=_no_log, log_metric=_no_log)
-        try:
-            _call_now(call, one)
-        except Exception as exc:
-            return i, _format_exc(exc)
+        out = _call_guarded(spec, call, one, 1)
+        if isinstance(out, RewardTimeout):
+            return None
+        if isinstance(out, BaseException):
+            return i, _format_exc(out) if isinstance(out, Exception) else _stopped_how(out)
     return None
+
+
+def _at_step(state) -> str:
+    """Where in the run a batch was scored: `` in step S`` while training, else nothing."""
+    if not getattr(state, "max_steps", 0):
+        return ""
+    return f" in step {state.global_step + 1}"

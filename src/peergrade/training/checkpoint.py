@@ -26,8 +26,11 @@ checkpoint.
 
 ``RunDir`` is the trainer's view of a run directory (its logs, ``save`` at a step),
 ``finished_run`` says whether ``--resume`` has anything left to do,
-``resume_from_checkpoint`` loads the last checkpoint into a run, and ``StopFlag`` turns a
-first Ctrl-C into "save after this step, then stop". ``RunDir`` and the resume take the
+``resume_from_checkpoint`` loads the last checkpoint into a run, ``StopFlag`` turns a
+first Ctrl-C or a SIGTERM into "save after this step, then stop" (a second Ctrl-C stops at once,
+but never inside a ``critical`` stretch: a step's update and its record, a save's renames), and
+``RunDir.save`` turns a save the disk refuses into one ``StorageError`` naming the path, the
+cause and the last good checkpoint. ``RunDir`` and the resume take the
 trainer's run duck-typed (its models, optimizer state, scheduler and config), so this module never imports
 the trainer.
 
@@ -51,7 +54,7 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
-from peergrade.errors import PeergradeError
+from peergrade.errors import PeergradeError, Stop
 from peergrade.files import apply_umask, atomic_write_text  # importable from here too
 from peergrade.model.load import load_model, resolve_dtype, save_tokenizer
 from peergrade.monitoring.metrics import JsonlWriter, MetricLogger, Tee
@@ -209,15 +212,16 @@ def save_checkpoint(
     # trainer_state.json last, listing every file: checkpoint_problem checks against the list.
     state = {"step": step, **trainer_state, "files": _file_names(tmp)}
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
-        old = ckpt_root / f"{OLD_PREFIX}{step}"
-        if old.exists():
+    with critical():  # a second Ctrl-C waits for the renames: never a step-N half in place
+        if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
+            old = ckpt_root / f"{OLD_PREFIX}{step}"
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+            tmp.rename(final)
             shutil.rmtree(old)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+        else:
+            tmp.rename(final)
     prune_checkpoints(run_dir, keep_last)
     return final
 
@@ -448,6 +452,42 @@ def _check_writable(out_dir: Path, directory: Path, what: str = "run directory")
         ) from None
 
 
+class StorageError(PeergradeError, OSError):
+    """A save that the disk refused (full, read-only, not permitted): which path, why, and the
+    last good checkpoint."""
+
+
+#: what torch.save says when the disk fills under it (its writer hides the OSError)
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+_FULL_BELOW = 64 * 2**20  # bytes free under which a failed write is put down to a full disk
+
+
+def storage_problem(exc: BaseException, where: Path) -> str | None:
+    """What about the storage under ``where`` made ``exc`` (a failed write) happen, in words,
+    or None when it is not a storage problem."""
+    import errno
+
+    code = getattr(exc, "errno", None)
+    try:
+        free = shutil.disk_usage(where if Path(where).exists() else Path(where).parent).free
+    except OSError:
+        free = None
+    free_note = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"the disk is full{free_note}" if code == errno.ENOSPC else "the disk quota is used up"
+        )
+    if code == errno.EROFS:
+        return "the file system is read-only"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"writing there is not permitted ({exc.strerror or exc})"
+    if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TORCH_WRITE_FAILED):
+        if free is not None and free < _FULL_BELOW:
+            return f"the disk is full{free_note}"
+        return f"the write failed ({str(exc).splitlines()[0][:120]}){free_note}"
+    return None
+
+
 # ----------------------------------------------------------------------------- a run's directory
 
 
@@ -486,18 +526,37 @@ class RunDir:
         # FSDP2: gathering the full weights and optimizer state is a collective (all ranks)
         model, optimizer = dist.checkpoint_state(run.models.policy, run.optimizer_state)
         if dist.is_main():
-            save_checkpoint(
-                self.path,
-                step,
-                model=model,
-                tokenizer=run.models.tokenizer,
-                optimizer=optimizer,
-                scheduler=run.scheduler,
-                trainer_state=self.trainer_state,
-                config_yaml=self.config_yaml,
-                keep_last=run.cfg.train.keep_last,
-                extra=extra,
-            )
+            try:
+                save_checkpoint(
+                    self.path,
+                    step,
+                    model=model,
+                    tokenizer=run.models.tokenizer,
+                    optimizer=optimizer,
+                    scheduler=run.scheduler,
+                    trainer_state=self.trainer_state,
+                    config_yaml=self.config_yaml,
+                    keep_last=run.cfg.train.keep_last,
+                    extra=extra,
+                )
+            except (OSError, RuntimeError) as exc:
+                problem = storage_problem(exc, self.path / "checkpoints")
+                if problem is None:
+                    raise
+                # the half-written save goes (it holds the space); the last good one stays
+                shutil.rmtree(self.path / "checkpoints" / f"{TMP_PREFIX}{step}", ignore_errors=True)
+                last = latest_checkpoint(self.path)
+                raise StorageError(
+                    f"cannot save checkpoint step-{step} in {str(self.path / 'checkpoints')!r}: "
+                    f"{problem}; "
+                    + (
+                        f"the last good checkpoint is {last.name} (intact): make room, then "
+                        f"continue with: peergrade train --resume {self.path}"
+                        if last is not None
+                        else "no checkpoint was saved before: make room, then start again with: "
+                        f"peergrade train --resume {self.path} (from step 0)"
+                    )
+                ) from None
         dist.barrier()  # the others wait until the checkpoint is complete
         self.last_saved = step
 
@@ -554,30 +613,92 @@ def resume_from_checkpoint(run, run_dir: RunDir) -> Path | None:
     return last
 
 
-class StopFlag:
-    """First Ctrl-C: finish the current step, save a checkpoint, exit (the trainer checks
-    ``requested`` after each step). Second Ctrl-C: stop at once."""
+class Terminated(Stop):
+    """The stop a SIGTERM asked for, raised where a Ctrl-C would raise ``KeyboardInterrupt``
+    (the CLI exits 143 for it, 130 for a Ctrl-C)."""
 
-    def __init__(self):
+
+_ACTIVE: list[StopFlag] = []  # the installed flag (the innermost), for ``critical``
+
+
+@contextmanager
+def critical():
+    """A stretch no second Ctrl-C may cut in two: a step's update and the record that it
+    happened, the renames of a save. A press inside it is held and raised (as
+    ``KeyboardInterrupt``) when the stretch ends; with no flag installed it changes nothing."""
+    flag = _ACTIVE[-1] if _ACTIVE else None
+    if flag is None:
+        yield
+        return
+    flag.depth += 1
+    try:
+        yield
+    except BaseException:
+        flag.depth -= 1
+        raise
+    flag.depth -= 1
+    if flag.depth == 0 and flag.pending is not None:
+        pending, flag.pending = flag.pending, None
+        raise pending
+
+
+class StopFlag:
+    """First Ctrl-C, or a SIGTERM (what Kubernetes, Slurm preemption and ``docker stop`` send):
+    finish the current step, save a checkpoint, exit (the trainer checks ``requested`` after
+    each step). Second Ctrl-C: stop at once (``KeyboardInterrupt``), except inside ``critical``,
+    which finishes first -- so the trainer always knows whether the update of the step in
+    flight happened, and a checkpoint's step is the step whose weights it holds. A repeated
+    SIGTERM changes nothing (launchers resend it before they kill).
+
+    ``immediate``: there is nothing a step could add (loading, the evaluations before the first
+    and after the last step): the first signal stops at once. ``say``: prints one line (the
+    trainer points it at its display of the moment)."""
+
+    def __init__(self, say=print):
         self.requested = False
+        self.signal: str | None = None  # the first signal: "SIGINT" or "SIGTERM"
+        self.immediate = False
+        self.say = say
+        self.depth = 0  # inside ``critical`` (nested)
+        self.pending: KeyboardInterrupt | None = None  # a stop held until ``critical`` ends
+
+    def _stop(self, signum) -> KeyboardInterrupt:
+        return Terminated() if signum == signal.SIGTERM else Stop()
+
+    def handler(self, signum, frame) -> None:
+        name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        if self.requested or self.immediate:
+            if self.requested and signum == signal.SIGTERM:
+                return  # a launcher's repeat: the stop already asked for goes on
+            self.requested, self.signal = True, self.signal or name
+            if self.depth:
+                if self.pending is None:
+                    self.pending = self._stop(signum)
+                    self.say("[interrupt] stopping as soon as the update in flight is recorded")
+                return
+            raise self._stop(signum)
+        self.requested, self.signal = True, name
+        what = "[interrupt]" if name == "SIGINT" else "[SIGTERM]"
+        self.say(
+            f"{what} finishing this step, saving a checkpoint, then exiting "
+            "(Ctrl-C again to stop at once)"
+        )
 
     @contextmanager
-    def installed(self, display):
-        def handler(signum, frame):
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-            display.print(
-                "[interrupt] finishing this step, saving a checkpoint, then exiting "
-                "(Ctrl-C again to stop at once)"
-            )
-
+    def installed(self, display=None):
+        if display is not None:
+            self.say = display.print
+        handler = self.handler
         try:
-            old = signal.signal(signal.SIGINT, handler)
+            old_int = signal.signal(signal.SIGINT, handler)
         except ValueError:  # not the main thread
             yield self
             return
+        old_term = signal.signal(signal.SIGTERM, handler)
+        _ACTIVE.append(self)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, old)
+            _ACTIVE.remove(self)
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)

@@ -14,6 +14,7 @@ What it deliberately does not do: no optimizer, critic or step (``trainer``, ``u
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from peergrade import distributed as dist
 from peergrade.config import Config, ConfigError
 from peergrade.envs import check_template, make_env_from_objects, make_env_from_specs
 from peergrade.envs.scoring import env_reward, gives_reward
+from peergrade.envs.verifiers import is_verifiers_spec
 from peergrade.errors import InputError, user_input
 from peergrade.files import PYTHON_ONLY
 from peergrade.model.load import (
@@ -33,8 +35,8 @@ from peergrade.model.load import (
     resolve_dtype,
     resolve_model_path,
 )
-from peergrade.rewards import RewardSpec, make_reward_specs
-from peergrade.rewards.models import reward_or_model
+from peergrade.rewards import BUILTIN_REWARDS, RewardSpec, make_reward_specs
+from peergrade.rewards.models import is_reward_model_name, reward_or_model
 from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import chat_template_note, encode_prompts, to_messages
@@ -131,6 +133,13 @@ def build_rewards(cfg: Config, task, fns: list | None = None) -> list[RewardSpec
         else:
             items = [(name, w, {}, None) for name, w in task.default_rewards]
         specs = make_reward_specs(items)
+    if cfg.rewards:  # the user's own functions get a time limit and a thread of their own
+        for spec, item, fn in zip(specs, cfg.rewards, fns):
+            if fn is not None or not (
+                item.name.strip() in BUILTIN_REWARDS or is_reward_model_name(item.name)
+            ):
+                limit = cfg.train.reward_timeout_s if item.timeout_s is None else item.timeout_s
+                spec.timeout_s = limit or math.inf
     if not specs:
         raise InputError(
             f"task {task.name!r} has no default reward: name one with --reward or `rewards:`"
@@ -150,6 +159,7 @@ def build_env(cfg: Config, tools: list | None = None, environment_factory: Any =
         max_tool_calling_iterations=e.max_tool_calling_iterations,
         tool_timeout=e.tool_timeout,
         max_tool_output_chars=e.max_tool_output_chars,
+        tool_concurrency=e.tool_concurrency,
     )
     if tools or environment_factory is not None:
         return make_env_from_objects(tools or [], environment_factory, **options)
@@ -326,6 +336,16 @@ def run_header(
         lines.append(
             f"data: {n} training rows, {P} a step: {steps * P / n:.2f} epochs in {steps} steps "
             "(each epoch a fresh shuffle)"
+        )
+    e = cfg.env
+    if e.enabled and not is_verifiers_spec(e.factory):
+        lines.append(
+            "tools: each call may take "
+            + (f"{e.tool_timeout:g} s" if e.tool_timeout else "unlimited time")
+            + " (env.tool_timeout), a result is cut at "
+            + (f"{e.max_tool_output_chars} characters" if e.max_tool_output_chars else "no length")
+            + f" (env.max_tool_output_chars), {e.tool_concurrency} calls at once "
+            "(env.tool_concurrency)"
         )
     first = next(task.train_rows(cfg.train.seed))
     if make_env is not None:

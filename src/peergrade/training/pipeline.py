@@ -79,6 +79,7 @@ from typing import Any
 
 import torch
 
+from peergrade.errors import PeergradeError
 from peergrade.training.experience import Experience
 
 __all__ = [
@@ -130,6 +131,10 @@ def producer_run(run):
     return dataclasses.replace(run, models=models)
 
 
+class ProducerStalled(PeergradeError, RuntimeError):
+    """The producer delivered no step within ``rollout.producer_timeout_s``."""
+
+
 class _Producer:
     """What both kinds of producer hold: ``collect(run, step, rows)`` is the trainer's collect
     without advantages; ``run`` the run it collects with (a thread: ``producer_run``'s copy; a
@@ -156,6 +161,19 @@ class _Producer:
         self.done: dict[int, Experience] = {}  # collected, not yet taken
         self.error: BaseException | None = None
         self.cond = threading.Condition()
+        # rollout.producer_timeout_s: how long take() waits before it names a stalled producer
+        self.timeout_s: float | None = None
+
+    def _wait(self, ready: Callable[[], bool], step: int, what: str) -> None:
+        """``cond.wait_for(ready)`` (``cond`` held), bounded by ``timeout_s``: past it, an
+        error naming the producer and the limit."""
+        limit = self.timeout_s or None
+        if not self.cond.wait_for(ready, timeout=limit):
+            raise ProducerStalled(
+                f"the rollout producer ({what}) delivered nothing for step {step} within "
+                f"{limit:g} s (rollout.producer_timeout_s): it is stopped, hung in a reward "
+                "or a tool, or slower than that; raise the limit if it is only slow"
+            )
 
     def version_of(self, step: int) -> int:
         return max(sampled_version(step, self.k), self.floor)
@@ -212,8 +230,10 @@ class Producer(_Producer):
         """Step ``step``'s experience (waiting until it is collected); the producer's error,
         re-raised here, when it failed."""
         with self.cond:
-            self.cond.wait_for(
-                lambda: step in self.done or self.error is not None or not self.thread.is_alive()
+            self._wait(
+                lambda: step in self.done or self.error is not None or not self.thread.is_alive(),
+                step,
+                f"thread {self.thread.name}",
             )
             if step in self.done:
                 return self.done.pop(step)
@@ -382,7 +402,9 @@ class ProcessProducer(_Producer):
     # ------------------------------------------------------------------ in the child process
     def _child(self, available: list[int]) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # and so is SIGTERM (Slurm signals every process of a job): the trainer saves, then
+        # ends this process itself (close); a dead trainer ends it too (_die_with_parent)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _die_with_parent()
         # the trainer's progress display may have replaced them with proxies that print through
         # its console (whose lock a display thread, not copied by fork, may have held): what a
@@ -438,7 +460,11 @@ class ProcessProducer(_Producer):
         """Step ``step``'s experience (waiting until it is collected); the producer's error,
         re-raised here, when it failed."""
         with self.cond:
-            self.cond.wait_for(lambda: step in self.done or self.error is not None or self.ended)
+            self._wait(
+                lambda: step in self.done or self.error is not None or self.ended,
+                step,
+                f"process {self.process.pid}",
+            )
             if step in self.done:
                 return self.done.pop(step)
             if self.error is not None:
@@ -475,11 +501,9 @@ class ProcessProducer(_Producer):
     def close(self, timeout: float = 60.0) -> None:
         """Stop the producer (at once: it holds nothing the trainer needs) and wait for it."""
         with contextlib.suppress(OSError):
-            self._to_child.send(None)
-        if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(timeout)
-        if self.process.is_alive():
+            self._to_child.send(None)  # a producer waiting for weights returns at once
+        self.process.join(min(timeout, 2.0))
+        if self.process.is_alive():  # mid-step (or stopped): it ignores SIGTERM, see _child
             self.process.kill()
             self.process.join(timeout)
         self._to_child.close()

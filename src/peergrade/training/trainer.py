@@ -44,9 +44,12 @@ run directory and resume (``checkpoint``) or the held-out evaluator (``evaluatio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -118,6 +121,17 @@ from peergrade.training.update import (
 
 
 @dataclass
+class Done:
+    """The last step whose update happened: its number, its metrics and logged groups (None
+    until the step's result is computed: the loop logs them if it was interrupted before it
+    could), and dynamic sampling's ``informative_seen`` as it stood after that step."""
+
+    step: int
+    result: Any = None
+    informative_seen: bool = False
+
+
+@dataclass
 class Run:
     """Everything one training run holds between steps."""
 
@@ -140,6 +154,9 @@ class Run:
     # dynamic sampling: some group's rewards have differed in this run (a checkpoint keeps it);
     # until then a step that finds none stops the run (dynamic.fill_groups' require_one)
     informative_seen: bool = False
+    # the last step whose update happened (its weights are the model's), recorded together
+    # with the update (``commit``): what an interrupted run saves, whatever the moment
+    done: Done = field(default_factory=lambda: Done(0))
 
     @property
     def optimizer_state(self):
@@ -431,10 +448,14 @@ def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepRes
     exp = collect(run, step, rows, meter)
     t_ref = time.perf_counter()
     meter.reset()  # 5. policy update
-    upd = learn(run, exp, step)
-    meter.record("update")
-    exp.seconds["update"] = time.perf_counter() - t_ref
-    return step_result(run, exp, upd, step)
+    # a second Ctrl-C waits: the update, its record and the step's metrics are one
+    with ckpt.critical():
+        upd = learn(run, exp, step)
+        run.done = Done(step, None, run.informative_seen)
+        meter.record("update")
+        exp.seconds["update"] = time.perf_counter() - t_ref
+        run.done.result = step_result(run, exp, upd, step)
+    return run.done.result
 
 
 def pipelined_step(run: Run, producer, step: int) -> StepResult:
@@ -449,26 +470,64 @@ def pipelined_step(run: Run, producer, step: int) -> StepResult:
         kept = run.cfg.rollout.prompts_per_step - exp.sampled.dynamic["dynamic/unfilled_groups"]
         run.informative_seen = run.informative_seen or kept > 0
     t_adv = time.perf_counter()
-    upd = learn(run, exp, step)
-    t_learned = time.perf_counter()
-    producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
-    t_published = time.perf_counter()
-    # the phases mean what they mean in a synchronous step: the advantages count with the
-    # reference phase (collect computes them there), the update is learn() alone
-    exp.seconds["ref"] += t_adv - t_got
-    exp.seconds["update"] = t_learned - t_adv
-    result = step_result(run, exp, upd, step)
-    staleness = (step - 1) - exp.policy_version  # version trained - version sampled
-    result.metrics.update(
-        {
-            "async/staleness_mean": float(staleness),  # one version per step's experience
-            "async/staleness_max": staleness,
-            "async/policy_version": exp.policy_version,
-            "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
-            "time/publish_s": t_published - t_learned,  # the new weights to the producer
-        }
-    )
+    # a second Ctrl-C waits: the update, its record and the step's metrics are one
+    with ckpt.critical():
+        upd = learn(run, exp, step)
+        t_learned = time.perf_counter()
+        producer.publish(step, run.models.policy)  # version `step` samples step + 1 + k
+        t_published = time.perf_counter()
+        run.done = Done(step, None, run.informative_seen)
+        # the phases mean what they mean in a synchronous step: the advantages count with the
+        # reference phase (collect computes them there), the update is learn() alone
+        exp.seconds["ref"] += t_adv - t_got
+        exp.seconds["update"] = t_learned - t_adv
+        result = step_result(run, exp, upd, step)
+        staleness = (step - 1) - exp.policy_version  # version trained - version sampled
+        result.metrics.update(
+            {
+                "async/staleness_mean": float(staleness),  # one version per step's experience
+                "async/staleness_max": staleness,
+                "async/policy_version": exp.policy_version,
+                "time/wait_s": t_got - t_wait,  # the trainer idle, waiting for the producer
+                "time/publish_s": t_published - t_learned,  # the new weights to the producer
+            }
+        )
+        run.done.result = result
     return result
+
+
+#: rollout.async_steps above this warns: staleness, and the versions kept, grow with it
+ASYNC_STEPS_WARN = 4
+
+
+def check_run_conflicts(cfg: Config) -> None:
+    """Conflicts of the config with how the run is launched (torchrun's world size, the
+    device), found before any model loads or run directory is made: a ``ConfigError``. Also
+    warns (one line) of a pipelined run far ahead of its trainer."""
+    r = cfg.rollout
+    world = int(os.environ["WORLD_SIZE"]) if dist.launched() else dist.world()
+    if r.dynamic_sampling and r.async_steps and world > 1:
+        raise ConfigError(
+            "rollout.dynamic_sampling with rollout.async_steps >= 1 runs one process only: its "
+            "rounds gather every rank's rewards, and those collectives would race the trainer's "
+            f"in the producer; under torchrun ({world} processes) set one of them off"
+        )
+    if r.async_steps:
+        from peergrade.model.load import resolve_device
+
+        try:
+            pipeline.producer_kind(r.producer, resolve_device(cfg.model.device))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if r.async_steps > ASYNC_STEPS_WARN and os.environ.get("RANK", "0") == "0":
+            print(
+                f"warning: rollout.async_steps {r.async_steps} samples each step with weights "
+                f"{r.async_steps} updates old (more than {ASYNC_STEPS_WARN}: the off-policy "
+                f"correction has more to correct) and keeps {r.async_steps + 1} copies of the "
+                "trainable weights; 1 or 2 usually hides generation as well",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
@@ -514,7 +573,7 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
         if kind == "process"
         else (pipeline.Producer, pipeline.producer_run(run))
     )
-    return cls(
+    producer = cls(
         partial(collect, advantages=False),
         prun,
         k,
@@ -522,7 +581,9 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
         lambda: [next(rows) for _ in range(P)],
         versions,
         threads,
-    ).start()
+    )
+    producer.timeout_s = cfg.rollout.producer_timeout_s
+    return producer.start()
 
 
 def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> StepResult:
@@ -583,6 +644,10 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
                 "finish_reason": finish[group],
             }
         )
+    if dist.parallel() and cfg.train.log_samples > P:  # rank 0 holds the first P of them:
+        # the rest live on the next ranks (whole, contiguous blocks), as one process logs them
+        samples = [x for part in dist.gather_objects(samples) for x in part]
+        samples = samples[: cfg.train.log_samples]
     shapes = {
         "prompt_len": max(len(ids) for ids in s.prompt_ids),
         "seq_len": exp.input_ids.shape[1],
@@ -713,7 +778,8 @@ def train(
     ``resume_hint``: how the caller continues an interrupted run (default: the command line);
     ``count_steps(step)``: the step number the progress line shows (the Python API: TRL's
     optimizer steps, as its log_history)."""
-    t, P = cfg.train, cfg.rollout.prompts_per_step
+    t = cfg.train
+    check_run_conflicts(cfg)  # before the process group, the model and the run directory
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
     ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
     if resume and (done := ckpt.finished_run(Path(run_dir), t.steps)) is not None:
@@ -728,14 +794,45 @@ def train(
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume, on_log=on_log)
-    evaluate_start(held_out, out, display, metrics_log, detectors)
-    display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
-    display = Display(display_mode, t.steps, start_step, count=count_steps)
+    # Ctrl-C / SIGTERM from here on (checkpoint.StopFlag): before the first step and after the
+    # last there is nothing a step could add, so the first one stops at once
+    stop = ckpt.StopFlag()
+    with stop.installed(display):
+        stop.immediate = True
+        evaluate_start(held_out, out, display, metrics_log, detectors)
+        display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
+        display = Display(display_mode, t.steps, start_step, count=count_steps)
+        stop.say = display.print
+        stop.immediate = False
+        again = resume_hint or f"peergrade train --resume {out.path}"
+        return _loop(
+            run,
+            held_out,
+            out,
+            display,
+            metrics_log,
+            samples_log,
+            detectors,
+            stop,
+            start_step,
+            again,
+        )
 
+
+def _loop(
+    run, held_out, out, display, metrics_log, samples_log, detectors, stop, start_step, again
+):
+    """The steps after ``start_step``, then the final evaluation (``finish``); a stop asked for
+    by ``stop`` saves the last step whose update happened (``Run.done``). ``again``: how the
+    caller continues an interrupted run (a command, or the Python API's call)."""
+    cfg = run.cfg
+    t, P = cfg.train, cfg.rollout.prompts_per_step
     if cfg.rollout.dynamic_sampling:  # fill_step's require_one, as the checkpoint left it
         run.informative_seen = out.trainer_state.get("dynamic_informative_seen", False)
+    run.done = Done(start_step, None, run.informative_seen)
     rows = itertools.islice(run.task.train_rows(t.seed), start_step * P, None)
-    stop, step, interrupted, t_run = ckpt.StopFlag(), start_step, False, time.perf_counter()
+    interrupted, t_run, stalled = False, time.perf_counter(), None
+    logged = start_step  # the last step whose metrics line is written
     told_unfilled = False
     producer, threads = None, torch.get_num_threads()
     if cfg.rollout.async_steps and start_step < t.steps:  # pipelined: the producer owns `rows`
@@ -749,70 +846,157 @@ def train(
     # the first step's update under bf16 autocast, against the float32 one (detector bf16_update)
     probe = bf16_probe(run) if start_step == 0 else None
     try:
-        with stop.installed(display):
-            for step in range(start_step + 1, t.steps + 1):
-                t_step = time.perf_counter()
-                if producer is None:
-                    result = train_step(run, step, [next(rows) for _ in range(P)])
-                else:
-                    result = pipelined_step(run, producer, step)
-                m = result.metrics
-                if probe is not None:
-                    m.update(probe.metrics())
-                    probe = None
-                if cfg.rollout.dynamic_sampling:
-                    out.trainer_state["dynamic_informative_seen"] = run.informative_seen
-                    if m["dynamic/unfilled_groups"] and not told_unfilled:
-                        told_unfilled = True  # once: the metric has every step's count
-                        display.print(
-                            f"step {step}: dynamic sampling filled "
-                            f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
-                            f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
-                            "are groups whose rewards agree (advantage 0). Each step's count: "
-                            "dynamic/unfilled_groups"
-                        )
+        # a SIGTERM while the starting model was evaluated: stop before the first step
+        if dist.any_true(stop.requested):
+            raise KeyboardInterrupt
+        for step in range(start_step + 1, t.steps + 1):
+            t_step = time.perf_counter()
+            if producer is None:
+                result = train_step(run, step, [next(rows) for _ in range(P)])
+            else:
+                result = pipelined_step(run, producer, step)
+            m = result.metrics
+            if probe is not None:
+                m.update(probe.metrics())
+                probe = None
+            if cfg.rollout.dynamic_sampling:
+                out.trainer_state["dynamic_informative_seen"] = run.informative_seen
+                if m["dynamic/unfilled_groups"] and not told_unfilled:
+                    told_unfilled = True  # once: the metric has every step's count
+                    display.print(
+                        f"step {step}: dynamic sampling filled "
+                        f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
+                        f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
+                        "are groups whose rewards agree (advantage 0). Each step's count: "
+                        "dynamic/unfilled_groups"
+                    )
+            with ckpt.critical():  # the step's groups whole, and marked as written
                 for sample_row in result.samples:
                     samples_log.write(sample_row)
-                if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    t_eval = time.perf_counter()
-                    m.update(held_out.evaluate_logged(step, display))  # and a line on screen
-                    m["time/eval_s"] = time.perf_counter() - t_eval
-                m["time/step_s"] = time.perf_counter() - t_step
-                m.update(detectors.update(m))  # alert/<name> keys and their messages
+                result.samples = []
+            if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                t_eval = time.perf_counter()
+                m.update(held_out.evaluate_logged(step, display))  # and a line on screen
+                m["time/eval_s"] = time.perf_counter() - t_eval
+            m["time/step_s"] = time.perf_counter() - t_step
+            m.update(detectors.update(m))  # alert/<name> keys and their messages
+            with ckpt.critical():
                 metrics_log.write(m)
-                display.update(step, m)
-                if t.save_every and step % t.save_every == 0:
-                    out.save(run, step, extra(step))
-                if dist.any_true(stop.requested):  # all ranks stop after the same step
-                    interrupted = True
-                    break
+                logged = step
+            display.update(step, m)
+            if t.save_every and step % t.save_every == 0:
+                out.save(run, step, extra(step))
+            if dist.any_true(stop.requested):  # all ranks stop after the same step
+                interrupted = True
+                break
     except KeyboardInterrupt:
+        # a second Ctrl-C (or a failure of this rank's peers' stop): the step in flight stops
+        # where it is; run.done says whether its update happened
         interrupted = True
-        step -= 1  # the step in flight did not finish; the last complete one is saved below
+    except pipeline.ProducerStalled as e:  # the trainer is fine: keep what it finished
+        stalled = e
+    except ckpt.StorageError:
+        raise
+    except OSError as e:  # a log write the disk refused: named, with the last good checkpoint
+        problem = ckpt.storage_problem(e, out.path)
+        if problem is None:
+            raise
+        last = ckpt.latest_checkpoint(out.path)
+        raise ckpt.StorageError(
+            f"cannot write {str(e.filename or out.path)!r}: {problem}; "
+            + (
+                f"the last good checkpoint is {last.name} (intact): make room, then continue "
+                f"with: peergrade train --resume {out.path}"
+                if last is not None
+                else f"no checkpoint yet: make room, then: peergrade train --resume {out.path}"
+            )
+        ) from None
     finally:
-        if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
-            producer.close()
-            torch.set_num_threads(threads)
-        display.close()
-        samples_log.close()
+        # (OSError: the disk that refused a write refuses the logs' last flush too)
+        with contextlib.suppress(KeyboardInterrupt, OSError), ckpt.critical():
+            # a further Ctrl-C waits for the producer to go and the logs to be whole
+            if producer is not None:  # Ctrl-C, an error, or the end: no thread outlives the loop
+                producer.close(timeout=1.0 if interrupted or stalled else 60.0)
+                torch.set_num_threads(threads)
+            display.close()
+            done = run.done
+            if interrupted and done.result is not None and done.step > logged:
+                # interrupted after the update of step done.step, before its line was written
+                for sample_row in done.result.samples:
+                    samples_log.write(sample_row)
+                metrics_log.write({**done.result.metrics, "interrupted": True})
+            samples_log.close()
+    step = run.done.step
+    if cfg.rollout.dynamic_sampling:
+        out.trainer_state["dynamic_informative_seen"] = run.done.informative_seen
+    hint = f"continue with: {again}"
     if step > out.last_saved and step > 0:
-        out.save(run, step, extra(step))
+        try:
+            out.save(run, step, extra(step))
+        except KeyboardInterrupt:  # a further Ctrl-C during this save: it is given up
+            metrics_log.close()
+            last = ckpt.latest_checkpoint(out.path)
+            display.print(
+                f"stopped at step {step} while saving its checkpoint: the save was abandoned; "
+                + (
+                    f"the last complete checkpoint is {last.name} in {out.path}; {hint}"
+                    if last is not None
+                    else f"nothing saved in {out.path}; start it again with: {again} (from step 0)"
+                ),
+                always=True,
+            )
+            return stopped(stop, last_step(last), out)
+    if stalled is not None:
+        metrics_log.close()
+        raise pipeline.ProducerStalled(
+            f"{stalled}; checkpoint saved at step {step} in {out.path}; {hint}"
+            if step > 0
+            else f"{stalled}; nothing saved in {out.path}"
+        ) from None
     if interrupted:
         metrics_log.close()
-        again = resume_hint or f"peergrade train --resume {out.path}"
         display.print(
-            f"interrupted: checkpoint saved at step {step} in {out.path}; continue with: {again}"
+            f"{stop_name(stop)}: stopped at step {step}; checkpoint saved at step {step} in "
+            f"{out.path}; {hint}"
             if step > 0
-            else f"interrupted before the first step finished: nothing saved in {out.path}; "
-            f"start it again with: {again} (from step 0)"
-            + ("" if resume_hint else ", or replace it with --overwrite"),
+            else f"{stop_name(stop)} before the first step finished: nothing saved in "
+            f"{out.path}; start it again with: {again} (from step 0)"
+            + (", or replace it with --overwrite" if again.startswith("peergrade ") else ""),
             always=True,
         )
-        return {"interrupted": True, "step": step, "run_dir": str(out.path)}
-    with metrics_log:
-        return finish(
-            run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
+        return stopped(stop, step, out)
+    stop.immediate = True  # the final evaluation: a Ctrl-C or SIGTERM stops it at once
+    try:
+        with metrics_log:
+            return finish(
+                run, held_out, out, display, metrics_log, detectors, time.perf_counter() - t_run
+            )
+    except KeyboardInterrupt:
+        display.print(
+            f"{stop_name(stop)} during the final evaluation: checkpoint step-{step} is saved "
+            f"in {out.path}; resuming runs the final evaluation: {again}",
+            always=True,
         )
+        return stopped(stop, step, out)
+
+
+def stop_name(stop: ckpt.StopFlag) -> str:
+    return "SIGTERM" if stop.signal == "SIGTERM" else "interrupted"
+
+
+def last_step(ckpt_dir: Path | None) -> int:
+    return int(ckpt.STEP_RE.match(ckpt_dir.name).group(1)) if ckpt_dir is not None else 0
+
+
+def stopped(stop: ckpt.StopFlag, step: int, out: RunDir) -> dict[str, Any]:
+    """The summary of a run stopped by Ctrl-C or SIGTERM (``signal``: which; the CLI exits
+    143 for SIGTERM, 130 for Ctrl-C)."""
+    return {
+        "interrupted": True,
+        "signal": stop.signal or "SIGINT",
+        "step": step,
+        "run_dir": str(out.path),
+    }
 
 
 def finish(run: Run, held_out: HeldOut, out: RunDir, display, metrics_log, detectors, wall: float):
