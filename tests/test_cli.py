@@ -592,7 +592,7 @@ def test_ctrl_c_outside_the_loop_exits_130(monkeypatch, capsys):
     def interrupted(args, extra):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_mod, "cmd_config", interrupted)
+    monkeypatch.setattr(cli_mod.config, "run", interrupted)
     assert main(["config"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
 
@@ -619,10 +619,11 @@ def test_override_values_with_a_colon_stay_strings():
 
 def _resolved(argv: list[str]):
     """The config a command line resolves to, and its parsed arguments (nothing runs)."""
-    from peergrade.cli import _config_from, build_parser
+    from peergrade.cli import build_parser
+    from peergrade.cli.common import config_from
 
     args, extra = build_parser().parse_known_args(argv)
-    return _config_from(args, extra), args
+    return config_from(args, extra), args
 
 
 def test_train_explicit_keys_win_over_its_shortcuts():

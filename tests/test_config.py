@@ -199,7 +199,7 @@ def test_shipped_recipes_load():
 def test_off_and_on_as_the_docs_write_them(tmp_path):
     # YAML 1.1 reads `off` as False: a field whose choices include 'off' takes it as written,
     # in a file and on the command line (whose values are parsed as YAML too)
-    from peergrade.cli import _split_overrides
+    from peergrade.cli.common import split_overrides
 
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  autocast: off\ntrain:\n  audit_rewards: off\n")
@@ -208,7 +208,7 @@ def test_off_and_on_as_the_docs_write_them(tmp_path):
     again = tmp_path / "again.yaml"
     again.write_text(to_yaml(cfg))
     assert load_config(again) == cfg  # written back as 'off', read back as 'off'
-    cli = _split_overrides(["--model.autocast", "off", "--train.audit_rewards", "off"])
+    cli = split_overrides(["--model.autocast", "off", "--train.audit_rewards", "off"])
     cfg = load_config(None, cli)
     assert cfg.model.autocast == "off" and cfg.train.audit_rewards == "off"
     # a field without an 'on'/'off' choice still refuses a boolean, naming the key

@@ -163,7 +163,7 @@ def check_command(argv: list[str]) -> str | None:
     if not takes_config:
         return None if not extra else f"`peergrade {args.command}` takes no {extra}"
     try:
-        overrides = cli._split_overrides(extra)
+        overrides = cli.split_overrides(extra)
     except cli.UserError as e:
         return str(e)
     keys = all_keys()

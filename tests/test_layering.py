@@ -135,7 +135,7 @@ def test_only_cli_api_and_planning_import_the_trainer():
     importers = {m for m, deps in import_graph().items() if "peergrade.training.trainer" in deps}
     assert {_package(m) for m in importers} <= {"cli", "api", "planning"}, importers
     assert "peergrade.api" in importers
-    assert "peergrade.cli" in importers
+    assert "peergrade.cli.train" in importers
 
 
 def test_the_update_sits_below_the_trainer_and_ppo():

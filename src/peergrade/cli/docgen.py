@@ -42,8 +42,8 @@ are replaced whole), as `configs/smollm2-arith-kl.yaml` does. The defaults are t
 """
 
 CLI_INTRO = """\
-Every `peergrade` command and flag, generated from the argparse parser in
-`src/peergrade/cli/__init__.py`. `peergrade COMMAND --help` prints the same. An error a user can fix (a
+Every `peergrade` command and flag, generated from the argparse parsers in
+`src/peergrade/cli/` (one module per command). `peergrade COMMAND --help` prints the same. An error a user can fix (a
 bad key, value, file or directory) is printed as one `error: ...` line with exit status 2.
 Commands that read a config (`train`, `config`, `memory`, `sweep`) also take any configuration
 key as `--section.key value` ([configuration reference](configuration.md)).

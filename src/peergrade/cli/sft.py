@@ -1,0 +1,63 @@
+"""``peergrade sft``: the supervised warm-up (how the bundled models are made).
+
+It parses and calls; the work happens in the library."""
+
+from __future__ import annotations
+
+from peergrade.cli.common import (
+    add_command,
+    add_output,
+    add_overwrite,
+    add_seed,
+    add_task,
+    key_value,
+)
+
+
+def run(args, extra) -> int:
+    from peergrade.training.sft import run_sft
+
+    run_sft(
+        out=args.output,
+        init=args.init,
+        model=args.model,
+        task=args.task,
+        task_options=dict(key_value(o) for o in args.task_option),
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        overwrite=args.overwrite,
+        threads=args.threads,
+        tool_fraction=args.tool_fraction,
+    )
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = add_command(
+        sub,
+        "sft",
+        run,
+        "supervised warm-up on a task (how the bundled model is made)",
+        "Supervised fine-tuning on a task's prompt -> answer pairs. "
+        "The bundled demo model is made with the command in docs/getting-started.md.",
+    )
+    add_output(s, "MODEL_DIR", "output model dir", "--out", required=True)
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--init", metavar="ARCH", help="start from a fresh tiny model: qwen2 | llama")
+    src.add_argument("--model", help="start from an existing model dir")
+    add_task(s, "built-in task whose answers are taught")
+    s.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    s.add_argument("--batch-size", type=int, default=64, help="examples per step")
+    s.add_argument("--lr", type=float, default=3e-3, help="learning rate (AdamW)")
+    add_seed(s, default=0)
+    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    s.add_argument(
+        "--tool-fraction",
+        type=float,
+        default=0.0,
+        help="share of examples taught as calculator episodes (call, result, answer; "
+        "arithmetic only): how the calculator demo's model is made",
+    )
+    add_overwrite(s, "output model dir")

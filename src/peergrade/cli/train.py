@@ -1,0 +1,135 @@
+"""``peergrade train``: GRPO (or PPO) training; no arguments: the CPU demo.
+
+It parses and calls; the work happens in the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from peergrade.cli.common import (
+    EXAMPLES,
+    add_command,
+    add_config,
+    add_output,
+    add_overwrite,
+    add_policy_model,
+    add_seed,
+    config_from,
+)
+from peergrade.errors import InputError
+
+
+def run(args, extra) -> int:
+    from peergrade.training import checkpoint as ckpt
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        for line in ckpt.check_run_dir(run_dir, resume=True, overwrite=False):
+            print(f"checkpoints: {line} (left by an interrupted run)", file=sys.stderr)
+        if args.config:
+            raise InputError(
+                "--resume uses the run's own config.yaml; do not pass --config with it"
+            )
+        args.config = str(run_dir / "config.yaml")
+        cfg = config_from(args, extra, run_config=True)
+    else:
+        cfg = config_from(args, extra)
+        run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
+        ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
+    from peergrade.distributed import main_guard
+    from peergrade.training.trainer import train
+
+    # under torchrun: a failure names its rank, and the process group is torn down either way
+    try:
+        summary = main_guard(
+            train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
+        )
+    except KeyboardInterrupt as stop:
+        # while loading or evaluating the starting model: the run directory may already exist
+        code, what = (143, "SIGTERM") if isinstance(stop, ckpt.Terminated) else (130, "interrupted")
+        if (run_dir / "config.yaml").is_file():
+            last = ckpt.latest_checkpoint(run_dir)
+            print(
+                f"{what} before the first checkpoint: continue with: peergrade train "
+                f"--resume {run_dir} (starts from step 0), or start over with --overwrite"
+                if last is None
+                else f"{what} before training went on: {last.name} is the last checkpoint; "
+                f"continue with: peergrade train --resume {run_dir}",
+                file=sys.stderr,
+            )
+            return code
+        print(what, file=sys.stderr)
+        return code
+    if summary.get("interrupted"):
+        return 143 if summary.get("signal") == "SIGTERM" else 130
+    return 0
+
+
+def add_parser(sub) -> None:
+    t = add_command(
+        sub,
+        "train",
+        run,
+        "GRPO training (no arguments: the CPU demo)",
+        "GRPO training. With no arguments: the CPU demo (bundled tiny model, arithmetic task), "
+        "ending with a before/after held-out accuracy table. Any config key can be overridden "
+        "with --section.key value (see `peergrade config`); it wins over the shortcuts below.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config(
+        t,
+        ("model", "model.path"),
+        ("data", "data.path"),
+        ("reward", "rewards"),
+        ("tools", "env.tools"),
+        ("env", "env.factory"),
+        ("harness", "harness.fn"),
+        ("steps", "train.steps"),
+        ("seed", "train.seed"),
+        ("output", "train.output_dir"),
+    )
+    t.add_argument(
+        "--trl-config",
+        metavar="RECIPE",
+        help="a TRL GRPOConfig / open-r1 recipe YAML (see docs/coming-from-trl.md); "
+        "--section.key overrides still apply after it",
+    )
+    add_policy_model(t)
+    t.add_argument("--data", help="user dataset file (= --data.path)")
+    t.add_argument(
+        "--reward",
+        action="append",
+        metavar="SPEC",
+        help="reward: built-in name, module:fn, file.py:fn or a reward-model dir "
+        "(AutoModelForSequenceClassification), optionally =WEIGHT; repeatable (= rewards)",
+    )
+    t.add_argument(
+        "--tools",
+        action="append",
+        metavar="FILE.py:fn",
+        help="a tool the model may call (TRL's tools: type hints and a docstring), file.py:fn "
+        "or module:fn; repeatable: each completion becomes a multi-turn episode (= env.tools)",
+    )
+    t.add_argument(
+        "--env",
+        metavar="FILE.py:Class",
+        help="an environment class: TRL's environment_factory or a native reset/step "
+        "environment, or verifiers:MODULE, a verifiers environment (= env.factory; see "
+        "docs/environments.md)",
+    )
+    t.add_argument(
+        "--harness",
+        metavar="FILE.py:fn",
+        help="an external agent, fn(row, base_url, model) -> reward: each completion is an "
+        "episode it runs against the policy served as an OpenAI-compatible endpoint "
+        "(= harness.fn; see docs/serving.md)",
+    )
+    t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
+    add_seed(t, "random seed (= --train.seed)")
+    add_output(t, "RUN_DIR", "run directory (= --train.output_dir)", "--output-dir")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    add_overwrite(t, "run directory")
