@@ -97,6 +97,15 @@ def _is_number(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    """``mask == 1`` as a bool tensor; a mask of other values than 0/1 is an error."""
+    if mask.dtype == torch.bool:
+        return mask
+    if bool(((mask == 0) | (mask == 1)).all()):
+        return mask == 1
+    raise ValueError("mask: expected only 0/1 values (mask == 1 marks tokens that count)")
+
+
 @torch.no_grad()
 def off_policy_weights(
     old_logp: torch.Tensor,
@@ -149,12 +158,7 @@ def off_policy_weights(
         raise ValueError(f"low: expected a number in [0, 1], got {low!r}")
     if not (_is_number(high) and high >= 1):
         raise ValueError(f"high: expected a number >= 1, got {high!r}")
-    if mask.dtype == torch.bool:
-        valid = mask
-    elif bool(((mask == 0) | (mask == 1)).all()):
-        valid = mask == 1
-    else:
-        raise ValueError("mask: expected only 0/1 values (mask == 1 marks tokens that count)")
+    valid = _valid(mask)
 
     dtype = torch.promote_types(
         torch.promote_types(old_logp.dtype, behaviour_logp.dtype), torch.float32
@@ -248,12 +252,7 @@ def off_policy_sequence_mask(
         raise ValueError(f"advantages: expected shape ({B},) (one per sequence), got {got}")
     if not (_is_number(threshold) and threshold > 0):
         raise ValueError(f"threshold: expected a positive number, got {threshold!r}")
-    if mask.dtype == torch.bool:
-        valid = mask
-    elif bool(((mask == 0) | (mask == 1)).all()):
-        valid = mask == 1
-    else:
-        raise ValueError("mask: expected only 0/1 values (mask == 1 marks tokens that count)")
+    valid = _valid(mask)
     dtype = torch.promote_types(
         torch.promote_types(logp.dtype, behaviour_logp.dtype), torch.float32
     )
