@@ -182,6 +182,7 @@ def test_estimate_for_config_reads_the_model_dir(tiny_model_dir):
     direct = estimate_memory(
         tiny_model_dir, batch=4, micro_batch=2, seq_len=18, completion_len=8, beta=0.04,
         group_size=2, minibatch=4,
+        eval_rows=cfg.train.eval_size * cfg.train.eval_samples, eval_batch=4,  # auto: the step's 4
     )  # fmt: skip
     assert e == direct
     assert estimate_for_config(cfg)["peak"] > 0  # prompt length from the task's prompts
@@ -204,6 +205,7 @@ def test_dynamic_sampling_rounds_ahead_counts_its_larger_generation_batch(tiny_m
     direct = estimate_memory(
         tiny_model_dir, batch=4, seq_len=18, completion_len=8, beta=0.04, group_size=2,
         minibatch=4, generation_rounds=3,
+        eval_rows=200 * 8, eval_batch=12,  # auto: the step's call of 3 rounds of 4
     )  # fmt: skip
     assert ahead == direct
 
