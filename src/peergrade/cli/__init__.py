@@ -384,7 +384,7 @@ def cmd_memory(args, extra) -> int:
         ]}))  # fmt: skip
         return 0
     print(format_table(rows))
-    _print_run_peaks([(label, est) for label, _, est in rows])
+    _print_run_peaks([(label, est) for label, _, est in rows], [m for _, m, _ in rows])
     if cfg.rollout.async_steps:
         print(
             "note: rollout.async_steps >= 1: the measurement runs the synchronous step (no "
@@ -411,16 +411,24 @@ def _memory_header(cfg, world: int) -> None:
     print(eval_batch_line(cfg, world))
 
 
-def _print_run_peaks(rows) -> None:
+def _print_run_peaks(rows, measured=None) -> None:
     """One line per variant: the run's estimated peak (every phase, held-out evaluation
-    included), the phase that sets it, and the training step's peak."""
-    for label, est in rows:
+    included), the phase that sets it, and the training step's peak; with a measurement, the
+    whole process's (its baseline added: compare with a run's peak RSS)."""
+    for i, (label, est) in enumerate(rows):
         evaluate = est["phases"].get("evaluate")
+        base = measured[i]["baseline_bytes"] if measured else None
         print(
             f"estimated run peak {label}: {est['peak'] / 2**20:.0f} MiB, set by "
             f"{est['peak_phase']} (training step {est['step_peak'] / 2**20:.0f} MiB"
             + (f", held-out evaluation {evaluate / 2**20:.0f} MiB" if evaluate else "")
             + "; above the process baseline)"
+            + (
+                f"; with the measured baseline, the whole process: "
+                f"{(est['peak'] + base) / 2**20:.0f} MiB"
+                if base is not None
+                else ""
+            )
         )
 
 
