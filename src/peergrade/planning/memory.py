@@ -67,6 +67,15 @@ dtype, bf16 autocast and LoRA, as a breakdown in bytes (b = bytes per element of
                  generation: KV cache + [N, V] logits (+ bf16 casts))    # rollout
            (+ grads while micro-batches accumulate)
 
+and, for the whole run, the held-out evaluation (phase "evaluate", with ``estimate_for_config``):
+
+    evaluate = weights + reference + critic + optimizer
+               + KV cache + [N, V] logits of one evaluation call (the generation formula above,
+                 N = train.eval_batch_size: auto = the step's largest generation call)
+
+``peak`` is the run's (every phase), ``step_peak`` the training step's, ``peak_phase`` names
+the phase that sets ``peak``.
+
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
 that stops early) and the longest prompt for all rows; the measurement runs that same step
 (full-length completions, every row trained). Measured accuracy: docs/memory.md.
