@@ -249,3 +249,28 @@ def test_a_producer_adds_its_weight_copies_and_runs_beside_the_update():
     lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
     small = estimate_memory(MODELS / "qwen2.5-1.5b", **kw, lora=lora, async_steps=1)
     assert small["producer"] == 3 * small["trainable_params"] * 4  # the adapters only
+
+
+def test_fit_search_sets_the_eval_batch_back_to_auto_when_evaluation_is_the_peak():
+    """A held-out evaluation of the whole sampled pass at once (200 x 8 sequences of
+    Qwen2.5-1.5B: 1600 rows of 152k-vocabulary logits and KV cache) is the run's peak, above a
+    step that fits: the budget says so per phase, and fit_search's answer is train.eval_batch_size
+    auto (same objective), under which the run's peak is the step's."""
+    from peergrade.planning.budget import _with, fit_search
+    from peergrade.planning.memory import estimate_for_config
+
+    cfg = _demo_cfg(
+        MODELS / "qwen2.5-1.5b",
+        **{"rollout.max_completion_length": 512, "train.eval_batch_size": 1600,
+           "optim.micro_batch_size": 8},
+    )  # fmt: skip
+    kw = dict(prompt_len=256, device="cuda")
+    est = estimate_for_config(cfg, **kw)
+    assert est["peak_phase"] == "evaluate" and est["peak"] > est["step_peak"]
+    budget = (est["step_peak"] + est["peak"]) // 2  # the step fits, the evaluation does not
+    fit = fit_search(cfg, budget, device="cuda", prompt_len=256)
+    assert fit["fits"] and not fit["objective"]
+    assert fit["changes"] == {"train.eval_batch_size": "auto"}
+    auto = estimate_for_config(_with(cfg, fit["changes"]), **kw)
+    assert auto["peak"] == auto["step_peak"] == est["step_peak"] == fit["peak"] <= budget
+    assert "evaluate peak" in format_budget([("GRPO", est)], budget)

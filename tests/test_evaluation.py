@@ -232,3 +232,42 @@ def test_reward_option_scoring_differs_by_extract():
     answer = ["19"] * 3
     assert strict.fn(["q"] * 3, completions, answer=answer, **strict.kwargs) == [0.0, 1.0, 0.0]
     assert lenient.fn(["q"] * 3, completions, answer=answer, **lenient.kwargs) == [1.0, 1.0, 0.0]
+
+
+def test_eval_batch_size_changes_no_number(tiny_qwen2, monkeypatch):
+    """train.eval_batch_size only bounds memory: the draws are keyed per (seed, prompt, sample,
+    token), so 1, 3, 7 sequences at a time and auto give the same answers and the same numbers,
+    and the batch the evaluation really generates with is the resolved one."""
+    import peergrade.generation as generation
+    from peergrade.config import load_config
+    from peergrade.evaluation import evaluate_config
+
+    model, tok = tiny_qwen2
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(5)]
+    ids = encode_prompts(rows, tok)
+    acc = RewardSpec(name="even", fn=_first_char_even, weight=1.0, kwargs={})
+    seen = []
+    real = generation.sample
+
+    def spy(model_, tok_, rows_, settings, **kw):
+        seen.append(settings.batch_size)
+        return real(model_, tok_, rows_, settings, **kw)
+
+    monkeypatch.setattr(generation, "sample", spy)
+    results = {}
+    for size in (1, 3, 7, "auto"):
+        cfg = load_config(
+            None,
+            [
+                ("train.eval_batch_size", size), ("train.eval_samples", 4),
+                ("train.eval_size", 5), ("rollout.max_completion_length", 3),
+                ("rollout.prompts_per_step", 2), ("rollout.group_size", 2),
+            ],
+        )  # fmt: skip
+        seen.clear()
+        results[size] = evaluate_config(cfg, model, tok, rows, ids, acc, keep_completions=True)
+        # auto: the step's generation call, 2 x 2 = 4 sequences, below the sampled pass's 20
+        assert seen == [4 if size == "auto" else size] * 2
+    assert 0 < results[1]["pass@1_sampled"] < 1  # not vacuous: some pass, some fail
+    for size in (3, 7, "auto"):
+        assert results[size] == results[1], size

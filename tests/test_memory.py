@@ -182,6 +182,7 @@ def test_estimate_for_config_reads_the_model_dir(tiny_model_dir):
     direct = estimate_memory(
         tiny_model_dir, batch=4, micro_batch=2, seq_len=18, completion_len=8, beta=0.04,
         group_size=2, minibatch=4,
+        eval_rows=cfg.train.eval_size * cfg.train.eval_samples, eval_batch=4,  # auto: the step's 4
     )  # fmt: skip
     assert e == direct
     assert estimate_for_config(cfg)["peak"] > 0  # prompt length from the task's prompts
@@ -204,6 +205,7 @@ def test_dynamic_sampling_rounds_ahead_counts_its_larger_generation_batch(tiny_m
     direct = estimate_memory(
         tiny_model_dir, batch=4, seq_len=18, completion_len=8, beta=0.04, group_size=2,
         minibatch=4, generation_rounds=3,
+        eval_rows=200 * 8, eval_batch=12,  # auto: the step's call of 3 rounds of 4
     )  # fmt: skip
     assert ahead == direct
 
@@ -315,3 +317,38 @@ def test_beta_0_measures_a_real_update(tiny_model_dir):
     m = measure_memory(cfg, steps=1, timeout=600)
     assert m["update_ran"] is True
     assert m["phases"]["update"] > m["phases"]["generate"]
+
+
+def test_eval_batch_auto_keeps_the_run_peak_at_the_step():
+    """The held-out evaluation is a phase of the run: its KV cache and logits by the step's
+    generation formula at train.eval_batch_size. auto resolves to the step's largest generation
+    call (smaller than eval_size * eval_samples here), so the evaluation stays within the step;
+    a batch of the whole sampled pass makes the evaluation the run's peak, and says so."""
+    from peergrade.config import ConfigError, load_config, validate
+
+    cfg = load_config(None, [("train.eval_size", 200), ("train.eval_samples", 8)])
+    assert cfg.train.eval_batch_size == "auto"
+    assert cfg.eval_generation_batch() == cfg.batch_size == 128 < 200 * 8
+    cfg.rollout.generation_batch_size = 32
+    assert cfg.eval_generation_batch() == 32 and cfg.eval_generation_batch(world=8) == 16
+    cfg.rollout.generation_batch_size = None
+    cfg.train.eval_size, cfg.train.eval_samples = 10, 2  # a pass smaller than the step's
+    assert cfg.eval_generation_batch() == 20
+    cfg.train.eval_batch_size = 0
+    with pytest.raises(ConfigError, match="train.eval_batch_size"):
+        validate(cfg)
+
+    kw = dict(batch=4, seq_len=6, completion_len=2, beta=0.1)
+    step = estimate_memory(HAND, **kw)
+    assert "evaluate" not in step["phases"] and step["eval_generation"] == 0
+    auto = estimate_memory(HAND, **kw, eval_rows=200 * 8, eval_batch=4)
+    # 4 rows: KV cache 2 * 1 layer * 1 kv head * 4 head dim * 4 rows * 6 tokens * 4 bytes = 768,
+    # logits and sampling buffers 2 * 4 rows * 10 vocab * 4 bytes = 320
+    assert auto["eval_generation"] == 768 + 320
+    assert auto["phases"]["evaluate"] == step["phases"]["generate"]  # same formula, same batch
+    assert auto["peak"] == auto["step_peak"] == step["peak"] and auto["peak_phase"] == "update"
+    whole = estimate_memory(HAND, **kw, eval_rows=200 * 8, eval_batch=None)
+    assert whole["eval_generation"] == 400 * (768 + 320) and whole["eval_batch"] == 1600
+    assert whole["phases"]["evaluate"] == step["phases"]["generate"] + 399 * (768 + 320)
+    assert whole["peak"] == whole["phases"]["evaluate"] > whole["step_peak"] == step["peak"]
+    assert whole["peak_phase"] == "evaluate"

@@ -596,6 +596,8 @@ def rank_memory(
     unsharded = int(parts["weights"] * layer_fraction * (1 - 1 / world))
     out = dict(phases)
     out["generate"] = phases["generate"] - static_saved + unsharded
+    if "evaluate" in out:  # held-out evaluation runs on the full weights too (full_weights)
+        out["evaluate"] = phases["evaluate"] - static_saved + unsharded
     # update = static + max(backward, grads): the activations stay, the grads shrink
     above = phases["update"] - static
     backward = above if above > parts["grads"] else 0

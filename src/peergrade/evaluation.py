@@ -142,7 +142,10 @@ def evaluate_config(
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
     with the run's own ``SamplerSettings`` (``Config.sampler_settings``: temperature, top-k,
-    top-p, stop, length, batch size, the episodes' limits) from ``eval_seed(train.seed)``;
+    top-p, stop, length, the episodes' limits) from ``eval_seed(train.seed)``, generated
+    ``train.eval_batch_size`` sequences at a time (``Config.eval_generation_batch``: auto = the
+    training step's largest generation call, so evaluation never holds more KV cache and
+    logits than the step; the draws are keyed, so the numbers do not depend on it);
     ``options`` go to ``evaluate`` (``curve``, ``keep_completions``). With ``make_env`` (the
     run's ``env:``) the answers are episodes and ``rows`` episode rows; with ``episode_fn`` (an
     external agent: ``training.harness.episode_fn``) its episodes instead of the engine's."""
@@ -153,7 +156,7 @@ def evaluate_config(
         prompt_ids,
         acc,
         k=cfg.train.eval_samples,
-        settings=cfg.sampler_settings(),
+        settings=cfg.sampler_settings().replace(batch_size=cfg.eval_generation_batch(dist.world())),
         seed=eval_seed(cfg.train.seed),
         make_env=make_env,
         episodes_from=episode_fn,
@@ -352,7 +355,7 @@ def run_eval_command(
     ``config`` (a YAML file) is used instead when given, e.g. a recipe's, to evaluate the base
     model as the recipe's run will evaluate it.
     The flags (``task``, ``data``, ``n`` = train.eval_size, ``k`` = train.eval_samples,
-    ``temperature``, ``max_new_tokens``, ``seed``, ``batch_size``, ``reward`` =
+    ``temperature``, ``max_new_tokens``, ``seed``, ``batch_size`` = train.eval_batch_size, ``reward`` =
     train.eval_reward) change it where given, and ``overrides`` (``--section.key value``) win
     over both. Without a run config: the config defaults, with 16 new tokens for the bundled
     model, else 128. ``few_shot`` solved training examples go before each prompt (default
@@ -452,7 +455,7 @@ def _eval_config(model, config, task, task_options, data, flags: dict, overrides
         ("rollout.temperature", flags["temperature"]),
         ("rollout.max_completion_length", max_new_tokens),
         ("train.seed", flags["seed"]),
-        ("rollout.generation_batch_size", flags["batch_size"]),
+        ("train.eval_batch_size", flags["batch_size"]),
         ("train.eval_reward", flags["reward"]),
     ):
         if value is not None:

@@ -168,7 +168,11 @@ def add_parser(sub) -> None:
         "model, 128 for others)",
     )
     e.add_argument(
-        "--batch-size", type=int, default=None, help="sequences generated at once (default all)"
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences generated at once: train.eval_batch_size (default auto: the training "
+        "step's generation batch, so evaluation fits where the step does)",
     )
     add_seed(
         e,

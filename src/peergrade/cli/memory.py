@@ -4,6 +4,7 @@ It parses and calls; the work happens in the library."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from peergrade.cli.common import add_command, add_config, add_output, add_policy_model, config_from
@@ -38,11 +39,6 @@ def run(args, extra) -> int:
                 c.model.lora.enabled = lora
             validate(c)
             variants.append((algo + ("-lora" if c.model.lora.enabled else ""), c))
-    print(
-        f"model: {cfg.model.path}   batch: {cfg.rollout.prompts_per_step} x "
-        f"{cfg.rollout.group_size}   completion: {cfg.rollout.max_completion_length} tokens   "
-        f"beta: {cfg.algo.beta}"
-    )
     if args.world < 1:
         raise InputError(f"--world must be >= 1, got {args.world}")
     if args.estimate_only or args.world > 1:
@@ -50,14 +46,25 @@ def run(args, extra) -> int:
             (label, estimate_for_config(c, prompt_len=args.prompt_len, world=args.world))
             for label, c in variants
         ]
+        if args.json:
+            print(json.dumps({"world": args.world, "variants": [
+                {"label": label, "estimate": est} for label, est in rows
+            ]}))  # fmt: skip
+            return 0
+        _memory_header(cfg, args.world)
         if args.world > 1:
             print(f"per rank: {args.world} ranks, dist.strategy {cfg.dist.strategy}")
         print(format_estimates(rows))
+        _print_run_peaks(rows)
         return 0
+    if not args.json:
+        _memory_header(cfg, 1)
     rows = []
     for label, c in variants:
         m = measure_memory(c, steps=args.steps, allocator=args.allocator)
         rows.append((label, m, estimate_for_config(c, prompt_len=m["prompt_len"])))
+        if args.json:
+            continue
         print(
             f"  measured {label}: {m['peak'] / 2**20:.0f} MiB above a baseline of "
             f"{m['baseline_bytes'] / 2**20:.0f} MiB",
@@ -69,7 +76,13 @@ def run(args, extra) -> int:
                 "signal), so its peak is the generation's, not a training step's",
                 flush=True,
             )
+    if args.json:
+        print(json.dumps({"world": 1, "variants": [
+            {"label": label, "estimate": est, "measured": m} for label, m, est in rows
+        ]}))  # fmt: skip
+        return 0
     print(format_table(rows))
+    _print_run_peaks([(label, est) for label, _, est in rows], [m for _, m, _ in rows])
     if cfg.rollout.async_steps:
         print(
             "note: rollout.async_steps >= 1: the measurement runs the synchronous step (no "
@@ -83,6 +96,38 @@ def run(args, extra) -> int:
         "update trains every row; error = (estimated - measured) / measured)"
     )
     return 0
+
+
+def _memory_header(cfg, world: int) -> None:
+    from peergrade.training.components import eval_batch_line
+
+    print(
+        f"model: {cfg.model.path}   batch: {cfg.rollout.prompts_per_step} x "
+        f"{cfg.rollout.group_size}   completion: {cfg.rollout.max_completion_length} tokens   "
+        f"beta: {cfg.algo.beta}"
+    )
+    print(eval_batch_line(cfg, world))
+
+
+def _print_run_peaks(rows, measured=None) -> None:
+    """One line per variant: the run's estimated peak (every phase, held-out evaluation
+    included), the phase that sets it, and the training step's peak; with a measurement, the
+    whole process's (its baseline added: compare with a run's peak RSS)."""
+    for i, (label, est) in enumerate(rows):
+        evaluate = est["phases"].get("evaluate")
+        base = measured[i]["baseline_bytes"] if measured else None
+        print(
+            f"estimated run peak {label}: {est['peak'] / 2**20:.0f} MiB, set by "
+            f"{est['peak_phase']} (training step {est['step_peak'] / 2**20:.0f} MiB"
+            + (f", held-out evaluation {evaluate / 2**20:.0f} MiB" if evaluate else "")
+            + "; above the process baseline)"
+            + (
+                f"; with the measured baseline, the whole process: "
+                f"{(est['peak'] + base) / 2**20:.0f} MiB"
+                if base is not None
+                else ""
+            )
+        )
 
 
 def _memory_budget(args, cfg) -> int:
@@ -170,6 +215,12 @@ def add_parser(sub) -> None:
         "--steps", type=int, default=2, help="measured steps (default 2; not train.steps)"
     )
     mm.add_argument("--estimate-only", action="store_true", help="no measurement: the estimate")
+    mm.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: per variant the estimate (phases, peak, peak_phase, "
+        "step_peak, eval_batch) and, when measured, the measurement",
+    )
     mm.add_argument(
         "--allocator",
         choices=["returning", "default"],

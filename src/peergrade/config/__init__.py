@@ -535,6 +535,15 @@ class TrainConfig:
     )
     eval_size: int = doc("Held-out problems per evaluation.", 200)
     eval_samples: int = doc("Samples per held-out problem for sampled pass@1 / pass@k.", 8)
+    eval_batch_size: int | Literal["auto"] = doc(
+        "Sequences the held-out evaluation generates at once (its greedy and its sampled pass: "
+        "eval_size * eval_samples sequences). auto = the training step's largest generation "
+        "call (prompts_per_step * group_size, times the rounds generated together, cut to "
+        "rollout.generation_batch_size), so the evaluation's KV cache and logits never exceed "
+        "the step's and the run's peak stays the step's (docs/memory.md). The numbers do not "
+        "depend on it: every draw is keyed per (seed, prompt, sample, token).",
+        "auto",
+    )
     eval_reward: str | None = doc(
         "The held-out scorer: a reward (one of `rewards` by its metric name, a built-in name, "
         "or file.py:function) whose score 1.0 counts as correct in pass@1 / pass@k and in "
@@ -738,6 +747,26 @@ class Config:
             max_turns=e.max_turns,
             max_tokens_per_turn=e.max_tokens_per_turn,
         )
+
+    def generation_rounds(self) -> int:
+        """Rounds of ``batch_size`` sequences one generation call of a step samples at most
+        (dynamic sampling with ``rollout.rounds_ahead``: max_rounds - 1; else 1)."""
+        r = self.rollout
+        return max(1, r.max_rounds - 1) if r.dynamic_sampling and r.rounds_ahead else 1
+
+    def step_generation_batch(self, world: int = 1) -> int:
+        """Sequences the largest generation call of a training step holds at once, per rank:
+        the step's batch (times ``generation_rounds``) cut to ``rollout.generation_batch_size``."""
+        rows = self.batch_size // max(1, world) * self.generation_rounds()
+        return min(rows, self.rollout.generation_batch_size or rows)
+
+    def eval_generation_batch(self, world: int = 1) -> int:
+        """``train.eval_batch_size`` resolved: the int as set, or (auto) the step's largest
+        generation call (``step_generation_batch``), never more than the sampled pass holds."""
+        t = self.train
+        if t.eval_batch_size != "auto":
+            return t.eval_batch_size
+        return max(1, min(self.step_generation_batch(world), t.eval_size * t.eval_samples))
 
     @property
     def batch_size(self) -> int:
@@ -1323,6 +1352,10 @@ def validate(cfg: Config) -> None:
     need(t.keep_last >= 1, f"train.keep_last must be >= 1, got {t.keep_last}")
     need(t.eval_size >= 1, f"train.eval_size must be >= 1, got {t.eval_size}")
     need(t.eval_samples >= 1, f"train.eval_samples must be >= 1, got {t.eval_samples}")
+    need(
+        t.eval_batch_size == "auto" or t.eval_batch_size >= 1,
+        f"train.eval_batch_size must be auto or an integer >= 1, got {t.eval_batch_size}",
+    )
     need(t.threads >= 0, f"train.threads must be >= 0, got {t.threads}")
     need(
         t.reward_timeout_s >= 0,

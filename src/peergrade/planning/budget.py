@@ -3,12 +3,13 @@
 ``peergrade memory --budget 24GiB`` calls ``budget_rows`` (the estimator in ``peergrade.planning.memory``
 run for the three variants of the same config: plain GRPO, PPO with its critic, GRPO with a
 LoRA adapter) and prints ``format_budget``: the breakdown, the estimated peak of each phase
-(generate / reference / update) and whether the peak fits under the budget with its headroom.
+(generate / reference / update, and evaluate: the held-out evaluation at its
+``train.eval_batch_size``) and whether the run's peak fits under the budget with its headroom.
 ``parse_size`` reads sizes such as ``24GiB``, ``80GB`` or ``16G``.
 
 ``fit_search`` answers the next question, what to change so that it fits: it searches first the
 knobs that change memory and not the objective (micro-batch, gradient checkpointing, reference
-offload, log-prob chunk size), then, only if none of those is enough, the ones that change what
+offload, log-prob chunk size, a set held-out evaluation batch back to auto), then, only if none of those is enough, the ones that change what
 is optimised (LoRA, a smaller group, a shorter completion budget), and returns the cheapest
 settings that fit; ``format_fits`` prints them as YAML lines to paste into a config.
 
@@ -163,6 +164,9 @@ def format_budget(rows, budget: int) -> str:
 # checkpointing recomputes the forward, ~1/3 of the update; each halving of the micro-batch
 # loses some throughput; offloading copies the reference in and out; chunk size is ~free).
 _COST_CKPT, _COST_HALVING, _COST_OFFLOAD, _COST_CHUNK = 0.33, 0.1, 0.05, 0.01
+# train.eval_batch_size back to auto: held-out evaluation in more, smaller generation calls
+# (a few percent of a run's time, at eval_every)
+_COST_EVAL_AUTO = 0.02
 
 
 def _divisors_below(n: int, top: int) -> list[int]:
@@ -222,12 +226,21 @@ def _memory_options(cfg, device: str):
         c for c in (256, 64) if c < cfg.model.logprob_chunk_size
     ]
     micros = _divisors_below(cfg.minibatch_size, cfg.micro_batch_size)
+    # a set evaluation batch above auto's (the step's generation call) may make the held-out
+    # evaluation the run's peak: auto keeps it within the step
+    t = cfg.train
+    evals = [False]
+    if t.eval_batch_size != "auto":
+        auto = min(cfg.step_generation_batch(), t.eval_size * t.eval_samples)
+        evals += [True] if t.eval_batch_size > auto else []
     out = []
-    for ckpt in ckpts:
+    for ckpt, eval_auto in ((c, e) for c in ckpts for e in evals):
         for off in offloads:
             for ci, chunk in enumerate(chunks):
                 for micro in micros:
                     ch, cost = {}, 0.0
+                    if eval_auto:
+                        ch["train.eval_batch_size"], cost = "auto", _COST_EVAL_AUTO
                     if ckpt:
                         ch["model.gradient_checkpointing"], cost = True, cost + _COST_CKPT
                     if off:
@@ -315,7 +328,8 @@ def format_fits(results: list[tuple[str, float, dict]], budget: int) -> str:
     gib = 2**30
     out = [
         f"What fits in {budget / gib:.2f} GiB: first the knobs that keep the objective "
-        "(micro-batch, gradient checkpointing, reference offload, chunk size), then LoRA, "
+        "(micro-batch, gradient checkpointing, reference offload, chunk size, the held-out "
+        "evaluation's batch), then LoRA, "
         "group size, completion length; the cheapest settings that fit, to paste into the "
         "config:"
     ]

@@ -67,6 +67,15 @@ dtype, bf16 autocast and LoRA, as a breakdown in bytes (b = bytes per element of
                  generation: KV cache + [N, V] logits (+ bf16 casts))    # rollout
            (+ grads while micro-batches accumulate)
 
+and, for the whole run, the held-out evaluation (phase "evaluate", with ``estimate_for_config``):
+
+    evaluate = weights + reference + critic + optimizer
+               + KV cache + [N, V] logits of one evaluation call (the generation formula above,
+                 N = train.eval_batch_size: auto = the step's largest generation call)
+
+``peak`` is the run's (every phase), ``step_peak`` the training step's, ``peak_phase`` names
+the phase that sets ``peak``.
+
 The estimate assumes every completion runs to ``completion_len`` (an upper bound for a model
 that stops early) and the longest prompt for all rows; the measurement runs that same step
 (full-length completions, every row trained). Measured accuracy: docs/memory.md.
@@ -393,7 +402,8 @@ def estimate_memory(
     device: str = "cpu", ref_offload: bool = False, reward_models: list[dict] | None = None,
     world: int = 1, strategy: str = "ddp", autocast: bool = False, group_size: int = 1,
     shared_prompt: bool = True, generation_batch: int | None = None, generation_rounds: int = 1,
-    minibatch: int | None = None, async_steps: int = 0,
+    minibatch: int | None = None, async_steps: int = 0, eval_rows: int = 0,
+    eval_batch: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
@@ -422,8 +432,17 @@ def estimate_memory(
     and a "pipelined" phase where its largest phase's transients (generation, the reference
     pass, a reward model) sit on top of the update's. What it leaves out: allocator slack per
     thread or process, which is what a measurement adds on top.
+    eval_rows, eval_batch: the held-out evaluation's largest pass (its sampled pass:
+    ``train.eval_size * train.eval_samples`` sequences) and the sequences it generates at once
+    (``train.eval_batch_size`` resolved, ``Config.eval_generation_batch``; None: all); eval_rows
+    > 0 adds the phase "evaluate": the resident tensors of a periodic or final evaluation
+    (weights, the reference when beta > 0, the optimizer state) plus that batch's KV cache and
+    logits, by the same formula as the step's generation (every rank evaluates every row).
     Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
-    reference pass runs, "rewards" with a reward model, "pipelined" with k >= 1) and ``peak``.
+    reference pass runs, "rewards" with a reward model, "pipelined" with k >= 1, "evaluate"
+    with eval_rows), ``peak`` (the run's: every phase), ``peak_phase`` (the phase that sets
+    it), ``step_peak`` (the training step's phases only) and ``eval_generation`` (the
+    evaluation's KV cache and logits).
     """
     _check_estimate_args(dtype, algo, optimizer, device, completion_len, seq_len)
     a, pc, b = _arch(model_config), param_counts(model_config, lora), DTYPE_BYTES[dtype]
@@ -456,6 +475,12 @@ def estimate_memory(
         casts=2 * res.params if autocast else 0, reward_models=reward_models,
         reference_pass=res.reference > 0 or (lora and beta > 0),
     )  # fmt: skip
+    eval_generation = 0
+    if eval_rows:  # the held-out passes: the step's generation formula at the eval batch
+        eval_generation = sum(_generation_bytes(
+            a, b, rows=int(eval_rows), generation_batch=eval_batch, seq_len=seq_len
+        ))  # fmt: skip
+        phases["evaluate"] = static + eval_generation + (2 * res.params if autocast else 0)
     # the producer (async_steps k >= 1): its copy of the trainable weights and k + 1 versions
     producer = (async_steps + 2) * res.grads if async_steps else 0
     if world > 1:  # per-rank sharding and communication buffers
@@ -466,7 +491,7 @@ def estimate_memory(
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
     if async_steps:  # the producer runs its phases while the trainer updates
-        beside = max(v - static for k, v in phases.items() if k != "update")
+        beside = max(v - static for k, v in phases.items() if k not in ("update", "evaluate"))
         phases["pipelined"] = phases["update"] + producer + beside
     return {
         **res._asdict(),
@@ -476,8 +501,12 @@ def estimate_memory(
         "transient": fwd.grad_transient + fwd.layer_act,
         "kv_cache": kv_cache,
         "producer": producer,
+        "eval_generation": eval_generation,
+        "eval_batch": min(int(eval_rows), eval_batch or int(eval_rows)),
         "phases": phases,
         "peak": max(phases.values()),
+        "peak_phase": max(phases, key=phases.get),
+        "step_peak": max(v for k, v in phases.items() if k != "evaluate"),
     }
 
 
@@ -565,9 +594,7 @@ def estimate_for_config(
         group_size=r.group_size,
         shared_prompt=cfg.model.shared_prompt_forward,
         generation_batch=r.generation_batch_size,
-        generation_rounds=(
-            max(1, r.max_rounds - 1) if r.dynamic_sampling and r.rounds_ahead else 1
-        ),
+        generation_rounds=cfg.generation_rounds(),
         minibatch=cfg.minibatch_size,
         micro_batch=cfg.micro_batch_size,
         seq_len=prompt_len + r.max_completion_length,
@@ -584,6 +611,8 @@ def estimate_for_config(
         world=world,
         strategy=cfg.dist.strategy,
         async_steps=cfg.rollout.async_steps,
+        eval_rows=cfg.train.eval_size * cfg.train.eval_samples,
+        eval_batch=cfg.eval_generation_batch(world),
     )
 
 
@@ -817,7 +846,7 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
     cells = [headers]
     for label, meas, est in rows:
         ph = meas["phases"]
-        err = 100.0 * (est["peak"] - meas["peak"]) / meas["peak"]
+        err = 100.0 * (est["step_peak"] - meas["peak"]) / meas["peak"]
         cells.append(
             [
                 label,
@@ -827,7 +856,7 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
                 _mib(est["reference"]),
                 _mib(est["critic"]),
                 _mib(est["activations"]),
-                _mib(est["peak"]),
+                _mib(est["step_peak"]),
                 _mib(meas["peak"]),
                 f"{err:+.1f}",
                 _mib(ph.get("generate", 0)),
@@ -850,14 +879,20 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
 
 
 def format_estimates(rows: list[tuple[str, dict]]) -> str:
-    """``rows`` = [(label, estimate)] -> a plain-text table of the estimated breakdown (MiB)."""
+    """``rows`` = [(label, estimate)] -> a plain-text table of the estimated breakdown (MiB),
+    the training step's peak, the run's peak and the phase that sets it."""
     keys = ["weights", "grads", "optimizer", "reference", "critic", "reward_models"]
     keys += ["activations", "kv_cache"]
     if any(est.get("producer") for _, est in rows):  # rollout.async_steps >= 1
         keys.append("producer")
-    cells = [["config", *keys, "peak"]]
+    evals = any(est.get("eval_generation") for _, est in rows)
+    if evals:  # the held-out evaluation's KV cache and logits, at its batch
+        keys.append("eval_generation")
+    cells = [["config", *keys, *(["step peak"] if evals else []), "peak", "set by"]]
     for label, est in rows:
-        cells.append([label, *(_mib(est[k]) for k in keys), _mib(est["peak"])])
+        step = [_mib(est["step_peak"])] if evals else []
+        phase = est.get("peak_phase", max(est["phases"], key=est["phases"].get))
+        cells.append([label, *(_mib(est[k]) for k in keys), *step, _mib(est["peak"]), phase])
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     lines = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

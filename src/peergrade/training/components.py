@@ -319,6 +319,23 @@ def epoch_metric(task, rows_used: int) -> dict[str, float]:
     return {"data/epoch": rows_used / len(task)}
 
 
+def eval_batch_line(cfg: Config, world: int = 1) -> str:
+    """The start-up line that says how many sequences held-out evaluation generates at once
+    (``train.eval_batch_size``, resolved by ``Config.eval_generation_batch``)."""
+    t = cfg.train
+    n = cfg.eval_generation_batch(world)
+    why = (
+        "train.eval_batch_size auto: the step's largest generation call, so evaluation holds "
+        "no more KV cache and logits than a training step"
+        if t.eval_batch_size == "auto"
+        else "train.eval_batch_size"
+    )
+    return (
+        f"held-out evaluation: {t.eval_size} problems x {t.eval_samples} samples, {n} sequences "
+        f"generated at once ({why})"
+    )
+
+
 def run_header(
     cfg: Config, task, tokenizer, scorer: RewardSpec, why: str, make_env=None
 ) -> list[str]:
@@ -329,7 +346,8 @@ def run_header(
     the chat template, with the tool schemas)."""
     lines = [
         f"held-out scorer: {scorer.name} ({why}; train.eval_reward picks another); pass@1 "
-        "counts a score of 1.0 as correct"
+        "counts a score of 1.0 as correct",
+        eval_batch_line(cfg, dist.world()),
     ]
     if hasattr(task, "__len__") and len(task):
         n, P, steps = len(task), cfg.rollout.prompts_per_step, cfg.train.steps
