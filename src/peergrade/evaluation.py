@@ -263,8 +263,7 @@ def evaluate(
         out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
         out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
     if greedy.episodes is not None:
-        out.update(tool_rates(greedy.episodes, ""))
-        out.update(tool_rates(sampled.episodes, "_sampled"))
+        out |= tool_rates(greedy.episodes, "") | tool_rates(sampled.episodes, "_sampled")
     if keep_completions:
         out["completions"] = [
             {

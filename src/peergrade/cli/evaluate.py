@@ -84,6 +84,12 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config(e)  # settings instead of the run's config.yaml; --section.key overrides
+    _what_flags(e)
+    _how_flags(e)
+
+
+def _what_flags(e) -> None:
+    """What is evaluated: the model, the rows (task or data), the scorer, where answers go."""
     e.add_argument(
         "--model",
         default="bundled",
@@ -124,6 +130,10 @@ def add_parser(sub) -> None:
         help="write every problem's greedy and sampled answers, with their correctness, "
         "to FILE (JSONL)",
     )
+
+
+def _how_flags(e) -> None:
+    """How it is evaluated: problems, samples, few-shot turns, sampling, seed, device, output."""
     e.add_argument(
         "--n", type=int, default=None, help="held-out problems (= --train.eval_size; default 200)"
     )

@@ -12,9 +12,6 @@ from peergrade.errors import InputError
 
 
 def run(args, extra) -> int:
-    import copy
-
-    from peergrade.config import validate
     from peergrade.planning.memory import (
         estimate_for_config,
         format_estimates,
@@ -27,18 +24,7 @@ def run(args, extra) -> int:
         return _memory_budget(args, cfg)
     if args.output:
         raise InputError("memory -o/--output writes the budget chart: use it with --budget")
-    variants = []
-    for algo in args.algos.split(","):
-        if algo not in ("grpo", "ppo"):
-            raise InputError(f"--algos: {algo!r} is not an algorithm; choose grpo and/or ppo")
-        loras = [cfg.model.lora.enabled, not cfg.model.lora.enabled] if args.lora else [None]
-        for lora in loras:
-            c = copy.deepcopy(cfg)
-            c.algo.name = algo
-            if lora is not None:
-                c.model.lora.enabled = lora
-            validate(c)
-            variants.append((algo + ("-lora" if c.model.lora.enabled else ""), c))
+    variants = _variants(args, cfg)
     if args.world < 1:
         raise InputError(f"--world must be >= 1, got {args.world}")
     if args.estimate_only or args.world > 1:
@@ -96,6 +82,27 @@ def run(args, extra) -> int:
         "update trains every row; error = (estimated - measured) / measured)"
     )
     return 0
+
+
+def _variants(args, cfg) -> list:
+    """``(label, config)`` per ``--algos`` algorithm, with and without LoRA under ``--lora``."""
+    import copy
+
+    from peergrade.config import validate
+
+    variants = []
+    for algo in args.algos.split(","):
+        if algo not in ("grpo", "ppo"):
+            raise InputError(f"--algos: {algo!r} is not an algorithm; choose grpo and/or ppo")
+        loras = [cfg.model.lora.enabled, not cfg.model.lora.enabled] if args.lora else [None]
+        for lora in loras:
+            c = copy.deepcopy(cfg)
+            c.algo.name = algo
+            if lora is not None:
+                c.model.lora.enabled = lora
+            validate(c)
+            variants.append((algo + ("-lora" if c.model.lora.enabled else ""), c))
+    return variants
 
 
 def _memory_header(cfg, world: int) -> None:
