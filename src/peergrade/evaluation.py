@@ -239,7 +239,7 @@ def evaluate(
             make_env=make_env,
             episodes_from=episodes_from,
         )
-        return samples, samples.reward_inputs(rows, env_reward=samples.episodes is not None)
+        return samples, samples.reward_inputs(rows, env_reward=True)  # episodes' own rewards
 
     def correct(inputs, spec, repeat):
         s = score_rewards([spec], *inputs, on_error="zero", trainer_state=trainer_state)
@@ -262,8 +262,7 @@ def evaluate(
     for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
         out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
         out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
-    if greedy.episodes is not None:
-        out |= tool_rates(greedy.episodes, "") | tool_rates(sampled.episodes, "_sampled")
+    out |= tool_rates(greedy.episodes, "") | tool_rates(sampled.episodes, "_sampled")
     if keep_completions:
         out["completions"] = [
             {
@@ -283,8 +282,10 @@ def evaluate(
 
 def tool_rates(episodes: list, suffix: str) -> dict[str, float]:
     """``tool_call_rate`` (episodes with a tool call) and ``tool_failure_rate`` (failed calls
-    per call, 0 without calls) of ``episodes``, keys ending in ``suffix``."""
-    eps = episodes or []
+    per call, 0 without calls) of ``episodes``, keys ending in ``suffix``; none for replies."""
+    if not episodes:
+        return {}
+    eps = episodes
     calls = sum(e.tool_calls for e in eps)
     return {
         f"tool_call_rate{suffix}": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),

@@ -89,13 +89,11 @@ def score(run, step: int, prompts: list, texts: list, columns: dict[str, list]):
 def episode_step_metrics(samples: Samples) -> dict[str, float]:
     """``envs.episode_metrics`` over every rank's episodes (their counts, not their messages);
     empty for single replies."""
-    if samples.episodes is None:
-        return {}
     light = [
         dataclasses.replace(
             e, env=None, messages=[], prompt_ids=[], logprobs=[], sampler_logprobs=[]
         )
-        for e in samples.episodes
+        for e in samples.episodes or []  # single replies: none, and no metrics
     ]
     return episode_metrics([e for part in dist.gather_objects(light) for e in part])
 
