@@ -393,7 +393,9 @@ def test_demo_with_the_real_sampler_two_ranks_equal_one_process(tmp_path):
     ma, mb = read_metrics(one), read_metrics(two)
     assert [r["step"] for r in ma if "loss/policy" in r] == [1, 2, 3, 4, 5]
     assert any(r.get("eval/pass@1_sampled", 0) > 0 for r in ma)
-    assert_same_metrics(ma, mb, atol=1e-6, rel=0)
+    # 1e-6 absolute, or 5e-6 of the value: a gradient norm near 2 sums its 2 ranks' halves in
+    # another order (2.5e-6 apart on a loaded 2-core machine, the round-3 code too)
+    assert_same_metrics(ma, mb, atol=1e-6, rel=5e-6)
     assert_same_weights(weights(one / "checkpoints/step-5"), weights(two / "checkpoints/step-5"))
     assert (one / "samples.jsonl").read_text() == (two / "samples.jsonl").read_text()
 

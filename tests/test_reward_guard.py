@@ -117,3 +117,36 @@ def test_the_audit_of_a_hanging_reward_waits_once_and_says_it_is_broken():
     assert time.monotonic() - t0 < 20  # one limit, not one per exploit (40 of them)
     (unit,) = [u for u in report.units if u.name == "hangs"]
     assert unit.verdict == "broken" and "did not return within 0.5 s" in unit.note
+
+
+def uses_signals(completions, **kw):
+    """As math-verify's parse does (TRL's accuracy_reward): a signal handler and an alarm, which
+    only the main thread may set."""
+    import signal
+
+    old = signal.signal(signal.SIGALRM, lambda *a: None)
+    signal.alarm(5)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+    return [0.25] * len(completions)
+
+
+def test_a_guarded_reward_runs_in_the_main_thread_so_signal_users_work():
+    got = run(spec(uses_signals, 5.0), spec(ok))
+    assert got.num_errors == 0, got.errors
+    assert got.per_fn["uses_signals"].tolist() == [0.25, 0.25]
+
+
+def test_math_verify_rewards_run_under_a_timeout():
+    pytest.importorskip("math_verify")
+    from math_verify import parse
+
+    def mv(completions, **kw):
+        return [float(len(parse(c)) > 0) for c in completions]
+
+    state = TrainerState(global_step=1, max_steps=1)
+    got = score_rewards(
+        [RewardSpec("mv", mv, timeout_s=30.0)], ["p", "q"], ["$2$", "$3$"], trainer_state=state
+    )
+    assert got.num_errors == 0, got.errors
+    assert got.per_fn["mv"].tolist() == [1.0, 1.0]
