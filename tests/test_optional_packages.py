@@ -44,6 +44,14 @@ def test_csv_without_pandas_is_one_error_line_exit_2(tmp_path, monkeypatch, caps
             "matplotlib",
             lambda p: __import__("peergrade.monitoring.report").monitoring.report._mpl(),
         ),
+        (
+            "starlette",
+            lambda p: __import__("peergrade.generation.server").generation.server.build_app(None),
+        ),
+        (
+            "uvicorn",
+            lambda p: __import__("peergrade.generation.server").generation.server.Server(None),
+        ),
     ],
 )
 def test_each_optional_import_is_a_missing_package_error(module, call, tmp_path, monkeypatch):

@@ -859,9 +859,22 @@ class Handler:
         }
 
 
+def _require_serve(module: str):
+    """``starlette`` / ``uvicorn``, or one error line with the pip command (the serve extra)."""
+    from peergrade.errors import require
+
+    return require(
+        module,
+        needed_for="peergrade serve and train --harness (the OpenAI-compatible endpoint)",
+        pip="starlette uvicorn",
+        extra="serve",
+    )
+
+
 def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
     """The Starlette app: the OpenAI routes, and the per-episode routes when a ``recorder``
     (``generation.recorder.Recorder``) is given."""
+    _require_serve("starlette")
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
@@ -943,7 +956,7 @@ class Server:
     ``port=0`` takes a free port; ``url`` is ``http://host:port``."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
+        uvicorn = _require_serve("uvicorn")
 
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
@@ -985,7 +998,7 @@ def serve(
     window_s: float = 0.005,
 ) -> None:
     """Serve until interrupted (``peergrade serve``)."""
-    import uvicorn
+    uvicorn = _require_serve("uvicorn")
 
     engine = Engine(model, tokenizer, name, window_s=window_s)
     uvicorn.run(build_app(engine, max_tokens=max_tokens), host=host, port=port, log_level="info")
