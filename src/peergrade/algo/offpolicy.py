@@ -97,6 +97,20 @@ def _is_number(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _check_btt(name: str, logp, behaviour_logp, mask) -> None:
+    """``logp`` (called ``name``), ``behaviour_logp`` and ``mask`` are ``[B, T]`` tensors of one
+    shape."""
+    for n, x in ((name, logp), ("behaviour_logp", behaviour_logp), ("mask", mask)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)
+            raise ValueError(f"{n}: expected a [B, T] torch.Tensor, got {got}")
+    if behaviour_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            f"behaviour_logp {tuple(behaviour_logp.shape)} and mask {tuple(mask.shape)}: "
+            f"expected the shape of {name} {tuple(logp.shape)}"
+        )
+
+
 def _valid(mask: torch.Tensor) -> torch.Tensor:
     """``mask == 1`` as a bool tensor; a mask of other values than 0/1 is an error."""
     if mask.dtype == torch.bool:
@@ -136,15 +150,7 @@ def off_policy_weights(
         ``(weights, metrics)``: ``[B, T]`` detached weights, 0 where ``mask == 0``, and a dict
         of floats (module docstring).
     """
-    for name, t in (("old_logp", old_logp), ("behaviour_logp", behaviour_logp), ("mask", mask)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
-            raise ValueError(f"{name}: expected a [B, T] torch.Tensor, got {got}")
-    if behaviour_logp.shape != old_logp.shape or mask.shape != old_logp.shape:
-        raise ValueError(
-            f"behaviour_logp {tuple(behaviour_logp.shape)} and mask {tuple(mask.shape)}: "
-            f"expected the shape of old_logp {tuple(old_logp.shape)}"
-        )
+    _check_btt("old_logp", old_logp, behaviour_logp, mask)
     if correction not in CORRECTIONS:
         raise ValueError(f"correction: expected one of {CORRECTIONS}, got {correction!r}")
     if sequence_ratio not in SEQUENCE_RATIOS:
@@ -237,15 +243,7 @@ def off_policy_sequence_mask(
         mask: ``[B, T]`` 0/1 or bool, 1 = counts.
         threshold: delta, > 0.
     """
-    for name, t in (("logp", logp), ("behaviour_logp", behaviour_logp), ("mask", mask)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
-            raise ValueError(f"{name}: expected a [B, T] torch.Tensor, got {got}")
-    if behaviour_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(
-            f"behaviour_logp {tuple(behaviour_logp.shape)} and mask {tuple(mask.shape)}: "
-            f"expected the shape of logp {tuple(logp.shape)}"
-        )
+    _check_btt("logp", logp, behaviour_logp, mask)
     B = logp.shape[0]
     if not isinstance(advantages, torch.Tensor) or advantages.shape != (B,):
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
