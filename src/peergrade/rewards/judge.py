@@ -634,26 +634,15 @@ def judge(
     dtype: str = "auto",
     **_columns,
 ) -> list[float]:
-    """The built-in ``judge`` reward (module doc): each completion's judged score in [0, 1]."""
-    j = make_judge(
-        rubric=rubric,
-        judge_model=judge_model,
-        base_url=base_url,
-        model=model,
-        api_key_env=api_key_env,
-        group=group,
-        shuffles=shuffles,
-        fallback_score=fallback_score,
-        on_fallback=on_fallback,
-        timeout_s=timeout_s,
-        retries=retries,
-        max_tokens=max_tokens,
-        concurrency=concurrency,
-        batch_size=batch_size,
-        device=device,
-        dtype=dtype,
-    )
+    """The built-in ``judge`` reward (module doc): each completion's judged score in [0, 1]. Its
+    keyword options are ``make_judge``'s, named here so that a misspelt one is caught."""
+    options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+    j = make_judge(**options)
     return j(prompts, completions, log_metric=log_metric)
+
+
+#: ``judge``'s parameters that are not the judge's options (the reward contract's)
+_NOT_OPTIONS = ("prompts", "completions", "log_metric", "_columns")
 
 
 def _preflight(**options) -> None:
