@@ -15,6 +15,7 @@ from peergrade.envs import (
     parse_tool_calls,
     tool_environment_factory,
 )
+from peergrade.envs.protocol import maybe_await
 from peergrade.envs.template import render, turn_delta
 from peergrade.errors import InputError
 from peergrade.generation import Samples
@@ -517,7 +518,7 @@ def test_parse_tool_calls(text, n_calls, n_errors):
 
 def test_tool_environment_runs_every_call_and_reports_failures():
     env = ToolEnvironment([multiply, add, explode])
-    asyncio.run(env.reset({"prompt": "hi"}))
+    asyncio.run(maybe_await(env.reset({"prompt": "hi"})))
     msg = {
         "role": "assistant",
         "content": 'ok <tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
@@ -574,7 +575,7 @@ def structured(a: int) -> dict[str, list[float]]:
 @pytest.mark.parametrize("tool", [opaque, raw_bytes])
 def test_a_tool_returning_something_unserialisable_is_one_error_naming_it(tool):
     env = ToolEnvironment([tool, structured])
-    asyncio.run(env.reset({"prompt": "hi"}))
+    asyncio.run(maybe_await(env.reset({"prompt": "hi"})))
     call = '<tool_call>{"name": "%s", "arguments": {"a": 2}}</tool_call>'
     st = asyncio.run(env.step({"role": "assistant", "content": call % "structured"}))
     assert st.tool_failures == 0 and "0.5" in st.messages[0]["content"]
@@ -586,7 +587,7 @@ def test_a_tool_returning_something_unserialisable_is_one_error_naming_it(tool):
 
 def test_max_tool_calling_iterations():
     env = ToolEnvironment([multiply], max_tool_calling_iterations=1)
-    asyncio.run(env.reset({"prompt": "hi"}))
+    asyncio.run(maybe_await(env.reset({"prompt": "hi"})))
     call = '<tool_call>{"name": "multiply", "arguments": {"a": 1, "b": 2}}</tool_call>'
     assert not asyncio.run(env.step({"role": "assistant", "content": call})).done
     st = asyncio.run(env.step({"role": "assistant", "content": call}))
@@ -597,7 +598,7 @@ def test_tools_run_inside_episodes(base_model, tool_tok):
     make = tool_environment_factory([multiply, explode], Counter, max_tool_calling_iterations=3)
     row = {"prompt": [{"role": "user", "content": "count"}], "extra": 1}
     env = make(row)
-    opened = asyncio.run(env.reset(row))
+    opened = asyncio.run(maybe_await(env.reset(row)))
     assert opened[-1]["content"] == "count (count with bump)"
     calls = (
         '<tool_call>\n{"name": "bump", "arguments": {"by": 2}}\n</tool_call>'
@@ -781,7 +782,8 @@ def test_environment_classes_are_picked_per_row_and_reset_with_the_row():
 
     make = tool_environment_factory([multiply], {"count": Counter, "other": Other})
     env = make({"prompt": "p", "environment": "other", "k": 1})
-    opened = asyncio.run(env.reset({"prompt": "p", "environment": "other", "k": 1}))
+    row = {"prompt": "p", "environment": "other", "k": 1}
+    opened = asyncio.run(maybe_await(env.reset(row)))
     assert isinstance(env.instance, Other) and env.instance.row == {"prompt": "p", "k": 1}
     assert opened == [{"role": "user", "content": "p!"}]
     assert [t["function"]["name"] for t in env.tools] == ["multiply"]

@@ -421,3 +421,41 @@ def test_dynamic_sampling_fills_a_step_of_episodes(files, monkeypatch):
             L = exp.input_ids.shape[1] - C
             assert exp.input_ids[i, L : L + len(e.completion_ids)].tolist() == e.completion_ids
     assert max(rounds) > 1  # some step needed rows beyond its own
+
+
+HANGING_ENV = """
+import time
+
+
+class Stuck:
+    def reset(self, row):
+        time.sleep(600)
+
+    def step(self, message):
+        return [], True
+"""
+
+
+def test_an_environment_that_hangs_ends_the_run_with_one_named_line(
+    files, tool_model, monkeypatch, capsys
+):
+    """env.timeout_s: a reset past its limit is one error line (class, method, row, limit),
+    exit 2, within seconds, not a hang; the start-up line shows the limit (a step's limit:
+    tests/test_tools_guard.py)."""
+    import time
+
+    write(files / "stuck_env.py", HANGING_ENV)
+    monkeypatch.chdir(files)
+    start = time.monotonic()
+    rc = main(
+        ["train", "--model", str(tool_model), "--data", "data.jsonl"]
+        + ["--env.factory", "stuck_env.py:Stuck", "--env.timeout_s", "1"]
+        + ["--steps", "1", "-o", "run", *SMALL, "--train.display", "plain"]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 2, err
+    assert time.monotonic() - start < 120
+    line = next(x for x in err.splitlines() if x.startswith("error:"))
+    assert "environment Stuck.reset (rows[" in line
+    assert "did not return within 1s (env.timeout_s; null = no limit)" in line
+    assert "environment: reset and step may take 1 s each (env.timeout_s)" in out + err

@@ -103,12 +103,13 @@ ALLOWED = {
     "algo": set(),
     "errors": set(),
     "seeds": set(),
+    "limits": set(),
     "files": {"errors"},
     "tasks": {"errors", "files", "seeds", "rewards"},
-    "rewards": {"errors", "files", "seeds", "algo", "distributed", "model", "monitoring"},
-    "envs": {"errors", "files", "seeds", "rewards", "tasks"},
+    "rewards": {"errors", "files", "seeds", "limits", "algo", "distributed", "model", "monitoring"},
+    "envs": {"errors", "files", "seeds", "limits", "rewards", "tasks"},
     "model": {"errors", "files", "seeds", "algo", "distributed"},
-    "generation": {"errors", "files", "seeds", "envs", "model", "rewards"},
+    "generation": {"errors", "files", "seeds", "limits", "envs", "model", "rewards"},
 }
 
 

@@ -128,3 +128,91 @@ def test_an_environment_whose_reset_fails_is_one_named_error(cls, said):
     msg = str(got.value)
     assert msg.startswith(f"environment {cls.__name__}.reset (rows[3]) "), msg
     assert said in msg and "\n" not in msg, msg
+
+
+# ---------------------------------------------------------------- time limits on reset / step
+
+
+class HangingReset:
+    """A native environment whose reset never returns (a sleep, or a busy loop)."""
+
+    def __init__(self, how: str = "sleep"):
+        self.how = how
+
+    def reset(self, row):
+        if self.how == "sleep":
+            time.sleep(600)
+        while True:
+            pass
+
+    def step(self, message):
+        return [], True
+
+
+class HangingAsyncStep:
+    async def reset(self, row):
+        return "hi"
+
+    async def step(self, message):
+        await asyncio.sleep(600)
+
+
+class SlowTRLReset(BrokenReset):
+    def reset(self, **row):
+        time.sleep(600)
+
+
+@pytest.mark.parametrize(
+    "env, method, name",
+    [
+        (HangingReset("sleep"), "reset", "HangingReset"),
+        (HangingReset("busy"), "reset", "HangingReset"),
+        (HangingAsyncStep(), "step", "HangingAsyncStep"),
+        (tool_environment_factory(environment_factory=SlowTRLReset)({"prompt": "p"}), "reset",
+         "SlowTRLReset"),
+    ],
+    ids=["sync-sleep", "sync-busy-loop", "async", "trl-class-reset"],
+)  # fmt: skip
+def test_a_hanging_reset_or_step_is_one_named_error_within_its_limit(env, method, name):
+    arg = {"prompt": "p"} if method == "reset" else {"role": "assistant", "content": "x"}
+    start = time.monotonic()
+    with pytest.raises(UserCodeError) as got:
+        _call_all([(env, method, arg, 2)], 0.5)
+    took = time.monotonic() - start
+    msg = str(got.value)
+    assert msg == (
+        f"environment {name}.{method} (rows[2]) did not return within 0.5s "
+        "(env.timeout_s; null = no limit)"
+    ), msg
+    assert took < 30, took  # 600 s without the limit
+
+
+def test_calls_within_their_limit_keep_their_results_and_the_tool_step_is_not_limited_whole():
+    class Quick:
+        def reset(self, row):
+            return [{"role": "user", "content": row["prompt"]}]
+
+        async def step(self, message):
+            await asyncio.sleep(0.01)
+            return [], True
+
+    envs = [Quick(), Quick()]
+    opened = _call_all([(e, "reset", {"prompt": f"p{i}"}, i) for i, e in enumerate(envs)], 5.0)
+    assert opened == [[{"role": "user", "content": "p0"}], [{"role": "user", "content": "p1"}]]
+    done = _call_all([(e, "step", {"role": "assistant", "content": "x"}, 0) for e in envs], 5.0)
+    assert [s[1] for s in done] == [True, True]
+    # the tool wrapper's step: its tool call (1 s) has its own limit (none here), so a step
+    # longer than the environment limit is not stopped
+    make = tool_environment_factory([slow])
+    env = make({"prompt": "p"})
+    (st,) = _call_all([(env, "step", call("slow", '"x": 7'), 0)], 0.3)
+    assert st.messages[0]["content"] == "7" and st.tool_failures == 0
+
+
+def test_a_limited_call_leaves_no_armed_watchdog_behind():
+    """After a call returns under its limit, a late watchdog signal interrupts nothing."""
+    from peergrade.limits import call_within
+
+    assert call_within(lambda: 41 + 1, 0.2, name="quick") == 42
+    time.sleep(0.5)  # the watchdog's limit passes with nothing armed
+    assert call_within(lambda: "still fine", None, name="unlimited") == "still fine"

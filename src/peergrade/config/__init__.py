@@ -630,6 +630,13 @@ class EnvConfig:
     max_tokens_per_turn: int | None = doc(
         "Most tokens per model turn; null = the rest of the episode's budget.", None
     )
+    timeout_s: float | None = doc(
+        "Seconds an environment's reset or step (your code) may take; a slower one stops the "
+        "run with one error line naming the class, the method, the row and this limit. The "
+        "tool wrapper's step is not limited as a whole: each tool call has tool_timeout. "
+        "null = no limit.",
+        300.0,
+    )
     tool_timeout: float | None = doc(
         "Seconds a tool call may take; a slower call is a failed call (the model reads "
         "'timed out', tools/failure_frequency counts it). null = no limit.",
@@ -746,6 +753,7 @@ class Config:
             batch_size=r.generation_batch_size,
             max_turns=e.max_turns,
             max_tokens_per_turn=e.max_tokens_per_turn,
+            env_timeout_s=e.timeout_s,
         )
 
     def generation_rounds(self) -> int:

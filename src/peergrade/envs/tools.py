@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from peergrade.envs.protocol import Step, maybe_await
+from peergrade.envs.protocol import Step
 from peergrade.errors import InputError, PeergradeError
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -320,6 +320,18 @@ def _check_factory(factory: Any, where: str) -> None:
         tool_schema(getattr(cls, name), f"{where}: {cls.__name__}")
 
 
+def _with_observation(messages: list[dict], observation) -> list[dict]:
+    """The opening messages with ``reset``'s observation appended to the last one (TRL)."""
+    if observation is None:
+        return messages
+    last = messages[-1]
+    return messages[:-1] + [{**last, "content": last["content"] + str(observation)}]
+
+
+async def _observed(messages: list[dict], awaitable) -> list[dict]:
+    return _with_observation(messages, await awaitable)
+
+
 class ToolEnvironment:
     """One episode of TRL's contract, speaking the native protocol (see the module docstring)."""
 
@@ -343,7 +355,14 @@ class ToolEnvironment:
         self.timeout, self.max_chars = tool_timeout, max_tool_output_chars
         self.iterations = 0
 
-    async def reset(self, row: dict) -> list[dict]:
+    # every tool call of a step has its own limit (tool_timeout) and waits for a free slot
+    # (tool_concurrency): the episode engine does not limit the step as a whole again
+    bounds_own_step = True
+
+    def reset(self, row: dict):
+        """The opening messages; the instance's ``reset(**row)`` runs inside this call when it
+        is sync (so the episode engine's time limit, ``env.timeout_s``, covers it), and the
+        result is a coroutine when it is ``async def``."""
         prompt = row["prompt"] if isinstance(row, dict) and "prompt" in row else None
         if prompt is None:
             raise InputError(
@@ -354,16 +373,14 @@ class ToolEnvironment:
             if isinstance(prompt, str)
             else [dict(m) for m in prompt]
         )
-        if self.instance is not None:
-            kwargs = {k: v for k, v in row.items() if k != "environment"}
-            # what it raises is named by the episode engine (the class, the row, the line)
-            observation = await maybe_await(self.instance.reset(**kwargs))
-            if observation is not None:
-                messages[-1] = {
-                    **messages[-1],
-                    "content": messages[-1]["content"] + str(observation),
-                }
-        return messages
+        if self.instance is None:
+            return messages
+        kwargs = {k: v for k, v in row.items() if k != "environment"}
+        # what it raises is named by the episode engine (the class, the row, the line)
+        observation = self.instance.reset(**kwargs)
+        if inspect.isawaitable(observation):
+            return _observed(messages, observation)
+        return _with_observation(messages, observation)
 
     async def step(self, message: dict) -> Step:
         content, calls, errors = parse_tool_calls(message["content"])

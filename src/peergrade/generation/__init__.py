@@ -68,6 +68,7 @@ def sample(
             max_completion_length=settings.max_new_tokens,
             max_turns=settings.max_turns,
             max_tokens_per_turn=settings.max_tokens_per_turn,
+            env_timeout_s=settings.env_timeout_s,
             **common,
         )
         return Samples.of_episodes(episodes, tokenizer.pad_token_id, settings.n)

@@ -47,6 +47,8 @@ training (``generation.Samples.of_episodes`` gives the update's tensors).
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,6 +79,7 @@ from peergrade.generation.kernel import (
     slab_cache_ok,
     uniforms,
 )
+from peergrade.limits import TimeLimitExceeded, call_within
 
 
 def _as_step(value: Any, where: str) -> Step:
@@ -124,6 +127,7 @@ def run_episodes(
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
     check_roles: Sequence[str] = ("tool", "user"),
+    env_timeout_s: float | None = None,
 ) -> list[Episode]:
     """Run ``n`` episodes per row; see the module docstring for the rules.
 
@@ -145,6 +149,9 @@ def run_episodes(
         eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
         chat_template, template_kwargs: an override template and extra template variables.
         check_roles: the roles of environment messages the template must render token-exactly.
+        env_timeout_s: seconds one environment's ``reset`` or ``step`` may take (None: no
+            limit); past it the episode engine raises ``UserCodeError`` naming the class, the
+            method, the row and the limit (``limits.call_within``; async methods: wait_for).
     """
     cfg = model_config(model)
     n, budget, top_k, stop = _check_arguments(
@@ -155,7 +162,7 @@ def run_episodes(
     tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
     check_template(tokenizer, eos_ids=eos, roles=check_roles, **tkw)
     max_pos = getattr(cfg, "max_position_embeddings", None) or 10**12
-    episodes = _open(rows, n, make_env, tokenizer, tkw, max_pos)
+    episodes = _open(rows, n, make_env, tokenizer, tkw, max_pos, env_timeout_s)
 
     device = next(model.parameters()).device
     keys = check_row_keys(row_keys, len(rows)).to(device)
@@ -175,6 +182,7 @@ def run_episodes(
         stop=stop,
         template_kw=tkw,
         device=device,
+        env_timeout_s=env_timeout_s,
     )
     step = batch_size or len(episodes)
     with eval_mode(model):
@@ -214,7 +222,7 @@ def _check_arguments(
     return n, budget, top_k, stop
 
 
-def _open(rows, n: int, make_env, tokenizer, tkw: dict, max_pos: int) -> list[Episode]:
+def _open(rows, n, make_env, tokenizer, tkw: dict, max_pos: int, limit_s) -> list[Episode]:
     """Every episode started: one environment each, reset concurrently (resets may be async),
     its opening messages rendered with the generation prompt."""
     envs = []
@@ -222,7 +230,7 @@ def _open(rows, n: int, make_env, tokenizer, tkw: dict, max_pos: int) -> list[Ep
         env = make_env(rows[i // n])
         check_environment(env, f"make_env(rows[{i // n}])")
         envs.append(env)
-    opened = _call_all([(e, "reset", rows[i // n], i // n) for i, e in enumerate(envs)])
+    opened = _call_all([(e, "reset", rows[i // n], i // n) for i, e in enumerate(envs)], limit_s)
     episodes = []
     for i, (env, msgs) in enumerate(zip(envs, opened)):
         msgs = _as_messages(msgs, f"{type(env).__name__} (rows[{i // n}])")
@@ -257,6 +265,7 @@ class TurnEngine:
         stop,
         template_kw,
         device,
+        env_timeout_s=None,
     ):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.eos = set(eos_ids)
@@ -265,6 +274,7 @@ class TurnEngine:
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.template_kw = template_kw
         self.stop = stop
+        self.env_timeout_s = env_timeout_s
         # decoded tail searched for a stop string: as rollout.generate's window
         self.stop_window = max(len(x) for x in stop) + 8 if stop else 0
         sig = forward_signature(model)
@@ -480,22 +490,37 @@ class TurnEngine:
         return any(x in tail for x in self.stop)
 
     def _step_all(self, asks: list[tuple[Episode, dict]]) -> list[Step]:
-        results = _call_all([(e.env, "step", m, e.row_index) for e, m in asks])
+        results = _call_all(
+            [(e.env, "step", m, e.row_index) for e, m in asks], self.env_timeout_s
+        )
         return [
             _as_step(r, f"{type(e.env).__name__}.step (rows[{e.row_index}])")
             for (e, _), r in zip(asks, results)
         ]
 
 
-def _call_all(calls: list[tuple[Any, str, Any, int]]) -> list[Any]:
-    """``env.method(arg)`` for every (env, method, arg, row) at once (async ones concurrently);
-    an exception is re-raised naming the environment class, the method and the row."""
+def _call_all(calls: list[tuple[Any, str, Any, int]], limit_s: float | None = None) -> list[Any]:
+    """``env.method(arg)`` for every (env, method, arg, row) at once (async ones concurrently),
+    each within ``limit_s`` seconds (a sync method under ``limits.call_within``, an async one
+    under ``asyncio.wait_for``; an environment whose ``step`` bounds itself, ``bounds_own_step``,
+    as the tool wrapper whose every tool call has its own limit, is not limited again there);
+    an exception or an overrun is re-raised naming the environment class, the method and the
+    row."""
     if not calls:
         return []
 
     async def one(env, method, arg):
+        import asyncio
+
+        limit = None if method == "step" and getattr(env, "bounds_own_step", False) else limit_s
         try:
-            return await maybe_await(getattr(env, method)(arg))
+            value = call_within(lambda: getattr(env, method)(arg), limit, name=method)
+            if not inspect.isawaitable(value) or limit is None or math.isinf(limit):
+                return await maybe_await(value)
+            try:
+                return await asyncio.wait_for(value, limit)
+            except asyncio.TimeoutError:
+                raise TimeLimitExceeded(method, limit) from None
         except Exception as e:
             return e
         except BaseException as e:  # the user's sys.exit() / KeyboardInterrupt: its failure
@@ -518,11 +543,12 @@ def _call_all(calls: list[tuple[Any, str, Any, int]]) -> list[Any]:
             # one line naming the user's class (a TRL environment_factory class, not our
             # wrapper), the method, the row and what it raised, with its file and line
             cls = type(getattr(env, "instance", None) or env).__name__
-            what = (
-                str(r)
-                if isinstance(r, _Exited)
-                else (f"raised {type(r).__name__}: {r}{where_raised(r)}")
-            )
+            if isinstance(r, _Exited):
+                what = str(r)
+            elif isinstance(r, TimeLimitExceeded):
+                what = f"did not return within {r.limit_s:g}s (env.timeout_s; null = no limit)"
+            else:
+                what = f"raised {type(r).__name__}: {r}{where_raised(r)}"
             raise UserCodeError(f"environment {cls}.{method} (rows[{row}]) {what}") from r
     return results
 

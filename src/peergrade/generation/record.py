@@ -47,7 +47,8 @@ class SamplerSettings:
     ``n`` answers per prompt; ``max_new_tokens`` the budget of a reply or of a whole episode
     (every token after the prompt); ``temperature`` (0 = greedy), ``top_p`` in (0, 1], ``top_k``
     (0 = off), ``stop`` strings; ``batch_size`` sequences at once (None: all); episodes only:
-    ``max_turns`` and ``max_tokens_per_turn`` (None: no limit); ``ignore_eos`` (replies only):
+    ``max_turns`` and ``max_tokens_per_turn`` (None: no limit), ``env_timeout_s`` (seconds an
+    environment's ``reset`` / ``step`` may take; None: no limit); ``ignore_eos`` (replies only):
     every reply runs to ``max_new_tokens``, the worst case ``peergrade memory`` measures."""
 
     n: int
@@ -59,6 +60,7 @@ class SamplerSettings:
     batch_size: int | None = None
     max_turns: int | None = None
     max_tokens_per_turn: int | None = None
+    env_timeout_s: float | None = None
     ignore_eos: bool = False  # replies run to max_new_tokens (peergrade memory's worst case)
 
     def __post_init__(self):

@@ -356,6 +356,12 @@ def run_header(
             "(each epoch a fresh shuffle)"
         )
     e = cfg.env
+    if e.factory is not None:
+        lines.append(
+            "environment: reset and step may take "
+            + (f"{e.timeout_s:g} s" if e.timeout_s else "unlimited time")
+            + " each (env.timeout_s)"
+        )
     if e.enabled and not is_verifiers_spec(e.factory):
         lines.append(
             "tools: each call may take "
