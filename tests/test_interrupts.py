@@ -54,6 +54,12 @@ def fire(hook, step, producer=None):
                 signal.raise_signal(getattr(signal, "SIG" + s))
 
 
+real_setup = tr.setup
+def setup(cfg):  # loading the model and the data
+    fire("load", 0)
+    return real_setup(cfg)
+tr.setup = setup
+
 real_eval = tr.HeldOut.evaluate_logged
 def evaluate_logged(self, step, display):
     fire("eval", step)
@@ -340,3 +346,20 @@ def test_sigterm_under_torchrun_saves_on_every_rank_and_resumes_exactly(tiny_mod
     a, b = weights(plain / "checkpoints/step-4"), weights(stopped / "checkpoints/step-4")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_sigterm_while_the_model_loads_exits_143_with_its_line_and_the_rerun_is_exact(
+    setup, tiny_model_dir
+):
+    """A preemption during start-up (imports, model load) ends like a Ctrl-C there: one line,
+    exit 143, not a silent kill; no run directory is left to block the same command again."""
+    work, reward, plain = setup
+    args = start_args(tiny_model_dir, reward, work / "termload")
+    proc = run_cli(work, args, stop_at="load:0:TERM")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "SIGTERM before the run started: no checkpoint was written" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    again = run_cli(work, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    got = weights(work / "termload/checkpoints/step-3")
+    assert got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in plain)

@@ -39,14 +39,16 @@ def run(args, extra) -> int:
         cfg = config_from(args, extra)
         run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
         ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
-    from peergrade.distributed import main_guard
-    from peergrade.training.trainer import train
-
-    # under torchrun: a failure names its rank, and the process group is torn down either way
+    # under torchrun: a failure names its rank, and the process group is torn down either way;
+    # a SIGTERM while the trainer imports or loads is a stop, as a Ctrl-C there
     try:
-        summary = main_guard(
-            train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
-        )
+        with ckpt.sigterm_stops():
+            from peergrade.distributed import main_guard
+            from peergrade.training.trainer import train
+
+            summary = main_guard(
+                train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
+            )
     except KeyboardInterrupt as stop:
         # while loading or evaluating the starting model: the run directory may already exist
         code, what = (143, "SIGTERM") if isinstance(stop, ckpt.Terminated) else (130, "interrupted")
@@ -61,7 +63,7 @@ def run(args, extra) -> int:
                 file=sys.stderr,
             )
             return code
-        print(what, file=sys.stderr)
+        print(f"{what} before the run started: no checkpoint was written", file=sys.stderr)
         return code
     if summary.get("interrupted"):
         return 143 if summary.get("signal") == "SIGTERM" else 130

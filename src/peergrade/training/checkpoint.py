@@ -618,6 +618,28 @@ class Terminated(Stop):
     (the CLI exits 143 for it, 130 for a Ctrl-C)."""
 
 
+@contextmanager
+def sigterm_stops():
+    """Until a ``StopFlag`` takes over: a SIGTERM raises ``Terminated`` where it lands, as a
+    Ctrl-C raises ``KeyboardInterrupt``, so a job preempted while it imports, loads the model or
+    opens its run directory ends with its message and exit 143 like a Ctrl-C (130), not killed
+    without a word. Nothing is saved then: there is no step yet. Outside the main thread it
+    changes nothing."""
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 _ACTIVE: list[StopFlag] = []  # the installed flag (the innermost), for ``critical``
 
 
