@@ -535,13 +535,24 @@ class GRPOConfig:
         """``[(peergrade key, value), ...]`` for ``config.load_config`` (``num_rows``: the
         training rows, needed when max_steps = -1)."""
         steps = self.generation_steps(num_rows)
-        G, P = self.num_generations, self.prompts_per_step
+        out = [
+            *self._rollout_overrides(steps),
+            *self._optim_overrides(steps),
+            *self._algo_overrides(),
+            *self._train_overrides(num_rows),
+            *self._model_overrides(),
+        ]
+        out.extend((self.peergrade or {}).items())  # last: peergrade's own keys, as given
+        return out
+
+    def _rollout_overrides(self, steps: int) -> list[tuple[str, Any]]:
+        """The run's output directory, groups, batches, steps and sampling."""
         minibatch = self.per_device_train_batch_size * self.gradient_accumulation_steps
         minibatch *= self.world_size
-        out: list[tuple[str, Any]] = [
+        return [
             ("train.output_dir", self.output_dir or "trainer_output"),
-            ("rollout.group_size", G),
-            ("rollout.prompts_per_step", P),
+            ("rollout.group_size", self.num_generations),
+            ("rollout.prompts_per_step", self.prompts_per_step),
             ("optim.micro_batch_size", self.per_device_train_batch_size),
             ("optim.minibatch_size", minibatch),
             ("train.steps", steps),
@@ -549,6 +560,11 @@ class GRPOConfig:
             ("rollout.temperature", self.temperature),
             ("rollout.top_p", self.top_p),
             ("rollout.top_k", self.top_k),
+        ]
+
+    def _optim_overrides(self, steps: int) -> list[tuple[str, Any]]:
+        """The optimizer and its learning-rate schedule (warmup counted over ``steps``)."""
+        return [
             ("optim.lr", self.learning_rate),
             ("optim.lr_schedule", _schedule(self.lr_scheduler_type)),
             ("optim.min_lr_ratio", _min_lr_ratio(self.lr_scheduler_kwargs)),
@@ -556,6 +572,11 @@ class GRPOConfig:
             ("optim.weight_decay", self.weight_decay),
             ("optim.adam_betas", [self.adam_beta1, self.adam_beta2]),
             ("optim.max_grad_norm", self.max_grad_norm),
+        ]
+
+    def _algo_overrides(self) -> list[tuple[str, Any]]:
+        """The loss, its ratio and options, and the advantages."""
+        return [
             ("algo.beta", self.beta),
             ("algo.clip_eps", self.epsilon),
             ("algo.clip_eps_high", self.epsilon_high),
@@ -587,6 +608,11 @@ class GRPOConfig:
             ("algo.advantage_scale", _scale(self.scale_rewards)),
             ("algo.num_iterations", self.num_iterations),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
+        ]
+
+    def _train_overrides(self, num_rows: int | None) -> list[tuple[str, Any]]:
+        """The seed, checkpoints, evaluation and reporting (``num_rows`` for per-epoch ones)."""
+        return [
             ("train.seed", self.seed),
             (
                 "train.save_every",
@@ -601,9 +627,15 @@ class GRPOConfig:
                     num_rows,
                 ),
             ),
-            ("train.eval_samples", self.num_generations_eval or G),
+            ("train.eval_samples", self.num_generations_eval or self.num_generations),
             ("train.report_to", _report_to(self.report_to)),
             ("train.project", self.project),
+        ]
+
+    def _model_overrides(self) -> list[tuple[str, Any]]:
+        """The model's settings and the process timeout; then the fields set only when given
+        (their ``None`` leaves peergrade's default)."""
+        out: list[tuple[str, Any]] = [
             ("model.gradient_checkpointing", self.gradient_checkpointing),
             ("model.autocast", {True: "bf16", False: "off", None: "auto"}[self.bf16]),
             ("dist.timeout_s", float(self.ddp_timeout)),
@@ -620,7 +652,6 @@ class GRPOConfig:
         dtype = _model_dtype(self.model_init_kwargs)
         if dtype is not None:
             out.append(("model.dtype", dtype))
-        out.extend((self.peergrade or {}).items())  # last: peergrade's own keys, as given
         return out
 
     def to_config(self, num_rows: int | None = None) -> Config:
@@ -636,7 +667,7 @@ class GRPOConfig:
                 "GRPOConfig: loss_type='vespo' computes its sequence-level weight itself; "
                 f"importance_sampling_level={self.importance_sampling_level!r} is not used",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of to_overrides (via _algo_overrides)
             )
             return "token"
         return self.importance_sampling_level
