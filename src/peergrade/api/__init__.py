@@ -936,31 +936,19 @@ class GRPOTrainer:
         environment_factory=None,
         harness=None,
     ):
-        from peergrade.envs.load import reference_of
         from peergrade.tasks.files import FileTask
         from peergrade.training.trainer import Given, setup
 
-        refused = {
-            "reward_processing_classes": (
-                reward_processing_classes,
-                "a reward-model directory holding its own tokenizer",
-            ),
-            "optimizers": (
-                None if optimizers == (None, None) else optimizers,
-                "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay",
-            ),
-            "quantization_config": (quantization_config, "peft_config (LoRA) on a bf16 model"),
-            "rollout_func": (rollout_func, "peergrade's own sampler"),
-        }
-        for name, (value, instead) in refused.items():
-            if value is not None:
-                raise ConfigError(f"GRPOTrainer argument {name!r} is not supported: use {instead}")
-        if reward_funcs is None and harness is None:
-            raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
-        if train_dataset is None:
-            raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            raise ConfigError(f"GRPOTrainer: tools must be a list of functions, got {tools!r}")
+        _check_arguments(
+            reward_funcs,
+            train_dataset,
+            tools,
+            harness,
+            reward_processing_classes=reward_processing_classes,
+            optimizers=None if optimizers == (None, None) else optimizers,
+            quantization_config=quantization_config,
+            rollout_func=rollout_func,
+        )
         if args is None:  # TRL names the run after the model
             name = Path(str(getattr(model, "name_or_path", model) or "model")).name
             args = GRPOConfig(f"{name}-GRPO")
@@ -982,26 +970,10 @@ class GRPOTrainer:
         overrides.append(("data.path", f"{PYTHON_ONLY}train_dataset ({len(task)} rows)"))
         if eval_dataset is not None:
             overrides.append(("data.eval_path", f"{PYTHON_ONLY}eval_dataset"))
-        if isinstance(model, (str, Path)):
-            policy = None
-            overrides.append(("model.path", str(model)))
-        else:
-            policy = model
-            overrides.append(("model.path", str(getattr(model, "name_or_path", "") or "bundled")))
-            if processing_class is None and not Path(overrides[-1][1]).is_dir():
-                raise ConfigError(
-                    "GRPOTrainer: the model object has no local name_or_path to load its "
-                    "tokenizer from: pass processing_class=tokenizer"
-                )
+        policy, model_path = _model_path(model, processing_class)
+        overrides.append(("model.path", model_path))
         overrides.extend(_lora_overrides(peft_config))
-        # recorded in config.yaml, so a resume from the command line trains episodes too (or
-        # stops, for objects it cannot import, saying to resume from Python)
-        if tools:
-            overrides.append(("env.tools", [reference_of(f) for f in tools]))
-        if environment_factory is not None:
-            overrides.append(("env.factory", reference_of(environment_factory)))
-        if harness is not None:  # an external agent (peergrade.training.harness)
-            overrides.append(("harness.fn", reference_of(harness)))
+        overrides.extend(_episode_overrides(tools, environment_factory, harness))
         self.config = load_config(None, overrides)
         given = Given(
             task=task,
@@ -1097,6 +1069,56 @@ class GRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(out))
         save_tokenizer(self.processing_class, out)
+
+
+def _check_arguments(reward_funcs, train_dataset, tools, harness, **refused) -> None:
+    """GRPOTrainer's arguments before anything is built: TRL's that peergrade refuses
+    (``refused``: name -> value, None when not given), then the ones it needs."""
+    instead = {
+        "reward_processing_classes": "a reward-model directory holding its own tokenizer",
+        "optimizers": "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay",
+        "quantization_config": "peft_config (LoRA) on a bf16 model",
+        "rollout_func": "peergrade's own sampler",
+    }
+    for name, use in instead.items():
+        if refused[name] is not None:
+            raise ConfigError(f"GRPOTrainer argument {name!r} is not supported: use {use}")
+    if reward_funcs is None and harness is None:
+        raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
+    if train_dataset is None:
+        raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ConfigError(f"GRPOTrainer: tools must be a list of functions, got {tools!r}")
+
+
+def _model_path(model, processing_class) -> tuple[Any, str]:
+    """(the loaded policy or None, model.path): a directory (or 'bundled') as given, or a model
+    object's name_or_path, which must be a directory when no tokenizer is passed."""
+    if isinstance(model, (str, Path)):
+        return None, str(model)
+    path = str(getattr(model, "name_or_path", "") or "bundled")
+    if processing_class is None and not Path(path).is_dir():
+        raise ConfigError(
+            "GRPOTrainer: the model object has no local name_or_path to load its "
+            "tokenizer from: pass processing_class=tokenizer"
+        )
+    return model, path
+
+
+def _episode_overrides(tools, environment_factory, harness) -> list[tuple[str, Any]]:
+    """env.tools, env.factory and harness.fn for the objects given. Recorded in config.yaml,
+    so a resume from the command line trains episodes too (or stops, for objects it cannot
+    import, saying to resume from Python)."""
+    from peergrade.envs.load import reference_of
+
+    out: list[tuple[str, Any]] = []
+    if tools:
+        out.append(("env.tools", [reference_of(f) for f in tools]))
+    if environment_factory is not None:
+        out.append(("env.factory", reference_of(environment_factory)))
+    if harness is not None:  # an external agent (peergrade.training.harness)
+        out.append(("harness.fn", reference_of(harness)))
+    return out
 
 
 def _resume_target(output_dir: str, resume_from_checkpoint) -> tuple[Path, bool]:
