@@ -1519,6 +1519,12 @@ def _recipe_rewards(names, script: dict, weights, where: str) -> list[dict]:
 
 def trl_mapping_markdown() -> str:
     """docs/coming-from-trl.md, rendered from the tables above (a test compares the two)."""
+    lines = _mapped_section() + _native_section() + _ignored_sections() + _open_r1_section()
+    return "\n".join(lines) + "\n"
+
+
+def _mapped_section() -> list[str]:
+    """The page's title and introduction, and the table of the fields that map."""
     lines = [
         "# Coming from TRL",
         "",
@@ -1544,7 +1550,12 @@ def trl_mapping_markdown() -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name, (key, how) in MAPPED.items():
         lines.append(f"| `{name}` | `{defaults.get(name)!r}` | `{key}` | {how} |")
-    lines += [
+    return lines
+
+
+def _native_section() -> list[str]:
+    """How to set peergrade's own keys: ``GRPOConfig(peergrade={...})``."""
+    lines = [
         "",
         "## peergrade's own settings",
         "",
@@ -1567,7 +1578,12 @@ def trl_mapping_markdown() -> str:
         ")",
         "```",
     ]
-    lines += [
+    return lines
+
+
+def _ignored_sections() -> list[str]:
+    """The tables of the fields ignored with a warning and of those refused."""
+    lines = [
         "",
         "## Fields ignored with a warning",
         "",
@@ -1585,7 +1601,12 @@ def trl_mapping_markdown() -> str:
         "| --- | --- | --- |",
     ]
     lines += [f"| `{n}` | `{d!r}` | {use} |" for n, (d, use) in UNSUPPORTED.items()]
-    lines += [
+    return lines
+
+
+def _open_r1_section() -> list[str]:
+    """open-r1's reward_funcs names: the built-in rewards they map to, or what to use."""
+    lines = [
         "",
         "## open-r1 recipes",
         "",
@@ -1598,4 +1619,4 @@ def trl_mapping_markdown() -> str:
     ]
     lines += [f"| `{n}` | `{b}` |" for n, (b, _) in OPEN_R1_REWARDS.items()]
     lines += [f"| `{n}` | refused: use {use} |" for n, use in _OPEN_R1_UNSUPPORTED.items()]
-    return "\n".join(lines) + "\n"
+    return lines
