@@ -535,13 +535,24 @@ class GRPOConfig:
         """``[(peergrade key, value), ...]`` for ``config.load_config`` (``num_rows``: the
         training rows, needed when max_steps = -1)."""
         steps = self.generation_steps(num_rows)
-        G, P = self.num_generations, self.prompts_per_step
+        out = [
+            *self._rollout_overrides(steps),
+            *self._optim_overrides(steps),
+            *self._algo_overrides(),
+            *self._train_overrides(num_rows),
+            *self._model_overrides(),
+        ]
+        out.extend((self.peergrade or {}).items())  # last: peergrade's own keys, as given
+        return out
+
+    def _rollout_overrides(self, steps: int) -> list[tuple[str, Any]]:
+        """The run's output directory, groups, batches, steps and sampling."""
         minibatch = self.per_device_train_batch_size * self.gradient_accumulation_steps
         minibatch *= self.world_size
-        out: list[tuple[str, Any]] = [
+        return [
             ("train.output_dir", self.output_dir or "trainer_output"),
-            ("rollout.group_size", G),
-            ("rollout.prompts_per_step", P),
+            ("rollout.group_size", self.num_generations),
+            ("rollout.prompts_per_step", self.prompts_per_step),
             ("optim.micro_batch_size", self.per_device_train_batch_size),
             ("optim.minibatch_size", minibatch),
             ("train.steps", steps),
@@ -549,6 +560,11 @@ class GRPOConfig:
             ("rollout.temperature", self.temperature),
             ("rollout.top_p", self.top_p),
             ("rollout.top_k", self.top_k),
+        ]
+
+    def _optim_overrides(self, steps: int) -> list[tuple[str, Any]]:
+        """The optimizer and its learning-rate schedule (warmup counted over ``steps``)."""
+        return [
             ("optim.lr", self.learning_rate),
             ("optim.lr_schedule", _schedule(self.lr_scheduler_type)),
             ("optim.min_lr_ratio", _min_lr_ratio(self.lr_scheduler_kwargs)),
@@ -556,6 +572,11 @@ class GRPOConfig:
             ("optim.weight_decay", self.weight_decay),
             ("optim.adam_betas", [self.adam_beta1, self.adam_beta2]),
             ("optim.max_grad_norm", self.max_grad_norm),
+        ]
+
+    def _algo_overrides(self) -> list[tuple[str, Any]]:
+        """The loss, its ratio and options, and the advantages."""
+        return [
             ("algo.beta", self.beta),
             ("algo.clip_eps", self.epsilon),
             ("algo.clip_eps_high", self.epsilon_high),
@@ -587,6 +608,11 @@ class GRPOConfig:
             ("algo.advantage_scale", _scale(self.scale_rewards)),
             ("algo.num_iterations", self.num_iterations),
             ("algo.mask_truncated_completions", self.mask_truncated_completions),
+        ]
+
+    def _train_overrides(self, num_rows: int | None) -> list[tuple[str, Any]]:
+        """The seed, checkpoints, evaluation and reporting (``num_rows`` for per-epoch ones)."""
+        return [
             ("train.seed", self.seed),
             (
                 "train.save_every",
@@ -601,9 +627,15 @@ class GRPOConfig:
                     num_rows,
                 ),
             ),
-            ("train.eval_samples", self.num_generations_eval or G),
+            ("train.eval_samples", self.num_generations_eval or self.num_generations),
             ("train.report_to", _report_to(self.report_to)),
             ("train.project", self.project),
+        ]
+
+    def _model_overrides(self) -> list[tuple[str, Any]]:
+        """The model's settings and the process timeout; then the fields set only when given
+        (their ``None`` leaves peergrade's default)."""
+        out: list[tuple[str, Any]] = [
             ("model.gradient_checkpointing", self.gradient_checkpointing),
             ("model.autocast", {True: "bf16", False: "off", None: "auto"}[self.bf16]),
             ("dist.timeout_s", float(self.ddp_timeout)),
@@ -620,7 +652,6 @@ class GRPOConfig:
         dtype = _model_dtype(self.model_init_kwargs)
         if dtype is not None:
             out.append(("model.dtype", dtype))
-        out.extend((self.peergrade or {}).items())  # last: peergrade's own keys, as given
         return out
 
     def to_config(self, num_rows: int | None = None) -> Config:
@@ -636,7 +667,7 @@ class GRPOConfig:
                 "GRPOConfig: loss_type='vespo' computes its sequence-level weight itself; "
                 f"importance_sampling_level={self.importance_sampling_level!r} is not used",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of to_overrides (via _algo_overrides)
             )
             return "token"
         return self.importance_sampling_level
@@ -905,31 +936,19 @@ class GRPOTrainer:
         environment_factory=None,
         harness=None,
     ):
-        from peergrade.envs.load import reference_of
         from peergrade.tasks.files import FileTask
         from peergrade.training.trainer import Given, setup
 
-        refused = {
-            "reward_processing_classes": (
-                reward_processing_classes,
-                "a reward-model directory holding its own tokenizer",
-            ),
-            "optimizers": (
-                None if optimizers == (None, None) else optimizers,
-                "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay",
-            ),
-            "quantization_config": (quantization_config, "peft_config (LoRA) on a bf16 model"),
-            "rollout_func": (rollout_func, "peergrade's own sampler"),
-        }
-        for name, (value, instead) in refused.items():
-            if value is not None:
-                raise ConfigError(f"GRPOTrainer argument {name!r} is not supported: use {instead}")
-        if reward_funcs is None and harness is None:
-            raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
-        if train_dataset is None:
-            raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            raise ConfigError(f"GRPOTrainer: tools must be a list of functions, got {tools!r}")
+        _check_arguments(
+            reward_funcs,
+            train_dataset,
+            tools,
+            harness,
+            reward_processing_classes=reward_processing_classes,
+            optimizers=None if optimizers == (None, None) else optimizers,
+            quantization_config=quantization_config,
+            rollout_func=rollout_func,
+        )
         if args is None:  # TRL names the run after the model
             name = Path(str(getattr(model, "name_or_path", model) or "model")).name
             args = GRPOConfig(f"{name}-GRPO")
@@ -951,26 +970,10 @@ class GRPOTrainer:
         overrides.append(("data.path", f"{PYTHON_ONLY}train_dataset ({len(task)} rows)"))
         if eval_dataset is not None:
             overrides.append(("data.eval_path", f"{PYTHON_ONLY}eval_dataset"))
-        if isinstance(model, (str, Path)):
-            policy = None
-            overrides.append(("model.path", str(model)))
-        else:
-            policy = model
-            overrides.append(("model.path", str(getattr(model, "name_or_path", "") or "bundled")))
-            if processing_class is None and not Path(overrides[-1][1]).is_dir():
-                raise ConfigError(
-                    "GRPOTrainer: the model object has no local name_or_path to load its "
-                    "tokenizer from: pass processing_class=tokenizer"
-                )
+        policy, model_path = _model_path(model, processing_class)
+        overrides.append(("model.path", model_path))
         overrides.extend(_lora_overrides(peft_config))
-        # recorded in config.yaml, so a resume from the command line trains episodes too (or
-        # stops, for objects it cannot import, saying to resume from Python)
-        if tools:
-            overrides.append(("env.tools", [reference_of(f) for f in tools]))
-        if environment_factory is not None:
-            overrides.append(("env.factory", reference_of(environment_factory)))
-        if harness is not None:  # an external agent (peergrade.training.harness)
-            overrides.append(("harness.fn", reference_of(harness)))
+        overrides.extend(_episode_overrides(tools, environment_factory, harness))
         self.config = load_config(None, overrides)
         given = Given(
             task=task,
@@ -1066,6 +1069,56 @@ class GRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(out))
         save_tokenizer(self.processing_class, out)
+
+
+def _check_arguments(reward_funcs, train_dataset, tools, harness, **refused) -> None:
+    """GRPOTrainer's arguments before anything is built: TRL's that peergrade refuses
+    (``refused``: name -> value, None when not given), then the ones it needs."""
+    instead = {
+        "reward_processing_classes": "a reward-model directory holding its own tokenizer",
+        "optimizers": "GRPOConfig's learning_rate, lr_scheduler_type, weight_decay",
+        "quantization_config": "peft_config (LoRA) on a bf16 model",
+        "rollout_func": "peergrade's own sampler",
+    }
+    for name, use in instead.items():
+        if refused[name] is not None:
+            raise ConfigError(f"GRPOTrainer argument {name!r} is not supported: use {use}")
+    if reward_funcs is None and harness is None:
+        raise ConfigError("GRPOTrainer needs reward_funcs (a function, a name, or a list)")
+    if train_dataset is None:
+        raise ConfigError("GRPOTrainer needs a train_dataset (rows with a 'prompt' column)")
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ConfigError(f"GRPOTrainer: tools must be a list of functions, got {tools!r}")
+
+
+def _model_path(model, processing_class) -> tuple[Any, str]:
+    """(the loaded policy or None, model.path): a directory (or 'bundled') as given, or a model
+    object's name_or_path, which must be a directory when no tokenizer is passed."""
+    if isinstance(model, (str, Path)):
+        return None, str(model)
+    path = str(getattr(model, "name_or_path", "") or "bundled")
+    if processing_class is None and not Path(path).is_dir():
+        raise ConfigError(
+            "GRPOTrainer: the model object has no local name_or_path to load its "
+            "tokenizer from: pass processing_class=tokenizer"
+        )
+    return model, path
+
+
+def _episode_overrides(tools, environment_factory, harness) -> list[tuple[str, Any]]:
+    """env.tools, env.factory and harness.fn for the objects given. Recorded in config.yaml,
+    so a resume from the command line trains episodes too (or stops, for objects it cannot
+    import, saying to resume from Python)."""
+    from peergrade.envs.load import reference_of
+
+    out: list[tuple[str, Any]] = []
+    if tools:
+        out.append(("env.tools", [reference_of(f) for f in tools]))
+    if environment_factory is not None:
+        out.append(("env.factory", reference_of(environment_factory)))
+    if harness is not None:  # an external agent (peergrade.training.harness)
+        out.append(("harness.fn", reference_of(harness)))
+    return out
 
 
 def _resume_target(output_dir: str, resume_from_checkpoint) -> tuple[Path, bool]:
@@ -1466,6 +1519,12 @@ def _recipe_rewards(names, script: dict, weights, where: str) -> list[dict]:
 
 def trl_mapping_markdown() -> str:
     """docs/coming-from-trl.md, rendered from the tables above (a test compares the two)."""
+    lines = _mapped_section() + _native_section() + _ignored_sections() + _open_r1_section()
+    return "\n".join(lines) + "\n"
+
+
+def _mapped_section() -> list[str]:
+    """The page's title and introduction, and the table of the fields that map."""
     lines = [
         "# Coming from TRL",
         "",
@@ -1491,7 +1550,12 @@ def trl_mapping_markdown() -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name, (key, how) in MAPPED.items():
         lines.append(f"| `{name}` | `{defaults.get(name)!r}` | `{key}` | {how} |")
-    lines += [
+    return lines
+
+
+def _native_section() -> list[str]:
+    """How to set peergrade's own keys: ``GRPOConfig(peergrade={...})``."""
+    lines = [
         "",
         "## peergrade's own settings",
         "",
@@ -1514,7 +1578,12 @@ def trl_mapping_markdown() -> str:
         ")",
         "```",
     ]
-    lines += [
+    return lines
+
+
+def _ignored_sections() -> list[str]:
+    """The tables of the fields ignored with a warning and of those refused."""
+    lines = [
         "",
         "## Fields ignored with a warning",
         "",
@@ -1532,7 +1601,12 @@ def trl_mapping_markdown() -> str:
         "| --- | --- | --- |",
     ]
     lines += [f"| `{n}` | `{d!r}` | {use} |" for n, (d, use) in UNSUPPORTED.items()]
-    lines += [
+    return lines
+
+
+def _open_r1_section() -> list[str]:
+    """open-r1's reward_funcs names: the built-in rewards they map to, or what to use."""
+    lines = [
         "",
         "## open-r1 recipes",
         "",
@@ -1545,4 +1619,4 @@ def trl_mapping_markdown() -> str:
     ]
     lines += [f"| `{n}` | `{b}` |" for n, (b, _) in OPEN_R1_REWARDS.items()]
     lines += [f"| `{n}` | refused: use {use} |" for n, use in _OPEN_R1_UNSUPPORTED.items()]
-    return "\n".join(lines) + "\n"
+    return lines
