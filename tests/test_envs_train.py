@@ -160,6 +160,7 @@ def test_env_paths_resolve_like_other_config_paths(files, monkeypatch):
         ),
         ([("env.max_turns", 0)], "env.max_turns must be >= 1"),
         ([("env.tool_timeout", 0)], "env.tool_timeout must be > 0"),
+        ([("env.timeout_s", -1)], "env.timeout_s must be > 0 or null, got -1"),
         ([("env.factory", "nocolon")], "env.factory must be"),
     ],
 )

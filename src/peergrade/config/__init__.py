@@ -1483,10 +1483,9 @@ def _check_env(cfg: Config) -> None:
         e.max_tool_calling_iterations is None or e.max_tool_calling_iterations >= 0,
         f"env.max_tool_calling_iterations must be >= 0 or null, got {e.max_tool_calling_iterations}",
     )
-    _need(
-        e.tool_timeout is None or e.tool_timeout > 0,
-        f"env.tool_timeout must be > 0 or null, got {e.tool_timeout}",
-    )
+    for k in ("timeout_s", "tool_timeout"):
+        v = getattr(e, k)
+        _need(v is None or v > 0, f"env.{k} must be > 0 or null, got {v}")
     _need(e.tool_concurrency >= 1, f"env.tool_concurrency must be >= 1, got {e.tool_concurrency}")
     for i, spec in enumerate(e.tools):
         _need(
