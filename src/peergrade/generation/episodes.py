@@ -169,21 +169,11 @@ def run_episodes(
     draws = uniforms(row_states(seed_of(seed), keys, n), budget)  # [E, budget]
 
     engine = TurnEngine(
-        model=model,
-        tokenizer=tokenizer,
-        eos_ids=eos,
-        budget=budget,
-        max_turns=max_turns,
-        max_tokens_per_turn=max_tokens_per_turn or budget,
-        max_pos=max_pos,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        stop=stop,
-        template_kw=tkw,
-        device=device,
-        env_timeout_s=env_timeout_s,
-    )
+        model=model, tokenizer=tokenizer, eos_ids=eos, budget=budget, max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn or budget, max_pos=max_pos,
+        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), stop=stop,
+        template_kw=tkw, device=device, env_timeout_s=env_timeout_s,
+    )  # fmt: skip
     step = batch_size or len(episodes)
     with eval_mode(model):
         for start in range(0, len(episodes), step):
@@ -490,9 +480,7 @@ class TurnEngine:
         return any(x in tail for x in self.stop)
 
     def _step_all(self, asks: list[tuple[Episode, dict]]) -> list[Step]:
-        results = _call_all(
-            [(e.env, "step", m, e.row_index) for e, m in asks], self.env_timeout_s
-        )
+        results = _call_all([(e.env, "step", m, e.row_index) for e, m in asks], self.env_timeout_s)
         return [
             _as_step(r, f"{type(e.env).__name__}.step (rows[{e.row_index}])")
             for (e, _), r in zip(asks, results)
