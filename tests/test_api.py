@@ -15,6 +15,7 @@ import pytest
 from peergrade.api import (
     IGNORED,
     MAPPED,
+    OWN_DEFAULTS,
     UNSUPPORTED,
     GRPOConfig,
     _field_kind,
@@ -157,8 +158,9 @@ def test_every_trl_field_is_classified_with_trls_default():
             assert UNSUPPORTED[name][0] == default, name
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for name in MAPPED:
-        if name in theirs:  # max_prompt_length is a field of TRL < 1.0
+        if name in theirs and name not in OWN_DEFAULTS:  # max_prompt_length: TRL < 1.0
             assert ours[name] == theirs[name].default, name
+    assert set(OWN_DEFAULTS) <= set(MAPPED) and ours["per_device_eval_batch_size"] is None
     tables = [set(MAPPED), set(IGNORED), set(UNSUPPORTED)]
     assert not (tables[0] & tables[1] or tables[0] & tables[2] or tables[1] & tables[2])
 
@@ -219,6 +221,7 @@ def test_every_mapped_field_sets_the_key_it_names():
         "save_total_limit": 3,
         "eval_strategy": "steps",
         "num_generations_eval": 3,
+        "per_device_eval_batch_size": 16,
         "report_to": ["tensorboard"],
         "project": "mine",
         "gradient_checkpointing": False,

@@ -270,6 +270,7 @@ def test_recipe_becomes_the_config_it_describes(tmp_path):
     assert cfg.optim.warmup_steps == 1 and cfg.train.eval_every == 100
     assert cfg.data.system_prompt == "Answer with the number."
     assert cfg.data.max_prompt_length == 64
+    assert cfg.train.eval_batch_size == 32  # per_device_eval_batch_size: sequences at once
 
 
 def test_recipe_errors_name_the_problem(tmp_path):

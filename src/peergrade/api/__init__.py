@@ -174,6 +174,11 @@ MAPPED: dict[str, tuple[str, str]] = {
         "train.eval_samples",
         "samples per held-out prompt; None = num_generations",
     ),
+    "per_device_eval_batch_size": (
+        "train.eval_batch_size",
+        "held-out sequences generated at once; not given = auto (within the training step's "
+        "memory, so TRL's 8 is not assumed)",
+    ),
     "report_to": ("train.report_to", "'none' = []; tensorboard, trackio, wandb"),
     "project": ("train.project", "as is"),
     "gradient_checkpointing": ("model.gradient_checkpointing", "as is"),
@@ -198,6 +203,12 @@ _HUB = "no Hugging Face Hub here: save_model(dir) and copy the directory"
 _REPORT = "peergrade logs every step to metrics.jsonl and state.log_history"
 _PERF = "a performance knob of transformers' Trainer with no counterpart here"
 
+#: MAPPED fields whose default here is not TRL's, and why
+OWN_DEFAULTS: dict[str, str] = {
+    "per_device_eval_batch_size": "not given: train.eval_batch_size auto (the held-out "
+    "evaluation generates within the training step's memory), not TRL's 8",
+}
+
 #: TRL field -> why it means nothing here (a non-default value is warned about, once)
 IGNORED: dict[str, str] = {
     "use_vllm": _VLLM,
@@ -220,7 +231,6 @@ IGNORED: dict[str, str] = {
     "num_completions_to_print": "peergrade always writes sampled groups to samples.jsonl",
     "log_unique_prompts": _REPORT,
     "skip_memory_metrics": _REPORT,
-    "per_device_eval_batch_size": "held-out batches are sized by rollout.generation_batch_size",
     "dataloader_num_workers": _PERF,
     "dataloader_pin_memory": _PERF,
     "dataloader_persistent_workers": _PERF,
@@ -399,6 +409,7 @@ class GRPOConfig:
     eval_strategy: str = "no"
     eval_steps: int | None = None
     num_generations_eval: int | None = None
+    per_device_eval_batch_size: int | None = None  # not given: peergrade's auto, not TRL's 8
     report_to: str | list[str] | None = "none"
     project: str = "huggingface"
     gradient_checkpointing: bool = True
@@ -628,6 +639,7 @@ class GRPOConfig:
                 ),
             ),
             ("train.eval_samples", self.num_generations_eval or self.num_generations),
+            ("train.eval_batch_size", self.per_device_eval_batch_size or "auto"),
             ("train.report_to", _report_to(self.report_to)),
             ("train.project", self.project),
         ]
@@ -848,7 +860,6 @@ _IGNORED_DEFAULTS: dict[str, Any] = {
     "log_multimodal": True,
     "log_unique_prompts": False,
     "skip_memory_metrics": True,
-    "per_device_eval_batch_size": 8,
     "dataloader_num_workers": 0,
     "dataloader_pin_memory": True,
     "dataloader_persistent_workers": False,
