@@ -320,115 +320,14 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
     """
-    # ---- validation: shapes, options, numbers -------------------------------------------
-    _check_tensor_2d("logp", logp)
-    if not logp.is_floating_point():
-        raise ValueError(f"logp: expected a floating-point tensor, got dtype {logp.dtype}")
-    B, T = logp.shape
-    if B == 0 or T == 0:
-        raise ValueError(f"logp: expected a non-empty [B, T] tensor, got {tuple(logp.shape)}")
-    _check_same_shape("old_logp", old_logp, "logp", logp)
-    _check_same_shape("mask", mask, "logp", logp)
-    if ref_logp is not None:
-        _check_same_shape("ref_logp", ref_logp, "logp", logp)
-    if weights is not None:
-        _check_same_shape("weights", weights, "logp", logp)
-    if keep is not None:
-        _check_same_shape("keep", keep, "logp", logp)
-        if keep.dtype != torch.bool and not bool(((keep == 0) | (keep == 1)).all()):
-            raise ValueError("keep: expected only 0/1 values (keep == 1 marks tokens that count)")
-    if not isinstance(advantages, torch.Tensor) or advantages.shape not in ((B,), (B, T)):
-        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
-        raise ValueError(
-            f"advantages: expected shape ({B},) (one per sequence of logp) or ({B}, {T}) "
-            f"(one per token), got {got}"
-        )
-    if loss_type not in _LOSS_TYPES:
-        raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
-    if ratio_level not in _RATIO_LEVELS:
-        raise ValueError(f"ratio_level: expected one of {_RATIO_LEVELS}, got {ratio_level!r}")
-    if kl_estimator not in _KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator: expected one of {_KL_ESTIMATORS}, got {kl_estimator!r}")
-    if not (_is_number(clip_eps) and clip_eps > 0):
-        raise ValueError(f"clip_eps: expected a positive number, got {clip_eps!r}")
-    if clip_eps_high is None:
-        clip_eps_high = clip_eps
-    if not (_is_number(clip_eps_high) and clip_eps_high > 0):
-        raise ValueError(
-            f"clip_eps_high: expected a positive number or None, got {clip_eps_high!r}"
-        )
-    if not (_is_number(beta) and beta >= 0):
-        raise ValueError(f"beta: expected a number >= 0, got {beta!r}")
-    if delta is not None:
-        if not (_is_number(delta) and delta > 1):
-            raise ValueError(f"delta: expected a number > 1 or None, got {delta!r}")
-        if loss_type not in _CLIPPED:
-            raise ValueError(
-                f"delta: applies to the clipped loss types {_CLIPPED} only, not "
-                f"loss_type={loss_type!r}"
-            )
-    for name, v in (
-        ("sapo_temperature_pos", sapo_temperature_pos),
-        ("sapo_temperature_neg", sapo_temperature_neg),
-    ):
-        if not (_is_number(v) and v > 0):
-            raise ValueError(f"{name}: expected a positive number, got {v!r}")
-    for name, v in (
-        ("vespo_k_pos", vespo_k_pos),
-        ("vespo_lambda_pos", vespo_lambda_pos),
-        ("vespo_k_neg", vespo_k_neg),
-        ("vespo_lambda_neg", vespo_lambda_neg),
-    ):
-        if not (_is_number(v) and v >= 0):
-            raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError(
-                "max_completion_length: required for loss_type='dr_grpo' (its constant "
-                "normaliser is B * max_completion_length)"
-            )
-        if not (
-            isinstance(max_completion_length, numbers.Integral)
-            and not isinstance(max_completion_length, bool)
-            and max_completion_length > 0
-        ):
-            raise ValueError(
-                f"max_completion_length: expected a positive int, got {max_completion_length!r}"
-            )
-    if num_tokens is not None:
-        if isinstance(num_tokens, torch.Tensor):
-            if num_tokens.numel() != 1:
-                raise ValueError(
-                    f"num_tokens: expected a scalar, got a tensor of shape {tuple(num_tokens.shape)}"
-                )
-            ok = bool(num_tokens.detach().reshape(()) > 0)
-        else:
-            ok = _is_number(num_tokens) and num_tokens > 0
-        if not ok:
-            raise ValueError(f"num_tokens: expected a positive count, got {num_tokens!r}")
-    if num_sequences is not None and not (
-        isinstance(num_sequences, numbers.Integral)
-        and not isinstance(num_sequences, bool)
-        and num_sequences >= B
-    ):
-        raise ValueError(
-            f"num_sequences: expected an int >= B = {B} (the minibatch these rows belong to), "
-            f"got {num_sequences!r}"
-        )
-
-    if stands_for is not None and not (_is_number(stands_for) and stands_for >= B):
-        raise ValueError(
-            f"stands_for: expected a number >= B = {B} (the sequences these rows stand for), "
-            f"got {stands_for!r}"
-        )
-    if batch_tokens is not None:
-        bt = batch_tokens
-        if isinstance(bt, torch.Tensor):
-            bt = bt.detach().reshape(()).to(mask.device)
-        if not (isinstance(bt, torch.Tensor) or _is_number(bt)) or bool(bt < (mask == 1).sum()):
-            raise ValueError(
-                f"batch_tokens: expected a count >= the counted tokens of mask, got {batch_tokens!r}"
-            )
+    B = _check_tensors(logp, old_logp, advantages, mask, ref_logp, weights, keep)
+    sapo_tau = (sapo_temperature_pos, sapo_temperature_neg)
+    vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+    clip_eps_high = _check_options(
+        loss_type, ratio_level, kl_estimator, clip_eps, clip_eps_high, beta
+    )
+    _check_family_options(loss_type, delta, sapo_tau, vespo, max_completion_length)
+    _check_normalisers(B, mask, num_tokens, num_sequences, stands_for, batch_tokens)
     B_all = B if stands_for is None else stands_for  # the sequences the normalisers count
 
     # ---- per-token quantities ----------------------------------------------------------
@@ -610,6 +509,158 @@ def policy_loss(
     if phi is not None:
         metrics["vespo/phi_mean"] = float(phi.mean())
     return (loss * share if share != 1.0 else loss), metrics
+
+
+# ---- policy_loss's argument checks, in the order they are made ------------------------------
+
+
+def _check_tensors(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    keep: torch.Tensor | None,
+) -> int:
+    """Check the tensors of ``policy_loss`` (shapes, dtypes, 0/1 keep); return B."""
+    _check_tensor_2d("logp", logp)
+    if not logp.is_floating_point():
+        raise ValueError(f"logp: expected a floating-point tensor, got dtype {logp.dtype}")
+    B, T = logp.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"logp: expected a non-empty [B, T] tensor, got {tuple(logp.shape)}")
+    _check_same_shape("old_logp", old_logp, "logp", logp)
+    _check_same_shape("mask", mask, "logp", logp)
+    if ref_logp is not None:
+        _check_same_shape("ref_logp", ref_logp, "logp", logp)
+    if weights is not None:
+        _check_same_shape("weights", weights, "logp", logp)
+    if keep is not None:
+        _check_same_shape("keep", keep, "logp", logp)
+        if keep.dtype != torch.bool and not bool(((keep == 0) | (keep == 1)).all()):
+            raise ValueError("keep: expected only 0/1 values (keep == 1 marks tokens that count)")
+    if not isinstance(advantages, torch.Tensor) or advantages.shape not in ((B,), (B, T)):
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
+        raise ValueError(
+            f"advantages: expected shape ({B},) (one per sequence of logp) or ({B}, {T}) "
+            f"(one per token), got {got}"
+        )
+    return B
+
+
+def _check_options(
+    loss_type: str,
+    ratio_level: str,
+    kl_estimator: str,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    beta: float,
+) -> float:
+    """Check the options every loss type reads; return clip_eps_high (clip_eps when None)."""
+    if loss_type not in _LOSS_TYPES:
+        raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
+    if ratio_level not in _RATIO_LEVELS:
+        raise ValueError(f"ratio_level: expected one of {_RATIO_LEVELS}, got {ratio_level!r}")
+    if kl_estimator not in _KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator: expected one of {_KL_ESTIMATORS}, got {kl_estimator!r}")
+    if not (_is_number(clip_eps) and clip_eps > 0):
+        raise ValueError(f"clip_eps: expected a positive number, got {clip_eps!r}")
+    if clip_eps_high is None:
+        clip_eps_high = clip_eps
+    if not (_is_number(clip_eps_high) and clip_eps_high > 0):
+        raise ValueError(
+            f"clip_eps_high: expected a positive number or None, got {clip_eps_high!r}"
+        )
+    if not (_is_number(beta) and beta >= 0):
+        raise ValueError(f"beta: expected a number >= 0, got {beta!r}")
+    return clip_eps_high
+
+
+def _check_family_options(
+    loss_type: str,
+    delta: float | None,
+    sapo_tau: tuple[float, float],
+    vespo: tuple[float, float, float, float],
+    max_completion_length: int | None,
+) -> None:
+    """Check the options of one loss family: INTELLECT-2's delta, SAPO's temperatures
+    ``(pos, neg)``, VESPO's ``(k_pos, lambda_pos, k_neg, lambda_neg)``, Dr. GRPO's length."""
+    if delta is not None:
+        if not (_is_number(delta) and delta > 1):
+            raise ValueError(f"delta: expected a number > 1 or None, got {delta!r}")
+        if loss_type not in _CLIPPED:
+            raise ValueError(
+                f"delta: applies to the clipped loss types {_CLIPPED} only, not "
+                f"loss_type={loss_type!r}"
+            )
+    for name, v in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_tau):
+        if not (_is_number(v) and v > 0):
+            raise ValueError(f"{name}: expected a positive number, got {v!r}")
+    for name, v in zip(
+        ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), vespo
+    ):
+        if not (_is_number(v) and v >= 0):
+            raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError(
+                "max_completion_length: required for loss_type='dr_grpo' (its constant "
+                "normaliser is B * max_completion_length)"
+            )
+        if not (
+            isinstance(max_completion_length, numbers.Integral)
+            and not isinstance(max_completion_length, bool)
+            and max_completion_length > 0
+        ):
+            raise ValueError(
+                f"max_completion_length: expected a positive int, got {max_completion_length!r}"
+            )
+
+
+def _check_normalisers(
+    B: int,
+    mask: torch.Tensor,
+    num_tokens: float | int | torch.Tensor | None,
+    num_sequences: int | None,
+    stands_for: float | None,
+    batch_tokens: float | int | torch.Tensor | None,
+) -> None:
+    """Check the counts that replace the local ones in the normalisers (gradient accumulation,
+    exact elision)."""
+    if num_tokens is not None:
+        if isinstance(num_tokens, torch.Tensor):
+            if num_tokens.numel() != 1:
+                raise ValueError(
+                    f"num_tokens: expected a scalar, got a tensor of shape {tuple(num_tokens.shape)}"
+                )
+            ok = bool(num_tokens.detach().reshape(()) > 0)
+        else:
+            ok = _is_number(num_tokens) and num_tokens > 0
+        if not ok:
+            raise ValueError(f"num_tokens: expected a positive count, got {num_tokens!r}")
+    if num_sequences is not None and not (
+        isinstance(num_sequences, numbers.Integral)
+        and not isinstance(num_sequences, bool)
+        and num_sequences >= B
+    ):
+        raise ValueError(
+            f"num_sequences: expected an int >= B = {B} (the minibatch these rows belong to), "
+            f"got {num_sequences!r}"
+        )
+    if stands_for is not None and not (_is_number(stands_for) and stands_for >= B):
+        raise ValueError(
+            f"stands_for: expected a number >= B = {B} (the sequences these rows stand for), "
+            f"got {stands_for!r}"
+        )
+    if batch_tokens is not None:
+        bt = batch_tokens
+        if isinstance(bt, torch.Tensor):
+            bt = bt.detach().reshape(()).to(mask.device)
+        if not (isinstance(bt, torch.Tensor) or _is_number(bt)) or bool(bt < (mask == 1).sum()):
+            raise ValueError(
+                f"batch_tokens: expected a count >= the counted tokens of mask, got {batch_tokens!r}"
+            )
 
 
 @torch.no_grad()
