@@ -127,19 +127,7 @@ def group_advantages(
     Returns:
         ``[P, G]`` advantages in the dtype of ``rewards`` (float32 for non-float input), no grad.
     """
-    if not isinstance(rewards, torch.Tensor):
-        raise ValueError(f"rewards: expected a torch.Tensor of shape [P, G], got {type(rewards)}")
-    if rewards.dim() != 2:
-        raise ValueError(
-            f"rewards: expected shape [P, G] (prompts x completions), got {tuple(rewards.shape)}"
-        )
-    if scale not in _SCALES:
-        raise ValueError(f"scale: expected one of {_SCALES}, got {scale!r}")
-    if baseline not in _BASELINES:
-        raise ValueError(f"baseline: expected one of {_BASELINES}, got {baseline!r}")
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"eps: expected a positive number, got {eps!r}")
-
+    _check_group_args(rewards, scale, baseline, eps)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     if rewards.numel() == 0:
         return torch.zeros(rewards.shape, dtype=out_dtype, device=rewards.device)
@@ -165,26 +153,8 @@ def group_advantages(
         total = r0.sum(dim=1, keepdim=True)  # [P, 1]
         mean = total / n.clamp(min=1)  # [P, 1]
 
-        if baseline == "mean":
-            b = mean.expand_as(r)  # [P, G]
-        elif baseline == "leave_one_out":
-            b = (total - r0) / (n - 1).clamp(min=1)  # [P, G]
-        else:  # pragma: no cover - validated above
-            raise ValueError(f"baseline: expected one of {_BASELINES}, got {baseline!r}")
-
-        if scale == "group":
-            var = (m * (r0 - mean) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
-            denom = var.sqrt() + eps  # [P, 1]
-        elif scale == "batch":
-            n_all = m.sum()
-            mean_all = r0.sum() / n_all.clamp(min=1)
-            var_all = (m * (r0 - mean_all) ** 2).sum() / (n_all - 1).clamp(min=1)
-            denom = var_all.sqrt() + eps  # []
-        elif scale == "none":
-            denom = None
-        else:  # pragma: no cover - validated above
-            raise ValueError(f"scale: expected one of {_SCALES}, got {scale!r}")
-
+        b = _group_baseline(baseline, r0, n, total, mean)  # [P, G]
+        denom = _group_scale(scale, r0, m, n, mean, eps)  # [P, 1], [] or None
         # [P, G]; for "none" undo the rescaling: r - b in the units of the rewards
         adv = (r0 - b) * f if denom is None else (r0 - b) / denom
 
@@ -196,6 +166,61 @@ def group_advantages(
         informative = (n >= 2) & (gmax > gmin)  # [P, 1]
         adv = torch.where(scored & informative, adv, torch.zeros_like(adv))
     return adv.to(out_dtype)
+
+
+def _check_group_args(rewards: torch.Tensor, scale: str, baseline: str, eps: float) -> None:
+    """Check the arguments of ``group_advantages``."""
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(f"rewards: expected a torch.Tensor of shape [P, G], got {type(rewards)}")
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards: expected shape [P, G] (prompts x completions), got {tuple(rewards.shape)}"
+        )
+    if scale not in _SCALES:
+        raise ValueError(f"scale: expected one of {_SCALES}, got {scale!r}")
+    if baseline not in _BASELINES:
+        raise ValueError(f"baseline: expected one of {_BASELINES}, got {baseline!r}")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+
+
+def _group_baseline(
+    baseline: str, r0: torch.Tensor, n: torch.Tensor, total: torch.Tensor, mean: torch.Tensor
+) -> torch.Tensor:
+    """b ``[P, G]``: the group mean (GRPO) or the mean of the other scored members (RLOO), from
+    the (rescaled, NaN -> 0) rewards r0, the scored count n, the sum and the mean per group."""
+    if baseline == "mean":
+        b = mean.expand_as(r0)  # [P, G]
+    elif baseline == "leave_one_out":
+        b = (total - r0) / (n - 1).clamp(min=1)  # [P, G]
+    else:  # pragma: no cover - validated above
+        raise ValueError(f"baseline: expected one of {_BASELINES}, got {baseline!r}")
+    return b
+
+
+def _group_scale(
+    scale: str,
+    r0: torch.Tensor,
+    m: torch.Tensor,
+    n: torch.Tensor,
+    mean: torch.Tensor,
+    eps: float | torch.Tensor,
+) -> torch.Tensor | None:
+    """s + eps: the Bessel-corrected std of each group (``[P, 1]``) or of all scored rewards of
+    the batch (``[]``) plus eps, or None for scale ``"none"`` (s = 1)."""
+    if scale == "group":
+        var = (m * (r0 - mean) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+        denom = var.sqrt() + eps  # [P, 1]
+    elif scale == "batch":
+        n_all = m.sum()
+        mean_all = r0.sum() / n_all.clamp(min=1)
+        var_all = (m * (r0 - mean_all) ** 2).sum() / (n_all - 1).clamp(min=1)
+        denom = var_all.sqrt() + eps  # []
+    elif scale == "none":
+        denom = None
+    else:  # pragma: no cover - validated above
+        raise ValueError(f"scale: expected one of {_SCALES}, got {scale!r}")
+    return denom
 
 
 def gdpo_advantages(

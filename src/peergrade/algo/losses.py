@@ -292,26 +292,17 @@ def policy_loss(
         old_logp: ``[B, T]`` log-probs under the policy that sampled them (detached here).
         advantages: ``[B]`` one advantage per sequence (GRPO), or ``[B, T]`` one per token (PPO).
         mask: ``[B, T]``, ``mask == 1`` marks completion tokens that count.
-        loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"cispo"``, ``"sapo"``,
-            ``"luspo"`` or ``"vespo"``.
-        ratio_level: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
-        clip_eps: lower clip range, rho >= 1 - clip_eps (> 0).
-        clip_eps_high: upper clip range, rho <= 1 + clip_eps_high (> 0); defaults to clip_eps.
-        ref_logp: ``[B, T]`` reference log-probs, needed for the KL term and ``kl/mean``.
-        beta: KL coefficient (>= 0).
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        loss_type: one of ``LOSS_TYPES``; ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+        clip_eps, clip_eps_high: clip range [1 - clip_eps, 1 + clip_eps_high], > 0 (None: clip_eps).
+        ref_logp, beta, kl_estimator: ``[B, T]`` reference log-probs (for the KL term and
+            ``kl/mean``), the KL coefficient (>= 0) and ``"k1"``, ``"k2"`` or ``"k3"``.
         max_completion_length: the constant normaliser of ``dr_grpo`` (required there).
-        num_tokens: global active-token count for ``dapo``/``cispo`` (default: ``mask.sum()``).
-        num_sequences: sequences in the minibatch these B belong to (gradient accumulation):
-            the loss of ``grpo``/``bnpo``/``dr_grpo`` is scaled by B / num_sequences.
-        stands_for: sequences these B rows stand for (>= B) when rows whose loss is exactly 0
-            were left out (exact elision); replaces B in grpo/dr_grpo and the share.
-        batch_tokens: counted tokens of the batch these rows stand for; bnpo's normaliser
-            (default ``mask.sum()``).
-        weights: ``[B, T]`` off-policy correction weights multiplying the per-token surrogate
-            (detached here; e.g. from ``off_policy_weights``); None = no correction.
-        keep: ``[B, T]`` 0/1 (or bool) tokens whose surrogate counts (OPSM x high-entropy
-            selection); multiplies the surrogate only, no normaliser changes; None = all.
+        num_tokens: global active-token count of the token-mean types (default: ``mask.sum()``).
+        num_sequences: sequences in the minibatch these B belong to (gradient accumulation).
+        stands_for, batch_tokens: the sequences (>= B) and counted tokens these rows stand for
+            when rows whose loss is exactly 0 were left out (exact elision).
+        weights: ``[B, T]`` off-policy correction weights (``off_policy_weights``) or None.
+        keep: ``[B, T]`` 0/1 (or bool) tokens whose surrogate counts; None = all.
         delta: INTELLECT-2's cap of the unclipped ratio (> 1); clipped loss types only.
         sapo_temperature_pos, sapo_temperature_neg: SAPO's tau for A > 0 and A <= 0 (> 0).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma shape
@@ -320,7 +311,47 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
     """
-    # ---- validation: shapes, options, numbers -------------------------------------------
+    B = _check_tensors(logp, old_logp, advantages, mask, ref_logp, weights, keep)
+    sapo_tau = (sapo_temperature_pos, sapo_temperature_neg)
+    vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+    eps_high = _check_options(loss_type, ratio_level, kl_estimator, clip_eps, clip_eps_high, beta)
+    _check_family_options(loss_type, delta, sapo_tau, vespo, max_completion_length)
+    _check_normalisers(B, mask, num_tokens, num_sequences, stands_for, batch_tokens)
+    B_all = B if stands_for is None else stands_for  # the sequences the normalisers count
+
+    clip = (1.0 - clip_eps, 1.0 + eps_high, delta)
+    x = _LossInputs(logp, old_logp, advantages, mask, ratio_level, clip, sapo_tau, vespo, weights)
+    s = _OBJECTIVES[loss_type](x)
+    # VESPO folds the off-policy weights into phi; the other families multiply the surrogate
+    pg = _corrected(x, s.pg, None if loss_type == "vespo" else weights, keep)  # [B, T]
+    kl = _kl_term(x, ref_logp, kl_estimator)  # [B, T] or None
+    use_kl = kl is not None and beta > 0
+
+    aggregate = _aggregator(
+        x, loss_type, B_all, stands_for, max_completion_length, num_tokens, batch_tokens
+    )
+    loss_pg = aggregate(pg)
+    loss = loss_pg + beta * aggregate(kl) if use_kl else loss_pg
+    metrics = _metrics(x, s, kl, loss_pg, loss, use_kl, stands_for, B_all)
+    share = 1.0
+    if num_sequences is not None and loss_type not in _TOKEN_MEAN:
+        share = B_all / num_sequences  # this micro-batch's share of the minibatch
+    return (loss * share if share != 1.0 else loss), metrics
+
+
+# ---- policy_loss's argument checks, in the order they are made ------------------------------
+
+
+def _check_tensors(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    keep: torch.Tensor | None,
+) -> int:
+    """Check the tensors of ``policy_loss`` (shapes, dtypes, 0/1 keep); return B."""
     _check_tensor_2d("logp", logp)
     if not logp.is_floating_point():
         raise ValueError(f"logp: expected a floating-point tensor, got dtype {logp.dtype}")
@@ -343,6 +374,18 @@ def policy_loss(
             f"advantages: expected shape ({B},) (one per sequence of logp) or ({B}, {T}) "
             f"(one per token), got {got}"
         )
+    return B
+
+
+def _check_options(
+    loss_type: str,
+    ratio_level: str,
+    kl_estimator: str,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    beta: float,
+) -> float:
+    """Check the options every loss type reads; return clip_eps_high (clip_eps when None)."""
     if loss_type not in _LOSS_TYPES:
         raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
     if ratio_level not in _RATIO_LEVELS:
@@ -359,6 +402,18 @@ def policy_loss(
         )
     if not (_is_number(beta) and beta >= 0):
         raise ValueError(f"beta: expected a number >= 0, got {beta!r}")
+    return clip_eps_high
+
+
+def _check_family_options(
+    loss_type: str,
+    delta: float | None,
+    sapo_tau: tuple[float, float],
+    vespo: tuple[float, float, float, float],
+    max_completion_length: int | None,
+) -> None:
+    """Check the options of one loss family: INTELLECT-2's delta, SAPO's temperatures
+    ``(pos, neg)``, VESPO's ``(k_pos, lambda_pos, k_neg, lambda_neg)``, Dr. GRPO's length."""
     if delta is not None:
         if not (_is_number(delta) and delta > 1):
             raise ValueError(f"delta: expected a number > 1 or None, got {delta!r}")
@@ -367,17 +422,11 @@ def policy_loss(
                 f"delta: applies to the clipped loss types {_CLIPPED} only, not "
                 f"loss_type={loss_type!r}"
             )
-    for name, v in (
-        ("sapo_temperature_pos", sapo_temperature_pos),
-        ("sapo_temperature_neg", sapo_temperature_neg),
-    ):
+    for name, v in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_tau):
         if not (_is_number(v) and v > 0):
             raise ValueError(f"{name}: expected a positive number, got {v!r}")
-    for name, v in (
-        ("vespo_k_pos", vespo_k_pos),
-        ("vespo_lambda_pos", vespo_lambda_pos),
-        ("vespo_k_neg", vespo_k_neg),
-        ("vespo_lambda_neg", vespo_lambda_neg),
+    for name, v in zip(
+        ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), vespo
     ):
         if not (_is_number(v) and v >= 0):
             raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
@@ -395,6 +444,18 @@ def policy_loss(
             raise ValueError(
                 f"max_completion_length: expected a positive int, got {max_completion_length!r}"
             )
+
+
+def _check_normalisers(
+    B: int,
+    mask: torch.Tensor,
+    num_tokens: float | int | torch.Tensor | None,
+    num_sequences: int | None,
+    stands_for: float | None,
+    batch_tokens: float | int | torch.Tensor | None,
+) -> None:
+    """Check the counts that replace the local ones in the normalisers (gradient accumulation,
+    exact elision)."""
     if num_tokens is not None:
         if isinstance(num_tokens, torch.Tensor):
             if num_tokens.numel() != 1:
@@ -415,7 +476,6 @@ def policy_loss(
             f"num_sequences: expected an int >= B = {B} (the minibatch these rows belong to), "
             f"got {num_sequences!r}"
         )
-
     if stands_for is not None and not (_is_number(stands_for) and stands_for >= B):
         raise ValueError(
             f"stands_for: expected a number >= B = {B} (the sequences these rows stand for), "
@@ -429,20 +489,53 @@ def policy_loss(
             raise ValueError(
                 f"batch_tokens: expected a count >= the counted tokens of mask, got {batch_tokens!r}"
             )
-    B_all = B if stands_for is None else stands_for  # the sequences the normalisers count
 
-    # ---- per-token quantities ----------------------------------------------------------
-    valid = _check_mask(mask)  # [B, T] bool
-    m = valid.to(logp.dtype)  # [B, T]
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    # Padding may hold -inf/NaN: replace it before any arithmetic so it cannot poison grads.
-    lp = torch.where(valid, logp, zero)  # [B, T]
-    old = torch.where(valid, old_logp.detach().to(logp.dtype), zero)  # [B, T]
-    if advantages.dim() == 1:
-        adv = advantages.detach().to(logp.dtype)[:, None]  # [B, 1]
-    else:
-        adv = torch.where(valid, advantages.detach().to(logp.dtype), zero)  # [B, T]
 
+# ---- policy_loss's pieces: the inputs, one objective per loss family, aggregation, metrics ---
+
+
+class _LossInputs:
+    """One ``policy_loss`` call as its pieces read it, after the argument checks.
+
+    The padding of ``logp``, ``old_logp`` and ``[B, T]`` advantages may hold -inf/NaN: it is
+    replaced by 0 before any arithmetic, so it cannot poison the loss or its gradient. Only
+    ``lp`` (and ``rho``, computed from it) carries gradient.
+    """
+
+    def __init__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ratio_level: str,
+        clip: tuple[float, float, float | None],
+        sapo_tau: tuple[float, float],
+        vespo: tuple[float, float, float, float],
+        weights: torch.Tensor | None,
+    ) -> None:
+        self.valid = _check_mask(mask)  # [B, T] bool
+        self.m = self.valid.to(logp.dtype)  # [B, T]
+        self.n_active = self.m.sum()  # [], the counted tokens
+        self.zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        self.lp = torch.where(self.valid, logp, self.zero)  # [B, T]
+        self.old = torch.where(self.valid, old_logp.detach().to(logp.dtype), self.zero)  # [B, T]
+        self.advantages = advantages  # as given: [B] (one per sequence) or [B, T]
+        if advantages.dim() == 1:
+            self.adv = advantages.detach().to(logp.dtype)[:, None]  # [B, 1]
+        else:
+            self.adv = torch.where(self.valid, advantages.detach().to(logp.dtype), self.zero)
+        self.rho = _ratio(self.lp, self.old, self.m, ratio_level)  # [B, T]
+        self.lo, self.hi, self.delta = clip  # 1 - eps, 1 + eps_high, INTELLECT-2's cap or None
+        self.sapo_tau = sapo_tau  # (tau_pos, tau_neg)
+        self.vespo = vespo  # (k_pos, lambda_pos, k_neg, lambda_neg)
+        self.weights = weights  # [B, T] off-policy weights or None (VESPO folds them into phi)
+
+
+def _ratio(lp: torch.Tensor, old: torch.Tensor, m: torch.Tensor, ratio_level: str) -> torch.Tensor:
+    """rho ``[B, T]``: the token ratio, or GSPO's length-normalised sequence ratio s_i in its
+    "GSPO-token" form exp(sg(log s_i) + logp_it - sg(logp_it)) (value s_i, gradient through
+    each token's own log-prob)."""
     log_ratio = lp - old  # [B, T], 0 on padding
     if ratio_level == "token":
         log_rho = log_ratio  # [B, T]
@@ -451,165 +544,247 @@ def policy_loss(
         log_rho = seq_log_ratio.detach()[:, None] + lp - lp.detach()  # [B, T], GSPO-token
     else:  # pragma: no cover - validated above
         raise ValueError(f"ratio_level: expected one of {_RATIO_LEVELS}, got {ratio_level!r}")
-    rho = torch.exp(log_rho)  # [B, T]
+    return torch.exp(log_rho)  # [B, T]
 
-    lo, hi = 1.0 - clip_eps, 1.0 + clip_eps_high
-    no_clip = torch.zeros_like(valid)
-    clipped_delta = None
-    phi = None
-    if loss_type == "cispo":
-        weight = rho.clamp(max=hi).detach()  # [B, T], sg(min(rho, 1 + eps_high))
-        pg = -weight * adv * lp  # [B, T]
-        clipped_low = torch.zeros_like(valid)
-        clipped_high = rho.detach() > hi
-    elif loss_type in _CLIPPED:
-        # INTELLECT-2's delta caps the unclipped branch (only A < 0 can reach it: for A > 0
-        # the clipped branch, <= 1 + eps_high < delta, is the minimum first)
-        capped = rho if delta is None else rho.clamp(max=delta)  # [B, T]
-        unclipped = capped * adv  # [B, T]
-        clipped = rho.clamp(min=lo, max=hi) * adv  # [B, T]
-        pg = -torch.minimum(unclipped, clipped)  # [B, T]
-        rd = rho.detach()
-        clipped_low = (adv < 0) & (rd < lo)  # [B, T]
-        clipped_high = (adv > 0) & (rd > hi)  # [B, T]
-        if delta is not None:
-            clipped_delta = (adv < 0) & (rd > delta)  # [B, T]
-    elif loss_type == "sapo":
-        tau = torch.where(
-            adv > 0,
-            torch.full_like(adv, float(sapo_temperature_pos)),
-            torch.full_like(adv, float(sapo_temperature_neg)),
-        )  # [B, 1] or [B, T]
-        gate = torch.sigmoid(tau * (rho - 1.0)) * (4.0 / tau)  # [B, T], f(rho)
-        pg = -gate * adv  # [B, T]
-        clipped_low = clipped_high = no_clip
-    elif loss_type == "vespo":
-        if advantages.dim() != 1:
-            raise ValueError(
-                f"advantages: loss_type='vespo' needs one advantage per sequence, shape ({B},)"
-            )
-        phi = vespo_weights(
-            lp.detach(),
-            old,
-            advantages.detach().to(logp.dtype),
-            valid,
-            weights=weights,
-            k_pos=vespo_k_pos,
-            lambda_pos=vespo_lambda_pos,
-            k_neg=vespo_k_neg,
-            lambda_neg=vespo_lambda_neg,
-        )  # [B]
-        pg = -phi[:, None] * adv * lp  # [B, T]
-        clipped_low = clipped_high = no_clip
-    else:  # pragma: no cover - validated above
-        raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
-    if weights is not None and loss_type != "vespo":  # off-policy correction; padding gets 0
-        pg = pg * torch.where(valid, weights.detach().to(logp.dtype), zero)  # [B, T]
+
+class _Surrogate:
+    """A loss family's per-token surrogate ``pg`` ``[B, T]`` (before the off-policy weights and
+    the keep mask) and what its metrics count: the ``[B, T]`` bool masks of the tokens whose
+    gradient the clip removed on the low and the high side, with ``delta`` those the delta cap
+    removed, and VESPO's ``[B]`` weights phi."""
+
+    def __init__(
+        self,
+        pg: torch.Tensor,
+        clipped_low: torch.Tensor,
+        clipped_high: torch.Tensor,
+        clipped_delta: torch.Tensor | None = None,
+        phi: torch.Tensor | None = None,
+    ) -> None:
+        self.pg = pg
+        self.clipped_low = clipped_low
+        self.clipped_high = clipped_high
+        self.clipped_delta = clipped_delta
+        self.phi = phi
+
+
+def _clipped_objective(x: _LossInputs) -> _Surrogate:
+    """The clipped surrogate of PPO/GRPO (also bnpo, Dr. GRPO, DAPO, LUSPO; GSPO through the
+    ratio): l = -min(min(rho, delta) A, clip(rho, 1 - eps, 1 + eps_high) A), the delta cap
+    (INTELLECT-2) only when delta is given."""
+    # INTELLECT-2's delta caps the unclipped branch (only A < 0 can reach it: for A > 0
+    # the clipped branch, <= 1 + eps_high < delta, is the minimum first)
+    capped = x.rho if x.delta is None else x.rho.clamp(max=x.delta)  # [B, T]
+    unclipped = capped * x.adv  # [B, T]
+    clipped = x.rho.clamp(min=x.lo, max=x.hi) * x.adv  # [B, T]
+    pg = -torch.minimum(unclipped, clipped)  # [B, T]
+    rd = x.rho.detach()
+    clipped_low = (x.adv < 0) & (rd < x.lo)  # [B, T]
+    clipped_high = (x.adv > 0) & (rd > x.hi)  # [B, T]
+    clipped_delta = None if x.delta is None else (x.adv < 0) & (rd > x.delta)  # [B, T]
+    return _Surrogate(pg, clipped_low, clipped_high, clipped_delta)
+
+
+def _cispo_objective(x: _LossInputs) -> _Surrogate:
+    """CISPO: l = -sg(min(rho, 1 + eps_high)) A logp; the weight is truncated from above and
+    detached, every token keeps a gradient (no low clip)."""
+    weight = x.rho.clamp(max=x.hi).detach()  # [B, T], sg(min(rho, 1 + eps_high))
+    pg = -weight * x.adv * x.lp  # [B, T]
+    return _Surrogate(pg, torch.zeros_like(x.valid), x.rho.detach() > x.hi)
+
+
+def _sapo_objective(x: _LossInputs) -> _Surrogate:
+    """SAPO: l = -f(rho) A with the smooth gate f(rho) = (4 / tau) sigmoid(tau (rho - 1)),
+    tau = tau_pos for A > 0 and tau_neg for A <= 0; no hard clip."""
+    tau_pos, tau_neg = x.sapo_tau
+    tau = torch.where(
+        x.adv > 0,
+        torch.full_like(x.adv, float(tau_pos)),
+        torch.full_like(x.adv, float(tau_neg)),
+    )  # [B, 1] or [B, T]
+    gate = torch.sigmoid(tau * (x.rho - 1.0)) * (4.0 / tau)  # [B, T], f(rho)
+    pg = -gate * x.adv  # [B, T]
+    no_clip = torch.zeros_like(x.valid)
+    return _Surrogate(pg, no_clip, no_clip)
+
+
+def _vespo_objective(x: _LossInputs) -> _Surrogate:
+    """VESPO: l = -sg(phi(w_i)) A_i logp with phi the Gamma-shaped weight of the sequence ratio
+    (``vespo_weights``, which also takes the off-policy weights); no hard clip."""
+    if x.advantages.dim() != 1:
+        raise ValueError(
+            f"advantages: loss_type='vespo' needs one advantage per sequence, "
+            f"shape ({x.lp.shape[0]},)"
+        )
+    k_pos, lambda_pos, k_neg, lambda_neg = x.vespo
+    phi = vespo_weights(
+        x.lp.detach(),
+        x.old,
+        x.advantages.detach().to(x.lp.dtype),
+        x.valid,
+        weights=x.weights,
+        k_pos=k_pos,
+        lambda_pos=lambda_pos,
+        k_neg=k_neg,
+        lambda_neg=lambda_neg,
+    )  # [B]
+    pg = -phi[:, None] * x.adv * x.lp  # [B, T]
+    no_clip = torch.zeros_like(x.valid)
+    return _Surrogate(pg, no_clip, no_clip, phi=phi)
+
+
+# loss_type -> the per-token objective of its family
+_OBJECTIVES = {
+    "grpo": _clipped_objective,
+    "bnpo": _clipped_objective,
+    "dr_grpo": _clipped_objective,
+    "dapo": _clipped_objective,
+    "luspo": _clipped_objective,
+    "cispo": _cispo_objective,
+    "sapo": _sapo_objective,
+    "vespo": _vespo_objective,
+}
+
+
+def _corrected(
+    x: _LossInputs, pg: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor | None
+) -> torch.Tensor:
+    """The surrogate times the off-policy weights and the keep mask (both detached, 0 on
+    padding); neither changes a normaliser."""
+    if weights is not None:  # off-policy correction; padding gets 0
+        pg = pg * torch.where(x.valid, weights.detach().to(x.lp.dtype), x.zero)  # [B, T]
     if keep is not None:  # OPSM / high-entropy selection: surrogate only, normalisers unchanged
-        pg = pg * (keep.detach().to(torch.bool) & valid).to(logp.dtype)  # [B, T]
+        pg = pg * (keep.detach().to(torch.bool) & x.valid).to(x.lp.dtype)  # [B, T]
+    return pg
 
-    kl = None
-    if ref_logp is not None:
-        ref = torch.where(valid, ref_logp.detach().to(logp.dtype), zero)  # [B, T]
-        kl = kl_divergence(lp, ref, kl_estimator)  # [B, T], 0 on padding
-    use_kl = kl is not None and beta > 0
 
-    # ---- aggregation -------------------------------------------------------------------
-    n_active = m.sum()  # []
+def _kl_term(
+    x: _LossInputs, ref_logp: torch.Tensor | None, kl_estimator: str
+) -> torch.Tensor | None:
+    """``[B, T]`` KL estimate toward the reference (0 on padding), or None without ``ref_logp``."""
+    if ref_logp is None:
+        return None
+    ref = torch.where(x.valid, ref_logp.detach().to(x.lp.dtype), x.zero)  # [B, T]
+    return kl_divergence(x.lp, ref, kl_estimator)  # [B, T], 0 on padding
+
+
+def _aggregator(
+    x: _LossInputs,
+    loss_type: str,
+    B_all: float,
+    stands_for: float | None,
+    max_completion_length: int | None,
+    num_tokens: float | int | torch.Tensor | None,
+    batch_tokens: float | int | torch.Tensor | None,
+):
+    """The aggregation of ``loss_type`` (the module docstring's table): a function from masked
+    per-token losses ``[B, T]`` to the scalar loss."""
+    m = x.m
     if loss_type in ("grpo", "sapo"):
 
-        def aggregate(x: torch.Tensor) -> torch.Tensor:
-            per_seq = (x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [B]
+        def aggregate(t: torch.Tensor) -> torch.Tensor:
+            per_seq = (t * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)  # [B]
             return per_seq.mean() if stands_for is None else per_seq.sum() / B_all
 
     elif loss_type == "bnpo":
         if batch_tokens is None:
-            bnpo_norm = n_active.clamp(min=1)
+            bnpo_norm = x.n_active.clamp(min=1)
         elif isinstance(batch_tokens, torch.Tensor):
-            bnpo_norm = batch_tokens.detach().reshape(()).to(logp.device, logp.dtype).clamp(min=1)
+            bnpo_norm = batch_tokens.detach().reshape(()).to(x.lp.device, x.lp.dtype).clamp(min=1)
         else:
             bnpo_norm = max(float(batch_tokens), 1.0)
 
-        def aggregate(x: torch.Tensor) -> torch.Tensor:
-            return (x * m).sum() / bnpo_norm
+        def aggregate(t: torch.Tensor) -> torch.Tensor:
+            return (t * m).sum() / bnpo_norm
 
     elif loss_type == "dr_grpo":
 
-        def aggregate(x: torch.Tensor) -> torch.Tensor:
-            return (x * m).sum() / (B_all * max_completion_length)
+        def aggregate(t: torch.Tensor) -> torch.Tensor:
+            return (t * m).sum() / (B_all * max_completion_length)
 
     elif loss_type == "luspo":
 
-        def aggregate(x: torch.Tensor) -> torch.Tensor:
-            per_seq = (x * m).sum(dim=1)  # [B], the sequence loss times its length
+        def aggregate(t: torch.Tensor) -> torch.Tensor:
+            per_seq = (t * m).sum(dim=1)  # [B], the sequence loss times its length
             return per_seq.mean() if stands_for is None else per_seq.sum() / B_all
 
     elif loss_type in _TOKEN_MEAN:
         if num_tokens is None:
-            norm = n_active.clamp(min=1)
+            norm = x.n_active.clamp(min=1)
         elif isinstance(num_tokens, torch.Tensor):
-            norm = num_tokens.detach().reshape(()).to(device=logp.device, dtype=logp.dtype)
+            norm = num_tokens.detach().reshape(()).to(device=x.lp.device, dtype=x.lp.dtype)
         else:
             norm = float(num_tokens)
 
-        def aggregate(x: torch.Tensor) -> torch.Tensor:
-            return (x * m).sum() / norm
+        def aggregate(t: torch.Tensor) -> torch.Tensor:
+            return (t * m).sum() / norm
 
     else:  # pragma: no cover - validated above
         raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
+    return aggregate
 
-    loss_pg = aggregate(pg)
-    loss = loss_pg + beta * aggregate(kl) if use_kl else loss_pg
-    share = 1.0
-    if num_sequences is not None and loss_type not in _TOKEN_MEAN:
-        share = B_all / num_sequences  # this micro-batch's share of the minibatch
 
-    # ---- metrics (no grad, one host sync) ------------------------------------------------
+_METRIC_NAMES = (
+    "clip/low_frac",
+    "clip/high_frac",
+    "clip/frac",
+    "ratio/mean",
+    "ratio/min",
+    "ratio/max",
+    "kl/mean",
+    "advantage/mean",
+    "loss/policy",
+    "loss/kl",
+)
+
+
+def _metrics(
+    x: _LossInputs,
+    s: _Surrogate,
+    kl: torch.Tensor | None,
+    loss_pg: torch.Tensor,
+    loss: torch.Tensor,
+    use_kl: bool,
+    stands_for: float | None,
+    B_all: float,
+) -> dict[str, float]:
+    """``policy_loss``'s metrics (the module docstring), no grad, one host sync for the common
+    ones."""
     with torch.no_grad():
-        denom = n_active.clamp(min=1)
-        rd = rho.detach()
-        has_tokens = n_active > 0
+        denom = x.n_active.clamp(min=1)
+        rd = x.rho.detach()
+        has_tokens = x.n_active > 0
         big = torch.finfo(rd.dtype).max
-        r_min = torch.where(valid, rd, torch.full_like(rd, big)).amin()
-        r_max = torch.where(valid, rd, torch.full_like(rd, -big)).amax()
-        low = (clipped_low & valid).to(logp.dtype).sum() / denom
-        high = (clipped_high & valid).to(logp.dtype).sum() / denom
+        r_min = torch.where(x.valid, rd, torch.full_like(rd, big)).amin()
+        r_max = torch.where(x.valid, rd, torch.full_like(rd, -big)).amax()
+        low = (s.clipped_low & x.valid).to(x.lp.dtype).sum() / denom
+        high = (s.clipped_high & x.valid).to(x.lp.dtype).sum() / denom
+        if x.advantages.dim() == 1:  # per sequence, over the sequences these rows stand for
+            adv_mean = x.adv.mean() if stands_for is None else x.adv.sum() / B_all
+        else:  # per token, over the counted tokens
+            adv_mean = (x.adv * x.m).sum() / denom
         values = torch.stack(
             [
                 low,
                 high,
                 low + high,
-                (rd * m).sum() / denom,
-                torch.where(has_tokens, r_min, zero),
-                torch.where(has_tokens, r_max, zero),
-                (kl.detach() * m).sum() / denom if kl is not None else zero,
-                (adv.mean() if stands_for is None else adv.sum() / B_all)
-                if advantages.dim() == 1
-                else (adv * m).sum() / denom,
+                (rd * x.m).sum() / denom,
+                torch.where(has_tokens, r_min, x.zero),
+                torch.where(has_tokens, r_max, x.zero),
+                (kl.detach() * x.m).sum() / denom if kl is not None else x.zero,
+                adv_mean,
                 loss_pg.detach(),
-                (loss - loss_pg).detach() if use_kl else zero,
+                (loss - loss_pg).detach() if use_kl else x.zero,
             ]
         ).tolist()
-    names = (
-        "clip/low_frac",
-        "clip/high_frac",
-        "clip/frac",
-        "ratio/mean",
-        "ratio/min",
-        "ratio/max",
-        "kl/mean",
-        "advantage/mean",
-        "loss/policy",
-        "loss/kl",
-    )
-    metrics = dict(zip(names, values))
-    if clipped_delta is not None:
-        metrics["clip/delta_frac"] = float((clipped_delta & valid).sum()) / max(
-            float(n_active), 1.0
+    metrics = dict(zip(_METRIC_NAMES, values))
+    if s.clipped_delta is not None:
+        metrics["clip/delta_frac"] = float((s.clipped_delta & x.valid).sum()) / max(
+            float(x.n_active), 1.0
         )
-    if phi is not None:
-        metrics["vespo/phi_mean"] = float(phi.mean())
-    return (loss * share if share != 1.0 else loss), metrics
+    if s.phi is not None:
+        metrics["vespo/phi_mean"] = float(s.phi.mean())
+    return metrics
 
 
 @torch.no_grad()

@@ -151,6 +151,25 @@ def off_policy_weights(
         of floats (module docstring).
     """
     _check_btt("old_logp", old_logp, behaviour_logp, mask)
+    _check_correction_options(correction, sequence_ratio, cap, low, high)
+    valid = _valid(mask)
+
+    dtype = torch.promote_types(
+        torch.promote_types(old_logp.dtype, behaviour_logp.dtype), torch.float32
+    )
+    m = valid.to(dtype)  # [B, T]
+    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
+    # Padding may hold -inf/NaN: replace it before any arithmetic.
+    d = torch.where(valid, old_logp.detach().to(dtype) - behaviour_logp.detach().to(dtype), zero)
+    ratio = _correction_ratio(d, m, correction, sequence_ratio)  # [B, T]
+    weights, masked, truncated = _correction_weights(ratio, valid, zero, correction, cap, low, high)
+    return weights, _weight_metrics(weights, valid, m, masked, truncated)
+
+
+def _check_correction_options(
+    correction: str, sequence_ratio: str, cap: float, low: float, high: float
+) -> None:
+    """Check the options of ``off_policy_weights``."""
     if correction not in CORRECTIONS:
         raise ValueError(f"correction: expected one of {CORRECTIONS}, got {correction!r}")
     if sequence_ratio not in SEQUENCE_RATIOS:
@@ -164,17 +183,13 @@ def off_policy_weights(
         raise ValueError(f"low: expected a number in [0, 1], got {low!r}")
     if not (_is_number(high) and high >= 1):
         raise ValueError(f"high: expected a number >= 1, got {high!r}")
-    valid = _valid(mask)
 
-    dtype = torch.promote_types(
-        torch.promote_types(old_logp.dtype, behaviour_logp.dtype), torch.float32
-    )
-    m = valid.to(dtype)  # [B, T]
-    zero = torch.zeros((), dtype=dtype, device=old_logp.device)
-    one = torch.ones((), dtype=dtype, device=old_logp.device)
-    # Padding may hold -inf/NaN: replace it before any arithmetic.
-    d = torch.where(valid, old_logp.detach().to(dtype) - behaviour_logp.detach().to(dtype), zero)
 
+def _correction_ratio(
+    d: torch.Tensor, m: torch.Tensor, correction: str, sequence_ratio: str
+) -> torch.Tensor:
+    """The ratio r ``[B, T]`` of ``correction`` from d = log(pi_old / mu) (0 on padding): 1, the
+    token ratio exp(d_it), or the sequence's ratio (geometric mean or product) on every token."""
     if correction == "none":
         ratio = torch.ones_like(d)  # [B, T]
     elif correction in ("token_tis", "token_mis"):
@@ -189,7 +204,21 @@ def off_policy_weights(
         ratio = torch.exp(log_seq)[:, None].expand_as(d)  # [B, T]
     else:  # pragma: no cover - validated above
         raise ValueError(f"correction: expected one of {CORRECTIONS}, got {correction!r}")
+    return ratio
 
+
+def _correction_weights(
+    ratio: torch.Tensor,
+    valid: torch.Tensor,
+    zero: torch.Tensor,
+    correction: str,
+    cap: float,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights, masked, truncated)``: w ``[B, T]`` (exactly 0 on padding) from the ratio, TIS's
+    min(r, C) or MIS's r inside [low, high] and 0 outside, and the ``[B, T]`` bool masks of the
+    counted tokens MIS gave weight 0 and TIS truncated."""
     truncated = torch.zeros_like(valid)  # [B, T] bool
     masked = torch.zeros_like(valid)  # [B, T] bool
     if correction in ("token_tis", "sequence_tis"):
@@ -201,7 +230,29 @@ def off_policy_weights(
     else:
         w = ratio
     weights = torch.where(valid, w, zero)  # [B, T], exactly 0 on padding
+    return weights, masked, truncated
 
+
+_WEIGHT_METRICS = (
+    "correction/weight_mean",
+    "correction/weight_min",
+    "correction/weight_max",
+    "correction/masked_frac",
+    "correction/truncated_frac",
+)
+
+
+def _weight_metrics(
+    weights: torch.Tensor,
+    valid: torch.Tensor,
+    m: torch.Tensor,
+    masked: torch.Tensor,
+    truncated: torch.Tensor,
+) -> dict[str, float]:
+    """The metrics of the module docstring over the counted tokens (0 with none), one host sync."""
+    dtype = weights.dtype
+    zero = torch.zeros((), dtype=dtype, device=weights.device)
+    one = torch.ones((), dtype=dtype, device=weights.device)
     n = m.sum()
     denom = n.clamp(min=1)
     big = torch.finfo(dtype).max
@@ -215,14 +266,7 @@ def off_policy_weights(
             truncated.to(dtype).sum() / denom,
         ]
     ).tolist()
-    names = (
-        "correction/weight_mean",
-        "correction/weight_min",
-        "correction/weight_max",
-        "correction/masked_frac",
-        "correction/truncated_frac",
-    )
-    return weights, dict(zip(names, stats))
+    return dict(zip(_WEIGHT_METRICS, stats))
 
 
 @torch.no_grad()
