@@ -359,47 +359,76 @@ def run_update(
         else:
             mine = mini_idx
             num_tokens = cmask[mini_idx].sum().clamp(min=1)
-        for t in trainees:
-            t.optimizer.zero_grad(set_to_none=True)
-        skipped = skip is not None and dist.all_true(skip(mine))
-        if skip is not None:
-            metrics.add("update/zero_signal_frac", float(skipped))
-        if skipped:
-            metrics.add("loss/policy", 0.0, len(mine))  # exactly: every token's loss is 0
-            for t in trainees:
-                for p in t.params:
-                    p.grad = torch.zeros_like(p)
+        skipped = start_minibatch(trainees, skip, mine, metrics)
         for mb in [] if skipped else plan(mine):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
             loss = micro_loss(mb, mini_idx, trimmed, num_tokens, metrics)
             if loss is not None:
                 loss.backward()
-        # FSDP2: every rank runs as many forward/backward passes (each one communicates); a
-        # rank with fewer rows in this minibatch adds zero-weight passes on its first row.
-        for _ in range(0 if skipped else dist.pad_micro_batches(mini_idx, n, micro)):
-            one = torch.arange(1, device=cmask.device)
-            trimmed = trim(input_ids[one], attention_mask[one], cmask[one])
-            (micro_loss(one, mini_idx, trimmed, num_tokens, MeanMetrics()) * 0.0).backward()
-        norms = []
-        for t in trainees:
-            if not skipped:
-                dist.sync_grads(t.params)  # summed over ranks (identity in one process)
-            norms.append(dist.clip_grad_norm(t.params, max_norm))
-            metrics.add(t.norm_metric, norms[-1])
-        # A NaN/inf loss or gradient: no network steps (parameters and AdamW state untouched);
-        # the schedule still advances, so it stays aligned with the batch count. The norm is
-        # the global one, so every rank decides alike.
-        nonfinite = not all(math.isfinite(x) for x in norms)
-        metrics.add("update/nonfinite_frac", float(nonfinite))
-        for t in trainees:
-            if not nonfinite:
-                t.optimizer.step()
-            if t.scheduler is not None:
-                t.scheduler.step()
+        if not skipped:
+            padding_passes(batch, mini_idx, num_tokens, micro_loss, micro)
+        clip_and_step(trainees, skipped, max_norm, metrics)
     for t in trainees:
         t.optimizer.zero_grad(set_to_none=True)
     metrics.sums, metrics.counts = dist.merge_sums(metrics.sums, metrics.counts)
     return metrics
+
+
+def start_minibatch(
+    trainees: list[Trainee],
+    skip: Callable[[torch.Tensor], bool] | None,
+    mine: torch.Tensor,
+    metrics: MeanMetrics,
+) -> bool:
+    """The start of one minibatch of ``run_update``: every network's gradients zeroed, then the
+    skip test on this rank's rows ``mine`` (one decision over ranks). A skipped minibatch gets
+    zero gradients and a policy loss of exactly 0; returns whether it is skipped."""
+    for t in trainees:
+        t.optimizer.zero_grad(set_to_none=True)
+    skipped = skip is not None and dist.all_true(skip(mine))
+    if skip is not None:
+        metrics.add("update/zero_signal_frac", float(skipped))
+    if skipped:
+        metrics.add("loss/policy", 0.0, len(mine))  # exactly: every token's loss is 0
+        for t in trainees:
+            for p in t.params:
+                p.grad = torch.zeros_like(p)
+    return skipped
+
+
+def padding_passes(batch, mini_idx, num_tokens, micro_loss: MicroLoss, micro: int) -> None:
+    """FSDP2: every rank runs as many forward/backward passes (each one communicates); a rank
+    with fewer rows in this minibatch adds zero-weight passes on its first row (their metrics
+    are dropped)."""
+    input_ids, attention_mask, cmask = batch
+    for _ in range(dist.pad_micro_batches(mini_idx, cmask.shape[0], micro)):
+        one = torch.arange(1, device=cmask.device)
+        trimmed = trim(input_ids[one], attention_mask[one], cmask[one])
+        (micro_loss(one, mini_idx, trimmed, num_tokens, MeanMetrics()) * 0.0).backward()
+
+
+def clip_and_step(
+    trainees: list[Trainee], skipped: bool, max_norm: float, metrics: MeanMetrics
+) -> None:
+    """The end of one minibatch of ``run_update``: each network's gradients summed over ranks
+    (not a skipped minibatch's: zero everywhere) and clipped, its norm logged, then the
+    optimizer and schedule steps."""
+    norms = []
+    for t in trainees:
+        if not skipped:
+            dist.sync_grads(t.params)  # summed over ranks (identity in one process)
+        norms.append(dist.clip_grad_norm(t.params, max_norm))
+        metrics.add(t.norm_metric, norms[-1])
+    # A NaN/inf loss or gradient: no network steps (parameters and AdamW state untouched);
+    # the schedule still advances, so it stays aligned with the batch count. The norm is
+    # the global one, so every rank decides alike.
+    nonfinite = not all(math.isfinite(x) for x in norms)
+    metrics.add("update/nonfinite_frac", float(nonfinite))
+    for t in trainees:
+        if not nonfinite:
+            t.optimizer.step()
+        if t.scheduler is not None:
+            t.scheduler.step()
 
 
 def elided_rows(advantages: torch.Tensor, kl_on: bool, enabled: bool = True) -> torch.Tensor:
