@@ -408,7 +408,23 @@ def fill_step(
         ahead=cfg.rollout.rounds_ahead,
     )
     run.informative_seen = run.informative_seen or bool(fill.picks)
-    slots = fill.slots(P)  # [P] (round, global group), picks first
+    s = kept_groups(run, fill.slots(P), calls, shard)
+    s.few_shot_frac = few_shot_frac
+    s.dynamic = fill.metrics(G)
+    s.generated_tokens = sum(x.samples.num_generated_tokens for _, x in calls)
+    s.generated_lengths = tuple(torch.cat(t) for t in zip(*(sequence_lengths(x) for _, x in calls)))
+    return s, seconds[0], seconds[1]
+
+
+def kept_groups(
+    run: Run, slots: list[tuple[int, int]], calls: list[tuple[range, Sampled]], shard: range
+) -> Sampled:
+    """This rank's share of the groups dynamic sampling kept (``fill_step``): ``slots`` is the
+    kept list, [P] (round, global group), picks first; ``calls`` the rounds of each sampling
+    call and what it drew; ``shard`` this rank's block of every round. The kept groups move to
+    the rank that trains them (``dist.exchange``: rank k trains slots [kP/W, (k+1)P/W)), with
+    every round's scores merged."""
+    G, k = run.cfg.rollout.group_size, len(shard)
     where = {r: (s, (r - rs.start) * k) for rs, s in calls for r in rs}  # round -> its call
     owned = {}  # the kept groups this rank sampled, keyed by slot
     for r, g in slots:
@@ -418,16 +434,11 @@ def fill_step(
                 src, [offset + g - shard.start], G, portable=dist.parallel()
             )
     mine = dist.exchange(owned, slots[shard.start : shard.start + k])
-    s = concat_sampled(
+    return concat_sampled(
         mine,
         run.models.tokenizer.pad_token_id,
         merge_round_scores([x.scores for _, x in calls], [len(rs) for rs, _ in calls]),
     )
-    s.few_shot_frac = few_shot_frac
-    s.dynamic = fill.metrics(G)
-    s.generated_tokens = sum(x.samples.num_generated_tokens for _, x in calls)
-    s.generated_lengths = tuple(torch.cat(t) for t in zip(*(sequence_lengths(x) for _, x in calls)))
-    return s, seconds[0], seconds[1]
 
 
 def sequence_lengths(s: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
