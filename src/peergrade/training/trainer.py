@@ -408,7 +408,23 @@ def fill_step(
         ahead=cfg.rollout.rounds_ahead,
     )
     run.informative_seen = run.informative_seen or bool(fill.picks)
-    slots = fill.slots(P)  # [P] (round, global group), picks first
+    s = kept_groups(run, fill.slots(P), calls, shard)
+    s.few_shot_frac = few_shot_frac
+    s.dynamic = fill.metrics(G)
+    s.generated_tokens = sum(x.samples.num_generated_tokens for _, x in calls)
+    s.generated_lengths = tuple(torch.cat(t) for t in zip(*(sequence_lengths(x) for _, x in calls)))
+    return s, seconds[0], seconds[1]
+
+
+def kept_groups(
+    run: Run, slots: list[tuple[int, int]], calls: list[tuple[range, Sampled]], shard: range
+) -> Sampled:
+    """This rank's share of the groups dynamic sampling kept (``fill_step``): ``slots`` is the
+    kept list, [P] (round, global group), picks first; ``calls`` the rounds of each sampling
+    call and what it drew; ``shard`` this rank's block of every round. The kept groups move to
+    the rank that trains them (``dist.exchange``: rank k trains slots [kP/W, (k+1)P/W)), with
+    every round's scores merged."""
+    G, k = run.cfg.rollout.group_size, len(shard)
     where = {r: (s, (r - rs.start) * k) for rs, s in calls for r in rs}  # round -> its call
     owned = {}  # the kept groups this rank sampled, keyed by slot
     for r, g in slots:
@@ -418,16 +434,11 @@ def fill_step(
                 src, [offset + g - shard.start], G, portable=dist.parallel()
             )
     mine = dist.exchange(owned, slots[shard.start : shard.start + k])
-    s = concat_sampled(
+    return concat_sampled(
         mine,
         run.models.tokenizer.pad_token_id,
         merge_round_scores([x.scores for _, x in calls], [len(rs) for rs, _ in calls]),
     )
-    s.few_shot_frac = few_shot_frac
-    s.dynamic = fill.metrics(G)
-    s.generated_tokens = sum(x.samples.num_generated_tokens for _, x in calls)
-    s.generated_lengths = tuple(torch.cat(t) for t in zip(*(sequence_lengths(x) for _, x in calls)))
-    return s, seconds[0], seconds[1]
 
 
 def sequence_lengths(s: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
@@ -837,12 +848,6 @@ def _loop(
     producer, threads = None, torch.get_num_threads()
     if cfg.rollout.async_steps and start_step < t.steps:  # pipelined: the producer owns `rows`
         producer = start_producer(run, out, rows, start_step, display)
-
-    def extra(step: int) -> dict[str, Any] | None:  # what a checkpoint adds when pipelined
-        if producer is None:
-            return None
-        return {pipeline.VERSIONS_FILE: producer.checkpoint_versions(step)}
-
     # the first step's update under bf16 autocast, against the float32 one (detector bf16_update)
     probe = bf16_probe(run) if start_step == 0 else None
     try:
@@ -860,32 +865,15 @@ def _loop(
                 m.update(probe.metrics())
                 probe = None
             if cfg.rollout.dynamic_sampling:
-                out.trainer_state["dynamic_informative_seen"] = run.informative_seen
-                if m["dynamic/unfilled_groups"] and not told_unfilled:
-                    told_unfilled = True  # once: the metric has every step's count
-                    display.print(
-                        f"step {step}: dynamic sampling filled "
-                        f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
-                        f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
-                        "are groups whose rewards agree (advantage 0). Each step's count: "
-                        "dynamic/unfilled_groups"
-                    )
-            with ckpt.critical():  # the step's groups whole, and marked as written
-                for sample_row in result.samples:
-                    samples_log.write(sample_row)
-                result.samples = []
-            if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                t_eval = time.perf_counter()
-                m.update(held_out.evaluate_logged(step, display))  # and a line on screen
-                m["time/eval_s"] = time.perf_counter() - t_eval
-            m["time/step_s"] = time.perf_counter() - t_step
-            m.update(detectors.update(m))  # alert/<name> keys and their messages
+                told_unfilled = note_dynamic(run, out, display, step, m, told_unfilled)
+            write_samples(samples_log, result)
+            step_metrics(held_out, detectors, display, step, m, t_step)
             with ckpt.critical():
                 metrics_log.write(m)
                 logged = step
             display.update(step, m)
             if t.save_every and step % t.save_every == 0:
-                out.save(run, step, extra(step))
+                out.save(run, step, checkpoint_extra(producer, step))
             if dist.any_true(stop.requested):  # all ranks stop after the same step
                 interrupted = True
                 break
@@ -898,19 +886,10 @@ def _loop(
     except ckpt.StorageError:
         raise
     except OSError as e:  # a log write the disk refused: named, with the last good checkpoint
-        problem = ckpt.storage_problem(e, out.path)
-        if problem is None:
+        refused = storage_error(e, out.path)
+        if refused is None:
             raise
-        last = ckpt.latest_checkpoint(out.path)
-        raise ckpt.StorageError(
-            f"cannot write {str(e.filename or out.path)!r}: {problem}; "
-            + (
-                f"the last good checkpoint is {last.name} (intact): make room, then continue "
-                f"with: peergrade train --resume {out.path}"
-                if last is not None
-                else f"no checkpoint yet: make room, then: peergrade train --resume {out.path}"
-            )
-        ) from None
+        raise refused from None
     finally:
         # (OSError: the disk that refused a write refuses the logs' last flush too)
         with contextlib.suppress(KeyboardInterrupt, OSError), ckpt.critical():
@@ -919,20 +898,103 @@ def _loop(
                 producer.close(timeout=1.0 if interrupted or stalled else 60.0)
                 torch.set_num_threads(threads)
             display.close()
-            done = run.done
-            if interrupted and done.result is not None and done.step > logged:
-                # interrupted after the update of step done.step, before its line was written
-                for sample_row in done.result.samples:
-                    samples_log.write(sample_row)
-                metrics_log.write({**done.result.metrics, "interrupted": True})
+            if interrupted:
+                log_interrupted_step(run.done, logged, metrics_log, samples_log)
             samples_log.close()
+    summary = end_steps(run, out, display, metrics_log, stop, again, producer, interrupted, stalled)
+    if summary is not None:
+        return summary
+    return final_evaluation(run, held_out, out, display, metrics_log, detectors, stop, again, t_run)
+
+
+def checkpoint_extra(producer, step: int) -> dict[str, Any] | None:
+    """What a checkpoint of step ``step`` adds when pipelined: the policy versions the
+    producer's experience came from (``pipeline.VERSIONS_FILE``); None without a producer."""
+    if producer is None:
+        return None
+    return {pipeline.VERSIONS_FILE: producer.checkpoint_versions(step)}
+
+
+def log_interrupted_step(done: Done, logged: int, metrics_log, samples_log) -> None:
+    """After a stop: when the update of step ``done.step`` happened but its metrics line was not
+    written (``logged``: the last step whose line is), its samples and its line, marked
+    ``interrupted``."""
+    if done.result is not None and done.step > logged:
+        # interrupted after the update of step done.step, before its line was written
+        for sample_row in done.result.samples:
+            samples_log.write(sample_row)
+        metrics_log.write({**done.result.metrics, "interrupted": True})
+
+
+def note_dynamic(run: Run, out: RunDir, display, step: int, m: dict, told: bool) -> bool:
+    """Dynamic sampling after step ``step`` (metrics ``m``): the checkpoint's state, and once
+    (``told``: already) a line when the step could not fill every group; returns ``told``."""
+    P = run.cfg.rollout.prompts_per_step
+    out.trainer_state["dynamic_informative_seen"] = run.informative_seen
+    if m["dynamic/unfilled_groups"] and not told:
+        told = True  # once: the metric has every step's count
+        display.print(
+            f"step {step}: dynamic sampling filled "
+            f"{P - int(m['dynamic/unfilled_groups'])} of {P} groups in "
+            f"{int(m['dynamic/rounds'])} rounds (rollout.max_rounds); the rest "
+            "are groups whose rewards agree (advantage 0). Each step's count: "
+            "dynamic/unfilled_groups"
+        )
+    return told
+
+
+def write_samples(samples_log, result: StepResult) -> None:
+    """The step's logged groups to samples.jsonl, whole, and marked as written."""
+    with ckpt.critical():  # the step's groups whole, and marked as written
+        for sample_row in result.samples:
+            samples_log.write(sample_row)
+        result.samples = []
+
+
+def step_metrics(held_out: HeldOut, detectors, display, step: int, m: dict, t_step: float) -> None:
+    """What step ``step``'s metrics ``m`` get after the step: the held-out evaluation when
+    ``train.eval_every`` says (not at the last step: ``finish`` evaluates), the step's seconds
+    since ``t_step``, and the detectors' alerts."""
+    t = held_out.run.cfg.train
+    if held_out.rows and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+        t_eval = time.perf_counter()
+        m.update(held_out.evaluate_logged(step, display))  # and a line on screen
+        m["time/eval_s"] = time.perf_counter() - t_eval
+    m["time/step_s"] = time.perf_counter() - t_step
+    m.update(detectors.update(m))  # alert/<name> keys and their messages
+
+
+def storage_error(e: OSError, path: Path) -> ckpt.StorageError | None:
+    """A log write the disk refused (``e``), named, with the last good checkpoint of the run in
+    ``path``; None when ``e`` is no storage problem."""
+    problem = ckpt.storage_problem(e, path)
+    if problem is None:
+        return None
+    last = ckpt.latest_checkpoint(path)
+    return ckpt.StorageError(
+        f"cannot write {str(e.filename or path)!r}: {problem}; "
+        + (
+            f"the last good checkpoint is {last.name} (intact): make room, then continue "
+            f"with: peergrade train --resume {path}"
+            if last is not None
+            else f"no checkpoint yet: make room, then: peergrade train --resume {path}"
+        )
+    )
+
+
+def end_steps(
+    run: Run, out: RunDir, display, metrics_log, stop, again, producer, interrupted, stalled
+) -> dict[str, Any] | None:
+    """After the steps: the last step whose update happened (``Run.done``) saved unless it is;
+    then a stalled producer is raised and a stop returns its summary. None: the run goes on to
+    the final evaluation."""
     step = run.done.step
-    if cfg.rollout.dynamic_sampling:
+    if run.cfg.rollout.dynamic_sampling:
         out.trainer_state["dynamic_informative_seen"] = run.done.informative_seen
     hint = f"continue with: {again}"
     if step > out.last_saved and step > 0:
         try:
-            out.save(run, step, extra(step))
+            out.save(run, step, checkpoint_extra(producer, step))
         except KeyboardInterrupt:  # a further Ctrl-C during this save: it is given up
             metrics_log.close()
             last = ckpt.latest_checkpoint(out.path)
@@ -965,6 +1027,15 @@ def _loop(
             always=True,
         )
         return stopped(stop, step, out)
+    return None
+
+
+def final_evaluation(
+    run, held_out, out, display, metrics_log, detectors, stop, again, t_run: float
+) -> dict[str, Any]:
+    """The final evaluation (``finish``) of a run whose steps all ran; a Ctrl-C or SIGTERM stops
+    it at once (the last checkpoint is saved: resuming runs it)."""
+    step = run.done.step
     stop.immediate = True  # the final evaluation: a Ctrl-C or SIGTERM stops it at once
     try:
         with metrics_log:

@@ -359,47 +359,76 @@ def run_update(
         else:
             mine = mini_idx
             num_tokens = cmask[mini_idx].sum().clamp(min=1)
-        for t in trainees:
-            t.optimizer.zero_grad(set_to_none=True)
-        skipped = skip is not None and dist.all_true(skip(mine))
-        if skip is not None:
-            metrics.add("update/zero_signal_frac", float(skipped))
-        if skipped:
-            metrics.add("loss/policy", 0.0, len(mine))  # exactly: every token's loss is 0
-            for t in trainees:
-                for p in t.params:
-                    p.grad = torch.zeros_like(p)
+        skipped = start_minibatch(trainees, skip, mine, metrics)
         for mb in [] if skipped else plan(mine):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
             loss = micro_loss(mb, mini_idx, trimmed, num_tokens, metrics)
             if loss is not None:
                 loss.backward()
-        # FSDP2: every rank runs as many forward/backward passes (each one communicates); a
-        # rank with fewer rows in this minibatch adds zero-weight passes on its first row.
-        for _ in range(0 if skipped else dist.pad_micro_batches(mini_idx, n, micro)):
-            one = torch.arange(1, device=cmask.device)
-            trimmed = trim(input_ids[one], attention_mask[one], cmask[one])
-            (micro_loss(one, mini_idx, trimmed, num_tokens, MeanMetrics()) * 0.0).backward()
-        norms = []
-        for t in trainees:
-            if not skipped:
-                dist.sync_grads(t.params)  # summed over ranks (identity in one process)
-            norms.append(dist.clip_grad_norm(t.params, max_norm))
-            metrics.add(t.norm_metric, norms[-1])
-        # A NaN/inf loss or gradient: no network steps (parameters and AdamW state untouched);
-        # the schedule still advances, so it stays aligned with the batch count. The norm is
-        # the global one, so every rank decides alike.
-        nonfinite = not all(math.isfinite(x) for x in norms)
-        metrics.add("update/nonfinite_frac", float(nonfinite))
-        for t in trainees:
-            if not nonfinite:
-                t.optimizer.step()
-            if t.scheduler is not None:
-                t.scheduler.step()
+        if not skipped:
+            padding_passes(batch, mini_idx, num_tokens, micro_loss, micro)
+        clip_and_step(trainees, skipped, max_norm, metrics)
     for t in trainees:
         t.optimizer.zero_grad(set_to_none=True)
     metrics.sums, metrics.counts = dist.merge_sums(metrics.sums, metrics.counts)
     return metrics
+
+
+def start_minibatch(
+    trainees: list[Trainee],
+    skip: Callable[[torch.Tensor], bool] | None,
+    mine: torch.Tensor,
+    metrics: MeanMetrics,
+) -> bool:
+    """The start of one minibatch of ``run_update``: every network's gradients zeroed, then the
+    skip test on this rank's rows ``mine`` (one decision over ranks). A skipped minibatch gets
+    zero gradients and a policy loss of exactly 0; returns whether it is skipped."""
+    for t in trainees:
+        t.optimizer.zero_grad(set_to_none=True)
+    skipped = skip is not None and dist.all_true(skip(mine))
+    if skip is not None:
+        metrics.add("update/zero_signal_frac", float(skipped))
+    if skipped:
+        metrics.add("loss/policy", 0.0, len(mine))  # exactly: every token's loss is 0
+        for t in trainees:
+            for p in t.params:
+                p.grad = torch.zeros_like(p)
+    return skipped
+
+
+def padding_passes(batch, mini_idx, num_tokens, micro_loss: MicroLoss, micro: int) -> None:
+    """FSDP2: every rank runs as many forward/backward passes (each one communicates); a rank
+    with fewer rows in this minibatch adds zero-weight passes on its first row (their metrics
+    are dropped)."""
+    input_ids, attention_mask, cmask = batch
+    for _ in range(dist.pad_micro_batches(mini_idx, cmask.shape[0], micro)):
+        one = torch.arange(1, device=cmask.device)
+        trimmed = trim(input_ids[one], attention_mask[one], cmask[one])
+        (micro_loss(one, mini_idx, trimmed, num_tokens, MeanMetrics()) * 0.0).backward()
+
+
+def clip_and_step(
+    trainees: list[Trainee], skipped: bool, max_norm: float, metrics: MeanMetrics
+) -> None:
+    """The end of one minibatch of ``run_update``: each network's gradients summed over ranks
+    (not a skipped minibatch's: zero everywhere) and clipped, its norm logged, then the
+    optimizer and schedule steps."""
+    norms = []
+    for t in trainees:
+        if not skipped:
+            dist.sync_grads(t.params)  # summed over ranks (identity in one process)
+        norms.append(dist.clip_grad_norm(t.params, max_norm))
+        metrics.add(t.norm_metric, norms[-1])
+    # A NaN/inf loss or gradient: no network steps (parameters and AdamW state untouched);
+    # the schedule still advances, so it stays aligned with the batch count. The norm is
+    # the global one, so every rank decides alike.
+    nonfinite = not all(math.isfinite(x) for x in norms)
+    metrics.add("update/nonfinite_frac", float(nonfinite))
+    for t in trainees:
+        if not nonfinite:
+            t.optimizer.step()
+        if t.scheduler is not None:
+            t.scheduler.step()
 
 
 def elided_rows(advantages: torch.Tensor, kl_on: bool, enabled: bool = True) -> torch.Tensor:
@@ -466,6 +495,221 @@ def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.T
     return list(micro_batches(by_length(mini_idx[~drop[mini_idx]], cmask), micro))
 
 
+class GrpoLoss:
+    """One ``grpo_update`` call's micro-batch loss (``run_update``'s ``micro_loss``), its
+    minibatch skip test and plan, and what they share: the completions left out (``drop``),
+    pi_old, the off-policy correction and the entropy bonus's state (``grpo_update``'s
+    docstring says what each does). Made before the policy goes into training mode: pi_old's
+    pass runs here."""
+
+    def __init__(self, models: Models, batch, advantages, ref_lp, cfg, behaviour_lp, entropy):
+        self.models, self.batch, self.cfg, self.a = models, batch, cfg, cfg.algo
+        self.advantages, self.ref_lp, self.behaviour_lp = advantages, ref_lp, behaviour_lp
+        cmask = batch[2]
+        N = cmask.shape[0]
+        a = self.a
+        self.kl_on = cfg.uses_reference and ref_lp is not None
+        self.bonus_on = a.entropy_coef != 0 or a.use_adaptive_entropy
+        if self.bonus_on and entropy is None:
+            entropy = EntropyControl(a.entropy_coef)
+        if self.bonus_on:
+            entropy.window, entropy.window_metrics = None, None
+        self.entropy: EntropyControl | None = entropy
+        self.select = a.top_entropy_quantile < 1
+        # Elision and the length-sorted plan count rows of the whole minibatch: one process only
+        # (under torchrun each rank computes all of its rows, in schedule order).
+        self.parallel = dist.world() > 1
+        elide_ok = (
+            a.skip_zero_advantage and not self.parallel and not self.bonus_on and not self.select
+        )
+        self.drop = elided_rows(advantages, self.kl_on, elide_ok)  # [N]
+        all_idx = torch.arange(N, device=cmask.device)
+        # With one optimizer step per batch, the old policy is the current one:
+        # old = logp.detach(). (Under torchrun: zero signal on every rank, one decision.)
+        need_old = cfg.updates_per_step > 1 and not dist.all_true(self.no_signal(all_idx))
+        self.old_lp = (
+            frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~self.drop])
+            if need_old
+            else None
+        )
+        self.correction = off_policy_correction(cfg)  # auto: token_tis with pipelined rollouts
+        self.correct = self.correction != "none" and behaviour_lp is not None
+        # the correction weight's min and max over computed tokens
+        self.w_range = [math.inf, -math.inf]
+
+    # Zero advantages and no KL term make every token's loss exactly 0, so the gradient is 0:
+    # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
+    # a model never earns any reward. (Not with the entropy bonus: its gradient is not 0.)
+    def no_signal(self, idx) -> bool:
+        return not self.kl_on and not self.bonus_on and bool((self.advantages[idx] == 0).all())
+
+    def skip(self, idx) -> bool:  # run_update's test, once per minibatch on every rank
+        if self.bonus_on:  # a new optimizer step: the previous one's entropy moves the coefficient
+            self.entropy.close_window(self.a)
+            self.entropy.window = [0.0, 0.0]
+        return self.no_signal(idx)
+
+    def plan(self, mini_idx):
+        cmask = self.batch[2]
+        return grpo_plan(mini_idx, self.drop, cmask, self.cfg.micro_batch_size, self.a.loss_type)
+
+    def micro_loss(self, mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
+        """The policy loss of micro-batch ``mb`` (its rows not left out) in minibatch
+        ``mini_idx``, less its share of the entropy bonus; adds its metrics."""
+        a, cfg = self.a, self.cfg
+        keep = mb[~self.drop[mb]]
+        if len(keep) == 0:  # (bnpo only) every row's loss and gradient are exactly 0
+            for k in ("loss/policy", "loss/kl", "advantage/mean"):
+                metrics.add(k, 0.0, len(mb))
+            return None
+        stands_for, elide, trimmed = self.elision(mb, keep, mini_idx, trimmed)
+        ii, am, cm = trimmed
+        Tc = cm.shape[1]
+        logp, ent = logprobs_of(self.models.policy, ii, am, cm, cfg, with_entropy=True)
+        old = logp.detach() if self.old_lp is None else self.old_lp[keep, :Tc]
+        weights = self.correction_weights(old, keep, cm, metrics) if self.correct else None
+        keep_tok, ent_mask = self.token_masks(logp, old, ent, keep, cm, metrics)
+        loss, m = policy_loss(
+            logp,
+            old,
+            self.advantages[keep],
+            cm,
+            loss_type=a.loss_type,
+            ratio_level=a.ratio_level,
+            clip_eps=a.clip_eps,
+            clip_eps_high=a.clip_eps_high,
+            ref_logp=None if self.ref_lp is None else self.ref_lp[keep, :Tc],
+            beta=a.beta,
+            kl_estimator=a.kl_estimator,
+            max_completion_length=cfg.rollout.max_completion_length,
+            num_tokens=num_tokens,
+            num_sequences=len(mini_idx),
+            weights=weights,
+            keep=keep_tok,
+            delta=a.delta,
+            sapo_temperature_pos=a.sapo_temperature_pos,
+            sapo_temperature_neg=a.sapo_temperature_neg,
+            vespo_k_pos=a.vespo_k_pos,
+            vespo_lambda_pos=a.vespo_lambda_pos,
+            vespo_k_neg=a.vespo_k_neg,
+            vespo_lambda_neg=a.vespo_lambda_neg,
+            **elide,
+        )
+        if self.bonus_on:
+            loss = self.entropy_term(loss, ent, ent_mask, len(keep) / len(mini_idx), metrics)
+        self.add_metrics(m, metrics, len(keep), len(mini_idx), stands_for, cm)
+        metrics.add_entropy(ent, cm)
+        return loss
+
+    def elision(self, mb, keep, mini_idx, trimmed) -> tuple[float, dict, tuple]:
+        """What micro-batch ``mb``'s rows ``keep`` stand for (rows left out count in every
+        normaliser): the completion count, ``policy_loss``'s elision arguments (only when rows
+        were left out), and the trimmed tensors to compute (bnpo: of ``keep`` alone)."""
+        input_ids, attention_mask, cmask = self.batch
+        elide = {}  # policy_loss's elision arguments, only when rows were left out
+        if self.a.loss_type == "bnpo":  # the full micro-batch's counts; its kept rows only
+            stands_for = len(mb)
+            if len(keep) < len(mb):
+                elide = {"stands_for": stands_for, "batch_tokens": cmask[mb].sum()}
+                trimmed = trim(input_ids[keep], attention_mask[keep], cmask[keep])
+        else:  # the minibatch's left-out rows, spread over its micro-batches by size
+            # (under torchrun nothing is left out and mini_idx is the global minibatch)
+            kept = len(mini_idx) if self.parallel else int((~self.drop[mini_idx]).sum())
+            stands_for = len(keep) * len(mini_idx) / kept
+            if kept < len(mini_idx):
+                elide = {"stands_for": stands_for}
+        return stands_for, elide, trimmed
+
+    def correction_weights(self, old, keep, cm, metrics) -> torch.Tensor:
+        """The off-policy correction's per-token weights toward pi_old ``old`` (``[b, Tc]``);
+        adds their token means and widens the update's min/max (``w_range``)."""
+        a, Tc = self.a, cm.shape[1]
+        weights, wm = off_policy_weights(
+            old,
+            self.behaviour_lp[keep, :Tc],
+            cm,
+            correction=self.correction,
+            cap=a.off_policy_cap,
+            low=a.off_policy_low,
+            high=a.off_policy_high,
+            sequence_ratio=a.off_policy_sequence_ratio,
+        )
+        n_tok = float(cm.sum())
+        for k in ("weight_mean", "masked_frac", "truncated_frac"):
+            metrics.add(f"correction/{k}", wm[f"correction/{k}"], n_tok)
+        if n_tok > 0:
+            self.w_range[0] = min(self.w_range[0], wm["correction/weight_min"])
+            self.w_range[1] = max(self.w_range[1], wm["correction/weight_max"])
+        return weights
+
+    def token_masks(self, logp, old, ent, keep, cm, metrics) -> tuple:
+        """``([b, Tc] bool or None, [b, Tc] bool)``: the tokens whose surrogate counts (OPSM,
+        high entropy; None: every counted token) and the tokens of the entropy bonus."""
+        a, Tc = self.a, cm.shape[1]
+        keep_tok = None  # [b, Tc] bool: tokens whose surrogate counts (OPSM, high entropy)
+        if a.off_policy_mask_threshold is not None:
+            mu = old if self.behaviour_lp is None else self.behaviour_lp[keep, :Tc]
+            seq_keep = off_policy_sequence_mask(
+                logp, mu, self.advantages[keep], cm, a.off_policy_mask_threshold
+            )  # [b]
+            metrics.add("opsm/masked_frac", float((~seq_keep).float().mean()), len(keep))
+            keep_tok = seq_keep[:, None].expand_as(cm) & (cm == 1)
+        ent_mask = cm == 1  # [b, Tc]
+        if self.select:
+            ent_mask = high_entropy_mask(ent, cm, a.top_entropy_quantile)
+            keep_tok = ent_mask if keep_tok is None else keep_tok & ent_mask
+            metrics.add(
+                "entropy/selected_frac",
+                float(ent_mask.sum()) / max(float(cm.sum()), 1.0),
+                float(cm.sum()),
+            )
+        return keep_tok, ent_mask
+
+    def entropy_term(self, loss, ent, ent_mask, share: float, metrics) -> torch.Tensor:
+        """L - coef * H over the trained tokens ``ent_mask``, this micro-batch's ``share`` of
+        its minibatch; its entropy counts in the optimizer step's window."""
+        a, entropy = self.a, self.entropy
+        coef = entropy.applied(a.use_adaptive_entropy, a.entropy_target)
+        h = entropy_bonus(ent, ent_mask)
+        loss = loss - coef * h * share
+        if entropy.window_metrics is None or metrics is entropy.window_metrics:
+            entropy.window_metrics = metrics  # (not FSDP's zero-weight padding passes)
+            entropy.window[0] += float((ent.detach() * ent_mask).sum())
+            entropy.window[1] += float(ent_mask.sum())
+            metrics.add("entropy/coef", coef)
+        return loss
+
+    def add_metrics(self, m, metrics, kept: int, mini: int, stands_for, cm) -> None:
+        """``policy_loss``'s metrics ``m`` of a micro-batch of ``kept`` computed rows in a
+        minibatch of ``mini``, each with its weight."""
+        # dapo/cispo/vespo losses are this micro-batch's share of the minibatch's: scaled so that
+        # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
+        shared = self.a.loss_type in ("dapo", "cispo", "vespo")
+        n_tok = int(cm.sum().item())
+        for k, v in m.items():
+            # whole-batch values weigh what they stand for; the others what was computed
+            if k in ("loss/policy", "loss/kl"):
+                scale = mini / stands_for if shared else 1.0
+                metrics.add(k, float(v) * scale, stands_for)
+            elif k == "advantage/mean":
+                metrics.add(k, float(v), stands_for)
+            elif k in TOKEN_MEANS:
+                metrics.add(k, float(v), n_tok)
+            else:
+                metrics.add(k, float(v), kept)
+
+    def weight_extremes(self) -> dict[str, float]:
+        """``correction/weight_min`` / ``_max`` over every rank's computed tokens (a rank that
+        computed no token holds +-inf); empty without a correction or a computed token."""
+        if not self.correct:
+            return {}
+        lo_hi = dist.gather_rows(torch.tensor([self.w_range], dtype=torch.float64))  # [W, 2]
+        mn, mx = lo_hi[:, 0].min().item(), lo_hi[:, 1].max().item()
+        if math.isfinite(mn):
+            return {"correction/weight_min": mn, "correction/weight_max": mx}
+        return {}
+
+
 def grpo_update(
     models: Models,
     optimizer,
@@ -502,157 +746,7 @@ def grpo_update(
     minibatch (``entropy``: the coefficient's state, adaptive with ``algo.use_adaptive_entropy``).
     A completion with advantage 0 then still matters (its entropy has a gradient; its tokens
     enter the quantile), so nothing is elided or skipped with either on."""
-    input_ids, attention_mask, cmask = batch
-    N = cmask.shape[0]
-    a = cfg.algo
-    kl_on = cfg.uses_reference and ref_lp is not None
-    bonus_on = a.entropy_coef != 0 or a.use_adaptive_entropy
-    if bonus_on and entropy is None:
-        entropy = EntropyControl(a.entropy_coef)
-    if bonus_on:
-        entropy.window, entropy.window_metrics = None, None
-    select = a.top_entropy_quantile < 1
-    # Elision and the length-sorted plan count rows of the whole minibatch: one process only
-    # (under torchrun each rank computes all of its rows, in schedule order).
-    parallel = dist.world() > 1
-    elide_ok = a.skip_zero_advantage and not parallel and not bonus_on and not select
-    drop = elided_rows(advantages, kl_on, elide_ok)  # [N]
-
-    # Zero advantages and no KL term make every token's loss exactly 0, so the gradient is 0:
-    # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
-    # a model never earns any reward. (Not with the entropy bonus: its gradient is not 0.)
-    def no_signal(idx) -> bool:
-        return not kl_on and not bonus_on and bool((advantages[idx] == 0).all())
-
-    def skip(idx) -> bool:  # run_update's test, once per minibatch on every rank
-        if bonus_on:  # a new optimizer step: the previous one's entropy moves the coefficient
-            entropy.close_window(a)
-            entropy.window = [0.0, 0.0]
-        return no_signal(idx)
-
-    all_idx = torch.arange(N, device=cmask.device)
-    # With one optimizer step per batch, the old policy is the current one: old = logp.detach().
-    # (Under torchrun: zero signal on every rank, one decision.)
-    need_old = cfg.updates_per_step > 1 and not dist.all_true(no_signal(all_idx))
-    old_lp = frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~drop]) if need_old else None
-
-    correction = off_policy_correction(cfg)  # auto: token_tis with pipelined rollouts
-    correct = correction != "none" and behaviour_lp is not None
-    w_range = [math.inf, -math.inf]  # the correction weight's min and max over computed tokens
-
-    def plan(mini_idx):
-        return grpo_plan(mini_idx, drop, cmask, cfg.micro_batch_size, a.loss_type)
-
-    def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
-        keep = mb[~drop[mb]]
-        if len(keep) == 0:  # (bnpo only) every row's loss and gradient are exactly 0
-            for k in ("loss/policy", "loss/kl", "advantage/mean"):
-                metrics.add(k, 0.0, len(mb))
-            return None
-        elide = {}  # policy_loss's elision arguments, only when rows were left out
-        if a.loss_type == "bnpo":  # the full micro-batch's counts; its kept rows only
-            stands_for = len(mb)
-            if len(keep) < len(mb):
-                elide = {"stands_for": stands_for, "batch_tokens": cmask[mb].sum()}
-                trimmed = trim(input_ids[keep], attention_mask[keep], cmask[keep])
-        else:  # the minibatch's left-out rows, spread over its micro-batches by size
-            # (under torchrun nothing is left out and mini_idx is the global minibatch)
-            kept = len(mini_idx) if parallel else int((~drop[mini_idx]).sum())
-            stands_for = len(keep) * len(mini_idx) / kept
-            if kept < len(mini_idx):
-                elide = {"stands_for": stands_for}
-        ii, am, cm = trimmed
-        Tc = cm.shape[1]
-        logp, ent = logprobs_of(models.policy, ii, am, cm, cfg, with_entropy=True)
-        old = logp.detach() if old_lp is None else old_lp[keep, :Tc]
-        weights = None
-        if correct:
-            weights, wm = off_policy_weights(
-                old,
-                behaviour_lp[keep, :Tc],
-                cm,
-                correction=correction,
-                cap=a.off_policy_cap,
-                low=a.off_policy_low,
-                high=a.off_policy_high,
-                sequence_ratio=a.off_policy_sequence_ratio,
-            )
-            n_tok = float(cm.sum())
-            for k in ("weight_mean", "masked_frac", "truncated_frac"):
-                metrics.add(f"correction/{k}", wm[f"correction/{k}"], n_tok)
-            if n_tok > 0:
-                w_range[0] = min(w_range[0], wm["correction/weight_min"])
-                w_range[1] = max(w_range[1], wm["correction/weight_max"])
-        keep_tok = None  # [b, Tc] bool: tokens whose surrogate counts (OPSM, high entropy)
-        if a.off_policy_mask_threshold is not None:
-            mu = old if behaviour_lp is None else behaviour_lp[keep, :Tc]
-            seq_keep = off_policy_sequence_mask(
-                logp, mu, advantages[keep], cm, a.off_policy_mask_threshold
-            )  # [b]
-            metrics.add("opsm/masked_frac", float((~seq_keep).float().mean()), len(keep))
-            keep_tok = seq_keep[:, None].expand_as(cm) & (cm == 1)
-        ent_mask = cm == 1  # [b, Tc]
-        if select:
-            ent_mask = high_entropy_mask(ent, cm, a.top_entropy_quantile)
-            keep_tok = ent_mask if keep_tok is None else keep_tok & ent_mask
-            metrics.add(
-                "entropy/selected_frac",
-                float(ent_mask.sum()) / max(float(cm.sum()), 1.0),
-                float(cm.sum()),
-            )
-        loss, m = policy_loss(
-            logp,
-            old,
-            advantages[keep],
-            cm,
-            loss_type=a.loss_type,
-            ratio_level=a.ratio_level,
-            clip_eps=a.clip_eps,
-            clip_eps_high=a.clip_eps_high,
-            ref_logp=None if ref_lp is None else ref_lp[keep, :Tc],
-            beta=a.beta,
-            kl_estimator=a.kl_estimator,
-            max_completion_length=cfg.rollout.max_completion_length,
-            num_tokens=num_tokens,
-            num_sequences=len(mini_idx),
-            weights=weights,
-            keep=keep_tok,
-            delta=a.delta,
-            sapo_temperature_pos=a.sapo_temperature_pos,
-            sapo_temperature_neg=a.sapo_temperature_neg,
-            vespo_k_pos=a.vespo_k_pos,
-            vespo_lambda_pos=a.vespo_lambda_pos,
-            vespo_k_neg=a.vespo_k_neg,
-            vespo_lambda_neg=a.vespo_lambda_neg,
-            **elide,
-        )
-        if bonus_on:  # L - coef * H over the trained tokens, this micro-batch's share
-            coef = entropy.applied(a.use_adaptive_entropy, a.entropy_target)
-            h = entropy_bonus(ent, ent_mask)
-            loss = loss - coef * h * (len(keep) / len(mini_idx))
-            if entropy.window_metrics is None or metrics is entropy.window_metrics:
-                entropy.window_metrics = metrics  # (not FSDP's zero-weight padding passes)
-                entropy.window[0] += float((ent.detach() * ent_mask).sum())
-                entropy.window[1] += float(ent_mask.sum())
-                metrics.add("entropy/coef", coef)
-        # dapo/cispo/vespo losses are this micro-batch's share of the minibatch's: scaled so that
-        # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
-        shared = a.loss_type in ("dapo", "cispo", "vespo")
-        n_tok = int(cm.sum().item())
-        for k, v in m.items():
-            # whole-batch values weigh what they stand for; the others what was computed
-            if k in ("loss/policy", "loss/kl"):
-                scale = len(mini_idx) / stands_for if shared else 1.0
-                metrics.add(k, float(v) * scale, stands_for)
-            elif k == "advantage/mean":
-                metrics.add(k, float(v), stands_for)
-            elif k in TOKEN_MEANS:
-                metrics.add(k, float(v), n_tok)
-            else:
-                metrics.add(k, float(v), len(keep))
-        metrics.add_entropy(ent, cm)
-        return loss
-
+    loss = GrpoLoss(models, batch, advantages, ref_lp, cfg, behaviour_lp, entropy)
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
     metrics = run_update(
@@ -660,23 +754,19 @@ def grpo_update(
         cfg,
         step,
         [Trainee(params, optimizer, scheduler)],
-        micro_loss,
-        skip=skip,
-        plan=None if parallel else plan,
+        loss.micro_loss,
+        skip=loss.skip,
+        plan=None if loss.parallel else loss.plan,
     )
-    if bonus_on:
-        entropy.close_window(a)  # the last optimizer step's entropy moves the coefficient
-        entropy.window_metrics = None
-    extremes = {}
-    if correct:  # every rank's extremes (a rank that computed no token holds +-inf)
-        lo_hi = dist.gather_rows(torch.tensor([w_range], dtype=torch.float64))  # [W, 2]
-        mn, mx = lo_hi[:, 0].min().item(), lo_hi[:, 1].max().item()
-        if math.isfinite(mn):
-            extremes = {"correction/weight_min": mn, "correction/weight_max": mx}
+    if loss.bonus_on:
+        # the last optimizer step's entropy moves the coefficient
+        loss.entropy.close_window(cfg.algo)
+        loss.entropy.window_metrics = None
+    extremes = loss.weight_extremes()
     return {
         **metrics.means(),
         **extremes,
-        "update/elided_frac": float(drop.float().mean()),
+        "update/elided_frac": float(loss.drop.float().mean()),
         "optim/lr": scheduler.get_last_lr()[0],
     }
 
