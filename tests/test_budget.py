@@ -11,7 +11,7 @@ import pytest
 from peergrade.cli import main
 from peergrade.errors import InputError
 from peergrade.planning.budget import format_budget, parse_size
-from peergrade.planning.memory import estimate_memory, param_counts
+from peergrade.planning.memory import SAMPLER_VOCAB_BUFFERS, estimate_memory, param_counts
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -238,7 +238,8 @@ def test_a_producer_adds_its_weight_copies_and_runs_beside_the_update():
     sync = estimate_memory(MODELS / "qwen2.5-1.5b", **kw)
     assert sync == estimate_memory(MODELS / "qwen2.5-1.5b", **kw, async_steps=0)
     assert "pipelined" not in sync["phases"] and sync["producer"] == 0
-    static = sync["phases"]["generate"] - sync["kv_cache"] - 2 * 32 * 151_936 * 4
+    logits = SAMPLER_VOCAB_BUFFERS * 32 * 151_936 * 4
+    static = sync["phases"]["generate"] - sync["kv_cache"] - logits
     for k in (1, 2):
         est = estimate_memory(MODELS / "qwen2.5-1.5b", **kw, async_steps=k)
         assert est["producer"] == (k + 2) * est["trainable_params"] * 4

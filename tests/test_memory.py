@@ -70,7 +70,7 @@ def test_estimate_hand_values():
     # the head's backward: its buffers, the float32 [V, H] accumulator, one layer's gradients
     backward = layer_act + hidden + chunk + 10 * 8 * 4 + layer_act
     assert e["phases"]["update"] == static + max(backward, 680 * 4)
-    gen = static + 2 * 1 * 4 * 4 * 6 * 4 + 2 * 4 * 10 * 4  # KV cache + [N, V] logits
+    gen = static + 2 * 1 * 4 * 4 * 6 * 4 + 4 * 4 * 10 * 4  # KV cache + four [N, V] buffers
     assert e["phases"]["generate"] == gen
     assert e["phases"]["reference"] == static + layer_act + chunk + hidden  # no-grad pass
     assert e["peak"] == max(e["phases"].values()) == e["phases"]["update"]
@@ -343,12 +343,12 @@ def test_eval_batch_auto_keeps_the_run_peak_at_the_step():
     assert "evaluate" not in step["phases"] and step["eval_generation"] == 0
     auto = estimate_memory(HAND, **kw, eval_rows=200 * 8, eval_batch=4)
     # 4 rows: KV cache 2 * 1 layer * 1 kv head * 4 head dim * 4 rows * 6 tokens * 4 bytes = 768,
-    # logits and sampling buffers 2 * 4 rows * 10 vocab * 4 bytes = 320
-    assert auto["eval_generation"] == 768 + 320
+    # logits and sampling buffers 4 * 4 rows * 10 vocab * 4 bytes = 640
+    assert auto["eval_generation"] == 768 + 640
     assert auto["phases"]["evaluate"] == step["phases"]["generate"]  # same formula, same batch
     assert auto["peak"] == auto["step_peak"] == step["peak"] and auto["peak_phase"] == "update"
     whole = estimate_memory(HAND, **kw, eval_rows=200 * 8, eval_batch=None)
-    assert whole["eval_generation"] == 400 * (768 + 320) and whole["eval_batch"] == 1600
-    assert whole["phases"]["evaluate"] == step["phases"]["generate"] + 399 * (768 + 320)
+    assert whole["eval_generation"] == 400 * (768 + 640) and whole["eval_batch"] == 1600
+    assert whole["phases"]["evaluate"] == step["phases"]["generate"] + 399 * (768 + 640)
     assert whole["peak"] == whole["phases"]["evaluate"] > whole["step_peak"] == step["peak"]
     assert whole["peak_phase"] == "evaluate"

@@ -340,12 +340,19 @@ def _critic_activations(a: dict, b: int, micro: int, L: int, checkpointing: bool
     return critic_layer * nl + micro * L * H * b
 
 
+#: [N, vocab] float32 buffers a sampling step holds at once: the logits, the tempered copy,
+#: its exp (or log-softmax) and the cumulative sum (or sort) the draw searches. Counted as two
+#: until 2026-12-02, the SmolLM2 evaluation's growth from 128 to 1,600 rows was 16% above the
+#: formula (4,060 MiB measured, 3,398 estimated; docs/memory.md); with four, 3,950: -2.7%.
+SAMPLER_VOCAB_BUFFERS = 4
+
+
 def _generation_bytes(a: dict, b: int, *, rows: int, generation_batch, seq_len: int):
     """(KV cache, one step's [N, V] float32 logits and sampling buffers) of the largest
     generation call: ``rows`` sequences, cut to ``generation_batch``."""
     gen_rows = min(rows, generation_batch or rows)
     kv_cache = 2 * a["layers"] * a["kv_heads"] * a["head_dim"] * gen_rows * seq_len * b
-    gen_logits = 2 * gen_rows * a["V"] * _F32
+    gen_logits = SAMPLER_VOCAB_BUFFERS * gen_rows * a["V"] * _F32
     return kv_cache, gen_logits
 
 
