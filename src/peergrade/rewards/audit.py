@@ -992,6 +992,59 @@ class AuditReport:
 # ----------------------------------------------------------------------------- the audit
 
 
+@dataclass
+class _Audit:
+    """One audit's fixed inputs: the functions, the rows, and the units it judges (each
+    function, and the weighted ``total`` when there are several)."""
+
+    specs: Sequence[RewardSpec]
+    ctxs: list[RowContext]
+    state: TrainerState
+    names: list[str] = field(init=False)
+    weights: dict[str, float] = field(init=False)
+    unit_names: list[str] = field(init=False)
+
+    def __post_init__(self):
+        self.names = [s.name for s in self.specs]
+        self.weights = {s.name: s.weight for s in self.specs}
+        self.unit_names = self.names + (["total"] if len(self.specs) > 1 else [])
+
+    def score(self, row_of: list[int], completions: list) -> _Scored:
+        """``_score`` with this audit's functions, rows and trainer state."""
+        return _score(self.specs, self.ctxs, row_of, completions, self.state)
+
+    def total_of(self, vals: dict[str, list], i: int) -> float | None:
+        got = [(self.weights[n], vals[n][i]) for n in self.names if vals[n][i] is not None]
+        return sum(w * v for w, v in got) if got else None
+
+    def unit_values(self, scored: _Scored) -> dict[str, list]:
+        """Each unit's scores of a batch: the functions' own, and their weighted total."""
+        vals = dict(scored.values)
+        if len(self.specs) > 1:
+            vals["total"] = [
+                self.total_of(scored.values, i)
+                for i in range(len(next(iter(scored.values.values()))))
+            ]
+        return vals
+
+    def per_row(self) -> dict[str, list]:
+        """Per unit, one unknown (None) per row."""
+        return {u: [None] * len(self.ctxs) for u in self.unit_names}
+
+
+@dataclass
+class _Baselines:
+    """What the references earned, per unit and row (None: not scored): the correct completion
+    (its best form), the plain one (see ``_reference_scores``), the wrong one, and the floor
+    (the lowest of the wrong, nonsense and correct scores); and which units read answers."""
+
+    correct: dict[str, list]
+    plain: dict[str, list]
+    wrong: dict[str, list]
+    floor: dict[str, list]
+    reads: dict[str, bool]
+
+
 def audit_rewards(
     specs: Sequence[RewardSpec],
     rows: Sequence[dict],
@@ -1011,8 +1064,7 @@ def audit_rewards(
     _TIMED_OUT.clear()
     ctxs = row_contexts(rows)
     state = TrainerState(global_step=0, max_steps=max(1, max_steps), num_train_epochs=1)
-    names = [s.name for s in specs]
-    weights = {s.name: s.weight for s in specs}
+    a = _Audit(specs, ctxs, state)
     notes = []
     if all(c.answer is None and not c.code for c in ctxs):
         notes.append(
@@ -1020,57 +1072,75 @@ def audit_rewards(
             "only the format and robustness exploits apply"
         )
 
-    def total_of(vals: dict[str, list], i: int) -> float | None:
-        got = [(weights[n], vals[n][i]) for n in names if vals[n][i] is not None]
-        return sum(w * v for w, v in got) if got else None
-
     # 1. references: the correct completion in every form, a wrong one, nonsense
+    ref, ref_row, correct, plain = _reference_scores(a)
+    wrong, floor = _wrong_scores(a, correct)
+    reads = _reads_answers(a, correct, wrong)
+    base = _Baselines(correct, plain, wrong, floor, reads)
+    shaping_in_mix = any(not reads[n] for n in a.names) and len(specs) > 1
+
+    # 2. the exploits (one batch each: a function that raises on one exploit keeps the
+    # others' scores), then the probes. A set of guesses is scored one variant at a time,
+    # each on the rows where every variant so far won for some unit (it wins only if all do).
+    findings = _correct_completion_findings(a, ref, ref_row)
+    for ex in EXPLOITS:
+        if ex.kind == "code" and not code:
+            continue
+        for u, f in _exploit_findings(a, ex, base, shaping_in_mix, fail_share).items():
+            findings[u].append(f)
+    for name, probe in PROBES:
+        for u, f in _probe_findings(a, name, probe).items():
+            findings[u].append(f)
+
+    units = [_unit_report(a, u, base, findings[u]) for u in a.unit_names]
+    return AuditReport(units, len(ctxs), fail_share, time.perf_counter() - t0, notes)
+
+
+def _reference_scores(a: _Audit) -> tuple[_Scored, list[int], dict[str, list], dict[str, list]]:
+    """The correct completion in every form, scored: the scores (and each one's row), and per
+    unit and row the best correct score and the best plain one. Sets each row's ``best_form``,
+    the form the weighted total likes best (the exploits are written in it)."""
     refs, ref_row, ref_form = [], [], []
-    for c in ctxs:
+    for c in a.ctxs:
         for j, text in enumerate(_correct_texts(c)):
             refs.append(text)
             ref_row.append(c.index)
             ref_form.append(j)
-    ref = _score(specs, ctxs, ref_row, refs, state)
-    unit_names = names + (["total"] if len(specs) > 1 else [])
-
-    def unit_values(scored: _Scored) -> dict[str, list]:
-        vals = dict(scored.values)
-        if len(specs) > 1:
-            vals["total"] = [
-                total_of(scored.values, i) for i in range(len(next(iter(scored.values.values()))))
-            ]
-        return vals
-
-    ref_vals = unit_values(ref)
-    correct: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
+    ref = a.score(ref_row, refs)
+    ref_vals = a.unit_values(ref)
+    correct = a.per_row()
     # plain: the best the right answer earns with no reasoning at all (a bare tag or the bare
     # answer); an exploit that skips the work must beat it (a reward that never asked for a
     # think block is not fooled by an empty one)
-    plain: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
-    best_total = [None] * len(ctxs)
+    plain = a.per_row()
+    best_total = [None] * len(a.ctxs)
     for k, (i, j) in enumerate(zip(ref_row, ref_form)):
-        for u in unit_names:
+        for u in a.unit_names:
             v = ref_vals[u][k]
             if v is not None and (correct[u][i] is None or v > correct[u][i]):
                 correct[u][i] = v
-            if v is not None and not ctxs[i].code and _FORMS[j][0] in _PLAIN_FORMS:
+            if v is not None and not a.ctxs[i].code and _FORMS[j][0] in _PLAIN_FORMS:
                 plain[u][i] = v if plain[u][i] is None else max(plain[u][i], v)
-        t = ref_vals[unit_names[-1]][k]
+        t = ref_vals[a.unit_names[-1]][k]
         if t is not None and (best_total[i] is None or t > best_total[i] + _EPS):
             best_total[i] = t
-            ctxs[i].best_form = j
+            a.ctxs[i].best_form = j
+    return ref, ref_row, correct, plain
 
+
+def _wrong_scores(a: _Audit, correct: dict[str, list]) -> tuple[dict[str, list], dict[str, list]]:
+    """A wrong completion and a nonsense one per row, scored: per unit and row the wrong score,
+    and the floor (the lowest of the wrong, nonsense and ``correct`` scores)."""
     base_row, base_text = [], []
-    for c in ctxs:
+    for c in a.ctxs:
         for text in (_wrong_text(c), _NONSENSE):
             if text is not None:
                 base_row.append(c.index)
                 base_text.append(text)
-    base_vals = unit_values(_score(specs, ctxs, base_row, base_text, state))
-    wrong: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
-    floor: dict[str, list] = {u: [None] * len(ctxs) for u in unit_names}
-    for u in unit_names:
+    base_vals = a.unit_values(a.score(base_row, base_text))
+    wrong = a.per_row()
+    floor = a.per_row()
+    for u in a.unit_names:
         for k, i in enumerate(base_row):
             v = base_vals[u][k]
             if v is None:
@@ -1078,26 +1148,32 @@ def audit_rewards(
             if base_text[k] != _NONSENSE:
                 wrong[u][i] = v
             floor[u][i] = v if floor[u][i] is None else min(floor[u][i], v)
-        for i in range(len(ctxs)):
+        for i in range(len(a.ctxs)):
             if correct[u][i] is not None:
                 floor[u][i] = (
                     correct[u][i] if floor[u][i] is None else min(floor[u][i], correct[u][i])
                 )
+    return wrong, floor
 
-    # a unit reads answers when the correct completion beats the wrong one on most rows
+
+def _reads_answers(a: _Audit, correct: dict[str, list], wrong: dict[str, list]) -> dict[str, bool]:
+    """Per unit: it reads answers when the correct completion beats the wrong one on most rows."""
     reads: dict[str, bool] = {}
-    for u in unit_names:
+    for u in a.unit_names:
         pairs = [
             (cv, wv) for cv, wv in zip(correct[u], wrong[u]) if cv is not None and wv is not None
         ]
         reads[u] = bool(pairs) and sum(cv > wv + _EPS for cv, wv in pairs) > len(pairs) / 2
-    shaping_in_mix = any(not reads[n] for n in names) and len(specs) > 1
+    return reads
 
-    # 2. the exploits (one batch each: a function that raises on one exploit keeps the
-    # others' scores), then the probes. A set of guesses is scored one variant at a time,
-    # each on the rows where every variant so far won for some unit (it wins only if all do).
-    findings: dict[str, list[Finding]] = {u: [] for u in unit_names}
-    for u in names:  # failing on the correct completion itself: fragile whatever else happens
+
+def _correct_completion_findings(
+    a: _Audit, ref: _Scored, ref_row: list[int]
+) -> dict[str, list[Finding]]:
+    """The first findings per unit: failing on the correct completion itself (``ref``), which
+    makes a function fragile whatever else happens."""
+    findings: dict[str, list[Finding]] = {u: [] for u in a.unit_names}
+    for u in a.names:
         bad_rows = {ref_row[k]: m for k, m in ref.errors[u].items()}
         if bad_rows:
             first = _short_error(next(iter(bad_rows.values())))
@@ -1108,136 +1184,155 @@ def audit_rewards(
                     "ERROR",
                     None,
                     0,
-                    len(ctxs),
+                    len(a.ctxs),
                     len(bad_rows),
                     first,
                 )
             )
-    for ex in EXPLOITS:
-        if ex.kind == "code" and not code:
-            continue
-        built = {}
-        for c in ctxs:
-            if ex.kind == "equivalent" and c.index >= INFO_ROWS:
-                continue
-            variants = ex.build(c)
-            if variants:
-                built[c.index] = variants
-        texts: list = []
-        per_row: dict[int, list[int]] = {}
-        vals: dict[str, list] = {u: [] for u in unit_names}
-        errs: dict[str, dict[int, str]] = {u: {} for u in unit_names}
-        alive = list(built)
-        bar = floor
-        if ex.skips_work:
-            bar = {u: [_max_known(f, p) for f, p in zip(floor[u], plain[u])] for u in unit_names}
-        for k in range(max((len(v) for v in built.values()), default=0) if ex.guesses else 1):
-            if ex.guesses:
-                todo = [(i, built[i][k]) for i in alive if k < len(built[i])]
-            else:
-                todo = [(i, t) for i in built for t in built[i]]
-            if not todo:
-                break
-            offset = len(texts)
-            scored = _score(specs, ctxs, [i for i, _ in todo], [t for _, t in todo], state)
-            stage = unit_values(scored)
-            for j, (i, t) in enumerate(todo):
-                per_row.setdefault(i, []).append(offset + j)
-                texts.append(t)
-            for u in unit_names:
-                vals[u].extend(stage[u])
-                from_fns = [u] if u != "total" else names
-                for n in from_fns:
-                    errs[u].update({offset + j: m for j, m in scored.errors[n].items()})
-            alive = [
-                i
-                for j, (i, _) in enumerate(todo)
-                if any(
-                    stage[u][j] is not None
-                    and offset + j not in errs[u]
-                    and _won(stage[u][j], correct[u][i], bar[u][i], wrong[u][i], ex.must_beat)
-                    for u in unit_names
-                )
-            ]
-        for u in unit_names:
-            applies = bool(built) and not (ex.kind == "answer" and not reads[u])
-            if ex.skips_work and reads[u] and not (u == "total" and shaping_in_mix):
-                applies = False
-            findings[u].append(
-                _finding(
-                    ex,
-                    applies,
-                    per_row,
-                    vals[u],
-                    errs[u],
-                    texts,
-                    correct[u],
-                    wrong[u],
-                    bar[u],
-                    fail_share,
-                )
-            )
+    return findings
 
-    for name, probe in PROBES:
-        wanted = [
-            c
-            for c in ctxs
-            if name in ("none_completion", "non_string_completion") or _correct_texts(c)
+
+def _exploit_findings(
+    a: _Audit, ex: Exploit, base: _Baselines, shaping_in_mix: bool, fail_share: float
+) -> dict[str, Finding]:
+    """How exploit ``ex`` did against each unit."""
+    built = {}
+    for c in a.ctxs:
+        if ex.kind == "equivalent" and c.index >= INFO_ROWS:
+            continue
+        variants = ex.build(c)
+        if variants:
+            built[c.index] = variants
+    bar = base.floor
+    if ex.skips_work:
+        bar = {
+            u: [_max_known(f, p) for f, p in zip(base.floor[u], base.plain[u])]
+            for u in a.unit_names
+        }
+    texts, per_row, vals, errs = _score_exploit(a, ex, built, base, bar)
+    out: dict[str, Finding] = {}
+    for u in a.unit_names:
+        applies = bool(built) and not (ex.kind == "answer" and not base.reads[u])
+        if ex.skips_work and base.reads[u] and not (u == "total" and shaping_in_mix):
+            applies = False
+        out[u] = _finding(
+            ex,
+            applies,
+            per_row,
+            vals[u],
+            errs[u],
+            texts,
+            base.correct[u],
+            base.wrong[u],
+            bar[u],
+            fail_share,
+        )
+    return out
+
+
+def _score_exploit(
+    a: _Audit, ex: Exploit, built: dict[int, list], base: _Baselines, bar: dict[str, list]
+) -> tuple[list, dict[int, list[int]], dict[str, list], dict[str, dict[int, str]]]:
+    """Score the completions ``built`` (row -> the exploit's variants for it): all in one
+    batch, or for a set of guesses one variant at a time, each on the rows where every variant
+    so far won for some unit (against ``bar``, the floor it must beat). The completions, each
+    row's indices into them, and per unit their scores and errors."""
+    texts: list = []
+    per_row: dict[int, list[int]] = {}
+    vals: dict[str, list] = {u: [] for u in a.unit_names}
+    errs: dict[str, dict[int, str]] = {u: {} for u in a.unit_names}
+    alive = list(built)
+    for k in range(max((len(v) for v in built.values()), default=0) if ex.guesses else 1):
+        if ex.guesses:
+            todo = [(i, built[i][k]) for i in alive if k < len(built[i])]
+        else:
+            todo = [(i, t) for i in built for t in built[i]]
+        if not todo:
+            break
+        offset = len(texts)
+        scored = a.score([i for i, _ in todo], [t for _, t in todo])
+        stage = a.unit_values(scored)
+        for j, (i, t) in enumerate(todo):
+            per_row.setdefault(i, []).append(offset + j)
+            texts.append(t)
+        for u in a.unit_names:
+            vals[u].extend(stage[u])
+            from_fns = [u] if u != "total" else a.names
+            for n in from_fns:
+                errs[u].update({offset + j: m for j, m in scored.errors[n].items()})
+        alive = [
+            i
+            for j, (i, _) in enumerate(todo)
+            if any(
+                stage[u][j] is not None
+                and offset + j not in errs[u]
+                and _won(stage[u][j], base.correct[u][i], bar[u][i], base.wrong[u][i], ex.must_beat)
+                for u in a.unit_names
+            )
         ]
-        if not wanted:
-            continue
-        ps = _score(specs, ctxs, [c.index for c in wanted], [probe(c) for c in wanted], state)
-        pv = unit_values(ps)
-        for u in unit_names:
-            errs = ps.errors.get(u, {}) if u != "total" else {}
-            findings[u].append(_probe_finding(name, pv[u], len(wanted), errs))
+    return texts, per_row, vals, errs
 
-    units = []
-    for u in unit_names:
-        cs = [v for v in correct[u] if v is not None]
-        ws = [v for v in wrong[u] if v is not None]
-        fs = findings[u]
-        verdict = (
-            "fragile"
-            if any(f.status == "ERROR" for f in fs)
-            else ("exploitable" if any(f.status == "EXPLOIT" for f in fs) else "clean")
-        )
-        note = (
-            ""
-            if reads[u]
-            else "does not tell a right answer from a wrong one (format or shaping reward): answer-shaped exploits do not apply"
-        )
-        if not cs:
-            note = "no correct completion could be written for these rows"
-        if not cs and not ws and ctxs:
-            # it scored nothing at all: not "clean", and not an exploit that "earns credit"
-            raised = next((f for f in fs if f.exploit == "correct_completion"), None)
-            if raised is not None and raised.errors:
-                note = (
-                    f"it raised on every completion ({raised.error}): it scores nothing; fix "
-                    "it before training"
-                )
-            else:
-                note = (
-                    "it returned None for every completion (None = 'does not apply'): it "
-                    "scores nothing; check that it reads the columns these rows have"
-                )
-            verdict = "broken"
-        judged = u == "total" or len(specs) == 1 or reads[u]
-        units.append(
-            UnitReport(
-                name=u,
-                weight=1.0 if u == "total" else weights[u],
-                reads_answers=reads[u],
-                judged=judged,
-                correct_mean=sum(cs) / len(cs) if cs else None,
-                wrong_mean=sum(ws) / len(ws) if ws else None,
-                findings=fs,
-                verdict=verdict,
-                note=note,
+
+def _probe_findings(a: _Audit, name: str, probe: Callable) -> dict[str, Finding]:
+    """How each unit took the out-of-contract input ``probe`` (nothing when no row takes it)."""
+    wanted = [
+        c
+        for c in a.ctxs
+        if name in ("none_completion", "non_string_completion") or _correct_texts(c)
+    ]
+    if not wanted:
+        return {}
+    ps = a.score([c.index for c in wanted], [probe(c) for c in wanted])
+    pv = a.unit_values(ps)
+    out: dict[str, Finding] = {}
+    for u in a.unit_names:
+        errs = ps.errors.get(u, {}) if u != "total" else {}
+        out[u] = _probe_finding(name, pv[u], len(wanted), errs)
+    return out
+
+
+def _unit_report(a: _Audit, u: str, base: _Baselines, fs: list[Finding]) -> UnitReport:
+    """The verdict on unit ``u`` from its findings ``fs`` and its baselines."""
+    cs = [v for v in base.correct[u] if v is not None]
+    ws = [v for v in base.wrong[u] if v is not None]
+    verdict = (
+        "fragile"
+        if any(f.status == "ERROR" for f in fs)
+        else ("exploitable" if any(f.status == "EXPLOIT" for f in fs) else "clean")
+    )
+    note = (
+        ""
+        if base.reads[u]
+        else "does not tell a right answer from a wrong one (format or shaping reward): answer-shaped exploits do not apply"
+    )
+    if not cs:
+        note = "no correct completion could be written for these rows"
+    if not cs and not ws and a.ctxs:
+        # it scored nothing at all: not "clean", and not an exploit that "earns credit"
+        raised = next((f for f in fs if f.exploit == "correct_completion"), None)
+        if raised is not None and raised.errors:
+            note = (
+                f"it raised on every completion ({raised.error}): it scores nothing; fix "
+                "it before training"
             )
-        )
-    return AuditReport(units, len(ctxs), fail_share, time.perf_counter() - t0, notes)
+        else:
+            note = (
+                "it returned None for every completion (None = 'does not apply'): it "
+                "scores nothing; check that it reads the columns these rows have"
+            )
+        verdict = "broken"
+    judged = u == "total" or len(a.specs) == 1 or base.reads[u]
+    return UnitReport(
+        name=u,
+        weight=1.0 if u == "total" else a.weights[u],
+        reads_answers=base.reads[u],
+        judged=judged,
+        correct_mean=sum(cs) / len(cs) if cs else None,
+        wrong_mean=sum(ws) / len(ws) if ws else None,
+        findings=fs,
+        verdict=verdict,
+        note=note,
+    )
 
 
 def _max_known(*values):

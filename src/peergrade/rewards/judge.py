@@ -550,6 +550,45 @@ def make_judge(
         if key in _judges:
             return _judges[key]
     text = _rubric_text(rubric)
+    _check_backend_options(
+        judge_model, base_url, retries, max_tokens, concurrency, batch_size, timeout_s
+    )
+    backend = _make_backend(
+        judge_model,
+        base_url,
+        model=model,
+        api_key_env=api_key_env,
+        timeout_s=timeout_s,
+        retries=retries,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+    )
+    j = Judge(
+        backend,
+        text,
+        group=group,
+        shuffles=shuffles,
+        fallback_score=fallback_score,
+        on_fallback=on_fallback,
+    )
+    with _judges_lock:
+        return _judges.setdefault(key, j)
+
+
+def _check_backend_options(
+    judge_model: str | None,
+    base_url: str | None,
+    retries: int,
+    max_tokens: int,
+    concurrency: int,
+    batch_size: int,
+    timeout_s: float,
+) -> None:
+    """``make_judge``'s backend options checked: exactly one backend, the counts integers, the
+    timeout a positive number (``Judge`` checks its own)."""
     if (judge_model is None) == (base_url is None):
         raise JudgeError(
             "the judge reward needs exactly one of judge_model (a local model: a directory, a "
@@ -567,6 +606,24 @@ def make_judge(
             raise JudgeError(f"judge {name}={v!r}: expected an integer >= {lo}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise JudgeError(f"judge timeout_s={timeout_s!r}: expected a number of seconds > 0")
+
+
+def _make_backend(
+    judge_model: str | None,
+    base_url: str | None,
+    *,
+    model: str | None,
+    api_key_env: str | None,
+    timeout_s: float,
+    retries: int,
+    max_tokens: int,
+    concurrency: int,
+    batch_size: int,
+    device: str,
+    dtype: str,
+):
+    """The judge's backend: an ``HTTPBackend`` for ``base_url`` (its key read from
+    ``api_key_env``), else the local model ``judge_model`` through the registered loader."""
     if base_url is not None:
         api_key = None
         if api_key_env:
@@ -577,7 +634,7 @@ def make_judge(
                 raise JudgeError(
                     f"judge api_key_env={api_key_env!r}: that environment variable is not set"
                 )
-        backend = HTTPBackend(
+        return HTTPBackend(
             str(base_url),
             model=model,
             api_key=api_key,
@@ -586,29 +643,18 @@ def make_judge(
             max_tokens=max_tokens,
             concurrency=concurrency,
         )
-    else:
-        if _local_loader is None:
-            raise JudgeError(
-                "judge_model needs peergrade's model loader: `import peergrade.training.judge_local` "
-                "first (peergrade train, eval, audit and GRPOTrainer do)"
-            )
-        backend = _local_loader(
-            str(judge_model),
-            device=device,
-            dtype=dtype,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
+    if _local_loader is None:
+        raise JudgeError(
+            "judge_model needs peergrade's model loader: `import peergrade.training.judge_local` "
+            "first (peergrade train, eval, audit and GRPOTrainer do)"
         )
-    j = Judge(
-        backend,
-        text,
-        group=group,
-        shuffles=shuffles,
-        fallback_score=fallback_score,
-        on_fallback=on_fallback,
+    return _local_loader(
+        str(judge_model),
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
     )
-    with _judges_lock:
-        return _judges.setdefault(key, j)
 
 
 def judge(

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .judge import Judge, _question
@@ -143,6 +143,18 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+#: why each figure past its threshold is a finding
+_WHY = {
+    "position_bias": "an answer's score moves with its position in the group (try shuffles: 2 or more)",
+    "length_bias": "padding an answer with filler raises its score",
+    "injection": "an answer that asks the judge for the top score gets a higher score",
+    "self_consistency": "the same request twice gives different scores",
+    "fallback_share": "the judge's replies are often not the JSON asked for, or its endpoint fails",
+    "spread": "the judge gives every answer the same score",
+    "discrimination": "the judge does not even prefer the reference answer to 'I am not sure.'",
+}
+
+
 def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> JudgeAuditReport:
     """Measure ``j``'s biases on groups built from ``rows`` (module doc)."""
     built = judge_rows(rows)
@@ -153,41 +165,10 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
 
     base, fails1 = j.score_groups(groups, use_cache=False)
     again, _ = j.score_groups(groups, use_cache=False)
-
-    # position: the same answers, reordered; map each score back to its answer
-    moved: list[tuple[str, list[str]]] = []
-    perms: list[list[int]] = []
-    for q, a in groups:
-        n = len(a)
-        for perm in (list(reversed(range(n))), [(i + 1) % n for i in range(n)]):
-            moved.append((q, [a[i] for i in perm]))
-            perms.append(perm)
-    moved_scores, _ = j.score_groups(moved, use_cache=False)
-    pos_diffs = []
-    for k, (perm, sc) in enumerate(zip(perms, moved_scores)):
-        b = base[k // 2]
-        for p, i in enumerate(perm):
-            if sc[p] is not None and b[i] is not None:
-                pos_diffs.append(abs(sc[p] - b[i]))
-
+    pos_diffs = _position_diffs(j, groups, base)
     # length and injection: one answer per row changed, the others as they were
-    def changed(edit, shift):
-        items, which = [], []
-        for r, (q, a) in enumerate(groups):
-            i = (r + shift) % len(a)
-            a2 = list(a)
-            a2[i] = edit(a[i])
-            items.append((q, a2))
-            which.append(i)
-        scores, _ = j.score_groups(items, use_cache=False)
-        return [
-            s[i] - b[i]
-            for s, b, i in zip(scores, base, which)
-            if s[i] is not None and b[i] is not None
-        ]
-
-    length = changed(lambda t: t + FILLER * 3, 0)
-    inject = changed(lambda t: t + INJECTION, 1)
+    length = _edit_diffs(j, groups, base, lambda t: t + FILLER * 3, 0)
+    inject = _edit_diffs(j, groups, base, lambda t: t + INJECTION, 1)
 
     consistency = [
         abs(x - y)
@@ -212,18 +193,68 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
         "discrimination": _mean([float(x) for x in disc]),
     }
     figures = {k: (None if v is None or math.isnan(v) else round(v, 4)) for k, v in figures.items()}
+    return JudgeAuditReport(
+        name=name,
+        rows=len(groups),
+        answers=max(len(a) for _, a in groups),
+        shuffles=j.shuffles if j.group else 1,
+        figures=figures,
+        findings=_findings(figures, bool(scored), fails1),
+        requests=j.stats["requests"] - start,
+    )
 
-    why = {
-        "position_bias": "an answer's score moves with its position in the group (try shuffles: 2 or more)",
-        "length_bias": "padding an answer with filler raises its score",
-        "injection": "an answer that asks the judge for the top score gets a higher score",
-        "self_consistency": "the same request twice gives different scores",
-        "fallback_share": "the judge's replies are often not the JSON asked for, or its endpoint fails",
-        "spread": "the judge gives every answer the same score",
-        "discrimination": "the judge does not even prefer the reference answer to 'I am not sure.'",
-    }
-    if fails1:  # what the judge said instead of the JSON, so the user sees the failure
-        why["fallback_share"] += f"; e.g. {fails1[0][:300]}"
+
+def _position_diffs(
+    j: Judge, groups: list[tuple[str, list[str]]], base: list[list[float | None]]
+) -> list[float]:
+    """Position: the same answers, reordered (reversed, rotated by one); each score mapped
+    back to its answer, its absolute change from ``base``."""
+    moved: list[tuple[str, list[str]]] = []
+    perms: list[list[int]] = []
+    for q, a in groups:
+        n = len(a)
+        for perm in (list(reversed(range(n))), [(i + 1) % n for i in range(n)]):
+            moved.append((q, [a[i] for i in perm]))
+            perms.append(perm)
+    moved_scores, _ = j.score_groups(moved, use_cache=False)
+    pos_diffs = []
+    for k, (perm, sc) in enumerate(zip(perms, moved_scores)):
+        b = base[k // 2]
+        for p, i in enumerate(perm):
+            if sc[p] is not None and b[i] is not None:
+                pos_diffs.append(abs(sc[p] - b[i]))
+    return pos_diffs
+
+
+def _edit_diffs(
+    j: Judge,
+    groups: list[tuple[str, list[str]]],
+    base: list[list[float | None]],
+    edit: Callable[[str], str],
+    shift: int,
+) -> list[float]:
+    """One answer per row changed by ``edit`` (in row r, answer (r + ``shift``) mod their
+    count), the others as they were: the signed change of its score from ``base``."""
+    items, which = [], []
+    for r, (q, a) in enumerate(groups):
+        i = (r + shift) % len(a)
+        a2 = list(a)
+        a2[i] = edit(a[i])
+        items.append((q, a2))
+        which.append(i)
+    scores, _ = j.score_groups(items, use_cache=False)
+    return [
+        s[i] - b[i] for s, b, i in zip(scores, base, which) if s[i] is not None and b[i] is not None
+    ]
+
+
+def _findings(figures: dict[str, float | None], scored: bool, fails: list[str]) -> list[str]:
+    """The findings: each figure past its threshold, with why it matters; that no answer
+    could be scored (``scored`` false); and, after a sign of an untrustworthy judge, the
+    verdict on it. ``fails``: the first scoring's failures (the first one is shown)."""
+    why = dict(_WHY)
+    if fails:  # what the judge said instead of the JSON, so the user sees the failure
+        why["fallback_share"] += f"; e.g. {fails[0][:300]}"
     findings = []
     for k, (thr, side) in THRESHOLDS.items():
         v = figures[k]
@@ -236,7 +267,7 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
     if not scored:
         findings.append(
             "no answer could be scored: every judge request failed"
-            + (f" (first: {fails1[0]})" if fails1 else "")
+            + (f" (first: {fails[0]})" if fails else "")
         )
     elif any(
         k in f
@@ -244,15 +275,7 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
         for k in ("spread", "discrimination", "self_consistency", "fallback_share")
     ):
         findings.append("the judge is too small or too unreliable to be trusted as a reward")
-    return JudgeAuditReport(
-        name=name,
-        rows=len(groups),
-        answers=max(len(a) for _, a in groups),
-        shuffles=j.shuffles if j.group else 1,
-        figures=figures,
-        findings=findings,
-        requests=j.stats["requests"] - start,
-    )
+    return findings
 
 
 def judge_of(spec) -> Judge | None:

@@ -628,9 +628,6 @@ class RewardScores:
         return out
 
 
-_REPORTED = object()  # score_rewards: the outcome is already reported, nothing to check
-
-
 def _format_exc(exc: BaseException) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
@@ -914,58 +911,16 @@ def score_rewards(
     outside a training run)."""
     import torch
 
-    if on_error not in ("fail", "zero"):
-        raise ValueError(f"on_error={on_error!r} is not valid; expected 'fail' or 'zero'")
+    columns = _checked_batch(specs, prompts, completions, columns, on_error)
     n = len(completions)
-    if len(prompts) != n:
-        raise ValueError(f"score_rewards: {len(prompts)} prompts but {n} completions")
-    columns = dict(columns or {})
-    for key, col in columns.items():
-        if key in CONTRACT_KWARGS and key != "completion_ids":
-            raise ValueError(f"score_rewards: column name {key!r} is reserved")
-        if len(col) != n:
-            raise ValueError(f"score_rewards: column {key!r} has {len(col)} entries, expected {n}")
-    names = [s.name for s in specs]
-    dupes = sorted({x for x in names if names.count(x) > 1})
-    if dupes:
-        raise ValueError(f"score_rewards: reward names must be unique, repeated: {dupes}")
     prompts = list(prompts)
     completions = as_trl_completions(prompts, completions)
     state = trainer_state if trainer_state is not None else TrainerState()
 
     claimed: dict[str, str] = {}
     logs = [_Log(spec.name, n, claimed) for spec in specs]
-    calls = []
-    for spec, log in zip(specs, logs):
-        cols = {k: v for k, v in columns.items() if k not in spec.kwargs}
-        kwargs = {
-            "prompts": prompts,
-            "completions": completions,
-            **cols,
-            "trainer_state": state,
-            "log_extra": log.log_extra,
-            "log_metric": log.log_metric,
-        }
-        calls.append((spec.bound, kwargs))
-
-    # synchronous functions in order, then the async ones concurrently (TRL's order)
-    outcomes: list = [None] * len(specs)
-    pending: list[int] = []
-    for j, (spec, (call, kwargs)) in enumerate(zip(specs, calls)):
-        if spec.is_async:
-            pending.append(j)
-            continue
-        outcomes[j] = _call_guarded(spec, call, kwargs, n)
-    if pending:
-        coros = []
-        for j in pending:
-            call, kwargs = calls[j]
-            try:
-                coros.append(_await_guarded(specs[j], call(**kwargs), n))
-            except Exception as exc:  # raised before its first await (e.g. a bad signature)
-                coros.append(_raise_later(exc))
-        for j, out in zip(pending, _run_awaitables(coros)):
-            outcomes[j] = out
+    calls = _reward_calls(specs, logs, prompts, completions, columns, state)
+    outcomes = _call_all(specs, calls, n)
 
     per_fn: dict[str, torch.Tensor] = {}
     errors: list[str] = []
@@ -974,92 +929,7 @@ def score_rewards(
     extra: dict[str, list] = {}
     logged: dict[str, list[float]] = {}
     for spec, (call, kwargs), log, out in zip(specs, calls, logs, outcomes):
-        # A function that declares the failures it counts always reports them (0 included).
-        for kind in getattr(spec.fn, "error_metrics", ()):
-            counts[f"reward/{spec.name}/{kind}"] = 0.0
-        problems: list[str] = []
-        bad = [False] * n  # samples to zero under on_error="zero"
-        values = [math.nan] * n
-        failed: dict[int, str] = {}
-        if isinstance(out, RewardSampleErrors):
-            # Some samples failed (e.g. a program the sandbox could not run): keep the others.
-            key = f"reward/{spec.name}/{out.kind}"
-            counts[key] = counts.get(key, 0.0) + len(out.failed)
-            if len(out.scores) == n:
-                failed = out.failed
-                for i, why in sorted(failed.items()):
-                    problems.append(f"reward {spec.name!r} sample {i}: {why}")
-                    bad[i] = True
-                out = out.scores
-            else:
-                problems.append(f"reward {spec.name!r} on the batch of {n}: {out}")
-                bad = [True] * n
-                out = _REPORTED
-        if out is _REPORTED:
-            pass
-        elif isinstance(out, RewardTimeout):  # no search for the culprit: n more hangs
-            key = f"reward/{spec.name}/timeouts"
-            counts[key] = counts.get(key, 0.0) + 1
-            first = prompts[0] if prompts else ""
-            first = first[-1].get("content", "") if is_conversational(first) else first
-            problems.append(
-                f"{out}{_at_step(state)}; the batch's first prompt: {str(first)[:60]!r}"
-            )
-            bad = [True] * n
-        elif isinstance(out, BaseException) and not isinstance(out, Exception):
-            # sys.exit() or KeyboardInterrupt inside the function (here only from a function
-            # run in its own thread, or awaited): its failure, named
-            problems.append(f"reward {spec.name!r} {_stopped_how(out)}{_at_step(state)}")
-            bad = [True] * n
-        elif isinstance(out, BaseException):
-            if getattr(out, "stops_run", False):
-                raise out  # e.g. no sandbox for the code reward: no policy may score that as 0
-            culprit = _locate_failure(spec, call, kwargs, n)
-            problems.append(
-                f"reward {spec.name!r} raised on the batch of {n}"
-                + (f" (first failing sample index {culprit[0]}: {culprit[1]})" if culprit else "")
-                + f": {_format_exc(out)}"
-            )
-            bad = [True] * n
-        elif not isinstance(out, (list, tuple)):
-            problems.append(
-                f"reward {spec.name!r} returned a {type(out).__name__}, expected a list of "
-                f"{n} floats or None"
-            )
-            bad = [True] * n
-        elif len(out) != n:
-            problems.append(
-                f"reward {spec.name!r} returned {len(out)} scores for {n} completions "
-                "(a wrong length is never broadcast)"
-            )
-            bad = [True] * n
-        else:
-            for i, v in enumerate(out):
-                if v is None or i in failed:
-                    continue
-                try:
-                    if isinstance(v, (str, bytes)):
-                        raise TypeError
-                    f = float(v)
-                except (TypeError, ValueError):
-                    problems.append(
-                        f"reward {spec.name!r} sample {i}: {v!r} ({type(v).__name__}) is "
-                        "not a number or None"
-                    )
-                    bad[i] = True
-                    continue
-                if not math.isfinite(f):
-                    problems.append(f"reward {spec.name!r} sample {i}: non-finite score {f}")
-                    bad[i] = True
-                    continue
-                if abs(f) > FLOAT32_MAX:  # finite in float64, inf once stored as float32
-                    problems.append(
-                        f"reward {spec.name!r} sample {i}: score {f!r} is outside the "
-                        f"float32 range (|score| <= {FLOAT32_MAX:.4g})"
-                    )
-                    bad[i] = True
-                    continue
-                values[i] = f
+        values, problems, bad = _outcome_scores(spec, call, kwargs, out, n, prompts, state, counts)
         if problems:
             if on_error == "fail":
                 shown = problems[:10]
@@ -1077,24 +947,9 @@ def score_rewards(
             logged.setdefault(name, []).extend(vs)
         per_fn[spec.name] = torch.tensor(values, dtype=torch.float32)  # [N]
 
-    total = torch.full((n,), math.nan, dtype=torch.float64)  # [N]
-    for spec in specs:
-        r = per_fn[spec.name].double()  # [N]
-        scored = ~torch.isnan(r)
-        total = torch.where(scored, torch.nan_to_num(total, nan=0.0) + spec.weight * r, total)
-    # Scores within float32 can still sum (with weights) past it: same policy, sample named.
-    over = (total.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
-    if over:
-        problems = [
-            f"weighted reward total of sample {i}: {total[i].item():.4g} is outside the float32 "
-            f"range (|total| <= {FLOAT32_MAX:.4g}; check the reward weights and scales)"
-            for i in over
-        ]
-        if on_error == "fail":
-            raise RewardError(_failed(problems[:10]))
-        errors.extend(problems)
-        total[over] = 0.0
-        num_errors += len(over)
+    total, problems = _weighted_total(specs, per_fn, n, on_error)
+    errors.extend(problems)
+    num_errors += len(problems)
     return RewardScores(
         per_fn=per_fn,
         total=total.float(),
@@ -1105,6 +960,231 @@ def score_rewards(
         counts=counts,
         weights={spec.name: spec.weight for spec in specs},
     )
+
+
+def _checked_batch(
+    specs: Sequence[RewardSpec],
+    prompts: Sequence,
+    completions: Sequence,
+    columns: dict | None,
+    on_error: str,
+) -> dict:
+    """``score_rewards``' arguments checked (``on_error``; one prompt and one entry of every
+    column per completion, no reserved column name; unique reward names): the columns, a dict."""
+    if on_error not in ("fail", "zero"):
+        raise ValueError(f"on_error={on_error!r} is not valid; expected 'fail' or 'zero'")
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"score_rewards: {len(prompts)} prompts but {n} completions")
+    columns = dict(columns or {})
+    for key, col in columns.items():
+        if key in CONTRACT_KWARGS and key != "completion_ids":
+            raise ValueError(f"score_rewards: column name {key!r} is reserved")
+        if len(col) != n:
+            raise ValueError(f"score_rewards: column {key!r} has {len(col)} entries, expected {n}")
+    names = [s.name for s in specs]
+    dupes = sorted({x for x in names if names.count(x) > 1})
+    if dupes:
+        raise ValueError(f"score_rewards: reward names must be unique, repeated: {dupes}")
+    return columns
+
+
+def _reward_calls(
+    specs: Sequence[RewardSpec],
+    logs: list[_Log],
+    prompts: list,
+    completions: list,
+    columns: dict,
+    state: TrainerState,
+) -> list[tuple[Callable, dict]]:
+    """Each function's call: its bound callable and the contract's keyword arguments."""
+    calls = []
+    for spec, log in zip(specs, logs):
+        cols = {k: v for k, v in columns.items() if k not in spec.kwargs}
+        kwargs = {
+            "prompts": prompts,
+            "completions": completions,
+            **cols,
+            "trainer_state": state,
+            "log_extra": log.log_extra,
+            "log_metric": log.log_metric,
+        }
+        calls.append((spec.bound, kwargs))
+    return calls
+
+
+def _call_all(specs: Sequence[RewardSpec], calls: list[tuple[Callable, dict]], n: int) -> list:
+    """Each call's result, or what stopped it as a value (``_call_guarded``,
+    ``_await_guarded``): the synchronous functions in order, then the async ones concurrently
+    (TRL's order)."""
+    outcomes: list = [None] * len(specs)
+    pending: list[int] = []
+    for j, (spec, (call, kwargs)) in enumerate(zip(specs, calls)):
+        if spec.is_async:
+            pending.append(j)
+            continue
+        outcomes[j] = _call_guarded(spec, call, kwargs, n)
+    if pending:
+        coros = []
+        for j in pending:
+            call, kwargs = calls[j]
+            try:
+                coros.append(_await_guarded(specs[j], call(**kwargs), n))
+            except Exception as exc:  # raised before its first await (e.g. a bad signature)
+                coros.append(_raise_later(exc))
+        for j, out in zip(pending, _run_awaitables(coros)):
+            outcomes[j] = out
+    return outcomes
+
+
+def _outcome_scores(
+    spec: RewardSpec,
+    call: Callable,
+    kwargs: dict,
+    out,
+    n: int,
+    prompts: list,
+    state: TrainerState,
+    counts: dict[str, float],
+) -> tuple[list[float], list[str], list[bool]]:
+    """One function's outcome ``out`` checked: its scores (NaN: not scored), the problems
+    found, and the samples to zero under ``on_error="zero"``; its failures counted in
+    ``counts`` (``reward/<fn>/<kind>``)."""
+    # A function that declares the failures it counts always reports them (0 included).
+    for kind in getattr(spec.fn, "error_metrics", ()):
+        counts[f"reward/{spec.name}/{kind}"] = 0.0
+    problems: list[str] = []
+    bad = [False] * n  # samples to zero under on_error="zero"
+    values = [math.nan] * n
+    failed: dict[int, str] = {}
+    if isinstance(out, RewardSampleErrors):
+        # Some samples failed (e.g. a program the sandbox could not run): keep the others.
+        key = f"reward/{spec.name}/{out.kind}"
+        counts[key] = counts.get(key, 0.0) + len(out.failed)
+        if len(out.scores) != n:
+            problems.append(f"reward {spec.name!r} on the batch of {n}: {out}")
+            return values, problems, [True] * n
+        failed = out.failed
+        for i, why in sorted(failed.items()):
+            problems.append(f"reward {spec.name!r} sample {i}: {why}")
+            bad[i] = True
+        out = out.scores
+    whole = _call_failure(spec, call, kwargs, out, n, prompts, state, counts)
+    if whole is not None:
+        problems.append(whole)
+        return values, problems, [True] * n
+    _read_scores(spec, out, failed, values, problems, bad)
+    return values, problems, bad
+
+
+def _call_failure(
+    spec: RewardSpec,
+    call: Callable,
+    kwargs: dict,
+    out,
+    n: int,
+    prompts: list,
+    state: TrainerState,
+    counts: dict[str, float],
+) -> str | None:
+    """The problem when the call failed as a whole (it timed out, stopped, raised, or returned
+    something other than one score per completion); ``None`` when ``out`` is a list of ``n``.
+    An exception with ``stops_run`` is raised again."""
+    if isinstance(out, RewardTimeout):  # no search for the culprit: n more hangs
+        key = f"reward/{spec.name}/timeouts"
+        counts[key] = counts.get(key, 0.0) + 1
+        first = prompts[0] if prompts else ""
+        first = first[-1].get("content", "") if is_conversational(first) else first
+        return f"{out}{_at_step(state)}; the batch's first prompt: {str(first)[:60]!r}"
+    if isinstance(out, BaseException) and not isinstance(out, Exception):
+        # sys.exit() or KeyboardInterrupt inside the function (here only from a function
+        # run in its own thread, or awaited): its failure, named
+        return f"reward {spec.name!r} {_stopped_how(out)}{_at_step(state)}"
+    if isinstance(out, BaseException):
+        if getattr(out, "stops_run", False):
+            raise out  # e.g. no sandbox for the code reward: no policy may score that as 0
+        culprit = _locate_failure(spec, call, kwargs, n)
+        return (
+            f"reward {spec.name!r} raised on the batch of {n}"
+            + (f" (first failing sample index {culprit[0]}: {culprit[1]})" if culprit else "")
+            + f": {_format_exc(out)}"
+        )
+    if not isinstance(out, (list, tuple)):
+        return (
+            f"reward {spec.name!r} returned a {type(out).__name__}, expected a list of "
+            f"{n} floats or None"
+        )
+    if len(out) != n:
+        return (
+            f"reward {spec.name!r} returned {len(out)} scores for {n} completions "
+            "(a wrong length is never broadcast)"
+        )
+    return None
+
+
+def _read_scores(
+    spec: RewardSpec,
+    out: list | tuple,
+    failed: dict[int, str],
+    values: list[float],
+    problems: list[str],
+    bad: list[bool],
+) -> None:
+    """The scores in ``out`` (one per completion) into ``values``, but for ``None`` and the
+    ``failed`` samples; a value that is not a real number finite in float32 goes to
+    ``problems`` and its sample to ``bad``."""
+    for i, v in enumerate(out):
+        if v is None or i in failed:
+            continue
+        try:
+            if isinstance(v, (str, bytes)):
+                raise TypeError
+            f = float(v)
+        except (TypeError, ValueError):
+            problems.append(
+                f"reward {spec.name!r} sample {i}: {v!r} ({type(v).__name__}) is "
+                "not a number or None"
+            )
+            bad[i] = True
+            continue
+        if not math.isfinite(f):
+            problems.append(f"reward {spec.name!r} sample {i}: non-finite score {f}")
+            bad[i] = True
+            continue
+        if abs(f) > FLOAT32_MAX:  # finite in float64, inf once stored as float32
+            problems.append(
+                f"reward {spec.name!r} sample {i}: score {f!r} is outside the "
+                f"float32 range (|score| <= {FLOAT32_MAX:.4g})"
+            )
+            bad[i] = True
+            continue
+        values[i] = f
+
+
+def _weighted_total(
+    specs: Sequence[RewardSpec], per_fn: dict[str, torch.Tensor], n: int, on_error: str
+) -> tuple[torch.Tensor, list[str]]:
+    """The weighted total per sample (NaN where no function scored it), float64, and the
+    problems: a total outside float32 (zeroed here; under ``on_error="fail"``, raised)."""
+    import torch
+
+    total = torch.full((n,), math.nan, dtype=torch.float64)  # [N]
+    for spec in specs:
+        r = per_fn[spec.name].double()  # [N]
+        scored = ~torch.isnan(r)
+        total = torch.where(scored, torch.nan_to_num(total, nan=0.0) + spec.weight * r, total)
+    # Scores within float32 can still sum (with weights) past it: same policy, sample named.
+    over = (total.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
+    problems = [
+        f"weighted reward total of sample {i}: {total[i].item():.4g} is outside the float32 "
+        f"range (|total| <= {FLOAT32_MAX:.4g}; check the reward weights and scales)"
+        for i in over
+    ]
+    if problems:
+        if on_error == "fail":
+            raise RewardError(_failed(problems[:10]))
+        total[over] = 0.0
+    return total, problems
 
 
 def _failed(problems: list[str], more: str = "") -> str:
