@@ -417,36 +417,14 @@ class ToolEnvironment:
         )
 
 
-def tool_environment_factory(
-    tools: Sequence[Callable] | None = None,
-    environment_factory: Any = None,
-    max_tool_calling_iterations: int | None = None,
-    *,
-    tool_timeout: float | None = None,
-    max_tool_output_chars: int | None = None,
-    tool_concurrency: int | None = None,
-) -> Callable[[Any], ToolEnvironment]:
-    """A ``row -> ToolEnvironment`` factory for ``run_episodes`` from TRL's arguments, checked
-    now (before any model loads): every tool has a schema, every environment class a ``reset``
-    and schema'd public methods. A dict ``environment_factory`` is picked per row by the row's
-    ``environment`` column.
-
-    Beyond TRL: ``tool_timeout`` (seconds per call; an overrun is a failed call) and
-    ``max_tool_output_chars`` (a longer result is cut, with a note saying how much was cut,
-    and counted: ``Step.tool_truncated``), ``tool_concurrency`` (tool calls running at once
-    across the episodes of a batch; None = no bound)."""
-    tools = list(tools or [])
-    for fn in tools:
-        tool_schema(fn)
-        # a tool's own start-up check (envs.python_tool: the sandbox's self-test, fail closed)
-        check = getattr(fn, "startup_check", None)
-        if callable(check):
-            check()
-    if isinstance(environment_factory, dict):
-        for key, f in environment_factory.items():
-            _check_factory(f, f"environment_factory[{key!r}]")
-    elif environment_factory is not None:
-        _check_factory(environment_factory, "environment_factory")
+def _check_limits(
+    max_tool_calling_iterations: int | None,
+    tool_timeout: float | None,
+    max_tool_output_chars: int | None,
+    tool_concurrency: int | None,
+) -> None:
+    """``tool_environment_factory``'s limits, each None or a number in its range (a bool is
+    not a number here)."""
     if max_tool_calling_iterations is not None and (
         isinstance(max_tool_calling_iterations, bool)
         or not isinstance(max_tool_calling_iterations, int)
@@ -479,6 +457,41 @@ def tool_environment_factory(
         or tool_concurrency < 1
     ):
         raise InputError(f"tool_concurrency must be an int >= 1 or None, got {tool_concurrency!r}")
+
+
+def tool_environment_factory(
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Any = None,
+    max_tool_calling_iterations: int | None = None,
+    *,
+    tool_timeout: float | None = None,
+    max_tool_output_chars: int | None = None,
+    tool_concurrency: int | None = None,
+) -> Callable[[Any], ToolEnvironment]:
+    """A ``row -> ToolEnvironment`` factory for ``run_episodes`` from TRL's arguments, checked
+    now (before any model loads): every tool has a schema, every environment class a ``reset``
+    and schema'd public methods. A dict ``environment_factory`` is picked per row by the row's
+    ``environment`` column.
+
+    Beyond TRL: ``tool_timeout`` (seconds per call; an overrun is a failed call) and
+    ``max_tool_output_chars`` (a longer result is cut, with a note saying how much was cut,
+    and counted: ``Step.tool_truncated``), ``tool_concurrency`` (tool calls running at once
+    across the episodes of a batch; None = no bound)."""
+    tools = list(tools or [])
+    for fn in tools:
+        tool_schema(fn)
+        # a tool's own start-up check (envs.python_tool: the sandbox's self-test, fail closed)
+        check = getattr(fn, "startup_check", None)
+        if callable(check):
+            check()
+    if isinstance(environment_factory, dict):
+        for key, f in environment_factory.items():
+            _check_factory(f, f"environment_factory[{key!r}]")
+    elif environment_factory is not None:
+        _check_factory(environment_factory, "environment_factory")
+    _check_limits(
+        max_tool_calling_iterations, tool_timeout, max_tool_output_chars, tool_concurrency
+    )
     limiter = ToolLimiter(tool_concurrency)
 
     def make(row: Any) -> ToolEnvironment:

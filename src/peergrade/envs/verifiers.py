@@ -132,42 +132,8 @@ def load_verifiers(
     what = f"--env {spec.strip()!r}"
     if not target:
         raise InputError(f"{what}: expected verifiers:MODULE or verifiers:path/to/file.py")
-    load_environment = _load_module(target, what)
-    try:
-        loaded = load_environment()
-    except PeergradeError:
-        raise
-    except Exception as e:
-        detail = " ".join(str(e).split())  # one line: a pydantic error spans several
-        raise InputError(f"{what}: load_environment() raised {type(e).__name__}: {detail}") from e
-
-    max_turns = None
-    if isinstance(loaded, vf.Env):
-        if (
-            not isinstance(loaded, vf.SingleAgentEnv)
-            or type(loaded).run is not vf.SingleAgentEnv.run
-        ):
-            raise InputError(
-                f"{what}: {type(loaded).__name__} is a multi-agent verifiers Env (its own run()); "
-                "peergrade trains one agent per episode: return a vf.SingleAgentEnv or a vf.Taskset"
-            )
-        agent = loaded.config.agent
-        harness = agent.harness
-        if harness is not None and harness.id != "null":
-            raise InputError(
-                f"{what}: the agent's harness is {harness.id!r}, whose program and tools run in a "
-                f"sandbox runtime ({type(agent.runtime).__name__}); peergrade runs the plain chat "
-                "loop only: pin harness id 'null' (vf.AgentConfig(harness={'id': 'null'}))"
-            )
-        max_turns = agent.max_turns
-        taskset = loaded.taskset
-    elif isinstance(loaded, vf.Taskset):
-        taskset = loaded
-    else:
-        raise InputError(
-            f"{what}: load_environment() returned a {type(loaded).__name__}; expected a "
-            "vf.SingleAgentEnv or a vf.Taskset"
-        )
+    loaded = _call_loader(_load_module(target, what), what)
+    taskset, max_turns = _taskset_of(vf, loaded, what)
     name = type(taskset).__name__
     if not taskset.bounded:
         raise InputError(
@@ -180,23 +146,7 @@ def load_verifiers(
         raise InputError(f"{what}: {name} has no tasks")
     for server in shared:
         _check_toolset(vf, server, f"{what}: {name}.toolsets")
-    rows, checked = [], set()
-    for task in tasks:
-        where = f"{what}: task {task.data.idx} ({task.data.name or task.key[:12]})"
-        if id(task.config) not in checked:  # tasks usually share the taskset's task config
-            _check_task(vf, task, where)
-            checked.add(id(task.config))
-        if task.NEEDS_CONTAINER or task.data.image:
-            raise InputError(
-                f"{where} needs a container (NEEDS_CONTAINER / image {task.data.image!r}), a "
-                "sandbox peergrade does not run"
-            )
-        if task.data.prompt is None:
-            raise InputError(
-                f"{where} has no prompt (a simulated user opens it); peergrade needs the "
-                "task's prompt"
-            )
-        rows.append({"prompt": _prompt(task.data), COLUMN: task.data.model_dump(mode="json")})
+    rows = _task_rows(vf, tasks, what)
 
     from peergrade.tasks import load_task
 
@@ -224,6 +174,71 @@ def load_verifiers(
     make.task = task
     make.environment_class = None
     return make
+
+
+def _call_loader(load_environment: Callable, what: str) -> Any:
+    """What the module's ``load_environment()`` returns; anything it raises (but peergrade's
+    own errors) as one ``InputError`` on one line."""
+    try:
+        return load_environment()
+    except PeergradeError:
+        raise
+    except Exception as e:
+        detail = " ".join(str(e).split())  # one line: a pydantic error spans several
+        raise InputError(f"{what}: load_environment() raised {type(e).__name__}: {detail}") from e
+
+
+def _taskset_of(vf, loaded: Any, what: str) -> tuple[Any, int | None]:
+    """The taskset of what ``load_environment()`` returned and the agent's ``max_turns`` (None
+    for a bare taskset); a multi-agent ``Env`` or a harness other than ``null`` is refused."""
+    if isinstance(loaded, vf.Env):
+        if (
+            not isinstance(loaded, vf.SingleAgentEnv)
+            or type(loaded).run is not vf.SingleAgentEnv.run
+        ):
+            raise InputError(
+                f"{what}: {type(loaded).__name__} is a multi-agent verifiers Env (its own run()); "
+                "peergrade trains one agent per episode: return a vf.SingleAgentEnv or a vf.Taskset"
+            )
+        agent = loaded.config.agent
+        harness = agent.harness
+        if harness is not None and harness.id != "null":
+            raise InputError(
+                f"{what}: the agent's harness is {harness.id!r}, whose program and tools run in a "
+                f"sandbox runtime ({type(agent.runtime).__name__}); peergrade runs the plain chat "
+                "loop only: pin harness id 'null' (vf.AgentConfig(harness={'id': 'null'}))"
+            )
+        max_turns = agent.max_turns
+        return loaded.taskset, max_turns
+    if isinstance(loaded, vf.Taskset):
+        return loaded, None
+    raise InputError(
+        f"{what}: load_environment() returned a {type(loaded).__name__}; expected a "
+        "vf.SingleAgentEnv or a vf.Taskset"
+    )
+
+
+def _task_rows(vf, tasks: list, what: str) -> list[dict]:
+    """The peergrade rows of ``tasks`` (the prompt, and the task's data in ``COLUMN``), each
+    task checked first (``_check_task``, once per task config; no container; a prompt)."""
+    rows, checked = [], set()
+    for task in tasks:
+        where = f"{what}: task {task.data.idx} ({task.data.name or task.key[:12]})"
+        if id(task.config) not in checked:  # tasks usually share the taskset's task config
+            _check_task(vf, task, where)
+            checked.add(id(task.config))
+        if task.NEEDS_CONTAINER or task.data.image:
+            raise InputError(
+                f"{where} needs a container (NEEDS_CONTAINER / image {task.data.image!r}), a "
+                "sandbox peergrade does not run"
+            )
+        if task.data.prompt is None:
+            raise InputError(
+                f"{where} has no prompt (a simulated user opens it); peergrade needs the "
+                "task's prompt"
+            )
+        rows.append({"prompt": _prompt(task.data), COLUMN: task.data.model_dump(mode="json")})
+    return rows
 
 
 def _check_toolset(vf, server: Any, where: str) -> None:

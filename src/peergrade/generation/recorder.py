@@ -147,6 +147,36 @@ class Recorder:
         settings = replace(
             asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
         )
+        ep = self._segment(rec, messages, tools)
+        full = ep.prompt_ids + ep.completion_ids
+        if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
+            ep.finish_reason = "max_turns"
+        limit = min(
+            s.max_tokens_per_turn or s.max_completion_length,
+            s.max_completion_length - len(ep.completion_ids),
+            self.engine.max_pos - len(full),
+        )
+        if asked.max_tokens is not None:
+            limit = min(limit, asked.max_tokens)
+        if not ep.finish_reason and limit <= 0:
+            ep.finish_reason = "length"
+        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
+            sampled = Sampled([], [], "", "length")
+        else:
+            sampled = await self._sample_turn(handler, rec, full, limit, asked.max_tokens)
+        response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
+        if sampled.token_ids:
+            msg = pairs[0][1]["template"]
+            rec.messages.append(msg)
+            ep.messages.append(msg)
+            ep.tool_calls += len(msg.get("tool_calls") or [])
+            ep.tool_failures += len(pairs[0][1]["tool_errors"])
+        return response
+
+    def _segment(self, rec: Recording, messages: list[dict], tools) -> Episode:
+        """The segment ``messages`` go on: the current one when they extend it (their new
+        messages appended, unless it has ended), else a new one with them as its prompt (the
+        current one kept in ``segments``, a split)."""
         ep = rec.episode
         if ep is not None and self._extends(rec, messages, tools):
             if not ep.finish_reason:
@@ -165,57 +195,43 @@ class Recorder:
                 )
             ep = Episode(rec.row_index, prompt, list(messages), len(messages))
             rec.episode, rec.messages, rec.tools, rec.last_end = ep, list(messages), tools, None
-        full = ep.prompt_ids + ep.completion_ids
-        if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
-            ep.finish_reason = "max_turns"
-        limit = min(
-            s.max_tokens_per_turn or s.max_completion_length,
-            s.max_completion_length - len(ep.completion_ids),
-            self.engine.max_pos - len(full),
+        return ep
+
+    async def _sample_turn(
+        self, handler: Handler, rec: Recording, full: list[int], limit: int, max_tokens: int | None
+    ) -> Sampled:
+        """One model turn after ``full`` (at most ``limit`` tokens), appended to the episode
+        (loss mask 1), and the episode ended if a budget cut it (``max_tokens``: the client's)."""
+        ep, s = rec.episode, rec.settings
+        job = Job(
+            full,
+            limit,
+            s.temperature,
+            s.top_p,
+            s.top_k,
+            s.stop,
+            seed=s.seed,
+            key=mix_key(s.key, rec.turns),
+            session=rec.eid,
         )
-        if asked.max_tokens is not None:
-            limit = min(limit, asked.max_tokens)
-        if not ep.finish_reason and limit <= 0:
-            ep.finish_reason = "length"
-        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
-            sampled = Sampled([], [], "", "length")
-        else:
-            job = Job(
-                full,
-                limit,
-                s.temperature,
-                s.top_p,
-                s.top_k,
-                s.stop,
-                seed=s.seed,
-                key=mix_key(s.key, rec.turns),
-                session=rec.eid,
+        rec.turns += 1
+        (sampled,) = await handler.sample([job])
+        ep.completion_ids += sampled.token_ids
+        ep.loss_mask += [1] * len(sampled.token_ids)
+        ep.logprobs += sampled.logprobs
+        ep.sampler_logprobs += sampled.sampler_logprobs or sampled.logprobs
+        ep.num_turns += 1
+        rec.last_end = sampled.finish
+        if sampled.finish == "length":
+            tight = (
+                len(ep.completion_ids) >= s.max_completion_length
+                or len(ep.prompt_ids) + len(ep.completion_ids) >= self.engine.max_pos
             )
-            rec.turns += 1
-            (sampled,) = await handler.sample([job])
-            ep.completion_ids += sampled.token_ids
-            ep.loss_mask += [1] * len(sampled.token_ids)
-            ep.logprobs += sampled.logprobs
-            ep.sampler_logprobs += sampled.sampler_logprobs or sampled.logprobs
-            ep.num_turns += 1
-            rec.last_end = sampled.finish
-            if sampled.finish == "length":
-                tight = (
-                    len(ep.completion_ids) >= s.max_completion_length
-                    or len(ep.prompt_ids) + len(ep.completion_ids) >= self.engine.max_pos
-                )
-                # the client's own max_tokens cut it: the episode may go on (after the
-                # template's end-of-turn token, as after a stop string)
-                if tight or asked.max_tokens is None or len(sampled.token_ids) < asked.max_tokens:
-                    ep.finish_reason = "length" if tight else "turn_length"
-        response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
-        if sampled.token_ids:
-            msg = pairs[0][1]["template"]
-            rec.messages.append(msg)
-            ep.messages.append(msg)
-            ep.tool_calls += len(msg.get("tool_calls") or [])
-            ep.tool_failures += len(pairs[0][1]["tool_errors"])
-        return response
+            # the client's own max_tokens cut it: the episode may go on (after the
+            # template's end-of-turn token, as after a stop string)
+            if tight or max_tokens is None or len(sampled.token_ids) < max_tokens:
+                ep.finish_reason = "length" if tight else "turn_length"
+        return sampled
 
     def _extends(self, rec: Recording, messages: list[dict], tools) -> bool:
         """Whether ``messages`` continue the recorded conversation after a sampled reply."""
