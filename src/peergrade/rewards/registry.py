@@ -78,7 +78,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import threading
 import traceback
@@ -88,6 +87,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from peergrade.errors import MissingPackageError, PeergradeError, describe_exit, users_own_stop
+from peergrade.limits import TimeLimitExceeded, call_within
 
 if TYPE_CHECKING:  # torch is imported when scoring, so importing this package stays light
     import torch
@@ -707,89 +707,27 @@ def _call_now(call: Callable, kwargs: dict):
 def _call_guarded(spec: RewardSpec, call: Callable, kwargs: dict, n: int):
     """``call(**kwargs)``'s result, or what stopped it as a value: an exception, ``SystemExit``
     or ``KeyboardInterrupt`` raised by the function (a failure of that function, never the end
-    of the run), or a ``RewardTimeout``. With ``spec.timeout_s`` (user code): called from the
-    main thread, the function runs there, as TRL runs it (libraries that set signal handlers,
-    e.g. math-verify's parse timeout, need the main thread), and a watchdog interrupts it past
-    its limit (``_in_main_thread``); from another thread it runs in a thread of its own.
+    of the run), or a ``RewardTimeout``. With ``spec.timeout_s`` (user code) the call runs under
+    ``limits.call_within``: from the main thread the function runs there, as TRL runs it
+    (libraries that set signal handlers, e.g. math-verify's parse timeout, need the main
+    thread), and a watchdog interrupts it past its limit; from another thread it runs in a
+    thread of its own. The trainer's own stop (``errors.Stop``, a second Ctrl-C) goes through.
     Built-in rewards run here, unguarded."""
     if spec.timeout_s is None:
         try:
             return _call_now(call, kwargs)
         except Exception as exc:
             return exc
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill"):
-        return _in_main_thread(spec, call, kwargs, n)
-    import torch
-
-    box: dict = {}
-    grad = torch.is_grad_enabled()  # thread-local in torch: the caller's, as a direct call has
-
-    def target():
-        try:
-            with torch.set_grad_enabled(grad):
-                box["out"] = _call_now(call, kwargs)
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the function's failure
-            box["out"] = exc
-
-    worker = threading.Thread(target=target, name=f"peergrade-reward-{spec.name}", daemon=True)
-    worker.start()
-    worker.join(None if math.isinf(spec.timeout_s) else spec.timeout_s)
-    if worker.is_alive():
-        return RewardTimeout(spec.name, spec.timeout_s, n)
-    return box["out"]
-
-
-class _Overrun(BaseException):
-    """Raised in the main thread by the reward watchdog's signal: the call passed its limit."""
-
-
-_ARMED: list = [None]  # the call the watchdog may interrupt (None: none)
-_ARMED_LOCK = threading.Lock()
-
-
-def _on_overrun(signum, frame) -> None:
-    """peergrade's SIGUSR1 handler: interrupts the armed reward call, ignores anything else."""
-    if _ARMED[0] is not None:
-        _ARMED[0] = None
-        raise _Overrun
-
-
-def _in_main_thread(spec: RewardSpec, call: Callable, kwargs: dict, n: int):
-    """``_call_guarded`` for a user's function called from the main thread: it runs here, and a
-    watchdog thread sends SIGUSR1 once ``spec.timeout_s`` has passed; the handler raises only
-    while this call is armed, so a late signal is ignored and a call that returned keeps its
-    result. The trainer's own stop (``errors.Stop``, a second Ctrl-C) goes through; a plain
-    ``KeyboardInterrupt`` raised inside the call is the function's failure."""
     from peergrade.errors import Stop
 
-    if signal.getsignal(signal.SIGUSR1) is not _on_overrun:
-        signal.signal(signal.SIGUSR1, _on_overrun)
-    token, box, done = object(), {}, threading.Event()
-    main = threading.main_thread().ident
-
-    def watchdog():
-        if not done.wait(spec.timeout_s):
-            with _ARMED_LOCK:
-                if _ARMED[0] is token:
-                    signal.pthread_kill(main, signal.SIGUSR1)
-
-    _ARMED[0] = token
-    if not math.isinf(spec.timeout_s):
-        threading.Thread(target=watchdog, name=f"peergrade-watch-{spec.name}", daemon=True).start()
     try:
-        try:
-            box["out"] = _call_now(call, kwargs)
-        finally:
-            with _ARMED_LOCK:
-                _ARMED[0] = None
-            done.set()
-    except _Overrun:
-        return box.get("out", RewardTimeout(spec.name, spec.timeout_s, n))
+        return call_within(lambda: _call_now(call, kwargs), spec.timeout_s, name=spec.name)
+    except TimeLimitExceeded:
+        return RewardTimeout(spec.name, spec.timeout_s, n)
     except Stop:
         raise
     except BaseException as exc:  # SystemExit, KeyboardInterrupt: the function's failure
         return exc
-    return box["out"]
 
 
 async def _await_guarded(spec: RewardSpec, awaitable, n: int):
