@@ -73,7 +73,18 @@ def test_estimate_hand_values():
     gen = static + 2 * 1 * 4 * 4 * 6 * 4 + 4 * 4 * 10 * 4  # KV cache + four [N, V] buffers
     assert e["phases"]["generate"] == gen
     assert e["phases"]["reference"] == static + layer_act + chunk + hidden  # no-grad pass
+    assert e["phases"]["checkpoint"] == static  # the save streams: nothing on top
     assert e["peak"] == max(e["phases"].values()) == e["phases"]["update"]
+    # fsdp on 2 CPU ranks: the decoder layers' share (592 of 680) halves on each rank, and
+    # rank 0's save gathers the full weights and AdamW state on top of its shard
+    fsdp = estimate_memory(
+        HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, world=2, strategy="fsdp"
+    )
+    kept = 680 * 4 * 4 - sum(int(680 * 4 * k * (592 / 680) / 2) for k in (1, 1, 2))
+    assert abs(fsdp["phases"]["checkpoint"] - (kept + 680 * 4 * 3)) <= 3  # int rounding
+    assert estimate_memory(
+        HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, world=2, strategy="ddp"
+    )["phases"]["checkpoint"] == static
 
     # G = 2: the two prompts of the micro-batch run once, the 4 completions against the cache
     # repeated to every row (2 q_dim per prompt position, float32)
@@ -221,6 +232,17 @@ def test_cli_memory_estimate_only(tiny_model_dir, capsys):
     assert rc == 0
     for label in ("grpo ", "grpo-lora", "ppo ", "ppo-lora"):
         assert label in out, out
+    # one whole-run line per variant: its peak, the phase setting it, evaluation and save
+    import re
+
+    runs = re.findall(
+        r"estimated run peak (\S+): (\d+) MiB, set by (\w+) \(training step (\d+) MiB, "
+        r"held-out evaluation (\d+) MiB, checkpoint save (\d+) MiB",
+        out,
+    )
+    assert [r[0] for r in runs] == ["grpo", "grpo-lora", "ppo", "ppo-lora"], out
+    for _, peak, _, step, evaluate, save in runs:
+        assert int(peak) == max(int(step), int(evaluate), int(save)) and int(save) <= int(step)
     assert main(["memory", "--model", str(tiny_model_dir), "--estimate-only", "--algos", "x"]) == 2
 
 
@@ -228,8 +250,10 @@ def test_cli_memory_estimate_only(tiny_model_dir, capsys):
 def test_measure_memory_ppo_child(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, **{"algo.name": "ppo"})
     m = measure_memory(cfg, steps=2, timeout=600)
-    assert set(m["phases"]) == {"load", "generate", "rewards", "reference", "update"}
+    assert set(m["phases"]) == {"load", "generate", "rewards", "reference", "update", "checkpoint"}
     assert m["peak"] == max(m["phases"].values()) > 0
+    # the trainer's own save, metered: the resident tensors and not much more
+    assert m["phases"]["load"] < m["phases"]["checkpoint"] <= m["phases"]["update"]
     assert m["baseline_bytes"] > 50 * 2**20  # a Python process with torch loaded
     assert m["device"] == "cpu"
     assert m["completion_len"] <= 8 < m["seq_len"]

@@ -117,8 +117,8 @@ def _memory_header(cfg, world: int) -> None:
 
 
 def _print_run_peaks(rows, measured=None) -> None:
-    """One line per variant: the run's estimated peak (every phase, held-out evaluation
-    included), the phase that sets it, and the training step's peak; with a measurement, the
+    """One line per variant: the run's estimated peak (every phase, held-out evaluation and
+    checkpoint save included), the phase that sets it, and the training step's peak; with a measurement, the
     whole process's (its baseline added: compare with a run's peak RSS)."""
     for i, (label, est) in enumerate(rows):
         evaluate = est["phases"].get("evaluate")
@@ -127,6 +127,7 @@ def _print_run_peaks(rows, measured=None) -> None:
             f"estimated run peak {label}: {est['peak'] / 2**20:.0f} MiB, set by "
             f"{est['peak_phase']} (training step {est['step_peak'] / 2**20:.0f} MiB"
             + (f", held-out evaluation {evaluate / 2**20:.0f} MiB" if evaluate else "")
+            + f", checkpoint save {est['phases']['checkpoint'] / 2**20:.0f} MiB"
             + "; above the process baseline)"
             + (
                 f"; with the measured baseline, the whole process: "

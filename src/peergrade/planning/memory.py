@@ -422,34 +422,22 @@ def estimate_memory(
     the reference copy lives in host memory outside its own pass (counted on "cuda" only);
     reward_models: ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward
     models among the rewards.
-    autocast: the policy's passes run under bf16 autocast on float32 weights (``model.autocast``
-    resolved, see ``update.use_bf16_autocast``); group_size and shared_prompt: G, and
-    ``model.shared_prompt_forward`` (each distinct prompt of a micro-batch runs once; off under
-    gradient checkpointing); generation_batch: ``rollout.generation_batch_size`` (None: all);
+    autocast: bf16 autocast on float32 weights (``update.use_bf16_autocast``); group_size,
+    shared_prompt: G and ``model.shared_prompt_forward`` (each distinct prompt of a micro-batch
+    runs once); generation_batch: ``rollout.generation_batch_size`` (None: all);
     generation_rounds: the most rounds of ``batch`` sequences one generation call samples
-    (dynamic sampling's ``rollout.rounds_ahead``: max_rounds - 1), before generation_batch cuts it;
-    minibatch: sequences per optimizer step (None: batch); with micro-batches below it the
-    grads accumulate while the next micro-batch's activations are built.
-    world, strategy: ranks under torchrun and ``dist.strategy`` -- the figures are then per
-    rank (``distributed.rank_memory``: batch / world sequences each; under fsdp the decoder
-    layers' weights, grads, optimizer state and reference are sharded 1/world, two layers are
-    gathered at a time in the update, and all of them for the rollout).
-    async_steps: ``rollout.async_steps`` k; k >= 1 adds the producer (``peergrade.training.pipeline``):
-    its copy of the trainable weights and the k + 1 versions it may sample with (``producer``),
-    and a "pipelined" phase where its largest phase's transients (generation, the reference
-    pass, a reward model) sit on top of the update's. What it leaves out: allocator slack per
-    thread or process, which is what a measurement adds on top.
-    eval_rows, eval_batch: the held-out evaluation's largest pass (its sampled pass:
-    ``train.eval_size * train.eval_samples`` sequences) and the sequences it generates at once
-    (``train.eval_batch_size`` resolved, ``Config.eval_generation_batch``; None: all); eval_rows
-    > 0 adds the phase "evaluate": the resident tensors of a periodic or final evaluation
-    (weights, the reference when beta > 0, the optimizer state) plus that batch's KV cache and
-    logits, by the same formula as the step's generation (every rank evaluates every row).
+    (``rollout.rounds_ahead``: max_rounds - 1); minibatch: sequences per optimizer step (None:
+    batch; smaller micro-batches accumulate grads while the next one's activations are built).
+    world, strategy: ranks under torchrun and ``dist.strategy`` (the figures are then per
+    rank); async_steps: ``rollout.async_steps`` k (k >= 1 adds the producer); eval_rows,
+    eval_batch: the held-out evaluation's largest pass and the sequences it generates at once
+    (None: all). How each is counted: ``_beyond_the_step``. What it leaves out: allocator
+    slack per thread or process, which is what a measurement adds on top.
     Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
     reference pass runs, "rewards" with a reward model, "pipelined" with k >= 1, "evaluate"
-    with eval_rows), ``peak`` (the run's: every phase), ``peak_phase`` (the phase that sets
-    it), ``step_peak`` (the training step's phases only) and ``eval_generation`` (the
-    evaluation's KV cache and logits).
+    with eval_rows, "checkpoint"), ``peak`` (the run's: every phase), ``peak_phase`` (the phase
+    that sets it), ``step_peak`` (the training step's phases: not the evaluation nor the
+    checkpoint) and ``eval_generation`` (the evaluation's KV cache and logits).
     """
     _check_estimate_args(dtype, algo, optimizer, device, completion_len, seq_len)
     a, pc, b = _arch(model_config), param_counts(model_config, lora), DTYPE_BYTES[dtype]
@@ -463,15 +451,13 @@ def estimate_memory(
         group_size=group_size, shared_prompt=shared_prompt,
         checkpointing=gradient_checkpointing, chunk_size=chunk_size,
     )  # fmt: skip
-    critic_acts = 0
-    if algo == "ppo":  # the critic: a plain forward (no autocast) in the joint backward
-        critic_acts = _critic_activations(a, b, micro, seq_len, gradient_checkpointing)
+    ppo = algo == "ppo"  # the critic: a plain forward (no autocast) in the joint backward
+    critic_acts = _critic_activations(a, b, micro, seq_len, gradient_checkpointing) if ppo else 0
     kv_cache, gen_logits = _generation_bytes(
         a, b, rows=batch * max(1, int(generation_rounds)), generation_batch=generation_batch,
         seq_len=seq_len,
     )  # fmt: skip
-    # ref_offload on an accelerator: the reference is resident only for its own pass
-    offloaded = ref_offload and device == "cuda" and res.reference > 0
+    offloaded = ref_offload and device == "cuda" and res.reference > 0  # resident in its pass
     rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
     # the critic's weights and optimizer state are static; its grads exist during the update
     static = res.weights + (0 if offloaded else res.reference) + critic_w * 3 + res.optimizer
@@ -482,6 +468,59 @@ def estimate_memory(
         casts=2 * res.params if autocast else 0, reward_models=reward_models,
         reference_pass=res.reference > 0 or (lora and beta > 0),
     )  # fmt: skip
+    phases, res, eval_generation, producer = _beyond_the_step(
+        phases, res, static=static, fwd=fwd, a=a, pc=pc, b=b, seq_len=seq_len,
+        eval_rows=eval_rows, eval_batch=eval_batch, autocast=autocast, offloaded=offloaded,
+        world=world, strategy=strategy, lora=lora, device=device, async_steps=async_steps,
+    )  # fmt: skip
+    return {
+        **res._asdict(),
+        "critic": 4 * critic_w,  # weights, grads and AdamW's two states
+        "reward_models": rm_weights,
+        "activations": fwd.acts + fwd.chunk_bufs + fwd.hidden + critic_acts,
+        "transient": fwd.grad_transient + fwd.layer_act,
+        **_peaks(phases, kv_cache, producer, eval_generation, eval_rows, eval_batch),
+    }
+
+
+def _peaks(phases: dict, kv_cache, producer, eval_generation, eval_rows, eval_batch) -> dict:
+    """The generation's, the producer's and the evaluation's figures; the run's peak, the phase
+    that sets it, and the training step's own peak."""
+    return {
+        "kv_cache": kv_cache,
+        "producer": producer,
+        "eval_generation": eval_generation,
+        "eval_batch": min(int(eval_rows), eval_batch or int(eval_rows)),
+        "phases": phases,
+        "peak": max(phases.values()),
+        "peak_phase": max(phases, key=phases.get),
+        "step_peak": max(v for k, v in phases.items() if k not in _OUTSIDE_THE_STEP),
+    }
+
+
+#: the phases of a run that are not its training step's
+_OUTSIDE_THE_STEP = ("evaluate", "checkpoint")
+
+
+def _beyond_the_step(
+    phases: dict, res: _Resident, *, static: int, fwd: _PolicyPass, a: dict, pc: dict, b: int,
+    seq_len: int, eval_rows: int, eval_batch, autocast: bool, offloaded: bool, world: int,
+    strategy: str, lora, device: str, async_steps: int,
+) -> tuple[dict, _Resident, int, int]:  # fmt: skip
+    """``estimate_memory``'s phases past one process's step. Returns (phases, this rank's
+    resident figures, the evaluation's generation bytes, the producer's bytes).
+
+    eval_rows (the sampled pass: ``train.eval_size * train.eval_samples`` sequences) > 0 adds
+    "evaluate": the resident tensors of a periodic or final evaluation (weights, the reference
+    when beta > 0, the optimizer state) plus the KV cache and logits of ``eval_batch``
+    sequences (``Config.eval_generation_batch``), by the step's generation formula (every rank
+    evaluates every row). world > 1: ``distributed.rank_memory`` (batch / world sequences
+    each; under fsdp the decoder layers' weights, grads, optimizer state and reference are
+    sharded 1/world, two layers are gathered at a time in the update, and all of them for the
+    rollout). "checkpoint": ``_checkpoint_phase``. async_steps k >= 1: the producer
+    (``peergrade.training.pipeline``), its copy of the trainable weights and the k + 1
+    versions it may sample with, and a "pipelined" phase where its largest phase's transients
+    (generation, the reference pass, a reward model) sit on top of the update's."""
     eval_generation = 0
     if eval_rows:  # the held-out passes: the step's generation formula at the eval batch
         eval_generation = sum(_generation_bytes(
@@ -490,6 +529,7 @@ def estimate_memory(
         phases["evaluate"] = static + eval_generation + (2 * res.params if autocast else 0)
     # the producer (async_steps k >= 1): its copy of the trainable weights and k + 1 versions
     producer = (async_steps + 2) * res.grads if async_steps else 0
+    whole = res  # the unsharded figures: what a checkpoint gathers under fsdp
     if world > 1:  # per-rank sharding and communication buffers
         phases, res = _per_rank(
             phases, res, static=static, offloaded=offloaded, a=a, pc=pc, b=b, world=world,
@@ -497,24 +537,27 @@ def estimate_memory(
         )  # fmt: skip
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
+    sharded = world > 1 and strategy == "fsdp" and not lora
+    phases["checkpoint"] = _checkpoint_phase(
+        static, whole, res, offloaded=offloaded, sharded=sharded, device=device
+    )
     if async_steps:  # the producer runs its phases while the trainer updates
-        beside = max(v - static for k, v in phases.items() if k not in ("update", "evaluate"))
+        outside = ("update", *_OUTSIDE_THE_STEP)
+        beside = max(v - static for k, v in phases.items() if k not in outside)
         phases["pipelined"] = phases["update"] + producer + beside
-    return {
-        **res._asdict(),
-        "critic": 4 * critic_w,  # weights, grads and AdamW's two states
-        "reward_models": rm_weights,
-        "activations": fwd.acts + fwd.chunk_bufs + fwd.hidden + critic_acts,
-        "transient": fwd.grad_transient + fwd.layer_act,
-        "kv_cache": kv_cache,
-        "producer": producer,
-        "eval_generation": eval_generation,
-        "eval_batch": min(int(eval_rows), eval_batch or int(eval_rows)),
-        "phases": phases,
-        "peak": max(phases.values()),
-        "peak_phase": max(phases, key=phases.get),
-        "step_peak": max(v for k, v in phases.items() if k != "evaluate"),
-    }
+    return phases, res, eval_generation, producer
+
+
+def _checkpoint_phase(static: int, whole, res, *, offloaded: bool, sharded: bool, device) -> int:
+    """A checkpoint save: what stays resident through the step (``static``, less what sharding
+    took off this rank) and nothing more -- safetensors and ``torch.save`` stream the tensors
+    to the file (measured on SmolLM2-135M: 0.4 MiB above the resident set). Under fsdp rank 0
+    first gathers the full weights and optimizer state to its CPU
+    (``distributed.checkpoint_state``): on the CPU that adds them whole (on an accelerator it
+    is host memory, which these per-device figures do not count)."""
+    parts = ("weights", "optimizer") + (() if offloaded else ("reference",))
+    static -= sum(getattr(whole, k) - getattr(res, k) for k in parts)
+    return static + (whole.weights + whole.optimizer if sharded and device == "cpu" else 0)
 
 
 def prompt_length(cfg, n: int = 64) -> int:
@@ -532,24 +575,10 @@ def prompt_length(cfg, n: int = 64) -> int:
     return max(len(x) for x in encode_rows(cfg, task, tok, rows))
 
 
-def estimate_for_config(
-    cfg, *, prompt_len: int | None = None, device: str | None = None, world: int = 1
-) -> dict:
-    """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
-    import torch
-
-    from peergrade.model.load import resolve_device, resolve_dtype, resolve_model_path
-
-    path = resolve_model_path(cfg.model.path)
-    if device is None:
-        device = resolve_device(cfg.model.device).type
-    dtype = resolve_dtype(cfg.model.dtype, torch.device(device))
-    if prompt_len is None:
-        prompt_len = prompt_length(cfg)
+def _reward_models(cfg, *, dtype: str, device: str, prompt_len: int) -> list[dict]:
+    """``reward_model_memory`` of the config's reward models and local judges (weights resident
+    all run, one scoring forward at a time)."""
     r = cfg.rollout
-    lora = None
-    if cfg.model.lora.enabled:
-        lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
     from peergrade.rewards.models import (
         DEFAULT_BATCH_SIZE,
         is_reward_model_name,
@@ -584,6 +613,28 @@ def estimate_for_config(
         and (i.kwargs or {}).get("judge_model")
     ]
     reward_models += [j for j in judges if j is not None]
+    return reward_models
+
+
+def estimate_for_config(
+    cfg, *, prompt_len: int | None = None, device: str | None = None, world: int = 1
+) -> dict:
+    """``estimate_memory`` with the sizes of a peergrade ``Config`` (model dir's config.json)."""
+    import torch
+
+    from peergrade.model.load import resolve_device, resolve_dtype, resolve_model_path
+
+    path = resolve_model_path(cfg.model.path)
+    if device is None:
+        device = resolve_device(cfg.model.device).type
+    dtype = resolve_dtype(cfg.model.dtype, torch.device(device))
+    if prompt_len is None:
+        prompt_len = prompt_length(cfg)
+    r = cfg.rollout
+    lora = None
+    if cfg.model.lora.enabled:
+        lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
+    reward_models = _reward_models(cfg, dtype=dtype, device=device, prompt_len=prompt_len)
     from peergrade.training.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
 
     autocast = cfg.model.autocast == "bf16"
@@ -766,6 +817,7 @@ def _run_steps(cfg, steps: int, meter) -> dict:
         res = train_step(run, step, [next(rows) for _ in range(P)], meter)
         shapes.append(res.shapes)
         skipped.append(res.metrics.get("update/zero_signal_frac", 0.0))
+    _save_metered(run, steps, meter)
     policy = run.models.policy
     return {
         **{k: max(s[k] for s in shapes) for k in ("seq_len", "completion_len", "prompt_len")},
@@ -779,6 +831,18 @@ def _run_steps(cfg, steps: int, meter) -> dict:
     }
 
 
+def _save_metered(run, step: int, meter) -> None:
+    """The trainer's own checkpoint save of ``run`` (into a scratch directory), metered as the
+    phase "checkpoint"."""
+    from peergrade.config import to_yaml
+    from peergrade.training.checkpoint import RunDir
+
+    with tempfile.TemporaryDirectory(prefix="peergrade-memory-save-") as tmp:
+        meter.reset()
+        RunDir(Path(tmp), to_yaml(run.cfg), {}).save(run, step)
+        meter.record("checkpoint")
+
+
 def measure_memory(
     cfg,
     *,
@@ -788,7 +852,8 @@ def measure_memory(
     env: dict | None = None,
 ):
     """Run ``steps`` steps of ``cfg`` (a Config) in a fresh child process; return its report:
-    ``phases`` (load / generate / rewards / reference / update peaks above the baseline, bytes), ``peak``,
+    ``phases`` (load / generate / rewards / reference / update / checkpoint peaks above the
+    baseline, bytes), ``peak``,
     ``baseline_bytes``, the sequence lengths it saw, parameter counts, ``seconds``.
 
     allocator (CPU, glibc): "returning" (freed blocks >= 128 KiB go back to the OS, so RSS
@@ -834,7 +899,7 @@ def _mib(x: float) -> str:
 def format_table(rows: list[tuple[str, dict, dict]]) -> str:
     """``rows`` = [(label, measured report, estimate)] -> a plain-text table in MiB: the
     estimate's breakdown, estimated and measured peaks, the error, and the measured per-phase
-    peaks (generate / reference / update)."""
+    peaks (generate / reference / update / checkpoint)."""
     headers = [
         "config",
         "weights",
@@ -849,6 +914,7 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
         "meas gen",
         "meas ref",
         "meas upd",
+        "meas ckpt",
     ]
     cells = [headers]
     for label, meas, est in rows:
@@ -869,6 +935,7 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
                 _mib(ph.get("generate", 0)),
                 _mib(ph.get("reference", 0)),
                 _mib(ph.get("update", 0)),
+                _mib(ph.get("checkpoint", 0)),
             ]
         )
     widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
