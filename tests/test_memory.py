@@ -82,9 +82,12 @@ def test_estimate_hand_values():
     )
     kept = 680 * 4 * 4 - sum(int(680 * 4 * k * (592 / 680) / 2) for k in (1, 1, 2))
     assert abs(fsdp["phases"]["checkpoint"] - (kept + 680 * 4 * 3)) <= 3  # int rounding
-    assert estimate_memory(
-        HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, world=2, strategy="ddp"
-    )["phases"]["checkpoint"] == static
+    assert (
+        estimate_memory(
+            HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, world=2, strategy="ddp"
+        )["phases"]["checkpoint"]
+        == static
+    )
 
     # G = 2: the two prompts of the micro-batch run once, the 4 completions against the cache
     # repeated to every row (2 q_dim per prompt position, float32)
