@@ -481,6 +481,11 @@ def test_harness_processes_config_and_python_errors(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2,
                       num_generations=2, max_steps=1, max_completion_length=8,
                       gradient_checkpointing=False)  # fmt: skip
+    from peergrade.training.harness import pool_of
+
+    async_fn, _ = _by_name("async_chat")  # an async def harness stays on the trainer's loop
+    assert pool_of(f"{AGENTS}:async_chat", 2, async_fn) is None
+    assert pool_of(f"{AGENTS}:chat", 0, _by_name("chat")[0]) is None
     with pytest.raises(InputError, match="local_agent") as e:
         GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=local_agent,
                     harness_processes=2)  # fmt: skip

@@ -239,12 +239,22 @@ class _Worker:
 
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()
+_EXIT_HOOK: list[bool] = []
 
 
-@atexit.register
-def _close_all() -> None:  # before multiprocessing's own exit handler joins the children
+def _close_all() -> None:
     for pool in list(_POOLS):
         pool.close()
+
+
+def _hook_exit() -> None:
+    """``_close_all`` at interpreter exit, registered after multiprocessing's own handler (which
+    joins the children) so that it runs first (atexit runs last-registered first)."""
+    import multiprocessing.util  # noqa: F401  (registers its handler now if not yet)
+
+    if not _EXIT_HOOK:
+        atexit.register(_close_all)
+        _EXIT_HOOK.append(True)
 
 
 class HarnessPool:
@@ -264,6 +274,7 @@ class HarnessPool:
         """Every worker started and ready (a dead one replaced)."""
         import multiprocessing
 
+        _hook_exit()
         with self._lock:
             ctx = multiprocessing.get_context("spawn")
             keep = [w for w in self.workers if w.alive()]
