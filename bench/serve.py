@@ -2,6 +2,7 @@
 episodes run in-process.
 
 Run from the repo root:  PYTHONPATH=src python bench/serve.py [--passes 3] [--threads 1]
+[--processes 2]
 
 Workload (bench/multiturn.py's): 8 rows x 4 episodes = 32 episodes of 4 model turns; after each
 of the first 3 turns a tool answers with a short result. A random Qwen2 (hidden 128, 4 layers,
@@ -15,8 +16,12 @@ sample the same number of tokens and append the same template deltas.
   32 agents, each its own thread with its own ``openai.OpenAI`` client and tool loop, talking
   HTTP to the policy's endpoint on 127.0.0.1; every request is recorded into an Episode in
   tokens; the server batches the requests queued at each moment into one ``generate`` call.
+- C, "endpoint, N processes" (``--processes N``, N >= 1; 0 leaves it out): B with the agents
+  in N worker processes (``harness.processes: N``; ``envs.harness_pool``), each running its
+  share of the 32 agents on threads of its own, so their client-side CPU (the openai client,
+  httpx) is off the trainer's GIL. The pool starts during the warm-up, as a run's first step.
 
-Sides alternate A B / B A in one process; the table shows medians of episodes/s and the ratio,
+Sides alternate A B (C) / (C) B A in one process; the table shows medians of episodes/s and the ratio,
 and the machine's load average. What it does not measure: GPU speed, memory, agents that take
 time between requests.
 """
@@ -67,10 +72,12 @@ def agent(row, base_url, model):
     return 1.0
 
 
-def endpoint(runner, seed):
+def endpoint(runner, seed, pool=None):
     engine = runner.engine
     calls0, jobs0, busy0 = engine.calls, engine.jobs, engine.busy_s
-    res = runner.run(agent, rows(), n=N, max_completion_length=1000, temperature=1.0, seed=seed)
+    res = runner.run(
+        agent, rows(), n=N, max_completion_length=1000, temperature=1.0, seed=seed, pool=pool
+    )
     assert all(r.error is None and r.episode.num_turns == TURNS for r in res), [
         (r.error, r.episode.num_turns) for r in res
     ]
@@ -86,31 +93,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--processes", type=int, default=2, help="agents in N worker processes too (0: not)"
+    )
     args = ap.parse_args()
     import torch
 
+    from peergrade.envs.harness_pool import HarnessPool
     from peergrade.generation.harness import HarnessRunner
 
     torch.set_num_threads(args.threads)
     model, tok = build()
     runner = HarnessRunner(model, tok, "bench")
+    pool = (
+        HarnessPool(os.path.abspath(__file__) + ":agent", args.processes)
+        if args.processes
+        else None
+    )
     in_process(model, tok, 0)  # warm-up
     endpoint(runner, 0)
+    if pool is not None:
+        endpoint(runner, 0, pool)
 
-    def side(fn, arg):
+    def side(fn, arg, pool=None):
         def run():
             t0 = time.perf_counter()
-            tokens, extra = fn(arg, 1) if fn is endpoint else fn(model, tok, 1)
+            tokens, extra = fn(arg, 1, pool) if fn is endpoint else fn(model, tok, 1)
             dt = time.perf_counter() - t0
             return {"s": dt, "episodes_per_s": ROWS * N / dt, "tokens": tokens, **extra}
 
         return run
 
     load_before = _common.load_note()
-    res = _common.alternate(
-        {"in-process": side(in_process, None), "endpoint": side(endpoint, runner)}, args.passes
-    )
-    runner.close()
+    sides = {"in-process": side(in_process, None), "endpoint": side(endpoint, runner)}
+    proc = f"endpoint, {args.processes} processes"
+    if pool is not None:
+        sides[proc] = side(endpoint, runner, pool)
+    try:
+        res = _common.alternate(sides, args.passes)
+    finally:
+        if pool is not None:
+            pool.close()
+        runner.close()
     med = {k: _common.median([r["episodes_per_s"] for r in v]) for k, v in res.items()}
     print(
         _common.format_table(
@@ -121,16 +145,18 @@ def main() -> None:
             ],
         )
     )
-    ep = res["endpoint"]
+    for name in [k for k in res if k != "in-process"]:
+        ep = res[name]
+        print(
+            f"{name}: {_common.median([r['generate calls'] for r in ep]):.0f} generate calls "
+            f"per pass, {_common.median([r['requests per call'] for r in ep]):.1f} requests per "
+            f"call, {_common.median([r['sampling s'] for r in ep]):.2f} s sampling of "
+            f"{_common.median([r['s'] for r in ep]):.2f} s (in-process: one lock-step batch of "
+            f"{ROWS * N})"
+        )
+    for name in [k for k in res if k != "in-process"]:
+        print(f"{name} / in-process = {med[name] / med['in-process']:.2f}x")
     print(
-        f"endpoint: {_common.median([r['generate calls'] for r in ep]):.0f} generate calls per "
-        f"pass, {_common.median([r['requests per call'] for r in ep]):.1f} requests per call, "
-        f"{_common.median([r['sampling s'] for r in ep]):.2f} s sampling of "
-        f"{_common.median([r['s'] for r in ep]):.2f} s (in-process: one lock-step batch of "
-        f"{ROWS * N})"
-    )
-    print(
-        f"endpoint / in-process = {med['endpoint'] / med['in-process']:.2f}x "
         f"({ROWS * N} episodes of {TURNS} turns, {args.threads} thread(s)); "
         f"before: {load_before}; after: {_common.load_note()}"
     )

@@ -350,3 +350,174 @@ def test_grpo_trainer_takes_a_harness(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     m = next(json.loads(x) for x in lines if "loss/policy" in x)
     assert m["harness/failed"] == 0.0 and "harness/answer_len" in m
+
+
+# ------------------------------------------------------------------ harness.processes: workers
+
+AGENTS = "tests/harness_agents.py"  # what the workers load by name (no torch, no pytest)
+
+
+def _by_name(name):
+    from peergrade.envs.harness_pool import HarnessPool
+    from peergrade.envs.load import load_object
+
+    return load_object(f"{AGENTS}:{name}", "harness.fn"), HarnessPool
+
+
+def test_worker_processes_record_the_same_episodes(inner, merge_tok):
+    """The sampling is keyed per episode: the same episodes (tokens, masks, rewards, the
+    harness's numbers) whether the harness runs on threads or in 2 worker processes."""
+    fn, HarnessPool = _by_name("chat")
+    rows = [{"q": "hi"}, {"q": "tell me more"}, {"q": "and?"}]
+    out = {}
+    for processes in (0, 2):
+        model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=6.0)
+        runner = HarnessRunner(model, merge_tok)
+        pool = HarnessPool(f"{AGENTS}:chat", processes) if processes else None
+        try:
+            out[processes] = runner.run(fn, rows, n=3, max_completion_length=60, temperature=1.0,
+                                        seed=7, max_tokens_per_turn=12, pool=pool)  # fmt: skip
+        finally:
+            runner.close()
+            if pool is not None:
+                workers = list(pool.workers)
+                pool.close()
+                assert workers and all(not w.proc.is_alive() for w in workers)
+    a, b = out[0], out[2]
+    assert [r.error for r in a] == [r.error for r in b] == [None] * 9
+    assert [r.episode.input_ids for r in a] == [r.episode.input_ids for r in b]
+    assert [r.episode.loss_mask for r in a] == [r.episode.loss_mask for r in b]
+    assert [r.reward for r in a] == [r.reward for r in b]
+    assert [r.metrics for r in a] == [r.metrics for r in b]
+    assert len({r.reward for r in a}) > 1  # the rewards depend on what was sampled
+    for x, y in zip(a, b):
+        torch.testing.assert_close(
+            torch.tensor(x.episode.logprobs), torch.tensor(y.episode.logprobs), atol=1e-5, rtol=0
+        )
+
+
+def test_failures_in_a_worker_keep_their_kinds_and_texts(inner, merge_tok):
+    """Raised, bad return, never called, overran: the same (kind, error, reward) as on
+    threads; a sys.exit() is re-raised in the trainer, as on threads."""
+    fn, HarnessPool = _by_name("by_case")
+    cases = ["good", "raises", "returns_text", "never_calls", "hangs"]
+    rows = [{"case": c, "prompt": [{"role": "user", "content": "q"}]} for c in cases]
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    runner = HarnessRunner(model, merge_tok)
+    pool = HarnessPool(f"{AGENTS}:by_case", 2)
+    seen = {}
+    try:
+        for p in (None, pool):  # warm-up: the workers' first client (lazy imports) is slow
+            runner.run(fn, rows[:1] * 2, n=1, max_completion_length=8, pool=p)
+        for mode, p in (("threads", None), ("processes", pool)):
+            res = runner.run(fn, rows, n=1, max_completion_length=40, max_tokens_per_turn=6,
+                             timeout_s=6.0, pool=p)  # fmt: skip
+            seen[mode] = [(r.kind, r.error, r.reward) for r in res]
+            for p_ in (None, pool):
+                with pytest.raises(SystemExit) as e:
+                    runner.run(fn, [{"case": "exits"}], n=1, max_completion_length=8, pool=p_)
+                assert e.value.code == 3
+    finally:
+        runner.close()
+        pool.close()
+    assert seen["threads"] == seen["processes"]
+    assert [k for k, _, _ in seen["processes"]] == [
+        None, "exception", "bad_return", "no_request", "timeout",
+    ]  # fmt: skip
+    assert seen["processes"][1][1] == "ValueError: boom"
+
+
+def test_a_dying_worker_fails_its_episodes_and_is_replaced(inner, merge_tok):
+    """A worker that exits (os._exit, a segfault): its episodes fail with one clear error
+    naming the process and its exit code, nothing hangs, and the next run has a new worker."""
+    fn, HarnessPool = _by_name("by_case")
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    runner = HarnessRunner(model, merge_tok)
+    pool = HarnessPool(f"{AGENTS}:by_case", 1)
+    rows = [{"case": c, "prompt": "q"} for c in ("good", "dies", "good")]
+    try:
+        t0 = time.monotonic()
+        res = runner.run(fn, rows, n=1, max_completion_length=20, timeout_s=60, pool=pool)
+        assert time.monotonic() - t0 < 30
+        first = pool.workers[0].proc.pid
+        again = runner.run(fn, rows[:1], n=1, max_completion_length=20, pool=pool)
+        assert pool.workers[0].proc.pid != first
+    finally:
+        runner.close()
+        pool.close()
+    dead = res[1]
+    assert dead.kind == "exception" and dead.reward == 0.0
+    assert "worker process" in dead.error and "exit code 7" in dead.error
+    assert all(r.error in (None, dead.error) for r in res)
+    assert again[0].error is None and again[0].reward == 1.0
+
+
+def test_a_worker_that_cannot_load_the_harness_says_so():
+    from peergrade.envs.harness_pool import HarnessPool, WorkerStartError
+
+    pool = HarnessPool(f"{AGENTS}:no_such_agent", 1)
+    try:
+        with pytest.raises(WorkerStartError, match="no_such_agent"):
+            pool.ensure()
+    finally:
+        pool.close()
+
+
+def test_harness_processes_config_and_python_errors(tmp_path):
+    from peergrade import GRPOTrainer
+    from peergrade.api import GRPOConfig
+    from peergrade.config import ConfigError, load_config
+    from peergrade.errors import InputError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [("harness.fn", f"{AGENTS}:chat"), ("harness.processes", -1)])
+    assert "harness.processes" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(None, []).harness.processes == 0
+
+    def local_agent(row, base_url, model):  # not importable by name
+        return 1.0
+
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}]
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2,
+                      num_generations=2, max_steps=1, max_completion_length=8,
+                      gradient_checkpointing=False)  # fmt: skip
+    from peergrade.training.harness import pool_of
+
+    async_fn, _ = _by_name("async_chat")  # an async def harness stays on the trainer's loop
+    assert pool_of(f"{AGENTS}:async_chat", 2, async_fn) is None
+    assert pool_of(f"{AGENTS}:chat", 0, _by_name("chat")[0]) is None
+    with pytest.raises(InputError, match="local_agent") as e:
+        GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=local_agent,
+                    harness_processes=2)  # fmt: skip
+    assert "harness.processes" in str(e.value)
+
+
+def test_grpo_trainer_with_harness_processes_trains_the_same_step(tmp_path):
+    """``GRPOTrainer(harness=fn, harness_processes=2)``: the step's samples and rewards are
+    those of the same run on threads; the workers are gone when train() returns."""
+    import harness_agents
+    from peergrade import GRPOTrainer
+    from peergrade.api import GRPOConfig
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "q": f"{a}+{b}=",
+             "answer": str(a + b)} for a, b in [(12, 7), (23, 41)]]  # fmt: skip
+    samples = {}
+    for processes in (0, 2):
+        args = GRPOConfig(
+            output_dir=str(tmp_path / f"run{processes}"), per_device_train_batch_size=4,
+            num_generations=2, max_steps=1, max_completion_length=16,
+            gradient_checkpointing=False,
+        )  # fmt: skip
+        trainer = GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=harness_agents.chat,
+                              harness_processes=processes)  # fmt: skip
+        trainer.train()
+        pool = trainer._run.harness_pool
+        assert (pool is None) == (processes == 0)
+        if pool is not None:
+            assert pool.workers == []  # closed at the end of train()
+        lines = (tmp_path / f"run{processes}" / "samples.jsonl").read_text().splitlines()
+        samples[processes] = [
+            (s["completions"], s["rewards"], s["advantages"]) for s in map(json.loads, lines)
+        ]
+    assert samples[0] == samples[2] and samples[0]
+    assert len({r for _, rs, _ in samples[0] for r in rs}) > 1  # rewards from the samples

@@ -946,6 +946,7 @@ class GRPOTrainer:
         rollout_func=None,
         environment_factory=None,
         harness=None,
+        harness_processes: int = 0,
     ):
         from peergrade.tasks.files import FileTask
         from peergrade.training.trainer import Given, setup
@@ -985,6 +986,8 @@ class GRPOTrainer:
         overrides.append(("model.path", model_path))
         overrides.extend(_lora_overrides(peft_config))
         overrides.extend(_episode_overrides(tools, environment_factory, harness))
+        if harness_processes:  # harness.processes: the harness's calls in worker processes
+            overrides.append(("harness.processes", harness_processes))
         self.config = load_config(None, overrides)
         given = Given(
             task=task,

@@ -680,6 +680,13 @@ class HarnessConfig:
     model_name: str = doc(
         "The model id the endpoint serves (what the harness gets as model).", "policy"
     )
+    processes: int = doc(
+        "Worker processes that run a sync harness's calls, each on threads of its own, so the "
+        "agents' client-side CPU (the openai client, httpx) runs off the trainer's GIL; 0 = "
+        "threads of the trainer's process. Each worker loads harness.fn by name (spawn), so "
+        "it must be importable. An async def harness always runs on the trainer's event loop.",
+        0,
+    )
 
     @property
     def enabled(self) -> bool:
@@ -1512,6 +1519,11 @@ def _check_harness(cfg: Config) -> None:
     _need(
         h.timeout_s is None or h.timeout_s > 0,
         f"harness.timeout_s must be > 0 or null, got {h.timeout_s}",
+    )
+    _need(
+        isinstance(h.processes, int) and not isinstance(h.processes, bool) and h.processes >= 0,
+        f"harness.processes must be an integer >= 0 (0 = threads of the trainer), got "
+        f"{h.processes!r}",
     )
 
 

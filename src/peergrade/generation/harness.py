@@ -14,6 +14,10 @@ and its ``error``; the caller decides whether that stops the run. A sync harness
 cannot be killed (Python cannot stop a thread): it is abandoned on a daemon thread, and the
 server refuses its episode's later requests. An ``async def`` harness that overruns is cancelled.
 
+With a ``pool`` (``envs.harness_pool``, ``harness.processes``) a sync harness's calls run
+in worker processes instead, each on a thread of its worker, with the same results, failures
+and error texts; an ``async def`` harness always runs on this process's event loop.
+
 It does not score with reward functions, compute advantages or train.
 """
 
@@ -22,14 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import math
-import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from peergrade.envs.episode import Episode
+from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of
 from peergrade.envs.protocol import run_sync
 from peergrade.envs.template import render
 from peergrade.generation.recorder import EpisodeSettings, Recorder
@@ -67,31 +69,6 @@ def _in_thread(fn: Callable, *args) -> asyncio.Future:
 
     threading.Thread(target=target, name="peergrade-harness", daemon=True).start()
     return fut
-
-
-def reward_of(value: Any) -> tuple[float, dict[str, float]]:
-    """(reward, extra metrics) of what a harness returned; TypeError for anything else."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        r = float(value)
-        extra: dict[str, float] = {}
-    elif (
-        isinstance(value, dict)
-        and isinstance(value.get("reward"), numbers.Real)
-        and not isinstance(value.get("reward"), bool)
-    ):
-        r = float(value["reward"])
-        extra = {}
-        for k, v in value.items():
-            if k != "reward" and isinstance(v, numbers.Real) and not isinstance(v, bool):
-                extra[str(k)] = float(v)
-    else:
-        raise TypeError(
-            "a harness must return a number or a dict with a numeric 'reward', got "
-            f"{type(value).__name__}: {str(value)[:200]}"
-        )
-    if not math.isfinite(r):
-        raise TypeError(f"a harness returned a non-finite reward: {r}")
-    return r, extra
 
 
 class HarnessRunner:
@@ -140,10 +117,18 @@ class HarnessRunner:
         max_tokens_per_turn: int | None = None,
         concurrency: int | None = None,
         timeout_s: float | None = None,
+        pool: HarnessPool | None = None,
     ) -> list[HarnessResult]:
         """One ``HarnessResult`` per (row, sample), episode ``i`` answering row ``i // n``.
         The draws of an episode's turn ``k`` are keyed by (seed, the row's key, the sample
-        index, k)."""
+        index, k). ``pool``: a sync ``fn``'s calls run in these worker processes (the same
+        harness, loaded there by name) instead of on threads of this process; the episodes
+        are the same."""
+        is_async = inspect.iscoroutinefunction(fn)
+        if pool is not None and not is_async:
+            pool.ensure()  # started, or a dead worker replaced
+        else:
+            pool = None
         keys = list(range(len(rows))) if row_keys is None else list(row_keys)
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         total = len(rows) * n
@@ -169,13 +154,17 @@ class HarnessRunner:
                 error = kind = None
                 value = None
                 try:
-                    if inspect.iscoroutinefunction(fn):
+                    if is_async:
                         call = fn(row, base_url, self.name)
+                    elif pool is not None:
+                        call = pool.submit(row, base_url, self.name)
                     else:
                         call = _in_thread(fn, row, base_url, self.name)
                     value = await asyncio.wait_for(call, timeout_s)
                 except asyncio.TimeoutError:
                     error, kind = f"timed out after {timeout_s:g}s", "timeout"
+                except EpisodeFailure as e:  # the same failure, reported by a worker process
+                    error, kind = e.text, e.kind
                 except Exception as e:
                     error, kind = f"{type(e).__name__}: {e}", "exception"
                 rec = self.recorder.close(rec.eid)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from peergrade.config import PYTHON_ONLY
+from peergrade.envs.harness_pool import HarnessPool
 from peergrade.generation.harness import HarnessResult, HarnessRunner, harness_metrics
 from peergrade.rewards import make_reward_specs
 from peergrade.rewards.registry import RewardError
@@ -67,7 +69,39 @@ def load(cfg, given_fn: Callable | None = None) -> Callable | None:
 
 
 def start(run) -> HarnessRunner:
-    return HarnessRunner(run.models.policy, run.models.tokenizer, run.cfg.harness.model_name)
+    """The endpoint, and with ``harness.processes >= 1`` (a sync harness) its worker pool
+    (``run.harness_pool``; the workers start at the first step, ``close(run)`` stops them)."""
+    h = run.cfg.harness
+    run.harness_pool = pool_of(h.fn, h.processes, run.harness)
+    return HarnessRunner(run.models.policy, run.models.tokenizer, h.model_name)
+
+
+def pool_of(spec: str | None, processes: int, fn: Callable | None) -> HarnessPool | None:
+    """The worker pool for ``harness.processes`` (None: threads of this process, also for an
+    ``async def`` harness); an InputError for a harness the workers cannot load by name."""
+    import inspect
+
+    if processes < 1 or fn is None or inspect.iscoroutinefunction(fn):
+        return None
+    if spec is None or spec.startswith(PYTHON_ONLY):
+        from peergrade.errors import InputError
+
+        name = (spec or "")[len(PYTHON_ONLY) :] or repr(fn)
+        raise InputError(
+            f"harness.processes: {processes} runs the harness in worker processes, which load "
+            f"it by name, but the harness {name} cannot be imported by name (defined in "
+            "__main__, inside a function, or a lambda): define it at the top level of an "
+            "importable module (or pass 'path/to/file.py:fn' as harness.fn), or set "
+            "harness.processes: 0 to run it on threads of this process"
+        )
+    return HarnessPool(spec, processes)
+
+
+def close(run) -> None:
+    """Stop the harness's worker processes (the end of a run, Ctrl-C or an error)."""
+    pool = getattr(run, "harness_pool", None)
+    if pool is not None:
+        pool.close()
 
 
 def _run(run, rows, *, n, temperature, top_p, seed, row_keys, stop) -> list[HarnessResult]:
@@ -88,6 +122,7 @@ def _run(run, rows, *, n, temperature, top_p, seed, row_keys, stop) -> list[Harn
         max_tokens_per_turn=cfg.env.max_tokens_per_turn,
         concurrency=h.concurrency,
         timeout_s=h.timeout_s,
+        pool=run.harness_pool,
     )
     failed = [(i, res) for i, res in enumerate(results) if res.error]
     if failed and cfg.train.on_reward_error == "fail":

@@ -150,6 +150,7 @@ class Run:
     make_env: Any = None  # env: row -> environment (episodes); None = single replies
     harness: Any = None  # harness: fn(row, base_url, model), the episode source (or None)
     harness_runner: Any = None  # its endpoint (training.harness.start)
+    harness_pool: Any = None  # its worker processes (harness.processes; training.harness.start)
     harness_episodes: Any = None  # the held-out evaluation's episodes through the harness
     # dynamic sampling: some group's rewards have differed in this run (a checkpoint keeps it);
     # until then a step that finds none stops the run (dynamic.fill_groups' require_one)
@@ -231,7 +232,8 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         make_env,
     )
     if harness_fn is not None:  # serve the policy to the harness (a free local port)
-        run.harness, run.harness_runner = harness_fn, harness.start(run)
+        run.harness = harness_fn
+        run.harness_runner = harness.start(run)
         run.harness_episodes = harness.episode_fn(run)
     return run
 
@@ -798,6 +800,15 @@ def train(
     check_backends(t.report_to)  # a missing logging package fails here, before the model loads
     dist.barrier()  # every rank has checked the run dir before rank 0 creates it
     run = setup(cfg) if run is None else run
+    try:
+        return _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_steps)
+    finally:  # the end, an error or Ctrl-C: no harness worker process outlives the run
+        harness.close(run)
+
+
+def _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_steps):
+    """``train``'s steps once the run is built."""
+    t = cfg.train
     held_out = HeldOut.of(run)
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
     display_mode = t.display if dist.is_main() else "none"
