@@ -13,8 +13,9 @@ what the call returned, in ``HarnessRunner``'s terms:
 - ``EpisodeFailure(text, kind)`` for a harness that raised (``kind`` 'exception', the text
   ``"ValueError: boom"`` as in-process), returned something else ('bad_return'), or whose
   worker died while it ran ('exception', naming the process and its exit code);
-- ``SystemExit(code)`` for a harness that called ``sys.exit``: re-raised in the trainer, as a
-  sync harness on one of the trainer's threads does.
+- ``SystemExit(code)`` for a harness that called ``sys.exit``: raised in the trainer's loop,
+  where ``HarnessRunner`` makes it that episode's failure, as for a sync harness on one of the
+  trainer's threads.
 
 A call that overruns its timeout is abandoned in the worker (its thread cannot be stopped, as
 in-process); its late result is dropped. A dead worker is replaced at the next ``ensure()``

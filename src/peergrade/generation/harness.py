@@ -8,7 +8,7 @@ once, and returns one ``HarnessResult`` each: the recorded ``envs.Episode`` (the
 ``generation.episodes`` builds: prompt, sampled tokens with loss mask 1 and the sampler's
 log-probs, template/tool tokens with mask 0), the reward and what went wrong.
 
-A harness fails when it raises, runs past ``timeout_s``, returns something other than a number
+A harness fails when it raises (``sys.exit()`` included), runs past ``timeout_s``, returns something other than a number
 or a dict with a numeric ``reward``, or never calls the server. A failed episode gets reward 0
 and its ``error``; the caller decides whether that stops the run. A sync harness that overruns
 cannot be killed (Python cannot stop a thread): it is abandoned on a daemon thread, and the
@@ -34,6 +34,7 @@ from peergrade.envs.episode import Episode
 from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of
 from peergrade.envs.protocol import run_sync
 from peergrade.envs.template import render
+from peergrade.errors import describe_exit, users_own_stop
 from peergrade.generation.recorder import EpisodeSettings, Recorder
 from peergrade.generation.server import Engine, Server, build_app, mix_key
 
@@ -167,6 +168,10 @@ class HarnessRunner:
                     error, kind = e.text, e.kind
                 except Exception as e:
                     error, kind = f"{type(e).__name__}: {e}", "exception"
+                except BaseException as e:  # its sys.exit() / KeyboardInterrupt: its failure
+                    if not users_own_stop(e):
+                        raise
+                    error, kind = describe_exit(e), "exception"
                 rec = self.recorder.close(rec.eid)
             reward, extra = 0.0, {}
             if error is None:
