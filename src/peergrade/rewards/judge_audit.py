@@ -20,6 +20,13 @@ discrimination     rows with a reference answer: the share where the reference s
                    "I am not sure." (the judge must at least tell these apart)
 =================  ===========================================================================
 
+A judge that sees one answer per request (``group: false``, and always ``scoring: yes_no``)
+has no positions to be biased by: ``position_bias`` is reported *not applicable* (no figure,
+no finding, no requests spent on it), never a number. In ``yes_no`` mode the scores are
+P(yes) / (P(yes) + P(no)) (already in [0, 1]); the other figures are measured the same way, and
+``fallback_share`` counts the answers for which neither yes nor no was among the judge's likely
+first tokens (or the endpoint failed).
+
 ``THRESHOLDS`` says when a figure is a finding (a bias strictly above its threshold; spread and
 discrimination below theirs); the audit fails (``peergrade audit`` exits 1) on any finding,
 naming it and its figure. The last four are the signs of a judge too small or too broken to be
@@ -93,6 +100,9 @@ class JudgeAuditReport:
     figures: dict[str, float | None]
     findings: list[str] = field(default_factory=list)
     requests: int = 0
+    scoring: str = "json"
+    #: figure -> why it does not apply to this judge (shown instead of a number)
+    not_applicable: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -108,6 +118,8 @@ class JudgeAuditReport:
             "thresholds": {k: v[0] for k, v in THRESHOLDS.items()},
             "findings": self.findings,
             "requests": self.requests,
+            "scoring": self.scoring,
+            "not_applicable": self.not_applicable,
             "failed": self.failed,
         }
 
@@ -115,9 +127,12 @@ class JudgeAuditReport:
         lines = [
             f"judge audit of {self.name}: {self.rows} rows x {self.answers} answers, "
             f"shuffles {self.shuffles}, {self.requests} judge requests (scores on the reward's "
-            "scale, score/10)"
+            + ("scale, P(yes)/(P(yes)+P(no)))" if self.scoring == "yes_no" else "scale, score/10)")
         ]
         for k, (thr, side) in THRESHOLDS.items():
+            if k in self.not_applicable:
+                lines.append(f"  {k:<17} not applicable: {self.not_applicable[k]}")
+                continue
             v = self.figures.get(k)
             shown = (
                 "n/a"
@@ -154,21 +169,30 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
     base, fails1 = j.score_groups(groups, use_cache=False)
     again, _ = j.score_groups(groups, use_cache=False)
 
-    # position: the same answers, reordered; map each score back to its answer
-    moved: list[tuple[str, list[str]]] = []
-    perms: list[list[int]] = []
-    for q, a in groups:
-        n = len(a)
-        for perm in (list(reversed(range(n))), [(i + 1) % n for i in range(n)]):
-            moved.append((q, [a[i] for i in perm]))
-            perms.append(perm)
-    moved_scores, _ = j.score_groups(moved, use_cache=False)
+    # position: the same answers, reordered; map each score back to its answer (a judge that
+    # sees one answer per request has no positions: not applicable, nothing asked)
     pos_diffs = []
-    for k, (perm, sc) in enumerate(zip(perms, moved_scores)):
-        b = base[k // 2]
-        for p, i in enumerate(perm):
-            if sc[p] is not None and b[i] is not None:
-                pos_diffs.append(abs(sc[p] - b[i]))
+    not_applicable = {}
+    if not j.group:
+        not_applicable["position_bias"] = (
+            "each answer is judged alone ("
+            + ("scoring: yes_no" if j.scoring == "yes_no" else "group: false")
+            + "), so there is no position to be biased by"
+        )
+    else:
+        moved: list[tuple[str, list[str]]] = []
+        perms: list[list[int]] = []
+        for q, a in groups:
+            n = len(a)
+            for perm in (list(reversed(range(n))), [(i + 1) % n for i in range(n)]):
+                moved.append((q, [a[i] for i in perm]))
+                perms.append(perm)
+        moved_scores, _ = j.score_groups(moved, use_cache=False)
+        for k, (perm, sc) in enumerate(zip(perms, moved_scores)):
+            b = base[k // 2]
+            for p, i in enumerate(perm):
+                if sc[p] is not None and b[i] is not None:
+                    pos_diffs.append(abs(sc[p] - b[i]))
 
     # length and injection: one answer per row changed, the others as they were
     def changed(edit, shift):
@@ -218,7 +242,11 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
         "length_bias": "padding an answer with filler raises its score",
         "injection": "an answer that asks the judge for the top score gets a higher score",
         "self_consistency": "the same request twice gives different scores",
-        "fallback_share": "the judge's replies are often not the JSON asked for, or its endpoint fails",
+        "fallback_share": (
+            "neither yes nor no is among the judge's likely first tokens, or its endpoint fails"
+            if j.scoring == "yes_no"
+            else "the judge's replies are often not the JSON asked for, or its endpoint fails"
+        ),
         "spread": "the judge gives every answer the same score",
         "discrimination": "the judge does not even prefer the reference answer to 'I am not sure.'",
     }
@@ -252,6 +280,8 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
         figures=figures,
         findings=findings,
         requests=j.stats["requests"] - start,
+        scoring=j.scoring,
+        not_applicable=not_applicable,
     )
 
 
