@@ -675,7 +675,9 @@ QUESTION = "Does the reply name the right city?"
 
 def reply_of(messages) -> str:
     """The reply shown in a yes_no request (build_yes_no_messages' layout)."""
-    return re.search(r"Reply:\n<<<\n(.*?)\n>>>", messages[-1]["content"], flags=re.S).group(1)
+    return re.search(r"Reply: (.*)\n.*? Answer Yes or No\.$", messages[-1]["content"], re.S).group(
+        1
+    )
 
 
 class YesNoBackend:
@@ -706,7 +708,17 @@ def test_yes_no_reward_is_the_yes_share_and_each_answer_is_judged_alone():
     assert out == pytest.approx([0.75, 0.25, 0.75] * 2)  # 0.6/0.8 and 0.1/0.4
     assert b.calls == 6 and logged["judge/fallbacks"] == 0.0
     msgs = build_yes_no_messages(QUESTION, "Capital?", "Paris")
-    assert msgs[-1]["content"].endswith(QUESTION + " Answer Yes or No.")
+    assert msgs[-1]["content"] == f"Question: Capital?\nReply: Paris\n{QUESTION} Answer Yes or No."
+    asked = []
+
+    class Spy(YesNoBackend):
+        def yes_no(self, requests):
+            asked.extend(requests)
+            return super().yes_no(requests)
+
+    quiet = Judge(Spy(city_yes_no), QUESTION, scoring="yes_no", show_question=False)
+    assert quiet(["Capital?"], ["Paris"]) == pytest.approx([0.75])
+    assert asked[-1][-1]["content"] == f"Reply: Paris\n{QUESTION} Answer Yes or No."
 
 
 def test_yes_no_with_neither_yes_nor_no_falls_back_and_is_counted():
@@ -738,6 +750,8 @@ def test_yes_no_with_neither_yes_nor_no_falls_back_and_is_counted():
             "judge shuffles=2 does not apply with scoring=yes_no",
         ),
         ({"scoring": "yes_no", "rubric": "Score the cheer."}, "must be a yes/no question"),
+        ({"show_question": False}, "judge show_question=false applies only with scoring=yes_no"),
+        ({"scoring": "yes_no", "show_question": "no"}, "judge show_question='no': expected true"),
     ],
 )
 def test_yes_no_bad_option_combinations_are_one_line_errors(options, match):
@@ -924,3 +938,56 @@ def test_audit_of_a_yes_no_judge_says_position_bias_is_not_applicable():
     assert {f.split(" = ")[0] for f in bad.findings} >= {"length_bias", "injection"}
     none = audit_judge(Judge(YesNoBackend(lambda r: (0.0, 0.0)), QUESTION, scoring="yes_no"), ROWS)
     assert any("fallback_share" in f and "neither yes nor no" in f for f in none.findings)
+
+
+def test_yes_no_examples_come_first_as_solved_turns():
+    seen = []
+
+    class Spy(YesNoBackend):
+        def yes_no(self, requests):
+            seen.extend(requests)
+            return super().yes_no(requests)
+
+    examples = [
+        {"question": "Capital of Italy?", "reply": "Rome", "verdict": True},  # YAML's bare yes
+        {"reply": "Madrid", "verdict": "no"},  # no question: its block is left out
+    ]
+    j = Judge(Spy(city_yes_no), QUESTION, scoring="yes_no", examples=examples)
+    assert j(*groups_of(ROWS[:1], ["Paris"])) == pytest.approx([0.75])
+    (msgs,) = seen
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [msgs[2]["content"], msgs[4]["content"]] == ["Yes", "No"]
+    assert msgs[1]["content"] == (
+        "Question: Capital of Italy?\nReply: Rome\n" + QUESTION + " Answer Yes or No."
+    )
+    assert msgs[3]["content"].startswith("Reply: Madrid\n")
+    assert msgs[-1] == build_yes_no_messages(QUESTION, ROWS[0]["prompt"], "Paris")[-1]
+    assert reply_of(msgs) == "Paris"  # the real request is the last turn
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (
+            {"examples": [{"reply": "x", "verdict": "yes"}]},
+            "examples apply only with scoring=yes_no",
+        ),
+        (
+            {"scoring": "yes_no", "examples": [{"reply": "x", "verdict": "maybe"}]},
+            "verdict must be yes or no",
+        ),
+        (
+            {"scoring": "yes_no", "examples": [{"reply": "", "verdict": "no"}]},
+            "reply must be a non-empty",
+        ),
+        (
+            {"scoring": "yes_no", "examples": [{"reply": "x", "answer": "no"}]},
+            "examples[0]: expected a mapping",
+        ),
+        ({"scoring": "yes_no", "examples": "be nice"}, "expected a list"),
+    ],
+)
+def test_bad_examples_are_one_line_errors(options, match):
+    with pytest.raises(JudgeError, match=re.escape(match)) as e:
+        make_judge(rubric=QUESTION, base_url="http://127.0.0.1:9/v1", **options)
+    assert "\n" not in str(e.value)

@@ -40,7 +40,10 @@ token of the judge's tokenizer (one batched forward pass, no sampling); through 
 entries of ``top_logprobs`` (20 asked for, ``max_tokens: 1``, ``temperature: 0``) whose token
 text is a variant (a variant not among them counts 0). When neither side has any probability
 (no variant among the endpoint's top 20) the request has failed and the answer gets the
-fallback, counted as for an unparsable reply.
+fallback, counted as for an unparsable reply. ``examples`` (yes_no only) puts solved requests
+before the real one, as user/assistant turns answered "Yes" or "No": with two of them
+SmolLM2-135M-Instruct starts to tell a cheerful reply from a flat one, without them it does not
+(docs/recipes.md).
 
 ``shuffles: k`` judges each group k times in k deterministic orders (the shown order, then the
 reversed one, then seeded shuffles), maps each score back to its answer and averages: a judge
@@ -88,6 +91,7 @@ __all__ = [
     "JudgeParseError",
     "build_messages",
     "build_yes_no_messages",
+    "check_examples",
     "judge",
     "orders_for",
     "parse_scores",
@@ -164,18 +168,61 @@ def build_messages(rubric: str, question: str, answers: Sequence[str]) -> list[d
     ]
 
 
-def build_yes_no_messages(rubric: str, question: str, answer: str) -> list[dict]:
-    """The chat request of ``scoring: yes_no``: one answer, the rubric as the yes/no question.
+def _yes_no_user(rubric: str, question: str | None, answer: str) -> str:
+    shown = f"Question: {question.strip()}\n" if question is not None else ""
+    return f"{shown}Reply: {answer.strip()}\n{rubric.strip()} Answer Yes or No."
+
+
+def build_yes_no_messages(
+    rubric: str, question: str | None, answer: str, examples: Sequence[dict] = ()
+) -> list[dict]:
+    """The chat request of ``scoring: yes_no``: one answer, the rubric as the yes/no question,
+    in a compact layout a 135M model follows (``Question: ...`` / ``Reply: ...`` / the rubric,
+    one block each; ``question`` None leaves the question out: ``show_question: false``).
+    ``examples`` (``check_examples``' form: ``reply``, ``verdict`` "Yes"/"No", ``question`` or
+    None) come first as solved turns: the same user layout, the assistant's one-word verdict.
     The backend adds the chat template's generation prompt; the judge's first reply token is
     read, never generated."""
-    user = (
-        f"Question:\n{question.strip()}\n\nReply:\n<<<\n{answer}\n>>>\n\n"
-        f"{rubric.strip()} Answer Yes or No."
-    )
-    return [
-        {"role": "system", "content": YES_NO_SYSTEM_PROMPT},
-        {"role": "user", "content": user},
-    ]
+    msgs = [{"role": "system", "content": YES_NO_SYSTEM_PROMPT}]
+    for ex in examples:
+        msgs.append({"role": "user", "content": _yes_no_user(rubric, ex["question"], ex["reply"])})
+        msgs.append({"role": "assistant", "content": ex["verdict"]})
+    msgs.append({"role": "user", "content": _yes_no_user(rubric, question, answer)})
+    return msgs
+
+
+def check_examples(examples, scoring: str) -> list[dict]:
+    """The ``examples`` option, checked: a list of ``{reply, verdict, question?}`` mappings,
+    ``verdict`` yes or no (YAML's bare ``yes`` / ``no`` read as booleans count too), only with
+    ``scoring: yes_no``. Returned as ``{reply, verdict: "Yes" | "No", question: str | None}``."""
+    if examples is None or (isinstance(examples, (list, tuple)) and not examples):
+        return []
+    if scoring != "yes_no":
+        raise JudgeError(
+            "judge examples apply only with scoring=yes_no (solved yes/no turns shown first)"
+        )
+    if not isinstance(examples, (list, tuple)):
+        raise JudgeError(
+            f"judge examples={examples!r}: expected a list of {{reply, verdict, question?}}"
+        )
+    out = []
+    for k, ex in enumerate(examples):
+        where = f"judge examples[{k}]"
+        if not isinstance(ex, dict) or set(ex) - {"reply", "verdict", "question"}:
+            raise JudgeError(
+                f"{where}: expected a mapping with reply, verdict and optionally question, got {ex!r}"
+            )
+        reply, verdict, question = ex.get("reply"), ex.get("verdict"), ex.get("question")
+        if not isinstance(reply, str) or not reply.strip():
+            raise JudgeError(f"{where}: reply must be a non-empty string, got {reply!r}")
+        if isinstance(verdict, bool):
+            verdict = "yes" if verdict else "no"
+        if not isinstance(verdict, str) or verdict.strip().lower() not in ("yes", "no"):
+            raise JudgeError(f"{where}: verdict must be yes or no, got {verdict!r}")
+        if question is not None and not isinstance(question, str):
+            raise JudgeError(f"{where}: question must be a string, got {question!r}")
+        out.append({"reply": reply, "verdict": verdict.strip().capitalize(), "question": question})
+    return out
 
 
 def yes_share(p_yes: float, p_no: float) -> float | None:
@@ -416,6 +463,17 @@ def _check_scoring(scoring, group, shuffles) -> bool:
     return bool(group)
 
 
+def _check_show_question(show_question, scoring: str) -> bool:
+    if not isinstance(show_question, bool):
+        raise JudgeError(f"judge show_question={show_question!r}: expected true or false")
+    if not show_question and scoring != "yes_no":
+        raise JudgeError(
+            "judge show_question=false applies only with scoring=yes_no (a json judge always "
+            "sees the question)"
+        )
+    return show_question
+
+
 def _check_question(scoring: str, rubric: str) -> None:
     if scoring == "yes_no" and not rubric.strip().endswith("?"):
         raise JudgeError(
@@ -443,8 +501,12 @@ class Judge:
         fallback_score: float = DEFAULT_FALLBACK,
         on_fallback: str = "score",
         scoring: str = "json",
+        examples: Sequence[dict] | None = None,
+        show_question: bool = True,
     ):
         group = _check_scoring(scoring, group, shuffles)
+        self.examples = check_examples(examples, scoring)
+        self.show_question = _check_show_question(show_question, scoring)
         if on_fallback not in ("score", "error"):
             raise JudgeError(f"judge on_fallback={on_fallback!r}: expected 'score' or 'error'")
         if not isinstance(shuffles, int) or isinstance(shuffles, bool) or shuffles < 1:
@@ -514,7 +576,12 @@ class Judge:
         judged as one request (score / 10; in ``yes_no``, one answer: P(yes) / (P(yes) +
         P(no))), or the reason it failed (a string)."""
         if self.scoring == "yes_no":
-            msgs = [build_yes_no_messages(self.rubric, q, answers[0]) for q, answers in items]
+            msgs = [
+                build_yes_no_messages(
+                    self.rubric, q if self.show_question else None, answers[0], self.examples
+                )
+                for q, answers in items
+            ]
         else:
             msgs = [build_messages(self.rubric, q, answers) for q, answers in items]
         replies = self.ask(msgs, use_cache=use_cache)
@@ -661,6 +728,8 @@ def make_judge(
     model: str | None = None,
     api_key_env: str | None = None,
     scoring: str = "json",
+    examples: list | None = None,
+    show_question: bool = True,
     group: bool | None = None,
     shuffles: int = 1,
     fallback_score: float = DEFAULT_FALLBACK,
@@ -682,6 +751,8 @@ def make_judge(
             model,
             api_key_env,
             scoring,
+            examples,
+            show_question,
             group,
             shuffles,
             fallback_score,
@@ -702,6 +773,8 @@ def make_judge(
     text = _rubric_text(rubric)
     _check_scoring(scoring, group, shuffles)  # before a local model loads
     _check_question(scoring, text)
+    check_examples(examples, scoring)
+    _check_show_question(show_question, scoring)
     if (judge_model is None) == (base_url is None):
         raise JudgeError(
             "the judge reward needs exactly one of judge_model (a local model: a directory, a "
@@ -759,6 +832,8 @@ def make_judge(
         fallback_score=fallback_score,
         on_fallback=on_fallback,
         scoring=scoring,
+        examples=examples,
+        show_question=show_question,
     )
     if scoring == "yes_no" and callable(getattr(backend, "yes_no_tokens", None)):
         backend.yes_no_tokens()  # a tokenizer with no one-token Yes / No: a clear error now
@@ -777,6 +852,8 @@ def judge(
     model: str | None = None,
     api_key_env: str | None = None,
     scoring: str = "json",
+    examples: list | None = None,
+    show_question: bool = True,
     group: bool | None = None,
     shuffles: int = 1,
     fallback_score: float = DEFAULT_FALLBACK,
@@ -815,6 +892,8 @@ _OPTIONS = (
     "model",
     "api_key_env",
     "scoring",
+    "examples",
+    "show_question",
     "group",
     "shuffles",
     "fallback_score",
