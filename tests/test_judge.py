@@ -991,3 +991,31 @@ def test_bad_examples_are_one_line_errors(options, match):
     with pytest.raises(JudgeError, match=re.escape(match)) as e:
         make_judge(rubric=QUESTION, base_url="http://127.0.0.1:9/v1", **options)
     assert "\n" not in str(e.value)
+
+
+def test_cli_audit_of_a_yes_no_judge_over_http_says_not_applicable(tmp_path, capsys):
+    import math
+
+    def answer(messages):  # a judge that says yes to the right city, no otherwise
+        p = 0.8 if "Paris" in reply_of(messages) else 0.2
+        return _logprobs_response([("Yes", math.log(p)), ("No", math.log(1 - p))])
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = tmp_path / "judge.yaml"
+    with serve(answer) as (_, url):
+        cfg.write_text(
+            "rewards:\n  - name: judge\n    kwargs:\n      scoring: yes_no\n"
+            f"      rubric: {QUESTION}\n      base_url: {url}\n"
+        )
+        args = ["audit", "--config", str(cfg), "--data", str(data), "--judge-rows", "4"]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "position_bias     not applicable: each answer is judged alone" in out
+        assert "no finding" in out
+        assert main(args + ["--json"]) == 0
+        (rep,) = json.loads(capsys.readouterr().out)["judges"]
+    assert rep["scoring"] == "yes_no" and rep["figures"]["position_bias"] is None
+    assert "position_bias" in rep["not_applicable"]
+    assert rep["figures"]["discrimination"] == 1.0  # "The answer is Paris." over "I am not sure."
+    assert rep["figures"]["spread"] == pytest.approx(0.2598, abs=1e-3)
