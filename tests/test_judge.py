@@ -1019,3 +1019,35 @@ def test_cli_audit_of_a_yes_no_judge_over_http_says_not_applicable(tmp_path, cap
     assert "position_bias" in rep["not_applicable"]
     assert rep["figures"]["discrimination"] == 1.0  # "The answer is Paris." over "I am not sure."
     assert rep["figures"]["spread"] == pytest.approx(0.2598, abs=1e-3)
+
+
+def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():
+    """configs/smollm2-judge-cheerful.yaml: its data files, its judge's options (checked as
+    training checks them, on an endpoint so no model loads) and its rule-based measure."""
+    import importlib.util
+    from pathlib import Path
+
+    from peergrade.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "smollm2-judge-cheerful.yaml")
+    train = Path(cfg.data.path).read_text().splitlines()
+    held = Path(cfg.data.eval_path).read_text().splitlines()
+    assert (len(train), len(held)) == (45, 15) and not set(train) & set(held)
+    (item,) = cfg.rewards
+    opts = dict(item.kwargs, judge_model=None, base_url="http://127.0.0.1:9/v1")
+    j = make_judge(**opts)
+    assert j.scoring == "yes_no" and not j.group and not j.show_question
+    assert [e["verdict"] for e in j.examples] == ["Yes", "No"]
+    make_reward_spec("judge", kwargs=opts)  # the preflight training runs
+
+    spec = importlib.util.spec_from_file_location("cheer", root / "examples/cheerful/cheer.py")
+    cheer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cheer)
+    assert cheer.cheer_score("Great, so fun!!!") == 1.0  # 3 marks; 2 of 3 words upbeat
+    assert cheer.cheer_score("Water.") == 0.0
+    assert cheer.cheer_score("A lovely day!") == pytest.approx((1 / 3 + 1.0) / 2)
+    assert cheer.cheer([[{"role": "assistant", "content": "Yay!"}], "No."]) == [
+        pytest.approx((1 / 3 + 1.0) / 2),
+        0.0,
+    ]
