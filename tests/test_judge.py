@@ -1051,3 +1051,16 @@ def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():
         pytest.approx((1 / 3 + 1.0) / 2),
         0.0,
     ]
+
+
+def test_peergrade_memory_counts_a_yes_no_judge_as_one_answer_and_no_reply(judge_dir):
+    from peergrade.training.judge_local import judge_model_memory
+
+    sizes = dict(dtype="float32", device="cpu", prompt_len=32, completion_len=16, group=8)
+    base = {"judge_model": str(judge_dir), "batch_size": 4}
+    grouped = judge_model_memory(base, **sizes)
+    yes_no = judge_model_memory({**base, "scoring": "yes_no"}, **sizes)
+    alone = judge_model_memory({**base, "group": False, "max_tokens": 1}, **sizes)
+    assert yes_no["weights"] == grouped["weights"]
+    # one answer and one position for the reply: what group: false with max_tokens 1 costs
+    assert yes_no["activations"] == alone["activations"] < grouped["activations"]
