@@ -41,9 +41,9 @@ entries of ``top_logprobs`` (20 asked for, ``max_tokens: 1``, ``temperature: 0``
 text is a variant (a variant not among them counts 0). When neither side has any probability
 (no variant among the endpoint's top 20) the request has failed and the answer gets the
 fallback, counted as for an unparsable reply. ``examples`` (yes_no only) puts solved requests
-before the real one, as user/assistant turns answered "Yes" or "No": with two of them
-SmolLM2-135M-Instruct starts to tell a cheerful reply from a flat one, without them it does not
-(docs/recipes.md).
+before the real one, as user/assistant turns answered "Yes" or "No"; ``show_question: false``
+leaves the question out of the request. SmolLM2-135M-Instruct told 20 hand-written cheerful
+replies from flat ones only with two examples and without the question (docs/rewards.md).
 
 ``shuffles: k`` judges each group k times in k deterministic orders (the shown order, then the
 reversed one, then seeded shuffles), maps each score back to its answer and averages: a judge
