@@ -25,6 +25,7 @@ from peergrade.rewards.judge import (
     JudgeError,
     JudgeParseError,
     build_messages,
+    build_yes_no_messages,
     make_judge,
     orders_for,
     parse_scores,
@@ -82,10 +83,14 @@ class _Handler(BaseHTTPRequestHandler):
         if srv.fail_status:
             self.send_error(srv.fail_status)
             return
+        srv.bodies.append(body)
         text = srv.answer(body["messages"])
-        out = json.dumps(
-            {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
-        ).encode()
+        if isinstance(text, dict):  # the whole response, as given
+            out = json.dumps(text).encode()
+        else:
+            out = json.dumps(
+                {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+            ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -95,9 +100,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve(answer, *, delay: float = 0.0, fail_status: int = 0):
-    """An OpenAI-compatible chat endpoint answering with ``answer(messages) -> text``."""
+    """An OpenAI-compatible chat endpoint answering with ``answer(messages) -> text`` (or the
+    whole response, a dict); the request bodies are kept in ``srv.bodies``."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     srv.answer, srv.delay, srv.fail_status, srv.calls = answer, delay, fail_status, 0
+    srv.bodies = []
     srv.daemon_threads = True
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -655,6 +662,405 @@ def test_audit_uses_the_rows_own_answers_and_judges_alone_with_group_false():
     report = audit_judge(Judge(FnBackend(fn), RUBRIC, group=False), rows)
     assert report.answers == 3 and report.shuffles == 1
     assert all(len(a) == 1 for a in seen) and ["Lyon."] in seen
-    # one answer per request: a judge that favours the first position cannot show it
-    assert report.figures["position_bias"] == 0.0 and report.figures["discrimination"] is None
+    # one answer per request: no position to be biased by, so no figure (not a fake 0.0)
+    assert report.figures["position_bias"] is None and report.figures["discrimination"] is None
+    assert "group: false" in report.not_applicable["position_bias"]
     assert not report.failed, report.format()
+
+
+# ----------------------------------------------------------------------------- scoring: yes_no
+
+QUESTION = "Does the reply name the right city?"
+
+
+def reply_of(messages) -> str:
+    """The reply shown in a yes_no request (build_yes_no_messages' layout)."""
+    return re.search(r"Reply: (.*)\n.*? Answer Yes or No\.$", messages[-1]["content"], re.S).group(
+        1
+    )
+
+
+class YesNoBackend:
+    """An in-process yes_no backend: ``fn(reply) -> (P(yes), P(no))``."""
+
+    def __init__(self, fn):
+        self.fn, self.key, self.calls = fn, "yes-no", 0
+
+    def complete(self, requests):
+        raise AssertionError("scoring: yes_no generates nothing")
+
+    def yes_no(self, requests):
+        self.calls += len(requests)
+        return [self.fn(reply_of(m)) for m in requests]
+
+
+def city_yes_no(reply: str) -> tuple[float, float]:
+    return (0.6, 0.2) if "Paris" in reply.split("\n")[0] else (0.1, 0.3)
+
+
+def test_yes_no_reward_is_the_yes_share_and_each_answer_is_judged_alone():
+    b = YesNoBackend(city_yes_no)
+    j = Judge(b, QUESTION, scoring="yes_no")
+    assert j.group is False  # the default in this mode
+    prompts, completions = groups_of(ROWS[:2], ["Paris", "Lyon", "Paris!"])
+    logged = {}
+    out = j(prompts, completions, log_metric=logged.__setitem__)
+    assert out == pytest.approx([0.75, 0.25, 0.75] * 2)  # 0.6/0.8 and 0.1/0.4
+    assert b.calls == 6 and logged["judge/fallbacks"] == 0.0
+    msgs = build_yes_no_messages(QUESTION, "Capital?", "Paris")
+    assert msgs[-1]["content"] == f"Question: Capital?\nReply: Paris\n{QUESTION} Answer Yes or No."
+    asked = []
+
+    class Spy(YesNoBackend):
+        def yes_no(self, requests):
+            asked.extend(requests)
+            return super().yes_no(requests)
+
+    quiet = Judge(Spy(city_yes_no), QUESTION, scoring="yes_no", show_question=False)
+    assert quiet(["Capital?"], ["Paris"]) == pytest.approx([0.75])
+    assert asked[-1][-1]["content"] == f"Reply: Paris\n{QUESTION} Answer Yes or No."
+
+
+def test_yes_no_with_neither_yes_nor_no_falls_back_and_is_counted():
+    j = Judge(
+        YesNoBackend(lambda r: (0.0, 0.0) if "Lyon" in r else (0.3, 0.1)),
+        QUESTION,
+        scoring="yes_no",
+        fallback_score=0.25,
+    )
+    logged = {}
+    out = j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__)
+    assert out == pytest.approx([0.75, 0.25])
+    assert logged["judge/fallbacks"] == 1.0 and logged["judge/failed_requests"] == 1.0
+    j2 = Judge(YesNoBackend(lambda r: (0.0, 0.0)), QUESTION, scoring="yes_no", on_fallback="error")
+    with pytest.raises(JudgeError, match="neither yes nor no"):
+        j2(*groups_of(ROWS[:1], ["Paris"]))
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"scoring": "likert"}, "judge scoring='likert': expected 'json' or 'yes_no'"),
+        (
+            {"scoring": "yes_no", "group": True},
+            "judge group=true does not apply with scoring=yes_no",
+        ),
+        (
+            {"scoring": "yes_no", "shuffles": 2},
+            "judge shuffles=2 does not apply with scoring=yes_no",
+        ),
+        ({"scoring": "yes_no", "rubric": "Score the cheer."}, "must be a yes/no question"),
+        ({"show_question": False}, "judge show_question=false applies only with scoring=yes_no"),
+        ({"scoring": "yes_no", "show_question": "no"}, "judge show_question='no': expected true"),
+    ],
+)
+def test_yes_no_bad_option_combinations_are_one_line_errors(options, match):
+    kwargs = {"rubric": QUESTION, "base_url": "http://127.0.0.1:9/v1", **options}
+    with pytest.raises(JudgeError, match=re.escape(match)) as e:
+        make_judge(**kwargs)
+    assert "\n" not in str(e.value)
+    with pytest.raises(JudgeError, match=re.escape(match)):  # the same through the config
+        make_reward_spec("judge", kwargs=kwargs)
+
+
+def _logprobs_response(top: list[tuple[str, float]]) -> dict:
+    entries = [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": top[0][0]},
+                "logprobs": {"content": [{**entries[0], "top_logprobs": entries}]},
+            }
+        ]
+    }
+
+
+def test_yes_no_through_an_endpoint_sums_the_variants_of_top_logprobs():
+    import math
+
+    def answer(messages):
+        if "Paris" in reply_of(messages):  # P(yes) = 0.5 + 0.1, P(no) = 0.2 ("Nope" is not a no)
+            top = [
+                ("Yes", math.log(0.5)),
+                (" yes", math.log(0.1)),
+                ("No", math.log(0.2)),
+                ("Nope", math.log(0.1)),
+            ]
+        elif "Lyon" in reply_of(messages):  # no yes variant listed: it counts 0
+            top = [(" No", math.log(0.3)), ("Maybe", math.log(0.6))]
+        else:  # neither: the fallback
+            top = [("Maybe", math.log(0.9))]
+        return _logprobs_response(top)
+
+    with serve(answer) as (srv, url):
+        j = make_judge(rubric=QUESTION, base_url=url, scoring="yes_no", retries=0)
+        logged = {}
+        out = j(*groups_of(ROWS[:1], ["Paris", "Lyon", "Rome"]), log_metric=logged.__setitem__)
+        assert out == pytest.approx([0.6 / 0.8, 0.0, 0.5])
+        assert logged["judge/fallbacks"] == 1.0
+        body = srv.bodies[0]
+        assert (body["max_tokens"], body["temperature"], body["logprobs"]) == (1, 0, True)
+        assert body["top_logprobs"] == 20
+    with serve(lambda m: "Yes") as (srv, url):  # an endpoint without logprobs: a clear reason
+        j = make_judge(
+            rubric=QUESTION, base_url=url, scoring="yes_no", retries=0, on_fallback="error"
+        )
+        with pytest.raises(JudgeError, match="scoring: yes_no needs logprobs"):
+            j(*groups_of(ROWS[:1], ["Paris"]))
+
+
+@pytest.fixture(scope="module")
+def yes_no_dir(tmp_path_factory):
+    """A tiny model whose tokenizer has one-token "Yes" and "No" (BPE merges), taught (Adam
+    steps on six requests) to answer Yes when the reply names Paris and No otherwise."""
+    import torch
+
+    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.model.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer(merges=(("Y", "e"), ("Ye", "s"), ("N", "o")))
+    model, tok = build_tiny_model("qwen2", tok, seed=5, max_position_embeddings=1024)
+    d = tmp_path_factory.mktemp("yes_no_judge")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    model, tok = load_model(d), load_tokenizer(d)
+    backend = peergrade.training.judge_local.LocalBackend(
+        model, tok, path=str(d), batch_size=1, max_tokens=1
+    )
+    (yes,), (no,) = backend.yes_no_tokens()  # one variant each: "Yes" and "No"
+    assert tok.decode([yes]) == "Yes" and tok.decode([no]) == "No"
+    seqs = [
+        (
+            backend.encode(build_yes_no_messages(QUESTION, r["prompt"], a)),
+            yes if a == "Paris" else no,
+        )
+        for r in ROWS[:3]
+        for a in ("Paris", "Lyon")
+    ]
+    torch.manual_seed(0)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(80):
+        for p, target in seqs:
+            labels = torch.tensor([[-100] * len(p) + [target]])
+            model(input_ids=torch.tensor([p + [target]]), labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(d)
+    return d
+
+
+def test_yes_no_local_scores_are_the_hand_computed_share_of_the_next_token(yes_no_dir):
+    """The formula against a hand computation: the softmax of the model's logits after the
+    generation prompt, one unpadded sequence at a time, vs the judge's padded batch."""
+    import torch
+
+    j = make_judge(
+        rubric=QUESTION,
+        judge_model=str(yes_no_dir),
+        scoring="yes_no",
+        batch_size=4,
+        device="cpu",
+        dtype="float32",
+    )
+    answers = ["Paris", "Lyon", "It is Paris, the capital.", "Rome"]  # lengths differ: padding
+    prompts, completions = groups_of(ROWS[:2], answers)
+    out = j(prompts, completions)
+    (yes,), (no,) = j.backend.yes_no_tokens()
+    expected = []
+    for p, a in zip(prompts, completions):
+        ids = j.backend.encode(build_yes_no_messages(QUESTION, p, a))
+        with torch.no_grad():
+            probs = torch.softmax(j.backend.model(input_ids=torch.tensor([ids])).logits[0, -1], -1)
+        expected.append((probs[yes] / (probs[yes] + probs[no])).item())
+    assert out == pytest.approx(expected, abs=1e-5)
+    assert out[0] > 0.5 > out[1]  # taught: Paris yes, Lyon no
+
+
+def test_yes_no_local_model_and_peergrade_serve_give_the_same_scores(yes_no_dir):
+    """The same answers through ``judge_model=DIR`` (one batched forward) and through the
+    ``base_url`` of ``peergrade serve`` of the same model (max_tokens 1, top_logprobs 20)."""
+    pytest.importorskip("uvicorn")
+    from peergrade.generation.server import Engine, Server, build_app
+    from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+
+    local = make_judge(
+        rubric=QUESTION,
+        judge_model=str(yes_no_dir),
+        scoring="yes_no",
+        batch_size=3,
+        device="cpu",
+        dtype="float32",
+    )
+    model = load_model(str(yes_no_dir)).eval()
+    engine = Engine(
+        model, prepare_tokenizer(load_tokenizer(str(yes_no_dir))), "judge", window_s=0.02
+    )
+    prompts, completions = groups_of(ROWS[:3], ["Paris", "Lyon", "Paris, in France."])
+    try:
+        with Server(build_app(engine)) as srv:
+            remote = make_judge(
+                rubric=QUESTION, base_url=srv.url + "/v1", model="judge", scoring="yes_no"
+            )
+            logged = {}
+            scores = local(prompts, completions)
+            served = remote(prompts, completions, log_metric=logged.__setitem__)
+    finally:
+        engine.close()
+    assert logged["judge/fallbacks"] == 0.0
+    assert served == pytest.approx(scores, abs=1e-5)
+    assert scores[0] > 0.5 > scores[1]  # real shares, not the fallback
+
+
+def test_yes_no_on_a_tokenizer_without_a_one_token_yes_is_a_clear_error(tmp_path):
+    from peergrade.model.tiny import save_tiny_model
+
+    d = save_tiny_model(tmp_path / "m", "qwen2", seed=0, max_position_embeddings=1024)
+    with pytest.raises(JudgeError, match="no single-token yes"):
+        make_judge(rubric=QUESTION, judge_model=str(d), scoring="yes_no", device="cpu")
+
+
+def test_audit_of_a_yes_no_judge_says_position_bias_is_not_applicable():
+    report = audit_judge(Judge(YesNoBackend(city_yes_no), QUESTION, scoring="yes_no"), ROWS)
+    assert report.figures["position_bias"] is None
+    assert "position_bias" in report.not_applicable
+    text = report.format()
+    assert "position_bias     not applicable: each answer is judged alone (scoring: yes_no)" in text
+    assert report.to_dict()["not_applicable"]["position_bias"].startswith("each answer")
+    assert report.figures["discrimination"] == 1.0 and not report.failed, text
+
+    # the other figures still measure: a judge that likes long replies and obeys injections
+    def gullible(reply):
+        return (0.9, 0.1) if len(reply) > 100 or "top score" in reply else city_yes_no(reply)
+
+    bad = audit_judge(Judge(YesNoBackend(gullible), QUESTION, scoring="yes_no"), ROWS)
+    assert {f.split(" = ")[0] for f in bad.findings} >= {"length_bias", "injection"}
+    none = audit_judge(Judge(YesNoBackend(lambda r: (0.0, 0.0)), QUESTION, scoring="yes_no"), ROWS)
+    assert any("fallback_share" in f and "neither yes nor no" in f for f in none.findings)
+
+
+def test_yes_no_examples_come_first_as_solved_turns():
+    seen = []
+
+    class Spy(YesNoBackend):
+        def yes_no(self, requests):
+            seen.extend(requests)
+            return super().yes_no(requests)
+
+    examples = [
+        {"question": "Capital of Italy?", "reply": "Rome", "verdict": True},  # YAML's bare yes
+        {"reply": "Madrid", "verdict": "no"},  # no question: its block is left out
+    ]
+    j = Judge(Spy(city_yes_no), QUESTION, scoring="yes_no", examples=examples)
+    assert j(*groups_of(ROWS[:1], ["Paris"])) == pytest.approx([0.75])
+    (msgs,) = seen
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [msgs[2]["content"], msgs[4]["content"]] == ["Yes", "No"]
+    assert msgs[1]["content"] == (
+        "Question: Capital of Italy?\nReply: Rome\n" + QUESTION + " Answer Yes or No."
+    )
+    assert msgs[3]["content"].startswith("Reply: Madrid\n")
+    assert msgs[-1] == build_yes_no_messages(QUESTION, ROWS[0]["prompt"], "Paris")[-1]
+    assert reply_of(msgs) == "Paris"  # the real request is the last turn
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (
+            {"examples": [{"reply": "x", "verdict": "yes"}]},
+            "examples apply only with scoring=yes_no",
+        ),
+        (
+            {"scoring": "yes_no", "examples": [{"reply": "x", "verdict": "maybe"}]},
+            "verdict must be yes or no",
+        ),
+        (
+            {"scoring": "yes_no", "examples": [{"reply": "", "verdict": "no"}]},
+            "reply must be a non-empty",
+        ),
+        (
+            {"scoring": "yes_no", "examples": [{"reply": "x", "answer": "no"}]},
+            "examples[0]: expected a mapping",
+        ),
+        ({"scoring": "yes_no", "examples": "be nice"}, "expected a list"),
+    ],
+)
+def test_bad_examples_are_one_line_errors(options, match):
+    with pytest.raises(JudgeError, match=re.escape(match)) as e:
+        make_judge(rubric=QUESTION, base_url="http://127.0.0.1:9/v1", **options)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_audit_of_a_yes_no_judge_over_http_says_not_applicable(tmp_path, capsys):
+    import math
+
+    def answer(messages):  # a judge that says yes to the right city, no otherwise
+        p = 0.8 if "Paris" in reply_of(messages) else 0.2
+        return _logprobs_response([("Yes", math.log(p)), ("No", math.log(1 - p))])
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = tmp_path / "judge.yaml"
+    with serve(answer) as (_, url):
+        cfg.write_text(
+            "rewards:\n  - name: judge\n    kwargs:\n      scoring: yes_no\n"
+            f"      rubric: {QUESTION}\n      base_url: {url}\n"
+        )
+        args = ["audit", "--config", str(cfg), "--data", str(data), "--judge-rows", "4"]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "position_bias     not applicable: each answer is judged alone" in out
+        assert "no finding" in out
+        assert main(args + ["--json"]) == 0
+        (rep,) = json.loads(capsys.readouterr().out)["judges"]
+    assert rep["scoring"] == "yes_no" and rep["figures"]["position_bias"] is None
+    assert "position_bias" in rep["not_applicable"]
+    assert rep["figures"]["discrimination"] == 1.0  # "The answer is Paris." over "I am not sure."
+    assert rep["figures"]["spread"] == pytest.approx(0.2598, abs=1e-3)
+
+
+def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():
+    """configs/smollm2-judge-cheerful.yaml: its data files, its judge's options (checked as
+    training checks them, on an endpoint so no model loads) and its rule-based measure."""
+    import importlib.util
+    from pathlib import Path
+
+    from peergrade.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "smollm2-judge-cheerful.yaml")
+    train = Path(cfg.data.path).read_text().splitlines()
+    held = Path(cfg.data.eval_path).read_text().splitlines()
+    assert (len(train), len(held)) == (45, 15) and not set(train) & set(held)
+    (item,) = cfg.rewards
+    opts = dict(item.kwargs, judge_model=None, base_url="http://127.0.0.1:9/v1")
+    j = make_judge(**opts)
+    assert j.scoring == "yes_no" and not j.group and not j.show_question
+    assert [e["verdict"] for e in j.examples] == ["Yes", "No"]
+    make_reward_spec("judge", kwargs=opts)  # the preflight training runs
+
+    spec = importlib.util.spec_from_file_location("cheer", root / "examples/cheerful/cheer.py")
+    cheer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cheer)
+    assert cheer.cheer_score("Great, so fun!!!") == 1.0  # 3 marks; 2 of 3 words upbeat
+    assert cheer.cheer_score("Water.") == 0.0
+    assert cheer.cheer_score("A lovely day!") == pytest.approx((1 / 3 + 1.0) / 2)
+    assert cheer.cheer([[{"role": "assistant", "content": "Yay!"}], "No."]) == [
+        pytest.approx((1 / 3 + 1.0) / 2),
+        0.0,
+    ]
+
+
+def test_peergrade_memory_counts_a_yes_no_judge_as_one_answer_and_no_reply(judge_dir):
+    from peergrade.training.judge_local import judge_model_memory
+
+    sizes = dict(dtype="float32", device="cpu", prompt_len=32, completion_len=16, group=8)
+    base = {"judge_model": str(judge_dir), "batch_size": 4}
+    grouped = judge_model_memory(base, **sizes)
+    yes_no = judge_model_memory({**base, "scoring": "yes_no"}, **sizes)
+    alone = judge_model_memory({**base, "group": False, "max_tokens": 1}, **sizes)
+    assert yes_no["weights"] == grouped["weights"]
+    # one answer and one position for the reply: what group: false with max_tokens 1 costs
+    assert yes_no["activations"] == alone["activations"] < grouped["activations"]

@@ -173,29 +173,35 @@ class HarnessRunner:
                         raise
                     error, kind = describe_exit(e), "exception"
                 rec = self.recorder.close(rec.eid)
-            reward, extra = 0.0, {}
-            if error is None:
-                try:
-                    reward, extra = reward_of(value)
-                except TypeError as e:
-                    error, kind = str(e), "bad_return"
-            ep = rec.episode
-            if ep is None:
-                if error is None:
-                    error, kind = "the harness never called the server", "no_request"
-                ep = self._empty_episode(i // n, row)
-            if error is not None:
-                reward = 0.0
-            if not ep.finish_reason:  # the harness ended the conversation itself
-                ep.finish_reason = "done"
-            ep.reward = reward
-            return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits)
+            return self._result(rec, i // n, row, value, error, kind)
 
         async def all_of():
             gate = asyncio.Semaphore(concurrency or max(total, 1))
             return await asyncio.gather(*(one(i, gate) for i in range(total)))
 
         return run_sync(all_of())
+
+    def _result(self, rec, row_index: int, row, value, error, kind) -> HarnessResult:
+        """The ``HarnessResult`` of a closed recording ``rec``: the harness's ``value`` checked
+        (a number or a dict with a numeric reward), a harness that never called the server
+        named, and a failed one (``error``, ``kind``) scored 0."""
+        reward, extra = 0.0, {}
+        if error is None:
+            try:
+                reward, extra = reward_of(value)
+            except TypeError as e:
+                error, kind = str(e), "bad_return"
+        ep = rec.episode
+        if ep is None:
+            if error is None:
+                error, kind = "the harness never called the server", "no_request"
+            ep = self._empty_episode(row_index, row)
+        if error is not None:
+            reward = 0.0
+        if not ep.finish_reason:  # the harness ended the conversation itself
+            ep.finish_reason = "done"
+        ep.reward = reward
+        return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits)
 
     def _empty_episode(self, row_index: int, row: dict) -> Episode:
         """The record of an episode that sampled nothing: its prompt, no completion."""

@@ -26,6 +26,25 @@ strict about the content: a reply with no such object, the wrong number of score
 that is not a number, or one outside [0, 10] is *unparsable*. The reward of an answer is its
 score / 10, in [0, 1].
 
+``scoring: yes_no`` is the mode a small judge can follow (a 135M model never writes the JSON):
+each answer is judged alone (``group`` must be false, ``shuffles`` 1), the rubric is a yes/no
+question, the request (``build_yes_no_messages``) ends with the chat template's generation
+prompt, and nothing is generated: the reward is read from the judge's distribution over its
+*first* reply token,
+
+    reward = P(yes) / (P(yes) + P(no))
+
+where P(yes) sums the probabilities of ``YES_VARIANTS`` ("Yes", " Yes", "yes", " yes") and
+P(no) those of ``NO_VARIANTS`` ("No", " No", "no", " no"): locally, the variants that are one
+token of the judge's tokenizer (one batched forward pass, no sampling); through an endpoint, the
+entries of ``top_logprobs`` (20 asked for, ``max_tokens: 1``, ``temperature: 0``) whose token
+text is a variant (a variant not among them counts 0). When neither side has any probability
+(no variant among the endpoint's top 20) the request has failed and the answer gets the
+fallback, counted as for an unparsable reply. ``examples`` (yes_no only) puts solved requests
+before the real one, as user/assistant turns answered "Yes" or "No"; ``show_question: false``
+leaves the question out of the request. SmolLM2-135M-Instruct told 20 hand-written cheerful
+replies from flat ones only with two examples and without the question (docs/rewards.md).
+
 ``shuffles: k`` judges each group k times in k deterministic orders (the shown order, then the
 reversed one, then seeded shuffles), maps each score back to its answer and averages: a judge
 that prefers the first (or last) position is averaged out; with k = 2 a bias linear in the
@@ -63,15 +82,21 @@ from .registry import RewardError, check_reward_options
 
 __all__ = [
     "MAX_SCORE",
+    "NO_VARIANTS",
+    "SCORINGS",
+    "YES_VARIANTS",
     "HTTPBackend",
     "Judge",
     "JudgeError",
     "JudgeParseError",
     "build_messages",
+    "build_yes_no_messages",
+    "check_examples",
     "judge",
     "orders_for",
     "parse_scores",
     "register_local_loader",
+    "yes_share",
 ]
 
 #: scores the judge is asked for lie in [0, MAX_SCORE]; the reward is score / MAX_SCORE
@@ -79,7 +104,18 @@ MAX_SCORE = 10.0
 DEFAULT_FALLBACK = 0.5
 DEFAULT_MAX_TOKENS = 256
 _CACHE_SIZE = 4096
+#: the judge's modes: ``json`` (scores 0-10 in a JSON reply) and ``yes_no`` (module doc)
+SCORINGS = ("json", "yes_no")
+#: the first reply tokens read as "yes" / "no" in ``scoring: yes_no`` (those that are one token)
+YES_VARIANTS = ("Yes", " Yes", "yes", " yes")
+NO_VARIANTS = ("No", " No", "no", " no")
+#: ``top_logprobs`` asked of an endpoint in ``scoring: yes_no`` (OpenAI's maximum)
+TOP_LOGPROBS = 20
 
+YES_NO_SYSTEM_PROMPT = (
+    "You are a strict, impartial judge. Read the question and the reply, then answer the judge's "
+    "question about the reply with one word: Yes or No."
+)
 SYSTEM_PROMPT = (
     "You are a strict, impartial judge. Score each answer to the question against the rubric, "
     "from 0 (worst) to 10 (best). Judge the content against the rubric only: the order of the "
@@ -130,6 +166,87 @@ def build_messages(rubric: str, question: str, answers: Sequence[str]) -> list[d
         {"role": "system", "content": SYSTEM_PROMPT.format(shape=shape)},
         {"role": "user", "content": user},
     ]
+
+
+def _yes_no_user(rubric: str, question: str | None, answer: str) -> str:
+    shown = f"Question: {question.strip()}\n" if question is not None else ""
+    return f"{shown}Reply: {answer.strip()}\n{rubric.strip()} Answer Yes or No."
+
+
+def build_yes_no_messages(
+    rubric: str, question: str | None, answer: str, examples: Sequence[dict] = ()
+) -> list[dict]:
+    """The chat request of ``scoring: yes_no``: one answer, the rubric as the yes/no question,
+    in a compact layout a 135M model follows (``Question: ...`` / ``Reply: ...`` / the rubric,
+    one block each; ``question`` None leaves the question out: ``show_question: false``).
+    ``examples`` (``check_examples``' form: ``reply``, ``verdict`` "Yes"/"No", ``question`` or
+    None) come first as solved turns: the same user layout, the assistant's one-word verdict.
+    The backend adds the chat template's generation prompt; the judge's first reply token is
+    read, never generated."""
+    msgs = [{"role": "system", "content": YES_NO_SYSTEM_PROMPT}]
+    for ex in examples:
+        msgs.append({"role": "user", "content": _yes_no_user(rubric, ex["question"], ex["reply"])})
+        msgs.append({"role": "assistant", "content": ex["verdict"]})
+    msgs.append({"role": "user", "content": _yes_no_user(rubric, question, answer)})
+    return msgs
+
+
+def check_examples(examples, scoring: str) -> list[dict]:
+    """The ``examples`` option, checked: a list of ``{reply, verdict, question?}`` mappings,
+    ``verdict`` yes or no (YAML's bare ``yes`` / ``no`` read as booleans count too), only with
+    ``scoring: yes_no``. Returned as ``{reply, verdict: "Yes" | "No", question: str | None}``."""
+    if examples is None or (isinstance(examples, (list, tuple)) and not examples):
+        return []
+    if scoring != "yes_no":
+        raise JudgeError(
+            "judge examples apply only with scoring=yes_no (solved yes/no turns shown first)"
+        )
+    if not isinstance(examples, (list, tuple)):
+        raise JudgeError(
+            f"judge examples={examples!r}: expected a list of {{reply, verdict, question?}}"
+        )
+    out = []
+    for k, ex in enumerate(examples):
+        where = f"judge examples[{k}]"
+        if not isinstance(ex, dict) or set(ex) - {"reply", "verdict", "question"}:
+            raise JudgeError(
+                f"{where}: expected a mapping with reply, verdict and optionally question, got {ex!r}"
+            )
+        reply, verdict, question = ex.get("reply"), ex.get("verdict"), ex.get("question")
+        if not isinstance(reply, str) or not reply.strip():
+            raise JudgeError(f"{where}: reply must be a non-empty string, got {reply!r}")
+        if isinstance(verdict, bool):
+            verdict = "yes" if verdict else "no"
+        if not isinstance(verdict, str) or verdict.strip().lower() not in ("yes", "no"):
+            raise JudgeError(f"{where}: verdict must be yes or no, got {verdict!r}")
+        if question is not None and not isinstance(question, str):
+            raise JudgeError(f"{where}: question must be a string, got {question!r}")
+        out.append({"reply": reply, "verdict": verdict.strip().capitalize(), "question": question})
+    return out
+
+
+def yes_share(p_yes: float, p_no: float) -> float | None:
+    """P(yes) / (P(yes) + P(no)), the reward of ``scoring: yes_no``; None when both are 0."""
+    total = float(p_yes) + float(p_no)
+    if not total > 0.0:
+        return None
+    return float(p_yes) / total
+
+
+def top_logprobs_yes_no(top: list) -> tuple[float, float]:
+    """(P(yes), P(no)) from an endpoint's ``top_logprobs`` entries (``{"token", "logprob"}``):
+    the summed probabilities of the entries whose token is a yes / no variant."""
+    import math
+
+    p_yes = p_no = 0.0
+    for e in top:
+        if not isinstance(e, dict) or not isinstance(e.get("logprob"), (int, float)):
+            continue
+        if e.get("token") in YES_VARIANTS:
+            p_yes += math.exp(e["logprob"])
+        elif e.get("token") in NO_VARIANTS:
+            p_no += math.exp(e["logprob"])
+    return p_yes, p_no
 
 
 # ----------------------------------------------------------------------------- the reply
@@ -241,21 +358,17 @@ class HTTPBackend:
         self.max_tokens, self.concurrency = int(max_tokens), max(1, int(concurrency))
         self.key = f"http:{self.url}:{self.model}:{self.max_tokens}"
 
-    def _once(self, messages: list[dict]) -> str:
-        body = json.dumps(
-            {
-                "model": self.model,
-                "messages": messages,
-                "temperature": 0,
-                "max_tokens": self.max_tokens,
-            }
-        ).encode()
+    def _post(self, body: dict) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        data = json.dumps({"model": self.model, **body}).encode()
+        req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            data = json.loads(resp.read().decode("utf-8"))
+            return json.loads(resp.read().decode("utf-8"))
+
+    def _once(self, messages: list[dict]) -> str:
+        data = self._post({"messages": messages, "temperature": 0, "max_tokens": self.max_tokens})
         try:
             content = data["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
@@ -264,11 +377,33 @@ class HTTPBackend:
             ) from None
         return content if isinstance(content, str) else ""
 
-    def _with_retries(self, messages: list[dict]):
+    def _once_yes_no(self, messages: list[dict]) -> tuple[float, float]:
+        data = self._post(
+            {
+                "messages": messages,
+                "temperature": 0,
+                "max_tokens": 1,
+                "logprobs": True,
+                "top_logprobs": TOP_LOGPROBS,
+            }
+        )
+        try:
+            top = data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            if not isinstance(top, list):
+                raise TypeError
+        except (KeyError, IndexError, TypeError):
+            raise JudgeError(
+                "the endpoint's reply has no choices[0].logprobs.content[0].top_logprobs "
+                f"(scoring: yes_no needs logprobs): {str(data)[:200]}"
+            ) from None
+        return top_logprobs_yes_no(top)
+
+    def _with_retries(self, messages: list[dict], once=None):
+        once = once or self._once
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
-                return self._once(messages)
+                return once(messages)
             except urllib.error.HTTPError as exc:
                 last = JudgeError(f"{self.url}: HTTP {exc.code} {exc.reason}")
                 if exc.code < 500 and exc.code != 429:
@@ -285,6 +420,14 @@ class HTTPBackend:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests))) as pool:
             return list(pool.map(self._with_retries, requests))
 
+    def yes_no(self, requests: list[list[dict]]) -> list:
+        """``scoring: yes_no``: (P(yes), P(no)) of the first reply token per request, from the
+        endpoint's ``top_logprobs`` (module doc), or the exception that ended its last try."""
+        if not requests:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests))) as pool:
+            return list(pool.map(lambda m: self._with_retries(m, self._once_yes_no), requests))
+
 
 #: set by ``peergrade.training.judge_local``: (path, device, dtype, batch_size, max_tokens) -> a backend
 _local_loader: Callable | None = None
@@ -298,6 +441,45 @@ def register_local_loader(loader: Callable) -> None:
 
 
 # ----------------------------------------------------------------------------- the judge
+
+
+def _check_scoring(scoring, group, shuffles) -> bool:
+    """``group`` resolved for ``scoring`` (default: true in json, false in yes_no); a one-line
+    ``JudgeError`` naming the option for a combination that does not apply."""
+    if scoring not in SCORINGS:
+        raise JudgeError(f"judge scoring={scoring!r}: expected 'json' or 'yes_no'")
+    if group is None:
+        group = scoring == "json"
+    if scoring == "yes_no" and group:
+        raise JudgeError(
+            "judge group=true does not apply with scoring=yes_no (each answer is judged "
+            "alone): set group: false or leave it out"
+        )
+    if scoring == "yes_no" and shuffles != 1:
+        raise JudgeError(
+            f"judge shuffles={shuffles!r} does not apply with scoring=yes_no (each answer is "
+            "judged alone, there is no order to shuffle): leave it at 1"
+        )
+    return bool(group)
+
+
+def _check_show_question(show_question, scoring: str) -> bool:
+    if not isinstance(show_question, bool):
+        raise JudgeError(f"judge show_question={show_question!r}: expected true or false")
+    if not show_question and scoring != "yes_no":
+        raise JudgeError(
+            "judge show_question=false applies only with scoring=yes_no (a json judge always "
+            "sees the question)"
+        )
+    return show_question
+
+
+def _check_question(scoring: str, rubric: str) -> None:
+    if scoring == "yes_no" and not rubric.strip().endswith("?"):
+        raise JudgeError(
+            "judge scoring=yes_no: the rubric must be a yes/no question ending in '?' "
+            f"(e.g. 'Is the reply cheerful?'), got {rubric.strip()[:80]!r}"
+        )
 
 
 class Judge:
@@ -314,11 +496,17 @@ class Judge:
         backend,
         rubric: str,
         *,
-        group: bool = True,
+        group: bool | None = None,
         shuffles: int = 1,
         fallback_score: float = DEFAULT_FALLBACK,
         on_fallback: str = "score",
+        scoring: str = "json",
+        examples: Sequence[dict] | None = None,
+        show_question: bool = True,
     ):
+        group = _check_scoring(scoring, group, shuffles)
+        self.examples = check_examples(examples, scoring)
+        self.show_question = _check_show_question(show_question, scoring)
         if on_fallback not in ("score", "error"):
             raise JudgeError(f"judge on_fallback={on_fallback!r}: expected 'score' or 'error'")
         if not isinstance(shuffles, int) or isinstance(shuffles, bool) or shuffles < 1:
@@ -331,6 +519,13 @@ class Judge:
                 "(the reward's scale: score / 10)"
             )
         self.backend, self.rubric = backend, _rubric_text(rubric)
+        _check_question(scoring, self.rubric)
+        if scoring == "yes_no" and not callable(getattr(backend, "yes_no", None)):
+            raise JudgeError(
+                f"judge scoring=yes_no: the backend {getattr(backend, 'key', backend)!r} cannot "
+                "read next-token probabilities (it has no yes_no method)"
+            )
+        self.scoring = scoring
         self.group, self.shuffles = bool(group), shuffles
         self.fallback_score, self.on_fallback = float(fallback_score), on_fallback
         self._cache: OrderedDict[str, str] = OrderedDict()
@@ -343,7 +538,8 @@ class Judge:
     # -- requests
 
     def ask(self, requests: list[list[dict]], *, use_cache: bool = True) -> list:
-        """Reply texts (or exceptions) for chat ``requests``; identical ones asked once."""
+        """Reply texts (or exceptions) for chat ``requests``; identical ones asked once. With
+        ``scoring: yes_no`` the replies are (P(yes), P(no)) pairs, not texts."""
         keys = [json.dumps(m, sort_keys=True) for m in requests]
         out: list = [None] * len(requests)
         todo: dict[str, list[int]] = {}
@@ -358,7 +554,8 @@ class Judge:
         if todo:
             firsts = [idx[0] for idx in todo.values()]
             try:
-                replies = self.backend.complete([requests[i] for i in firsts])
+                ask = self.backend.yes_no if self.scoring == "yes_no" else self.backend.complete
+                replies = ask([requests[i] for i in firsts])
             except Exception as exc:  # a backend bug or a dead local model: every request fails
                 replies = [JudgeError(f"{type(exc).__name__}: {exc}")] * len(firsts)
             with self._lock:
@@ -366,7 +563,7 @@ class Judge:
                 for (k, idx), reply in zip(todo.items(), replies):
                     for i in idx:
                         out[i] = reply
-                    if use_cache and isinstance(reply, str):
+                    if use_cache and not isinstance(reply, BaseException):
                         self._cache[k] = reply
                         if len(self._cache) > _CACHE_SIZE:
                             self._cache.popitem(last=False)
@@ -375,17 +572,35 @@ class Judge:
     def score_shown(
         self, items: list[tuple[str, list[str]]], *, use_cache: bool = True
     ) -> list[list[float] | str]:
-        """Raw scores (0..10) of each (question, answers in the order shown) judged as one
-        request, or the reason it failed (a string)."""
-        msgs = [build_messages(self.rubric, q, answers) for q, answers in items]
+        """Scores on the reward's scale, [0, 1], of each (question, answers in the order shown)
+        judged as one request (score / 10; in ``yes_no``, one answer: P(yes) / (P(yes) +
+        P(no))), or the reason it failed (a string)."""
+        if self.scoring == "yes_no":
+            msgs = [
+                build_yes_no_messages(
+                    self.rubric, q if self.show_question else None, answers[0], self.examples
+                )
+                for q, answers in items
+            ]
+        else:
+            msgs = [build_messages(self.rubric, q, answers) for q, answers in items]
         replies = self.ask(msgs, use_cache=use_cache)
         out: list = []
         for (_, answers), reply in zip(items, replies):
             if isinstance(reply, BaseException):
                 out.append(f"request failed: {reply}")
                 continue
+            if self.scoring == "yes_no":
+                share = yes_share(*reply)
+                out.append(
+                    [share]
+                    if share is not None
+                    else "neither yes nor no among the judge's likely first tokens"
+                )
+                continue
             try:
-                out.append(parse_scores(reply, len(answers), single=len(answers) == 1))
+                scores = parse_scores(reply, len(answers), single=len(answers) == 1)
+                out.append([x / MAX_SCORE for x in scores])
             except JudgeParseError as exc:
                 out.append(f"unparsable reply ({exc})")
         return out
@@ -415,7 +630,7 @@ class Judge:
                 failures.append(f"group {g} order {order}: {res}")
                 continue
             for pos, i in enumerate(order):
-                sums[g][i] += res[pos] / MAX_SCORE
+                sums[g][i] += res[pos]
                 counts[g][i] += 1
         scores = [[s / c if c else None for s, c in zip(sg, cg)] for sg, cg in zip(sums, counts)]
         return scores, failures
@@ -512,7 +727,10 @@ def make_judge(
     base_url: str | None = None,
     model: str | None = None,
     api_key_env: str | None = None,
-    group: bool = True,
+    scoring: str = "json",
+    examples: list | None = None,
+    show_question: bool = True,
+    group: bool | None = None,
     shuffles: int = 1,
     fallback_score: float = DEFAULT_FALLBACK,
     on_fallback: str = "score",
@@ -526,30 +744,19 @@ def make_judge(
 ) -> Judge:
     """The ``Judge`` for these options, built once per process (the local model loads once)."""
     key = json.dumps(
-        [
-            rubric,
-            judge_model,
-            base_url,
-            model,
-            api_key_env,
-            group,
-            shuffles,
-            fallback_score,
-            on_fallback,
-            timeout_s,
-            retries,
-            max_tokens,
-            concurrency,
-            batch_size,
-            device,
-            dtype,
-        ],
+        [rubric, judge_model, base_url, model, api_key_env, scoring, examples, show_question,
+         group, shuffles, fallback_score, on_fallback, timeout_s, retries, max_tokens,
+         concurrency, batch_size, device, dtype],
         default=str,
-    )
+    )  # fmt: skip
     with _judges_lock:
         if key in _judges:
             return _judges[key]
     text = _rubric_text(rubric)
+    _check_scoring(scoring, group, shuffles)  # before a local model loads
+    _check_question(scoring, text)
+    check_examples(examples, scoring)
+    _check_show_question(show_question, scoring)
     _check_backend_options(
         judge_model, base_url, retries, max_tokens, concurrency, batch_size, timeout_s
     )
@@ -573,7 +780,12 @@ def make_judge(
         shuffles=shuffles,
         fallback_score=fallback_score,
         on_fallback=on_fallback,
+        scoring=scoring,
+        examples=examples,
+        show_question=show_question,
     )
+    if scoring == "yes_no" and callable(getattr(backend, "yes_no_tokens", None)):
+        backend.yes_no_tokens()  # a tokenizer with no one-token Yes / No: a clear error now
     with _judges_lock:
         return _judges.setdefault(key, j)
 
@@ -667,7 +879,10 @@ def judge(
     base_url: str | None = None,
     model: str | None = None,
     api_key_env: str | None = None,
-    group: bool = True,
+    scoring: str = "json",
+    examples: list | None = None,
+    show_question: bool = True,
+    group: bool | None = None,
     shuffles: int = 1,
     fallback_score: float = DEFAULT_FALLBACK,
     on_fallback: str = "score",
@@ -704,6 +919,9 @@ _OPTIONS = (
     "base_url",
     "model",
     "api_key_env",
+    "scoring",
+    "examples",
+    "show_question",
     "group",
     "shuffles",
     "fallback_score",

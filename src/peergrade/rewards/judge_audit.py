@@ -20,6 +20,13 @@ discrimination     rows with a reference answer: the share where the reference s
                    "I am not sure." (the judge must at least tell these apart)
 =================  ===========================================================================
 
+A judge that sees one answer per request (``group: false``, and always ``scoring: yes_no``)
+has no positions to be biased by: ``position_bias`` is reported *not applicable* (no figure,
+no finding, no requests spent on it), never a number. In ``yes_no`` mode the scores are
+P(yes) / (P(yes) + P(no)) (already in [0, 1]); the other figures are measured the same way, and
+``fallback_share`` counts the answers for which neither yes nor no was among the judge's likely
+first tokens (or the endpoint failed).
+
 ``THRESHOLDS`` says when a figure is a finding (a bias strictly above its threshold; spread and
 discrimination below theirs); the audit fails (``peergrade audit`` exits 1) on any finding,
 naming it and its figure. The last four are the signs of a judge too small or too broken to be
@@ -93,6 +100,9 @@ class JudgeAuditReport:
     figures: dict[str, float | None]
     findings: list[str] = field(default_factory=list)
     requests: int = 0
+    scoring: str = "json"
+    #: figure -> why it does not apply to this judge (shown instead of a number)
+    not_applicable: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -108,6 +118,8 @@ class JudgeAuditReport:
             "thresholds": {k: v[0] for k, v in THRESHOLDS.items()},
             "findings": self.findings,
             "requests": self.requests,
+            "scoring": self.scoring,
+            "not_applicable": self.not_applicable,
             "failed": self.failed,
         }
 
@@ -115,9 +127,12 @@ class JudgeAuditReport:
         lines = [
             f"judge audit of {self.name}: {self.rows} rows x {self.answers} answers, "
             f"shuffles {self.shuffles}, {self.requests} judge requests (scores on the reward's "
-            "scale, score/10)"
+            + ("scale, P(yes)/(P(yes)+P(no)))" if self.scoring == "yes_no" else "scale, score/10)")
         ]
         for k, (thr, side) in THRESHOLDS.items():
+            if k in self.not_applicable:
+                lines.append(f"  {k:<17} not applicable: {self.not_applicable[k]}")
+                continue
             v = self.figures.get(k)
             shown = (
                 "n/a"
@@ -165,7 +180,18 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
 
     base, fails1 = j.score_groups(groups, use_cache=False)
     again, _ = j.score_groups(groups, use_cache=False)
-    pos_diffs = _position_diffs(j, groups, base)
+    # position: the same answers, reordered (a judge that sees one answer per request has no
+    # positions: not applicable, nothing asked)
+    pos_diffs: list[float] = []
+    not_applicable = {}
+    if not j.group:
+        not_applicable["position_bias"] = (
+            "each answer is judged alone ("
+            + ("scoring: yes_no" if j.scoring == "yes_no" else "group: false")
+            + "), so there is no position to be biased by"
+        )
+    else:
+        pos_diffs = _position_diffs(j, groups, base)
     # length and injection: one answer per row changed, the others as they were
     length = _edit_diffs(j, groups, base, lambda t: t + FILLER * 3, 0)
     inject = _edit_diffs(j, groups, base, lambda t: t + INJECTION, 1)
@@ -199,8 +225,10 @@ def audit_judge(j: Judge, rows: Sequence[dict], *, name: str = "judge") -> Judge
         answers=max(len(a) for _, a in groups),
         shuffles=j.shuffles if j.group else 1,
         figures=figures,
-        findings=_findings(figures, bool(scored), fails1),
+        findings=_findings(figures, bool(scored), fails1, j.scoring),
         requests=j.stats["requests"] - start,
+        scoring=j.scoring,
+        not_applicable=not_applicable,
     )
 
 
@@ -248,11 +276,17 @@ def _edit_diffs(
     ]
 
 
-def _findings(figures: dict[str, float | None], scored: bool, fails: list[str]) -> list[str]:
+def _findings(
+    figures: dict[str, float | None], scored: bool, fails: list[str], scoring: str = "json"
+) -> list[str]:
     """The findings: each figure past its threshold, with why it matters; that no answer
     could be scored (``scored`` false); and, after a sign of an untrustworthy judge, the
     verdict on it. ``fails``: the first scoring's failures (the first one is shown)."""
     why = dict(_WHY)
+    if scoring == "yes_no":
+        why["fallback_share"] = (
+            "neither yes nor no is among the judge's likely first tokens, or its endpoint fails"
+        )
     if fails:  # what the judge said instead of the JSON, so the user sees the failure
         why["fallback_share"] += f"; e.g. {fails[0][:300]}"
     findings = []

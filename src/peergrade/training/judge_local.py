@@ -12,6 +12,13 @@ through the tokenizer's chat template with the generation prompt; the requests o
 generated greedily together, ``batch_size`` sequences at a time, by ``rollout.generate`` (the
 sampler training uses), up to ``max_tokens`` new tokens each.
 
+``scoring: yes_no`` generates nothing: ``yes_no`` runs one forward pass per batch of
+``batch_size`` requests (left-padded, positions from the attention mask so padding does not
+shift them), takes the float32 softmax of the logits at the last position (the token after
+the generation prompt) and sums the probabilities of the yes / no variants that are single
+tokens of this tokenizer (``yes_no_tokens``; a tokenizer with none on either side is a
+``JudgeError`` when the judge is built).
+
 What it deliberately does not do: no sampling (a judge is greedy, so its replies can be
 cached), no training of the judge, no memory estimate (``peergrade memory`` does not count it
 yet).
@@ -25,11 +32,17 @@ from peergrade.generation.kernel import generate
 from peergrade.model.load import (
     load_model,
     load_tokenizer,
+    position_ids_from_mask,
     resolve_device,
     resolve_dtype,
     resolve_model_path,
 )
-from peergrade.rewards.judge import register_local_loader
+from peergrade.rewards.judge import (
+    NO_VARIANTS,
+    YES_VARIANTS,
+    JudgeError,
+    register_local_loader,
+)
 from peergrade.training import checkpoint as ckpt
 
 __all__ = ["LocalBackend", "load_local_backend"]
@@ -51,6 +64,68 @@ class LocalBackend:
         else:  # a tokenizer without a template: a plain transcript
             text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant: "
         return tok(text, add_special_tokens=False)["input_ids"]
+
+    def yes_no_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids of the yes and of the no variants that are one token of this tokenizer."""
+        if getattr(self, "_yes_no", None) is None:
+            sides = []
+            for variants in (YES_VARIANTS, NO_VARIANTS):
+                ids: list[int] = []
+                for v in variants:
+                    x = self.tokenizer(v, add_special_tokens=False)["input_ids"]
+                    if len(x) == 1 and x[0] not in ids:
+                        ids.append(x[0])
+                sides.append(ids)
+            if not sides[0] or not sides[1]:
+                raise JudgeError(
+                    f"judge scoring=yes_no: the tokenizer of {self.path} has no single-token "
+                    f"{'yes' if not sides[0] else 'no'} among {YES_VARIANTS + NO_VARIANTS}"
+                )
+            self._yes_no = (sides[0], sides[1])
+        return self._yes_no
+
+    def yes_no(self, requests: list[list[dict]]) -> list:
+        """(P(yes), P(no)) of the first reply token per request (module doc), or a
+        ``ValueError`` in the place of a request longer than the model's context."""
+        import torch
+
+        if not requests:
+            return []
+        yes, no = self.yes_no_tokens()
+        ids = [self.encode(m) for m in requests]
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        out: list = [None] * len(ids)
+        fits = []
+        for i, x in enumerate(ids):
+            if limit and len(x) > limit:
+                out[i] = ValueError(
+                    f"the judge request has {len(x)} tokens, more than {self.path}'s context "
+                    f"({limit} positions)"
+                )
+            else:
+                fits.append(i)
+        pad = self.tokenizer.pad_token_id
+        pad = 0 if pad is None else pad
+        dev = next(self.model.parameters()).device
+        with self._lock, torch.no_grad():
+            for s in range(0, len(fits), self.batch_size):
+                part = fits[s : s + self.batch_size]
+                L = max(len(ids[i]) for i in part)
+                x = torch.tensor([[pad] * (L - len(ids[i])) + ids[i] for i in part], device=dev)
+                mask = torch.tensor(
+                    [[0] * (L - len(ids[i])) + [1] * len(ids[i]) for i in part], device=dev
+                )
+                logits = self.model(
+                    input_ids=x,
+                    attention_mask=mask,
+                    position_ids=position_ids_from_mask(mask),
+                    logits_to_keep=1,
+                ).logits[:, -1]
+                p = torch.softmax(logits.float(), -1)
+                p_yes, p_no = p[:, yes].sum(-1).tolist(), p[:, no].sum(-1).tolist()
+                for k, i in enumerate(part):
+                    out[i] = (p_yes[k], p_no[k])
+        return out
 
     def complete(self, requests: list[list[dict]]) -> list:
         """One reply per request; a request longer than the model's context is a
@@ -124,7 +199,7 @@ def judge_model_memory(
     ``weights`` (resident all run; exact parameter count on the meta device) and
     ``activations`` (one greedy batch: its KV cache and one layer's activations at the
     request length: the prompt, ``group`` answers when ``group: true``, the instructions and
-    the reply). None when the judge runs on another device type or is not a Hugging Face
+    the reply; ``scoring: yes_no``: one answer and no reply). None when the judge runs on another device type or is not a Hugging Face
     directory (a GGUF judge is not counted)."""
     from pathlib import Path
 
@@ -145,9 +220,12 @@ def judge_model_memory(
     if jdtype == "auto":
         jdtype = dtype if device != "cpu" else "float32"
     b = {"float32": 4, "bfloat16": 2, "float16": 2}.get(jdtype, 4)
-    answers = group if options.get("group", True) else 1
+    yes_no = options.get("scoring", "json") == "yes_no"
+    grouped = options.get("group")
+    grouped = not yes_no if grouped is None else grouped
+    answers = group if grouped else 1
     seq = prompt_len + answers * completion_len + _INSTRUCTION_TOKENS
-    seq += int(options.get("max_tokens", 256))
+    seq += 1 if yes_no else int(options.get("max_tokens", 256))  # yes_no: no reply generated
     H = int(getattr(cfg, "hidden_size", 0) or 0)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 1)
     kv = int(getattr(cfg, "num_key_value_heads", 0) or heads)
