@@ -87,6 +87,17 @@ def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
             id="beta-mu2-minibatches",
         ),
         pytest.param({"data.few_shot": 1, "data.few_shot_fade_steps": 3}, id="fading-few-shot"),
+        pytest.param(
+            # the adaptive bonus applies only after a step measured the entropy below the
+            # target, and its coefficient grows each step: both must survive the resume
+            {
+                "algo.use_adaptive_entropy": True,
+                "algo.entropy_coef": 0.05,
+                "algo.entropy_coef_delta": 0.05,
+                "algo.entropy_target": 100.0,
+            },
+            id="adaptive-entropy",
+        ),
     ],
 )
 def test_resume_is_exact(tiny_model_dir, reward_file, tmp_path, extra):

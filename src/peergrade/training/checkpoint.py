@@ -534,7 +534,7 @@ class RunDir:
                     tokenizer=run.models.tokenizer,
                     optimizer=optimizer,
                     scheduler=run.scheduler,
-                    trainer_state=self.trainer_state,
+                    trainer_state={**self.trainer_state, **_algo_state(run)},
                     config_yaml=self.config_yaml,
                     keep_last=run.cfg.train.keep_last,
                     extra=extra,
@@ -559,6 +559,15 @@ class RunDir:
                 ) from None
         dist.barrier()  # the others wait until the checkpoint is complete
         self.last_saved = step
+
+
+def _algo_state(run) -> dict[str, Any]:
+    """``{"algo": ...}``: what the algorithm carries from step to step beyond the weights and
+    the optimizer (``update.GRPO.state``: the adaptive entropy bonus's coefficient), so a
+    resume continues it instead of starting it over; nothing when it carries nothing."""
+    state = getattr(getattr(run, "algo", None), "state", None)
+    out = state() if callable(state) else None
+    return {"algo": out} if out else {}
 
 
 def finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
@@ -596,6 +605,9 @@ def resume_from_checkpoint(run, run_dir: RunDir) -> Path | None:
         return None
     run_dir.trainer_state.update(read_trainer_state(last))
     step = run_dir.trainer_state.pop("step")
+    algo_state = run_dir.trainer_state.pop("algo", None)
+    if algo_state and callable(getattr(getattr(run, "algo", None), "load_state", None)):
+        run.algo.load_state(algo_state)
     device = run.models.device
     loaded = load_model(
         str(last), dtype=resolve_dtype(run.cfg.model.dtype, device), device=str(device)

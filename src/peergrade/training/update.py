@@ -869,6 +869,20 @@ class GRPO:
             entropy=self.entropy_control(),
         )
 
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps of this object: the entropy bonus's coefficient (moved by
+        ``algo.use_adaptive_entropy``) and the last optimizer step's mean entropy, which decides
+        whether the adaptive bonus applies; nothing without a bonus."""
+        e = self.entropy
+        return {} if e is None else {"entropy_coef": e.coef, "last_entropy": e.last_entropy}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        """The state ``state()`` gave, from a checkpoint (a resume)."""
+        if "entropy_coef" in state:
+            self.entropy = EntropyControl(
+                float(state["entropy_coef"]), float(state["last_entropy"])
+            )
+
     def entropy_control(self) -> EntropyControl | None:
         """The entropy bonus's state (None without one), made at the first update."""
         a = self.cfg.algo
