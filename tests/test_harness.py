@@ -108,6 +108,31 @@ def test_kept_kv_cache_feeds_only_new_tokens_and_samples_the_same(inner, merge_t
     assert out[True][1] < out[False][1] * 0.7  # tokens fed through the model
 
 
+def test_episodes_that_open_alike_share_one_prefill_and_sample_the_same(inner, merge_tok):
+    """New episodes whose first request is the same prompt (a row's G samples) prefill it
+    once, the row copied to the others, as the in-process engine does; every episode samples
+    what it samples alone (the draws are keyed per episode)."""
+    from peergrade.generation.server import Job
+    from peergrade.generation.sessions import Sessions
+
+    a = merge_tok("what is two plus two")["input_ids"]
+    b = merge_tok("name a colour")["input_ids"]
+    eos = [merge_tok.eos_token_id]
+    jobs = [Job(a, 6, session="s0", key=0), Job(b, 6, session="s1", key=1),
+            Job(a, 6, session="s2", key=2), Job(a, 6, session="s3", key=3)]  # fmt: skip
+    together = Sessions(inner, merge_tok, eos, 2048)
+    fed = []
+    feed = together.eng._feed
+    together.eng._feed = lambda pending: fed.append(sum(map(len, pending))) or feed(pending)
+    shared = together.run(jobs)
+    assert fed[0] == len(a) + len(b)  # each distinct prompt once, not 3 x a + b
+    for job, got in zip(jobs, shared):
+        (alone,) = Sessions(inner, merge_tok, eos, 2048).run([job])
+        assert got[0] == alone[0]  # the same tokens
+        torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)
+    assert shared[0][0] != shared[2][0] or shared[0][0] != shared[3][0]  # own draws each
+
+
 def test_sampled_turns_are_never_retokenised(inner, merge_tok):
     """The model samples "x", "a", "b": re-rendering the history from text would hold the
     merged token "ab". The record is prompt + sampled ids + the template's delta, exactly what

@@ -74,6 +74,23 @@ class Sessions:
         self.rows += sessions
         self.seen += [[] for _ in sessions]
 
+    def _pending(self, jobs, row_of: list[int]) -> tuple[list[list[int]], list[int] | None]:
+        """Per cache row, the tokens it has not seen yet; new rows whose whole prompt is the
+        same (the G episodes of one dataset row open alike) share one prefill, as the
+        in-process engine's: one of them feeds it, the others feed nothing and are copies of
+        it afterwards (``copy``: the row each row is taken from; None when none is shared)."""
+        pending = [[] for _ in self.rows]
+        copy = list(range(len(self.rows)))
+        first: dict[tuple[int, ...], int] = {}
+        for j, r in zip(jobs, row_of):
+            todo = list(j.prompt_ids[len(self.seen[r]) :])
+            if not self.seen[r]:  # a new row: all holes so far, like every other new row
+                copy[r] = first.setdefault(tuple(todo), r)
+            pending[r] = todo if copy[r] == r else []
+            self.seen[r] = list(j.prompt_ids)
+        shared = any(c != r for r, c in enumerate(copy))
+        return pending, (copy if shared else None)
+
     @torch.no_grad()
     def run(self, jobs) -> list[tuple[list[int], list[float], str]]:
         """(token ids, log-probs, finish: eos | stop | length) of each job (one setting)."""
@@ -100,11 +117,11 @@ class Sessions:
         was = self.model.training
         self.model.eval()
         try:
-            pending = [[] for _ in self.rows]
-            for j, r in zip(jobs, row_of):
-                pending[r] = list(j.prompt_ids[len(self.seen[r]) :])
-                self.seen[r] = list(j.prompt_ids)
+            pending, copy = self._pending(jobs, row_of)
             logits = e._feed(pending)  # [B, V]
+            if copy is not None:  # rows that share a new prompt: the row that fed it, copied
+                e._keep(copy)
+                logits = logits.index_select(0, torch.tensor(copy, device=self.device))
             turns = [[] for _ in jobs]
             logps = [[] for _ in jobs]
             slps = [[] for _ in jobs]  # under the truncated distribution drawn from
