@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 from pathlib import Path
 
 HERE = str(Path(__file__).resolve().parent)
@@ -33,6 +34,12 @@ from vf_arith import ArithData, ArithTask  # noqa: E402
 # "null": verifiers' own null harness, the same program prepared by `uv` (needs PyPI on first use).
 HARNESS = os.environ.get("VF_HARNESS", "local_chat")
 MAX_TURNS = 3
+# verifiers' subprocess runtime guards the null harness's one-time `uv` preparation with an
+# asyncio.Lock shared by all its instances (runtimes/subprocess.py:87): two episodes preparing
+# at once on two event loops (each call below runs its own) leave one waiting forever. So the
+# first episodes of a process run one at a time until one has prepared the program.
+_PREPARED = threading.Event()
+_FIRST = threading.Lock()
 
 
 async def run_rollout(task: ArithTask, base_url: str, model: str) -> vf.Episode:
@@ -58,7 +65,13 @@ def rollout(row: dict, base_url: str, model: str) -> dict:
     task = ArithTask(
         ArithData(prompt=row["prompt"], a=int(row["a"]), b=int(row["b"]), answer=str(row["answer"]))
     )
-    episode = asyncio.run(run_rollout(task, base_url, model))
+    if HARNESS == "null" and not _PREPARED.is_set():
+        with _FIRST:
+            episode = asyncio.run(run_rollout(task, base_url, model))
+            if episode.ok:
+                _PREPARED.set()
+    else:
+        episode = asyncio.run(run_rollout(task, base_url, model))
     errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
     if not episode.ok or errors:
         raise RuntimeError(
