@@ -255,8 +255,10 @@ def test_measure_memory_ppo_child(tiny_model_dir):
     m = measure_memory(cfg, steps=2, timeout=600)
     assert set(m["phases"]) == {"load", "generate", "rewards", "reference", "update", "checkpoint"}
     assert m["peak"] == max(m["phases"].values()) > 0
-    # the trainer's own save, metered: the resident tensors and not much more
-    assert m["phases"]["load"] < m["phases"]["checkpoint"] <= m["phases"]["update"]
+    # the trainer's own save, metered: the resident tensors (the optimizer state now too) and
+    # not much more; a few MiB of allocator and file-buffer slack are noise at this toy size
+    assert m["phases"]["load"] < m["phases"]["checkpoint"]
+    assert m["phases"]["checkpoint"] <= m["phases"]["update"] + 8 * 2**20
     assert m["baseline_bytes"] > 50 * 2**20  # a Python process with torch loaded
     assert m["device"] == "cpu"
     assert m["completion_len"] <= 8 < m["seq_len"]
