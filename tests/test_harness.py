@@ -123,10 +123,16 @@ def test_episodes_that_open_alike_share_one_prefill_and_sample_the_same(inner, m
     together = Sessions(inner, merge_tok, eos, 2048)
     fed = []
     feed = together.eng._feed
-    together.eng._feed = lambda pending: fed.append(sum(map(len, pending))) or feed(pending)
+    together.eng._feed = lambda pending: fed.append(pending) or feed(pending)
     shared = together.run(jobs)
-    assert fed[0] == len(a) + len(b)  # each distinct prompt once, not 3 x a + b
-    for job, got in zip(jobs, shared):
+    assert sorted(map(len, fed[0])) == sorted([len(a), len(b)])  # 2 rows, not 3 x a + b
+    assert all(len(p) == 4 for p in fed[1:])  # then one row each
+    # two more opening alike while those four are open: rows of their own beside them
+    late = [Job(b, 6, session="s4", key=4), Job(b, 6, session="s5", key=5)]
+    fed.clear()
+    shared += together.run(late)
+    assert len(fed[0]) == 6 and sorted(map(len, fed[0]))[-2:] == [0, len(b)]
+    for job, got in zip(jobs + late, shared):
         (alone,) = Sessions(inner, merge_tok, eos, 2048).run([job])
         assert got[0] == alone[0]  # the same tokens
         torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)

@@ -11,7 +11,10 @@ cache has not seen (the last sampled token and the template delta) and then samp
 ``run(jobs)`` answers jobs of one sampling setting whose ``session`` is set: a job whose tokens
 extend what its row holds feeds the difference; any other (a new episode, a split history) gets
 a fresh row. Every open row takes part in each forward pass (idle rows feed holes), so this pays
-when most open episodes have a request queued, as under a trainer's harness. ``forget(session)``
+when most open episodes have a request queued, as under a trainer's harness. When no row is open
+(a trainer's step begins so), the cache is built as the in-process engine builds it: each
+distinct prompt prefilled in one row of its own, that row then copied to every episode opening
+with it (the G samples of a dataset row), so the prefill costs the distinct prompts only. ``forget(session)``
 drops a row (the episode is over). Draws are the kernel's keyed uniforms of (seed, job key,
 position in the turn): a job samples what ``generate`` would, up to float rounding.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from peergrade.generation.episodes import TurnEngine
-from peergrade.generation.kernel import draw_tokens, row_states, slab_cache, uniforms
+from peergrade.generation.kernel import draw_tokens, row_states, uniforms
 
 
 class Sessions:
@@ -58,15 +61,8 @@ class Sessions:
         self.seen = [self.seen[i] for i in keep]
 
     def _add(self, sessions: list[str]) -> None:
-        """New rows, empty (all their columns so far are holes)."""
+        """New rows beside the open ones, empty (all their columns so far are holes)."""
         e, k = self.eng, len(sessions)
-        if e.cache is None or not self.rows:
-            e.cache = slab_cache(e.num_layers, 256, grow=True)
-            e.key_ok = torch.zeros((k, 0), dtype=torch.bool, device=self.device)
-            e.n_real = torch.zeros(k, dtype=torch.long, device=self.device)
-            e.cur = 0
-            self.rows, self.seen = list(sessions), [[] for _ in sessions]
-            return
         b = len(self.rows)
         e._keep(list(range(b)) + [0] * k)  # copies of row 0's buffers, hidden below
         e.key_ok[b:] = False
@@ -105,11 +101,13 @@ class Sessions:
                 if j.prompt_ids[: len(held)] != held or len(held) >= len(j.prompt_ids):
                     stale.add(j.session)
         self._drop(stale)
-        self._add([j.session for j in jobs if j.session not in self.rows])
+        fresh = not self.rows  # every job opens a row (a trainer's step starts so)
+        if not fresh:
+            self._add([j.session for j in jobs if j.session not in self.rows])
         e, j0 = self.eng, jobs[0]
         e.temperature, e.top_p, e.top_k, e.stop = j0.temperature, j0.top_p, j0.top_k, j0.stop
         e.stop_window = max(len(x) for x in j0.stop) + 8 if j0.stop else 0
-        row_of = [self.rows.index(j.session) for j in jobs]
+        row_of = list(range(len(jobs))) if fresh else [self.rows.index(j.session) for j in jobs]
         T = max(j.max_tokens for j in jobs)
         keys = torch.tensor([j.key for j in jobs], dtype=torch.long, device=self.device)
         u = uniforms(row_states(int(j0.seed), keys, 1), T)  # [J, T]
@@ -117,11 +115,16 @@ class Sessions:
         was = self.model.training
         self.model.eval()
         try:
-            pending, copy = self._pending(jobs, row_of)
-            logits = e._feed(pending)  # [B, V]
-            if copy is not None:  # rows that share a new prompt: the row that fed it, copied
-                e._keep(copy)
-                logits = logits.index_select(0, torch.tensor(copy, device=self.device))
+            if fresh:  # a new cache, each distinct prompt fed in a row of its own, then copied
+                logits = e._start(jobs)  # [J, V]
+                self.rows = [j.session for j in jobs]
+                self.seen = [list(j.prompt_ids) for j in jobs]
+            else:
+                pending, copy = self._pending(jobs, row_of)
+                logits = e._feed(pending)  # [B, V]
+                if copy is not None:  # rows that share a new prompt: the row that fed it
+                    e._keep(copy)
+                    logits = logits.index_select(0, torch.tensor(copy, device=self.device))
             turns = [[] for _ in jobs]
             logps = [[] for _ in jobs]
             slps = [[] for _ in jobs]  # under the truncated distribution drawn from
