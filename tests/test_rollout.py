@@ -640,3 +640,25 @@ def test_completion_id_lists_keep_only_counted_tokens():
         prompt_index=torch.tensor([0, 1, 2]),
     )
     assert ro.completion_id_lists() == [[5, 6, 7], [8], []]
+
+
+@pytest.mark.parametrize("check_every, batch_size", [(1, None), (4, 3)])
+def test_on_tokens_hands_on_exactly_the_counted_tokens(peaky_qwen2, check_every, batch_size):
+    """The streaming hook sees each sequence's counted tokens in order and nothing after its
+    end, however often finished rows are checked and however the batch is split; an eos made
+    of a frequent token ends rows early (between host checks they keep running)."""
+    model, tok = peaky_qwen2
+    free = generate(model, tok, PROMPTS[:2], n=3, max_new_tokens=12, temperature=1.0, seed=1)
+    eos = free.completion_ids[0, 2].item()  # a token that turns up: some rows end on it
+    seen: dict[int, list[int]] = {}
+
+    def hook(seqs, tokens):
+        for q, t in zip(seqs, tokens):
+            seen.setdefault(q, []).append(t)
+
+    r = generate(model, tok, PROMPTS[:2], n=3, max_new_tokens=12, temperature=1.0, seed=1,
+                 eos_token_ids=[eos], check_every=check_every, batch_size=batch_size,
+                 on_tokens=hook)  # fmt: skip
+    lens = r.completion_mask.sum(1).long().tolist()
+    assert "eos" in r.finish_reason and min(lens) < 12
+    assert seen == {q: r.completion_ids[q, : lens[q]].tolist() for q in range(6)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 import torch
@@ -121,17 +122,20 @@ def test_seed_reproducible_and_n(client):
     assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "evaluate",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
 def test_tool_calls_parsed(client):
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "calculate",
-                "description": "evaluate",
-                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-            },
-        }
-    ]
+    tools = TOOLS
     # the tiny-calc model calls the tool on some problems: sample until one does
     r = client.chat.completions.create(
         model=MODEL, messages=QUESTION, tools=tools, n=16, temperature=1.0, max_tokens=96, seed=0
@@ -155,6 +159,105 @@ def test_stream(client):
     assert "".join(pieces) == full.message.content
     assert finish == full.finish_reason
     assert sum(1 for p in pieces if p) > 1  # more than one chunk of content
+
+
+def collect(stream) -> dict:
+    """Per choice index: the content, tool calls, token ids and finish reason of a chat
+    stream (the client's chunks added up)."""
+    out: dict = {}
+    for chunk in stream:
+        body = chunk.model_dump()
+        for ch in body["choices"]:
+            c = out.setdefault(ch["index"], {"content": "", "calls": [], "ids": [], "finish": None})
+            c["content"] += ch["delta"].get("content") or ""
+            c["calls"] += [t["function"] for t in ch["delta"].get("tool_calls") or []]
+            c["ids"] += ch.get("token_ids") or []
+            c["finish"] = ch["finish_reason"] or c["finish"]
+    return out
+
+
+def test_stream_with_tools_and_n_adds_up_to_the_reply(client):
+    """Content (with a tool call held back from its first character), tool calls, token ids
+    and finish reasons of every choice of a live stream equal the same request unstreamed."""
+    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, n=16, temperature=1.0, max_tokens=96,
+              seed=0, extra_body={"return_token_ids": True})  # fmt: skip
+    whole = client.chat.completions.create(**kw).model_dump()["choices"]
+    got = collect(client.chat.completions.create(stream=True, **kw))
+    assert sorted(got) == list(range(16))
+    assert any(c["finish_reason"] == "tool_calls" for c in whole)  # the case that matters
+    for c in whole:
+        g = got[c["index"]]
+        assert g["content"] == (c["message"]["content"] or "")
+        assert g["ids"] == c["token_ids"] and g["finish"] == c["finish_reason"]
+        assert [x["name"] for x in g["calls"]] == [
+            t["function"]["name"] for t in c["message"]["tool_calls"] or []
+        ]
+
+
+def test_stream_is_sent_while_sampling(server, client):
+    """The first content arrives before the reply is finished: the model's 4th forward pass
+    waits until the client has content in hand (a stream sent at the end never lets it)."""
+    got, waited, calls = threading.Event(), [], [0]
+
+    def hook(module, args, kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            waited.append(got.wait(20))
+
+    handle = server.engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            if chunk.choices[0].delta.content:
+                got.set()
+    finally:
+        handle.remove()
+    assert waited == [True]
+
+
+def test_stream_that_fails_while_sampling_ends_with_an_error_event(server, client):
+    """The stream has begun (HTTP 200) when the model fails: an error event in OpenAI's shape,
+    which the client raises; the server goes on answering."""
+
+    def hook(module, args, kwargs):
+        raise RuntimeError("the device fell over")
+
+    handle = server.engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+    kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8)
+    try:
+        with pytest.raises(openai.APIError, match="the device fell over"):
+            list(client.chat.completions.create(stream=True, **kw))
+    finally:
+        handle.remove()
+    assert client.chat.completions.create(**kw).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stop, echo", [(None, False), (["*"], True)])
+def test_completion_streams(client, stop, echo):
+    """A streamed completion (echo, a stop string held back) adds up to the unstreamed one."""
+    kw = dict(model=MODEL, prompt="Q:12*34\nA:", max_tokens=12, temperature=0, stop=stop,
+              echo=echo, extra_body={"return_token_ids": True})  # fmt: skip
+    whole = client.completions.create(**kw).model_dump()["choices"][0]
+    text, ids, finish = "", [], None
+    for chunk in client.completions.create(stream=True, **kw):
+        ch = chunk.model_dump()["choices"][0]
+        text, ids = text + ch["text"], ids + (ch.get("token_ids") or [])
+        finish = ch["finish_reason"] or finish
+    assert (text, ids, finish) == (whole["text"], whole["token_ids"], whole["finish_reason"])
+    with_lp = list(client.completions.create(stream=True, logprobs=1, **kw))  # one whole chunk
+    assert len(with_lp) == 1 and with_lp[0].choices[0].text == whole["text"]
+
+
+def test_sure_prefix():
+    from peergrade.generation.stream import sure_prefix
+
+    assert sure_prefix("hello wor", (), False) == "hello wor"
+    assert sure_prefix("hello <tool_c", ("<tool_call>",), True) == "hello"
+    assert sure_prefix(" hi <tool_call>{", ("<tool_call>",), True) == "hi"
+    assert sure_prefix("a STO", ("STOP",), False) == "a "
+    assert sure_prefix("a STOP b", ("STOP",), False) == "a "
+    assert sure_prefix("caf\ufffd", (), False) == "caf"
+    assert sure_prefix("x <", ("<tool_call>", "<<"), False) == "x "
 
 
 def test_stop_and_completions(client, calc):

@@ -8,7 +8,9 @@ evaluation, ``peergrade eval``, ``peergrade memory`` and the audit read one thin
 ``SamplerSettings`` (``record``) says how to sample, built once per purpose.
 
 Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``episodes`` (the
-episode engine), ``record`` (``Samples``, ``SamplerSettings``).
+episode engine), ``record`` (``Samples``, ``SamplerSettings``); the OpenAI-compatible endpoint:
+``server`` (routes, batching ``Engine``), ``stream`` (its server-sent events), ``recorder`` /
+``sessions`` / ``harness`` (an external agent's training episodes behind ``base_url``).
 
 It does not score (``rewards``), build the update's batch beyond the teacher-forcing tensors,
 or know the config: the trainer builds the settings (``training.sampling.settings_of``).

@@ -67,7 +67,7 @@ import contextlib
 import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -443,6 +443,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     check_every: int | None = None,
+    on_tokens: Callable[[list[int], list[int]], None] | None = None,
 ) -> Samples:
     """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
 
@@ -470,6 +471,10 @@ def generate(
             benchmarks that need a fixed number of tokens.
         check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
             With stop strings the check runs every step (the text must be decoded anyway).
+        on_tokens: called after every step with ``(sequences, tokens)``: the global indices
+            (prompt ``i``'s sample ``j`` is ``i * n + j``) of the sequences that drew a counted
+            token at that step, and those tokens (a streaming server's hook; it costs one host
+            copy per step).
     """
     cfg = model_config(model)
     n, max_new_tokens, top_k, stop = _check_settings(
@@ -497,6 +502,7 @@ def generate(
         eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
         ignore_eos=ignore_eos,
         check_every=check_every,
+        on_tokens=on_tokens,
     )
     step = batch_size or num_seq
     with eval_mode(model):
@@ -595,6 +601,7 @@ class _Runner:
     eos_token_ids: torch.Tensor  # [E] long
     ignore_eos: bool
     check_every: int  # host-side stop checks every this many tokens
+    on_tokens: Callable[[list[int], list[int]], None] | None  # generate's streaming hook
     fast: bool  # every layer full attention with sdpa/eager: the in-place slab cache
     cache_kw: str  # the forward's name for the KV cache argument
     bool_mask: bool  # sdpa takes a boolean attention mask
@@ -722,6 +729,9 @@ class _Runner:
             tokens_out[rows, t] = tok
             logp_out[rows, t] = logp
             sampler_out[rows, t] = sampler_logp
+            if self.on_tokens is not None:  # rows not finished before this step: counted
+                counted = finished_at[rows] == T
+                self.on_tokens((rows[counted] + start).tolist(), tok[counted].tolist())
             if not self.ignore_eos:
                 # Only the first EOS counts: between host checks a finished row keeps running.
                 fin = finished_at[rows]  # [B]

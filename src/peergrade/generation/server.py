@@ -29,10 +29,12 @@ which adds only schema generation on top of Starlette), small (no pydantic model
 step with the OpenAI schema), maintained by Encode for years, with streaming responses built in
 and a ``uvicorn.Server`` that can run on a thread inside the trainer on an ephemeral port.
 
-What it does not do: authentication, token-by-token streaming latency (a stream is sent once
-its batch has finished, as chunks of one token each), continuous batching inside a running
-``generate`` call (requests that arrive during one wait for the next), images, audio, the
-Responses API, or ``tool_choice`` other than ``auto`` (the model decides; nothing is forced).
+Streams (``generation.stream``) are sent as the tokens are sampled; a chat request with
+``logprobs`` and a training episode's request are streamed once their reply is finished.
+
+What it does not do: authentication, continuous batching inside a running ``generate`` call
+(requests that arrive during one wait for the next), images, audio, the Responses API, or
+``tool_choice`` other than ``auto`` (the model decides; nothing is forced).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +126,8 @@ class Job:
     key: int = 0
     top_logprobs: int = 0  # > 0: the top tokens' log-probs at every position
     session: str | None = None  # a training episode: its KV cache row is kept (``sessions``)
+    #: called on the engine's thread with each counted token as it is sampled (a live stream)
+    on_token: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     def group(self) -> tuple:
         return (self.temperature, self.top_p, self.top_k, self.stop, self.seed)
@@ -288,6 +292,14 @@ class Engine:
     def _generate(self, jobs: list[Job]) -> list[Sampled]:
         j0 = jobs[0]
         T = max(j.max_tokens for j in jobs)
+        counts = [0] * len(jobs)
+
+        def hand_on(seqs: list[int], tokens: list[int]) -> None:
+            for q, t in zip(seqs, tokens):
+                if jobs[q].on_token is not None and counts[q] < jobs[q].max_tokens:
+                    counts[q] += 1
+                    jobs[q].on_token(t)
+
         ro = generate(
             self.model,
             self.tokenizer,
@@ -301,6 +313,7 @@ class Engine:
             seed=j0.seed,
             row_keys=[j.key for j in jobs],
             eos_token_ids=self.eos_ids,
+            on_tokens=hand_on if any(j.on_token is not None for j in jobs) else None,
         )
         self.calls += 1
         self.jobs += len(jobs)
@@ -644,67 +657,6 @@ def completion_choice(
     return choice
 
 
-def stream_chat(
-    engine: Engine,
-    rid: str,
-    created: int,
-    model: str,
-    choices: list[dict],
-    sampled: list[Sampled],
-    settings: Settings,
-    prompt_ids: list[int],
-):
-    """The server-sent events of a chat completion: a role chunk, one chunk per token of
-    content, the tool calls, the finish reason, [DONE]."""
-    tok = engine.tokenizer
-
-    def chunk(index, delta, finish=None, **extra):
-        c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [c],
-        }
-        return f"data: {json.dumps(body)}\n\n"
-
-    async def events():
-        for ch, s in zip(choices, sampled):
-            i = ch["index"]
-            first = {"role": "assistant", "content": ""}
-            if settings.return_token_ids and i == choices[0]["index"]:
-                yield chunk(i, first, prompt_token_ids=list(prompt_ids))
-            else:
-                yield chunk(i, first)
-            content = ch["message"]["content"] or ""
-            done, lps = 0, (ch.get("logprobs") or {}).get("content") or []
-            for k in range(len(s.token_ids)):
-                upto = min(
-                    len(tok.decode(s.token_ids[: k + 1], skip_special_tokens=True)), len(content)
-                )
-                extra = {}
-                if settings.return_token_ids:
-                    extra["token_ids"] = [s.token_ids[k]]
-                piece = content[done:upto] if upto > done else ""
-                if piece or extra:
-                    c = chunk(i, {"content": piece}, **extra)
-                    if lps:
-                        body = json.loads(c[6:])
-                        body["choices"][0]["logprobs"] = {"content": [lps[k]]}
-                        c = f"data: {json.dumps(body)}\n\n"
-                    yield c
-                done = max(done, upto)
-            if done < len(content):
-                yield chunk(i, {"content": content[done:]})
-            for k, tc in enumerate(ch["message"].get("tool_calls") or []):
-                yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
-            yield chunk(i, {}, ch["finish_reason"])
-        yield "data: [DONE]\n\n"
-
-    return events()
-
-
 # ----------------------------------------------------------------------------- the app
 
 
@@ -768,7 +720,15 @@ class Handler:
         tools = check_tools(body.get("tools"))
         prompt_ids = render_prompt(self.engine, messages, tools)
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
-        sampled = await self.sample(self.jobs(prompt_ids, settings, max_tokens))
+        jobs = self.jobs(prompt_ids, settings, max_tokens)
+        if settings.stream and not settings.logprobs:
+            from peergrade.generation.stream import live_chat
+
+            return live_chat(
+                self.engine, model, settings, bool(tools), prompt_ids, jobs,
+                lambda i, s: chat_choice(self.engine, i, s, settings, tools)[0],
+            )  # fmt: skip
+        sampled = await self.sample(jobs)
         return self.chat_response(model, settings, tools, prompt_ids, sampled)[0]
 
     def chat_response(self, model, settings, tools, prompt_ids, sampled):
@@ -776,7 +736,9 @@ class Handler:
         pairs = [chat_choice(self.engine, i, s, settings, tools) for i, s in enumerate(sampled)]
         choices = [c for c, _ in pairs]
         if settings.stream:
-            return stream_chat(
+            from peergrade.generation.stream import replay_chat
+
+            return replay_chat(
                 self.engine, rid, created, model, choices, sampled, settings, prompt_ids
             ), pairs
         out = {
@@ -798,8 +760,6 @@ class Handler:
     async def completions(self, body: dict):
         model = self.check_model(body)
         settings = parse_settings(body, chat=False)
-        if settings.stream:
-            raise APIError("'stream' is supported on /v1/chat/completions only", param="stream")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -825,8 +785,16 @@ class Handler:
         max_tokens = self.budget(
             prompt_ids, settings.max_tokens if settings.max_tokens is not None else 16
         )
-        sampled = await self.sample(self.jobs(prompt_ids, settings, max_tokens))
+        jobs = self.jobs(prompt_ids, settings, max_tokens)
         echo = tok.decode(prompt_ids) if body.get("echo") else ""
+        if settings.stream and not settings.logprobs:
+            from peergrade.generation.stream import live_completion
+
+            return live_completion(
+                self.engine, model, settings, prompt_ids, jobs,
+                lambda i, s: completion_choice(self.engine, i, s, settings), echo,
+            )  # fmt: skip
+        sampled = await self.sample(jobs)
         out = {
             "id": "cmpl-" + secrets.token_hex(12),
             "object": "text_completion",
@@ -843,6 +811,10 @@ class Handler:
         }
         if settings.return_token_ids:
             out["prompt_token_ids"] = list(prompt_ids)
+        if settings.stream:  # with logprobs: the finished completion in one chunk
+            from peergrade.generation.stream import whole_completion
+
+            return whole_completion(out["choices"], model)
         return out
 
     def models(self) -> dict:
