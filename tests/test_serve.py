@@ -248,6 +248,31 @@ def test_completion_streams(client, stop, echo):
     assert len(with_lp) == 1 and with_lp[0].choices[0].text == whole["text"]
 
 
+def test_harmless_fields_tool_choice_none_and_stream_usage(client):
+    """Fields set to what changes nothing are accepted; tool_choice 'none' is the request
+    without tools; stream_options.include_usage ends the stream with the usage."""
+    base = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    plain = client.chat.completions.create(**base).model_dump()
+    same = client.chat.completions.create(
+        tool_choice="auto", response_format={"type": "text"}, frequency_penalty=0.0,
+        presence_penalty=0, logit_bias={}, parallel_tool_calls=False, **base,
+    ).model_dump()  # fmt: skip
+    assert same["choices"][0]["message"] == plain["choices"][0]["message"]
+    none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **base).model_dump()
+    assert none["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]  # no tools shown
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **base)
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain["usage"]
+    assert all(c.usage is None for c in chunks[:-1])
+    cw = dict(model=MODEL, prompt="Q:1+2\nA:", max_tokens=6, temperature=0)
+    done = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **cw)
+    )
+    assert done[-1].usage.total_tokens == client.completions.create(**cw).usage.total_tokens
+
+
 def test_sure_prefix():
     from peergrade.generation.stream import sure_prefix
 
@@ -321,6 +346,17 @@ def test_max_tokens_and_length(client):
         ),
         (dict(model=MODEL, messages=QUESTION, temperature=5), None, "temperature"),
         (dict(model=MODEL, messages=QUESTION, tools=[{"type": "function"}]), None, "tools"),
+        # what this server cannot honour is refused, not ignored
+        *[
+            (dict(model=MODEL, messages=QUESTION, **{k: v}), "unsupported_parameter", k)
+            for k, v in [
+                ("tool_choice", "required"),
+                ("tool_choice", {"type": "function", "function": {"name": "calculate"}}),
+                ("response_format", {"type": "json_object"}),
+                ("frequency_penalty", 0.5),
+                ("logit_bias", {"5": 10}),
+            ]
+        ],
     ],
 )
 def test_errors_are_openai_shaped(client, kwargs, code, param):

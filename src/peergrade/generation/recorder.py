@@ -21,7 +21,9 @@ and recorded as tokens into one ``envs.Episode``, the record the in-process epis
 
 The trainer's sampling settings win over the client's (temperature, top-p, top-k, stop, the
 seed: the draws of turn ``k`` are keyed by (seed, episode key, k)); the client's
-``max_tokens`` can only shorten a turn. The budgets are the engine's: ``max_completion_length``
+``max_tokens`` can only shorten a turn; what a plain request would be refused for
+(``tool_choice``, penalties, ``logit_bias``, ``response_format``) is ignored. The budgets are the
+engine's: ``max_completion_length``
 tokens after the prompt, ``max_tokens_per_turn``, ``max_turns``; a request past a budget gets an
 empty reply with finish_reason ``length`` (nothing is sampled), and the episode's
 ``finish_reason`` says which budget ended it, as in the engine.

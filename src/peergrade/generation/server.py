@@ -32,9 +32,12 @@ and a ``uvicorn.Server`` that can run on a thread inside the trainer on an ephem
 Streams (``generation.stream``) are sent as the tokens are sampled; a chat request with
 ``logprobs`` and a training episode's request are streamed once their reply is finished.
 
+Fields it cannot honour (forced tool calls, ``response_format``, penalties, ``logit_bias``,
+vLLM's ``guided_*``) are refused with a 400 naming them (``refuse_unsupported``), not ignored.
+
 What it does not do: authentication, continuous batching inside a running ``generate`` call
-(requests that arrive during one wait for the next), images, audio, the Responses API, or
-``tool_choice`` other than ``auto`` (the model decides; nothing is forced).
+(requests that arrive during one wait for the next), images, audio, the Responses API,
+constrained decoding.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ import torch
 from peergrade.envs.template import render
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.generation.kernel import default_eos_ids, generate
+from peergrade.generation.stream import (
+    live_chat,
+    live_completion,
+    replay_chat,
+    usage_of,
+    whole_completion,
+)
 
 __all__ = ["APIError", "Engine", "Job", "Server", "build_app", "serve"]
 
@@ -507,8 +517,36 @@ class Settings:
     logprobs: bool = False
     top_logprobs: int = 0
     stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     return_token_ids: bool = False
-    extra: dict = field(default_factory=dict)
+    tool_choice: str = "auto"  # auto | none
+    #: (field, why) of each field asked that this server cannot honour (a plain request is
+    #: refused; a training episode ignores them: the trainer's sampling wins)
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+
+#: fields this server does not honour, when set to something that changes the reply
+_NO_CONSTRAINTS = "there is no constrained decoding here"
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (lambda v: bool(v), "token biases are not applied"),
+    "presence_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
+    "frequency_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
+    "repetition_penalty": (lambda v: v not in (1, 1.0), "penalties are not applied"),
+    "min_tokens": (lambda v: v not in (0,), "eos is never suppressed"),
+    "response_format": (
+        lambda v: not (isinstance(v, dict) and v.get("type") in (None, "text")),
+        f"the reply is not forced into a format; {_NO_CONSTRAINTS}",
+    ),
+    "tool_choice": (
+        lambda v: v not in ("auto", "none"),
+        f"tool calls cannot be forced ({_NO_CONSTRAINTS}); use 'auto' (the model decides) or "
+        "'none'",
+    ),
+    **{
+        k: (lambda v: v is not None, _NO_CONSTRAINTS)
+        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    },
+}
 
 
 def parse_settings(body: dict, chat: bool) -> Settings:
@@ -548,8 +586,28 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         lp = _number(body, "logprobs", None, 0, 20, integer=True)
         s.logprobs, s.top_logprobs = lp is not None, lp or 0
     s.stream = bool(body.get("stream") or False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise APIError("'stream_options' must be an object", param="stream_options")
+    s.include_usage = bool(s.stream and opts and opts.get("include_usage"))
     s.return_token_ids = bool(body.get("return_token_ids") or False)
+    if chat and body.get("tool_choice") == "none":
+        s.tool_choice = "none"
+    s.unsupported = tuple(
+        (k, why)
+        for k, (bad, why) in _UNSUPPORTED.items()
+        if body.get(k) is not None and (chat or k != "tool_choice") and bad(body[k])
+    )
     return s
+
+
+def refuse_unsupported(settings: Settings) -> None:
+    """A plain request asking for what this server cannot do gets a 400 naming the field."""
+    if settings.unsupported:
+        k, why = settings.unsupported[0]
+        raise APIError(
+            f"'{k}' is not supported by this server: {why}", param=k, code="unsupported_parameter"
+        )
 
 
 # ----------------------------------------------------------------------------- responses
@@ -716,14 +774,15 @@ class Handler:
     async def chat(self, body: dict):
         model = self.check_model(body)
         settings = parse_settings(body, chat=True)
+        refuse_unsupported(settings)
         messages = normalise_messages(body.get("messages"))
         tools = check_tools(body.get("tools"))
+        if settings.tool_choice == "none":  # as if no tools were offered
+            tools = None
         prompt_ids = render_prompt(self.engine, messages, tools)
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
         jobs = self.jobs(prompt_ids, settings, max_tokens)
         if settings.stream and not settings.logprobs:
-            from peergrade.generation.stream import live_chat
-
             return live_chat(
                 self.engine, model, settings, bool(tools), prompt_ids, jobs,
                 lambda i, s: chat_choice(self.engine, i, s, settings, tools)[0],
@@ -736,8 +795,6 @@ class Handler:
         pairs = [chat_choice(self.engine, i, s, settings, tools) for i, s in enumerate(sampled)]
         choices = [c for c, _ in pairs]
         if settings.stream:
-            from peergrade.generation.stream import replay_chat
-
             return replay_chat(
                 self.engine, rid, created, model, choices, sampled, settings, prompt_ids
             ), pairs
@@ -747,11 +804,7 @@ class Handler:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": sum(len(s.token_ids) for s in sampled),
-                "total_tokens": len(prompt_ids) + sum(len(s.token_ids) for s in sampled),
-            },
+            "usage": usage_of(prompt_ids, sampled),
         }
         if settings.return_token_ids:
             out["prompt_token_ids"] = list(prompt_ids)
@@ -760,6 +813,7 @@ class Handler:
     async def completions(self, body: dict):
         model = self.check_model(body)
         settings = parse_settings(body, chat=False)
+        refuse_unsupported(settings)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -788,8 +842,6 @@ class Handler:
         jobs = self.jobs(prompt_ids, settings, max_tokens)
         echo = tok.decode(prompt_ids) if body.get("echo") else ""
         if settings.stream and not settings.logprobs:
-            from peergrade.generation.stream import live_completion
-
             return live_completion(
                 self.engine, model, settings, prompt_ids, jobs,
                 lambda i, s: completion_choice(self.engine, i, s, settings), echo,
@@ -803,18 +855,14 @@ class Handler:
             "choices": [
                 completion_choice(self.engine, i, s, settings, echo) for i, s in enumerate(sampled)
             ],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": sum(len(s.token_ids) for s in sampled),
-                "total_tokens": len(prompt_ids) + sum(len(s.token_ids) for s in sampled),
-            },
+            "usage": usage_of(prompt_ids, sampled),
         }
         if settings.return_token_ids:
             out["prompt_token_ids"] = list(prompt_ids)
         if settings.stream:  # with logprobs: the finished completion in one chunk
-            from peergrade.generation.stream import whole_completion
-
-            return whole_completion(out["choices"], model)
+            return whole_completion(
+                out["choices"], model, out["usage"] if settings.include_usage else None
+            )
         return out
 
     def models(self) -> dict:

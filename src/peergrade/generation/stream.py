@@ -42,6 +42,21 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def usage_of(prompt_ids: list[int], sampled: list) -> dict:
+    done = sum(len(x.token_ids) for x in sampled)
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": done,
+        "total_tokens": len(prompt_ids) + done,
+    }
+
+
+def _usage_event(rid: str, kind: str, created: int, model: str, usage: dict) -> str:
+    """``stream_options.include_usage``: the last chunk, no choices and the request's usage."""
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": []}
+    return _event({**body, "usage": usage})
+
+
 def sure_prefix(text: str, holds: Sequence[str], strip: bool) -> str:
     """The part of a reply's text so far that its final content starts with, whatever is
     sampled next: cut at the first ``holds`` string (a stop string, a tool call), without a
@@ -184,6 +199,9 @@ def live_chat(
             for k, tc in enumerate(ch["message"].get("tool_calls") or []):
                 yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
             yield chunk(i, {}, ch["finish_reason"])
+        if settings.include_usage:
+            kind = "chat.completion.chunk"
+            yield _usage_event(rid, kind, created, model, usage_of(prompt_ids, sampled))
         yield DONE
 
     return events()
@@ -235,19 +253,27 @@ def live_completion(
             if rest or (settings.return_token_ids and shown[i].unsent):
                 yield chunk(i, rest)
             yield chunk(i, "", ch["finish_reason"])
+        if settings.include_usage:
+            usage = usage_of(prompt_ids, sampled)
+            yield _usage_event(rid, "text_completion", created, model, usage)
         yield DONE
 
     return events()
 
 
-def whole_completion(choices: list[dict], model: str) -> AsyncIterator[str]:
-    """A finished completion (one asked with ``logprobs``) as a stream: one chunk per choice."""
+def whole_completion(
+    choices: list[dict], model: str, usage: dict | None = None
+) -> AsyncIterator[str]:
+    """A finished completion (one asked with ``logprobs``) as a stream: one chunk per choice
+    (``usage``: then the usage chunk)."""
     rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
 
     async def events():
         for c in choices:
             body = {"id": rid, "object": "text_completion", "created": created, "model": model}
             yield _event({**body, "choices": [c]})
+        if usage is not None:
+            yield _usage_event(rid, "text_completion", created, model, usage)
         yield DONE
 
     return events()
@@ -309,6 +335,9 @@ def replay_chat(
             for k, tc in enumerate(ch["message"].get("tool_calls") or []):
                 yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
             yield chunk(i, {}, ch["finish_reason"])
+        if settings.include_usage:
+            kind = "chat.completion.chunk"
+            yield _usage_event(rid, kind, created, model, usage_of(prompt_ids, sampled))
         yield DONE
 
     return events()
