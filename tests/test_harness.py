@@ -552,3 +552,104 @@ def test_grpo_trainer_with_harness_processes_trains_the_same_step(tmp_path):
         ]
     assert samples[0] == samples[2] and samples[0]
     assert len({r for _, rs, _ in samples[0] for r in rs}) > 1  # rewards from the samples
+
+
+def token_loop(turns: int, follow_up: str = "go on", tamper: bool = False):
+    """A harness that renders its own prompts and talks tokens (vLLM's ``/inference/v1/
+    generate``, as verifiers' TrainClient does): each next prompt is the last one + the reply's
+    tokens + its own rendering of a user turn. ``tamper``: the 2nd prompt drops the first reply's
+    first token (it no longer extends what was recorded)."""
+    import httpx
+
+    def harness(row, base_url, model):
+        tok = harness.tok
+        msgs = [{"role": "user", "content": row["q"]}]
+        ids = render(tok, msgs, add_generation_prompt=True)
+        for k in range(turns):
+            body = {"model": model, "token_ids": ids,
+                    "sampling_params": {"max_tokens": 7, "temperature": 0.2, "logprobs": 1}}  # fmt: skip
+            r = httpx.post(base_url + "/inference/v1/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out = r.json()["choices"][0]
+            harness.replies.append(
+                (out["token_ids"], [x["logprob"] for x in out["logprobs"]["content"]])
+            )
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": tok.decode(out["token_ids"], skip_special_tokens=True),
+                }
+            )
+            delta = turn_delta(tok, msgs, [{"role": "user", "content": follow_up}],
+                               eos_ids=[tok.eos_token_id], close_turn=out["token_ids"][-1:] != [tok.eos_token_id])  # fmt: skip
+            msgs.append({"role": "user", "content": follow_up})
+            cut = 1 if tamper and k == 0 else 0
+            ids = ids + out["token_ids"][cut:] + delta
+        return 1.0
+
+    harness.replies = []
+    return harness
+
+
+def test_token_requests_are_recorded_token_exact(inner, merge_tok):
+    """An episode driven by token requests records the client's tokens as they are: its own
+    prompt tokens (mask 0) and the sampled ones (mask 1, the log-probs it was sent), the
+    log-probs equal to one full forward; and the same conversation through chat requests
+    records the same tokens."""
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=6.0)
+    runs, runs_replies = {}, {}
+    for name, fn in [("tokens", token_loop(3)), ("chat", chat_loop(3))]:
+        fn.tok, runs_replies[name] = merge_tok, getattr(fn, "replies", None)
+        runner = HarnessRunner(model, merge_tok)
+        try:
+            runs[name] = runner.run(fn, [{"q": "hi"}], n=2, max_completion_length=120,
+                                    temperature=1.0, seed=5, max_tokens_per_turn=12)  # fmt: skip
+        finally:
+            runner.close()
+    tokens, chat = runs["tokens"], runs["chat"]
+    assert [r.error for r in tokens] == [None, None] and [r.splits for r in tokens] == [0, 0]
+    eps = [r.episode for r in tokens]
+    assert [e.input_ids for e in eps] == [r.episode.input_ids for r in chat]
+    assert [e.loss_mask for e in eps] == [r.episode.loss_mask for r in chat]
+    assert all(e.num_turns == 3 and 0 in e.loss_mask for e in eps)
+    logp, b = full_forward_logprobs(model.eval(), eps, merge_tok.pad_token_id, 1.0)
+    torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
+    replies = runs_replies["tokens"]  # what the route answered: the recorded log-probs
+    sent = sorted(round(sum(lps), 4) for _, lps in replies)
+    kept = []
+    for e in eps:
+        lps = []
+        for m, lp in zip([*e.loss_mask, 0], [*e.logprobs, 0.0]):
+            if m:
+                lps.append(lp)
+            elif lps:
+                kept.append(round(sum(lps), 4))
+                lps = []
+    assert sorted(kept) == sent
+    # its messages are the decoded text (the roles of the client's own tokens are unknown)
+    assert eps[0].messages[0]["role"] == "user" and "hi" in eps[0].messages[0]["content"]
+    assert [m["role"] for m in eps[0].messages[1:4]] == ["assistant", "user", "assistant"]
+
+
+def test_token_requests_that_change_the_tokens_split_and_bad_ones_fail(inner, merge_tok):
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    fn = token_loop(2, tamper=True)
+    fn.tok = merge_tok
+
+    def bad(row, base_url, model_name):
+        import httpx
+
+        r = httpx.post(base_url + "/inference/v1/generate",
+                       json={"model": model_name, "token_ids": [10**9]}, timeout=60)  # fmt: skip
+        raise RuntimeError(f"{r.status_code} {r.json()['error']['param']}")
+
+    runner = HarnessRunner(model, merge_tok)
+    try:
+        (split,) = runner.run(fn, [{"q": "q"}], n=1, max_completion_length=80,
+                              temperature=1.0, max_tokens_per_turn=8)  # fmt: skip
+        (refused,) = runner.run(bad, [{"q": "q"}], n=1, max_completion_length=80)
+    finally:
+        runner.close()
+    assert split.error is None and split.splits == 1 and split.requests == 2
+    assert split.episode.loss_mask[: len(fn.replies[1][0])] == [1] * len(fn.replies[1][0])
+    assert "400 token_ids" in refused.error

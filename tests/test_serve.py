@@ -273,6 +273,92 @@ def test_harmless_fields_tool_choice_none_and_stream_usage(client):
     assert done[-1].usage.total_tokens == client.completions.create(**cw).usage.total_tokens
 
 
+def _generate(server, body):
+    import httpx
+
+    return httpx.post(server.url + "/inference/v1/generate", json=body, timeout=60)
+
+
+def test_token_route_answers_as_vllm_does(server, client):
+    """``/inference/v1/generate``: token ids in; the chat route's tokens and log-probs out, the
+    tokens named ``token_id:<id>``; a stop token ends the reply there (itself kept)."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, logprobs=True,
+        extra_body={"return_token_ids": True},
+    ).model_dump()  # fmt: skip
+    prompt, ids = chat["prompt_token_ids"], chat["choices"][0]["token_ids"]
+    sp = {"max_tokens": 24, "temperature": 0, "logprobs": 1}
+    r = _generate(server, {"model": MODEL, "token_ids": prompt, "sampling_params": sp}).json()
+    (c,) = r["choices"]
+    assert c["token_ids"] == ids and r["prompt_token_ids"] == prompt
+    content = c["logprobs"]["content"]
+    assert [x["token"] for x in content] == [f"token_id:{t}" for t in ids]
+    want = [x["logprob"] for x in chat["choices"][0]["logprobs"]["content"]]
+    assert torch.allclose(torch.tensor([x["logprob"] for x in content]), torch.tensor(want))
+    assert all(len(x["top_logprobs"]) == 1 for x in content)
+    assert r["usage"]["completion_tokens"] == len(ids)
+    stop = ids[1]
+    sp = {"max_tokens": 24, "temperature": 0, "stop_token_ids": [stop]}
+    r = _generate(server, {"model": MODEL, "token_ids": prompt, "sampling_params": sp}).json()
+    (c,) = r["choices"]
+    assert c["token_ids"] == ids[: ids.index(stop) + 1] and c["finish_reason"] == "stop"
+    assert c["logprobs"] is None
+    r = _generate(server, {"model": MODEL, "token_ids": prompt}).json()  # vLLM's defaults
+    assert len(r["choices"][0]["token_ids"]) <= 16
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "nope", "token_ids": [1]}, "model"),
+        ({"model": MODEL}, "token_ids"),
+        ({"model": MODEL, "token_ids": []}, "token_ids"),
+        ({"model": MODEL, "token_ids": [10**9]}, "token_ids"),
+        ({"model": MODEL, "token_ids": [True]}, "token_ids"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": 3}, "sampling_params"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"n": 0}}, "n"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"stop_token_ids": [-1]}},
+         "stop_token_ids"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"presence_penalty": 1.0}},
+         "presence_penalty"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"ignore_eos": True}},
+         "ignore_eos"),
+        ({"model": MODEL, "token_ids": [1], "features": {"mm_hashes": []}}, "features"),
+        ({"model": MODEL, "token_ids": [1], "stream": True}, "stream"),
+    ],
+)  # fmt: skip
+def test_token_route_bad_requests(server, body, param):
+    r = _generate(server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_renderers_client_generates_through_the_token_route(server, client):
+    """verifiers' TrainClient path: ``renderers.client.generate`` renders the prompt itself,
+    posts it to ``/inference/v1/generate`` and parses the reply; it gets the chat route's."""
+    renderers = pytest.importorskip("renderers")
+    from renderers.client import generate
+
+    tok = server.engine.tokenizer
+    renderer = renderers.create_renderer(tok, renderers.DefaultRendererConfig())
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+        extra_body={"return_token_ids": True},
+    ).model_dump()  # fmt: skip
+
+    async def go():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+        return await generate(client=c, renderer=renderer, messages=QUESTION, model=MODEL,
+                              sampling_params={"max_tokens": 20, "temperature": 0.0})  # fmt: skip
+
+    out = asyncio.run(go())
+    assert out["prompt_ids"] == chat["prompt_token_ids"]
+    assert out["completion_ids"] == chat["choices"][0]["token_ids"]
+    assert out["content"] == chat["choices"][0]["message"]["content"]
+    assert len(out["completion_logprobs"]) == len(out["completion_ids"])
+
+
 def test_sure_prefix():
     from peergrade.generation.stream import sure_prefix
 

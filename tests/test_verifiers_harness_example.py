@@ -25,10 +25,19 @@ def test_the_example_imports_nothing_of_peergrade():
         assert not [x for x in names if x.split(".")[0] == "peergrade"], name
 
 
-def test_two_tiny_steps_train_through_verifiers_rollouts(tmp_path):
+@pytest.mark.parametrize("client", ["eval", "train"])
+def test_two_tiny_steps_train_through_verifiers_rollouts(tmp_path, client):
+    """``eval``: verifiers' EvalClient (chat requests); ``train``: its TrainClient, which
+    renders the prompts itself and sends token ids to the token-in route."""
+    env = {"VF_HARNESS": "local_chat", "VF_CLIENT": client}
+    if client == "train":
+        pytest.importorskip("renderers")
+        from peergrade.model.load import resolve_model_path
+
+        env["VF_TOKENIZER"] = str(resolve_model_path("bundled:tiny-calc"))
     trained = train_harness_example(
-        EXAMPLE, tmp_path, "--harness.concurrency", "4", env={"VF_HARNESS": "local_chat"},
-        timeout=900,
-    )  # fmt: skip
+        EXAMPLE, tmp_path, "--harness.concurrency", "4", env=env, timeout=900
+    )
     for m in trained:
         assert m["harness/messages"] >= 2  # the verifiers trace's messages: prompt and reply
+        assert m["harness/token_client"] == float(client == "train")

@@ -9,6 +9,11 @@ peergrade trains it with
 
 The request path: verifiers' chat program -> verifiers' interception server (on 127.0.0.1) ->
 its ``EvalClient`` -> ``base_url`` (the episode's endpoint, where peergrade records the turn).
+
+``VF_CLIENT=train`` (with ``VF_TOKENIZER=<the model's directory>``) uses verifiers' training
+client instead: it renders every prompt to token ids itself (the ``renderers`` package) and
+calls the token-in route ``<base_url>/inference/v1/generate``; peergrade records those tokens
+as they are.
 """
 
 from __future__ import annotations
@@ -42,6 +47,23 @@ _PREPARED = threading.Event()
 _FIRST = threading.Lock()
 
 
+def client_config(base_url: str):
+    """verifiers' model client for ``base_url``. api_key_var: any unset variable (the key sent
+    is then "EMPTY"); the default, PRIME_API_KEY, would read the Prime CLI's config."""
+    if os.environ.get("VF_CLIENT", "eval") == "train":
+        from renderers import DefaultRendererConfig
+
+        return vf.TrainClientConfig(
+            base_url=base_url,
+            api_key_var="VF_HARNESS_API_KEY",
+            # the generic renderer (the tokenizer's own chat template) with the Hermes-style
+            # <tool_call> parser the calculator model writes
+            renderer=DefaultRendererConfig(tool_parser="qwen3"),
+            renderer_model_name=os.environ["VF_TOKENIZER"],
+        )
+    return vf.EvalClientConfig(base_url=base_url, api_key_var="VF_HARNESS_API_KEY")
+
+
 async def run_rollout(task: ArithTask, base_url: str, model: str) -> vf.Episode:
     config = vf.SingleAgentEnvConfig(
         taskset={"id": "vf_arith"},
@@ -52,9 +74,7 @@ async def run_rollout(task: ArithTask, base_url: str, model: str) -> vf.Episode:
         },
     )
     env = vf.SingleAgentEnv(config)
-    # api_key_var: any unset variable (the key sent is then "EMPTY"); the default,
-    # PRIME_API_KEY, would read the Prime CLI's config
-    client = vf.EvalClientConfig(base_url=base_url, api_key_var="VF_HARNESS_API_KEY")
+    client = client_config(base_url)
     async with env.serving():
         return await env.run_episode(task, vf.ModelContext(model=model, client=client))
 
@@ -78,7 +98,11 @@ def rollout(row: dict, base_url: str, model: str) -> dict:
             "verifiers episode failed: " + "; ".join(f"{e.type}: {e.message}" for e in errors)
         )
     (trace,) = episode.traces
-    return {"reward": float(trace.reward or 0.0), "messages": float(len(trace.messages))}
+    return {
+        "reward": float(trace.reward or 0.0),
+        "messages": float(len(trace.messages)),
+        "token_client": float(os.environ.get("VF_CLIENT") == "train"),  # harness/token_client
+    }
 
 
 if __name__ == "__main__":  # one episode against a running server: peergrade serve --port 8000

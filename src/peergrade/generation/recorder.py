@@ -40,17 +40,21 @@ from dataclasses import dataclass, field, replace
 
 from peergrade.envs.episode import Episode
 from peergrade.envs.template import TemplateError, turn_delta
-from peergrade.generation.server import (
+from peergrade.generation.openai_schema import (
     APIError,
+    canonical,
+    check_tools,
+    normalise_messages,
+    parse_generate,
+    parse_settings,
+)
+from peergrade.generation.server import (
     Handler,
     Job,
     Sampled,
-    canonical,
-    check_tools,
     mix_key,
-    normalise_messages,
-    parse_settings,
     render_prompt,
+    token_response,
 )
 
 
@@ -86,6 +90,7 @@ class Recording:
     splits: int = 0
     closed: bool = False
     lock: asyncio.Lock | None = None
+    kind: str = ""  # the current segment's requests: chat (messages) | tokens (token ids)
 
 
 class Recorder:
@@ -127,16 +132,23 @@ class Recorder:
         return rec
 
     async def chat(self, handler: Handler, rec: Recording, body: dict):
+        return await self._one_at_a_time(rec, self._chat(handler, rec, body))
+
+    async def generate(self, handler: Handler, rec: Recording, body: dict):
+        return await self._one_at_a_time(rec, self._generate(handler, rec, body))
+
+    async def _one_at_a_time(self, rec: Recording, request):
         if rec.lock is None:
             rec.lock = asyncio.Lock()
         async with rec.lock:  # one request of an episode at a time: each extends the last
-            return await self._chat(handler, rec, body)
+            if rec.closed:
+                request.close()
+                raise APIError(
+                    f"training episode {rec.eid!r} is over", status=404, code="episode_not_found"
+                )
+            return await request
 
     async def _chat(self, handler: Handler, rec: Recording, body: dict):
-        if rec.closed:
-            raise APIError(
-                f"training episode {rec.eid!r} is over", status=404, code="episode_not_found"
-            )
         model = handler.check_model(body)
         asked = parse_settings(body, chat=True)
         if asked.n != 1:
@@ -151,21 +163,7 @@ class Recorder:
         )
         ep = self._segment(rec, messages, tools)
         full = ep.prompt_ids + ep.completion_ids
-        if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
-            ep.finish_reason = "max_turns"
-        limit = min(
-            s.max_tokens_per_turn or s.max_completion_length,
-            s.max_completion_length - len(ep.completion_ids),
-            self.engine.max_pos - len(full),
-        )
-        if asked.max_tokens is not None:
-            limit = min(limit, asked.max_tokens)
-        if not ep.finish_reason and limit <= 0:
-            ep.finish_reason = "length"
-        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
-            sampled = Sampled([], [], "", "length")
-        else:
-            sampled = await self._sample_turn(handler, rec, full, limit, asked.max_tokens)
+        sampled = await self._turn(handler, rec, asked.max_tokens)
         response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
         if sampled.token_ids:
             msg = pairs[0][1]["template"]
@@ -174,6 +172,78 @@ class Recorder:
             ep.tool_calls += len(msg.get("tool_calls") or [])
             ep.tool_failures += len(pairs[0][1]["tool_errors"])
         return response
+
+    async def _generate(self, handler: Handler, rec: Recording, body: dict):
+        """A token-in request (vLLM's ``/inference/v1/generate``, as verifiers' ``TrainClient``
+        sends it): its token ids extend the recorded ones (the rest is appended, loss mask 0)
+        or start a new segment; the reply's tokens are recorded as a chat reply's are."""
+        handler.check_model(body)
+        req = parse_generate(body, len(self.engine.tokenizer))
+        if req.settings.n != 1:
+            raise APIError(
+                "a training episode samples one reply per request ('n': 1)", param="n"
+            )  # fmt: skip
+        rec.requests += 1
+        ep = self._token_segment(rec, req.prompt_ids)
+        sampled = await self._turn(handler, rec, req.settings.max_tokens, req.stop_ids)
+        if sampled.token_ids:
+            ep.messages.append({"role": "assistant", "content": sampled.text})
+        return token_response(req, [sampled])  # no top log-probs: the trainer's sampling
+
+    async def _turn(
+        self, handler: Handler, rec: Recording, max_tokens: int | None, stop_ids=()
+    ) -> Sampled:
+        """The next turn of the current segment within every budget (the client's
+        ``max_tokens`` can only shorten it); an empty reply once a budget is spent."""
+        ep, s = rec.episode, rec.settings
+        full = ep.prompt_ids + ep.completion_ids
+        if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
+            ep.finish_reason = "max_turns"
+        limit = min(
+            s.max_tokens_per_turn or s.max_completion_length,
+            s.max_completion_length - len(ep.completion_ids),
+            self.engine.max_pos - len(full),
+        )
+        if max_tokens is not None:
+            limit = min(limit, max_tokens)
+        if not ep.finish_reason and limit <= 0:
+            ep.finish_reason = "length"
+        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
+            return Sampled([], [], "", "length")
+        return await self._sample_turn(handler, rec, full, limit, max_tokens, stop_ids)
+
+    def _token_segment(self, rec: Recording, ids: list[int]) -> Episode:
+        """The segment token ids ``ids`` go on: the current one when they extend its tokens
+        after a sampled turn (the rest appended), else a new one with them as its prompt."""
+        ep = rec.episode
+        held = ep.input_ids if ep is not None else []
+        if (
+            ep is not None
+            and rec.kind == "tokens"
+            and rec.last_end is not None
+            and ids[: len(held)] == held
+        ):
+            if not ep.finish_reason and len(ids) > len(held):
+                self._extend(rec, ids[len(held) :], None)
+            return ep
+        self._check_fits(len(ids))
+        if ep is not None:
+            rec.splits += 1
+            rec.segments.append(ep)
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        ep = Episode(rec.row_index, list(ids), [{"role": "user", "content": text}], 1)
+        rec.episode, rec.messages, rec.tools, rec.last_end = ep, [], None, None
+        rec.kind = "tokens"
+        return ep
+
+    def _check_fits(self, n: int) -> None:
+        if n >= self.engine.max_pos:
+            raise APIError(
+                f"this model's maximum context length is {self.engine.max_pos} tokens; the "
+                f"request has {n}",
+                param="messages",
+                code="context_length_exceeded",
+            )
 
     def _segment(self, rec: Recording, messages: list[dict], tools) -> Episode:
         """The segment ``messages`` go on: the current one when they extend it (their new
@@ -188,19 +258,20 @@ class Recorder:
                 rec.splits += 1
                 rec.segments.append(ep)
             prompt = render_prompt(self.engine, messages, tools)
-            if len(prompt) >= self.engine.max_pos:
-                raise APIError(
-                    f"this model's maximum context length is {self.engine.max_pos} tokens; the "
-                    f"messages have {len(prompt)}",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
+            self._check_fits(len(prompt))
             ep = Episode(rec.row_index, prompt, list(messages), len(messages))
             rec.episode, rec.messages, rec.tools, rec.last_end = ep, list(messages), tools, None
+            rec.kind = "chat"
         return ep
 
     async def _sample_turn(
-        self, handler: Handler, rec: Recording, full: list[int], limit: int, max_tokens: int | None
+        self,
+        handler: Handler,
+        rec: Recording,
+        full: list[int],
+        limit: int,
+        max_tokens: int | None,
+        stop_ids=(),
     ) -> Sampled:
         """One model turn after ``full`` (at most ``limit`` tokens), appended to the episode
         (loss mask 1), and the episode ended if a budget cut it (``max_tokens``: the client's)."""
@@ -215,6 +286,7 @@ class Recorder:
             seed=s.seed,
             key=mix_key(s.key, rec.turns),
             session=rec.eid,
+            stop_ids=tuple(stop_ids),
         )
         rec.turns += 1
         (sampled,) = await handler.sample([job])
@@ -239,7 +311,8 @@ class Recorder:
         """Whether ``messages`` continue the recorded conversation after a sampled reply."""
         n = len(rec.messages)
         return (
-            rec.last_end is not None
+            rec.kind == "chat"
+            and rec.last_end is not None
             and tools == rec.tools
             and len(messages) > n
             and all(canonical(a) == canonical(b) for a, b in zip(messages, rec.messages))
@@ -247,7 +320,6 @@ class Recorder:
 
     def _append(self, rec: Recording, new: list[dict]) -> None:
         """The template's token delta of ``new`` after the recorded turn (loss mask 0)."""
-        ep, s = rec.episode, rec.settings
         try:
             delta = turn_delta(
                 self.engine.tokenizer,
@@ -260,11 +332,23 @@ class Recorder:
             )
         except TemplateError as e:
             raise APIError(str(e), param="messages", code="template_error") from e
+        self._extend(rec, delta, new)
+
+    def _extend(self, rec: Recording, delta: list[int], new: list[dict] | None) -> None:
+        """``delta`` appended (loss mask 0): the template tokens of the messages ``new``, or
+        (None: a token request) a token request's own tokens, recorded as a user message of
+        their text. Past a budget the episode ends instead (``env_over_budget``), as the
+        in-process engine ends it."""
+        ep, s = rec.episode, rec.settings
         total = len(ep.completion_ids) + len(delta)
         if total > s.max_completion_length or len(ep.prompt_ids) + total > self.engine.max_pos:
             ep.finish_reason = "env_over_budget"  # dropped, as the engine drops it
             return
-        rec.messages += new
+        if new is None:
+            text = self.engine.tokenizer.decode(delta, skip_special_tokens=True)
+            new = [{"role": "user", "content": text}]
+        else:
+            rec.messages += new
         ep.messages += new
         ep.completion_ids += delta
         ep.loss_mask += [0] * len(delta)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import queue
 import secrets
@@ -59,6 +58,17 @@ import torch
 from peergrade.envs.template import render
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.generation.kernel import default_eos_ids, generate
+from peergrade.generation.openai_schema import (
+    APIError,
+    Settings,
+    TokenRequest,
+    canonical,
+    check_tools,
+    normalise_messages,
+    parse_generate,
+    parse_settings,
+    refuse_unsupported,
+)
 from peergrade.generation.stream import (
     live_chat,
     live_completion,
@@ -67,42 +77,20 @@ from peergrade.generation.stream import (
     whole_completion,
 )
 
-__all__ = ["APIError", "Engine", "Job", "Server", "build_app", "serve"]
-
-
-# ----------------------------------------------------------------------------- errors
-
-
-class APIError(Exception):
-    """A request the server refuses, answered in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = (
-            message,
-            status,
-            param,
-            code,
-            type,
-        )
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+#: re-exported: the request checks the recorder shares (``openai_schema``)
+__all__ = [
+    "APIError",
+    "Engine",
+    "Job",
+    "Server",
+    "Settings",
+    "build_app",
+    "canonical",
+    "check_tools",
+    "normalise_messages",
+    "parse_settings",
+    "serve",
+]
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -136,11 +124,12 @@ class Job:
     key: int = 0
     top_logprobs: int = 0  # > 0: the top tokens' log-probs at every position
     session: str | None = None  # a training episode: its KV cache row is kept (``sessions``)
+    stop_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's eos
     #: called on the engine's thread with each counted token as it is sampled (a live stream)
     on_token: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     def group(self) -> tuple:
-        return (self.temperature, self.top_p, self.top_k, self.stop, self.seed)
+        return (self.temperature, self.top_p, self.top_k, self.stop, self.seed, self.stop_ids)
 
 
 @dataclass
@@ -322,7 +311,7 @@ class Engine:
             stop=j0.stop,
             seed=j0.seed,
             row_keys=[j.key for j in jobs],
-            eos_token_ids=self.eos_ids,
+            eos_token_ids=sorted({*self.eos_ids, *j0.stop_ids}),
             on_tokens=hand_on if any(j.on_token is not None for j in jobs) else None,
         )
         self.calls += 1
@@ -383,108 +372,6 @@ def _split_calls(items: list, max_pos: int) -> list[list]:
 # ----------------------------------------------------------------------------- requests
 
 
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
-    v = body.get(name)
-    if v is None:
-        return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if not ok or isinstance(v, bool):
-        kind = "an integer" if integer else "a number"
-        raise APIError(f"'{name}' must be {kind}, got {v!r}", param=name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise APIError(f"'{name}' must be in [{lo}, {hi}], got {v!r}", param=name)
-    return v
-
-
-def _text_of(content: Any, where: str) -> str | None:
-    """A message's content as text: a string, None, or a list of text parts."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                raise APIError(
-                    f"{where}.content: only text parts are supported, got {p!r}", param="messages"
-                )
-        return "".join(parts)
-    raise APIError(f"{where}.content must be a string or a list of text parts", param="messages")
-
-
-def normalise_messages(messages: Any) -> list[dict]:
-    """The request's messages in the form chat templates render: text content, tool calls
-    with their arguments as objects (sent as JSON strings by the OpenAI client)."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list of messages", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-            "tool",
-        ):
-            raise APIError(
-                f"{where} must be an object with a role of system, user, assistant "
-                f"or tool, got {str(m)[:200]}",
-                param="messages",
-            )
-        msg = {"role": "system" if m["role"] == "developer" else m["role"]}
-        msg["content"] = _text_of(m.get("content"), where)
-        if msg["content"] is None and m["role"] != "assistant":
-            raise APIError(f"{where} ({m['role']}) has no content", param="messages")
-        for k in ("name", "tool_call_id"):
-            if isinstance(m.get(k), str):
-                msg[k] = m[k]
-        calls = m.get("tool_calls")
-        if calls:
-            if not isinstance(calls, list):
-                raise APIError(f"{where}.tool_calls must be a list", param="messages")
-            norm = []
-            for c in calls:
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise APIError(
-                        f"{where}.tool_calls: each needs function.name", param="messages"
-                    )
-                args = fn.get("arguments", {})
-                if isinstance(args, str):
-                    with contextlib.suppress(json.JSONDecodeError):  # else as the client sent it
-                        args = json.loads(args) if args.strip() else {}
-                norm.append(
-                    {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-                )
-            msg["tool_calls"] = norm
-        out.append(msg)
-    return out
-
-
-def canonical(m: dict) -> tuple:
-    """What identifies a message when a follow-up is matched to a recorded conversation."""
-    calls = tuple(
-        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
-        for c in m.get("tool_calls") or []
-    )
-    return (m["role"], (m.get("content") or "").strip(), calls)
-
-
-def check_tools(tools: Any) -> list[dict] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or any(
-        not isinstance(t, dict) or not isinstance((t.get("function") or {}).get("name"), str)
-        for t in tools
-    ):
-        raise APIError(
-            "'tools' must be a list of {type: function, function: {name, ...}}", param="tools"
-        )
-    return tools or None
-
-
 def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None) -> list[int]:
     try:
         return render(
@@ -501,113 +388,6 @@ def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None
             param="tools" if tools else "messages",
             code="template_error",
         ) from e
-
-
-@dataclass
-class Settings:
-    """A request's sampling settings, checked."""
-
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-    return_token_ids: bool = False
-    tool_choice: str = "auto"  # auto | none
-    #: (field, why) of each field asked that this server cannot honour (a plain request is
-    #: refused; a training episode ignores them: the trainer's sampling wins)
-    unsupported: tuple[tuple[str, str], ...] = ()
-
-
-#: fields this server does not honour, when set to something that changes the reply
-_NO_CONSTRAINTS = "there is no constrained decoding here"
-_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: bool(v), "token biases are not applied"),
-    "presence_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
-    "frequency_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
-    "repetition_penalty": (lambda v: v not in (1, 1.0), "penalties are not applied"),
-    "min_tokens": (lambda v: v not in (0,), "eos is never suppressed"),
-    "response_format": (
-        lambda v: not (isinstance(v, dict) and v.get("type") in (None, "text")),
-        f"the reply is not forced into a format; {_NO_CONSTRAINTS}",
-    ),
-    "tool_choice": (
-        lambda v: v not in ("auto", "none"),
-        f"tool calls cannot be forced ({_NO_CONSTRAINTS}); use 'auto' (the model decides) or "
-        "'none'",
-    ),
-    **{
-        k: (lambda v: v is not None, _NO_CONSTRAINTS)
-        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    },
-}
-
-
-def parse_settings(body: dict, chat: bool) -> Settings:
-    s = Settings()
-    s.n = _number(body, "n", 1, 1, 128, integer=True)
-    mt = body.get("max_completion_tokens") if chat else None
-    s.max_tokens = _number(
-        body,
-        "max_completion_tokens" if mt is not None else "max_tokens",
-        None,
-        1,
-        None,
-        integer=True,
-    )
-    s.temperature = float(_number(body, "temperature", 1.0, 0, 2))
-    s.top_p = float(_number(body, "top_p", 1.0, 0, 1))
-    if s.top_p == 0:
-        raise APIError("'top_p' must be > 0", param="top_p")
-    s.top_k = int(_number(body, "top_k", 0, -1, None, integer=True))
-    s.top_k = max(s.top_k, 0)
-    stop = body.get("stop")
-    if stop is None:
-        s.stop = ()
-    elif isinstance(stop, str):
-        s.stop = (stop,) if stop else ()
-    elif isinstance(stop, list) and all(isinstance(x, str) and x for x in stop) and len(stop) <= 16:
-        s.stop = tuple(stop)
-    else:
-        raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
-    s.seed = _number(body, "seed", None, None, None, integer=True)
-    if chat:
-        s.logprobs = bool(body.get("logprobs") or False)
-        s.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
-        if s.top_logprobs and not s.logprobs:
-            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    else:
-        lp = _number(body, "logprobs", None, 0, 20, integer=True)
-        s.logprobs, s.top_logprobs = lp is not None, lp or 0
-    s.stream = bool(body.get("stream") or False)
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise APIError("'stream_options' must be an object", param="stream_options")
-    s.include_usage = bool(s.stream and opts and opts.get("include_usage"))
-    s.return_token_ids = bool(body.get("return_token_ids") or False)
-    if chat and body.get("tool_choice") == "none":
-        s.tool_choice = "none"
-    s.unsupported = tuple(
-        (k, why)
-        for k, (bad, why) in _UNSUPPORTED.items()
-        if body.get(k) is not None and (chat or k != "tool_choice") and bad(body[k])
-    )
-    return s
-
-
-def refuse_unsupported(settings: Settings) -> None:
-    """A plain request asking for what this server cannot do gets a 400 naming the field."""
-    if settings.unsupported:
-        k, why = settings.unsupported[0]
-        raise APIError(
-            f"'{k}' is not supported by this server: {why}", param=k, code="unsupported_parameter"
-        )
 
 
 # ----------------------------------------------------------------------------- responses
@@ -715,6 +495,47 @@ def completion_choice(
     return choice
 
 
+def token_response(req: TokenRequest, sampled: list[Sampled]) -> dict:
+    """``/inference/v1/generate``'s answer, as vLLM gives it: per choice the ``token_ids``,
+    ``finish_reason`` (``stop``: an eos, a stop token or string; ``length``) and, when asked,
+    ``logprobs.content`` with tokens named ``token_id:<id>`` (vLLM's
+    ``return_tokens_as_token_ids``); the prompt's ids and the usage."""
+
+    def name(t: int) -> str:
+        return f"token_id:{t}"
+
+    choices = []
+    for i, s in enumerate(sampled):
+        lps = None
+        if req.settings.logprobs:
+            tops = s.top or [[] for _ in s.token_ids]
+            lps = {
+                "content": [
+                    {
+                        "token": name(t),
+                        "logprob": lp,
+                        "bytes": None,
+                        "top_logprobs": [{"token": name(a), "logprob": b} for a, b in top],
+                    }
+                    for t, lp, top in zip(s.token_ids, s.logprobs, tops)
+                ]  # fmt: skip
+            }
+        choices.append(
+            {
+                "index": i,
+                "token_ids": list(s.token_ids),
+                "logprobs": lps,
+                "finish_reason": "length" if s.finish == "length" else "stop",
+            }
+        )
+    return {
+        "request_id": "gen-" + secrets.token_hex(12),
+        "choices": choices,
+        "prompt_token_ids": list(req.prompt_ids),
+        "usage": usage_of(req.prompt_ids, sampled),
+    }
+
+
 # ----------------------------------------------------------------------------- the app
 
 
@@ -751,7 +572,7 @@ class Handler:
             asked = room if self.default_max_tokens is None else min(room, self.default_max_tokens)
         return asked
 
-    def jobs(self, prompt_ids, settings: Settings, max_tokens: int) -> list[Job]:
+    def jobs(self, prompt_ids, settings: Settings, max_tokens: int, stop_ids=()) -> list[Job]:
         base = secrets.randbits(62) if settings.seed is None else settings.seed
         return [
             Job(
@@ -764,9 +585,20 @@ class Handler:
                 seed=0,
                 key=mix_key(base, i),
                 top_logprobs=settings.top_logprobs,
+                stop_ids=tuple(stop_ids),
             )
             for i in range(settings.n)
         ]
+
+    async def generate(self, body: dict) -> dict:
+        """vLLM's token-in ``POST /inference/v1/generate``: token ids in, token ids and
+        log-probs out (``openai_schema.parse_generate``)."""
+        self.check_model(body)
+        req = parse_generate(body, len(self.engine.tokenizer))
+        refuse_unsupported(req.settings)
+        max_tokens = self.budget(req.prompt_ids, req.settings.max_tokens)
+        jobs = self.jobs(req.prompt_ids, req.settings, max_tokens, req.stop_ids)
+        return token_response(req, await self.sample(jobs))
 
     async def sample(self, jobs: list[Job]) -> list[Sampled]:
         return await asyncio.wrap_future(self.engine.submit(jobs))
@@ -874,6 +706,7 @@ class Handler:
                     "object": "model",
                     "created": self.engine.created,
                     "owned_by": "peergrade",
+                    "max_model_len": self.engine.max_pos,  # vLLM's extension
                 }
             ],
         }
@@ -951,10 +784,19 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         ep = episode_of(request)
         return await recorder.chat(handler, ep, await read_json(request))
 
+    async def generate(request):
+        return await handler.generate(await read_json(request))
+
+    async def ep_generate(request):
+        ep = episode_of(request)
+        return await recorder.generate(handler, ep, await read_json(request))
+
     async def ep_completions(request):
         episode_of(request)
         raise APIError(
-            "an episode records chat requests only: use /chat/completions", code="unsupported"
+            "an episode records chat requests (/chat/completions) and token requests "
+            "(/inference/v1/generate) only",
+            code="unsupported",
         )
 
     routes = [
@@ -964,6 +806,10 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         Route("/v1/episodes/{eid}/models", wrap(ep_models), methods=["GET"]),
         Route("/v1/episodes/{eid}/chat/completions", wrap(ep_chat), methods=["POST"]),
         Route("/v1/episodes/{eid}/completions", wrap(ep_completions), methods=["POST"]),
+        Route("/inference/v1/generate", wrap(generate), methods=["POST"]),
+        # a client that drops a trailing /v1 from the base URL (vLLM's token route sits at the
+        # root) cannot drop it from an episode's: that route sits under the episode's URL
+        Route("/v1/episodes/{eid}/inference/v1/generate", wrap(ep_generate), methods=["POST"]),
     ]
     return Starlette(routes=routes)
 

@@ -107,6 +107,7 @@ class Sessions:
         e, j0 = self.eng, jobs[0]
         e.temperature, e.top_p, e.top_k, e.stop = j0.temperature, j0.top_p, j0.top_k, j0.stop
         e.stop_window = max(len(x) for x in j0.stop) + 8 if j0.stop else 0
+        eos = self.eos | set(j0.stop_ids)  # a job's own stop tokens end it as eos does
         row_of = list(range(len(jobs))) if fresh else [self.rows.index(j.session) for j in jobs]
         T = max(j.max_tokens for j in jobs)
         keys = torch.tensor([j.key for j in jobs], dtype=torch.long, device=self.device)
@@ -141,7 +142,7 @@ class Sessions:
                     turns[i].append(tk)
                     logps[i].append(lp)
                     slps[i].append(sp)
-                    if tk in self.eos:
+                    if tk in eos:
                         finish[i] = "eos"
                     elif e.stop and e._stopped(turns[i]):
                         finish[i] = "stop"

@@ -1,0 +1,356 @@
+"""What the endpoint accepts: requests checked against the OpenAI API (and vLLM's extras), and
+errors in OpenAI's shape.
+
+``APIError`` is a refused request (``{"error": {"message", "type", "param", "code"}}``, HTTP 400
+unless said otherwise). ``normalise_messages`` / ``check_tools`` check a chat request's
+messages and tools; ``parse_settings`` its sampling fields (``Settings``);
+``refuse_unsupported`` refuses what the server cannot honour instead of ignoring it;
+``parse_generate`` checks vLLM's token-in ``/inference/v1/generate`` request
+(``TokenRequest``: prompt token ids, sampling settings, extra stop token ids).
+
+It does not sample, render chat templates or build replies (``server``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "APIError",
+    "Settings",
+    "TokenRequest",
+    "canonical",
+    "check_tools",
+    "normalise_messages",
+    "parse_generate",
+    "parse_settings",
+    "refuse_unsupported",
+]
+
+
+class APIError(Exception):
+    """A request the server refuses, answered in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = (
+            message,
+            status,
+            param,
+            code,
+            type,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool):
+        kind = "an integer" if integer else "a number"
+        raise APIError(f"'{name}' must be {kind}, got {v!r}", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise APIError(f"'{name}' must be in [{lo}, {hi}], got {v!r}", param=name)
+    return v
+
+
+def _text_of(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, None, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise APIError(
+                    f"{where}.content: only text parts are supported, got {p!r}", param="messages"
+                )
+        return "".join(parts)
+    raise APIError(f"{where}.content must be a string or a list of text parts", param="messages")
+
+
+def normalise_messages(messages: Any) -> list[dict]:
+    """The request's messages in the form chat templates render: text content, tool calls
+    with their arguments as objects (sent as JSON strings by the OpenAI client)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise APIError(
+                f"{where} must be an object with a role of system, user, assistant "
+                f"or tool, got {str(m)[:200]}",
+                param="messages",
+            )
+        msg = {"role": "system" if m["role"] == "developer" else m["role"]}
+        msg["content"] = _text_of(m.get("content"), where)
+        if msg["content"] is None and m["role"] != "assistant":
+            raise APIError(f"{where} ({m['role']}) has no content", param="messages")
+        for k in ("name", "tool_call_id"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise APIError(f"{where}.tool_calls must be a list", param="messages")
+            norm = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise APIError(
+                        f"{where}.tool_calls: each needs function.name", param="messages"
+                    )
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    with contextlib.suppress(json.JSONDecodeError):  # else as the client sent it
+                        args = json.loads(args) if args.strip() else {}
+                norm.append(
+                    {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+                )
+            msg["tool_calls"] = norm
+        out.append(msg)
+    return out
+
+
+def canonical(m: dict) -> tuple:
+    """What identifies a message when a follow-up is matched to a recorded conversation."""
+    calls = tuple(
+        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+        for c in m.get("tool_calls") or []
+    )
+    return (m["role"], (m.get("content") or "").strip(), calls)
+
+
+def check_tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or any(
+        not isinstance(t, dict) or not isinstance((t.get("function") or {}).get("name"), str)
+        for t in tools
+    ):
+        raise APIError(
+            "'tools' must be a list of {type: function, function: {name, ...}}", param="tools"
+        )
+    return tools or None
+
+
+@dataclass
+class Settings:
+    """A request's sampling settings, checked."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    return_token_ids: bool = False
+    tool_choice: str = "auto"  # auto | none
+    #: (field, why) of each field asked that this server cannot honour (a plain request is
+    #: refused; a training episode ignores them: the trainer's sampling wins)
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+
+#: fields this server does not honour, when set to something that changes the reply
+_NO_CONSTRAINTS = "there is no constrained decoding here"
+_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (lambda v: bool(v), "token biases are not applied"),
+    "presence_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
+    "frequency_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
+    "repetition_penalty": (lambda v: v not in (1, 1.0), "penalties are not applied"),
+    "min_tokens": (lambda v: v not in (0,), "eos is never suppressed"),
+    "response_format": (
+        lambda v: not (isinstance(v, dict) and v.get("type") in (None, "text")),
+        f"the reply is not forced into a format; {_NO_CONSTRAINTS}",
+    ),
+    "tool_choice": (
+        lambda v: v not in ("auto", "none"),
+        f"tool calls cannot be forced ({_NO_CONSTRAINTS}); use 'auto' (the model decides) or "
+        "'none'",
+    ),
+    **{
+        k: (lambda v: v is not None, _NO_CONSTRAINTS)
+        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    },
+}
+
+
+def parse_settings(body: dict, chat: bool) -> Settings:
+    s = Settings()
+    s.n = _number(body, "n", 1, 1, 128, integer=True)
+    mt = body.get("max_completion_tokens") if chat else None
+    s.max_tokens = _number(
+        body,
+        "max_completion_tokens" if mt is not None else "max_tokens",
+        None,
+        1,
+        None,
+        integer=True,
+    )
+    s.temperature = float(_number(body, "temperature", 1.0, 0, 2))
+    s.top_p = float(_number(body, "top_p", 1.0, 0, 1))
+    if s.top_p == 0:
+        raise APIError("'top_p' must be > 0", param="top_p")
+    s.top_k = int(_number(body, "top_k", 0, -1, None, integer=True))
+    s.top_k = max(s.top_k, 0)
+    stop = body.get("stop")
+    if stop is None:
+        s.stop = ()
+    elif isinstance(stop, str):
+        s.stop = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(x, str) and x for x in stop) and len(stop) <= 16:
+        s.stop = tuple(stop)
+    else:
+        raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
+    s.seed = _number(body, "seed", None, None, None, integer=True)
+    if chat:
+        s.logprobs = bool(body.get("logprobs") or False)
+        s.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+        if s.top_logprobs and not s.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    else:
+        lp = _number(body, "logprobs", None, 0, 20, integer=True)
+        s.logprobs, s.top_logprobs = lp is not None, lp or 0
+    s.stream = bool(body.get("stream") or False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise APIError("'stream_options' must be an object", param="stream_options")
+    s.include_usage = bool(s.stream and opts and opts.get("include_usage"))
+    s.return_token_ids = bool(body.get("return_token_ids") or False)
+    if chat and body.get("tool_choice") == "none":
+        s.tool_choice = "none"
+    s.unsupported = tuple(
+        (k, why)
+        for k, (bad, why) in _UNSUPPORTED.items()
+        if body.get(k) is not None and (chat or k != "tool_choice") and bad(body[k])
+    )
+    return s
+
+
+def refuse_unsupported(settings: Settings) -> None:
+    """A plain request asking for what this server cannot do gets a 400 naming the field."""
+    if settings.unsupported:
+        k, why = settings.unsupported[0]
+        raise APIError(
+            f"'{k}' is not supported by this server: {why}", param=k, code="unsupported_parameter"
+        )
+
+
+@dataclass
+class TokenRequest:
+    """A checked ``/inference/v1/generate`` request (vLLM's token-in route)."""
+
+    prompt_ids: list[int]
+    settings: Settings  # n, max_tokens, temperature, top_p, top_k, stop, seed, logprobs
+    stop_ids: tuple[int, ...] = ()  # sampling_params.stop_token_ids: end a reply as eos does
+
+
+def _token_ids(value: Any, vocab_size: int, where: str, empty_ok: bool = False) -> list[int]:
+    if (
+        isinstance(value, list)
+        and (empty_ok or value)
+        and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value
+        )
+    ):
+        return list(value)
+    raise APIError(
+        f"'{where}' must be a {'' if empty_ok else 'non-empty '}list of token ids in "
+        f"[0, {vocab_size})",
+        param=where,
+    )
+
+
+def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
+    """vLLM's ``POST /inference/v1/generate`` body: ``token_ids`` (the prompt) and
+    ``sampling_params`` (vLLM's ``SamplingParams`` fields: ``n``, ``max_tokens`` (default 16, as
+    vLLM's), ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``, ``stop``,
+    ``stop_token_ids``, ``logprobs`` (the top alternatives at each position besides the sampled
+    token); those this server cannot honour are in ``settings.unsupported``). Multimodal
+    inputs (``features``, ``content_parts``) and ``stream`` are refused."""
+    prompt = _token_ids(body.get("token_ids"), vocab_size, "token_ids")
+    for k in ("features", "content_parts"):
+        if body.get(k):
+            raise APIError(
+                f"'{k}': this server takes text-only token prompts", param=k,
+                code="unsupported_parameter",
+            )  # fmt: skip
+    if body.get("stream"):
+        raise APIError(
+            "'stream' is not supported on /inference/v1/generate",
+            param="stream",
+            code="unsupported_parameter",
+        )
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp
+    if not isinstance(sp, dict):
+        raise APIError("'sampling_params' must be an object", param="sampling_params")
+    s = Settings()
+    s.n = _number(sp, "n", 1, 1, 128, integer=True)
+    s.max_tokens = _number(sp, "max_tokens", 16, 1, None, integer=True)
+    s.temperature = float(_number(sp, "temperature", 1.0, 0, 2))
+    s.top_p = float(_number(sp, "top_p", 1.0, 0, 1))
+    if s.top_p == 0:
+        raise APIError("'top_p' must be > 0", param="top_p")
+    s.top_k = max(int(_number(sp, "top_k", 0, -1, None, integer=True)), 0)
+    stop = sp.get("stop")
+    if isinstance(stop, str):
+        stop = [stop] if stop else []
+    if stop is not None and not (
+        isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)
+    ):
+        raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
+    s.stop = tuple(stop or ())
+    s.seed = _number(sp, "seed", None, None, None, integer=True)
+    lp = _number(sp, "logprobs", None, 0, 20, integer=True)
+    s.logprobs, s.top_logprobs = lp is not None, lp or 0
+    stop_ids = sp.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
+    stop_ids = _token_ids(stop_ids, vocab_size, "stop_token_ids", empty_ok=True)
+    more = {
+        "ignore_eos": (lambda v: bool(v), "eos is never suppressed"),
+        "prompt_logprobs": (lambda v: v is not None, "prompt log-probs are not computed"),
+    }
+    s.unsupported = tuple(
+        (k, why)
+        for k, (bad, why) in {**_UNSUPPORTED, **more}.items()
+        if k != "tool_choice" and sp.get(k) is not None and bad(sp[k])
+    )
+    return TokenRequest(prompt, s, tuple(sorted(set(stop_ids))))
