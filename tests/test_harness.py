@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -503,7 +504,15 @@ def test_harness_processes_config_and_python_errors(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(None, [("harness.fn", f"{AGENTS}:chat"), ("harness.processes", -1)])
     assert "harness.processes" in str(e.value) and "\n" not in str(e.value)
-    assert load_config(None, []).harness.processes == 0
+    assert load_config(None, []).harness.processes == "auto"
+    from peergrade.config import PYTHON_ONLY
+    from peergrade.training.harness import processes_of
+
+    chat = _by_name("chat")[0]
+    assert processes_of(f"{AGENTS}:chat", "auto", chat) == min(4, os.cpu_count() or 1)
+    assert processes_of(PYTHON_ONLY + "chat", "auto", chat) == 0  # GRPOTrainer(harness=fn)
+    assert processes_of(f"{AGENTS}:async_chat", "auto", _by_name("async_chat")[0]) == 0
+    assert processes_of(f"{AGENTS}:chat", 3, chat) == 3
 
     def local_agent(row, base_url, model):  # not importable by name
         return 1.0
@@ -653,3 +662,38 @@ def test_token_requests_that_change_the_tokens_split_and_bad_ones_fail(inner, me
     assert split.error is None and split.splits == 1 and split.requests == 2
     assert split.episode.loss_mask[: len(fn.replies[1][0])] == [1] * len(fn.replies[1][0])
     assert "400 token_ids" in refused.error
+
+
+KILLER = """
+import os
+from openai import OpenAI
+
+
+def agent(row, base_url, model):
+    c = OpenAI(base_url=base_url, api_key="-", max_retries=0)
+    c.chat.completions.create(model=model, messages=row["prompt"], max_tokens=4)
+    os._exit(7)  # the agent takes its whole process down
+"""
+
+
+def test_a_cli_harness_that_kills_its_process_fails_its_episodes_not_the_run(tmp_path):
+    """By default (harness.processes: auto) a harness given by name runs in worker
+    processes, said at start-up: one that calls os._exit fails its episodes (scored 0, the
+    worker's exit code in samples.jsonl) and the run goes on to the end (on threads it would
+    take the trainer down with its exit code, without a word)."""
+    from cli_helper import ROOT, cli
+
+    (tmp_path / "killer.py").write_text(KILLER)
+    tiny = ["--steps", "1", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+            "--train.eval_size", "2", "--train.eval_samples", "1", "--train.threads", "1",
+            "--train.save_every", "0", "--train.on_reward_error", "zero"]  # fmt: skip
+    out = cli(["train", "--config", str(ROOT / "configs" / "calculator.yaml"), "--env.factory",
+               "null", "--harness", "killer.py:agent", *tiny, "-o", "run"], tmp_path, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    n = min(4, os.cpu_count() or 1)
+    assert f"killer.py:agent runs in {n} worker processes (harness.processes: auto" in out.stdout
+    (m,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "loss/policy" in x]  # fmt: skip
+    assert m["harness/failed"] == 1.0 and m["harness/failed_exception"] == 1.0
+    sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert "died with exit code 7" in sample["extra"]["harness_error"][0]

@@ -986,7 +986,8 @@ class GRPOTrainer:
         overrides.append(("model.path", model_path))
         overrides.extend(_lora_overrides(peft_config))
         overrides.extend(_episode_overrides(tools, environment_factory, harness))
-        if harness_processes:  # harness.processes: the harness's calls in worker processes
+        if harness is not None:  # harness.processes: 0 (threads: the caller's process, as a
+            # Python caller expects) unless worker processes are asked for
             overrides.append(("harness.processes", harness_processes))
         self.config = load_config(None, overrides)
         given = Given(

@@ -680,12 +680,15 @@ class HarnessConfig:
     model_name: str = doc(
         "The model id the endpoint serves (what the harness gets as model).", "policy"
     )
-    processes: int = doc(
+    processes: int | str = doc(
         "Worker processes that run a sync harness's calls, each on threads of its own, so the "
-        "agents' client-side CPU (the openai client, httpx) runs off the trainer's GIL; 0 = "
-        "threads of the trainer's process. Each worker loads harness.fn by name (spawn), so "
-        "it must be importable. An async def harness always runs on the trainer's event loop.",
-        0,
+        "agents' client-side CPU (the openai client, httpx) runs off the trainer's GIL and a "
+        "harness that kills its process (os._exit, a crash) fails its episodes, not the run; "
+        "0 = threads of the trainer's process. Each worker loads harness.fn by name (spawn). "
+        "'auto': min(4, CPUs) workers for a harness.fn given by name (the CLI, a config); "
+        "GRPOTrainer(harness=fn) sets 0 unless given harness_processes. An async def harness "
+        "always runs on the trainer's event loop.",
+        "auto",
     )
 
     @property
@@ -1521,8 +1524,11 @@ def _check_harness(cfg: Config) -> None:
         f"harness.timeout_s must be > 0 or null, got {h.timeout_s}",
     )
     _need(
-        isinstance(h.processes, int) and not isinstance(h.processes, bool) and h.processes >= 0,
-        f"harness.processes must be an integer >= 0 (0 = threads of the trainer), got "
+        h.processes == "auto"
+        or (
+            isinstance(h.processes, int) and not isinstance(h.processes, bool) and h.processes >= 0
+        ),
+        f"harness.processes must be 'auto' or an integer >= 0 (0 = threads of the trainer), got "
         f"{h.processes!r}",
     )
 

@@ -18,6 +18,7 @@ harness too). It does not score with other reward functions or train.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from peergrade.config import PYTHON_ONLY
@@ -76,12 +77,50 @@ def start(run) -> HarnessRunner:
     return HarnessRunner(run.models.policy, run.models.tokenizer, h.model_name)
 
 
-def pool_of(spec: str | None, processes: int, fn: Callable | None) -> HarnessPool | None:
-    """The worker pool for ``harness.processes`` (None: threads of this process, also for an
-    ``async def`` harness); an InputError for a harness the workers cannot load by name."""
+#: ``harness.processes: auto``: at most this many workers (one per CPU below it)
+AUTO_PROCESSES = 4
+
+
+def processes_of(spec: str | None, processes: int | str, fn: Callable | None) -> int:
+    """How many worker processes ``harness.processes`` means for this harness: 0 for an
+    ``async def`` one (it runs on the trainer's loop); ``auto``: ``min(4, CPUs)`` for a harness
+    given by name (``path/file.py:fn``, ``module:fn``), 0 for a Python function."""
     import inspect
 
-    if processes < 1 or fn is None or inspect.iscoroutinefunction(fn):
+    if fn is None or inspect.iscoroutinefunction(fn):
+        return 0
+    if processes == "auto":
+        by_name = spec is not None and not spec.startswith(PYTHON_ONLY)
+        return min(AUTO_PROCESSES, os.cpu_count() or 1) if by_name else 0
+    return int(processes)
+
+
+def describe(run) -> str:
+    """The start-up line: where the harness runs, how many episodes at once, their limit."""
+    import inspect
+
+    h = run.cfg.harness
+    pool = getattr(run, "harness_pool", None)
+    name = h.fn[len(PYTHON_ONLY) :] if h.fn and h.fn.startswith(PYTHON_ONLY) else h.fn
+    if pool is not None:
+        where = f"in {pool.processes} worker processes"
+    elif inspect.iscoroutinefunction(run.harness):
+        where = "on the trainer's event loop (async def)"
+    else:
+        where = "on threads of the trainer's process"
+    at_once = f"{h.concurrency} episodes" if h.concurrency else "all of a step's episodes"
+    limit = f"{h.timeout_s:g} s" if h.timeout_s else "no time limit"
+    return (
+        f"harness: {name} runs {where} (harness.processes: {h.processes}; 0 = threads), "
+        f"{at_once} at once (harness.concurrency), each within {limit} (harness.timeout_s)"
+    )
+
+
+def pool_of(spec: str | None, processes: int | str, fn: Callable | None) -> HarnessPool | None:
+    """The worker pool for ``harness.processes`` (None: threads of this process, also for an
+    ``async def`` harness); an InputError for a harness the workers cannot load by name."""
+    processes = processes_of(spec, processes, fn)
+    if processes < 1:
         return None
     if spec is None or spec.startswith(PYTHON_ONLY):
         from peergrade.errors import InputError

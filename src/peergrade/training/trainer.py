@@ -753,6 +753,8 @@ def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detecto
     header = run_header(
         run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why, run.make_env
     )
+    if run.harness is not None:
+        header.append(harness.describe(run))
     for line in header:
         display.print(line, literal=True)
     if not held_out.rows:
