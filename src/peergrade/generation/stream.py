@@ -57,6 +57,20 @@ def _usage_event(rid: str, kind: str, created: int, model: str, usage: dict) -> 
     return _event({**body, "usage": usage})
 
 
+def _calls_and_finish(chunk: Callable, i: int, choice: dict):
+    """A chat choice's last chunks: its tool calls, one each, then its finish reason."""
+    for k, tc in enumerate(choice["message"].get("tool_calls") or []):
+        yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
+    yield chunk(i, {}, choice["finish_reason"])
+
+
+def _ending(settings, rid: str, kind: str, created: int, model: str, prompt_ids, sampled):
+    """A stream's end: the usage chunk when asked (``stream_options``), then ``[DONE]``."""
+    if settings.include_usage:
+        yield _usage_event(rid, kind, created, model, usage_of(prompt_ids, sampled))
+    yield DONE
+
+
 def sure_prefix(text: str, holds: Sequence[str], strip: bool) -> str:
     """The part of a reply's text so far that its final content starts with, whatever is
     sampled next: cut at the first ``holds`` string (a stop string, a tool call), without a
@@ -196,13 +210,12 @@ def live_chat(
             rest = shown[i].rest(ch["message"]["content"] or "")
             if rest or (settings.return_token_ids and shown[i].unsent):
                 yield chunk(i, {"content": rest})
-            for k, tc in enumerate(ch["message"].get("tool_calls") or []):
-                yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
-            yield chunk(i, {}, ch["finish_reason"])
-        if settings.include_usage:
-            kind = "chat.completion.chunk"
-            yield _usage_event(rid, kind, created, model, usage_of(prompt_ids, sampled))
-        yield DONE
+            for c in _calls_and_finish(chunk, i, ch):
+                yield c
+        for c in _ending(
+            settings, rid, "chat.completion.chunk", created, model, prompt_ids, sampled
+        ):
+            yield c
 
     return events()
 
@@ -253,10 +266,8 @@ def live_completion(
             if rest or (settings.return_token_ids and shown[i].unsent):
                 yield chunk(i, rest)
             yield chunk(i, "", ch["finish_reason"])
-        if settings.include_usage:
-            usage = usage_of(prompt_ids, sampled)
-            yield _usage_event(rid, "text_completion", created, model, usage)
-        yield DONE
+        for c in _ending(settings, rid, "text_completion", created, model, prompt_ids, sampled):
+            yield c
 
     return events()
 
@@ -332,12 +343,11 @@ def replay_chat(
                 done = max(done, upto)
             if done < len(content):
                 yield chunk(i, {"content": content[done:]})
-            for k, tc in enumerate(ch["message"].get("tool_calls") or []):
-                yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
-            yield chunk(i, {}, ch["finish_reason"])
-        if settings.include_usage:
-            kind = "chat.completion.chunk"
-            yield _usage_event(rid, kind, created, model, usage_of(prompt_ids, sampled))
-        yield DONE
+            for c in _calls_and_finish(chunk, i, ch):
+                yield c
+        for c in _ending(
+            settings, rid, "chat.completion.chunk", created, model, prompt_ids, sampled
+        ):
+            yield c
 
     return events()
