@@ -197,16 +197,15 @@ def slab_rows(cache, real: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.
     """Each row's keys/values at its real columns, hole columns dropped (``slab_cache_of``'s
     inverse): ``real`` is ``[B, length]`` bool (the filled length of the cache); returns per row
     the per-layer ``(keys [Hkv, n_r, D], values [Hkv, n_r, Dv])``, copies of the buffers."""
-    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    for r in range(real.shape[0]):
-        at = real[r].nonzero().squeeze(1)
-        out.append(
-            [
-                (layer.keys[r].index_select(1, at), layer.values[r].index_select(1, at))
-                for layer in cache.layers
-            ]
-        )
-    return out
+    counts = real.sum(1).tolist()  # one host sync for all rows, not one per row
+    cols = real.nonzero()[:, 1].split(counts)
+    return [
+        [
+            (layer.keys[r].index_select(1, at), layer.values[r].index_select(1, at))
+            for layer in cache.layers
+        ]
+        for r, at in enumerate(cols)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
