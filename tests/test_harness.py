@@ -184,6 +184,25 @@ def test_a_call_runs_only_its_own_episodes_rows(inner, merge_tok):
     torch.testing.assert_close(torch.tensor(res[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)
 
 
+def test_slab_cache_of_rows_and_back():
+    """kernel.slab_cache_of right-aligns rows of different lengths (an empty one too) with zero
+    hole columns before them; slab_rows reads each row's real columns back unchanged."""
+    from peergrade.generation.kernel import slab_cache_of, slab_rows
+
+    torch.manual_seed(0)
+    rows = [[(torch.randn(2, n, 3), torch.randn(2, n, 5)) for _ in range(3)] for n in (4, 1)]
+    cache, width = slab_cache_of(rows[:1] + [None] + rows[1:], capacity=6, grow=True)
+    assert width == 4 and all(layer.length == 4 for layer in cache.layers)
+    keys = cache.layers[2].keys[:, :, :4]
+    assert keys[1].abs().sum() == 0 and keys[2, :, :3].abs().sum() == 0  # holes are zeros
+    real = torch.tensor([[True] * 4, [False] * 4, [False] * 3 + [True]])
+    back = slab_rows(cache, real)
+    assert back[1][0][0].shape == (2, 0, 3)
+    for got, want in zip([back[0], back[2]], rows):
+        for (k, v), (k0, v0) in zip(got, want):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
 def test_sampled_turns_are_never_retokenised(inner, merge_tok):
     """The model samples "x", "a", "b": re-rendering the history from text would hold the
     merged token "ab". The record is prompt + sampled ids + the template's delta, exactly what
