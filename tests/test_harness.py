@@ -128,16 +128,79 @@ def test_episodes_that_open_alike_share_one_prefill_and_sample_the_same(inner, m
     shared = together.run(jobs)
     assert sorted(map(len, fed[0])) == sorted([len(a), len(b)])  # 2 rows, not 3 x a + b
     assert all(len(p) == 4 for p in fed[1:])  # then one row each
-    # two more opening alike while those four are open: rows of their own beside them
+    # two more opening alike while those four are open: a call of their own rows only, the
+    # prompt fed once
     late = [Job(b, 6, session="s4", key=4), Job(b, 6, session="s5", key=5)]
     fed.clear()
     shared += together.run(late)
-    assert len(fed[0]) == 6 and sorted(map(len, fed[0]))[-2:] == [0, len(b)]
+    assert fed[0] == [b] and all(len(p) == 2 for p in fed[1:])
     for job, got in zip(jobs + late, shared):
         (alone,) = Sessions(inner, merge_tok, eos, 2048).run([job])
         assert got[0] == alone[0]  # the same tokens
         torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)
     assert shared[0][0] != shared[2][0] or shared[0][0] != shared[3][0]  # own draws each
+
+
+def test_a_call_runs_only_its_own_episodes_rows(inner, merge_tok):
+    """A call whose jobs are some of the open episodes feeds a batch of just those rows (the
+    others cost nothing); new episodes beside held ones that open alike still prefill their
+    prompt once; every job samples what it samples alone (keyed draws)."""
+    from peergrade.generation.server import Job
+    from peergrade.generation.sessions import Sessions
+
+    eos = [merge_tok.eos_token_id]
+    prompts = [merge_tok(q)["input_ids"] for q in ("hi", "name a colour", "two plus two", "ok")]
+    first = [Job(p, 5, session=f"s{i}", key=i) for i, p in enumerate(prompts)]
+    s = Sessions(inner, merge_tok, eos, 2048)
+    fed = []
+    feed = s.eng._feed
+    s.eng._feed = lambda pending: fed.append(pending) or feed(pending)
+    got = s.run(first)
+    assert {len(p) for p in fed[1:]} == {4}
+    # the next turn of episodes 1 and 3 only, and two new episodes opening alike
+    more = merge_tok(" go on")["input_ids"]
+    later = [Job(first[i].prompt_ids + got[i][0] + more, 6, session=f"s{i}", key=i)
+             for i in (1, 3)]  # fmt: skip
+    later += [Job(prompts[0], 6, session=f"n{k}", key=10 + k) for k in range(2)]
+    fed.clear()
+    out = s.run(later)
+    assert all(len(p) == 4 for p in fed)  # 4 rows, not the 6 open episodes
+    # held rows feed their last sampled token and the delta; one new row feeds the prompt
+    assert [len(p) for p in fed[0][:2]] == [1 + len(more)] * 2
+    assert sorted(map(len, fed[0][2:])) == [0, 2]
+    assert set(s.seen) == {f"s{i}" for i in range(4)} | {"n0", "n1"}
+    for job, res in zip(later, out):
+        (alone,) = Sessions(inner, merge_tok, eos, 2048).run([job])
+        assert res[0] == alone[0] and res[3] == alone[3]
+        torch.testing.assert_close(torch.tensor(res[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)
+    # the kept rows hold exactly their tokens: a third turn of episode 1 still matches alone
+    j = later[0]
+    third = Job(j.prompt_ids + out[0][0] + more, 6, session="s1", key=1)
+    fed.clear()
+    (res,) = s.run([third])
+    assert len(fed[0]) == 1
+    (alone,) = Sessions(inner, merge_tok, eos, 2048).run([third])
+    assert res[0] == alone[0]
+    torch.testing.assert_close(torch.tensor(res[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)
+
+
+def test_slab_cache_of_rows_and_back():
+    """kernel.slab_cache_of right-aligns rows of different lengths (an empty one too) with zero
+    hole columns before them; slab_rows reads each row's real columns back unchanged."""
+    from peergrade.generation.kernel import slab_cache_of, slab_rows
+
+    torch.manual_seed(0)
+    rows = [[(torch.randn(2, n, 3), torch.randn(2, n, 5)) for _ in range(3)] for n in (4, 1)]
+    cache, width = slab_cache_of(rows[:1] + [None] + rows[1:], capacity=6, grow=True)
+    assert width == 4 and all(layer.length == 4 for layer in cache.layers)
+    keys = cache.layers[2].keys[:, :, :4]
+    assert keys[1].abs().sum() == 0 and keys[2, :, :3].abs().sum() == 0  # holes are zeros
+    real = torch.tensor([[True] * 4, [False] * 4, [False] * 3 + [True]])
+    back = slab_rows(cache, real)
+    assert back[1][0][0].shape == (2, 0, 3)
+    for got, want in zip([back[0], back[2]], rows):
+        for (k, v), (k0, v0) in zip(got, want):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
 def test_sampled_turns_are_never_retokenised(inner, merge_tok):

@@ -160,6 +160,54 @@ def slab_cache(num_layers: int, capacity: int, grow: bool = False):
     return Cache(layers=[_SlabLayer() for _ in range(num_layers)])
 
 
+def slab_cache_of(rows: list, capacity: int, grow: bool = False):
+    """A ``slab_cache`` holding given rows' keys/values, right-aligned; returns ``(cache, width)``.
+
+    ``rows[r]`` is row ``r``'s per-layer ``(keys [Hkv, n_r, D], values [Hkv, n_r, Dv])`` (one
+    length ``n_r`` in every layer), or None for an empty row (``n_r = 0``); at least one row
+    holds tokens. The cache's filled length is ``width = max n_r``: row ``r`` is in its last
+    ``n_r`` columns, and the ``width - n_r`` columns before them are zeros (hole columns the
+    caller hides with its attention mask; zeros, not uninitialised memory, since a NaN times a
+    zero attention weight is still NaN). It does not build masks or positions.
+    """
+    full = [r for r in rows if r is not None]
+    if not full:
+        raise ValueError("slab_cache_of: every row is empty")
+    width = max(r[0][0].shape[-2] for r in full)
+    cache = slab_cache(len(full[0]), max(capacity, width), grow=grow)
+    for i, layer in enumerate(cache.layers):
+        k0, v0 = full[0][i]
+        layer.device = k0.device
+        layer.capacity = max(capacity, width)
+        for name, t in (("keys", k0), ("values", v0)):
+            buf = t.new_empty((len(rows), t.shape[0], layer.capacity, t.shape[-1]))
+            buf[:, :, :width].zero_()
+            setattr(layer, name, buf)
+        for r, row in enumerate(rows):
+            if row is not None:
+                k, v = row[i]
+                layer.keys[r, :, width - k.shape[-2] : width].copy_(k)
+                layer.values[r, :, width - v.shape[-2] : width].copy_(v)
+        layer.length = width
+        layer.is_initialized = True
+    return cache, width
+
+
+def slab_rows(cache, real: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each row's keys/values at its real columns, hole columns dropped (``slab_cache_of``'s
+    inverse): ``real`` is ``[B, length]`` bool (the filled length of the cache); returns per row
+    the per-layer ``(keys [Hkv, n_r, D], values [Hkv, n_r, Dv])``, copies of the buffers."""
+    counts = real.sum(1).tolist()  # one host sync for all rows, not one per row
+    cols = real.nonzero()[:, 1].split(counts)
+    return [
+        [
+            (layer.keys[r].index_select(1, at), layer.values[r].index_select(1, at))
+            for layer in cache.layers
+        ]
+        for r, at in enumerate(cols)
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # Sampling
 # --------------------------------------------------------------------------------------------
