@@ -500,10 +500,8 @@ def generate(
             It is switched to eval mode and back; no gradients are recorded.
         tokenizer: its tokenizer; must define ``pad_token_id`` and ``eos_token_id``.
         prompts: strings (encoded with ``add_special_tokens=False``) or token-id lists.
-        n: samples per prompt (the GRPO group size), >= 1.
-        max_new_tokens: completion length limit, >= 1.
-        temperature: >= 0; 0 = greedy.
-        top_p: in (0, 1]; 1 = off. top_k: >= 0; 0 = off.
+        n: samples per prompt (the GRPO group size), >= 1. max_new_tokens: length limit, >= 1.
+        temperature: >= 0; 0 = greedy. top_p: in (0, 1]; 1 = off. top_k: >= 0; 0 = off.
         stop: stop strings (a single string is one stop string); the completion ends at the first
             occurrence, stop string included.
         seed: the seed of every draw (a training step folds its step number into it); None
@@ -515,14 +513,11 @@ def generate(
         batch_size: sequences generated at once (bounds memory); None = all N at once.
         eos_token_ids: tokens that end a sequence; default: the tokenizer's eos plus the model's
             ``generation_config.eos_token_id``.
-        ignore_eos: keep generating after EOS (the EOS token is an ordinary token then); for
-            benchmarks that need a fixed number of tokens.
+        ignore_eos: EOS is an ordinary token (benchmarks that need a fixed number of tokens).
         check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
             With stop strings the check runs every step (the text must be decoded anyway).
-        on_tokens: called after every step with ``(sequences, tokens)``: the global indices
-            (prompt ``i``'s sample ``j`` is ``i * n + j``) of the sequences that drew a counted
-            token at that step, and those tokens (a streaming server's hook; it costs one host
-            copy per step).
+        on_tokens: ``fn(sequences, tokens)`` after each step: the sequences (prompt ``i``'s
+            sample ``j`` is ``i * n + j``) that drew a counted token, and those tokens.
     """
     cfg = model_config(model)
     n, max_new_tokens, top_k, stop = _check_settings(

@@ -724,72 +724,71 @@ def _require_serve(module: str):
     )
 
 
+async def _read_json(request) -> dict:
+    try:
+        body = await request.json()
+    except Exception as e:
+        raise APIError(f"the request body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def _route(fn):
+    """An endpoint of ``fn(request)``: a dict is JSON, anything else a server-sent event
+    stream; a refused request (``APIError``) or a failure (500) is OpenAI's error shape."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def endpoint(request):
+        try:
+            result = await fn(request)
+        except APIError as e:
+            return error(e)
+        except Exception as e:  # a bug or a model failure: a 500 in the same shape
+            return error(APIError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    return endpoint
+
+
 def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
     """The Starlette app: the OpenAI routes, and the per-episode routes when a ``recorder``
     (``generation.recorder.Recorder``) is given."""
     _require_serve("starlette")
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     handler = Handler(engine, recorder, max_tokens)
 
-    def error(e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def plain(fn):  # fn(body)
+        async def route(request):
+            return await fn(await _read_json(request))
 
-    async def read_json(request) -> dict:
-        try:
-            body = await request.json()
-        except Exception as e:
-            raise APIError(f"the request body is not JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object")
-        return body
-
-    def answer(result):
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
-
-    def wrap(fn):
-        async def endpoint(request):
-            try:
-                return answer(await fn(request))
-            except APIError as e:
-                return error(e)
-            except Exception as e:  # a bug or a model failure: a 500 in the same shape
-                return error(APIError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
-
-        return endpoint
-
-    async def models(request):
-        return handler.models()
-
-    async def chat(request):
-        return await handler.chat(await read_json(request))
-
-    async def completions(request):
-        return await handler.completions(await read_json(request))
+        return _route(route)
 
     def episode_of(request):
         if recorder is None:
             raise APIError("this server records no episodes", status=404, code="not_found")
         return recorder.get(request.path_params["eid"])
 
+    def episode(fn):  # fn(handler, recording, body)
+        async def route(request):
+            rec = episode_of(request)
+            return await fn(handler, rec, await _read_json(request))
+
+        return _route(route)
+
+    async def models(request):
+        return handler.models()
+
     async def ep_models(request):
         episode_of(request)
         return handler.models()
-
-    async def ep_chat(request):
-        ep = episode_of(request)
-        return await recorder.chat(handler, ep, await read_json(request))
-
-    async def generate(request):
-        return await handler.generate(await read_json(request))
-
-    async def ep_generate(request):
-        ep = episode_of(request)
-        return await recorder.generate(handler, ep, await read_json(request))
 
     async def ep_completions(request):
         episode_of(request)
@@ -799,17 +798,23 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
             code="unsupported",
         )
 
+    ep = "/v1/episodes/{eid}"
     routes = [
-        Route("/v1/models", wrap(models), methods=["GET"]),
-        Route("/v1/chat/completions", wrap(chat), methods=["POST"]),
-        Route("/v1/completions", wrap(completions), methods=["POST"]),
-        Route("/v1/episodes/{eid}/models", wrap(ep_models), methods=["GET"]),
-        Route("/v1/episodes/{eid}/chat/completions", wrap(ep_chat), methods=["POST"]),
-        Route("/v1/episodes/{eid}/completions", wrap(ep_completions), methods=["POST"]),
-        Route("/inference/v1/generate", wrap(generate), methods=["POST"]),
+        Route("/v1/models", _route(models), methods=["GET"]),
+        Route("/v1/chat/completions", plain(handler.chat), methods=["POST"]),
+        Route("/v1/completions", plain(handler.completions), methods=["POST"]),
+        Route("/inference/v1/generate", plain(handler.generate), methods=["POST"]),
+        Route(f"{ep}/models", _route(ep_models), methods=["GET"]),
+        Route(f"{ep}/completions", _route(ep_completions), methods=["POST"]),
+        # recorder is None: episode_of refuses before these are called
+        Route(f"{ep}/chat/completions", episode(recorder and recorder.chat), methods=["POST"]),
         # a client that drops a trailing /v1 from the base URL (vLLM's token route sits at the
         # root) cannot drop it from an episode's: that route sits under the episode's URL
-        Route("/v1/episodes/{eid}/inference/v1/generate", wrap(ep_generate), methods=["POST"]),
+        Route(
+            f"{ep}/inference/v1/generate",
+            episode(recorder and recorder.generate),
+            methods=["POST"],
+        ),
     ]
     return Starlette(routes=routes)
 
