@@ -760,3 +760,25 @@ def test_a_cli_harness_that_kills_its_process_fails_its_episodes_not_the_run(tmp
     assert m["harness/failed"] == 1.0 and m["harness/failed_exception"] == 1.0
     sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
     assert "died with exit code 7" in sample["extra"]["harness_error"][0]
+
+
+def test_a_token_request_without_max_tokens_gets_the_trainer_s_turn_budget(inner, merge_tok):
+    """vLLM's default of 16 tokens is for a plain request; in a training episode a request
+    that names no max_tokens samples up to the trainer's per-turn budget, as a chat one does."""
+    import httpx
+
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=1, eos_bias=-1e4)  # never eos
+
+    def harness(row, base_url, model_name):
+        ids = render(merge_tok, [{"role": "user", "content": "q"}], add_generation_prompt=True)
+        r = httpx.post(base_url + "/inference/v1/generate",
+                       json={"model": model_name, "token_ids": ids}, timeout=60)  # fmt: skip
+        return float(len(r.json()["choices"][0]["token_ids"]))
+
+    runner = HarnessRunner(model, merge_tok)
+    try:
+        (r,) = runner.run(harness, [{"q": "q"}], n=1, max_completion_length=100,
+                          temperature=1.0, max_tokens_per_turn=24)  # fmt: skip
+    finally:
+        runner.close()
+    assert r.error is None and r.reward == 24.0 and sum(r.episode.loss_mask) == 24

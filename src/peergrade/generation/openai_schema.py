@@ -300,8 +300,9 @@ def _token_ids(value: Any, vocab_size: int, where: str, empty_ok: bool = False) 
 
 def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     """vLLM's ``POST /inference/v1/generate`` body: ``token_ids`` (the prompt) and
-    ``sampling_params`` (vLLM's ``SamplingParams`` fields: ``n``, ``max_tokens`` (default 16, as
-    vLLM's), ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``, ``stop``,
+    ``sampling_params`` (vLLM's ``SamplingParams`` fields: ``n``, ``max_tokens`` (None when not
+    given: 16 on ``peergrade serve``, as vLLM's default; the trainer's budget in an episode),
+    ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``, ``stop``,
     ``stop_token_ids``, ``logprobs`` (the top alternatives at each position besides the sampled
     token); those this server cannot honour are in ``settings.unsupported``). Multimodal
     inputs (``features``, ``content_parts``) and ``stream`` are refused."""
@@ -324,7 +325,7 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
         raise APIError("'sampling_params' must be an object", param="sampling_params")
     s = Settings()
     s.n = _number(sp, "n", 1, 1, 128, integer=True)
-    s.max_tokens = _number(sp, "max_tokens", 16, 1, None, integer=True)
+    s.max_tokens = _number(sp, "max_tokens", None, 1, None, integer=True)  # None: not given
     s.temperature = float(_number(sp, "temperature", 1.0, 0, 2))
     s.top_p = float(_number(sp, "top_p", 1.0, 0, 1))
     if s.top_p == 0:

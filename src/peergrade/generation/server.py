@@ -596,7 +596,8 @@ class Handler:
         self.check_model(body)
         req = parse_generate(body, len(self.engine.tokenizer))
         refuse_unsupported(req.settings)
-        max_tokens = self.budget(req.prompt_ids, req.settings.max_tokens)
+        asked = 16 if req.settings.max_tokens is None else req.settings.max_tokens  # vLLM's
+        max_tokens = self.budget(req.prompt_ids, asked)
         jobs = self.jobs(req.prompt_ids, req.settings, max_tokens, req.stop_ids)
         return token_response(req, await self.sample(jobs))
 
