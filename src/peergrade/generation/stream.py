@@ -57,8 +57,11 @@ def _usage_event(rid: str, kind: str, created: int, model: str, usage: dict) -> 
     return _event({**body, "usage": usage})
 
 
-def _calls_and_finish(chunk: Callable, i: int, choice: dict):
-    """A chat choice's last chunks: its tool calls, one each, then its finish reason."""
+def _choice_end(chunk: Callable, i: int, rest: str | None, choice: dict):
+    """A chat choice's last chunks: the rest of its content (None: nothing to send), its tool
+    calls, one each, then its finish reason."""
+    if rest is not None:
+        yield chunk(i, {"content": rest})
     for k, tc in enumerate(choice["message"].get("tool_calls") or []):
         yield chunk(i, {"tool_calls": [{"index": k, **tc}]})
     yield chunk(i, {}, choice["finish_reason"])
@@ -208,9 +211,8 @@ def live_chat(
         for i, s in enumerate(sampled):
             ch = choice_of(i, s)
             rest = shown[i].rest(ch["message"]["content"] or "")
-            if rest or (settings.return_token_ids and shown[i].unsent):
-                yield chunk(i, {"content": rest})
-            for c in _calls_and_finish(chunk, i, ch):
+            send = rest or (settings.return_token_ids and shown[i].unsent)
+            for c in _choice_end(chunk, i, rest if send else None, ch):
                 yield c
         for c in _ending(
             settings, rid, "chat.completion.chunk", created, model, prompt_ids, sampled
@@ -341,9 +343,7 @@ def replay_chat(
                         c = _event(body)
                     yield c
                 done = max(done, upto)
-            if done < len(content):
-                yield chunk(i, {"content": content[done:]})
-            for c in _calls_and_finish(chunk, i, ch):
+            for c in _choice_end(chunk, i, content[done:] if done < len(content) else None, ch):
                 yield c
         for c in _ending(
             settings, rid, "chat.completion.chunk", created, model, prompt_ids, sampled
