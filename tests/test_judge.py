@@ -851,19 +851,18 @@ def yes_no_dir(tmp_path_factory):
     return d
 
 
+def local_yes_no_judge(model_dir, batch_size: int):
+    """A yes/no judge on the local model ``model_dir`` (float32 on the CPU)."""
+    return make_judge(rubric=QUESTION, judge_model=str(model_dir), scoring="yes_no",
+                      batch_size=batch_size, device="cpu", dtype="float32")  # fmt: skip
+
+
 def test_yes_no_local_scores_are_the_hand_computed_share_of_the_next_token(yes_no_dir):
     """The formula against a hand computation: the softmax of the model's logits after the
     generation prompt, one unpadded sequence at a time, vs the judge's padded batch."""
     import torch
 
-    j = make_judge(
-        rubric=QUESTION,
-        judge_model=str(yes_no_dir),
-        scoring="yes_no",
-        batch_size=4,
-        device="cpu",
-        dtype="float32",
-    )
+    j = local_yes_no_judge(yes_no_dir, batch_size=4)
     answers = ["Paris", "Lyon", "It is Paris, the capital.", "Rome"]  # lengths differ: padding
     prompts, completions = groups_of(ROWS[:2], answers)
     out = j(prompts, completions)
@@ -885,14 +884,7 @@ def test_yes_no_local_model_and_peergrade_serve_give_the_same_scores(yes_no_dir)
     from peergrade.generation.server import Engine, Server, build_app
     from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
 
-    local = make_judge(
-        rubric=QUESTION,
-        judge_model=str(yes_no_dir),
-        scoring="yes_no",
-        batch_size=3,
-        device="cpu",
-        dtype="float32",
-    )
+    local = local_yes_no_judge(yes_no_dir, batch_size=3)
     model = load_model(str(yes_no_dir)).eval()
     engine = Engine(
         model, prepare_tokenizer(load_tokenizer(str(yes_no_dir))), "judge", window_s=0.02
