@@ -225,16 +225,26 @@ class _Worker:
     def alive(self) -> bool:
         return self.dead is None and self.proc.is_alive()
 
+    def _join(self, timeout: float) -> None:
+        """Wait for the process to end. The reader thread joins it when the pipe closes, so it
+        is waited for instead: two threads reaping one child race (the loser's ``waitpid``
+        fails and its ``is_alive()`` says True for a process that is gone)."""
+        reader = self.reader
+        if reader is not None and reader.is_alive() and reader is not threading.current_thread():
+            reader.join(timeout)
+        else:
+            self.proc.join(timeout)
+
     def kill(self) -> None:
         with contextlib.suppress(Exception):
             self.conn.send(None)
-        self.proc.join(2)
+        self._join(2)
         if self.proc.is_alive():
             self.proc.terminate()
-            self.proc.join(2)
+            self._join(2)
         if self.proc.is_alive():
             self.proc.kill()
-            self.proc.join(2)
+            self._join(2)
         with contextlib.suppress(Exception):
             self.conn.close()
 
