@@ -576,6 +576,11 @@ def test_harness_processes_config_and_python_errors(tmp_path):
     assert processes_of(PYTHON_ONLY + "chat", "auto", chat) == 0  # GRPOTrainer(harness=fn)
     assert processes_of(f"{AGENTS}:async_chat", "auto", _by_name("async_chat")[0]) == 0
     assert processes_of(f"{AGENTS}:chat", 3, chat) == 3
+    os.environ["LOCAL_WORLD_SIZE"] = "64"  # torchrun's: 64 ranks on this machine
+    try:
+        assert processes_of(f"{AGENTS}:chat", "auto", chat) == 1
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
 
     def local_agent(row, base_url, model):  # not importable by name
         return 1.0
@@ -754,7 +759,8 @@ def test_a_cli_harness_that_kills_its_process_fails_its_episodes_not_the_run(tmp
                "null", "--harness", "killer.py:agent", *tiny, "-o", "run"], tmp_path, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     n = min(4, os.cpu_count() or 1)
-    assert f"killer.py:agent runs in {n} worker processes (harness.processes: auto" in out.stdout
+    workers = f"{n} worker process{'es' if n > 1 else ''}"
+    assert f"killer.py:agent runs in {workers} (harness.processes: auto" in out.stdout
     (m,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
             if "loss/policy" in x]  # fmt: skip
     assert m["harness/failed"] == 1.0 and m["harness/failed_exception"] == 1.0

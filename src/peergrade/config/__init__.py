@@ -685,9 +685,9 @@ class HarnessConfig:
         "agents' client-side CPU (the openai client, httpx) runs off the trainer's GIL and a "
         "harness that kills its process (os._exit, a crash) fails its episodes, not the run; "
         "0 = threads of the trainer's process. Each worker loads harness.fn by name (spawn). "
-        "'auto': min(4, CPUs) workers for a harness.fn given by name (the CLI, a config); "
-        "GRPOTrainer(harness=fn) sets 0 unless given harness_processes. An async def harness "
-        "always runs on the trainer's event loop.",
+        "'auto': min(4, CPUs; per rank under torchrun) workers for a harness.fn given by name "
+        "(the CLI, a config); GRPOTrainer(harness=fn) sets 0 unless given harness_processes. "
+        "An async def harness always runs on the trainer's event loop.",
         "auto",
     )
 

@@ -83,15 +83,18 @@ AUTO_PROCESSES = 4
 
 def processes_of(spec: str | None, processes: int | str, fn: Callable | None) -> int:
     """How many worker processes ``harness.processes`` means for this harness: 0 for an
-    ``async def`` one (it runs on the trainer's loop); ``auto``: ``min(4, CPUs)`` for a harness
-    given by name (``path/file.py:fn``, ``module:fn``), 0 for a Python function."""
+    ``async def`` one (it runs on the trainer's loop); ``auto``: ``min(4, CPUs)`` (under
+    torchrun, the CPUs per rank on this machine) for a harness given by name (``path/file.py:fn``, ``module:fn``), 0 for a Python function."""
     import inspect
 
     if fn is None or inspect.iscoroutinefunction(fn):
         return 0
     if processes == "auto":
         by_name = spec is not None and not spec.startswith(PYTHON_ONLY)
-        return min(AUTO_PROCESSES, os.cpu_count() or 1) if by_name else 0
+        # under torchrun each rank on this machine starts its own: its share of the CPUs
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        cpus = max(1, (os.cpu_count() or 1) // ranks_here)
+        return min(AUTO_PROCESSES, cpus) if by_name else 0
     return int(processes)
 
 
@@ -103,7 +106,7 @@ def describe(run) -> str:
     pool = getattr(run, "harness_pool", None)
     name = h.fn[len(PYTHON_ONLY) :] if h.fn and h.fn.startswith(PYTHON_ONLY) else h.fn
     if pool is not None:
-        where = f"in {pool.processes} worker processes"
+        where = f"in {pool.processes} worker process{'es' if pool.processes > 1 else ''}"
     elif inspect.iscoroutinefunction(run.harness):
         where = "on the trainer's event loop (async def)"
     else:
