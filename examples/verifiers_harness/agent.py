@@ -45,6 +45,21 @@ MAX_TURNS = 3
 # first episodes of a process run one at a time until one has prepared the program.
 _PREPARED = threading.Event()
 _FIRST = threading.Lock()
+# verifiers keeps process-wide asyncio objects (the training client's renderer pool and its
+# lock) that bind to the first event loop using them; a second loop waiting on them fails
+# ("... is bound to a different event loop"). So every rollout of this process runs on one
+# event loop, on a thread of its own, whichever thread the trainer calls rollout() on.
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _run(coro):
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="vf-rollouts", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coro, _LOOP).result()
 
 
 def client_config(base_url: str):
@@ -87,11 +102,11 @@ def rollout(row: dict, base_url: str, model: str) -> dict:
     )
     if HARNESS == "null" and not _PREPARED.is_set():
         with _FIRST:
-            episode = asyncio.run(run_rollout(task, base_url, model))
+            episode = _run(run_rollout(task, base_url, model))
             if episode.ok:
                 _PREPARED.set()
     else:
-        episode = asyncio.run(run_rollout(task, base_url, model))
+        episode = _run(run_rollout(task, base_url, model))
     errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
     if not episode.ok or errors:
         raise RuntimeError(
