@@ -23,5 +23,8 @@ def test_the_agent_imports_nothing_of_peergrade():
     assert "openai" in names
 
 
-def test_two_tiny_steps_train_through_the_agent(tmp_path):
-    train_harness_example(EXAMPLE, tmp_path)
+@pytest.mark.parametrize("fn", ["agent", "responses_agent"])
+def test_two_tiny_steps_train_through_the_agent(tmp_path, fn):
+    """The chat agent, and the same agent on the Responses API (previous_response_id)."""
+    steps = train_harness_example(EXAMPLE, tmp_path, "--harness.fn", f"{EXAMPLE}/agent.py:{fn}")
+    assert all(m["harness/split_episodes"] == 0.0 for m in steps)

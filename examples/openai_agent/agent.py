@@ -63,6 +63,14 @@ def calculate(expression: str, names: dict[str, int]) -> str:
     return str(value(ast.parse(expression.strip(), mode="eval").body))
 
 
+def run_tool(arguments: str, names: dict[str, int]) -> str:
+    """A call's result, or the error the model reads instead."""
+    try:
+        return calculate(json.loads(arguments)["expression"], names)
+    except Exception as e:
+        return f"error: {e}"
+
+
 def agent(row: dict, base_url: str, model: str) -> dict:
     """Solve ``row`` (its ``prompt`` messages; ``a``, ``b`` and ``answer``) with tool calls;
     reward 1 for the exact answer."""
@@ -82,14 +90,37 @@ def agent(row: dict, base_url: str, model: str) -> dict:
             break
         for call in message.tool_calls:
             calls += 1
-            try:
-                args = json.loads(call.function.arguments)
-                result = calculate(args["expression"], names)
-            except Exception as e:
-                result = f"error: {e}"
+            result = run_tool(call.function.arguments, names)
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "name": "calculate", "content": result}
             )
+    return {"reward": float(answer == str(row["answer"])), "tool_calls": calls}
+
+
+def responses_agent(row: dict, base_url: str, model: str) -> dict:
+    """``agent`` written against the Responses API (``client.responses.create``): each next
+    request sends only the tool results and continues the last reply by
+    ``previous_response_id``."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=HTTP)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses form
+    names = {"a": int(row["a"]), "b": int(row["b"])}
+    new, previous, calls, answer = list(row["prompt"]), None, 0, ""
+    for _ in range(MAX_TURNS):
+        reply = client.responses.create(
+            model=model, input=new, previous_response_id=previous, tools=tools,
+            max_output_tokens=128,
+        )  # fmt: skip
+        previous = reply.id
+        called = [item for item in reply.output if item.type == "function_call"]
+        if not called:
+            answer = reply.output_text.strip()
+            break
+        calls += len(called)
+        new = [
+            {"type": "function_call_output", "call_id": c.call_id,
+             "output": run_tool(c.arguments, names)}
+            for c in called
+        ]  # fmt: skip
     return {"reward": float(answer == str(row["answer"])), "tool_calls": calls}
 
 
@@ -103,4 +134,5 @@ if __name__ == "__main__":  # one episode against a running server: peergrade se
         "b": 324,
         "answer": "87480",
     }
-    print(agent(row, url, OpenAI(base_url=url, api_key="-").models.list().data[0].id))
+    model = OpenAI(base_url=url, api_key="-").models.list().data[0].id
+    print(agent(row, url, model), responses_agent(row, url, model))

@@ -10,7 +10,8 @@ evaluation, ``peergrade eval``, ``peergrade memory`` and the audit read one thin
 Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``episodes`` (the
 episode engine), ``record`` (``Samples``, ``SamplerSettings``); the OpenAI-compatible endpoint:
 ``server`` (routes, batching ``Engine``), ``openai_schema`` (the requests it accepts),
-``stream`` (its server-sent events), ``recorder`` /
+``responses`` (the Responses API on the chat route), ``stream`` (its server-sent events),
+``recorder`` /
 ``sessions`` / ``harness`` (an external agent's training episodes behind ``base_url``).
 
 It does not score (``rewards``), build the update's batch beyond the teacher-forcing tensors,

@@ -48,6 +48,7 @@ from peergrade.generation.openai_schema import (
     parse_generate,
     parse_settings,
 )
+from peergrade.generation.responses import ResponseStore, answer
 from peergrade.generation.server import (
     Handler,
     Job,
@@ -91,6 +92,8 @@ class Recording:
     closed: bool = False
     lock: asyncio.Lock | None = None
     kind: str = ""  # the current segment's requests: chat (messages) | tokens (token ids)
+    #: the episode's Responses API replies (``previous_response_id``), all of them
+    stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None))
 
 
 class Recorder:
@@ -136,6 +139,11 @@ class Recorder:
 
     async def generate(self, handler: Handler, rec: Recording, body: dict):
         return await self._one_at_a_time(rec, self._generate(handler, rec, body))
+
+    async def responses(self, handler: Handler, rec: Recording, body: dict):
+        """A Responses API request: recorded as the chat request it means."""
+        chat = lambda b: self._chat(handler, rec, b)  # noqa: E731
+        return await self._one_at_a_time(rec, answer(body, rec.stored, chat))
 
     async def _one_at_a_time(self, rec: Recording, request):
         if rec.lock is None:

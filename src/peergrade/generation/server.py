@@ -11,9 +11,13 @@ that agents use, as vLLM speaks them:
   greedy), ``top_p``, ``top_k`` (vLLM's extra), ``max_tokens`` / ``max_completion_tokens``,
   ``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``stream`` (server-sent events);
 - ``POST /v1/completions`` for plain prompts (a string or token ids);
+- ``POST /v1/responses``: OpenAI's Responses API (``input`` items, ``instructions``,
+  ``previous_response_id``, function ``tools``, ``stream``), translated to the chat request it
+  means and back (``generation.responses``);
 - vLLM's ``return_token_ids: true``: ``prompt_token_ids`` and ``choices[i].token_ids``;
-- ``POST /v1/episodes/<id>/chat/completions`` (and ``.../completions``, ``.../models``): the same
-  API under a base URL private to one training episode (``generation.recorder``).
+- ``POST /v1/episodes/<id>/chat/completions`` (and ``.../responses``, ``.../completions``,
+  ``.../models``): the same API under a base URL private to one training episode
+  (``generation.recorder``).
 
 Requests are queued to one worker thread (``Engine``) that owns the model: it takes everything
 queued (after a short collection window) and answers it with as few ``kernel.generate`` calls
@@ -36,8 +40,8 @@ Fields it cannot honour (forced tool calls, ``response_format``, penalties, ``lo
 vLLM's ``guided_*``) are refused with a 400 naming them (``refuse_unsupported``), not ignored.
 
 What it does not do: authentication, continuous batching inside a running ``generate`` call
-(requests that arrive during one wait for the next), images, audio, the Responses API,
-constrained decoding.
+(requests that arrive during one wait for the next), images, audio, the Responses API's built-in
+tools and background mode, constrained decoding.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from peergrade.generation.openai_schema import (
     parse_settings,
     refuse_unsupported,
 )
+from peergrade.generation.responses import ResponseStore, answer
 from peergrade.generation.stream import (
     live_chat,
     live_completion,
@@ -544,6 +549,7 @@ class Handler:
 
     def __init__(self, engine: Engine, recorder=None, max_tokens: int | None = None):
         self.engine, self.recorder, self.default_max_tokens = engine, recorder, max_tokens
+        self.stored = ResponseStore()  # /v1/responses' previous_response_id
 
     def check_model(self, body: dict) -> str:
         model = body.get("model")
@@ -642,6 +648,10 @@ class Handler:
         if settings.return_token_ids:
             out["prompt_token_ids"] = list(prompt_ids)
         return out, pairs
+
+    async def responses(self, body: dict):
+        """OpenAI's Responses API, answered through the chat route (``generation.responses``)."""
+        return await answer(body, self.stored, self.chat)
 
     async def completions(self, body: dict):
         model = self.check_model(body)
@@ -804,11 +814,13 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         Route("/v1/models", _route(models), methods=["GET"]),
         Route("/v1/chat/completions", plain(handler.chat), methods=["POST"]),
         Route("/v1/completions", plain(handler.completions), methods=["POST"]),
+        Route("/v1/responses", plain(handler.responses), methods=["POST"]),
         Route("/inference/v1/generate", plain(handler.generate), methods=["POST"]),
         Route(f"{ep}/models", _route(ep_models), methods=["GET"]),
         Route(f"{ep}/completions", _route(ep_completions), methods=["POST"]),
         # recorder is None: episode_of refuses before these are called
         Route(f"{ep}/chat/completions", episode(recorder and recorder.chat), methods=["POST"]),
+        Route(f"{ep}/responses", episode(recorder and recorder.responses), methods=["POST"]),
         # a client that drops a trailing /v1 from the base URL (vLLM's token route sits at the
         # root) cannot drop it from an episode's: that route sits under the episode's URL
         Route(

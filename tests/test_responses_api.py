@@ -1,0 +1,212 @@
+"""OpenAI's Responses API on the endpoint (``generation.responses``), through the official
+``openai`` client: the same replies as the chat route, follow-ups by ``previous_response_id``
+or by items, streams, refusals, and training episodes recorded as the chat requests they mean."""
+
+# ruff: noqa: F811  (pytest fixtures imported from test_serve / test_harness, used as arguments)
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+# the fixtures of the chat route's tests (server, client) and of the harness tests
+from peergrade.generation.harness import HarnessRunner, harness_metrics  # noqa: E402
+from test_envs import Steered, full_forward_logprobs  # noqa: E402
+from test_harness import chat_loop, inner, merge_tok  # noqa: E402,F401
+from test_harness import client as client_of  # noqa: E402
+from test_serve import MODEL, QUESTION, calc, client, server  # noqa: E402,F401
+
+TOOL = {
+    "type": "function",
+    "name": "calculate",
+    "description": "evaluate",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+
+
+def _called(client, seeds=range(24)):
+    """A seed whose sampled reply (tiny-calc, temperature 1) calls the tool, and that reply."""
+    for seed in seeds:
+        r = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=[CHAT_TOOL], temperature=1.0, max_tokens=96,
+            seed=seed,
+        )  # fmt: skip
+        if r.choices[0].finish_reason == "tool_calls":
+            return seed, r
+    pytest.fail("no seed of 24 made tiny-calc call the tool")
+
+
+def test_a_response_is_the_chat_reply(client):
+    """Text and function calls of a Responses reply equal the chat reply of the same request
+    (same seed), and so do its token counts."""
+    seed, chat = _called(client)
+    r = client.responses.create(
+        model=MODEL, input=QUESTION, tools=[TOOL], temperature=1.0, max_output_tokens=96,
+        extra_body={"seed": seed},
+    )  # fmt: skip
+    msg = chat.choices[0].message
+    assert r.status == "completed" and r.object == "response"
+    assert r.output_text == (msg.content or "")
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls
+    ]
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    # plain text: a message item only; a cut reply is incomplete
+    short = client.responses.create(model=MODEL, input="1+2=", max_output_tokens=2, temperature=0)
+    assert [o.type for o in short.output] == ["message"]
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_follow_ups_by_previous_id_and_by_items_are_the_same_conversation(client):
+    """A tool result sent after ``previous_response_id`` and the same conversation re-sent
+    as items render the same prompt (same length, same greedy reply), as does the chat
+    request of those messages; with ``instructions`` a system message comes first."""
+    seed, _ = _called(client)
+    first = client.responses.create(
+        model=MODEL, input=QUESTION, tools=[TOOL], temperature=1.0, max_output_tokens=96,
+        extra_body={"seed": seed},
+    )  # fmt: skip
+    call = next(o for o in first.output if o.type == "function_call")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "7006652"}
+    kw = dict(model=MODEL, tools=[TOOL], temperature=0, max_output_tokens=24)
+    by_id = client.responses.create(
+        previous_response_id=first.id, input=[result], instructions="Use the tool.", **kw
+    )
+    items = [*QUESTION, *[o.model_dump(exclude_none=True) for o in first.output], result]
+    by_items = client.responses.create(input=items, instructions="Use the tool.", **kw)
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens
+    assert by_id.output_text == by_items.output_text
+    reply = {"role": "assistant", "content": first.output_text or None, "tool_calls": [
+        {"id": call.call_id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}]}  # fmt: skip
+    messages = [{"role": "system", "content": "Use the tool."}, *QUESTION, reply,
+                {"role": "tool", "tool_call_id": call.call_id, "content": "7006652"}]  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[CHAT_TOOL], temperature=0, max_tokens=24
+    )
+    assert chat.usage.prompt_tokens == by_id.usage.input_tokens
+    assert (chat.choices[0].message.content or "") == by_id.output_text
+    # instructions are not carried over by previous_response_id
+    bare = client.responses.create(input=items, **kw)
+    assert bare.usage.input_tokens < by_items.usage.input_tokens
+
+
+def test_a_streamed_response_adds_up_to_the_unstreamed_one(client):
+    seed, _ = _called(client)
+    kw = dict(model=MODEL, input=QUESTION, tools=[TOOL], temperature=1.0, max_output_tokens=96,
+              extra_body={"seed": seed})  # fmt: skip
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    final = events[-1].response
+    assert (
+        [o.type for o in done] == [o.type for o in final.output] == [o.type for o in whole.output]
+    )
+    calls = lambda out: [(o.name, o.arguments) for o in out if o.type == "function_call"]  # noqa: E731
+    assert calls(done) == calls(final.output) == calls(whole.output) != []
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    # the stream helper of the client gets the same final response; it is stored too
+    with client.responses.stream(**{**kw, "tools": [TOOL]}) as s:
+        got = s.get_final_response()
+    assert got.output_text == whole.output_text
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=final.id, input="thanks", max_output_tokens=4
+    )
+    assert follow.usage.input_tokens > final.usage.input_tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        (dict(previous_response_id="resp_nope", input="x"), 404, "previous_response_id"),
+        (dict(input=[]), 400, "input"),
+        (
+            dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
+            400,
+            "input",
+        ),  # fmt: skip
+        (dict(input=[{"type": "file_search_call", "id": "x"}]), 400, "input"),
+        (dict(input="x", tools=[{"type": "web_search"}]), 400, "tools"),
+        (dict(input="x", tool_choice="required", tools=[TOOL]), 400, "tool_choice"),
+        (dict(input="x", text={"format": {"type": "json_object"}}), 400, "text.format"),
+        (dict(input="x", background=True), 400, "background"),
+        (dict(input="x", max_output_tokens=10**7), 400, "input"),
+        (dict(input=[{"type": "function_call", "name": "f"}]), 400, "input"),
+    ],
+)
+def test_bad_responses_requests(client, kwargs, status, param):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.responses.create(model=MODEL, **kwargs)
+    assert e.value.status_code == status
+    assert e.value.body.get("param") == param and e.value.body.get("message")
+
+
+def test_unstored_responses_cannot_be_continued(client):
+    r = client.responses.create(model=MODEL, input="1+1=", max_output_tokens=3, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, previous_response_id=r.id, input="and?")
+
+
+def responses_loop(turns: int, follow_up: str = "go on", by_id: bool = True, stream=False):
+    """``chat_loop`` written against the Responses API: each follow-up continues the last
+    response by ``previous_response_id`` (or re-sends every item)."""
+
+    def harness(row, base_url, model):
+        c = client_of(base_url)
+        items, prev = [{"role": "user", "content": row["q"]}], None
+        new = list(items)
+        for _ in range(turns):
+            kw = dict(model=model, temperature=0.3, max_output_tokens=7)
+            if stream:
+                with c.responses.stream(input=new if by_id else items, previous_response_id=prev,
+                                        **kw) as s:  # fmt: skip
+                    r = s.get_final_response()
+            else:
+                r = c.responses.create(input=new if by_id else items, previous_response_id=prev,
+                                       **kw)  # fmt: skip
+            items += [o.model_dump(exclude_none=True) for o in r.output]
+            new = [{"role": "user", "content": follow_up}]
+            items += new
+            prev = r.id if by_id else None
+        return 1.0
+
+    return harness
+
+
+@pytest.mark.parametrize("by_id, stream", [(True, False), (False, False), (True, True)])
+def test_responses_requests_are_recorded_as_the_chat_requests(inner, merge_tok, by_id, stream):
+    """A training episode driven through /responses records exactly the tokens, mask and
+    log-probs of the same conversation sent as chat requests (0 splits)."""
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=6.0)
+    runs = {}
+    for name, fn in [("responses", responses_loop(3, by_id=by_id, stream=stream)),
+                     ("chat", chat_loop(3))]:  # fmt: skip
+        runner = HarnessRunner(model, merge_tok)
+        try:
+            runs[name] = runner.run(fn, [{"q": "hi"}, {"q": "ab"}], n=2, max_completion_length=120,
+                                    temperature=1.0, seed=5, max_tokens_per_turn=12)  # fmt: skip
+        finally:
+            runner.close()
+    got, ref = runs["responses"], runs["chat"]
+    assert [r.error for r in got] == [None] * 4
+    assert harness_metrics(got)["harness/split_episodes"] == 0.0
+    eps = [r.episode for r in got]
+    assert [e.input_ids for e in eps] == [r.episode.input_ids for r in ref]
+    assert [e.loss_mask for e in eps] == [r.episode.loss_mask for r in ref]
+    assert all(e.num_turns == 3 for e in eps)
+    logp, b = full_forward_logprobs(model.eval(), eps, merge_tok.pad_token_id, 1.0)
+    torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
