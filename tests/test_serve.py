@@ -508,3 +508,20 @@ def test_concurrent_requests_share_generate_calls(server):
     assert server.engine.calls - calls0 == 1
     alone = [asyncio.run(run([i]))[0] for i in (0, 7)]
     assert alone == [together[0], together[7]]
+
+
+def test_a_prompt_is_rendered_once_for_the_requests_that_open_alike(server, monkeypatch):
+    """The G samples of a prompt open with the same request: rendered once, the same ids."""
+    from peergrade.generation import server as srv
+
+    calls = []
+    real = srv.render
+    monkeypatch.setattr(srv, "render", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q = [{"role": "user", "content": "31*47= (a question of its own)"}]
+    first = srv.render_prompt(server.engine, q, TOOLS)
+    again = srv.render_prompt(server.engine, [dict(m) for m in q], TOOLS)
+    assert first == again == real(server.engine.tokenizer, q, add_generation_prompt=True,
+                                  tools=TOOLS)  # fmt: skip
+    assert len(calls) == 1
+    other = srv.render_prompt(server.engine, [{**q[0], "content": "31*48="}], TOOLS)
+    assert len(calls) == 2 and other != first

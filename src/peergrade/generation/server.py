@@ -53,6 +53,7 @@ import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,7 @@ class Engine:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.window_s, self.max_batch = window_s, max_batch
         self.chat_template = chat_template
+        self.prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # ``render_prompt``'s
         self.eos_ids = default_eos_ids(model, tokenizer)
         cfg = model.config
         self.max_pos = int(getattr(cfg, "max_position_embeddings", None) or 10**9)
@@ -378,8 +380,17 @@ def _split_calls(items: list, max_pos: int) -> list[list]:
 
 
 def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """The prompt's token ids: the chat template's rendering of ``messages`` (and ``tools``)
+    with the generation prompt. Kept for the last 256 distinct requests (with the date: some
+    templates print it), so the G samples of a prompt, which open with the same request, are
+    rendered once."""
+    key = json.dumps([messages, tools, time.strftime("%Y-%m-%d")], sort_keys=True)
+    kept = engine.prompts.get(key)
+    if kept is not None:
+        engine.prompts.move_to_end(key)
+        return list(kept)
     try:
-        return render(
+        ids = render(
             engine.tokenizer,
             messages,
             add_generation_prompt=True,
@@ -393,6 +404,10 @@ def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None
             param="tools" if tools else "messages",
             code="template_error",
         ) from e
+    engine.prompts[key] = tuple(ids)
+    if len(engine.prompts) > 256:
+        engine.prompts.popitem(last=False)
+    return ids
 
 
 # ----------------------------------------------------------------------------- responses
