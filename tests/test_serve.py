@@ -525,3 +525,25 @@ def test_a_prompt_is_rendered_once_for_the_requests_that_open_alike(server, monk
     assert len(calls) == 1
     other = srv.render_prompt(server.engine, [{**q[0], "content": "31*48="}], TOOLS)
     assert len(calls) == 2 and other != first
+
+
+def test_a_batch_of_prompts_is_numbered_prompt_by_prompt(client):
+    """``prompt`` as a list: choice p * n + i is prompt p's i-th sample, each what the prompt
+    alone gets (greedy), with its own prompt tokens; bad members are named."""
+    prompts = ["Q:1+2\nA:", "Q:30+4\nA:", [53, 30, 23]]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    r = client.completions.create(prompt=prompts, n=2, **kw).model_dump()
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    alone = [client.completions.create(prompt=p, **kw).model_dump() for p in prompts]
+    for c in r["choices"]:
+        one = alone[c["index"] // 2]
+        assert c["text"] == one["choices"][0]["text"]
+        assert c["token_ids"] == one["choices"][0]["token_ids"]
+        assert c["prompt_token_ids"] == one["prompt_token_ids"]
+    assert r["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    chunks = list(client.completions.create(prompt=prompts[:2], stream=True, **kw))
+    assert sorted(c.choices[0].index for c in chunks) == [0, 1]
+    for bad in ([], ["ok", ""], ["ok", [1.5]], ["ok"] * 129):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=bad, max_tokens=2)
+        assert e.value.body["param"] == "prompt"

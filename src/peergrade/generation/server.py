@@ -10,7 +10,7 @@ that agents use, as vLLM speaks them:
   into ``message.tool_calls``, finish_reason ``tool_calls``), ``n``, ``temperature`` (0 =
   greedy), ``top_p``, ``top_k`` (vLLM's extra), ``max_tokens`` / ``max_completion_tokens``,
   ``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``stream`` (server-sent events);
-- ``POST /v1/completions`` for plain prompts (a string or token ids);
+- ``POST /v1/completions`` for plain prompts (a string or token ids, or a batch of them);
 - ``POST /v1/responses``: OpenAI's Responses API (``input`` items, ``instructions``,
   ``previous_response_id``, function ``tools``, ``stream``), translated to the chat request it
   means and back (``generation.responses``);
@@ -668,59 +668,74 @@ class Handler:
         """OpenAI's Responses API, answered through the chat route (``generation.responses``)."""
         return await answer(body, self.stored, self.chat)
 
+    def _prompts(self, prompt) -> list[list[int]]:
+        """``/v1/completions``' ``prompt``: a string, token ids, or a list of either (a batch)."""
+        tok = self.engine.tokenizer
+
+        def ids_of(p) -> list[int] | None:
+            if isinstance(p, str):
+                return tok.encode(p, add_special_tokens=False)
+            ok = isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tok) for t in p
+            )  # fmt: skip
+            return list(p) if ok else None
+
+        one = ids_of(prompt)
+        if one is not None:
+            batch = [one]
+        elif isinstance(prompt, list) and prompt and len(prompt) <= 128:
+            batch = [ids_of(p) for p in prompt]
+        else:
+            batch = [None]
+        for k, ids in enumerate(batch):
+            where = "'prompt'" if len(batch) == 1 else f"'prompt[{k}]'"
+            if ids is None:
+                raise APIError(
+                    f"{where} must be a non-empty string or a list of token ids in [0, "
+                    f"{len(tok)}) (or 'prompt' a list of at most 128 of them)",
+                    param="prompt",
+                )
+            if not ids:
+                raise APIError(f"{where} is empty", param="prompt")
+        return batch
+
     async def completions(self, body: dict):
         model = self.check_model(body)
         settings = parse_settings(body, chat=False)
         refuse_unsupported(settings)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompts = self._prompts(body.get("prompt"))
+        asked = settings.max_tokens if settings.max_tokens is not None else 16
+        jobs = []  # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
+        for ids in prompts:
+            jobs += self.jobs(ids, settings, self.budget(ids, asked))
         tok = self.engine.tokenizer
-        if isinstance(prompt, str):
-            prompt_ids = tok.encode(prompt, add_special_tokens=False)
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tok) for t in prompt
-            )
-        ):
-            prompt_ids = list(prompt)
-        else:
-            raise APIError(
-                "'prompt' must be a non-empty string or a list of token ids "
-                "(one prompt per request)",
-                param="prompt",
-            )
-        if not prompt_ids:
-            raise APIError("'prompt' is empty", param="prompt")
-        max_tokens = self.budget(
-            prompt_ids, settings.max_tokens if settings.max_tokens is not None else 16
-        )
-        jobs = self.jobs(prompt_ids, settings, max_tokens)
-        echo = tok.decode(prompt_ids) if body.get("echo") else ""
-        if settings.stream and not settings.logprobs:
+        echoes = [tok.decode(ids) if body.get("echo") else "" for ids in prompts]
+        if settings.stream and not settings.logprobs and len(prompts) == 1:
             return live_completion(
-                self.engine, model, settings, prompt_ids, jobs,
-                lambda i, s: completion_choice(self.engine, i, s, settings), echo,
+                self.engine, model, settings, prompts[0], jobs,
+                lambda i, s: completion_choice(self.engine, i, s, settings), echoes[0],
             )  # fmt: skip
         sampled = await self.sample(jobs)
+        choices = [
+            completion_choice(self.engine, i, s, settings, echoes[i // settings.n])
+            for i, s in enumerate(sampled)
+        ]
+        usage = usage_of([t for ids in prompts for t in ids], sampled)
         out = {
             "id": "cmpl-" + secrets.token_hex(12),
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [
-                completion_choice(self.engine, i, s, settings, echo) for i, s in enumerate(sampled)
-            ],
-            "usage": usage_of(prompt_ids, sampled),
+            "choices": choices,
+            "usage": usage,
         }
-        if settings.return_token_ids:
-            out["prompt_token_ids"] = list(prompt_ids)
-        if settings.stream:  # with logprobs: the finished completion in one chunk
-            return whole_completion(
-                out["choices"], model, out["usage"] if settings.include_usage else None
-            )
+        if settings.return_token_ids and len(prompts) == 1:
+            out["prompt_token_ids"] = list(prompts[0])
+        elif settings.return_token_ids:  # a batch: each choice its own, as vLLM returns them
+            for c in choices:
+                c["prompt_token_ids"] = list(prompts[c["index"] // settings.n])
+        if settings.stream:  # with logprobs, or a batch: each finished choice in one chunk
+            return whole_completion(choices, model, usage if settings.include_usage else None)
         return out
 
     def models(self) -> dict:
