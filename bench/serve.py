@@ -21,7 +21,8 @@ sample the same number of tokens and append the same template deltas.
   share of the 32 agents on threads of its own, so their client-side CPU (the openai client,
   httpx) is off the trainer's GIL. The pool starts during the warm-up, as a run's first step.
 
-Sides alternate A B (C) / (C) B A in one process; the table shows medians of episodes/s and the ratio,
+Sides alternate A B (C) / (C) B A in one process; the table shows medians of episodes/s and the ratio
+of the medians, then the ratio pass by pass (each pass's sides ran back to back) and its median,
 and the machine's load average. What it does not measure: GPU speed, memory, agents that take
 time between requests.
 """
@@ -155,7 +156,14 @@ def main() -> None:
             f"{ROWS * N})"
         )
     for name in [k for k in res if k != "in-process"]:
-        print(f"{name} / in-process = {med[name] / med['in-process']:.2f}x")
+        # also pass by pass: each pass's two sides ran back to back, so the load drifts less
+        # between them than across the run
+        paired = [e["s"] and i["s"] / e["s"] for e, i in zip(res[name], res["in-process"])]
+        print(
+            f"{name} / in-process = {med[name] / med['in-process']:.2f}x (ratio of medians); "
+            f"pass by pass {' '.join(f'{x:.2f}' for x in paired)}, median "
+            f"{_common.median(paired):.2f}x"
+        )
     print(
         f"({ROWS * N} episodes of {TURNS} turns, {args.threads} thread(s)); "
         f"before: {load_before}; after: {_common.load_note()}"
