@@ -210,3 +210,29 @@ def test_responses_requests_are_recorded_as_the_chat_requests(inner, merge_tok, 
     assert all(e.num_turns == 3 for e in eps)
     logp, b = full_forward_logprobs(model.eval(), eps, merge_tok.pad_token_id, 1.0)
     torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
+
+
+def test_both_ways_of_following_up_mean_the_same_chat_messages():
+    """Unit level: a follow-up by ``previous_response_id`` and the same conversation sent as
+    items translate to the same chat messages (a tool result named after its call both ways;
+    the reply's text and calls one assistant message)."""
+    from peergrade.generation.responses import Request, ResponseStore
+
+    store = ResponseStore()
+    first = Request({"model": "m", "input": "q", "tools": [TOOL]}, store)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "calculate", "arguments": '{"expression": "a*b"}'}}  # fmt: skip
+    reply = {"role": "assistant", "content": "let me", "tool_calls": [call]}
+    out = first.response(reply, "tool_calls", None)["output"]
+    first.keep(store, reply)
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    by_id = Request({"model": "m", "previous_response_id": first.rid, "input": [result]}, store)
+    by_items = Request(
+        {"model": "m", "input": [{"role": "user", "content": "q"}, *out, result]}, store
+    )
+    assert by_id.chat["messages"] == by_items.chat["messages"] == [
+        {"role": "user", "content": "q"},
+        reply,
+        {"role": "tool", "tool_call_id": "call_1", "content": "42", "name": "calculate"},
+    ]
+    assert [o["type"] for o in out] == ["message", "function_call"]

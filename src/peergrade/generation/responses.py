@@ -93,14 +93,17 @@ def _text(content: Any, where: str) -> str:
     raise APIError(f"{where}.content must be a string or a list of text parts", param="input")
 
 
-def _messages(items: Any) -> list[dict]:
-    """``input`` as chat messages (OpenAI's chat format, as a chat client sends them)."""
+def _messages(items: Any, history: list[dict]) -> list[dict]:
+    """``input`` as chat messages (OpenAI's chat format, as a chat client sends them); a tool
+    message is named after its call, found in ``input`` or the ``history`` it continues."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise APIError("'input' must be a string or a non-empty list of items", param="input")
     out: list[dict] = []
-    names: dict[str, str] = {}  # call_id -> function name
+    names = {  # call_id -> function name
+        c.get("id"): c["function"]["name"] for m in history for c in m.get("tool_calls") or []
+    }
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -194,7 +197,7 @@ class Request:
         history = []
         if body.get("previous_response_id") is not None:
             history = list(store.get(body["previous_response_id"]))
-        self.history = history + _messages(body.get("input"))
+        self.history = history + _messages(body.get("input"), history)
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise APIError("'instructions' must be a string", param="instructions")
