@@ -230,9 +230,13 @@ def test_both_ways_of_following_up_mean_the_same_chat_messages():
     by_items = Request(
         {"model": "m", "input": [{"role": "user", "content": "q"}, *out, result]}, store
     )
-    assert by_id.chat["messages"] == by_items.chat["messages"] == [
-        {"role": "user", "content": "q"},
-        reply,
-        {"role": "tool", "tool_call_id": "call_1", "content": "42", "name": "calculate"},
-    ]
+    assert (
+        by_id.chat["messages"]
+        == by_items.chat["messages"]
+        == [
+            {"role": "user", "content": "q"},
+            reply,
+            {"role": "tool", "tool_call_id": "call_1", "content": "42", "name": "calculate"},
+        ]
+    )
     assert [o["type"] for o in out] == ["message", "function_call"]
