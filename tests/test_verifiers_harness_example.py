@@ -35,8 +35,11 @@ def test_two_tiny_steps_train_through_verifiers_rollouts(tmp_path, client):
         from peergrade.model.load import resolve_model_path
 
         env["VF_TOKENIZER"] = str(resolve_model_path("bundled:tiny-calc"))
+    # one prompt of two samples a step and one held-out problem: each episode starts two Python
+    # programs (verifiers' chat loop and tool server), which is what this test's time is spent on
+    tiny = ["--rollout.prompts_per_step", "1", "--train.eval_size", "1"]
     trained = train_harness_example(
-        EXAMPLE, tmp_path, "--harness.concurrency", "4", env=env, timeout=900
+        EXAMPLE, tmp_path, "--harness.concurrency", "4", *tiny, env=env, timeout=900
     )
     for m in trained:
         assert m["harness/messages"] >= 2  # the verifiers trace's messages: prompt and reply
