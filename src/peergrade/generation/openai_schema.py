@@ -5,7 +5,8 @@ errors in OpenAI's shape.
 unless said otherwise). ``normalise_messages`` / ``check_tools`` check a chat request's
 messages and tools; ``parse_settings`` its sampling fields (``Settings``);
 ``refuse_unsupported`` refuses what the server cannot honour instead of ignoring it;
-``parse_generate`` checks vLLM's token-in ``/inference/v1/generate`` request
+``parse_prompts`` a completion's prompt(s); ``parse_generate`` checks vLLM's token-in
+``/inference/v1/generate`` request
 (``TokenRequest``: prompt token ids, sampling settings, extra stop token ids).
 
 It does not sample, render chat templates or build replies (``server``).
@@ -27,6 +28,7 @@ __all__ = [
     "check_tools",
     "normalise_messages",
     "parse_generate",
+    "parse_prompts",
     "parse_settings",
     "refuse_unsupported",
 ]
@@ -282,14 +284,18 @@ class TokenRequest:
     stop_ids: tuple[int, ...] = ()  # sampling_params.stop_token_ids: end a reply as eos does
 
 
-def _token_ids(value: Any, vocab_size: int, where: str, empty_ok: bool = False) -> list[int]:
-    if (
+def _is_token_ids(value: Any, vocab_size: int, empty_ok: bool = False) -> bool:
+    return (
         isinstance(value, list)
-        and (empty_ok or value)
+        and (empty_ok or bool(value))
         and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value
         )
-    ):
+    )
+
+
+def _token_ids(value: Any, vocab_size: int, where: str, empty_ok: bool = False) -> list[int]:
+    if _is_token_ids(value, vocab_size, empty_ok):
         return list(value)
     raise APIError(
         f"'{where}' must be a {'' if empty_ok else 'non-empty '}list of token ids in "
@@ -355,3 +361,34 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
         if k != "tool_choice" and sp.get(k) is not None and bad(sp[k])
     )
     return TokenRequest(prompt, s, tuple(sorted(set(stop_ids))))
+
+
+def parse_prompts(
+    prompt: Any, encode: Callable[[str], list[int]], vocab_size: int
+) -> list[list[int]]:
+    """``/v1/completions``' ``prompt`` as token ids: a string (``encode``d), token ids, or a
+    list of up to 128 of either (a batch)."""
+
+    def ids_of(p) -> list[int] | None:
+        if isinstance(p, str):
+            return encode(p)
+        return list(p) if _is_token_ids(p, vocab_size) else None
+
+    one = ids_of(prompt)
+    if one is not None:
+        batch = [one]
+    elif isinstance(prompt, list) and prompt and len(prompt) <= 128:
+        batch = [ids_of(p) for p in prompt]
+    else:
+        batch = [None]
+    for k, ids in enumerate(batch):
+        where = "'prompt'" if len(batch) == 1 else f"'prompt[{k}]'"
+        if ids is None:
+            raise APIError(
+                f"{where} must be a non-empty string or a list of token ids in [0, "
+                f"{vocab_size}) (or 'prompt' a list of at most 128 of them)",
+                param="prompt",
+            )
+        if not ids:
+            raise APIError(f"{where} is empty", param="prompt")
+    return batch

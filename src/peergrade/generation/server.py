@@ -71,6 +71,7 @@ from peergrade.generation.openai_schema import (
     check_tools,
     normalise_messages,
     parse_generate,
+    parse_prompts,
     parse_settings,
     refuse_unsupported,
 )
@@ -668,47 +669,17 @@ class Handler:
         """OpenAI's Responses API, answered through the chat route (``generation.responses``)."""
         return await answer(body, self.stored, self.chat)
 
-    def _prompts(self, prompt) -> list[list[int]]:
-        """``/v1/completions``' ``prompt``: a string, token ids, or a list of either (a batch)."""
-        tok = self.engine.tokenizer
-
-        def ids_of(p) -> list[int] | None:
-            if isinstance(p, str):
-                return tok.encode(p, add_special_tokens=False)
-            ok = isinstance(p, list) and p and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(tok) for t in p
-            )  # fmt: skip
-            return list(p) if ok else None
-
-        one = ids_of(prompt)
-        if one is not None:
-            batch = [one]
-        elif isinstance(prompt, list) and prompt and len(prompt) <= 128:
-            batch = [ids_of(p) for p in prompt]
-        else:
-            batch = [None]
-        for k, ids in enumerate(batch):
-            where = "'prompt'" if len(batch) == 1 else f"'prompt[{k}]'"
-            if ids is None:
-                raise APIError(
-                    f"{where} must be a non-empty string or a list of token ids in [0, "
-                    f"{len(tok)}) (or 'prompt' a list of at most 128 of them)",
-                    param="prompt",
-                )
-            if not ids:
-                raise APIError(f"{where} is empty", param="prompt")
-        return batch
-
     async def completions(self, body: dict):
         model = self.check_model(body)
         settings = parse_settings(body, chat=False)
         refuse_unsupported(settings)
-        prompts = self._prompts(body.get("prompt"))
+        tok = self.engine.tokenizer
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        prompts = parse_prompts(body.get("prompt"), encode, len(tok))
         asked = settings.max_tokens if settings.max_tokens is not None else 16
         jobs = []  # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
         for ids in prompts:
             jobs += self.jobs(ids, settings, self.budget(ids, asked))
-        tok = self.engine.tokenizer
         echoes = [tok.decode(ids) if body.get("echo") else "" for ids in prompts]
         if settings.stream and not settings.logprobs and len(prompts) == 1:
             return live_completion(
