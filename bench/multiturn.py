@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -78,9 +79,16 @@ def build():
     return TurnsOfFixedLength().eval(), tok
 
 
+def tool_result(turn: int, reply: str = "", varied: bool = False) -> str:
+    """The tool's answer after model turn ``turn``. ``varied``: padded with 0 to EVERY - 1 dots,
+    as many as a hash of the reply's text says, so the next turn (it ends at the next multiple
+    of EVERY) has a length of its own in each episode, as real turns do."""
+    return f"result {turn * 42}" + ("." * (zlib.crc32(reply.encode()) % EVERY) if varied else "")
+
+
 class Tool:
-    def __init__(self):
-        self.turns = 0
+    def __init__(self, varied: bool = False):
+        self.turns, self.varied = 0, varied
 
     def reset(self, row):
         return [{"role": "user", "content": f"What is {row['a']} * {row['b']}? Use the tool."}]
@@ -91,7 +99,8 @@ class Tool:
         self.turns += 1
         if self.turns >= TURNS:
             return Step(done=True)
-        return Step([{"role": "tool", "name": "multiply", "content": f"result {self.turns * 42}"}])
+        text = tool_result(self.turns, message.get("content") or "", self.varied)
+        return Step([{"role": "tool", "name": "multiply", "content": text}])
 
 
 def rows():

@@ -2,13 +2,20 @@
 episodes run in-process.
 
 Run from the repo root:  PYTHONPATH=src python bench/serve.py [--passes 3] [--threads 1]
-[--processes 2]
+[--processes 2] [--lengths equal|varied]
 
 Workload (bench/multiturn.py's): 8 rows x 4 episodes = 32 episodes of 4 model turns; after each
 of the first 3 turns a tool answers with a short result. A random Qwen2 (hidden 128, 4 layers,
 character vocabulary, the Qwen2.5-style tool template of peergrade.model.tiny), float32,
-temperature 1; every turn ends at the next position that is a multiple of 24, so both sides
-sample the same number of tokens and append the same template deltas.
+temperature 1; every turn ends at the next position that is a multiple of 24.
+
+- ``--lengths equal`` (default): the tool's result is the same text in every episode, so every
+  turn of every episode ends at the same step and both sides sample the same number of tokens.
+  No agent can work while another's reply is still sampled: the endpoint's worst case.
+- ``--lengths varied``: the tool's result is padded with 0-23 dots chosen by a hash of the
+  reply it answers, so from the second turn on each episode's turns end at steps of their own,
+  as real turns do. The two sides draw different tokens (their episodes' keys differ), so the
+  number of tokens sampled differs a little between them (the last column).
 
 - A, "in-process": ``peergrade.generation.episodes.run_episodes`` with a native environment:
   one batched KV cache kept across turns, all 32 episodes in lock-step.
@@ -36,7 +43,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from multiturn import EVERY, TURNS, Tool, build  # noqa: E402
+from multiturn import EVERY, TURNS, Tool, build, tool_result  # noqa: E402
 
 ROWS, N = 8, 4
 
@@ -45,12 +52,12 @@ def rows():
     return [{"a": 100 + 7 * i, "b": 30 + i} for i in range(ROWS)]
 
 
-def in_process(model, tok, seed):
+def in_process(model, tok, seed, varied=False):
     from peergrade.generation.episodes import run_episodes
 
     eps = run_episodes(
-        model, tok, rows(), lambda r: Tool(), n=N, max_completion_length=1000, temperature=1.0,
-        seed=seed,
+        model, tok, rows(), lambda r: Tool(varied), n=N, max_completion_length=1000,
+        temperature=1.0, seed=seed,
     )  # fmt: skip
     assert all(e.num_turns == TURNS for e in eps), [e.finish_reason for e in eps]
     return sum(len(e.completion_ids) for e in eps), {}
@@ -61,7 +68,7 @@ from openai import DefaultHttpxClient, OpenAI  # noqa: E402
 HTTP = DefaultHttpxClient()  # one pool for all agents (an OpenAI() without one costs ~60 ms)
 
 
-def agent(row, base_url, model):
+def agent(row, base_url, model, varied=False):
     """A chat agent on the official client: its own loop and tool, as a user writes one."""
     client = OpenAI(base_url=base_url, api_key="-", max_retries=0, http_client=HTTP)
     messages = [{"role": "user", "content": f"What is {row['a']} * {row['b']}? Use the tool."}]
@@ -69,15 +76,21 @@ def agent(row, base_url, model):
         r = client.chat.completions.create(model=model, messages=messages, max_tokens=EVERY)
         messages.append(r.choices[0].message.model_dump(exclude_none=True))
         if turn < TURNS:
-            messages.append({"role": "tool", "name": "multiply", "content": f"result {turn * 42}"})
+            text = tool_result(turn, r.choices[0].message.content or "", varied)
+            messages.append({"role": "tool", "name": "multiply", "content": text})
     return 1.0
 
 
-def endpoint(runner, seed, pool=None):
+def varied_agent(row, base_url, model):
+    """``agent`` on the ``--lengths varied`` workload."""
+    return agent(row, base_url, model, varied=True)
+
+
+def endpoint(runner, seed, pool=None, fn=agent):
     engine = runner.engine
     calls0, jobs0, busy0 = engine.calls, engine.jobs, engine.busy_s
     res = runner.run(
-        agent, rows(), n=N, max_completion_length=1000, temperature=1.0, seed=seed, pool=pool
+        fn, rows(), n=N, max_completion_length=1000, temperature=1.0, seed=seed, pool=pool
     )
     assert all(r.error is None and r.episode.num_turns == TURNS for r in res), [
         (r.error, r.episode.num_turns) for r in res
@@ -97,7 +110,16 @@ def main() -> None:
     ap.add_argument(
         "--processes", type=int, default=2, help="agents in N worker processes too (0: not)"
     )
+    ap.add_argument(
+        "--lengths",
+        choices=["equal", "varied"],
+        default="equal",
+        help="equal: every turn of every episode ends at the same step; varied: after the "
+        "first turn each episode's turns have lengths of their own (0-23 tokens apart)",
+    )
     args = ap.parse_args()
+    varied = args.lengths == "varied"
+    fn = varied_agent if varied else agent
     import torch
 
     from peergrade.envs.harness_pool import HarnessPool
@@ -107,19 +129,22 @@ def main() -> None:
     model, tok = build()
     runner = HarnessRunner(model, tok, "bench")
     pool = (
-        HarnessPool(os.path.abspath(__file__) + ":agent", args.processes)
+        HarnessPool(f"{os.path.abspath(__file__)}:{fn.__name__}", args.processes)
         if args.processes
         else None
     )
-    in_process(model, tok, 0)  # warm-up
-    endpoint(runner, 0)
+    in_process(model, tok, 0, varied)  # warm-up
+    endpoint(runner, 0, None, fn)
     if pool is not None:
-        endpoint(runner, 0, pool)
+        endpoint(runner, 0, pool, fn)
 
-    def side(fn, arg, pool=None):
+    def side(how, arg, pool=None):
         def run():
             t0 = time.perf_counter()
-            tokens, extra = fn(arg, 1, pool) if fn is endpoint else fn(model, tok, 1)
+            if how is endpoint:
+                tokens, extra = endpoint(arg, 1, pool, fn)
+            else:
+                tokens, extra = in_process(model, tok, 1, varied)
             dt = time.perf_counter() - t0
             return {"s": dt, "episodes_per_s": ROWS * N / dt, "tokens": tokens, **extra}
 
@@ -165,7 +190,8 @@ def main() -> None:
             f"{_common.median(paired):.2f}x"
         )
     print(
-        f"({ROWS * N} episodes of {TURNS} turns, {args.threads} thread(s)); "
+        f"({ROWS * N} episodes of {TURNS} turns, turn lengths {args.lengths}, "
+        f"{args.threads} thread(s)); "
         f"before: {load_before}; after: {_common.load_note()}"
     )
 

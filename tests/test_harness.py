@@ -184,6 +184,51 @@ def test_a_call_runs_only_its_own_episodes_rows(inner, merge_tok):
     torch.testing.assert_close(torch.tensor(res[1]), torch.tensor(alone[1]), atol=1e-5, rtol=0)
 
 
+def test_a_turn_that_ends_is_answered_while_longer_turns_go_on(inner, merge_tok):
+    """In one call of several episodes' turns, a turn that ends (here at a smaller budget) is
+    answered at once, while the longer turn is still sampled, so its agent can work meanwhile;
+    its follow-up, sent then, waits for the next call and still feeds only its new tokens (the
+    episode's cache was kept when the first call ended). Each reply is what its job samples
+    alone."""
+    from peergrade.generation.server import Engine, Job
+    from peergrade.generation.sessions import Sessions
+
+    engine = Engine(inner, merge_tok, "m", window_s=1.0)
+    engine.keep_sessions()
+    engine.expected = lambda: 2  # the first call waits for both episodes' turns
+    fed, at, later = [], {}, {}
+    feed = engine.sessions.eng._feed
+    engine.sessions.eng._feed = lambda pending: fed.append(pending) or feed(pending)
+    more = merge_tok(" go on")["input_ids"]
+    short = Job(merge_tok("hi")["input_ids"], 2, temperature=0.0, session="a", key=1)
+    long = Job(merge_tok("name a colour")["input_ids"], 14, temperature=0.0, session="b", key=2)
+
+    def answered(name):
+        def cb(fut):
+            at[name] = len(fed)  # forward passes made when this reply was handed over
+            if name == "short":  # its agent asks its next turn at once
+                ids = short.prompt_ids + fut.result()[0].token_ids + more
+                later["job"] = Job(ids, 3, temperature=0.0, session="a", key=1)
+                later["fut"] = engine.submit([later["job"]])
+
+        return cb
+
+    try:
+        f_short, f_long = engine.submit([short]), engine.submit([long])
+        f_short.add_done_callback(answered("short"))
+        f_long.add_done_callback(answered("long"))
+        (a,), (b,) = f_short.result(120), f_long.result(120)
+        (c,) = later["fut"].result(120)
+    finally:
+        engine.close()
+    assert len(a.token_ids) == 2 and len(b.token_ids) > 4  # the test's premise
+    assert at["short"] < at["long"] - 2  # answered while the long turn went on
+    assert [len(p) for p in fed[at["long"]]] == [1 + len(more)]  # the follow-up: kept cache
+    for job, got in ((short, a), (long, b), (later["job"], c)):
+        (alone,) = Sessions(inner, merge_tok, [merge_tok.eos_token_id], 2048).run([job])
+        assert got.token_ids == alone[0] and got.finish == alone[3]
+
+
 def test_slab_cache_of_rows_and_back():
     """kernel.slab_cache_of right-aligns rows of different lengths (an empty one too) with zero
     hole columns before them; slab_rows reads each row's real columns back unchanged."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import queue
 import secrets
@@ -101,6 +102,17 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- the engine
+
+
+def _resolve(fut: concurrent.futures.Future, result=None, error=None) -> None:
+    """Answer ``fut`` unless it already is (answered early, or cancelled by its waiter)."""
+    if fut.done():
+        return
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled meanwhile
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
 
 
 def mix_key(*parts: int) -> int:
@@ -159,6 +171,8 @@ class Engine:
     the jobs queued at that moment (after ``window_s``) into as few calls as their settings allow.
 
     ``submit(jobs)`` returns a ``concurrent.futures.Future`` of their ``Sampled`` results.
+    Training episodes' jobs (``session`` set) are answered as soon as their rows end, while the
+    call's longer rows go on, so their agents work meanwhile (other jobs: when the call ends).
     The model object is used as it is (the trainer's policy: its current weights)."""
 
     def __init__(
@@ -255,6 +269,12 @@ class Engine:
     def _run(self, batch: list[tuple[list[Job], concurrent.futures.Future]]) -> None:
         flat = [(bi, ji, job) for bi, (jobs, _) in enumerate(batch) for ji, job in enumerate(jobs)]
         results: dict[tuple[int, int], Any] = {}
+
+        def answer(bi: int) -> None:  # request ``bi``, once all its jobs have their results
+            jobs, fut = batch[bi]
+            if all((bi, ji) in results for ji in range(len(jobs))):
+                _resolve(fut, [results[(bi, ji)] for ji in range(len(jobs))])
+
         try:
             groups: dict[tuple, list] = {}
             for item in flat:
@@ -262,39 +282,48 @@ class Engine:
             for items in groups.values():
                 kept = [it for it in items if it[2].session is not None and self.sessions]
                 if kept:
-                    for (bi, ji, _), res in zip(kept, self._session_run([j for *_, j in kept])):
+
+                    def done(k: int, res: Sampled, kept=kept) -> None:
+                        # a row that ended is answered at once, while longer rows go on
+                        bi, ji, _ = kept[k]
                         results[(bi, ji)] = res
+                        answer(bi)
+
+                    self._session_run([j for *_, j in kept], done)
                     items = [it for it in items if it not in kept]
                 for part in _split_calls(items, self.max_pos):
                     for (bi, ji, _), res in zip(part, self._generate([j for _, _, j in part])):
                         results[(bi, ji)] = res
         except BaseException as e:  # every waiting request learns of it; the thread goes on
             for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+                _resolve(fut, error=e)
             return
-        for bi, (jobs, fut) in enumerate(batch):
-            fut.set_result([results[(bi, ji)] for ji in range(len(jobs))])
+        for bi in range(len(batch)):
+            answer(bi)
 
     def forget(self, session: str) -> None:
         """The episode ``session`` is over: its KV cache row can go."""
         if self.sessions:
             self.sessions.forget(session)
 
-    def _session_run(self, jobs: list[Job]) -> list[Sampled]:
+    def _session_run(self, jobs: list[Job], done: Callable[[int, Sampled], None]) -> None:
+        """Sample ``jobs`` (training episodes) on their kept caches; ``done(i, sampled)`` as
+        each job's row ends."""
         self.calls += 1
         self.jobs += len(jobs)
-        out = []
-        for j, (ids, lps, slps, finish) in zip(jobs, self.sessions.run(jobs)):
+
+        def ended(i: int, res: tuple) -> None:
+            j, (ids, lps, slps, finish) = jobs[i], res
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if finish == "stop":
                 ends = [text.find(x) + len(x) for x in j.stop if x in text]
                 text = text[: min(ends)] if ends else text
-            out.append(Sampled(ids, lps, text, finish, sampler_logprobs=slps))
-        for j, s in zip(jobs, out):
+            s = Sampled(list(ids), list(lps), text, finish, sampler_logprobs=list(slps))
             if j.top_logprobs > 0 and s.token_ids:
                 s.top = self._top_logprobs(j, s.token_ids)
-        return out
+            done(i, s)
+
+        self.sessions.run(jobs, ended)
 
     def _generate(self, jobs: list[Job]) -> list[Sampled]:
         j0 = jobs[0]

@@ -20,7 +20,9 @@ episode, a split history) starts its episode afresh. New episodes whose first pr
 (a trainer's step begins so) the cache is built as the in-process engine builds it
 (``TurnEngine._start``: each distinct prompt prefilled in one row, copied to every episode opening
 with it); beside held episodes, one new row feeds the prompt and the others are copies of it.
-``forget(session)`` drops an episode (it is over). Draws are the kernel's keyed uniforms of
+A job whose row ends is handed back at once (``run``'s ``on_done``) while longer rows are
+still sampled; its keys/values are written back when the call ends, before the next call can
+take its follow-up. ``forget(session)`` drops an episode (it is over). Draws are the kernel's keyed uniforms of
 (seed, job key, position in the turn): a job samples what ``generate`` would, and what it would
 alone, up to float rounding.
 
@@ -96,9 +98,11 @@ class Sessions:
         e.cache = e.key_ok = e.n_real = None
 
     @torch.no_grad()
-    def run(self, jobs) -> list[tuple[list[int], list[float], list[float], str]]:
+    def run(self, jobs, on_done=None) -> list[tuple[list[int], list[float], list[float], str]]:
         """(token ids, log-probs, sampler log-probs, finish: eos | stop | length) of each job
-        (one sampling setting; distinct sessions)."""
+        (one sampling setting; distinct sessions). ``on_done(i, result)``, when given, is
+        called with job ``i``'s result as soon as its row ends, while longer rows go on (its
+        agent can answer it meanwhile; its keys/values are kept when the run ends)."""
         gone, self._gone = self._gone, set()
         for s in gone:
             self.kv.pop(s, None)
@@ -147,6 +151,9 @@ class Sessions:
                         still.append(i)
                         nxt[i] = [tk]
                         seen[i].append(tk)
+                        continue
+                    if on_done is not None:
+                        on_done(i, (turns[i], logps[i], slps[i], finish[i]))
                 live = still
                 if not live:
                     break
