@@ -161,6 +161,61 @@ def test_unstored_responses_cannot_be_continued(client):
         client.responses.create(model=MODEL, previous_response_id=r.id, input="and?")
 
 
+def test_stored_responses_are_retrieved_and_deleted(client):
+    """GET /v1/responses/{id} returns a stored response as it was sent (a streamed one too);
+    DELETE forgets it: retrieving, deleting or continuing it again is a 404, as is an unstored
+    response."""
+    r = client.responses.create(model=MODEL, input="1+1=", max_output_tokens=4)
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    with client.responses.stream(model=MODEL, input="2+2=", max_output_tokens=4) as s:
+        streamed = s.get_final_response()
+    got = client.responses.retrieve(streamed.id)  # (the stream helper adds 'parsed' fields)
+    assert (got.status, got.output_text, got.usage) == (
+        streamed.status, streamed.output_text, streamed.usage
+    )  # fmt: skip
+    assert [o.id for o in got.output] == [o.id for o in streamed.output]
+    client.responses.delete(r.id)
+    for again in (
+        lambda: client.responses.retrieve(r.id),
+        lambda: client.responses.delete(r.id),
+        lambda: client.responses.create(model=MODEL, previous_response_id=r.id, input="and?"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            again()
+    assert client.responses.retrieve(streamed.id).id == streamed.id  # the other is kept
+    unstored = client.responses.create(model=MODEL, input="1+1=", max_output_tokens=3, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_an_episode_retrieves_and_deletes_its_own_responses(inner, merge_tok, client):
+    """Under an episode's base URL, its own responses are retrieved and deleted; a response
+    of the plain route is not one of them."""
+    outside = client.responses.create(model=MODEL, input="1+1=", max_output_tokens=3)
+    seen = {}
+
+    def harness(row, base_url, model):
+        c = client_of(base_url)
+        r = c.responses.create(model=model, input=row["q"], max_output_tokens=4)
+        seen["same"] = c.responses.retrieve(r.id).output_text == r.output_text
+        c.responses.delete(r.id)
+        for rid in (r.id, outside.id):
+            try:
+                c.responses.retrieve(rid)
+                seen[rid] = "found"
+            except openai.NotFoundError:
+                seen[rid] = "404"
+        return 1.0
+
+    runner = HarnessRunner(inner, merge_tok)
+    try:
+        (res,) = runner.run(harness, [{"q": "hi"}], n=1, max_completion_length=20, seed=1)
+    finally:
+        runner.close()
+    assert res.error is None and seen.pop("same") is True
+    assert set(seen.values()) == {"404"} and len(seen) == 2
+
+
 def responses_loop(turns: int, follow_up: str = "go on", by_id: bool = True, stream=False):
     """``chat_loop`` written against the Responses API: each follow-up continues the last
     response by ``previous_response_id`` (or re-sends every item)."""
@@ -224,7 +279,7 @@ def test_both_ways_of_following_up_mean_the_same_chat_messages():
             "function": {"name": "calculate", "arguments": '{"expression": "a*b"}'}}  # fmt: skip
     reply = {"role": "assistant", "content": "let me", "tool_calls": [call]}
     out = first.response(reply, "tool_calls", None)["output"]
-    first.keep(store, reply)
+    first.keep(store, reply, {})
     result = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
     by_id = Request({"model": "m", "previous_response_id": first.rid, "input": [result]}, store)
     by_items = Request(

@@ -15,7 +15,8 @@ translated back:
   never sends them); other items (images, files, built-in tool calls) are refused;
 - ``previous_response_id`` continues a stored response: its conversation (input and output)
   comes before ``input``. Responses are stored unless ``"store": false``; ``peergrade serve``
-  keeps the last 1024, a training episode all of its own;
+  keeps the last 1024, a training episode all of its own. ``GET /v1/responses/{id}`` returns a
+  stored response, ``DELETE`` forgets it (``ResponseStore``);
 - ``tools`` of type ``function``; ``tool_choice``, ``text.format`` and the rest are checked as
   the chat route checks them (what cannot be honoured is refused with a 400);
 - the reply: a ``message`` item with one ``output_text`` part (when there is text or no tool
@@ -49,18 +50,20 @@ _NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output
 
 
 class ResponseStore:
-    """Stored responses' conversations by id (the most recent ``limit``)."""
+    """Stored responses by id (the most recent ``limit``): each one's conversation (what
+    ``previous_response_id`` continues) and the response object (``GET /v1/responses/{id}``)."""
 
     def __init__(self, limit: int | None = 1024):
         self.limit = limit
-        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
 
-    def put(self, rid: str, conversation: list[dict]) -> None:
-        self._items[rid] = conversation
+    def put(self, rid: str, conversation: list[dict], response: dict) -> None:
+        self._items[rid] = (conversation, response)
         while self.limit is not None and len(self._items) > self.limit:
             self._items.popitem(last=False)
 
     def get(self, rid: Any) -> list[dict]:
+        """The conversation of ``previous_response_id`` ``rid``."""
         if not isinstance(rid, str) or rid not in self._items:
             raise APIError(
                 f"previous response with id {rid!r} not found (never stored, sent with "
@@ -69,7 +72,24 @@ class ResponseStore:
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        return self._items[rid]
+        return self._items[rid][0]
+
+    def retrieve(self, rid: str) -> dict:
+        """``GET /v1/responses/{rid}``: the stored response object."""
+        if rid not in self._items:
+            raise APIError(
+                f"response with id {rid!r} not found (never stored, sent with 'store': false, "
+                "deleted, or dropped as one of the oldest)",
+                status=404,
+                code="not_found",
+            )
+        return self._items[rid][1]
+
+    def delete(self, rid: str) -> dict:
+        """``DELETE /v1/responses/{rid}``: forget it (a later follow-up by its id is a 404)."""
+        self.retrieve(rid)
+        del self._items[rid]
+        return {"id": rid, "object": "response.deleted", "deleted": True}
 
 
 def _text(content: Any, where: str) -> str:
@@ -269,19 +289,21 @@ class Request:
             },
         }
 
-    def keep(self, store: ResponseStore, message: dict) -> None:
-        """Store the conversation so far (``previous_response_id`` continues it)."""
+    def keep(self, store: ResponseStore, message: dict, response: dict) -> dict:
+        """Store the conversation so far (``previous_response_id`` continues it) and the
+        response; returns the response."""
         if self.body.get("store", True):
             reply = {"role": "assistant", "content": message.get("content")}
             if message.get("tool_calls"):
                 reply["tool_calls"] = message["tool_calls"]
-            store.put(self.rid, self.history + [reply])
+            store.put(self.rid, self.history + [reply], response)
+        return response
 
     def from_chat(self, chat: dict, store: ResponseStore) -> dict:
         choice = chat["choices"][0]
         lps = (choice.get("logprobs") or {}).get("content")
-        self.keep(store, choice["message"])
-        return self.response(choice["message"], choice["finish_reason"], chat.get("usage"), lps)
+        response = self.response(choice["message"], choice["finish_reason"], chat.get("usage"), lps)
+        return self.keep(store, choice["message"], response)
 
     async def events(self, chunks: AsyncIterator[str], store: ResponseStore):
         """The chat stream's server-sent events as the Responses API's."""
@@ -313,10 +335,10 @@ class Request:
         for ev in out.close():
             yield ev
         message = {"role": "assistant", "content": out.content or None, "tool_calls": out.calls}
-        self.keep(store, message)
+        response = self.keep(store, message, self.response(message, finish, usage))
         # always response.completed (the response's status says incomplete), as vLLM sends
         # it: the openai client's stream helper fails without that event
-        yield out.event("response.completed", response=self.response(message, finish, usage))
+        yield out.event("response.completed", response=response)
 
 
 class _Events:

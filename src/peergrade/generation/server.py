@@ -13,7 +13,7 @@ that agents use, as vLLM speaks them:
 - ``POST /v1/completions`` for plain prompts (a string or token ids, or a batch of them);
 - ``POST /v1/responses``: OpenAI's Responses API (``input`` items, ``instructions``,
   ``previous_response_id``, function ``tools``, ``stream``), translated to the chat request it
-  means and back (``generation.responses``);
+  means and back (``generation.responses``); ``GET`` / ``DELETE /v1/responses/{id}``;
 - vLLM's ``return_token_ids: true``: ``prompt_token_ids`` and ``choices[i].token_ids``;
 - ``POST /v1/episodes/<id>/chat/completions`` (and ``.../responses``, ``.../completions``,
   ``.../models``): the same API under a base URL private to one training episode
@@ -839,6 +839,17 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
             code="unsupported",
         )
 
+    def stored(request):  # the responses store the request's route reads
+        if "eid" in request.path_params:
+            return episode_of(request).stored
+        return handler.stored
+
+    async def get_response(request):
+        return stored(request).retrieve(request.path_params["rid"])
+
+    async def delete_response(request):
+        return stored(request).delete(request.path_params["rid"])
+
     ep = "/v1/episodes/{eid}"
     routes = [
         Route("/v1/models", _route(models), methods=["GET"]),
@@ -851,6 +862,11 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         # recorder is None: episode_of refuses before these are called
         Route(f"{ep}/chat/completions", episode(recorder and recorder.chat), methods=["POST"]),
         Route(f"{ep}/responses", episode(recorder and recorder.responses), methods=["POST"]),
+        *(
+            Route(f"{at}/responses/{{rid}}", _route(fn), methods=[method])
+            for at in ("/v1", ep)
+            for fn, method in ((get_response, "GET"), (delete_response, "DELETE"))
+        ),
         # a client that drops a trailing /v1 from the base URL (vLLM's token route sits at the
         # root) cannot drop it from an episode's: that route sits under the episode's URL
         Route(
