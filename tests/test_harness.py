@@ -229,6 +229,46 @@ def test_a_turn_that_ends_is_answered_while_longer_turns_go_on(inner, merge_tok)
         assert got.token_ids == alone[0] and got.finish == alone[3]
 
 
+def test_a_call_that_fails_after_an_early_answer(inner, merge_tok):
+    """A call that fails after one of its turns was answered: the answer stands, the other
+    request gets the error, and the answered episode's follow-up (its kept cache lost with the
+    call) is sampled afresh in the next call, as it samples alone."""
+    from peergrade.generation.server import Engine, Job
+    from peergrade.generation.sessions import Sessions
+
+    engine = Engine(inner, merge_tok, "m", window_s=1.0)
+    engine.keep_sessions()
+    engine.expected = lambda: 2
+    fed = []
+    feed = engine.sessions.eng._feed
+
+    def failing(pending):
+        fed.append(pending)
+        if len(fed) == 6:  # the short turn (2 tokens) has ended by then
+            raise RuntimeError("device lost")
+        return feed(pending)
+
+    engine.sessions.eng._feed = failing
+    short = Job(merge_tok("hi")["input_ids"], 2, temperature=0.0, session="a", key=1)
+    long = Job(merge_tok("name a colour")["input_ids"], 14, temperature=0.0, session="b", key=2)
+    try:
+        f_short, f_long = engine.submit([short]), engine.submit([long])
+        (a,) = f_short.result(120)
+        with pytest.raises(RuntimeError, match="device lost"):
+            f_long.result(120)
+        engine.expected = lambda: 1
+        ids = short.prompt_ids + a.token_ids + merge_tok(" go on")["input_ids"]
+        follow = Job(ids, 4, temperature=0.0, session="a", key=1)
+        before = len(fed)
+        (c,) = engine.submit([follow]).result(120)
+    finally:
+        engine.close()
+    assert len(a.token_ids) == 2
+    assert max(map(len, fed[before])) == len(ids)  # the whole history fed again
+    (alone,) = Sessions(inner, merge_tok, [merge_tok.eos_token_id], 2048).run([follow])
+    assert c.token_ids == alone[0]
+
+
 def test_slab_cache_of_rows_and_back():
     """kernel.slab_cache_of right-aligns rows of different lengths (an empty one too) with zero
     hole columns before them; slab_rows reads each row's real columns back unchanged."""
