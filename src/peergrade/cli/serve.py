@@ -52,8 +52,8 @@ def add_parser(sub) -> None:
         "serve a model as an OpenAI-compatible endpoint (/v1/chat/completions)",
         "Serve a model over HTTP with the OpenAI API (GET /v1/models, POST /v1/chat/completions "
         "with tools, n, temperature, top_p, max_tokens, stop, seed, logprobs, stream; POST "
-        "/v1/completions; POST /v1/responses (the Responses API; GET/DELETE /v1/responses/ID); vLLM's return_token_ids and "
-        "token-in POST /inference/v1/generate; "
+        "/v1/completions; POST /v1/responses (the Responses API; GET/DELETE "
+        "/v1/responses/ID); vLLM's return_token_ids and token-in POST /inference/v1/generate; "
         "streams are sent as tokens are sampled), so any agent written against the openai "
         "client talks to it: OpenAI(base_url='http://HOST:PORT/v1', api_key='-'). Concurrent "
         "requests are batched into one sampler call. The model name clients send is --name "
