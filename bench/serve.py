@@ -30,7 +30,10 @@ temperature 1; every turn ends at the next position that is a multiple of 24.
 
 Sides alternate A B (C) / (C) B A in one process; the table shows medians of episodes/s and the ratio
 of the medians, then the ratio pass by pass (each pass's sides ran back to back) and its median,
-and the machine's load average. What it does not measure: GPU speed, memory, agents that take
+and the machine's load average. Where the endpoint's time goes: its sampling calls' seconds a
+pass, and the CPU seconds a pass of the trainer's process (sampling and the server; with
+threads, the agents too) and of the agents' worker processes (Linux's /proc), beside
+in-process's. What it does not measure: GPU speed, memory, agents that take
 time between requests.
 """
 
@@ -86,12 +89,28 @@ def varied_agent(row, base_url, model):
     return agent(row, base_url, model, varied=True)
 
 
+def cpu_s(pids) -> float | None:
+    """User + system CPU seconds these processes have used (Linux's /proc; None elsewhere)."""
+    try:
+        total = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+        return total / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def endpoint(runner, seed, pool=None, fn=agent):
     engine = runner.engine
     calls0, jobs0, busy0 = engine.calls, engine.jobs, engine.busy_s
+    pids = [w.proc.pid for w in pool.workers] if pool is not None and pool.workers else []
+    cpu0, workers0 = time.process_time(), cpu_s(pids)
     res = runner.run(
         fn, rows(), n=N, max_completion_length=1000, temperature=1.0, seed=seed, pool=pool
     )
+    workers1 = cpu_s(pids)
     assert all(r.error is None and r.episode.num_turns == TURNS for r in res), [
         (r.error, r.episode.num_turns) for r in res
     ]
@@ -100,6 +119,8 @@ def endpoint(runner, seed, pool=None, fn=agent):
         "generate calls": calls,
         "requests per call": (engine.jobs - jobs0) / max(calls, 1),
         "sampling s": engine.busy_s - busy0,
+        "trainer cpu s": time.process_time() - cpu0,  # sampling, the server (and threads' agents)
+        "workers cpu s": workers1 - workers0 if pids and None not in (workers0, workers1) else None,
     }
 
 
@@ -144,7 +165,9 @@ def main() -> None:
             if how is endpoint:
                 tokens, extra = endpoint(arg, 1, pool, fn)
             else:
+                cpu0 = time.process_time()
                 tokens, extra = in_process(model, tok, 1, varied)
+                extra = {"cpu s": time.process_time() - cpu0}
             dt = time.perf_counter() - t0
             return {"s": dt, "episodes_per_s": ROWS * N / dt, "tokens": tokens, **extra}
 
@@ -179,6 +202,17 @@ def main() -> None:
             f"call, {_common.median([r['sampling s'] for r in ep]):.2f} s sampling of "
             f"{_common.median([r['s'] for r in ep]):.2f} s (in-process: one lock-step batch of "
             f"{ROWS * N})"
+        )
+        workers = [r["workers cpu s"] for r in ep if r["workers cpu s"] is not None]
+        print(
+            f"{name}: CPU per pass (medians): the trainer's process "
+            f"{_common.median([r['trainer cpu s'] for r in ep]):.2f} s (sampling, the server"
+            + (
+                f"), the agents' worker processes {_common.median(workers):.2f} s"
+                if workers
+                else ", the agents)"
+            )
+            + f"; in-process {_common.median([r['cpu s'] for r in res['in-process']]):.2f} s"
         )
     for name in [k for k in res if k != "in-process"]:
         # also pass by pass: each pass's two sides ran back to back, so the load drifts less
