@@ -68,6 +68,7 @@ from peergrade.generation.kernel import (
     check_int,
     check_row_keys,
     check_sampling,
+    cut_after_stop,
     draw_tokens,
     eos_ids,
     eval_mode,
@@ -428,7 +429,7 @@ class TurnEngine:
                 continue
             if ended[j] == "stop":
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                text = text[: min(text.find(x) + len(x) for x in self.stop if x in text)]
+                text = cut_after_stop(text, self.stop)
             else:
                 text = self.tokenizer.decode(tokens[:-1], skip_special_tokens=True)
             asks.append((j, {"role": "assistant", "content": text}))

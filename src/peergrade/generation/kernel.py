@@ -590,6 +590,13 @@ def _check_context(prompt_ids: list[list[int]], max_new_tokens: int, max_pos: in
             )
 
 
+def cut_after_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the end of the first stop string in it (kept, as ``generate`` keeps it);
+    the whole text when none is in it."""
+    ends = [text.find(s) + len(s) for s in stop if s in text]
+    return text[: min(ends)] if ends else text
+
+
 def seed_of(seed) -> int:
     """The draws' seed: ``seed``, or one from torch's global RNG when None."""
     if seed is None:
@@ -841,9 +848,7 @@ class _Runner:
         )
         for r in range(b):
             if reason[r] == "stop":
-                ends = [texts[r].find(s) + len(s) for s in self.stop if s in texts[r]]
-                if ends:
-                    texts[r] = texts[r][: min(ends)]
+                texts[r] = cut_after_stop(texts[r], self.stop)
         return {
             "tokens": tokens_out,
             "mask": mask,

@@ -63,7 +63,7 @@ import torch
 
 from peergrade.envs.template import render
 from peergrade.envs.tools import parse_tool_calls
-from peergrade.generation.kernel import default_eos_ids, generate
+from peergrade.generation.kernel import cut_after_stop, default_eos_ids, generate
 from peergrade.generation.openai_schema import (
     APIError,
     Settings,
@@ -316,9 +316,8 @@ class Engine:
             j, (ids, lps, slps, finish) = jobs[i], res
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if finish == "stop":
-                ends = [text.find(x) + len(x) for x in j.stop if x in text]
-                text = text[: min(ends)] if ends else text
-            s = Sampled(list(ids), list(lps), text, finish, sampler_logprobs=list(slps))
+                text = cut_after_stop(text, j.stop)
+            s = Sampled(ids, lps, text, finish, sampler_logprobs=slps)
             if j.top_logprobs > 0 and s.token_ids:
                 s.top = self._top_logprobs(j, s.token_ids)
             done(i, s)

@@ -22,9 +22,9 @@ episode, a split history) starts its episode afresh. New episodes whose first pr
 with it); beside held episodes, one new row feeds the prompt and the others are copies of it.
 A job whose row ends is handed back at once (``run``'s ``on_done``) while longer rows are
 still sampled; its keys/values are written back when the call ends, before the next call can
-take its follow-up. ``forget(session)`` drops an episode (it is over). Draws are the kernel's keyed uniforms of
-(seed, job key, position in the turn): a job samples what ``generate`` would, and what it would
-alone, up to float rounding.
+take its follow-up. ``forget(session)`` drops an episode (it is over). Draws are the kernel's
+keyed uniforms of (seed, job key, position in the turn): a job samples what ``generate`` would,
+and what it would alone, up to float rounding.
 
 Each call copies its episodes' keys/values into the batched cache and back (memory traffic of
 the size of their caches); it does not bound the memory the open episodes hold. It does not
