@@ -427,6 +427,95 @@ def test_a_changed_history_splits_the_episode(inner, merge_tok):
     assert harness_metrics([r])["harness/split_episodes"] == 1.0
 
 
+def test_a_retried_request_gets_the_recorded_answer_and_does_not_split(inner, merge_tok):
+    """The openai client gives up waiting (its timeout) and sends the same request again,
+    marked as a retry: the retry waits for the first attempt, gets the answer recorded for it,
+    and nothing is sampled twice, so the episode's next request extends it (no split)."""
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    runner = HarnessRunner(model, merge_tok)
+    arrived, replies = [], []
+    one_at_a_time = runner.recorder._one_at_a_time
+
+    async def counting(rec, request, key, retry):
+        arrived.append(retry)
+        return await one_at_a_time(rec, request, key, retry)
+
+    runner.recorder._one_at_a_time = counting
+
+    def harness(row, base_url, model_name):
+        impatient = openai.OpenAI(base_url=base_url, api_key="-", max_retries=3, timeout=0.3)
+        m = [{"role": "user", "content": "q"}]
+        r = impatient.chat.completions.create(model=model_name, messages=m)
+        replies.append(r.choices[0].message.content)
+        m += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "?"}]
+        client(base_url).chat.completions.create(model=model_name, messages=m)
+        return 1
+
+    def release_after_a_retry():
+        deadline = time.monotonic() + 60
+        while len(arrived) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        runner.engine.release()
+
+    import threading
+
+    runner.engine.hold()  # the first attempt waits until the client has timed out and retried
+    threading.Thread(target=release_after_a_retry, daemon=True).start()
+    try:
+        (r,) = runner.run(
+            harness, [{"q": "q"}], n=1, max_completion_length=60, temperature=1.0,
+            max_tokens_per_turn=8,
+        )  # fmt: skip
+    finally:
+        runner.close()
+    assert arrived[:2] == [False, True]  # the premise: a timed-out request, then its retry
+    assert r.error is None and r.splits == 0 and r.retries >= 1
+    assert r.episode.num_turns == 2 and r.requests == 2  # each turn sampled once
+    first = r.episode.completion_ids[: r.episode.loss_mask.index(0)]
+    assert replies == [merge_tok.decode(first, skip_special_tokens=True)]
+    assert harness_metrics([r])["harness/retried_requests"] == r.retries
+
+
+def test_only_a_marked_retry_of_the_last_request_is_answered_again(inner, merge_tok):
+    """Sent with the openai client's retry header, the last request's exact body (a stream
+    too) gets its recorded answer; without the header, or with another body, it is a request
+    of its own (sampled: the same history again is a split)."""
+    import httpx
+
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    runner = HarnessRunner(model, merge_tok)
+    got = {}
+
+    def harness(row, base_url, model_name):
+        url = base_url + "/chat/completions"
+        body = {"model": model_name, "messages": [{"role": "user", "content": "q"}]}
+        retry = {"x-stainless-retry-count": "1"}
+        with httpx.Client(timeout=60) as h:
+            got["first"] = h.post(url, json=body).json()
+            got["again"] = h.post(url, json=body, headers=retry).json()
+            other = {**body, "max_tokens": 3}  # another body: not a retry of the last one
+            got["other"] = h.post(url, json=other, headers=retry).json()
+            streamed = {**body, "stream": True}
+            got["stream"] = h.post(url, json=streamed).text
+            got["stream_again"] = h.post(url, json=streamed, headers=retry).text
+            got["fresh"] = h.post(url, json=streamed).text  # no header: sampled again
+        return 1
+
+    try:
+        (r,) = runner.run(
+            harness, [{"q": "q"}], n=1, max_completion_length=60, temperature=1.0,
+            max_tokens_per_turn=8,
+        )  # fmt: skip
+    finally:
+        runner.close()
+    assert r.error is None and r.retries == 2 and r.requests == 4
+    assert got["again"] == got["first"] and "choices" in got["first"]
+    assert got["other"]["id"] != got["first"]["id"]
+    assert got["stream_again"] == got["stream"] and "data: [DONE]" in got["stream"]
+    assert got["fresh"] != got["stream"]
+    assert r.splits == 3  # the same history sent again as a request of its own: a split
+
+
 def test_failing_harnesses_score_zero_and_the_rest_run(inner, merge_tok):
     model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
 

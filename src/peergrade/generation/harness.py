@@ -48,6 +48,7 @@ class HarnessResult:
     kind: str | None = None  # exception | timeout | bad_return | no_request
     requests: int = 0
     splits: int = 0
+    retries: int = 0  # requests the client re-sent (after a timeout), answered again
 
 
 def _in_thread(fn: Callable, *args) -> asyncio.Future:
@@ -201,7 +202,7 @@ class HarnessRunner:
         if not ep.finish_reason:  # the harness ended the conversation itself
             ep.finish_reason = "done"
         ep.reward = reward
-        return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits)
+        return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits, rec.retries)
 
     def _empty_episode(self, row_index: int, row: dict) -> Episode:
         """The record of an episode that sampled nothing: its prompt, no completion."""
@@ -224,7 +225,8 @@ class HarnessRunner:
 
 def harness_metrics(results: Sequence[HarnessResult]) -> dict[str, float]:
     """``harness/failed`` and one rate per kind of failure, ``harness/requests_mean``,
-    ``harness/split_episodes`` (episodes whose history the client changed) and the means of
+    ``harness/split_episodes`` (episodes whose history the client changed),
+    ``harness/retried_requests`` (requests re-sent by the client, per episode) and the means of
     the harness's own numbers (``harness/<name>``)."""
     n = len(results)
     if n == 0:
@@ -233,6 +235,7 @@ def harness_metrics(results: Sequence[HarnessResult]) -> dict[str, float]:
         "harness/failed": sum(r.error is not None for r in results) / n,
         "harness/requests_mean": sum(r.requests for r in results) / n,
         "harness/split_episodes": sum(r.splits > 0 for r in results) / n,
+        "harness/retried_requests": sum(r.retries for r in results) / n,
     }
     for kind in ("exception", "timeout", "bad_return", "no_request"):
         out[f"harness/failed_{kind}"] = sum(r.kind == kind for r in results) / n

@@ -17,7 +17,13 @@ and recorded as tokens into one ``envs.Episode``, the record the in-process epis
 - a follow-up that changes the history (an edited or dropped message, a summarised context)
   cannot extend the recorded tokens: the episode is split. The new request starts a new segment
   (its messages rendered afresh as its prompt) and ``splits`` counts it; the episode handed to
-  the trainer is the last segment (earlier segments are kept in ``segments`` but not trained on).
+  the trainer is the last segment (earlier segments are kept in ``segments`` but not trained on);
+- a client that gives up waiting (its timeout) or loses the connection and sends the same
+  request again, marked as a retry (the ``openai`` client's ``x-stainless-retry-count``
+  header, which LangChain, LiteLLM, the Agents SDK and verifiers send through it), gets the
+  answer recorded for the first attempt (``retries`` counts them): sampling it again would
+  record a turn the client never saw, and split the episode at its next request. An unmarked
+  repeat is a request of its own (an agent may ask the same question again on purpose).
 
 The trainer's sampling settings win over the client's (temperature, top-p, top-k, stop, the
 seed: the draws of turn ``k`` are keyed by (seed, episode key, k)); the client's
@@ -89,11 +95,23 @@ class Recording:
     turns: int = 0  # turns sampled over all segments: the key of the next turn's draws
     requests: int = 0
     splits: int = 0
+    retries: int = 0  # requests the client re-sent, answered again (``_one_at_a_time``)
+    last: tuple | None = None  # ((route, body), answer) of the last answered request
     closed: bool = False
     lock: asyncio.Lock | None = None
     kind: str = ""  # the current segment's requests: chat (messages) | tokens (token ids)
     #: the episode's Responses API replies (``previous_response_id``), all of them
     stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None))
+
+
+async def _events(events: list[str]):
+    for e in events:
+        yield e
+
+
+def _again(answer):
+    """A recorded answer as the route returns it: the dict, or its stream's events anew."""
+    return answer if isinstance(answer, dict) else _events(answer)
 
 
 class Recorder:
@@ -134,27 +152,46 @@ class Recorder:
             )
         return rec
 
-    async def chat(self, handler: Handler, rec: Recording, body: dict):
-        return await self._one_at_a_time(rec, self._chat(handler, rec, body))
+    async def chat(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
+        """A chat request of the episode. ``retry``: the client says it re-sends a request
+        (the ``openai`` client's ``x-stainless-retry-count`` header); see ``_one_at_a_time``."""
+        call = self._chat(handler, rec, body)
+        return await self._one_at_a_time(rec, call, ("chat", body), retry)
 
-    async def generate(self, handler: Handler, rec: Recording, body: dict):
-        return await self._one_at_a_time(rec, self._generate(handler, rec, body))
+    async def generate(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
+        call = self._generate(handler, rec, body)
+        return await self._one_at_a_time(rec, call, ("generate", body), retry)
 
-    async def responses(self, handler: Handler, rec: Recording, body: dict):
+    async def responses(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
         """A Responses API request: recorded as the chat request it means."""
         chat = lambda b: self._chat(handler, rec, b)  # noqa: E731
-        return await self._one_at_a_time(rec, answer(body, rec.stored, chat))
+        call = answer(body, rec.stored, chat)
+        return await self._one_at_a_time(rec, call, ("responses", body), retry)
 
-    async def _one_at_a_time(self, rec: Recording, request):
+    async def _one_at_a_time(self, rec: Recording, request, key: tuple, retry: bool):
+        """``request`` run once the episode's earlier requests are answered (each extends the
+        last). A retry of the episode's last request (``retry`` and the same route and body:
+        the client gave up waiting, or lost the connection, and sends it again) gets the
+        answer already recorded for it, the same object or stream again, and samples
+        nothing: sampling it again would record a turn the client never saw, and split the
+        episode at its next request."""
         if rec.lock is None:
             rec.lock = asyncio.Lock()
-        async with rec.lock:  # one request of an episode at a time: each extends the last
+        async with rec.lock:
             if rec.closed:
                 request.close()
                 raise APIError(
                     f"training episode {rec.eid!r} is over", status=404, code="episode_not_found"
                 )
-            return await request
+            if retry and rec.last is not None and rec.last[0] == key:
+                request.close()
+                rec.retries += 1
+                return _again(rec.last[1])
+            result = await request
+            if not isinstance(result, dict):  # a stream: its events kept for a retry
+                result = [event async for event in result]
+            rec.last = (key, result)
+            return _again(result)
 
     async def _chat(self, handler: Handler, rec: Recording, body: dict):
         model = handler.check_model(body)

@@ -816,10 +816,11 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
             raise APIError("this server records no episodes", status=404, code="not_found")
         return recorder.get(request.path_params["eid"])
 
-    def episode(fn):  # fn(handler, recording, body)
+    def episode(fn):  # fn(handler, recording, body, retry)
         async def route(request):
             rec = episode_of(request)
-            return await fn(handler, rec, await _read_json(request))
+            retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
+            return await fn(handler, rec, await _read_json(request), retry)
 
         return _route(route)
 
