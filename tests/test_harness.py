@@ -516,6 +516,37 @@ def test_only_a_marked_retry_of_the_last_request_is_answered_again(inner, merge_
     assert r.splits == 3  # the same history sent again as a request of its own: a split
 
 
+def test_an_episode_s_reply_carries_the_top_logprobs_asked_for(inner, merge_tok):
+    """``logprobs`` / ``top_logprobs`` in an episode's request: each token's log-prob is the
+    recorded one, with the ``top_logprobs`` most likely tokens (under the trainer's
+    temperature), the sampled token's log-prob among them or below the last."""
+    got = {}
+
+    def harness(row, base_url, model_name):
+        r = client(base_url).chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "q"}], max_tokens=5,
+            logprobs=True, top_logprobs=3,
+        )  # fmt: skip
+        got["lp"] = r.choices[0].logprobs.content
+        return 1
+
+    runner = HarnessRunner(inner, merge_tok)
+    try:
+        (r,) = runner.run(harness, [{"q": "q"}], n=1, max_completion_length=60, temperature=1.0)
+    finally:
+        runner.close()
+    assert r.error is None and len(got["lp"]) == len(r.episode.completion_ids) > 0
+    for item, recorded in zip(got["lp"], r.episode.logprobs):
+        assert abs(item.logprob - recorded) < 1e-5
+        tops = [t.logprob for t in item.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        by_token = {t.token: t.logprob for t in item.top_logprobs}
+        if item.token in by_token:
+            assert abs(by_token[item.token] - item.logprob) < 1e-5
+        else:
+            assert item.logprob <= tops[-1] + 1e-5
+
+
 def test_failing_harnesses_score_zero_and_the_rest_run(inner, merge_tok):
     model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
 

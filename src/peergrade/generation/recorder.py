@@ -208,7 +208,7 @@ class Recorder:
         )
         ep = self._segment(rec, messages, tools)
         full = ep.prompt_ids + ep.completion_ids
-        sampled = await self._turn(handler, rec, asked.max_tokens)
+        sampled = await self._turn(handler, rec, asked.max_tokens, top=asked.top_logprobs)
         response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
         if sampled.token_ids:
             msg = pairs[0][1]["template"]
@@ -236,10 +236,11 @@ class Recorder:
         return token_response(req, [sampled])  # no top log-probs: the trainer's sampling
 
     async def _turn(
-        self, handler: Handler, rec: Recording, max_tokens: int | None, stop_ids=()
+        self, handler: Handler, rec: Recording, max_tokens: int | None, stop_ids=(), top: int = 0
     ) -> Sampled:
         """The next turn of the current segment within every budget (the client's
-        ``max_tokens`` can only shorten it); an empty reply once a budget is spent."""
+        ``max_tokens`` can only shorten it); an empty reply once a budget is spent. ``top``:
+        the client's ``top_logprobs`` (under the trainer's temperature)."""
         ep, s = rec.episode, rec.settings
         full = ep.prompt_ids + ep.completion_ids
         if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
@@ -255,7 +256,7 @@ class Recorder:
             ep.finish_reason = "length"
         if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
             return Sampled([], [], "", "length")
-        return await self._sample_turn(handler, rec, full, limit, max_tokens, stop_ids)
+        return await self._sample_turn(handler, rec, full, limit, max_tokens, stop_ids, top)
 
     def _token_segment(self, rec: Recording, ids: list[int]) -> Episode:
         """The segment token ids ``ids`` go on: the current one when they extend its tokens
@@ -317,6 +318,7 @@ class Recorder:
         limit: int,
         max_tokens: int | None,
         stop_ids=(),
+        top: int = 0,
     ) -> Sampled:
         """One model turn after ``full`` (at most ``limit`` tokens), appended to the episode
         (loss mask 1), and the episode ended if a budget cut it (``max_tokens``: the client's)."""
@@ -332,6 +334,7 @@ class Recorder:
             key=mix_key(s.key, rec.turns),
             session=rec.eid,
             stop_ids=tuple(stop_ids),
+            top_logprobs=top,
         )
         rec.turns += 1
         (sampled,) = await handler.sample([job])
