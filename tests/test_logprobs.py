@@ -233,3 +233,28 @@ def test_peft_model_matches_naive(tiny_qwen2, targets):
     g_n = grads(model, loss_of(lp_n, e_n, inp[2]))
     assert g_c and all("lora_" in n for n in g_c)
     assert_grads_close(g_c, g_n)
+
+
+@pytest.mark.parametrize("temperature, chunk_size, k", [(1.0, 256, 3), (0.7, 2, 1), (0.0, 3, 0)])
+def test_position_logprobs_match_the_full_logits(tiny_qwen2, temperature, chunk_size, k):
+    """``position_logprobs``: each position's token log-prob and top-k tokens from ``start``
+    on, chunked, equal those of the full logits (``temperature`` 0: untempered)."""
+    from peergrade.model.logprobs import position_logprobs
+
+    model = tiny_qwen2[0]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, model.config.vocab_size, (11,), generator=g).tolist()
+    with torch.no_grad():
+        z = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    lp = torch.log_softmax(z / (temperature or 1.0), -1)[3:]  # positions 4.. (start=4)
+    chosen, top = position_logprobs(model, ids, 4, k, temperature, chunk_size=chunk_size)
+    ref = lp.gather(1, torch.tensor(ids[4:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(chosen), ref, atol=TOL, rtol=0)
+    if k == 0:
+        assert top is None
+        return
+    v, ix = lp.topk(k, -1)
+    assert [[t for t, _ in row] for row in top] == ix.tolist()
+    torch.testing.assert_close(torch.tensor([[x for _, x in r] for r in top]), v, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="start"):
+        position_logprobs(model, ids, 0)

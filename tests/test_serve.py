@@ -396,6 +396,60 @@ def test_stop_and_completions(client, calc):
         assert s.choices[0].finish_reason == "stop"
 
 
+def _full_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 from one full forward (the reference)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, calc, max_tokens):
+    """lm-eval's log-likelihood request (``local-completions``): token-id prompts, ``echo``,
+    ``logprobs: 1``, ``max_tokens`` 1 (or 0, OpenAI's old way): the log-probs cover each
+    prompt's tokens (the first ``None``), equal to a full forward's, and the top token says
+    whether the continuation is greedy."""
+    import httpx
+
+    model, tok = calc
+    ctx = tok.encode("Q:12+34\nA:", add_special_tokens=False)
+    conts = [tok.encode(c, add_special_tokens=False) for c in ("46", "9x")]
+    body = {"model": MODEL, "prompt": [ctx + c for c in conts], "temperature": 0,
+            "max_tokens": max_tokens, "logprobs": 1, "echo": True, "seed": 1234}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    for choice, cont in zip(r["choices"], conts):
+        ids = ctx + cont
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["tokens"][: len(ids)] == [tok.decode([t]) for t in ids]
+        ref = _full_logprobs(model, ids)
+        got = torch.tensor(lp["token_logprobs"][1 : len(ids)])
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+        # lm-eval: the continuation's log-likelihood and whether greedy would have written it
+        with torch.no_grad():
+            best = model(input_ids=torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+        greedy = [tok.decode([t]) for t in best[len(ctx) - 1 :]]
+        tops = [max(t, key=t.get) for t in lp["top_logprobs"][len(ctx) : len(ids)]]
+        assert tops == greedy
+        assert choice["text"].startswith(tok.decode(ids))
+        assert (choice["text"] == tok.decode(ids)) == (max_tokens == 0)
+    assert r["usage"]["completion_tokens"] == len(conts) * max_tokens
+
+
+def test_max_tokens_0_needs_echo(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Q:1+2\nA:", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    r = client.completions.create(model=MODEL, prompt="Q:1+2\nA:", max_tokens=0, echo=True)
+    assert r.choices[0].text == "Q:1+2\nA:" and r.choices[0].logprobs is None
+    s = client.completions.create(
+        model=MODEL, prompt="Q:1+2\nA:", max_tokens=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in s if c.choices) == "Q:1+2\nA:"
+
+
 def test_max_tokens_and_length(client):
     r = client.chat.completions.create(
         model=MODEL,

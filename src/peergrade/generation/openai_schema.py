@@ -184,6 +184,7 @@ class Settings:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     return_token_ids: bool = False
+    echo: bool = False  # /v1/completions: the prompt before the text (and its log-probs)
     tool_choice: str = "auto"  # auto | none
     #: (field, why) of each field asked that this server cannot honour (a plain request is
     #: refused; a training episode ignores them: the trainer's sampling wins)
@@ -218,11 +219,12 @@ def parse_settings(body: dict, chat: bool) -> Settings:
     s = Settings()
     s.n = _number(body, "n", 1, 1, 128, integer=True)
     mt = body.get("max_completion_tokens") if chat else None
+    s.echo = not chat and bool(body.get("echo") or False)
     s.max_tokens = _number(
         body,
         "max_completion_tokens" if mt is not None else "max_tokens",
         None,
-        1,
+        0 if s.echo else 1,  # echo with nothing sampled: the prompt scored (lm-eval does it)
         None,
         integer=True,
     )

@@ -59,11 +59,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from peergrade.envs.template import render
 from peergrade.envs.tools import parse_tool_calls
-from peergrade.generation.kernel import cut_after_stop, default_eos_ids, generate
+from peergrade.generation.kernel import cut_after_stop, default_eos_ids, eval_mode, generate
 from peergrade.generation.openai_schema import (
     APIError,
     Settings,
@@ -84,6 +82,7 @@ from peergrade.generation.stream import (
     usage_of,
     whole_completion,
 )
+from peergrade.model.logprobs import position_logprobs
 
 #: re-exported: the request checks the recorder shares (``openai_schema``)
 __all__ = [
@@ -142,6 +141,8 @@ class Job:
     seed: int = 0
     key: int = 0
     top_logprobs: int = 0  # > 0: the top tokens' log-probs at every position
+    #: not None: the prompt's tokens' log-probs too (``echo``), with this many top tokens each
+    prompt_logprobs: int | None = None
     session: str | None = None  # a training episode: its KV cache row is kept (``sessions``)
     stop_ids: tuple[int, ...] = ()  # tokens that end the reply besides the model's eos
     #: called on the engine's thread with each counted token as it is sampled (a live stream)
@@ -164,6 +165,8 @@ class Sampled:
     finish: str
     top: list[list[tuple[int, float]]] | None = None
     sampler_logprobs: list[float] | None = None  # the distribution drawn from (top-k/top-p)
+    #: the prompt's tokens after the first: their log-probs and top tokens (``prompt_logprobs``)
+    prompt: tuple[list[float], list[list[tuple[int, float]]] | None] | None = None
 
 
 class Engine:
@@ -291,6 +294,9 @@ class Engine:
 
                     self._session_run([j for *_, j in kept], done)
                     items = [it for it in items if it not in kept]
+                for bi, ji, job in [it for it in items if it[2].max_tokens == 0]:
+                    results[(bi, ji)] = self._scored_only(job)  # echo: the prompt alone
+                items = [it for it in items if it[2].max_tokens > 0]
                 for part in _split_calls(items, self.max_pos):
                     for (bi, ji, _), res in zip(part, self._generate([j for _, _, j in part])):
                         results[(bi, ji)] = res
@@ -368,25 +374,36 @@ class Engine:
         for j, s in zip(jobs, out):
             if j.top_logprobs > 0 and s.token_ids:
                 s.top = self._top_logprobs(j, s.token_ids)
+            if j.prompt_logprobs is not None:
+                s.prompt = self._prompt_logprobs(j)
         return out
 
-    @torch.no_grad()
+    def _scored_only(self, job: Job) -> Sampled:
+        """A job with nothing to sample (``max_tokens`` 0, ``echo``): its prompt's scores."""
+        self.jobs += 1
+        s = Sampled([], [], "", "length", sampler_logprobs=[])
+        if job.prompt_logprobs is not None:
+            s.prompt = self._prompt_logprobs(job)
+        return s
+
     def _top_logprobs(self, job: Job, ids: list[int]) -> list[list[tuple[int, float]]]:
-        """The ``top_logprobs`` most likely tokens at each sampled position, from one forward
-        pass over prompt + completion (at the job's temperature; untempered when greedy)."""
-        dev = next(self.model.parameters()).device
-        x = torch.tensor([job.prompt_ids + ids], device=dev)
-        was = self.model.training
-        self.model.eval()
-        try:
-            logits = self.model(input_ids=x).logits[0, len(job.prompt_ids) - 1 : -1].float()
-        finally:
-            self.model.train(was)
-        if job.temperature > 0:
-            logits = logits / job.temperature
-        lp = torch.log_softmax(logits, -1)  # [C, V]
-        v, ix = lp.topk(min(job.top_logprobs, lp.shape[-1]), -1)
-        return [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
+        """The ``top_logprobs`` most likely tokens at each sampled position (at the job's
+        temperature; untempered when greedy)."""
+        with eval_mode(self.model):
+            _, top = position_logprobs(
+                self.model, job.prompt_ids + ids, len(job.prompt_ids), job.top_logprobs,
+                job.temperature,
+            )  # fmt: skip
+        return top
+
+    def _prompt_logprobs(self, job: Job) -> tuple[list[float], list | None]:
+        """The log-prob of each prompt token after the first, and its ``prompt_logprobs`` top
+        tokens, under the model's own distribution (temperature 1), as vLLM's prompt log-probs
+        and OpenAI's ``echo`` give them."""
+        if len(job.prompt_ids) < 2:
+            return [], ([] if job.prompt_logprobs else None)
+        with eval_mode(self.model):
+            return position_logprobs(self.model, job.prompt_ids, 1, job.prompt_logprobs)
 
 
 def _split_calls(items: list, max_pos: int) -> list[list]:
@@ -515,8 +532,16 @@ def _chat_logprobs(engine: Engine, s: Sampled, settings: Settings) -> list[dict]
 
 
 def completion_choice(
-    engine: Engine, index: int, s: Sampled, settings: Settings, echo_text: str = ""
+    engine: Engine,
+    index: int,
+    s: Sampled,
+    settings: Settings,
+    echo_text: str = "",
+    prompt_ids: Sequence[int] = (),
 ) -> dict:
+    """A ``/v1/completions`` choice. With ``echo`` and ``logprobs`` (``s.prompt`` scored) the
+    log-probs cover the prompt's tokens first, the first one's ``None``, as OpenAI and vLLM
+    give them (lm-eval's log-likelihood requests read them)."""
     text = _strip_stop(s.text, s.finish, settings.stop)
     choice: dict[str, Any] = {
         "index": index,
@@ -526,17 +551,24 @@ def completion_choice(
     }
     if settings.logprobs:
         tok = engine.tokenizer
-        toks = [_token_str(tok, t) for t in s.token_ids]
-        offsets, pos = [], len(echo_text)
+        name = lambda row: {_token_str(tok, a): b for a, b in row}  # noqa: E731
+        ids, lps = list(s.token_ids), list(s.logprobs)
+        top = None if s.top is None else [name(row) for row in s.top]
+        at = len(echo_text)
+        if s.prompt is not None and prompt_ids:
+            chosen, ptop = s.prompt
+            ids, lps, at = list(prompt_ids) + ids, [None, *chosen] + lps, 0
+            if settings.top_logprobs:
+                top = [None, *(name(row) for row in ptop or []), *(top or [])]
+        toks = [_token_str(tok, t) for t in ids]
+        offsets = []
         for t in toks:
-            offsets.append(pos)
-            pos += len(t)
+            offsets.append(at)
+            at += len(t)
         choice["logprobs"] = {
             "tokens": toks,
-            "token_logprobs": list(s.logprobs),
-            "top_logprobs": None
-            if s.top is None
-            else [{_token_str(tok, a): b for a, b in row} for row in s.top],
+            "token_logprobs": lps,
+            "top_logprobs": top,
             "text_offset": offsets,
         }
     if settings.return_token_ids:
@@ -708,15 +740,20 @@ class Handler:
         jobs = []  # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
         for ids in prompts:
             jobs += self.jobs(ids, settings, self.budget(ids, asked))
-        echoes = [tok.decode(ids) if body.get("echo") else "" for ids in prompts]
-        if settings.stream and not settings.logprobs and len(prompts) == 1:
+        if settings.echo and settings.logprobs:  # the prompt's tokens scored too
+            for j in jobs:
+                j.prompt_logprobs = settings.top_logprobs
+        echoes = [tok.decode(ids) if settings.echo else "" for ids in prompts]
+        if settings.stream and not settings.logprobs and len(prompts) == 1 and asked > 0:
             return live_completion(
                 self.engine, model, settings, prompts[0], jobs,
                 lambda i, s: completion_choice(self.engine, i, s, settings), echoes[0],
             )  # fmt: skip
         sampled = await self.sample(jobs)
         choices = [
-            completion_choice(self.engine, i, s, settings, echoes[i // settings.n])
+            completion_choice(
+                self.engine, i, s, settings, echoes[i // settings.n], prompts[i // settings.n]
+            )
             for i, s in enumerate(sampled)
         ]
         usage = usage_of([t for ids in prompts for t in ids], sampled)

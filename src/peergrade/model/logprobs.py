@@ -351,6 +351,43 @@ def token_logprobs(
     return logp
 
 
+@torch.no_grad()
+def position_logprobs(
+    model, ids: list[int], start: int, k: int = 0, temperature: float = 1.0, chunk_size: int = 256
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """What a serving endpoint reports about tokens it did not sample, or about their rivals:
+    for each position ``p`` in ``[start, len(ids))`` (``start >= 1``), the log-prob of
+    ``ids[p]`` given ``ids[:p]`` and, for ``k > 0``, the ``k`` most likely tokens there as
+    ``(token id, log-prob)``, best first (None for ``k == 0``). ``temperature`` > 0 divides the
+    logits; 0 leaves them as they are (greedy). One backbone pass over ``ids``; the head runs
+    over ``chunk_size`` positions at a time (never the whole ``[L, V]`` logits), except for a
+    model whose logits are post-processed after its head (``find_backbone_and_head`` refuses
+    it), whose own forward gives them. The model is used in the mode it is in."""
+    if not 1 <= start <= len(ids):
+        raise ValueError(f"position_logprobs: start must be in [1, {len(ids)}], got {start}")
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    try:
+        find_backbone_and_head(model)
+    except ValueError:  # soft-capped logits and the like: the model's own forward
+        h, head = model(input_ids=x).logits[0, start - 1 : len(ids) - 1], nn.Identity()
+    else:
+        hidden, head = _backbone_hidden(model, x, torch.ones_like(x))
+        h = hidden[0, start - 1 : len(ids) - 1]  # [P, H]: the state that predicts each position
+    targets = x[0, start:]
+    chosen: list[float] = []
+    top: list[list[tuple[int, float]]] = []
+    for s in range(0, h.shape[0], chunk_size):
+        z = head(h[s : s + chunk_size]).float()  # [c, V]
+        if temperature > 0:
+            z = z / temperature
+        lp = torch.log_softmax(z, -1)
+        chosen += lp.gather(1, targets[s : s + chunk_size, None])[:, 0].tolist()
+        if k > 0:
+            v, ix = lp.topk(min(k, lp.shape[-1]), -1)
+            top += [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
+    return chosen, (top if k > 0 else None)
+
+
 def naive_token_logprobs(
     model,
     input_ids: torch.Tensor,
