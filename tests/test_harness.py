@@ -547,6 +547,32 @@ def test_an_episode_s_reply_carries_the_top_logprobs_asked_for(inner, merge_tok)
             assert item.logprob <= tops[-1] + 1e-5
 
 
+def test_tool_choice_none_in_an_episode_renders_no_tools_as_the_plain_route(inner, merge_tok):
+    """``tool_choice: none`` with tools: the episode's prompt is rendered without them, as
+    ``/v1/chat/completions`` renders that request (the model is not offered a tool)."""
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "q"}]
+
+    def harness(row, base_url, model_name):
+        client(base_url).chat.completions.create(
+            model=model_name, messages=msgs, tools=tools, tool_choice=row["choice"], max_tokens=3
+        )
+        return 1
+
+    runner = HarnessRunner(inner, merge_tok)
+    try:
+        none, auto = runner.run(
+            harness, [{"choice": "none"}, {"choice": "auto"}], n=1, max_completion_length=20
+        )
+    finally:
+        runner.close()
+    assert none.episode.prompt_ids == render(merge_tok, msgs, add_generation_prompt=True)
+    assert auto.episode.prompt_ids == render(
+        merge_tok, msgs, add_generation_prompt=True, tools=tools
+    )
+    assert none.episode.prompt_ids != auto.episode.prompt_ids
+
+
 def test_failing_harnesses_score_zero_and_the_rest_run(inner, merge_tok):
     model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
 

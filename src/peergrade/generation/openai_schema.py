@@ -26,6 +26,7 @@ __all__ = [
     "TokenRequest",
     "canonical",
     "check_tools",
+    "offered_tools",
     "normalise_messages",
     "parse_generate",
     "parse_prompts",
@@ -166,6 +167,13 @@ def check_tools(tools: Any) -> list[dict] | None:
             "'tools' must be a list of {type: function, function: {name, ...}}", param="tools"
         )
     return tools or None
+
+
+def offered_tools(body: dict, settings: Settings) -> list[dict] | None:
+    """A chat request's ``tools`` as the template renders them: None under ``tool_choice``
+    ``none`` (as if none were offered, so the model cannot call one)."""
+    tools = check_tools(body.get("tools"))
+    return None if settings.tool_choice == "none" else tools
 
 
 @dataclass

@@ -28,11 +28,12 @@ and recorded as tokens into one ``envs.Episode``, the record the in-process epis
 The trainer's sampling settings win over the client's (temperature, top-p, top-k, stop, the
 seed: the draws of turn ``k`` are keyed by (seed, episode key, k)); the client's
 ``max_tokens`` can only shorten a turn; what a plain request would be refused for
-(``tool_choice``, penalties, ``logit_bias``, ``response_format``) is ignored. The budgets are the
-engine's: ``max_completion_length``
-tokens after the prompt, ``max_tokens_per_turn``, ``max_turns``; a request past a budget gets an
-empty reply with finish_reason ``length`` (nothing is sampled), and the episode's
-``finish_reason`` says which budget ended it, as in the engine.
+(a forced ``tool_choice``, penalties, ``logit_bias``, ``response_format``) is ignored;
+``tool_choice: none`` renders no tools, as the plain route does. The budgets are the
+engine's: ``max_completion_length`` tokens after the prompt, ``max_tokens_per_turn``,
+``max_turns``; a request past a budget gets an empty reply with finish_reason ``length``
+(nothing is sampled), and the episode's ``finish_reason`` says which budget ended it, as in
+the engine.
 
 It does not run the agent (``generation.harness``) or score anything.
 """
@@ -49,8 +50,8 @@ from peergrade.envs.template import TemplateError, turn_delta
 from peergrade.generation.openai_schema import (
     APIError,
     canonical,
-    check_tools,
     normalise_messages,
+    offered_tools,
     parse_generate,
     parse_settings,
 )
@@ -199,7 +200,7 @@ class Recorder:
         if asked.n != 1:
             raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
         messages = normalise_messages(body.get("messages"))
-        tools = check_tools(body.get("tools"))
+        tools = offered_tools(body, asked)  # tool_choice none: as the plain route renders it
         rec.requests += 1
         s = rec.settings
         # the trainer's settings win; the client keeps only what cannot change the policy's draws

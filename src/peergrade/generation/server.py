@@ -69,6 +69,7 @@ from peergrade.generation.openai_schema import (
     canonical,
     check_tools,
     normalise_messages,
+    offered_tools,
     parse_generate,
     parse_prompts,
     parse_settings,
@@ -691,9 +692,7 @@ class Handler:
         settings = parse_settings(body, chat=True)
         refuse_unsupported(settings)
         messages = normalise_messages(body.get("messages"))
-        tools = check_tools(body.get("tools"))
-        if settings.tool_choice == "none":  # as if no tools were offered
-            tools = None
+        tools = offered_tools(body, settings)
         prompt_ids = render_prompt(self.engine, messages, tools)
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
         jobs = self.jobs(prompt_ids, settings, max_tokens)
