@@ -662,3 +662,50 @@ def test_on_tokens_hands_on_exactly_the_counted_tokens(peaky_qwen2, check_every,
     lens = r.completion_mask.sum(1).long().tolist()
     assert "eos" in r.finish_reason and min(lens) < 12
     assert seen == {q: r.completion_ids[q, : lens[q]].tolist() for q in range(6)}
+
+
+@pytest.mark.parametrize("check_every, batch_size", [(1, None), (4, 3)])
+def test_budgets_end_rows_early_and_on_done_reports_each_row_once(
+    peaky_qwen2, check_every, batch_size
+):
+    """Per-prompt ``budgets``: a prompt's rows end at their budget (finish ``length``) with
+    the tokens and log-probs they draw without one (their draws are keyed, not batched);
+    ``on_done`` hands each row over once, as the returned record has it, and a row that ends
+    early is handed over while longer rows are still sampled."""
+    model, tok = peaky_qwen2
+    kw = dict(n=3, max_new_tokens=12, temperature=1.0, seed=1, check_every=check_every,
+              batch_size=batch_size)  # fmt: skip
+    free = generate(model, tok, PROMPTS[:2], **kw)
+    eos = free.completion_ids[0, 2].item()  # a token that turns up: some rows end on it
+    free = generate(model, tok, PROMPTS[:2], eos_token_ids=[eos], **kw)
+    steps, done = [0], {}
+
+    def on_tokens(seqs, tokens):
+        steps[0] += 1
+
+    def on_done(q, row):
+        assert q not in done
+        done[q] = (steps[0], row)
+
+    r = generate(model, tok, PROMPTS[:2], eos_token_ids=[eos], budgets=[4, 12],
+                 on_tokens=on_tokens, on_done=on_done, **kw)  # fmt: skip
+    lens = r.completion_mask.sum(1).long().tolist()
+    for q in range(6):
+        n_free = int(free.completion_mask[q].sum())
+        want = min(n_free, 4) if q < 3 else n_free
+        assert lens[q] == want
+        assert r.completion_ids[q, :want].tolist() == free.completion_ids[q, :want].tolist()
+        torch.testing.assert_close(r.logprobs[q, :want], free.logprobs[q, :want])
+        cut = q < 3 and n_free > 4
+        assert r.finish_reason[q] == ("length" if cut else free.finish_reason[q])
+    assert sorted(done) == list(range(6))
+    for q, (_, row) in done.items():
+        assert row["tokens"] == r.completion_ids[q, : lens[q]].tolist()
+        assert row["finish"] == r.finish_reason[q] and row["text"] == r.completion_text[q]
+        torch.testing.assert_close(torch.tensor(row["logprobs"]), r.logprobs[q, : lens[q]])
+    if batch_size is None:  # one batch: the budgeted rows leave it before the last step
+        assert steps[0] > 4 and max(done[q][0] for q in range(3)) <= 4
+    with pytest.raises(ValueError, match="budgets"):
+        generate(model, tok, PROMPTS[:2], budgets=[4], **kw)
+    with pytest.raises(ValueError, match="budgets"):
+        generate(model, tok, PROMPTS[:2], budgets=[0, 13], **kw)

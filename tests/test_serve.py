@@ -532,6 +532,39 @@ def test_template_that_cannot_render_tools(calc):
     engine.close()
 
 
+def test_a_short_request_is_answered_while_a_longer_one_of_its_call_goes_on(calc):
+    """Two plain requests in one ``generate`` call, one with a small ``max_tokens``: it is
+    answered as soon as its row ends (the row leaves the batch at its budget), while the
+    other is still sampled; each gets what it samples alone."""
+    from peergrade.generation.server import Job
+
+    model, tok = calc
+    engine = Engine(model, tok, MODEL, window_s=1.0)
+    engine.expected = lambda: 2  # the first call waits for both
+    prompt = tok.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    drawn, at = [], {}
+    short = Job(prompt, 2, temperature=1.0, key=1, stop_ids=())
+    long = Job(prompt, 40, temperature=1.0, key=2, on_token=drawn.append)
+    eos = set(engine.eos_ids)
+    try:
+        f_short, f_long = engine.submit([short]), engine.submit([long])
+        f_short.add_done_callback(lambda f: at.setdefault("short", len(drawn)))
+        (a,), (b,) = f_short.result(120), f_long.result(120)
+        alone = [engine.submit([Job(prompt, j.max_tokens, key=j.key)]).result(120)[0]
+                 for j in (short, long)]  # fmt: skip
+    finally:
+        engine.close()
+    assert engine.calls == 3  # the two requests shared the first call
+    assert len(a.token_ids) == 2 and a.finish == "length" and not eos & set(a.token_ids)
+    assert len(b.token_ids) > 4  # the premise: the long one goes on
+    assert at["short"] <= 3 < len(drawn)  # answered while the long one was sampled
+    for got, ref in zip((a, b), alone):
+        assert got.token_ids == ref.token_ids and got.finish == ref.finish
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs))
+
+
 def test_concurrent_requests_share_generate_calls(server):
     """16 concurrent clients are answered by fewer generate calls than requests, and each gets
     what it gets alone (draws keyed by its seed, not by its batch)."""

@@ -17,7 +17,9 @@ How it is fast (compared with ``model.generate``):
 - **Finished rows leave the batch.** When a sequence ends (EOS, stop string or length), its row is
   index-selected out of the running batch and the cache, so it stops costing compute. On CUDA the
   host checks for finished rows only every ``check_every`` steps (default 8) to avoid a device
-  sync per token; on CPU it checks every step (a sync is free there).
+  sync per token; on CPU it checks every step (a sync is free there). A prompt may have a
+  token budget of its own below ``max_new_tokens`` (``budgets``: an endpoint batching requests
+  of different ``max_tokens``), and ``on_done`` hands each row over at the check after its end.
 - **No per-step mask building.** Left padding is handled by a 4-D additive attention mask kept as
   one ``[B, P + max_new_tokens]`` row bias and sliced each step, plus explicit ``position_ids``
   (``cumsum(attention_mask) - 1``, as ``model.generate`` computes them). Models whose layers are
@@ -492,6 +494,8 @@ def generate(
     ignore_eos: bool = False,
     check_every: int | None = None,
     on_tokens: Callable[[list[int], list[int]], None] | None = None,
+    budgets: Sequence[int] | None = None,
+    on_done: Callable[[int, dict], None] | None = None,
 ) -> Samples:
     """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
 
@@ -518,6 +522,11 @@ def generate(
             With stop strings the check runs every step (the text must be decoded anyway).
         on_tokens: ``fn(sequences, tokens)`` after each step: the sequences (prompt ``i``'s
             sample ``j`` is ``i * n + j``) that drew a counted token, and those tokens.
+        budgets: one token limit per prompt, each in [1, max_new_tokens]: its sequences end
+            there (finish ``length``) and leave the batch, as at ``max_new_tokens``.
+        on_done: ``fn(sequence, row)`` once per sequence, at the host check after its end
+            (the last ones as the call ends): ``row`` holds its ``tokens``, ``logprobs``,
+            ``sampler_logprobs`` (lists), ``finish`` and ``text``, as the ``Samples`` has them.
     """
     cfg = model_config(model)
     n, max_new_tokens, top_k, stop = _check_settings(
@@ -530,23 +539,16 @@ def generate(
     eos_token_ids = eos_ids(model, tokenizer, eos_token_ids)
     device = next(model.parameters()).device
     num_seq = len(prompt_ids) * n
+    budgets = _check_budgets(budgets, len(prompt_ids), max_new_tokens)
     keys = check_row_keys(row_keys, len(prompt_ids))
     states = row_states(seed_of(seed), keys.to(device), n)  # [N]
     runner = _Runner.of(
-        model,
-        tokenizer,
-        cfg,
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        stop=stop,
+        model, tokenizer, cfg, n=n, max_new_tokens=max_new_tokens,
+        temperature=float(temperature), top_p=float(top_p), top_k=top_k, stop=stop,
         eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
-        ignore_eos=ignore_eos,
-        check_every=check_every,
-        on_tokens=on_tokens,
-    )
+        ignore_eos=ignore_eos, check_every=check_every, on_tokens=on_tokens, budgets=budgets,
+        on_done=on_done,
+    )  # fmt: skip
     step = batch_size or num_seq
     with eval_mode(model):
         parts = [
@@ -575,6 +577,21 @@ def _check_settings(tokenizer, n, max_new_tokens, temperature, top_p, top_k, sto
             "set tokenizer.eos_token or pass eos_token_ids"
         )
     return n, max_new_tokens, top_k, stop
+
+
+def _check_budgets(budgets, num_prompts: int, max_new_tokens: int) -> list[int] | None:
+    if budgets is None:
+        return None
+    budgets = list(budgets)
+    if len(budgets) != num_prompts or any(
+        isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 1 <= b <= max_new_tokens
+        for b in budgets
+    ):
+        raise ValueError(
+            f"generate(): budgets must be {num_prompts} ints in [1, max_new_tokens="
+            f"{max_new_tokens}], one per prompt, got {budgets!r}"
+        )
+    return [int(b) for b in budgets]
 
 
 def _check_context(prompt_ids: list[list[int]], max_new_tokens: int, max_pos: int | None) -> None:
@@ -652,6 +669,8 @@ class _Runner:
     ignore_eos: bool
     check_every: int  # host-side stop checks every this many tokens
     on_tokens: Callable[[list[int], list[int]], None] | None  # generate's streaming hook
+    budgets: list[int] | None  # per prompt: its sequences' token limit (None: max_new_tokens)
+    on_done: Callable[[int, dict], None] | None  # each sequence's result, as it ends
     fast: bool  # every layer full attention with sdpa/eager: the in-place slab cache
     cache_kw: str  # the forward's name for the KV cache argument
     bool_mask: bool  # sdpa takes a boolean attention mask
@@ -765,11 +784,10 @@ class _Runner:
         logp_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
         sampler_out = torch.zeros((b, T), dtype=torch.float32, device=dev)
         finished_at = torch.full((b,), T, dtype=torch.long, device=dev)  # T = not finished
-        reason = ["length"] * b
+        ends = _Ends(self, start, b, finished_at)
         rows = torch.arange(b, device=dev)  # local index of each running row
         u_local = uniforms(states[start:end], T)  # [b, T]
-        hist: list[list[int]] | None = [[] for _ in range(b)] if self.stop else None
-        stop_window = (max(len(s) for s in self.stop) + 8) if self.stop else 0
+        out = (tokens_out, logp_out, sampler_out, finished_at)
 
         cur = p_len  # cache length before this step's token
         for t in range(T):
@@ -782,30 +800,14 @@ class _Runner:
             if self.on_tokens is not None:  # rows not finished before this step: counted
                 counted = finished_at[rows] == T
                 self.on_tokens((rows[counted] + start).tolist(), tok[counted].tolist())
-            if not self.ignore_eos:
-                # Only the first EOS counts: between host checks a finished row keeps running.
-                fin = finished_at[rows]  # [B]
-                finished_at[rows] = torch.where(
-                    torch.isin(tok, self.eos_token_ids) & (fin == T), t, fin
-                )
-            last = t == T - 1
-            if self.stop:
-                rows_l = rows.tolist()
-                for r, tk in zip(rows_l, tok.tolist()):
-                    hist[r].append(tk)
-                fin_l = finished_at[rows].tolist()
-                tails = self.tokenizer.batch_decode(
-                    [hist[r][-stop_window:] for r in rows_l], skip_special_tokens=True
-                )
-                for r, f, tail in zip(rows_l, fin_l, tails):
-                    if f == T and any(s in tail for s in self.stop):
-                        finished_at[r] = t
-                        reason[r] = "stop"
-            if last:
+            ends.mark(t, tok, rows)
+            if t == T - 1:
                 break
             if (t + 1) % self.check_every == 0:
                 alive = finished_at[rows] == T  # [B]
                 n_alive = int(alive.sum().item())
+                if n_alive < rows.numel():
+                    ends.report(rows[~alive].tolist(), out)
                 if n_alive == 0:
                     break
                 if n_alive < rows.numel():
@@ -822,11 +824,13 @@ class _Runner:
             next_pos = next_pos + 1
             cur += 1
 
-        return self._finish(tokens_out, logp_out, sampler_out, finished_at, reason)
+        ends.report(range(b), out)  # the rows still running at the end
+        return self._finish(tokens_out, logp_out, sampler_out, finished_at, ends.finishes())
 
     def _finish(self, tokens_out, logp_out, sampler_out, finished_at, reason) -> dict:
-        """The micro-batch's result: masks up to each row's end (its first EOS or the token
-        where a stop string completed), reasons, texts cut after their stop string."""
+        """The micro-batch's result: masks up to each row's end (its first EOS, the token
+        where a stop string completed, or its budget), ``reason`` (``_Ends.finishes``), texts
+        cut after their stop string."""
         T, b = self.max_new_tokens, tokens_out.shape[0]
         dev = tokens_out.device
         length = torch.where(finished_at < T, finished_at + 1, T)  # [b]
@@ -837,11 +841,7 @@ class _Runner:
         logp_out = (logp_out * mask)[:, :c]
         sampler_out = (sampler_out * mask)[:, :c]
         mask = mask[:, :c]
-        fin_l = finished_at.tolist()
         len_l = length.tolist()
-        for r in range(b):
-            if fin_l[r] < T and reason[r] != "stop":
-                reason[r] = "eos"
         tok_lists = tokens_out.tolist()
         texts = self.tokenizer.batch_decode(
             [tok_lists[r][: len_l[r]] for r in range(b)], skip_special_tokens=True
@@ -857,3 +857,81 @@ class _Runner:
             "finish": reason,
             "text": texts,
         }
+
+
+class _Ends:
+    """How and where the rows of one micro-batch end: EOS, a stop string, a budget (``mark``,
+    every step), and ``on_done`` called once per row (``report``)."""
+
+    def __init__(self, runner: _Runner, start: int, b: int, finished_at: torch.Tensor):
+        self.r, self.start, self.finished_at = runner, start, finished_at
+        self.T = runner.max_new_tokens
+        self.reason = ["length"] * b  # "stop" where a stop string ended the row
+        self.hist = [[] for _ in range(b)] if runner.stop else None
+        self.window = (max(len(s) for s in runner.stop) + 8) if runner.stop else 0
+        self.cut = self.budget = None  # rows ended by their budget; each row's budget
+        if runner.budgets is not None:
+            per_row = [runner.budgets[(start + i) // runner.n] for i in range(b)]
+            self.budget = torch.tensor(per_row, dtype=torch.long, device=finished_at.device)
+            self.cut = torch.zeros(b, dtype=torch.bool, device=finished_at.device)
+        self.reported: set[int] = set()
+
+    def mark(self, t: int, tok: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows whose token ``t`` ends them: the first EOS, then a stop string, then the
+        budget (a row's first end counts; between host checks a finished row keeps running)."""
+        r, T, finished_at = self.r, self.T, self.finished_at
+        if not r.ignore_eos:
+            fin = finished_at[rows]  # [B]
+            finished_at[rows] = torch.where(torch.isin(tok, r.eos_token_ids) & (fin == T), t, fin)
+        if r.stop:
+            rows_l = rows.tolist()
+            for i, tk in zip(rows_l, tok.tolist()):
+                self.hist[i].append(tk)
+            fin_l = finished_at[rows].tolist()
+            tails = r.tokenizer.batch_decode(
+                [self.hist[i][-self.window :] for i in rows_l], skip_special_tokens=True
+            )
+            for i, f, tail in zip(rows_l, fin_l, tails):
+                if f == T and any(s in tail for s in r.stop):
+                    finished_at[i] = t
+                    self.reason[i] = "stop"
+        if self.budget is not None:
+            fin = finished_at[rows]
+            hit = (self.budget[rows] == t + 1) & (fin == T)
+            finished_at[rows] = torch.where(hit, t, fin)
+            self.cut[rows] |= hit
+
+    def finishes(self) -> list[str]:
+        """Each row's finish reason: ``stop``, ``eos`` (ended before ``T``, not by its
+        budget) or ``length``."""
+        fin = self.finished_at.tolist()
+        cut = self.cut.tolist() if self.cut is not None else [False] * len(fin)
+        return [
+            "stop" if why == "stop" else "eos" if f < self.T and not c else "length"
+            for why, f, c in zip(self.reason, fin, cut)
+        ]
+
+    def report(self, rows, out) -> None:
+        """``on_done`` for each of ``rows`` (local indices) not reported yet."""
+        if self.r.on_done is None:
+            return
+        tokens_out, logp_out, sampler_out, _ = out
+        new = [i for i in rows if i not in self.reported]
+        if not new:
+            return
+        self.reported.update(new)
+        finishes, fin = self.finishes(), self.finished_at.tolist()
+        for i in new:
+            n = fin[i] + 1 if fin[i] < self.T else self.T
+            ids = tokens_out[i, :n].tolist()
+            text = self.r.tokenizer.decode(ids, skip_special_tokens=True)
+            if finishes[i] == "stop":
+                text = cut_after_stop(text, self.r.stop)
+            row = {
+                "tokens": ids,
+                "logprobs": logp_out[i, :n].tolist(),
+                "sampler_logprobs": sampler_out[i, :n].tolist(),
+                "finish": finishes[i],
+                "text": text,
+            }
+            self.r.on_done(self.start + i, row)

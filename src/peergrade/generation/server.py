@@ -23,6 +23,8 @@ Requests are queued to one worker thread (``Engine``) that owns the model: it ta
 queued (after a short collection window) and answers it with as few ``kernel.generate`` calls
 as the requests' sampling settings allow (one per distinct temperature / top-p / top-k / stop /
 seed), so concurrent agents share batched forward passes instead of queueing one by one.
+Each request is answered as soon as its rows end (EOS, a stop string or its own
+``max_tokens``: a row leaves the batch there), not when the call's longest row does.
 
 Bad requests get OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) with
 HTTP 400: an unknown model, malformed messages, a chat template that fails to render them (or
@@ -174,9 +176,10 @@ class Engine:
     """The model behind the endpoint: one worker thread runs every ``generate`` call, batching
     the jobs queued at that moment (after ``window_s``) into as few calls as their settings allow.
 
-    ``submit(jobs)`` returns a ``concurrent.futures.Future`` of their ``Sampled`` results.
-    Training episodes' jobs (``session`` set) are answered as soon as their rows end, while the
-    call's longer rows go on, so their agents work meanwhile (other jobs: when the call ends).
+    ``submit(jobs)`` returns a ``concurrent.futures.Future`` of their ``Sampled`` results,
+    resolved as soon as their rows end, while the call's longer rows go on (each row to its own
+    ``max_tokens``), so a short request does not wait for a long one and a training episode's
+    agent works meanwhile.
     The model object is used as it is (the trainer's policy: its current weights)."""
 
     def __init__(
@@ -299,8 +302,13 @@ class Engine:
                     results[(bi, ji)] = self._scored_only(job)  # echo: the prompt alone
                 items = [it for it in items if it[2].max_tokens > 0]
                 for part in _split_calls(items, self.max_pos):
-                    for (bi, ji, _), res in zip(part, self._generate([j for _, _, j in part])):
+
+                    def ended(k: int, res: Sampled, part=part) -> None:
+                        bi, ji, _ = part[k]  # answered as soon as its row ends, as above
                         results[(bi, ji)] = res
+                        answer(bi)
+
+                    self._generate([j for _, _, j in part], ended)
         except BaseException as e:  # every waiting request learns of it; the thread goes on
             for _, fut in batch:
                 _resolve(fut, error=e)
@@ -331,9 +339,10 @@ class Engine:
 
         self.sessions.run(jobs, ended)
 
-    def _generate(self, jobs: list[Job]) -> list[Sampled]:
+    def _generate(self, jobs: list[Job], done: Callable[[int, Sampled], None]) -> None:
+        """Sample ``jobs`` (one settings group) in one ``generate`` call, each job to its own
+        ``max_tokens``; ``done(i, sampled)`` as each job's row ends."""
         j0 = jobs[0]
-        T = max(j.max_tokens for j in jobs)
         counts = [0] * len(jobs)
 
         def hand_on(seqs: list[int], tokens: list[int]) -> None:
@@ -342,12 +351,26 @@ class Engine:
                     counts[q] += 1
                     jobs[q].on_token(t)
 
-        ro = generate(
+        def ended(q: int, row: dict) -> None:
+            j = jobs[q]
+            s = Sampled(
+                row["tokens"], row["logprobs"], row["text"], row["finish"],
+                sampler_logprobs=row["sampler_logprobs"],
+            )  # fmt: skip
+            if j.top_logprobs > 0 and s.token_ids:
+                s.top = self._top_logprobs(j, s.token_ids)
+            if j.prompt_logprobs is not None:
+                s.prompt = self._prompt_logprobs(j)
+            done(q, s)
+
+        self.calls += 1
+        self.jobs += len(jobs)
+        generate(
             self.model,
             self.tokenizer,
             [j.prompt_ids for j in jobs],
             n=1,
-            max_new_tokens=T,
+            max_new_tokens=max(j.max_tokens for j in jobs),
             temperature=j0.temperature,
             top_p=j0.top_p,
             top_k=j0.top_k,
@@ -356,28 +379,9 @@ class Engine:
             row_keys=[j.key for j in jobs],
             eos_token_ids=sorted({*self.eos_ids, *j0.stop_ids}),
             on_tokens=hand_on if any(j.on_token is not None for j in jobs) else None,
+            budgets=[j.max_tokens for j in jobs],
+            on_done=ended,
         )
-        self.calls += 1
-        self.jobs += len(jobs)
-        out = []
-        lens = ro.completion_mask.sum(1).long().tolist()
-        for i, j in enumerate(jobs):
-            n = lens[i]
-            ids = ro.completion_ids[i, :n].tolist()
-            lp = ro.logprobs[i, :n].tolist()
-            slp = ro.sampler_logprobs[i, :n].tolist()
-            text, finish = ro.completion_text[i], ro.finish_reason[i]
-            if n > j.max_tokens:  # a shorter budget than the call's: cut it there
-                ids, lp, finish = ids[: j.max_tokens], lp[: j.max_tokens], "length"
-                slp = slp[: j.max_tokens]
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            out.append(Sampled(ids, lp, text, finish, sampler_logprobs=slp))
-        for j, s in zip(jobs, out):
-            if j.top_logprobs > 0 and s.token_ids:
-                s.top = self._top_logprobs(j, s.token_ids)
-            if j.prompt_logprobs is not None:
-                s.prompt = self._prompt_logprobs(j)
-        return out
 
     def _scored_only(self, job: Job) -> Sampled:
         """A job with nothing to sample (``max_tokens`` 0, ``echo``): its prompt's scores."""
