@@ -47,6 +47,9 @@ def by_case(row, base_url, model):
         return 1.0
     if case == "hangs":
         time.sleep(30)
+    if case == "spins":  # hangs holding a core
+        while True:
+            pass
     if case == "dies":
         one_turn(row, base_url, model)
         time.sleep(0.5)  # the others' requests are in flight when the process goes

@@ -778,6 +778,32 @@ def test_a_dying_worker_fails_its_episodes_and_is_replaced(inner, merge_tok):
     assert again[0].error is None and again[0].reward == 1.0
 
 
+def test_a_worker_left_with_only_abandoned_calls_is_replaced(inner, merge_tok):
+    """A harness that hangs holding a core (a busy loop) times out and scores 0; its thread
+    cannot be stopped, so the next run replaces the worker it spins in (the process is gone),
+    and the episodes go on in the new one."""
+    fn, HarnessPool = _by_name("by_case")
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    runner = HarnessRunner(model, merge_tok)
+    pool = HarnessPool(f"{AGENTS}:by_case", 1)
+    rows = [{"case": c, "prompt": "q"} for c in ("spins", "good")]
+    try:
+        res = runner.run(fn, rows, n=1, max_completion_length=20, timeout_s=5, pool=pool)
+        first = pool.workers[0].proc
+        assert first.is_alive()  # the spinning call still runs there
+        again = runner.run(fn, rows[1:], n=1, max_completion_length=20, pool=pool)
+        assert pool.workers[0].proc.pid != first.pid and not first.is_alive()
+        kept = pool.workers[0].proc.pid
+        later = runner.run(fn, rows[1:], n=1, max_completion_length=20, pool=pool)
+        assert pool.workers[0].proc.pid == kept  # a worker with nothing left running is kept
+    finally:
+        runner.close()
+        pool.close()
+    assert res[0].kind == "timeout" and res[0].reward == 0.0
+    assert res[1].error is None and res[1].reward == 1.0
+    assert again[0].error is None and later[0].error is None
+
+
 def test_a_worker_that_cannot_load_the_harness_says_so():
     from peergrade.envs.harness_pool import HarnessPool, WorkerStartError
 

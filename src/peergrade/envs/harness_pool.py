@@ -19,7 +19,8 @@ what the call returned, in ``HarnessRunner``'s terms:
 
 A call that overruns its timeout is abandoned in the worker (its thread cannot be stopped, as
 in-process); its late result is dropped. A dead worker is replaced at the next ``ensure()``
-(each ``HarnessRunner.run``). Workers ignore Ctrl-C (the trainer stops them: ``close()``, also
+(each ``HarnessRunner.run``), and so is a worker whose only calls left are abandoned ones (a
+harness that hangs, or spins, would otherwise hold a thread and a core for the whole run). Workers ignore Ctrl-C (the trainer stops them: ``close()``, also
 at interpreter exit) and exit on their own when the trainer's end of their pipe closes (the
 trainer killed), so none outlives it.
 
@@ -279,16 +280,25 @@ class HarnessPool:
         self.workers: list[_Worker] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._futs: dict[int, asyncio.Future] = {}  # task id -> its caller's future
         _POOLS.add(self)
 
+    def _stuck(self, w: _Worker) -> bool:
+        """Every call ``w`` still runs was abandoned (its caller gave up: a timeout), so only
+        stopping the process stops them."""
+        with w.lock:
+            futs = [self._futs.get(t) for t in w.pending]
+        return bool(futs) and all(f is not None and f.done() for f in futs)
+
     def ensure(self) -> None:
-        """Every worker started and ready (a dead one replaced)."""
+        """Every worker started and ready (a dead one replaced, and one that runs nothing but
+        abandoned calls)."""
         import multiprocessing
 
         _hook_exit()
         with self._lock:
             ctx = multiprocessing.get_context("spawn")
-            keep = [w for w in self.workers if w.alive()]
+            keep = [w for w in self.workers if w.alive() and not self._stuck(w)]
             for w in self.workers:
                 if w not in keep:
                     w.kill()
@@ -303,6 +313,7 @@ class HarnessPool:
                     w.kill()
                 raise
             self.workers = keep + fresh
+            self._futs = {t: f for t, f in self._futs.items() if not f.done()}
 
     def submit(self, row, base_url: str, model: str) -> asyncio.Future:
         """A future (of the running loop) of one harness call in the least busy worker."""
@@ -312,6 +323,7 @@ class HarnessPool:
         fut = loop.create_future()
 
         def resolve(status: str, payload) -> None:
+            self._futs.pop(tid, None)
             if fut.done():  # timed out: abandoned
                 return
             if status == "ok":
@@ -330,6 +342,7 @@ class HarnessPool:
         live = [w for w in self.workers if w.dead is None] or self.workers
         worker = min(live, key=lambda w: w.load)
         tid = next(self._ids)
+        self._futs[tid] = fut
         worker.send(tid, (tid, row, base_url, model), settle)
         return fut
 
