@@ -427,6 +427,16 @@ def test_a_changed_history_splits_the_episode(inner, merge_tok):
     assert harness_metrics([r])["harness/split_episodes"] == 1.0
 
 
+def one_episode(runner, harness, **kw):
+    """The one episode of ``harness`` on row ``{"q": "q"}`` (then the runner is closed)."""
+    kw = {"max_completion_length": 60, "temperature": 1.0, **kw}
+    try:
+        (r,) = runner.run(harness, [{"q": "q"}], n=1, **kw)
+    finally:
+        runner.close()
+    return r
+
+
 def test_a_retried_request_gets_the_recorded_answer_and_does_not_split(inner, merge_tok):
     """The openai client gives up waiting (its timeout) and sends the same request again,
     marked as a retry: the retry waits for the first attempt, gets the answer recorded for it,
@@ -461,13 +471,7 @@ def test_a_retried_request_gets_the_recorded_answer_and_does_not_split(inner, me
 
     runner.engine.hold()  # the first attempt waits until the client has timed out and retried
     threading.Thread(target=release_after_a_retry, daemon=True).start()
-    try:
-        (r,) = runner.run(
-            harness, [{"q": "q"}], n=1, max_completion_length=60, temperature=1.0,
-            max_tokens_per_turn=8,
-        )  # fmt: skip
-    finally:
-        runner.close()
+    r = one_episode(runner, harness, max_tokens_per_turn=8)
     assert arrived[:2] == [False, True]  # the premise: a timed-out request, then its retry
     assert r.error is None and r.splits == 0 and r.retries >= 1
     assert r.episode.num_turns == 2 and r.requests == 2  # each turn sampled once
@@ -501,13 +505,7 @@ def test_only_a_marked_retry_of_the_last_request_is_answered_again(inner, merge_
             got["fresh"] = h.post(url, json=streamed).text  # no header: sampled again
         return 1
 
-    try:
-        (r,) = runner.run(
-            harness, [{"q": "q"}], n=1, max_completion_length=60, temperature=1.0,
-            max_tokens_per_turn=8,
-        )  # fmt: skip
-    finally:
-        runner.close()
+    r = one_episode(runner, harness, max_tokens_per_turn=8)
     assert r.error is None and r.retries == 2 and r.requests == 4
     assert got["again"] == got["first"] and "choices" in got["first"]
     assert got["other"]["id"] != got["first"]["id"]
@@ -530,11 +528,7 @@ def test_an_episode_s_reply_carries_the_top_logprobs_asked_for(inner, merge_tok)
         got["lp"] = r.choices[0].logprobs.content
         return 1
 
-    runner = HarnessRunner(inner, merge_tok)
-    try:
-        (r,) = runner.run(harness, [{"q": "q"}], n=1, max_completion_length=60, temperature=1.0)
-    finally:
-        runner.close()
+    r = one_episode(HarnessRunner(inner, merge_tok), harness)
     assert r.error is None and len(got["lp"]) == len(r.episode.completion_ids) > 0
     for item, recorded in zip(got["lp"], r.episode.logprobs):
         assert abs(item.logprob - recorded) < 1e-5
