@@ -672,6 +672,32 @@ def test_grpo_trainer_takes_a_harness(tmp_path):
     assert m["harness/failed"] == 0.0 and "harness/answer_len" in m
 
 
+def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path):
+    """``peergrade eval --model RUN`` of a run trained through a harness evaluates with the
+    harness, as the run's held-out table did, so the numbers are the table's (it used to score
+    the model's plain replies); ``--harness.fn null`` evaluates the model alone."""
+    from pathlib import Path
+
+    from peergrade.config import load_config
+    from peergrade.evaluation import run_eval_command
+    from peergrade.training.trainer import train
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "openai_agent" / "config.yaml"
+    small = [("train.steps", 1), ("train.eval_size", 6), ("train.eval_samples", 2),
+             ("rollout.prompts_per_step", 2), ("rollout.group_size", 2),
+             ("harness.processes", 0), ("harness.concurrency", None)]  # fmt: skip
+    cfg = load_config(str(example), small)
+    summary = train(cfg, tmp_path / "run")
+    run = str(tmp_path / "run")
+    out = run_eval_command(model=run, overrides=[("harness.processes", 0)])
+    assert out["harness"] == cfg.harness.fn
+    after = summary["eval_after"]
+    for key in ("pass@1_greedy", "pass@1_sampled", "tool_call_rate", "tool_call_rate_sampled"):
+        assert out[key] == after[key], key
+    alone = run_eval_command(model=run, overrides=[("harness.fn", None)])
+    assert "harness" not in alone and "tool_call_rate" not in alone  # plain replies
+
+
 # ------------------------------------------------------------------ harness.processes: workers
 
 AGENTS = "tests/harness_agents.py"  # what the workers load by name (no torch, no pytest)

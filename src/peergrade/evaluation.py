@@ -48,6 +48,7 @@ Prompts are encoded by ``tasks.prompts.encode_prompts`` and reward columns built
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ from peergrade import distributed as dist
 from peergrade import generation
 from peergrade.config import Config
 from peergrade.errors import InputError, user_input
+from peergrade.files import PYTHON_ONLY
 from peergrade.generation import SamplerSettings
 from peergrade.rewards import (
     RewardSpec,
@@ -378,21 +380,19 @@ def run_eval_command(
     the_task, rows, acc, why, make_env = _eval_rows(
         cfg, data, few_shot, few_shot_answer, reward_options
     )
+    agent = _eval_harness(cfg)  # before the model loads: a harness that cannot load says so
     tok = load_tokenizer(path)
     dev = resolve_device(device)
     net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
-    ids = [] if make_env is not None else encode_rows(cfg, the_task, tok, rows)
-    result = evaluate_config(
-        cfg,
-        net,
-        tok,
-        rows,
-        ids,
-        acc,
-        curve=curve,
-        keep_completions=samples is not None,
-        make_env=make_env,
-    )
+    episodes = make_env is not None or agent is not None
+    ids = [] if episodes else encode_rows(cfg, the_task, tok, rows)
+    with _harness_episodes(cfg, agent, net, tok) as episode_fn:
+        result = evaluate_config(
+            cfg, net, tok, rows, ids, acc, curve=curve, keep_completions=samples is not None,
+            make_env=make_env, episode_fn=episode_fn,
+        )  # fmt: skip
+    if agent is not None:
+        result["harness"] = cfg.harness.fn
     if samples is not None:  # one JSON line per problem; never half a file under the name
         import json
 
@@ -401,6 +401,49 @@ def run_eval_command(
     return _labelled(result, cfg, model, acc.name, why, run_config, few_shot, reward_options) | (
         {"checkpoint": path} if path != given else {}
     )
+
+
+def _eval_harness(cfg: Config):
+    """The run's harness (``harness.fn``), which its held-out table ran: ``peergrade eval``
+    runs it too, so the numbers match (None: the run had none)."""
+    from peergrade.training import harness
+
+    spec = cfg.harness.fn
+    if spec is None:
+        return None
+    if spec.startswith(PYTHON_ONLY):
+        raise InputError(
+            f"eval: this run trained through a harness given from Python "
+            f"({spec[len(PYTHON_ONLY) :]}), which cannot be loaded by name here; name it: "
+            "--harness.fn path/to/file.py:fn (or --harness.fn null to evaluate the model alone)"
+        )
+    with user_input("harness"):
+        return harness.load(cfg)
+
+
+@contextlib.contextmanager
+def _harness_episodes(cfg: Config, agent, model, tokenizer):
+    """The evaluation's episodes through ``agent`` against ``model`` served on a local port
+    (``training.harness.episode_fn``, as the trainer's held-out table runs them); None
+    without one. The endpoint and any worker processes stop at the end."""
+    if agent is None:
+        yield None
+        return
+    from types import SimpleNamespace
+
+    from peergrade.generation.harness import HarnessRunner
+    from peergrade.training import harness
+
+    h = cfg.harness
+    pool = harness.pool_of(h.fn, h.processes, agent)
+    runner = HarnessRunner(model, tokenizer, h.model_name)
+    run = SimpleNamespace(cfg=cfg, harness=agent, harness_runner=runner, harness_pool=pool)
+    try:
+        yield harness.episode_fn(run)
+    finally:
+        runner.close()
+        if pool is not None:
+            pool.close()
 
 
 def _labelled(result, cfg, model, scorer, why, run_config, few_shot, reward_options) -> dict:
@@ -500,8 +543,10 @@ def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_op
         mix = make_reward_specs(items)
     with user_input("reward"):  # a wrong option name fails here, before the model loads
         acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
-    check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if make_env else ())
-    if make_env is not None:
+    # an env's or a harness's run: its answers are episodes, which start from messages
+    episodes = make_env is not None or cfg.harness.fn is not None
+    check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if episodes else ())
+    if episodes:
         rows = episode_rows(cfg, the_task, rows)
     return the_task, rows, acc, why, make_env
 

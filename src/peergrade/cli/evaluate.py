@@ -49,6 +49,8 @@ def run(args, extra) -> int:
             f"scorer: {result['scorer']} ({result['scorer_chosen_by']})   "
             f"seed: {result['seed']}{config}"
         )
+        if "harness" in result:
+            print(f"answers: episodes of the run's harness {result['harness']} (harness.fn)")
         for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
             if key in result:
                 print(f"  {key:<20} {result[key]:.3f}")
@@ -70,9 +72,11 @@ def add_parser(sub) -> None:
         "prompt plus whatever the reward reads, e.g. answer). A run directory (or one of its "
         "checkpoints) is evaluated with its run's config.yaml (or --config FILE): the same task, "
         "prompts (data.system_prompt, data.use_chat_template), sampling settings "
-        "(rollout.temperature, top_p, stop, max_completion_length), scorer (train.eval_reward) "
-        "and seed as the run's held-out table, so the numbers match it. The flags below change "
-        "one setting each; any config key can be given as --section.key value and wins over both.",
+        "(rollout.temperature, top_p, stop, max_completion_length), scorer (train.eval_reward), "
+        "seed, and environment (env:) or agent (harness.fn: it runs against the model served on "
+        "a local port) as the run's held-out table, so the numbers match it. The flags below "
+        "change one setting each; any config key can be given as --section.key value and wins "
+        "over both (--harness.fn null: the model alone).",
         epilog="examples:\n"
         "  peergrade eval --model runs/X                 # as the run's own held-out table\n"
         "  peergrade eval --model runs/X --n 500 --k 16  # more problems and samples\n"
