@@ -808,7 +808,8 @@ def test_a_worker_left_with_only_abandoned_calls_is_replaced(inner, merge_tok):
     pool = HarnessPool(f"{AGENTS}:by_case", 1)
     rows = [{"case": c, "prompt": "q"} for c in ("spins", "good")]
     try:
-        res = runner.run(fn, rows, n=1, max_completion_length=20, timeout_s=5, pool=pool)
+        # alone: an episode beside it in that worker would share its GIL with the spinning loop
+        res = runner.run(fn, rows[:1], n=1, max_completion_length=20, timeout_s=2, pool=pool)
         first = pool.workers[0].proc
         assert first.is_alive()  # the spinning call still runs there
         again = runner.run(fn, rows[1:], n=1, max_completion_length=20, pool=pool)
@@ -820,8 +821,7 @@ def test_a_worker_left_with_only_abandoned_calls_is_replaced(inner, merge_tok):
         runner.close()
         pool.close()
     assert res[0].kind == "timeout" and res[0].reward == 0.0
-    assert res[1].error is None and res[1].reward == 1.0
-    assert again[0].error is None and later[0].error is None
+    assert again[0].error is None and again[0].reward == 1.0 and later[0].error is None
 
 
 def test_a_worker_that_cannot_load_the_harness_says_so():
