@@ -453,7 +453,7 @@ def test_a_retried_request_gets_the_recorded_answer_and_does_not_split(inner, me
     runner.recorder._one_at_a_time = counting
 
     def harness(row, base_url, model_name):
-        impatient = openai.OpenAI(base_url=base_url, api_key="-", max_retries=3, timeout=0.3)
+        impatient = openai.OpenAI(base_url=base_url, api_key="-", max_retries=5, timeout=1.0)
         m = [{"role": "user", "content": "q"}]
         r = impatient.chat.completions.create(model=model_name, messages=m)
         replies.append(r.choices[0].message.content)
