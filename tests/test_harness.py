@@ -672,7 +672,7 @@ def test_grpo_trainer_takes_a_harness(tmp_path):
     assert m["harness/failed"] == 0.0 and "harness/answer_len" in m
 
 
-def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path):
+def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path, capsys):
     """``peergrade eval --model RUN`` of a run trained through a harness evaluates with the
     harness, as the run's held-out table did, so the numbers are the table's (it used to score
     the model's plain replies); ``--harness.fn null`` evaluates the model alone."""
@@ -696,6 +696,13 @@ def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path):
         assert out[key] == after[key], key
     alone = run_eval_command(model=run, overrides=[("harness.fn", None)])
     assert "harness" not in alone and "tool_call_rate" not in alone  # plain replies
+    from peergrade.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", "--model", run, "--harness.processes", "0"]) == 0
+    text = capsys.readouterr().out
+    assert f"answers: episodes of the harness {cfg.harness.fn} (harness.fn)" in text
+    assert f"pass@1_greedy        {after['pass@1_greedy']:.3f}" in text
 
 
 # ------------------------------------------------------------------ harness.processes: workers

@@ -50,7 +50,7 @@ def run(args, extra) -> int:
             f"seed: {result['seed']}{config}"
         )
         if "harness" in result:
-            print(f"answers: episodes of the run's harness {result['harness']} (harness.fn)")
+            print(f"answers: episodes of the harness {result['harness']} (harness.fn)")
         for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
             if key in result:
                 print(f"  {key:<20} {result[key]:.3f}")
