@@ -332,10 +332,7 @@ class Engine:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if finish == "stop":
                 text = cut_after_stop(text, j.stop)
-            s = Sampled(ids, lps, text, finish, sampler_logprobs=slps)
-            if j.top_logprobs > 0 and s.token_ids:
-                s.top = self._top_logprobs(j, s.token_ids)
-            done(i, s)
+            done(i, self._sampled(j, ids, lps, slps, text, finish))
 
         self.sessions.run(jobs, ended)
 
@@ -343,25 +340,15 @@ class Engine:
         """Sample ``jobs`` (one settings group) in one ``generate`` call, each job to its own
         ``max_tokens``; ``done(i, sampled)`` as each job's row ends."""
         j0 = jobs[0]
-        counts = [0] * len(jobs)
 
         def hand_on(seqs: list[int], tokens: list[int]) -> None:
-            for q, t in zip(seqs, tokens):
-                if jobs[q].on_token is not None and counts[q] < jobs[q].max_tokens:
-                    counts[q] += 1
+            for q, t in zip(seqs, tokens):  # counted tokens only: none past a row's budget
+                if jobs[q].on_token is not None:
                     jobs[q].on_token(t)
 
         def ended(q: int, row: dict) -> None:
-            j = jobs[q]
-            s = Sampled(
-                row["tokens"], row["logprobs"], row["text"], row["finish"],
-                sampler_logprobs=row["sampler_logprobs"],
-            )  # fmt: skip
-            if j.top_logprobs > 0 and s.token_ids:
-                s.top = self._top_logprobs(j, s.token_ids)
-            if j.prompt_logprobs is not None:
-                s.prompt = self._prompt_logprobs(j)
-            done(q, s)
+            done(q, self._sampled(jobs[q], row["tokens"], row["logprobs"],
+                                  row["sampler_logprobs"], row["text"], row["finish"]))  # fmt: skip
 
         self.calls += 1
         self.jobs += len(jobs)
@@ -386,7 +373,13 @@ class Engine:
     def _scored_only(self, job: Job) -> Sampled:
         """A job with nothing to sample (``max_tokens`` 0, ``echo``): its prompt's scores."""
         self.jobs += 1
-        s = Sampled([], [], "", "length", sampler_logprobs=[])
+        return self._sampled(job, [], [], [], "", "length")
+
+    def _sampled(self, job: Job, ids, lps, slps, text: str, finish: str) -> Sampled:
+        """A finished job's ``Sampled``, with the top and prompt log-probs it asked for."""
+        s = Sampled(ids, lps, text, finish, sampler_logprobs=slps)
+        if job.top_logprobs > 0 and ids:
+            s.top = self._top_logprobs(job, ids)
         if job.prompt_logprobs is not None:
             s.prompt = self._prompt_logprobs(job)
         return s
