@@ -541,6 +541,40 @@ def test_an_episode_s_reply_carries_the_top_logprobs_asked_for(inner, merge_tok)
             assert item.logprob <= tops[-1] + 1e-5
 
 
+def test_an_episode_s_prompt_logprobs_score_its_recorded_tokens(inner, merge_tok):
+    """vLLM's ``prompt_logprobs`` in an episode's second chat request: the
+    episode's tokens so far (the first prompt, the sampled turn as sampled, the template
+    delta), each with its log-prob under the model, as one full forward gives them."""
+    got = {}
+
+    def harness(row, base_url, model_name):
+        c = client(base_url)
+        msgs = [{"role": "user", "content": "q"}]
+        r = c.chat.completions.create(model=model_name, messages=msgs, max_tokens=5)
+        msgs += [
+            r.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "ab"},
+        ]
+        got["chat"] = c.chat.completions.create(
+            model=model_name, messages=msgs, max_tokens=3,
+            extra_body={"prompt_logprobs": 1, "return_token_ids": True},
+        ).model_dump()  # fmt: skip
+        return 1
+
+    r = one_episode(HarnessRunner(inner, merge_tok), harness)
+    assert r.error is None and r.splits == 0
+    ep, reply = r.episode, got["chat"]
+    seq = reply["prompt_token_ids"]
+    assert seq == (ep.prompt_ids + ep.completion_ids)[: len(seq)]  # the recorded tokens
+    with torch.no_grad():
+        lp = torch.log_softmax(inner(input_ids=torch.tensor([seq])).logits[0, :-1].float(), -1)
+    scored = reply["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(seq)
+    for p, (d, t) in enumerate(zip(scored[1:], seq[1:])):
+        assert abs(d[str(t)]["logprob"] - lp[p, t].item()) < 1e-4
+        assert len(d) in (1, 2) and str(lp[p].argmax().item()) in d
+
+
 def test_tool_choice_none_in_an_episode_renders_no_tools_as_the_plain_route(inner, merge_tok):
     """``tool_choice: none`` with tools: the episode's prompt is rendered without them, as
     ``/v1/chat/completions`` renders that request (the model is not offered a tool)."""

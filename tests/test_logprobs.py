@@ -237,8 +237,8 @@ def test_peft_model_matches_naive(tiny_qwen2, targets):
 
 @pytest.mark.parametrize("temperature, chunk_size, k", [(1.0, 256, 3), (0.7, 2, 1), (0.0, 3, 0)])
 def test_position_logprobs_match_the_full_logits(tiny_qwen2, temperature, chunk_size, k):
-    """``position_logprobs``: each position's token log-prob and top-k tokens from ``start``
-    on, chunked, equal those of the full logits (``temperature`` 0: untempered)."""
+    """``position_logprobs``: each position's token log-prob, rank and top-k tokens from
+    ``start`` on, chunked, equal those of the full logits (``temperature`` 0: untempered)."""
     from peergrade.model.logprobs import position_logprobs
 
     model = tiny_qwen2[0]
@@ -247,9 +247,13 @@ def test_position_logprobs_match_the_full_logits(tiny_qwen2, temperature, chunk_
     with torch.no_grad():
         z = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
     lp = torch.log_softmax(z / (temperature or 1.0), -1)[3:]  # positions 4.. (start=4)
-    chosen, top = position_logprobs(model, ids, 4, k, temperature, chunk_size=chunk_size)
+    chosen, top, ranks = position_logprobs(model, ids, 4, k, temperature, chunk_size=chunk_size)
     ref = lp.gather(1, torch.tensor(ids[4:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(chosen), ref, atol=TOL, rtol=0)
+    # rank: 1 + the tokens more likely there (by the full logits' sort)
+    order = lp.argsort(-1, descending=True)
+    want = [row.tolist().index(t) + 1 for row, t in zip(order, ids[4:])]
+    assert ranks == want and max(ranks) > 1
     if k == 0:
         assert top is None
         return

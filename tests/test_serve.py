@@ -438,6 +438,81 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, calc, 
     assert r["usage"]["completion_tokens"] == len(conts) * max_tokens
 
 
+def _check_prompt_logprobs(got, model, ids: list[int], k: int) -> None:
+    """vLLM's ``prompt_logprobs`` of ``ids``: None, then per token a dict by token id (the
+    prompt's token first, then the ``k`` most likely) of log-prob, rank and decoded token,
+    equal to one full forward's."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1)
+    assert got[0] is None and len(got) == len(ids)
+    for p, (d, t) in enumerate(zip(got[1:], ids[1:])):
+        row = lp[p]
+        first = next(iter(d))
+        assert first == str(t)  # the prompt's own token first
+        want = {t, *row.topk(k).indices.tolist()} if k else {t}
+        assert {int(a) for a in d} == want
+        for a, e in d.items():
+            assert abs(e["logprob"] - row[int(a)].item()) < 1e-4
+            assert e["rank"] == int((row > row[int(a)]).sum()) + 1
+        assert d[str(t)]["decoded_token"]
+
+
+def test_prompt_logprobs_on_every_route_as_vllm_gives_them(server, calc):
+    """vLLM's ``prompt_logprobs`` extra: the chat route and the token route answer them at the
+    top level, ``/v1/completions`` in each choice (every sample of a prompt the same); the
+    numbers are the model's (temperature 1 whatever the sampling temperature), ranks as
+    vLLM's. Before, the chat and text routes ignored the field and the token route refused it."""
+    import httpx
+
+    model, tok = calc
+
+    def post(route, body):
+        r = httpx.post(server.url + route, json={"model": MODEL, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    r = post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2, "temperature": 0.5,
+                                      "prompt_logprobs": 2, "return_token_ids": True})  # fmt: skip
+    _check_prompt_logprobs(r["prompt_logprobs"], model, r["prompt_token_ids"], 2)
+    ids = tok.encode("Q:12+34\nA:", add_special_tokens=False)
+    r = post("/v1/completions", {"prompt": ids, "max_tokens": 2, "n": 2, "prompt_logprobs": 0})
+    for c in r["choices"]:
+        _check_prompt_logprobs(c["prompt_logprobs"], model, ids, 0)
+    # with echo and logprobs too: each field has its own number of top tokens
+    r = post("/v1/completions", {"prompt": [ids, ids[:4]], "max_tokens": 1, "echo": True,
+                                 "logprobs": 1, "prompt_logprobs": 3})  # fmt: skip
+    for c, p in zip(r["choices"], [ids, ids[:4]]):
+        _check_prompt_logprobs(c["prompt_logprobs"], model, p, 3)
+        assert all(t is None or len(t) == 1 for t in c["logprobs"]["top_logprobs"])
+    sp = {"max_tokens": 2, "prompt_logprobs": 1}
+    r = post("/inference/v1/generate", {"token_ids": ids, "sampling_params": sp})
+    _check_prompt_logprobs(r["prompt_logprobs"], model, ids, 1)
+    r = post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2})
+    assert "prompt_logprobs" not in r  # not asked: not computed
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/chat/completions", {"messages": QUESTION, "prompt_logprobs": -1}),
+        ("/v1/chat/completions", {"messages": QUESTION, "prompt_logprobs": 21}),
+        ("/v1/chat/completions", {"messages": QUESTION, "prompt_logprobs": True}),
+        ("/v1/chat/completions", {"messages": QUESTION, "prompt_logprobs": 1, "stream": True}),
+        ("/v1/completions", {"prompt": "1+1=", "prompt_logprobs": "2"}),
+        ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": -1}}),
+    ],
+)  # fmt: skip
+def test_prompt_logprobs_bad_requests(server, route, body):
+    import httpx
+
+    r = httpx.post(server.url + route, json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_logprobs"
+    assert "[0, 20]" in err["message"] or "with 'stream'" in err["message"]
+
+
 def test_max_tokens_0_needs_echo(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Q:1+2\nA:", max_tokens=0)

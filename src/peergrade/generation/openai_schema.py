@@ -194,6 +194,9 @@ class Settings:
     return_token_ids: bool = False
     echo: bool = False  # /v1/completions: the prompt before the text (and its log-probs)
     tool_choice: str = "auto"  # auto | none
+    #: vLLM's ``prompt_logprobs``: each prompt token's log-prob and rank, with this many top
+    #: tokens (None: not asked)
+    prompt_logprobs: int | None = None
     #: (field, why) of each field asked that this server cannot honour (a plain request is
     #: refused; a training episode ignores them: the trainer's sampling wins)
     unsupported: tuple[tuple[str, str], ...] = ()
@@ -261,6 +264,7 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         lp = _number(body, "logprobs", None, 0, 20, integer=True)
         s.logprobs, s.top_logprobs = lp is not None, lp or 0
     s.stream = bool(body.get("stream") or False)
+    s.prompt_logprobs = _prompt_logprobs(body, s.stream)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
@@ -274,6 +278,22 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         if body.get(k) is not None and (chat or k != "tool_choice") and bad(body[k])
     )
     return s
+
+
+def _prompt_logprobs(params: dict, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs`` (0-20 top tokens; not with ``stream``, as vLLM refuses it)."""
+    k = params.get("prompt_logprobs")
+    if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 20):
+        raise APIError(
+            f"'prompt_logprobs' must be an integer in [0, 20] (the top tokens beside each prompt "
+            f"token; -1, the whole vocabulary, is not served), got {k!r}",
+            param="prompt_logprobs",
+        )
+    if k is not None and stream:
+        raise APIError(
+            "'prompt_logprobs' is not supported with 'stream'", param="prompt_logprobs"
+        )  # fmt: skip
+    return k
 
 
 def refuse_unsupported(settings: Settings) -> None:
@@ -320,7 +340,7 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     given: 16 on ``peergrade serve``, as vLLM's default; the trainer's budget in an episode),
     ``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed``, ``stop``,
     ``stop_token_ids``, ``logprobs`` (the top alternatives at each position besides the sampled
-    token); those this server cannot honour are in ``settings.unsupported``). Multimodal
+    token), ``prompt_logprobs``; those this server cannot honour are in ``settings.unsupported``). Multimodal
     inputs (``features``, ``content_parts``) and ``stream`` are refused."""
     prompt = _token_ids(body.get("token_ids"), vocab_size, "token_ids")
     for k in ("features", "content_parts"):
@@ -361,10 +381,8 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     stop_ids = sp.get("stop_token_ids")
     stop_ids = [] if stop_ids is None else stop_ids
     stop_ids = _token_ids(stop_ids, vocab_size, "stop_token_ids", empty_ok=True)
-    more = {
-        "ignore_eos": (lambda v: bool(v), "eos is never suppressed"),
-        "prompt_logprobs": (lambda v: v is not None, "prompt log-probs are not computed"),
-    }
+    s.prompt_logprobs = _prompt_logprobs(sp, False)
+    more = {"ignore_eos": (lambda v: bool(v), "eos is never suppressed")}
     s.unsupported = tuple(
         (k, why)
         for k, (bad, why) in {**_UNSUPPORTED, **more}.items()

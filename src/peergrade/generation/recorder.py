@@ -209,7 +209,9 @@ class Recorder:
         )
         ep = self._segment(rec, messages, tools)
         full = ep.prompt_ids + ep.completion_ids
-        sampled = await self._turn(handler, rec, asked.max_tokens, top=asked.top_logprobs)
+        sampled = await self._turn(
+            handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=asked.prompt_logprobs
+        )
         response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
         if sampled.token_ids:
             msg = pairs[0][1]["template"]
@@ -231,17 +233,28 @@ class Recorder:
             )  # fmt: skip
         rec.requests += 1
         ep = self._token_segment(rec, req.prompt_ids)
-        sampled = await self._turn(handler, rec, req.settings.max_tokens, req.stop_ids)
+        sampled = await self._turn(
+            handler, rec, req.settings.max_tokens, req.stop_ids,
+            scored=req.settings.prompt_logprobs,
+        )  # fmt: skip
         if sampled.token_ids:
             ep.messages.append({"role": "assistant", "content": sampled.text})
-        return token_response(req, [sampled])  # no top log-probs: the trainer's sampling
+        # no top log-probs: the trainer's sampling
+        return token_response(self.engine, req, [sampled])
 
     async def _turn(
-        self, handler: Handler, rec: Recording, max_tokens: int | None, stop_ids=(), top: int = 0
+        self,
+        handler: Handler,
+        rec: Recording,
+        max_tokens: int | None,
+        stop_ids=(),
+        top: int = 0,
+        scored: int | None = None,
     ) -> Sampled:
         """The next turn of the current segment within every budget (the client's
         ``max_tokens`` can only shorten it); an empty reply once a budget is spent. ``top``:
-        the client's ``top_logprobs`` (under the trainer's temperature)."""
+        the client's ``top_logprobs`` (under the trainer's temperature); ``scored``: its
+        ``prompt_logprobs`` (the segment's tokens so far scored, as on the plain route)."""
         ep, s = rec.episode, rec.settings
         full = ep.prompt_ids + ep.completion_ids
         if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
@@ -257,7 +270,9 @@ class Recorder:
             ep.finish_reason = "length"
         if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
             return Sampled([], [], "", "length")
-        return await self._sample_turn(handler, rec, full, limit, max_tokens, stop_ids, top)
+        return await self._sample_turn(
+            handler, rec, full, limit, max_tokens, stop_ids, top, scored
+        )  # fmt: skip
 
     def _token_segment(self, rec: Recording, ids: list[int]) -> Episode:
         """The segment token ids ``ids`` go on: the current one when they extend its tokens
@@ -320,6 +335,7 @@ class Recorder:
         max_tokens: int | None,
         stop_ids=(),
         top: int = 0,
+        scored: int | None = None,
     ) -> Sampled:
         """One model turn after ``full`` (at most ``limit`` tokens), appended to the episode
         (loss mask 1), and the episode ended if a budget cut it (``max_tokens``: the client's)."""
@@ -336,6 +352,7 @@ class Recorder:
             session=rec.eid,
             stop_ids=tuple(stop_ids),
             top_logprobs=top,
+            prompt_logprobs=scored,
         )
         rec.turns += 1
         (sampled,) = await handler.sample([job])

@@ -15,6 +15,8 @@ that agents use, as vLLM speaks them:
   ``previous_response_id``, function ``tools``, ``stream``), translated to the chat request it
   means and back (``generation.responses``); ``GET`` / ``DELETE /v1/responses/{id}``;
 - vLLM's ``return_token_ids: true``: ``prompt_token_ids`` and ``choices[i].token_ids``;
+- vLLM's ``prompt_logprobs: k``: each prompt token's log-prob and rank, with the ``k`` most
+  likely tokens beside it (``prompt_logprobs``), on the chat, text and token routes;
 - ``POST /v1/episodes/<id>/chat/completions`` (and ``.../responses``, ``.../completions``,
   ``.../models``): the same API under a base URL private to one training episode
   (``generation.recorder``).
@@ -85,7 +87,7 @@ from peergrade.generation.stream import (
     usage_of,
     whole_completion,
 )
-from peergrade.model.logprobs import position_logprobs
+from peergrade.model.logprobs import PositionScores, position_logprobs
 
 #: re-exported: the request checks the recorder shares (``openai_schema``)
 __all__ = [
@@ -168,8 +170,9 @@ class Sampled:
     finish: str
     top: list[list[tuple[int, float]]] | None = None
     sampler_logprobs: list[float] | None = None  # the distribution drawn from (top-k/top-p)
-    #: the prompt's tokens after the first: their log-probs and top tokens (``prompt_logprobs``)
-    prompt: tuple[list[float], list[list[tuple[int, float]]] | None] | None = None
+    #: the prompt's tokens after the first: their log-probs, top tokens and ranks
+    #: (``Job.prompt_logprobs``)
+    prompt: PositionScores | None = None
 
 
 class Engine:
@@ -388,18 +391,17 @@ class Engine:
         """The ``top_logprobs`` most likely tokens at each sampled position (at the job's
         temperature; untempered when greedy)."""
         with eval_mode(self.model):
-            _, top = position_logprobs(
+            return position_logprobs(
                 self.model, job.prompt_ids + ids, len(job.prompt_ids), job.top_logprobs,
                 job.temperature,
-            )  # fmt: skip
-        return top
+            ).top  # fmt: skip
 
-    def _prompt_logprobs(self, job: Job) -> tuple[list[float], list | None]:
-        """The log-prob of each prompt token after the first, and its ``prompt_logprobs`` top
-        tokens, under the model's own distribution (temperature 1), as vLLM's prompt log-probs
-        and OpenAI's ``echo`` give them."""
+    def _prompt_logprobs(self, job: Job) -> PositionScores:
+        """The log-prob and rank of each prompt token after the first, and its
+        ``prompt_logprobs`` top tokens, under the model's own distribution (temperature 1), as
+        vLLM's prompt log-probs and OpenAI's ``echo`` give them."""
         if len(job.prompt_ids) < 2:
-            return [], ([] if job.prompt_logprobs else None)
+            return PositionScores([], [] if job.prompt_logprobs else None, [])
         with eval_mode(self.model):
             return position_logprobs(self.model, job.prompt_ids, 1, job.prompt_logprobs)
 
@@ -553,11 +555,11 @@ def completion_choice(
         ids, lps = list(s.token_ids), list(s.logprobs)
         top = None if s.top is None else [name(row) for row in s.top]
         at = len(echo_text)
-        if s.prompt is not None and prompt_ids:
-            chosen, ptop = s.prompt
-            ids, lps, at = list(prompt_ids) + ids, [None, *chosen] + lps, 0
-            if settings.top_logprobs:
-                top = [None, *(name(row) for row in ptop or []), *(top or [])]
+        if s.prompt is not None and prompt_ids and settings.echo:
+            k, p = settings.top_logprobs, s.prompt
+            ids, lps, at = list(prompt_ids) + ids, [None, *p.chosen] + lps, 0
+            if k:
+                top = [None, *(name(row[:k]) for row in p.top or []), *(top or [])]
         toks = [_token_str(tok, t) for t in ids]
         offsets = []
         for t in toks:
@@ -571,10 +573,36 @@ def completion_choice(
         }
     if settings.return_token_ids:
         choice["token_ids"] = list(s.token_ids)
+    if settings.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(engine, prompt_ids, s, settings)
     return choice
 
 
-def token_response(req: TokenRequest, sampled: list[Sampled]) -> dict:
+def prompt_logprobs(
+    engine: Engine, prompt_ids: Sequence[int], s: Sampled, settings: Settings
+) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then for each one a
+    dict by token id (the prompt's token first, then the ``settings.prompt_logprobs`` most
+    likely) of ``{"logprob", "rank", "decoded_token"}``; log-probs below -9999 are -9999, as
+    vLLM clamps them. ``None`` when the prompt was not scored (a spent episode budget)."""
+    p, k = s.prompt, settings.prompt_logprobs or 0
+    if p is None:
+        return None
+    tok = engine.tokenizer
+
+    def entry(lp: float, rank: int, t: int) -> dict:
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": _token_str(tok, t)}
+
+    out: list[dict | None] = [None]
+    for i, (t, lp, rank) in enumerate(zip(list(prompt_ids)[1:], p.chosen, p.ranks)):
+        d = {str(t): entry(lp, rank, t)}
+        for r, (a, b) in enumerate((p.top[i] if p.top and k else [])[:k]):
+            d.setdefault(str(a), entry(b, r + 1, a))
+        out.append(d)
+    return out
+
+
+def token_response(engine: Engine, req: TokenRequest, sampled: list[Sampled]) -> dict:
     """``/inference/v1/generate``'s answer, as vLLM gives it: per choice the ``token_ids``,
     ``finish_reason`` (``stop``: an eos, a stop token or string; ``length``) and, when asked,
     ``logprobs.content`` with tokens named ``token_id:<id>`` (vLLM's
@@ -607,12 +635,15 @@ def token_response(req: TokenRequest, sampled: list[Sampled]) -> dict:
                 "finish_reason": "length" if s.finish == "length" else "stop",
             }
         )
-    return {
+    out = {
         "request_id": "gen-" + secrets.token_hex(12),
         "choices": choices,
         "prompt_token_ids": list(req.prompt_ids),
         "usage": usage_of(req.prompt_ids, sampled),
     }
+    if req.settings.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(engine, req.prompt_ids, sampled[0], req.settings)
+    return out
 
 
 # ----------------------------------------------------------------------------- the app
@@ -666,6 +697,8 @@ class Handler:
                 key=mix_key(base, i),
                 top_logprobs=settings.top_logprobs,
                 stop_ids=tuple(stop_ids),
+                # the prompt is scored once, with the first sample
+                prompt_logprobs=settings.prompt_logprobs if i == 0 else None,
             )
             for i in range(settings.n)
         ]
@@ -679,7 +712,7 @@ class Handler:
         asked = 16 if req.settings.max_tokens is None else req.settings.max_tokens  # vLLM's
         max_tokens = self.budget(req.prompt_ids, asked)
         jobs = self.jobs(req.prompt_ids, req.settings, max_tokens, req.stop_ids)
-        return token_response(req, await self.sample(jobs))
+        return token_response(self.engine, req, await self.sample(jobs))
 
     async def sample(self, jobs: list[Job]) -> list[Sampled]:
         return await asyncio.wrap_future(self.engine.submit(jobs))
@@ -719,6 +752,8 @@ class Handler:
         }
         if settings.return_token_ids:
             out["prompt_token_ids"] = list(prompt_ids)
+        if settings.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(self.engine, prompt_ids, sampled[0], settings)
         return out, pairs
 
     async def responses(self, body: dict):
@@ -738,7 +773,7 @@ class Handler:
             jobs += self.jobs(ids, settings, self.budget(ids, asked))
         if settings.echo and settings.logprobs:  # the prompt's tokens scored too
             for j in jobs:
-                j.prompt_logprobs = settings.top_logprobs
+                j.prompt_logprobs = max(settings.top_logprobs, j.prompt_logprobs or 0)
         echoes = [tok.decode(ids) if settings.echo else "" for ids in prompts]
         if settings.stream and not settings.logprobs and len(prompts) == 1 and asked > 0:
             return live_completion(
@@ -746,6 +781,8 @@ class Handler:
                 lambda i, s: completion_choice(self.engine, i, s, settings), echoes[0],
             )  # fmt: skip
         sampled = await self.sample(jobs)
+        for i, sm in enumerate(sampled):  # a prompt's samples share its scores
+            sm.prompt = sm.prompt or sampled[i - i % settings.n].prompt
         choices = [
             completion_choice(
                 self.engine, i, s, settings, echoes[i // settings.n], prompts[i // settings.n]

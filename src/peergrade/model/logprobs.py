@@ -60,6 +60,7 @@ What it deliberately does not do
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -351,14 +352,23 @@ def token_logprobs(
     return logp
 
 
+class PositionScores(NamedTuple):
+    """``position_logprobs``' answer, one entry per position scored."""
+
+    chosen: list[float]  # the log-prob of the token there
+    top: list[list[tuple[int, float]]] | None  # the k most likely (token id, log-prob), best first
+    ranks: list[int]  # the token's rank there: 1 + how many tokens are more likely
+
+
 @torch.no_grad()
 def position_logprobs(
     model, ids: list[int], start: int, k: int = 0, temperature: float = 1.0, chunk_size: int = 256
-) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+) -> PositionScores:
     """What a serving endpoint reports about tokens it did not sample, or about their rivals:
     for each position ``p`` in ``[start, len(ids))`` (``start >= 1``), the log-prob of
     ``ids[p]`` given ``ids[:p]`` and, for ``k > 0``, the ``k`` most likely tokens there as
-    ``(token id, log-prob)``, best first (None for ``k == 0``). ``temperature`` > 0 divides the
+    ``(token id, log-prob)``, best first (None for ``k == 0``), and the token's rank (1 + the
+    number of tokens more likely there, as vLLM ranks them). ``temperature`` > 0 divides the
     logits; 0 leaves them as they are (greedy). One backbone pass over ``ids``; the head runs
     over ``chunk_size`` positions at a time (never the whole ``[L, V]`` logits), except for a
     model whose logits are post-processed after its head (``find_backbone_and_head`` refuses
@@ -376,16 +386,19 @@ def position_logprobs(
     targets = x[0, start:]
     chosen: list[float] = []
     top: list[list[tuple[int, float]]] = []
+    ranks: list[int] = []
     for s in range(0, h.shape[0], chunk_size):
         z = head(h[s : s + chunk_size]).float()  # [c, V]
         if temperature > 0:
             z = z / temperature
         lp = torch.log_softmax(z, -1)
-        chosen += lp.gather(1, targets[s : s + chunk_size, None])[:, 0].tolist()
+        at = lp.gather(1, targets[s : s + chunk_size, None])  # [c, 1]
+        chosen += at[:, 0].tolist()
+        ranks += ((lp > at).sum(-1) + 1).tolist()
         if k > 0:
             v, ix = lp.topk(min(k, lp.shape[-1]), -1)
             top += [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
-    return chosen, (top if k > 0 else None)
+    return PositionScores(chosen, top if k > 0 else None, ranks)
 
 
 def naive_token_logprobs(
