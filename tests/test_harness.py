@@ -575,6 +575,107 @@ def test_an_episode_s_prompt_logprobs_score_its_recorded_tokens(inner, merge_tok
         assert len(d) in (1, 2) and str(lp[p].argmax().item()) in d
 
 
+TAG_TEMPLATE = (  # a template variable ("tag") that shows in every user turn
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n"
+    "{% if tag is defined %}[{{ tag }}]{% endif %}{{ m['content'] }}<|im_end|>\n"
+    "{% else %}<|im_start|>assistant\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_template_kwargs_render_an_episode_and_a_plain_request(inner):
+    """vLLM's ``chat_template_kwargs`` (template variables, e.g. Qwen3's ``enable_thinking``):
+    the plain route renders the prompt with them, and an episode renders its prompt and each
+    template delta with them; other variables on a later request would render the history
+    differently, so the episode splits there. Before, they were ignored."""
+    tok = build_char_tokenizer(chat_template=TAG_TEMPLATE, merges=(("a", "b"),))
+    q = [{"role": "user", "content": "q"}]
+    kw = {"tag": "ab"}
+    got = {}
+
+    def harness(row, base_url, model_name):
+        c, msgs = client(base_url), list(q)
+        for turn in range(2):
+            r = c.chat.completions.create(
+                model=model_name, messages=msgs, max_tokens=4,
+                extra_body={"chat_template_kwargs": kw, "return_token_ids": True},
+            ).model_dump()  # fmt: skip
+            got[turn] = (r["prompt_token_ids"], r["choices"][0]["token_ids"])
+            msgs += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"more {turn}"}]  # fmt: skip
+        c.chat.completions.create(
+            model=model_name, messages=msgs, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"tag": "x"}},
+        )  # fmt: skip
+        got["plain"] = openai.OpenAI(
+            base_url=base_url.split("/v1/")[0] + "/v1", api_key="-", max_retries=0
+        ).chat.completions.create(
+            model=model_name, messages=q, max_tokens=1,
+            extra_body={"chat_template_kwargs": kw, "return_token_ids": True},
+        ).model_dump()["prompt_token_ids"]  # fmt: skip
+        return 1
+
+    r = one_episode(HarnessRunner(inner, tok), harness, max_tokens_per_turn=4)
+    assert r.error is None and r.requests == 3
+    with_kw = render(tok, q, add_generation_prompt=True, template_kwargs=kw)
+    assert tok.decode(with_kw) == "<|im_start|>user\n[ab]q<|im_end|>\n<|im_start|>assistant\n"
+    assert got["plain"] == with_kw and got[0][0] == with_kw
+    (first, sampled), (second, _) = got[0], got[1]
+    assert second[: len(first) + len(sampled)] == first + sampled  # the turn as sampled
+    delta = tok.decode(second[len(first) + len(sampled) :])
+    assert delta.endswith("<|im_start|>user\n[ab]more 0<|im_end|>\n<|im_start|>assistant\n")
+    assert r.splits == 1  # the third request's other variables
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"chat_template_kwargs": "tag"}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"ignore_eos": True}, "ignore_eos"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+        ({"best_of": 3}, "best_of"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+    ],
+)
+def test_vllm_extras_that_cannot_be_honoured_are_refused(inner, merge_tok, extra, param):
+    """vLLM's extra fields this server cannot honour get a 400 naming them on the plain route
+    (before, they were ignored: a reply the client did not ask for); harmless values pass.
+    A training episode ignores the sampling ones (the trainer's sampling wins) and refuses
+    the rendering ones as the plain route does."""
+    import httpx
+
+    runner = HarnessRunner(inner, merge_tok)
+    try:
+        body = {"model": runner.name, "messages": [{"role": "user", "content": "q"}],
+                "max_tokens": 2}  # fmt: skip
+        r = httpx.post(runner.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        harmless = {"min_p": 0, "ignore_eos": False, "best_of": 1, "chat_template_kwargs": {},
+                    "continue_final_message": False, "add_generation_prompt": True}  # fmt: skip
+        r = httpx.post(runner.url + "/v1/chat/completions", json={**body, **harmless}, timeout=60)
+        assert r.status_code == 200, r.text
+    except BaseException:
+        runner.close()
+        raise
+    got = {}
+
+    def harness(row, base_url, model_name):
+        got["r"] = httpx.post(base_url + "/chat/completions", json={**body, **extra}, timeout=60)
+        return 1
+
+    one_episode(runner, harness)
+    sampling = param not in ("chat_template_kwargs", "continue_final_message",
+                             "add_generation_prompt")  # fmt: skip
+    assert got["r"].status_code == (200 if sampling else 400), got["r"].text
+
+
 def test_tool_choice_none_in_an_episode_renders_no_tools_as_the_plain_route(inner, merge_tok):
     """``tool_choice: none`` with tools: the episode's prompt is rendered without them, as
     ``/v1/chat/completions`` renders that request (the model is not offered a tool)."""

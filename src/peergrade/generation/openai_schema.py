@@ -197,6 +197,9 @@ class Settings:
     #: vLLM's ``prompt_logprobs``: each prompt token's log-prob and rank, with this many top
     #: tokens (None: not asked)
     prompt_logprobs: int | None = None
+    #: vLLM's ``chat_template_kwargs``: extra variables for the chat template (e.g. Qwen3's
+    #: ``enable_thinking``); None: none given
+    template_kwargs: dict | None = None
     #: (field, why) of each field asked that this server cannot honour (a plain request is
     #: refused; a training episode ignores them: the trainer's sampling wins)
     unsupported: tuple[tuple[str, str], ...] = ()
@@ -210,6 +213,15 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: v not in (0, 0.0), "penalties are not applied"),
     "repetition_penalty": (lambda v: v not in (1, 1.0), "penalties are not applied"),
     "min_tokens": (lambda v: v not in (0,), "eos is never suppressed"),
+    "ignore_eos": (lambda v: bool(v), "eos is never suppressed"),
+    "min_p": (lambda v: v not in (0, 0.0), "min-p filtering is not applied; use top_p / top_k"),
+    "include_stop_str_in_output": (
+        lambda v: bool(v),
+        "the text leaves a stop string out, as OpenAI's does (return_token_ids keeps its tokens)",
+    ),
+    "use_beam_search": (lambda v: bool(v), "there is no beam search"),
+    "best_of": (lambda v: v not in (1,), "use 'n' (every sample is returned)"),
+    "truncate_prompt_tokens": (lambda v: True, "prompts are never truncated"),
     "response_format": (
         lambda v: not (isinstance(v, dict) and v.get("type") in (None, "text")),
         f"the reply is not forced into a format; {_NO_CONSTRAINTS}",
@@ -221,7 +233,13 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     **{
         k: (lambda v: v is not None, _NO_CONSTRAINTS)
-        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        for k in (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "structured_outputs",
+        )
     },
 }
 
@@ -272,6 +290,14 @@ def parse_settings(body: dict, chat: bool) -> Settings:
     s.return_token_ids = bool(body.get("return_token_ids") or False)
     if chat and body.get("tool_choice") == "none":
         s.tool_choice = "none"
+    if chat:
+        s.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    for k, default in (("continue_final_message", False), ("add_generation_prompt", True)):
+        if body.get(k) is not None and body[k] != default:  # vLLM's rendering switches
+            raise APIError(
+                f"'{k}': {body[k]!r} is not supported; every reply starts a new assistant turn "
+                "after the generation prompt", param=k, code="unsupported_parameter",
+            )  # fmt: skip
     s.unsupported = tuple(
         (k, why)
         for k, (bad, why) in _UNSUPPORTED.items()
@@ -294,6 +320,33 @@ def _prompt_logprobs(params: dict, stream: bool) -> int | None:
             "'prompt_logprobs' is not supported with 'stream'", param="prompt_logprobs"
         )  # fmt: skip
     return k
+
+
+#: ``apply_chat_template``'s own arguments: not template variables
+_RENDER_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def _template_kwargs(v: Any) -> dict | None:
+    """``chat_template_kwargs``: an object of template variables (not ``apply_chat_template``'s
+    own arguments), or None."""
+    if v is None or v == {}:
+        return None
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise APIError(
+            f"'chat_template_kwargs' must be an object of template variables, got {v!r}",
+            param="chat_template_kwargs",
+        )
+    bad = sorted(set(v) & _RENDER_ARGS)
+    if bad:
+        raise APIError(
+            f"'chat_template_kwargs' cannot set {', '.join(bad)} (not template variables)",
+            param="chat_template_kwargs",
+        )
+    return dict(v)
 
 
 def refuse_unsupported(settings: Settings) -> None:
@@ -382,10 +435,9 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     stop_ids = [] if stop_ids is None else stop_ids
     stop_ids = _token_ids(stop_ids, vocab_size, "stop_token_ids", empty_ok=True)
     s.prompt_logprobs = _prompt_logprobs(sp, False)
-    more = {"ignore_eos": (lambda v: bool(v), "eos is never suppressed")}
     s.unsupported = tuple(
         (k, why)
-        for k, (bad, why) in {**_UNSUPPORTED, **more}.items()
+        for k, (bad, why) in _UNSUPPORTED.items()
         if k != "tool_choice" and sp.get(k) is not None and bad(sp[k])
     )
     return TokenRequest(prompt, s, tuple(sorted(set(stop_ids))))

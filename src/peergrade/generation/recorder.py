@@ -92,6 +92,7 @@ class Recording:
     segments: list[Episode] = field(default_factory=list)  # earlier segments (after splits)
     messages: list[dict] = field(default_factory=list)  # the current segment's conversation
     tools: list[dict] | None = None
+    template_kwargs: dict | None = None  # the segment's chat_template_kwargs
     last_end: str | None = None  # how the last sampled turn ended: eos | stop | length
     turns: int = 0  # turns sampled over all segments: the key of the next turn's draws
     requests: int = 0
@@ -207,7 +208,7 @@ class Recorder:
         settings = replace(
             asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
         )
-        ep = self._segment(rec, messages, tools)
+        ep = self._segment(rec, messages, tools, asked.template_kwargs)
         full = ep.prompt_ids + ep.completion_ids
         sampled = await self._turn(
             handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=asked.prompt_logprobs
@@ -307,22 +308,23 @@ class Recorder:
                 code="context_length_exceeded",
             )
 
-    def _segment(self, rec: Recording, messages: list[dict], tools) -> Episode:
+    def _segment(self, rec: Recording, messages: list[dict], tools, tkw=None) -> Episode:
         """The segment ``messages`` go on: the current one when they extend it (their new
         messages appended, unless it has ended), else a new one with them as its prompt (the
         current one kept in ``segments``, a split)."""
         ep = rec.episode
-        if ep is not None and self._extends(rec, messages, tools):
+        if ep is not None and self._extends(rec, messages, tools, tkw):
             if not ep.finish_reason:
                 self._append(rec, messages[len(rec.messages) :])
         else:
             if ep is not None:
                 rec.splits += 1
                 rec.segments.append(ep)
-            prompt = render_prompt(self.engine, messages, tools)
+            prompt = render_prompt(self.engine, messages, tools, tkw)
             self._check_fits(len(prompt))
             ep = Episode(rec.row_index, prompt, list(messages), len(messages))
             rec.episode, rec.messages, rec.tools, rec.last_end = ep, list(messages), tools, None
+            rec.template_kwargs = tkw
             rec.kind = "chat"
         return ep
 
@@ -373,13 +375,15 @@ class Recorder:
                 ep.finish_reason = "length" if tight else "turn_length"
         return sampled
 
-    def _extends(self, rec: Recording, messages: list[dict], tools) -> bool:
-        """Whether ``messages`` continue the recorded conversation after a sampled reply."""
+    def _extends(self, rec: Recording, messages: list[dict], tools, tkw=None) -> bool:
+        """Whether ``messages`` continue the recorded conversation after a sampled reply
+        (with the same tools and template variables, so it renders as it did)."""
         n = len(rec.messages)
         return (
             rec.kind == "chat"
             and rec.last_end is not None
             and tools == rec.tools
+            and tkw == rec.template_kwargs
             and len(messages) > n
             and all(canonical(a) == canonical(b) for a, b in zip(messages, rec.messages))
         )
@@ -394,6 +398,7 @@ class Recorder:
                 eos_ids=self.engine.eos_ids,
                 tools=rec.tools,
                 chat_template=self.engine.chat_template,
+                template_kwargs=rec.template_kwargs,
                 close_turn=rec.last_end != "eos",
             )
         except TemplateError as e:

@@ -41,7 +41,9 @@ Streams (``generation.stream``) are sent as the tokens are sampled; a chat reque
 ``logprobs`` and a training episode's request are streamed once their reply is finished.
 
 Fields it cannot honour (forced tool calls, ``response_format``, penalties, ``logit_bias``,
-vLLM's ``guided_*``) are refused with a 400 naming them (``refuse_unsupported``), not ignored.
+vLLM's ``guided_*``, ``min_p``, ``ignore_eos`` and the like: ``openai_schema._UNSUPPORTED``)
+are refused with a 400 naming them (``refuse_unsupported``), not ignored. vLLM's
+``chat_template_kwargs`` are passed to the chat template.
 
 What it does not do: authentication, continuous batching inside a running ``generate`` call
 (requests that arrive during one wait for the next), images, audio, the Responses API's built-in
@@ -425,12 +427,18 @@ def _split_calls(items: list, max_pos: int) -> list[list]:
 # ----------------------------------------------------------------------------- requests
 
 
-def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """The prompt's token ids: the chat template's rendering of ``messages`` (and ``tools``)
-    with the generation prompt. Kept for the last 256 distinct requests (with the date: some
-    templates print it), so the G samples of a prompt, which open with the same request, are
-    rendered once."""
-    key = json.dumps([messages, tools, time.strftime("%Y-%m-%d")], sort_keys=True)
+def render_prompt(
+    engine: Engine,
+    messages: list[dict],
+    tools: list[dict] | None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """The prompt's token ids: the chat template's rendering of ``messages`` (and ``tools``,
+    and the request's ``chat_template_kwargs``) with the generation prompt. Kept for the last
+    256 distinct requests (with the date: some templates print it), so the G samples of a
+    prompt, which open with the same request, are rendered once."""
+    day = time.strftime("%Y-%m-%d")
+    key = json.dumps([messages, tools, template_kwargs, day], sort_keys=True, default=repr)
     kept = engine.prompts.get(key)
     if kept is not None:
         engine.prompts.move_to_end(key)
@@ -442,6 +450,7 @@ def render_prompt(engine: Engine, messages: list[dict], tools: list[dict] | None
             add_generation_prompt=True,
             tools=tools,
             chat_template=engine.chat_template,
+            template_kwargs=template_kwargs,
         )
     except Exception as e:
         what = "these messages with these tools" if tools else "these messages"
@@ -723,7 +732,7 @@ class Handler:
         refuse_unsupported(settings)
         messages = normalise_messages(body.get("messages"))
         tools = offered_tools(body, settings)
-        prompt_ids = render_prompt(self.engine, messages, tools)
+        prompt_ids = render_prompt(self.engine, messages, tools, settings.template_kwargs)
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
         jobs = self.jobs(prompt_ids, settings, max_tokens)
         if settings.stream and not settings.logprobs:
