@@ -676,6 +676,44 @@ def test_vllm_extras_that_cannot_be_honoured_are_refused(inner, merge_tok, extra
     assert got["r"].status_code == (200 if sampling else 400), got["r"].text
 
 
+def test_a_forced_tool_choice_in_an_episode_feeds_the_call_s_start_unmasked_out(inner, merge_tok):
+    """``tool_choice: required`` in an episode (smolagents' ToolCallingAgent sends it): the
+    template's start of a call is appended after the prompt with loss mask 0 (fed, not
+    sampled), the model samples the rest of the turn; the reply carries it, the agent's next
+    request matches the record (no split), and the log-probs are one full forward's."""
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=8.0)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "q"}]
+    got = {}
+
+    def harness(row, base_url, model_name):
+        c, m = client(base_url), list(msgs)
+        for _ in range(2):
+            r = c.chat.completions.create(
+                model=model_name, messages=m, tools=tools, tool_choice="required", max_tokens=6
+            )
+            got.setdefault("content", []).append(r.choices[0].message.content)
+            m += [r.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "user", "content": "again"}]  # fmt: skip
+        return 1
+
+    r = one_episode(
+        HarnessRunner(model, merge_tok), harness, max_tokens_per_turn=6, max_completion_length=300
+    )
+    assert r.error is None and r.splits == 0 and r.requests == 2
+    e = r.episode
+    prefix = "<tool_call>\n" + '{"name": "'
+    fed = merge_tok.encode(prefix, add_special_tokens=False)
+    prompt = render(merge_tok, msgs, add_generation_prompt=True, tools=tools)
+    assert e.prompt_ids == prompt
+    assert e.completion_ids[: len(fed)] == fed and e.loss_mask[: len(fed)] == [0] * len(fed)
+    assert e.loss_mask[len(fed)] == 1  # then the model's own tokens
+    assert all(c.startswith(prefix) for c in got["content"]), got  # its text starts the call
+    assert e.completion_ids.count(fed[0]) >= 2  # the second turn was forced too
+    logp, b = full_forward_logprobs(model.eval(), [e], merge_tok.pad_token_id, 1.0)
+    torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
+
+
 def test_tool_choice_none_in_an_episode_renders_no_tools_as_the_plain_route(inner, merge_tok):
     """``tool_choice: none`` with tools: the episode's prompt is rendered without them, as
     ``/v1/chat/completions`` renders that request (the model is not offered a tool)."""

@@ -129,6 +129,18 @@ def test_a_streamed_response_adds_up_to_the_unstreamed_one(client):
     assert follow.usage.input_tokens > final.usage.input_tokens
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "calculate"}])
+def test_forced_tool_choice_is_a_function_call(client, choice):
+    """``tool_choice`` ``required`` or ``{"type": "function", "name": ...}`` (the Responses
+    shape): the reply is a ``function_call`` item, as the chat route forces it."""
+    r = client.responses.create(
+        model=MODEL, input="1234*5678=", tools=[TOOL], tool_choice=choice, temperature=0,
+        max_output_tokens=96,
+    )  # fmt: skip
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "calculate" and json.loads(calls[0].arguments)
+
+
 @pytest.mark.parametrize(
     "kwargs, status, param",
     [
@@ -141,7 +153,11 @@ def test_a_streamed_response_adds_up_to_the_unstreamed_one(client):
         ),  # fmt: skip
         (dict(input=[{"type": "file_search_call", "id": "x"}]), 400, "input"),
         (dict(input="x", tools=[{"type": "web_search"}]), 400, "tools"),
-        (dict(input="x", tool_choice="required", tools=[TOOL]), 400, "tool_choice"),
+        (
+            dict(input="x", tool_choice={"type": "function", "name": "nope"}, tools=[TOOL]),
+            400,
+            "tool_choice",
+        ),  # fmt: skip
         (dict(input="x", text={"format": {"type": "json_object"}}), 400, "text.format"),
         (dict(input="x", background=True), 400, "background"),
         (dict(input="x", max_output_tokens=10**7), 400, "input"),

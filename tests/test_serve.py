@@ -148,6 +148,53 @@ def test_tool_calls_parsed(client):
     assert "<tool_call>" not in (called[0].message.content or "")
 
 
+FORCED = [("required", '<tool_call>{"name": "'),
+          ({"type": "function", "function": {"name": "calculate"}},
+           '<tool_call>{"name": "calculate", "arguments": ')]  # fmt: skip
+
+
+@pytest.mark.parametrize("choice, prefix", FORCED)
+def test_forced_tool_choice_starts_the_reply_with_a_call(client, calc, choice, prefix):
+    """``tool_choice`` ``required`` (smolagents' ToolCallingAgent sends it) or a function by
+    name: the reply starts with the chat template's own start of a call (read from the
+    template: up to the name, or up to the named function's arguments), fed after the prompt,
+    so greedy replies the unforced model answers in text are calls; streamed, the same call.
+    Before, a 400."""
+    tok = calc[1]
+    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=96,
+              extra_body={"return_token_ids": True})  # fmt: skip
+    auto = client.chat.completions.create(**kw).model_dump()
+    assert auto["choices"][0]["finish_reason"] != "tool_calls"  # unforced: no call here
+    r = client.chat.completions.create(tool_choice=choice, **kw).model_dump()
+    (c,) = r["choices"]
+    assert c["finish_reason"] == "tool_calls", c["message"]
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "calculate" and json.loads(call["function"]["arguments"])
+    fed = r["prompt_token_ids"][len(auto["prompt_token_ids"]) :]
+    assert r["prompt_token_ids"][: len(auto["prompt_token_ids"])] == auto["prompt_token_ids"]
+    assert tok.decode(fed) == prefix
+    streamed = collect(client.chat.completions.create(stream=True, tool_choice=choice, **kw))
+    assert streamed[0]["calls"][0]["name"] == "calculate"
+    assert streamed[0]["calls"][0]["arguments"] == call["function"]["arguments"]
+    assert streamed[0]["finish"] == "tool_calls"
+
+
+def test_forced_tool_choice_needs_a_template_that_renders_calls(calc):
+    """A template that does not render an assistant's tool calls as ``<tool_call>`` blocks
+    cannot have a call forced: a 400 naming ``tool_choice``, not a reply that is no call."""
+    model, tok = calc
+    engine = Engine(model, tok, MODEL, chat_template="{% for m in messages %}{{ m.content }}"
+                    "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")  # fmt: skip
+    with Server(build_app(engine)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required"
+            )
+    engine.close()
+    assert e.value.body["param"] == "tool_choice" and "<tool_call>" in e.value.body["message"]
+
+
 def test_stream(client):
     kw = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
     full = client.chat.completions.create(**kw).choices[0]
@@ -561,12 +608,22 @@ def test_max_tokens_and_length(client):
         ),
         (dict(model=MODEL, messages=QUESTION, temperature=5), None, "temperature"),
         (dict(model=MODEL, messages=QUESTION, tools=[{"type": "function"}]), None, "tools"),
+        (dict(model=MODEL, messages=QUESTION, tool_choice="required"), None, "tools"),
+        (dict(model=MODEL, messages=QUESTION, tool_choice="any"), None, "tool_choice"),
+        (
+            dict(
+                model=MODEL,
+                messages=QUESTION,
+                tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "nope"}},
+            ),
+            None,
+            "tool_choice",
+        ),  # fmt: skip
         # what this server cannot honour is refused, not ignored
         *[
             (dict(model=MODEL, messages=QUESTION, **{k: v}), "unsupported_parameter", k)
             for k, v in [
-                ("tool_choice", "required"),
-                ("tool_choice", {"type": "function", "function": {"name": "calculate"}}),
                 ("response_format", {"type": "json_object"}),
                 ("frequency_penalty", 0.5),
                 ("logit_bias", {"5": 10}),

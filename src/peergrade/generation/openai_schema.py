@@ -171,9 +171,35 @@ def check_tools(tools: Any) -> list[dict] | None:
 
 def offered_tools(body: dict, settings: Settings) -> list[dict] | None:
     """A chat request's ``tools`` as the template renders them: None under ``tool_choice``
-    ``none`` (as if none were offered, so the model cannot call one)."""
+    ``none`` (as if none were offered, so the model cannot call one). A forced call
+    (``required``, or a function by name) needs tools, and the named one among them."""
     tools = check_tools(body.get("tools"))
+    if settings.tool_choice == "required" and not tools:
+        raise APIError("'tool_choice' forces a tool call but no 'tools' are given", param="tools")
+    names = [t["function"]["name"] for t in tools or []]
+    if settings.forced_tool is not None and settings.forced_tool not in names:
+        raise APIError(
+            f"'tool_choice' names the function {settings.forced_tool!r}, which is not among "
+            f"'tools' ({', '.join(names)})",
+            param="tool_choice",
+        )
     return None if settings.tool_choice == "none" else tools
+
+
+def parse_tool_choice(v: Any) -> tuple[str, str | None]:
+    """``tool_choice`` as (``auto`` | ``none`` | ``required``, the function it names or None):
+    ``"auto"``, ``"none"``, ``"required"``, or ``{"type": "function", "function": {"name":
+    ...}}`` (a call of that function, so ``required``)."""
+    if v is None or v in ("auto", "none", "required"):
+        return v or "auto", None
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+        return "required", fn["name"]
+    raise APIError(
+        "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+        f'"function": {{"name": ...}}}}, got {v!r}',
+        param="tool_choice",
+    )
 
 
 @dataclass
@@ -193,7 +219,8 @@ class Settings:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     return_token_ids: bool = False
     echo: bool = False  # /v1/completions: the prompt before the text (and its log-probs)
-    tool_choice: str = "auto"  # auto | none
+    tool_choice: str = "auto"  # auto | none | required (a tool call is forced)
+    forced_tool: str | None = None  # the function a forced call calls (None: the model picks)
     #: vLLM's ``prompt_logprobs``: each prompt token's log-prob and rank, with this many top
     #: tokens (None: not asked)
     prompt_logprobs: int | None = None
@@ -225,11 +252,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "response_format": (
         lambda v: not (isinstance(v, dict) and v.get("type") in (None, "text")),
         f"the reply is not forced into a format; {_NO_CONSTRAINTS}",
-    ),
-    "tool_choice": (
-        lambda v: v not in ("auto", "none"),
-        f"tool calls cannot be forced ({_NO_CONSTRAINTS}); use 'auto' (the model decides) or "
-        "'none'",
     ),
     **{
         k: (lambda v: v is not None, _NO_CONSTRAINTS)
@@ -288,8 +310,8 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         raise APIError("'stream_options' must be an object", param="stream_options")
     s.include_usage = bool(s.stream and opts and opts.get("include_usage"))
     s.return_token_ids = bool(body.get("return_token_ids") or False)
-    if chat and body.get("tool_choice") == "none":
-        s.tool_choice = "none"
+    if chat:
+        s.tool_choice, s.forced_tool = parse_tool_choice(body.get("tool_choice"))
     if chat:
         s.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     for k, default in (("continue_final_message", False), ("add_generation_prompt", True)):
@@ -301,7 +323,7 @@ def parse_settings(body: dict, chat: bool) -> Settings:
     s.unsupported = tuple(
         (k, why)
         for k, (bad, why) in _UNSUPPORTED.items()
-        if body.get(k) is not None and (chat or k != "tool_choice") and bad(body[k])
+        if body.get(k) is not None and bad(body[k])
     )
     return s
 
@@ -436,9 +458,7 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     stop_ids = _token_ids(stop_ids, vocab_size, "stop_token_ids", empty_ok=True)
     s.prompt_logprobs = _prompt_logprobs(sp, False)
     s.unsupported = tuple(
-        (k, why)
-        for k, (bad, why) in _UNSUPPORTED.items()
-        if k != "tool_choice" and sp.get(k) is not None and bad(sp[k])
+        (k, why) for k, (bad, why) in _UNSUPPORTED.items() if sp.get(k) is not None and bad(sp[k])
     )
     return TokenRequest(prompt, s, tuple(sorted(set(stop_ids))))
 

@@ -28,8 +28,10 @@ and recorded as tokens into one ``envs.Episode``, the record the in-process epis
 The trainer's sampling settings win over the client's (temperature, top-p, top-k, stop, the
 seed: the draws of turn ``k`` are keyed by (seed, episode key, k)); the client's
 ``max_tokens`` can only shorten a turn; what a plain request would be refused for
-(a forced ``tool_choice``, penalties, ``logit_bias``, ``response_format``) is ignored;
-``tool_choice: none`` renders no tools, as the plain route does. The budgets are the
+(penalties, ``logit_bias``, ``response_format``, ``min_p``) is ignored; the ``tool_choice``
+is the plain route's: ``none`` renders no tools, and a forced call (``required`` or a named
+function) feeds the start of a call (``server.forced_prefix``, loss mask 0) before the turn
+is sampled, so the reply is a call, as the agent asked. The budgets are the
 engine's: ``max_completion_length`` tokens after the prompt, ``max_tokens_per_turn``,
 ``max_turns``; a request past a budget gets an empty reply with finish_reason ``length``
 (nothing is sampled), and the episode's ``finish_reason`` says which budget ended it, as in
@@ -60,6 +62,7 @@ from peergrade.generation.server import (
     Handler,
     Job,
     Sampled,
+    forced_prefix,
     mix_key,
     render_prompt,
     token_response,
@@ -209,10 +212,15 @@ class Recorder:
             asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
         )
         ep = self._segment(rec, messages, tools, asked.template_kwargs)
+        prefix = forced_prefix(self.engine, tools, asked)  # a forced tool call's start
+        if prefix and not ep.finish_reason:  # fed, not sampled: loss mask 0
+            self._extend(rec, self.engine.tokenizer.encode(prefix, add_special_tokens=False), [])
         full = ep.prompt_ids + ep.completion_ids
         sampled = await self._turn(
             handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=asked.prompt_logprobs
         )
+        if sampled.token_ids:
+            sampled.text = prefix + sampled.text
         response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
         if sampled.token_ids:
             msg = pairs[0][1]["template"]

@@ -7,7 +7,8 @@ that agents use, as vLLM speaks them:
 - ``GET /v1/models``;
 - ``POST /v1/chat/completions``: ``messages``, ``tools`` (rendered by the model's chat template;
   Hermes/Qwen2 ``<tool_call>`` blocks in the reply are parsed with ``envs.tools.parse_tool_calls``
-  into ``message.tool_calls``, finish_reason ``tool_calls``), ``n``, ``temperature`` (0 =
+  into ``message.tool_calls``, finish_reason ``tool_calls``), ``tool_choice`` (``auto``,
+  ``none``, ``required``, a named function), ``n``, ``temperature`` (0 =
   greedy), ``top_p``, ``top_k`` (vLLM's extra), ``max_tokens`` / ``max_completion_tokens``,
   ``stop``, ``seed``, ``logprobs`` / ``top_logprobs``, ``stream`` (server-sent events);
 - ``POST /v1/completions`` for plain prompts (a string or token ids, or a batch of them);
@@ -40,7 +41,9 @@ and a ``uvicorn.Server`` that can run on a thread inside the trainer on an ephem
 Streams (``generation.stream``) are sent as the tokens are sampled; a chat request with
 ``logprobs`` and a training episode's request are streamed once their reply is finished.
 
-Fields it cannot honour (forced tool calls, ``response_format``, penalties, ``logit_bias``,
+``tool_choice`` ``required`` or a named function starts the reply with the template's own
+start of a call (``forced_prefix``), which the model continues.
+Fields it cannot honour (``response_format``, penalties, ``logit_bias``,
 vLLM's ``guided_*``, ``min_p``, ``ignore_eos`` and the like: ``openai_schema._UNSUPPORTED``)
 are refused with a 400 naming them (``refuse_unsupported``), not ignored. vLLM's
 ``chat_template_kwargs`` are passed to the chat template.
@@ -201,6 +204,7 @@ class Engine:
         self.window_s, self.max_batch = window_s, max_batch
         self.chat_template = chat_template
         self.prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # ``render_prompt``'s
+        self.forced: dict[str, str] = {}  # ``forced_prefix``'s, by tools and function
         self.eos_ids = default_eos_ids(model, tokenizer)
         cfg = model.config
         self.max_pos = int(getattr(cfg, "max_position_embeddings", None) or 10**9)
@@ -463,6 +467,64 @@ def render_prompt(
     if len(engine.prompts) > 256:
         engine.prompts.popitem(last=False)
     return ids
+
+
+_PROBE_NAMES = ("pgprobefnA", "pgprobefnB")
+_PROBE_ARG = "pg_probe_argument"
+
+
+def forced_prefix(engine: Engine, tools: list[dict] | None, settings: Settings) -> str:
+    """The text a reply starts with when ``tool_choice`` forces a tool call ('' when it does
+    not): how the chat template begins an assistant tool call, up to the function's name
+    (``required``: the model picks it) or up to its arguments (a named function). Read from
+    the template itself (an assistant turn with a probe call rendered after the generation
+    prompt), so the model continues its own format; the reply is parsed as any other. A
+    template that does not render calls so, or not in the ``<tool_call>`` format the replies
+    are parsed in, is a 400. Kept per (tools, function, template variables)."""
+    if settings.tool_choice != "required":
+        return ""
+    name = settings.forced_tool
+    key = json.dumps([tools, name, settings.template_kwargs], sort_keys=True, default=repr)
+    if key in engine.forced:
+        return engine.forced[key]
+    tok, kw = engine.tokenizer, settings.template_kwargs or {}
+    user = [{"role": "user", "content": "probe"}]
+
+    def text(messages, gen: bool) -> str:
+        return tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=gen, tokenize=False,
+            chat_template=engine.chat_template, **kw,
+        )  # fmt: skip
+
+    def after_prompt(fn: str) -> str:
+        call = {"type": "function", "function": {"name": fn, "arguments": {_PROBE_ARG: 1}}}
+        turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+        gen, full = text(user, True), text(user + [turn], False)
+        return full[len(gen) :] if full.startswith(gen) else ""
+
+    try:
+        if name is None:
+            a, b = (after_prompt(n) for n in _PROBE_NAMES)
+            prefix = a[: a.find(_PROBE_NAMES[0])]
+            ok = _PROBE_NAMES[0] in a and b.startswith(prefix)
+        else:
+            a = after_prompt(name)
+            prefix = a[: a.rfind("{", 0, a.find(_PROBE_ARG))]
+            ok = _PROBE_ARG in a and name in prefix
+    except Exception:
+        ok = False
+    if not ok or not prefix.lstrip().startswith("<tool_call>"):
+        raise APIError(
+            f"tool_choice cannot force a call with the chat template of {engine.name}: it does "
+            "not render an assistant tool call as <tool_call>{...} after its generation "
+            "prompt (the format replies are parsed in); use 'auto'",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if len(engine.forced) >= 256:
+        engine.forced.clear()
+    engine.forced[key] = prefix
+    return prefix
 
 
 # ----------------------------------------------------------------------------- responses
@@ -733,14 +795,18 @@ class Handler:
         messages = normalise_messages(body.get("messages"))
         tools = offered_tools(body, settings)
         prompt_ids = render_prompt(self.engine, messages, tools, settings.template_kwargs)
+        prefix = forced_prefix(self.engine, tools, settings)  # a forced tool call's start
+        prompt_ids += self.engine.tokenizer.encode(prefix, add_special_tokens=False)
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
         jobs = self.jobs(prompt_ids, settings, max_tokens)
-        if settings.stream and not settings.logprobs:
+        if settings.stream and not settings.logprobs and not prefix:
             return live_chat(
                 self.engine, model, settings, bool(tools), prompt_ids, jobs,
                 lambda i, s: chat_choice(self.engine, i, s, settings, tools)[0],
             )  # fmt: skip
         sampled = await self.sample(jobs)
+        for sm in sampled:
+            sm.text = prefix + sm.text
         return self.chat_response(model, settings, tools, prompt_ids, sampled)[0]
 
     def chat_response(self, model, settings, tools, prompt_ids, sampled):
