@@ -312,14 +312,13 @@ def parse_settings(body: dict, chat: bool) -> Settings:
     s.return_token_ids = bool(body.get("return_token_ids") or False)
     if chat:
         s.tool_choice, s.forced_tool = parse_tool_choice(body.get("tool_choice"))
-    if chat:
         s.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
-    for k, default in (("continue_final_message", False), ("add_generation_prompt", True)):
-        if body.get(k) is not None and body[k] != default:  # vLLM's rendering switches
-            raise APIError(
-                f"'{k}': {body[k]!r} is not supported; every reply starts a new assistant turn "
-                "after the generation prompt", param=k, code="unsupported_parameter",
-            )  # fmt: skip
+        for k, default in (("continue_final_message", False), ("add_generation_prompt", True)):
+            if body.get(k) is not None and body[k] != default:  # vLLM's rendering switches
+                raise APIError(
+                    f"'{k}': {body[k]!r} is not supported; every reply starts a new assistant "
+                    "turn after the generation prompt", param=k, code="unsupported_parameter",
+                )  # fmt: skip
     s.unsupported = tuple(
         (k, why)
         for k, (bad, why) in _UNSUPPORTED.items()

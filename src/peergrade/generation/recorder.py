@@ -211,10 +211,10 @@ class Recorder:
         settings = replace(
             asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
         )
+        prefix, fed = forced_prefix(self.engine, tools, asked)  # before the record changes
         ep = self._segment(rec, messages, tools, asked.template_kwargs)
-        prefix = forced_prefix(self.engine, tools, asked)  # a forced tool call's start
-        if prefix and not ep.finish_reason:  # fed, not sampled: loss mask 0
-            self._extend(rec, self.engine.tokenizer.encode(prefix, add_special_tokens=False), [])
+        if fed and not ep.finish_reason:  # a forced call's start, fed, not sampled: mask 0
+            self._extend(rec, list(fed), [])
         full = ep.prompt_ids + ep.completion_ids
         sampled = await self._turn(
             handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=asked.prompt_logprobs

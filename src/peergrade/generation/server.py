@@ -204,7 +204,7 @@ class Engine:
         self.window_s, self.max_batch = window_s, max_batch
         self.chat_template = chat_template
         self.prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # ``render_prompt``'s
-        self.forced: dict[str, str] = {}  # ``forced_prefix``'s, by tools and function
+        self.forced: dict[str, tuple[str, list[int]]] = {}  # ``forced_prefix``'s
         self.eos_ids = default_eos_ids(model, tokenizer)
         cfg = model.config
         self.max_pos = int(getattr(cfg, "max_position_embeddings", None) or 10**9)
@@ -473,16 +473,19 @@ _PROBE_NAMES = ("pgprobefnA", "pgprobefnB")
 _PROBE_ARG = "pg_probe_argument"
 
 
-def forced_prefix(engine: Engine, tools: list[dict] | None, settings: Settings) -> str:
-    """The text a reply starts with when ``tool_choice`` forces a tool call ('' when it does
-    not): how the chat template begins an assistant tool call, up to the function's name
+def forced_prefix(
+    engine: Engine, tools: list[dict] | None, settings: Settings
+) -> tuple[str, list[int]]:
+    """The text a reply starts with when ``tool_choice`` forces a tool call, and its token ids
+    (fed after the prompt; ``("", [])`` when nothing is forced): how the chat template begins
+    an assistant tool call, up to the function's name
     (``required``: the model picks it) or up to its arguments (a named function). Read from
     the template itself (an assistant turn with a probe call rendered after the generation
     prompt), so the model continues its own format; the reply is parsed as any other. A
     template that does not render calls so, or not in the ``<tool_call>`` format the replies
     are parsed in, is a 400. Kept per (tools, function, template variables)."""
     if settings.tool_choice != "required":
-        return ""
+        return "", []
     name = settings.forced_tool
     key = json.dumps([tools, name, settings.template_kwargs], sort_keys=True, default=repr)
     if key in engine.forced:
@@ -523,8 +526,8 @@ def forced_prefix(engine: Engine, tools: list[dict] | None, settings: Settings) 
         )
     if len(engine.forced) >= 256:
         engine.forced.clear()
-    engine.forced[key] = prefix
-    return prefix
+    engine.forced[key] = (prefix, tok.encode(prefix, add_special_tokens=False))
+    return engine.forced[key]
 
 
 # ----------------------------------------------------------------------------- responses
@@ -795,8 +798,8 @@ class Handler:
         messages = normalise_messages(body.get("messages"))
         tools = offered_tools(body, settings)
         prompt_ids = render_prompt(self.engine, messages, tools, settings.template_kwargs)
-        prefix = forced_prefix(self.engine, tools, settings)  # a forced tool call's start
-        prompt_ids += self.engine.tokenizer.encode(prefix, add_special_tokens=False)
+        prefix, fed = forced_prefix(self.engine, tools, settings)  # a forced call's start
+        prompt_ids = prompt_ids + fed
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
         jobs = self.jobs(prompt_ids, settings, max_tokens)
         if settings.stream and not settings.logprobs and not prefix:
