@@ -1189,6 +1189,102 @@ def test_token_requests_that_change_the_tokens_split_and_bad_ones_fail(inner, me
     assert "400 token_ids" in refused.error
 
 
+def text_loop(start: str, turns: int, follow_up: str, seen: list, *, stop_back: str = ""):
+    """A completions harness (a ReAct-style loop over the openai client): the first prompt is
+    ``start``, each next one the last one + the reply's text (+ ``stop_back``: what it puts
+    back where a stop string cut the reply) + ``follow_up``."""
+
+    def harness(row, base_url, model):
+        c, text = client(base_url), start
+        for _ in range(turns):
+            r = c.completions.create(model=model, prompt=text, max_tokens=12)
+            seen.append(r.choices[0].text)
+            text += r.choices[0].text + stop_back + follow_up
+        return 1.0
+
+    return harness
+
+
+def test_text_completions_are_recorded_token_exact(inner, merge_tok):
+    """An episode of /completions requests: the client sends its growing text; the record is
+    the prompt encoded, the sampled tokens as sampled ("a", "b", not the "ab" that encoding
+    the text gives), and only the text the client added encoded (loss mask 0)."""
+    tok, eos = merge_tok, merge_tok.eos_token_id
+    chars = lambda text: [tok.encode(c, add_special_tokens=False)[0] for c in text]  # noqa: E731
+    prompt, more = "Q: say it\nA:", "\nQ: again\nA:"
+    turn1, turn2 = chars(" xab") + [eos], chars(" ab") + [eos]
+    seq = chars(prompt) + turn1 + chars(more) + turn2
+    first, second = len(prompt), len(seq) - len(turn2)
+    model = forced_model(
+        inner, tok, seq, [*range(first, first + len(turn1)), *range(second, len(seq))]
+    )
+    seen: list[str] = []
+    runner = HarnessRunner(model, tok)
+    r = one_episode(runner, text_loop(prompt, 2, more, seen), max_completion_length=200)
+    e, ab = r.episode, tok.convert_tokens_to_ids("ab")
+    assert r.error is None and r.splits == 0 and r.requests == 2 and seen == [" xab", " ab"]
+    assert e.prompt_ids == chars(prompt) and e.input_ids == seq
+    assert e.loss_mask == [1] * len(turn1) + [0] * len(chars(more)) + [1] * len(turn2)
+    assert ab not in e.completion_ids  # the client's text, encoded, holds it twice:
+    text = prompt + seen[0] + more + seen[1]
+    assert tok.encode(text, add_special_tokens=False).count(ab) == 2
+    logp, b = full_forward_logprobs(model.eval(), [e], tok.pad_token_id, 1.0)
+    torch.testing.assert_close(logp * b["loss_mask"], b["logprobs"], atol=1e-5, rtol=0)
+    assert [m["role"] for m in e.messages] == ["user", "assistant", "user", "assistant"]
+    assert e.messages[2]["content"] == more and e.num_turns == 2
+
+
+def test_a_text_completion_cut_at_a_stop_string_goes_on_only_with_its_tokens_text(inner, merge_tok):
+    """The trainer's stop string "a" ends the turn inside the sampled token "ab": the reply's
+    text leaves it out ("go "). A client that puts back "ab" extends the record; one that puts
+    back only "a" sends text the recorded tokens do not stand for: a split, counted."""
+    tok = merge_tok
+    chars = lambda text: [tok.encode(c, add_special_tokens=False)[0] for c in text]  # noqa: E731
+    turn = chars(" go ") + [tok.convert_tokens_to_ids("ab")]
+    seq = chars("Q:") + turn + chars("!") + turn
+    sampled = [*range(2, 2 + len(turn)), *range(len(seq) - len(turn), len(seq))]
+    model = forced_model(inner, tok, seq, sampled)
+    got = {}
+    for back in ("ab", "a"):
+        seen: list[str] = []
+        runner = HarnessRunner(model, tok)
+        got[back] = one_episode(
+            runner, text_loop("Q:", 2, "!", seen, stop_back=back), stop=["a"], temperature=0.0
+        )
+        assert seen[0] == " go "
+    kept, split = got["ab"], got["a"]
+    assert kept.error is None and kept.splits == 0 and kept.episode.input_ids == seq
+    assert split.error is None and split.splits == 1 and split.requests == 2
+    assert split.episode.prompt_ids == tok.encode("Q: go a!", add_special_tokens=False)
+
+
+def test_text_completion_requests_an_episode_refuses(inner, merge_tok):
+    """n > 1 and a batch of prompts are a 400 naming the field; a prompt of token ids goes on
+    as a token request."""
+    import httpx
+
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=3, eos_bias=8.0)
+    codes = {}
+
+    def harness(row, base_url, model_name):
+        def post(**b):
+            body = {"model": model_name, **b}
+            return httpx.post(base_url + "/completions", json=body, timeout=60)
+
+        for name, body in [("n", {"prompt": "q", "n": 2}), ("batch", {"prompt": ["q", "r"]})]:
+            r = post(**body)
+            codes[name] = (r.status_code, r.json()["error"]["param"])
+        r = post(prompt=merge_tok.encode("q", add_special_tokens=False), max_tokens=5,
+                 return_token_ids=True)  # fmt: skip
+        codes["ids"] = (r.status_code, r.json()["choices"][0]["token_ids"])
+        return 1.0
+
+    r = one_episode(HarnessRunner(model, merge_tok), harness)
+    assert codes["n"] == (400, "n") and codes["batch"] == (400, "prompt")
+    assert codes["ids"][0] == 200 and r.requests == 1 and r.episode.num_turns == 1
+    assert r.episode.completion_ids == codes["ids"][1]
+
+
 KILLER = """
 import os
 from openai import OpenAI

@@ -18,6 +18,11 @@ and recorded as tokens into one ``envs.Episode``, the record the in-process epis
   cannot extend the recorded tokens: the episode is split. The new request starts a new segment
   (its messages rendered afresh as its prompt) and ``splits`` counts it; the episode handed to
   the trainer is the last segment (earlier segments are kept in ``segments`` but not trained on);
+- a ``/completions`` request is recorded as text: its prompt string is encoded, and a
+  follow-up whose text starts with what the record stands for (``Recording.text``: the prompt
+  as sent, the replies' tokens decoded, the text added since) has the rest encoded and
+  appended (loss mask 0); any other text is a split. A prompt of token ids is a token request
+  (``/inference/v1/generate``'s: the ids extend the recorded ones, or split);
 - a client that gives up waiting (its timeout) or loses the connection and sends the same
   request again, marked as a retry (the ``openai`` client's ``x-stainless-retry-count``
   header, which LangChain, LiteLLM, the Agents SDK and verifiers send through it), gets the
@@ -55,6 +60,7 @@ from peergrade.generation.openai_schema import (
     normalise_messages,
     offered_tools,
     parse_generate,
+    parse_prompts,
     parse_settings,
 )
 from peergrade.generation.responses import ResponseStore, answer
@@ -62,6 +68,7 @@ from peergrade.generation.server import (
     Handler,
     Job,
     Sampled,
+    completion_response,
     forced_prefix,
     mix_key,
     render_prompt,
@@ -104,7 +111,12 @@ class Recording:
     last: tuple | None = None  # ((route, body), answer) of the last answered request
     closed: bool = False
     lock: asyncio.Lock | None = None
-    kind: str = ""  # the current segment's requests: chat (messages) | tokens (token ids)
+    #: the current segment's requests: chat (messages) | tokens (token ids) | text (prompts)
+    kind: str = ""
+    #: (kind text) what the segment's tokens stand for: the prompt as sent, then each reply's
+    #: tokens decoded (all of them: a stop string and what its token held after it too) and
+    #: each appended text as sent
+    text: str = ""
     #: the episode's Responses API replies (``previous_response_id``), all of them
     stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None))
 
@@ -166,6 +178,12 @@ class Recorder:
     async def generate(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
         call = self._generate(handler, rec, body)
         return await self._one_at_a_time(rec, call, ("generate", body), retry)
+
+    async def completions(
+        self, handler: Handler, rec: Recording, body: dict, retry: bool = False
+    ):  # fmt: skip
+        call = self._completion(handler, rec, body)
+        return await self._one_at_a_time(rec, call, ("completions", body), retry)
 
     async def responses(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
         """A Responses API request: recorded as the chat request it means."""
@@ -251,6 +269,43 @@ class Recorder:
         # no top log-probs: the trainer's sampling
         return token_response(self.engine, req, [sampled])
 
+    async def _completion(self, handler: Handler, rec: Recording, body: dict):
+        """A ``/v1/completions`` request: a prompt of token ids goes on as a token request's
+        does (``_token_segment``), a string as text (``_text_segment``); the reply's tokens
+        are recorded as a chat reply's are, and answered in the plain route's shape."""
+        model = handler.check_model(body)
+        asked = parse_settings(body, chat=False)
+        if asked.n != 1:
+            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
+        tok, raw = self.engine.tokenizer, body.get("prompt")
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+        prompts = parse_prompts(raw, encode, len(tok))
+        if len(prompts) != 1:
+            raise APIError("a training episode takes one prompt per request", param="prompt")
+        text = raw if isinstance(raw, str) else raw[0] if isinstance(raw[0], str) else None
+        rec.requests += 1
+        if text is None:
+            ep = self._token_segment(rec, prompts[0])
+        else:
+            ep = self._text_segment(rec, text)
+        full = ep.prompt_ids + ep.completion_ids
+        scored = asked.prompt_logprobs
+        if asked.echo and asked.logprobs:  # the prompt's tokens scored too, as on the plain route
+            scored = max(asked.top_logprobs, scored or 0)
+        sampled = await self._turn(
+            handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=scored
+        )  # fmt: skip
+        if sampled.token_ids:
+            ep.messages.append({"role": "assistant", "content": sampled.text})
+            if rec.kind == "text":
+                rec.text += tok.decode(sampled.token_ids, skip_special_tokens=True)
+        s = rec.settings  # the answer shows what was sampled: the trainer's stop strings
+        settings = replace(
+            asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
+        )
+        echo = [tok.decode(full) if asked.echo else ""]
+        return completion_response(self.engine, model, settings, [full], echo, [sampled])
+
     async def _turn(
         self,
         handler: Handler,
@@ -297,14 +352,40 @@ class Recorder:
             if not ep.finish_reason and len(ids) > len(held):
                 self._extend(rec, ids[len(held) :], None)
             return ep
-        self._check_fits(len(ids))
-        if ep is not None:
-            rec.splits += 1
-            rec.segments.append(ep)
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        ep = Episode(rec.row_index, list(ids), [{"role": "user", "content": text}], 1)
+        return self._new_segment(rec, list(ids), text, "tokens")
+
+    def _text_segment(self, rec: Recording, text: str) -> Episode:
+        """The segment a text prompt goes on: the current one when the text starts with what
+        its tokens stand for (``Recording.text``: the replies' tokens are never re-encoded;
+        the rest of the text is encoded and appended, loss mask 0), else a new one with the
+        text encoded as its prompt."""
+        ep, tok = rec.episode, self.engine.tokenizer
+        if (
+            ep is not None
+            and rec.kind == "text"
+            and rec.last_end is not None
+            and text.startswith(rec.text)
+        ):
+            new = text[len(rec.text) :]
+            ids = tok.encode(new, add_special_tokens=False) if new else []
+            if ids and not ep.finish_reason:
+                self._extend(rec, ids, [{"role": "user", "content": new}])
+                rec.text += new
+            return ep
+        ep = self._new_segment(rec, tok.encode(text, add_special_tokens=False), text, "text")
+        rec.text = text
+        return ep
+
+    def _new_segment(self, rec: Recording, ids: list[int], text: str, kind: str) -> Episode:
+        """A new segment with ``ids`` as its prompt (the current one kept: a split)."""
+        self._check_fits(len(ids))
+        if rec.episode is not None:
+            rec.splits += 1
+            rec.segments.append(rec.episode)
+        ep = Episode(rec.row_index, ids, [{"role": "user", "content": text}], 1)
         rec.episode, rec.messages, rec.tools, rec.last_end = ep, [], None, None
-        rec.kind = "tokens"
+        rec.kind = kind
         return ep
 
     def _check_fits(self, n: int) -> None:

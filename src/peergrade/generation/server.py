@@ -652,6 +652,40 @@ def completion_choice(
     return choice
 
 
+def completion_response(
+    engine: Engine,
+    model: str,
+    settings: Settings,
+    prompts: list[list[int]],
+    echoes: list[str],
+    sampled: list[Sampled],
+):
+    """``/v1/completions``' answer (a dict, or with ``stream`` its events): choice
+    ``p * n + i`` is prompt ``p``'s ``i``-th sample."""
+    n = settings.n
+    choices = [
+        completion_choice(engine, i, s, settings, echoes[i // n], prompts[i // n])
+        for i, s in enumerate(sampled)
+    ]
+    usage = usage_of([t for ids in prompts for t in ids], sampled)
+    out = {
+        "id": "cmpl-" + secrets.token_hex(12),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+    if settings.return_token_ids and len(prompts) == 1:
+        out["prompt_token_ids"] = list(prompts[0])
+    elif settings.return_token_ids:  # a batch: each choice its own, as vLLM returns them
+        for c in choices:
+            c["prompt_token_ids"] = list(prompts[c["index"] // n])
+    if settings.stream:  # with logprobs, or a batch: each finished choice in one chunk
+        return whole_completion(choices, model, usage if settings.include_usage else None)
+    return out
+
+
 def prompt_logprobs(
     engine: Engine, prompt_ids: Sequence[int], s: Sampled, settings: Settings
 ) -> list[dict | None] | None:
@@ -861,29 +895,7 @@ class Handler:
         sampled = await self.sample(jobs)
         for i, sm in enumerate(sampled):  # a prompt's samples share its scores
             sm.prompt = sm.prompt or sampled[i - i % settings.n].prompt
-        choices = [
-            completion_choice(
-                self.engine, i, s, settings, echoes[i // settings.n], prompts[i // settings.n]
-            )
-            for i, s in enumerate(sampled)
-        ]
-        usage = usage_of([t for ids in prompts for t in ids], sampled)
-        out = {
-            "id": "cmpl-" + secrets.token_hex(12),
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": usage,
-        }
-        if settings.return_token_ids and len(prompts) == 1:
-            out["prompt_token_ids"] = list(prompts[0])
-        elif settings.return_token_ids:  # a batch: each choice its own, as vLLM returns them
-            for c in choices:
-                c["prompt_token_ids"] = list(prompts[c["index"] // settings.n])
-        if settings.stream:  # with logprobs, or a batch: each finished choice in one chunk
-            return whole_completion(choices, model, usage if settings.include_usage else None)
-        return out
+        return completion_response(self.engine, model, settings, prompts, echoes, sampled)
 
     def models(self) -> dict:
         return {
@@ -979,14 +991,6 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         episode_of(request)
         return handler.models()
 
-    async def ep_completions(request):
-        episode_of(request)
-        raise APIError(
-            "an episode records chat requests (/chat/completions) and token requests "
-            "(/inference/v1/generate) only",
-            code="unsupported",
-        )
-
     def stored(request):  # the responses store the request's route reads
         if "eid" in request.path_params:
             return episode_of(request).stored
@@ -1006,7 +1010,7 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         Route("/v1/responses", plain(handler.responses), methods=["POST"]),
         Route("/inference/v1/generate", plain(handler.generate), methods=["POST"]),
         Route(f"{ep}/models", _route(ep_models), methods=["GET"]),
-        Route(f"{ep}/completions", _route(ep_completions), methods=["POST"]),
+        Route(f"{ep}/completions", episode(recorder and recorder.completions), methods=["POST"]),
         # recorder is None: episode_of refuses before these are called
         Route(f"{ep}/chat/completions", episode(recorder and recorder.chat), methods=["POST"]),
         Route(f"{ep}/responses", episode(recorder and recorder.responses), methods=["POST"]),
