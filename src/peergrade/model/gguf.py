@@ -23,9 +23,12 @@ What this module does
   chat template), first into a temporary sibling directory, then renamed into place, so a failed
   or interrupted conversion never leaves a half-written ``out_dir``.
 
-Loading a ``.gguf`` directly re-reads and dequantises the file every time (about 20 s for the
-135M SmolLM2 on a busy 2-core CPU); ``peergrade convert`` once and point the config at the
-directory to skip that. Nothing is cached behind the user's back.
+Loading a ``.gguf`` directly re-reads and dequantises the file every time (the tokenizer and
+the model of the 135M SmolLM2: about 30 s on a slow 2-core CPU); ``peergrade convert`` once and
+point the config at the directory to skip that. Nothing is cached behind the user's back
+between loads. Within one load (``_read_once``) the file's metadata is parsed once, not once for
+the config and again for the tensors, and gguf's tensor-name map is built once, not once per
+submodule as transformers asks for it: that was more than half of the load.
 
 What it deliberately does not do
 --------------------------------
@@ -40,10 +43,12 @@ What it deliberately does not do
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -134,6 +139,45 @@ def _require_gguf_packages(f: Path) -> None:
         )
 
 
+_READ_ONCE = threading.RLock()
+
+
+@contextlib.contextmanager
+def _read_once():
+    """Within this block each GGUF file's metadata is parsed once (``gguf.GGUFReader``, which
+    transformers builds for the config and again for the tensors) and gguf's tensor-name map
+    is built once per (architecture, layers) (transformers builds it for every submodule).
+    Both are read-only. Loads are serialised: the two names in ``gguf`` are swapped for the
+    block, and put back when the outermost block ends."""
+    import gguf
+
+    with _READ_ONCE:
+        real = gguf.GGUFReader, gguf.get_tensor_name_map
+        if getattr(real[0], "peergrade_read_once", False):  # an outer block is on
+            yield
+            return
+        readers: dict = {}
+        maps: dict = {}
+
+        def reader(path, mode="r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = real[0](path, mode)
+            return readers[key]
+
+        def name_map(arch, n_blocks):
+            if (arch, n_blocks) not in maps:
+                maps[arch, n_blocks] = real[1](arch, n_blocks)
+            return maps[arch, n_blocks]
+
+        reader.peergrade_read_once = True
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real
+
+
 def load_gguf_tokenizer(gguf_file):
     """The tokenizer (with its chat template) stored in the GGUF metadata of ``gguf_file``.
 
@@ -144,7 +188,10 @@ def load_gguf_tokenizer(gguf_file):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name, local_files_only=True)
+        with _read_once():
+            return AutoTokenizer.from_pretrained(
+                str(f.parent), gguf_file=f.name, local_files_only=True
+            )  # fmt: skip
     except Exception as e:  # transformers raises many types here
         raise ModelLoadError(f"could not read the tokenizer of GGUF file {str(f)!r}: {e}") from e
 
@@ -160,9 +207,10 @@ def load_gguf_model(gguf_file, dtype: torch.dtype = torch.float32):
 
     try:
         # The tensors are dequantised to float32 by transformers; cast only at the end.
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(f.parent), gguf_file=f.name, dtype=torch.float32, local_files_only=True
-        )
+        with _read_once():
+            loaded = AutoModelForCausalLM.from_pretrained(
+                str(f.parent), gguf_file=f.name, dtype=torch.float32, local_files_only=True
+            )
     except Exception as e:
         raise ModelLoadError(f"could not load the GGUF model {str(f)!r}: {e}") from e
     config = loaded.config
@@ -224,8 +272,9 @@ def convert_gguf(src, out_dir, *, dtype: str = "float32", overwrite: bool = Fals
             f"output directory {str(out)!r} already exists: choose another or pass --overwrite"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_gguf_tokenizer(f)
-    model = load_gguf_model(f, getattr(torch, dtype))
+    with _read_once():  # the file's metadata parsed once for both
+        tokenizer = load_gguf_tokenizer(f)
+        model = load_gguf_model(f, getattr(torch, dtype))
     bf16_ties = getattr(model, "bf16_ties", (0, 0))
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
