@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -53,6 +54,25 @@ QUESTION = [{"role": "user", "content": "1234*5678="}]
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_an_idle_connection_outlives_the_clients_pool_expiry(server):
+    """A connection left idle longer than httpx's pool expiry (5 s, the openai client's) is
+    still open: the client drops it first, so it never sends a request on a connection the
+    server is closing (uvicorn's default, 5 s, raced it: a connection error)."""
+    import socket
+
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        replies = []
+        for wait in (0, 6):
+            time.sleep(wait)
+            sock.sendall(request)
+            data = b""
+            while b'"data"' not in data and (chunk := sock.recv(65536)):
+                data += chunk
+            replies.append(data)
+    assert all(r.startswith(b"HTTP/1.1 200") and b'"data"' in r for r in replies), replies
 
 
 def test_greedy_equals_hf_generate(client, calc):

@@ -1033,6 +1033,14 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
 # ----------------------------------------------------------------------------- running it
 
 
+#: seconds an idle client connection is kept open. uvicorn's default, 5 s, is httpx's own
+#: pool expiry (the ``openai`` client's): a client that reuses a connection idle for about
+#: 5 s can send its request just as the server closes it, and gets a connection error (a
+#: training episode's agent between steps; NeMo-Gym#1555 met it with aiohttp's 15 s).
+#: Longer than the clients' expiry, the client always drops the connection first.
+KEEP_ALIVE_S = 75
+
+
 class Server:
     """The app served by uvicorn on a background thread (the trainer's server; tests).
     ``port=0`` takes a free port; ``url`` is ``http://host:port``."""
@@ -1040,7 +1048,10 @@ class Server:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         uvicorn = _require_serve("uvicorn")
 
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off",
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, name="peergrade-serve", daemon=True
@@ -1083,4 +1094,7 @@ def serve(
     uvicorn = _require_serve("uvicorn")
 
     engine = Engine(model, tokenizer, name, window_s=window_s)
-    uvicorn.run(build_app(engine, max_tokens=max_tokens), host=host, port=port, log_level="info")
+    uvicorn.run(
+        build_app(engine, max_tokens=max_tokens), host=host, port=port, log_level="info",
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )  # fmt: skip
