@@ -8,6 +8,8 @@
   before the timed region so that model building does not count.
 - ``alternate``: run the sides A, B, A, B, ... so slow drifts of a shared machine hit both.
 - ``median``, ``format_table``, ``load_note``.
+- ``arguments``: a benchmark's argument parser with ``--passes`` and ``--threads``.
+- ``seconds_table``: the sides' seconds (key ``s``) pass by pass and their medians, printed.
 - ``build_random_qwen2``: a Qwen2-shaped model with random weights plus a character tokenizer
   padded to its vocabulary, saved as a model directory (nothing downloaded).
 
@@ -16,6 +18,7 @@ This module knows nothing about any particular benchmark.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -23,6 +26,15 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+
+
+def arguments(doc: str, passes: int) -> argparse.ArgumentParser:
+    """A parser described by the first line of ``doc``, with ``--passes`` (alternated passes
+    per side, default ``passes``) and ``--threads`` (torch threads, default 1); add more."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=passes)
+    ap.add_argument("--threads", type=int, default=1)
+    return ap
 
 
 def load_note() -> str:
@@ -149,6 +161,16 @@ def alternate(sides: dict[str, Callable[[], dict]], passes: int) -> dict[str, li
         for name in order:
             results[name].append(sides[name]())
     return results
+
+
+def seconds_table(res: dict[str, list[dict]], what: str, digits: int = 2) -> dict[str, float]:
+    """Print each side's seconds (``"s"`` of each pass, ``alternate``'s results) and their
+    median, headed ``what``; returns the medians by side."""
+    med = {k: median([r["s"] for r in v]) for k, v in res.items()}
+    rows = [[k, f"{med[k]:.{digits}f}", " ".join(f"{r['s']:.{digits}f}" for r in v)]
+            for k, v in res.items()]  # fmt: skip
+    print(format_table(["side", f"{what} (median)", "s per pass"], rows))
+    return med
 
 
 def median(values: Sequence[float]) -> float:

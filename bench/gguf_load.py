@@ -13,7 +13,6 @@ equal. What it does not measure: the tokenizer's load (one parse either way), me
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -24,9 +23,7 @@ import _common  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = _common.arguments(__doc__, passes=3)
     args = ap.parse_args()
     import torch
     from transformers.utils import logging
@@ -58,13 +55,7 @@ def main() -> None:
     sides = {"transformers alone": side("a", False), "metadata parsed once": side("b", True)}
     res = _common.alternate(sides, args.passes)
     assert sums["a"] == sums["b"], "the two loads gave different weights"
-    med = {k: _common.median([r["s"] for r in v]) for k, v in res.items()}
-    print(
-        _common.format_table(
-            ["side", "s per load (median)", "s per pass"],
-            [[k, f"{med[k]:.1f}", " ".join(f"{r['s']:.1f}" for r in v)] for k, v in res.items()],
-        )
-    )
+    med = _common.seconds_table(res, "s per load", 1)
     a, b = med["transformers alone"], med["metadata parsed once"]
     print(f"parsed once / transformers alone = {b / a:.2f}x the time (same weights)")
     print(f"({args.threads} thread(s)); before: {load_before}; after: {_common.load_note()}")

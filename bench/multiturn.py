@@ -24,7 +24,6 @@ What it does not measure: GPU speed, memory, or environments that take time to a
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -157,9 +156,7 @@ def reprefill(model, tok, seed):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = _common.arguments(__doc__, passes=3)
     args = ap.parse_args()
     import torch
 

@@ -39,7 +39,6 @@ time between requests.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -125,9 +124,7 @@ def endpoint(runner, seed, pool=None, fn=agent):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = _common.arguments(__doc__, passes=3)
     ap.add_argument(
         "--processes", type=int, default=2, help="agents in N worker processes too (0: not)"
     )

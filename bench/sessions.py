@@ -16,7 +16,6 @@ then), the server, the agents.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -27,9 +26,7 @@ from multiturn import build  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = _common.arguments(__doc__, passes=5)
     args = ap.parse_args()
     import torch
 
@@ -70,13 +67,7 @@ def main() -> None:
     load_before = _common.load_note()
     res = _common.alternate(sides, args.passes)
     assert tokens["kept"] == tokens["back"], "the two sides sampled different tokens"
-    med = {k: _common.median([r["s"] for r in v]) for k, v in res.items()}
-    print(
-        _common.format_table(
-            ["side", "s for 4 calls (median)", "s per pass"],
-            [[k, f"{med[k]:.3f}", " ".join(f"{r['s']:.3f}" for r in v)] for k, v in res.items()],
-        )
-    )
+    med = _common.seconds_table(res, "s for 4 calls", 3)
     print(f"kept / written back = {med['kept'] / med['written back']:.2f}x the time (same tokens)")
     print(f"({args.threads} thread(s)); before: {load_before}; after: {_common.load_note()}")
 
