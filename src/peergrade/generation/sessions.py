@@ -26,19 +26,12 @@ take its follow-up. ``forget(session)`` drops an episode (it is over). Draws are
 keyed uniforms of (seed, job key, position in the turn): a job samples what ``generate`` would,
 and what it would alone, up to float rounding.
 
-A call's batched cache is kept as it is when the call ends (``slab``): when the next call
-answers the same episodes (agents in lock-step: every open episode sent its next turn), it goes
-on in that cache (rows reordered if need be) and nothing is copied. Otherwise (other episodes,
-one forgotten or split, or hole columns past a quarter of the width) its rows' real keys/values
-are first written back to the per-episode store (``_flush``), so each such call copies its
-episodes' keys/values into the batched cache and back (memory traffic of the size of their
-caches). It does not bound the memory the open episodes hold. It does not
+Each call copies its episodes' keys/values into the batched cache and back (memory traffic of
+the size of their caches); it does not bound the memory the open episodes hold. It does not
 decide what a turn is (``recorder`` does) or batch requests (``server.Engine``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -50,19 +43,6 @@ from peergrade.generation.kernel import (
     slab_rows,
     uniforms,
 )
-
-
-@dataclass
-class _Slab:
-    """The last call's batched cache, kept as it was: ``TurnEngine``'s cache state, the
-    episode of each row and the tokens each row holds."""
-
-    cache: object
-    key_ok: torch.Tensor
-    n_real: torch.Tensor
-    cur: int
-    sessions: list[str]
-    seen: list[list[int]]
 
 
 class Sessions:
@@ -78,54 +58,17 @@ class Sessions:
         self.eng.cache = None
         self.kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer (K, V)
         self.seen: dict[str, list[int]] = {}  # the tokens each episode's kv holds
-        self.slab: _Slab | None = None  # the last call's cache (its episodes are not in kv)
         self._gone: set[str] = set()
-
-    def held(self) -> set[str]:
-        """The episodes whose keys/values are kept (in the store or the last call's cache)."""
-        return set(self.seen) | set(self.slab.sessions if self.slab else ())
 
     def forget(self, session: str) -> None:
         """Drop ``session``'s kept cache at the next ``run`` (any thread)."""
         self._gone.add(session)
 
-    def _reusable(self, jobs) -> bool:
-        """Whether the last call's cache serves ``jobs`` as it is: the same episodes, each
-        job's tokens a strict extension of its row's, and holes under a quarter of the width
-        (or 64 columns)."""
-        sl = self.slab
-        if sl is None or sorted(sl.sessions) != sorted(j.session for j in jobs):
-            return False
-        at = {x: r for r, x in enumerate(sl.sessions)}
-        for j in jobs:
-            s = sl.seen[at[j.session]]
-            if len(s) >= len(j.prompt_ids) or j.prompt_ids[: len(s)] != s:
-                return False
-        return sl.cur - int(sl.n_real.min()) <= max(64, sl.cur // 4)
-
-    def _flush(self) -> None:
-        """The last call's rows written back to the store (real columns only)."""
-        sl, self.slab = self.slab, None
-        if sl is not None:
-            rows = slab_rows(sl.cache, sl.key_ok)
-            for x, s, kv in zip(sl.sessions, sl.seen, rows):
-                self.kv[x], self.seen[x] = kv, s
-
-    def _resume(self, jobs) -> torch.Tensor:
-        """The last call's cache (``jobs`` in its rows' order), each row fed what it has not
-        seen."""
-        e, sl = self.eng, self.slab
-        self.slab = None
-        e.cache, e.key_ok, e.n_real, e.cur = sl.cache, sl.key_ok, sl.n_real, sl.cur
-        return e._feed([list(j.prompt_ids[len(s) :]) for j, s in zip(jobs, sl.seen)])
-
     def _open(self, jobs) -> torch.Tensor:
         """The engine's cache for these jobs' rows (row ``i``: job ``i``), each row fed what it
         has not seen; returns the logits after each row's last token [J, V]. Every job's
-        episode leaves the store here (it is kept again when the run ends)."""
+        episode leaves the store here (it is written back when the run ends)."""
         e, dev = self.eng, self.device
-        if self.slab is not None:  # ``_settle`` kept it for these jobs
-            return self._resume(jobs)
         held = [self.kv.pop(j.session, None) for j in jobs]
         seen = [self.seen.pop(j.session, []) for j in jobs]
         if all(h is None for h in held):  # each distinct prompt fed in a row of its own, copied
@@ -148,32 +91,11 @@ class Sessions:
         return logits
 
     def _close(self, jobs, seen: list[list[int]]) -> None:
-        """Each job's episode kept: the call's cache as it is, with the tokens of each row."""
+        """Each job's episode kept: its rows' real keys/values and the tokens they are of."""
         e = self.eng
-        sessions = [j.session for j in jobs]
-        self.slab = _Slab(e.cache, e.key_ok, e.n_real, e.cur, sessions, seen)
+        for j, s, kv in zip(jobs, seen, slab_rows(e.cache, e.key_ok)):
+            self.kv[j.session], self.seen[j.session] = kv, s
         e.cache = e.key_ok = e.n_real = None
-
-    def _settle(self, jobs) -> None:
-        """Forgotten episodes dropped; the last call's cache written back unless it serves
-        ``jobs`` as it is; kept episodes that ``jobs`` do not extend (a split) dropped."""
-        gone, self._gone = self._gone, set()
-        if self.slab is not None and gone >= set(self.slab.sessions):
-            self.slab = None  # every episode in it is over
-        elif self.slab is not None and (gone & set(self.slab.sessions)):
-            self._flush()  # then dropped from the store below
-        for s in gone:
-            self.kv.pop(s, None)
-            self.seen.pop(s, None)
-        if not self._reusable(jobs):
-            self._flush()
-        # episodes whose kept tokens are not a strict prefix of their job's (a split): afresh
-        for j in jobs:
-            held = self.seen.get(j.session)
-            if held is not None and (
-                j.prompt_ids[: len(held)] != held or len(held) >= len(j.prompt_ids)
-            ):
-                del self.kv[j.session], self.seen[j.session]
 
     @torch.no_grad()
     def run(self, jobs, on_done=None) -> list[tuple[list[int], list[float], list[float], str]]:
@@ -181,20 +103,17 @@ class Sessions:
         (one sampling setting; distinct sessions). ``on_done(i, result)``, when given, is
         called with job ``i``'s result as soon as its row ends, while longer rows go on (its
         agent can answer it meanwhile; its keys/values are kept when the run ends)."""
-        self._settle(jobs)
-        if self.slab is None:
-            return self._run(jobs, on_done)
-        # the last call's cache goes on: the jobs in its rows' order (no rows copied)
-        at = {j.session: k for k, j in enumerate(jobs)}
-        perm = [at[x] for x in self.slab.sessions]  # the job of each row
-        done = None if on_done is None else (lambda i, res: on_done(perm[i], res))
-        got = self._run([jobs[k] for k in perm], done)
-        out: list = [None] * len(jobs)
-        for i, k in enumerate(perm):
-            out[k] = got[i]
-        return out
-
-    def _run(self, jobs, on_done) -> list[tuple[list[int], list[float], list[float], str]]:
+        gone, self._gone = self._gone, set()
+        for s in gone:
+            self.kv.pop(s, None)
+            self.seen.pop(s, None)
+        # episodes whose kept tokens are not a strict prefix of their job's (a split): afresh
+        for j in jobs:
+            held = self.seen.get(j.session)
+            if held is not None and (
+                j.prompt_ids[: len(held)] != held or len(held) >= len(j.prompt_ids)
+            ):
+                del self.kv[j.session], self.seen[j.session]
         e, j0 = self.eng, jobs[0]
         e.temperature, e.top_p, e.top_k, e.stop = j0.temperature, j0.top_p, j0.top_k, j0.stop
         e.stop_window = max(len(x) for x in j0.stop) + 8 if j0.stop else 0
