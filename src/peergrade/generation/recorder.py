@@ -121,6 +121,14 @@ class Recording:
     stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None))
 
 
+def _imposed(asked, s: EpisodeSettings):
+    """The client's settings with the trainer's sampling in place (temperature, top-p, top-k,
+    stop strings; no seed): the client keeps only what cannot change the policy's draws."""
+    return replace(
+        asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
+    )
+
+
 async def _events(events: list[str]):
     for e in events:
         yield e
@@ -224,11 +232,7 @@ class Recorder:
         messages = normalise_messages(body.get("messages"))
         tools = offered_tools(body, asked)  # tool_choice none: as the plain route renders it
         rec.requests += 1
-        s = rec.settings
-        # the trainer's settings win; the client keeps only what cannot change the policy's draws
-        settings = replace(
-            asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
-        )
+        settings = _imposed(asked, rec.settings)
         prefix, fed = forced_prefix(self.engine, tools, asked)  # before the record changes
         ep = self._segment(rec, messages, tools, asked.template_kwargs)
         if fed and not ep.finish_reason:  # a forced call's start, fed, not sampled: mask 0
@@ -278,8 +282,7 @@ class Recorder:
         if asked.n != 1:
             raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
         tok, raw = self.engine.tokenizer, body.get("prompt")
-        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-        prompts = parse_prompts(raw, encode, len(tok))
+        prompts = parse_prompts(raw, self.engine.encode, len(tok))
         if len(prompts) != 1:
             raise APIError("a training episode takes one prompt per request", param="prompt")
         text = raw if isinstance(raw, str) else raw[0] if isinstance(raw[0], str) else None
@@ -287,7 +290,7 @@ class Recorder:
         if text is None:
             ep = self._token_segment(rec, prompts[0])
         else:
-            ep = self._text_segment(rec, text)
+            ep = self._text_segment(rec, text, prompts[0])
         full = ep.prompt_ids + ep.completion_ids
         scored = asked.prompt_logprobs
         if asked.echo and asked.logprobs:  # the prompt's tokens scored too, as on the plain route
@@ -299,10 +302,7 @@ class Recorder:
             ep.messages.append({"role": "assistant", "content": sampled.text})
             if rec.kind == "text":
                 rec.text += tok.decode(sampled.token_ids, skip_special_tokens=True)
-        s = rec.settings  # the answer shows what was sampled: the trainer's stop strings
-        settings = replace(
-            asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
-        )
+        settings = _imposed(asked, rec.settings)  # the answer cuts at the trainer's stop strings
         echo = [tok.decode(full) if asked.echo else ""]
         return completion_response(self.engine, model, settings, [full], echo, [sampled])
 
@@ -355,12 +355,12 @@ class Recorder:
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
         return self._new_segment(rec, list(ids), text, "tokens")
 
-    def _text_segment(self, rec: Recording, text: str) -> Episode:
+    def _text_segment(self, rec: Recording, text: str, ids: list[int]) -> Episode:
         """The segment a text prompt goes on: the current one when the text starts with what
         its tokens stand for (``Recording.text``: the replies' tokens are never re-encoded;
-        the rest of the text is encoded and appended, loss mask 0), else a new one with the
-        text encoded as its prompt."""
-        ep, tok = rec.episode, self.engine.tokenizer
+        the rest of the text is encoded and appended, loss mask 0), else a new one with
+        ``ids`` (the text encoded) as its prompt."""
+        ep = rec.episode
         if (
             ep is not None
             and rec.kind == "text"
@@ -368,12 +368,12 @@ class Recorder:
             and text.startswith(rec.text)
         ):
             new = text[len(rec.text) :]
-            ids = tok.encode(new, add_special_tokens=False) if new else []
-            if ids and not ep.finish_reason:
-                self._extend(rec, ids, [{"role": "user", "content": new}])
+            fed = self.engine.encode(new) if new else []
+            if fed and not ep.finish_reason:
+                self._extend(rec, fed, [{"role": "user", "content": new}])
                 rec.text += new
             return ep
-        ep = self._new_segment(rec, tok.encode(text, add_special_tokens=False), text, "text")
+        ep = self._new_segment(rec, list(ids), text, "text")
         rec.text = text
         return ep
 

@@ -223,6 +223,10 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="peergrade-engine", daemon=True)
         self._thread.start()
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (a completion prompt, fed text): no special tokens added."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def keep_sessions(self) -> None:
         """Keep each training episode's KV cache between its requests (``sessions``), when
         the model's attention allows it (full attention, sdpa or eager)."""
@@ -526,7 +530,7 @@ def forced_prefix(
         )
     if len(engine.forced) >= 256:
         engine.forced.clear()
-    engine.forced[key] = (prefix, tok.encode(prefix, add_special_tokens=False))
+    engine.forced[key] = (prefix, engine.encode(prefix))
     return engine.forced[key]
 
 
@@ -877,8 +881,7 @@ class Handler:
         settings = parse_settings(body, chat=False)
         refuse_unsupported(settings)
         tok = self.engine.tokenizer
-        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
-        prompts = parse_prompts(body.get("prompt"), encode, len(tok))
+        prompts = parse_prompts(body.get("prompt"), self.engine.encode, len(tok))
         asked = settings.max_tokens if settings.max_tokens is not None else 16
         jobs = []  # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
         for ids in prompts:
