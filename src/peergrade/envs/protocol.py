@@ -19,6 +19,7 @@ tool calls (runner, template and tools do).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -59,27 +60,45 @@ class Environment(Protocol):
     def step(self, message: dict) -> Step: ...
 
 
-def run_sync(awaitable):
-    """Run a coroutine to completion from synchronous code, also when the caller is itself
-    inside a running event loop (a notebook): then it runs on a helper thread's own loop."""
+def run_sync(awaitable, grace_s: float = 10.0):
+    """Run a coroutine to completion from synchronous code (also when the caller is itself
+    inside a running event loop: a notebook), on an event loop of its own thread while the
+    caller waits. A stop raised by a signal handler in the caller's thread (the trainer's
+    Ctrl-C or SIGTERM) so lands in that wait, never inside the loop's machinery, where it
+    would leave tasks half run and print "Task exception was never retrieved"; the
+    coroutine is then cancelled (up to ``grace_s`` to unwind) and the stop goes on. What the
+    coroutine raises, ``SystemExit`` and ``KeyboardInterrupt`` too, is raised here."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="peergrade-loop", daemon=True)
+    thread.start()
+    unwound = threading.Event()
+
+    async def main():
+        try:  # nothing escapes into the loop's machinery: it would stop the loop unanswered
+            return True, await awaitable
+        except BaseException as e:
+            return False, e
+        finally:
+            unwound.set()
+
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(awaitable)
-    box: dict[str, Any] = {}
-
-    def target():
+        fut = asyncio.run_coroutine_threadsafe(main(), loop)
         try:
-            box["value"] = asyncio.run(awaitable)
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+            ok, value = fut.result()
+        except BaseException:  # a stop in this thread while waiting
+            fut.cancel()  # cancels the loop's task
+            unwound.wait(grace_s)  # its own cleanup (``finally``, ``except``) runs meanwhile
+            raise
+    finally:
+        with contextlib.suppress(Exception):  # on the loop's thread: the caller may be in one
+            asyncio.run_coroutine_threadsafe(loop.shutdown_asyncgens(), loop).result(grace_s)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=grace_s)
+        if not thread.is_alive():
+            loop.close()
+    if not ok:
+        raise value
+    return value
 
 
 async def maybe_await(value):

@@ -99,8 +99,14 @@ class HarnessRunner:
         return self.server.url
 
     def close(self) -> None:
+        self.stop_sampling()
         self.server.stop()
         self.engine.close()
+
+    def stop_sampling(self, wait_s: float = 60.0) -> bool:
+        """Stop the sampling call in flight and refuse new requests until the next ``run``
+        (a run that stops: Ctrl-C, an error); True once no thread is sampling."""
+        return self.engine.interrupt(wait_s)
 
     def run(
         self,
@@ -126,6 +132,7 @@ class HarnessRunner:
         index, k). ``pool``: a sync ``fn``'s calls run in these worker processes (the same
         harness, loaded there by name) instead of on threads of this process; the episodes
         are the same."""
+        self.engine.resume()  # after a stop (``stop_sampling``) the endpoint serves again
         is_async = inspect.iscoroutinefunction(fn)
         if pool is not None and not is_async:
             pool.ensure()  # started, or a dead worker replaced
@@ -170,7 +177,8 @@ class HarnessRunner:
                 except Exception as e:
                     error, kind = f"{type(e).__name__}: {e}", "exception"
                 except BaseException as e:  # its sys.exit() / KeyboardInterrupt: its failure
-                    if not users_own_stop(e):
+                    if not users_own_stop(e):  # the run stops: the episode is dropped
+                        self.recorder.close(rec.eid)
                         raise
                     error, kind = describe_exit(e), "exception"
                 rec = self.recorder.close(rec.eid)
@@ -180,7 +188,7 @@ class HarnessRunner:
             gate = asyncio.Semaphore(concurrency or max(total, 1))
             return await asyncio.gather(*(one(i, gate) for i in range(total)))
 
-        return run_sync(all_of())
+        return run_sync(all_of())  # a Ctrl-C lands in its wait, not inside the loop
 
     def _result(self, rec, row_index: int, row, value, error, kind) -> HarnessResult:
         """The ``HarnessResult`` of a closed recording ``rec``: the harness's ``value`` checked

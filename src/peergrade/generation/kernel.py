@@ -79,10 +79,24 @@ import torch
 from peergrade.generation.record import Samples
 from peergrade.model.load import position_ids_from_mask
 
-__all__ = ["Rollout", "generate", "position_ids_from_mask"]
+__all__ = ["GenerationCancelled", "Rollout", "generate", "position_ids_from_mask"]
 
 #: the kernel's result is the package's one record (``record.Samples``); the old name stays
 Rollout = Samples
+
+
+class GenerationCancelled(RuntimeError):
+    """A sampling call stopped at a step because its ``cancel`` event was set (the trainer's
+    endpoint on Ctrl-C: no sampling thread outlives the run)."""
+
+    def __init__(self) -> None:
+        super().__init__("sampling was cancelled (the run is stopping)")
+
+
+def check_cancel(cancel) -> None:
+    """Raise ``GenerationCancelled`` if ``cancel`` (a ``threading.Event`` or None) is set."""
+    if cancel is not None and cancel.is_set():
+        raise GenerationCancelled()
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,6 +510,7 @@ def generate(
     on_tokens: Callable[[list[int], list[int]], None] | None = None,
     budgets: Sequence[int] | None = None,
     on_done: Callable[[int, dict], None] | None = None,
+    cancel: Any = None,
 ) -> Samples:
     """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
 
@@ -527,6 +542,8 @@ def generate(
         on_done: ``fn(sequence, row)`` once per sequence, at the host check after its end
             (the last ones as the call ends): ``row`` holds its ``tokens``, ``logprobs``,
             ``sampler_logprobs`` (lists), ``finish`` and ``text``, as the ``Samples`` has them.
+        cancel: a ``threading.Event``; once set (from any thread), the call raises
+            ``GenerationCancelled`` at its next step.
     """
     cfg = model_config(model)
     n, max_new_tokens, top_k, stop = _check_settings(
@@ -547,7 +564,7 @@ def generate(
         temperature=float(temperature), top_p=float(top_p), top_k=top_k, stop=stop,
         eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
         ignore_eos=ignore_eos, check_every=check_every, on_tokens=on_tokens, budgets=budgets,
-        on_done=on_done,
+        on_done=on_done, cancel=cancel,
     )  # fmt: skip
     step = batch_size or num_seq
     with eval_mode(model):
@@ -671,6 +688,7 @@ class _Runner:
     on_tokens: Callable[[list[int], list[int]], None] | None  # generate's streaming hook
     budgets: list[int] | None  # per prompt: its sequences' token limit (None: max_new_tokens)
     on_done: Callable[[int, dict], None] | None  # each sequence's result, as it ends
+    cancel: Any  # a threading.Event: set, the call stops at its next step
     fast: bool  # every layer full attention with sdpa/eager: the in-place slab cache
     cache_kw: str  # the forward's name for the KV cache argument
     bool_mask: bool  # sdpa takes a boolean attention mask
@@ -791,6 +809,7 @@ class _Runner:
 
         cur = p_len  # cache length before this step's token
         for t in range(T):
+            check_cancel(self.cancel)
             tok, logp, sampler_logp = draw_tokens(
                 logits, u_local[rows, t], self.temperature, self.top_p, self.top_k
             )

@@ -70,7 +70,14 @@ from typing import Any
 
 from peergrade.envs.template import render
 from peergrade.envs.tools import parse_tool_calls
-from peergrade.generation.kernel import cut_after_stop, default_eos_ids, eval_mode, generate
+from peergrade.generation.kernel import (
+    GenerationCancelled,
+    check_cancel,
+    cut_after_stop,
+    default_eos_ids,
+    eval_mode,
+    generate,
+)
 from peergrade.generation.openai_schema import (
     APIError,
     Settings,
@@ -220,6 +227,10 @@ class Engine:
         self._taken = 0  # requests the worker holds while ``hold`` is on
         self._go = threading.Event()  # cleared: the worker holds queued requests (``hold``)
         self._go.set()
+        #: set: the call in flight stops at its next step and new requests fail at once
+        #: (``interrupt``), until ``resume``
+        self._cancel = threading.Event()
+        self._busy = False  # the worker is inside a call
         self._thread = threading.Thread(target=self._loop, name="peergrade-engine", daemon=True)
         self._thread.start()
 
@@ -235,6 +246,7 @@ class Engine:
 
         if slab_cache_ok(self.model.config):
             self.sessions = Sessions(self.model, self.tokenizer, self.eos_ids, self.max_pos)
+            self.sessions.cancel = self._cancel
 
     def hold(self) -> None:
         """Keep queued requests waiting until ``release`` (then they form one batch)."""
@@ -249,8 +261,28 @@ class Engine:
 
     def submit(self, jobs: Sequence[Job]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._q.put((list(jobs), fut))
+        if self._cancel.is_set():
+            fut.set_exception(GenerationCancelled())
+        else:
+            self._q.put((list(jobs), fut))
         return fut
+
+    def interrupt(self, wait_s: float = 60.0) -> bool:
+        """Stop the sampling call in flight at its next step (its requests fail with
+        ``GenerationCancelled``, as do new ones until ``resume``) and wait up to ``wait_s``
+        until the worker is idle; True if it is. A run that stops (Ctrl-C, an error) calls
+        this so that no thread is inside the model when the interpreter exits (torch aborts
+        the process then: "terminate called without an active exception")."""
+        self._cancel.set()
+        self._go.set()
+        deadline = time.monotonic() + wait_s
+        while (self._busy or not self._q.empty()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._busy
+
+    def resume(self) -> None:
+        """Serve again after ``interrupt``."""
+        self._cancel.clear()
 
     def close(self) -> None:
         self._q.put(None)
@@ -261,6 +293,7 @@ class Engine:
             item = self._q.get()
             if item is None:
                 return
+            self._busy = True  # until this batch is answered (``interrupt`` waits for it)
             self._taken = 1
             self._go.wait()
             self._taken = 0
@@ -283,7 +316,10 @@ class Engine:
                     break
                 batch.append(nxt)
             t0 = time.perf_counter()
-            self._run(batch)
+            try:
+                self._run(batch)
+            finally:
+                self._busy = False
             self.busy_s += time.perf_counter() - t0
 
     def _run(self, batch: list[tuple[list[Job], concurrent.futures.Future]]) -> None:
@@ -296,6 +332,7 @@ class Engine:
                 _resolve(fut, [results[(bi, ji)] for ji in range(len(jobs))])
 
         try:
+            check_cancel(self._cancel)
             groups: dict[tuple, list] = {}
             for item in flat:
                 groups.setdefault(item[2].group(), []).append(item)
@@ -381,6 +418,7 @@ class Engine:
             on_tokens=hand_on if any(j.on_token is not None for j in jobs) else None,
             budgets=[j.max_tokens for j in jobs],
             on_done=ended,
+            cancel=self._cancel,
         )
 
     def _scored_only(self, job: Job) -> Sampled:
@@ -950,6 +988,8 @@ def _route(fn):
             result = await fn(request)
         except APIError as e:
             return error(e)
+        except GenerationCancelled as e:  # the server or the run is stopping
+            return error(APIError(str(e), status=503, type="server_error", code="stopping"))
         except Exception as e:  # a bug or a model failure: a 500 in the same shape
             return error(APIError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
         if isinstance(result, dict):
@@ -1093,11 +1133,30 @@ def serve(
     max_tokens: int | None = None,
     window_s: float = 0.005,
 ) -> None:
-    """Serve until interrupted (``peergrade serve``)."""
+    """Serve until interrupted (``peergrade serve``). On Ctrl-C (or SIGTERM) the sampling call
+    in flight stops at its next token and its requests are answered with an error, so the
+    server's graceful shutdown (which waits for open requests) ends at once, and no thread is
+    inside the model when the process exits."""
     uvicorn = _require_serve("uvicorn")
 
     engine = Engine(model, tokenizer, name, window_s=window_s)
-    uvicorn.run(
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine.interrupt(wait_s=0)  # does not wait: this is the signal handler
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
         build_app(engine, max_tokens=max_tokens), host=host, port=port, log_level="info",
         timeout_keep_alive=KEEP_ALIVE_S,
     )  # fmt: skip
+    server = _Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C while shutting down
+        pass
+    finally:
+        engine.interrupt()
+        engine.close()
+    if not server.started:  # uvicorn logged why (the port is taken, ...)
+        raise SystemExit(3)

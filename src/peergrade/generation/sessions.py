@@ -37,6 +37,7 @@ import torch
 
 from peergrade.generation.episodes import TurnEngine
 from peergrade.generation.kernel import (
+    check_cancel,
     draw_tokens,
     row_states,
     slab_cache_of,
@@ -59,6 +60,7 @@ class Sessions:
         self.kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer (K, V)
         self.seen: dict[str, list[int]] = {}  # the tokens each episode's kv holds
         self._gone: set[str] = set()
+        self.cancel = None  # the engine's threading.Event: set, a run stops at its next step
 
     def forget(self, session: str) -> None:
         """Drop ``session``'s kept cache at the next ``run`` (any thread)."""
@@ -133,6 +135,7 @@ class Sessions:
             finish = ["length"] * len(jobs)
             live = list(range(len(jobs)))
             for t in range(T):
+                check_cancel(self.cancel)
                 rows = torch.tensor(live, device=self.device)
                 tok, logp, slp = draw_tokens(
                     logits.index_select(0, rows), u[live, t], e.temperature, e.top_p, e.top_k

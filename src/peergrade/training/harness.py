@@ -140,10 +140,15 @@ def pool_of(spec: str | None, processes: int | str, fn: Callable | None) -> Harn
 
 
 def close(run) -> None:
-    """Stop the harness's worker processes (the end of a run, Ctrl-C or an error)."""
+    """Stop the harness's worker processes and the endpoint's sampling (the end of a run,
+    Ctrl-C or an error): no agent outlives the run, and no thread is inside the model when
+    the process exits. The endpoint itself stays up for the next ``train`` call (Python)."""
     pool = getattr(run, "harness_pool", None)
     if pool is not None:
         pool.close()
+    runner = getattr(run, "harness_runner", None)
+    if runner is not None:
+        runner.stop_sampling()
 
 
 def _run(run, rows, *, n, temperature, top_p, seed, row_keys, stop) -> list[HarnessResult]:
