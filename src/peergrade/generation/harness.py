@@ -134,10 +134,9 @@ class HarnessRunner:
         are the same."""
         self.engine.resume()  # after a stop (``stop_sampling``) the endpoint serves again
         is_async = inspect.iscoroutinefunction(fn)
-        if pool is not None and not is_async:
+        pool = pool if pool is not None and not is_async else None
+        if pool is not None:
             pool.ensure()  # started, or a dead worker replaced
-        else:
-            pool = None
         keys = list(range(len(rows))) if row_keys is None else list(row_keys)
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         total = len(rows) * n

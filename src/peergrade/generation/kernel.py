@@ -536,14 +536,12 @@ def generate(
         check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
             With stop strings the check runs every step (the text must be decoded anyway).
         on_tokens: ``fn(sequences, tokens)`` after each step: the sequences (prompt ``i``'s
-            sample ``j`` is ``i * n + j``) that drew a counted token, and those tokens.
-        budgets: one token limit per prompt, each in [1, max_new_tokens]: its sequences end
-            there (finish ``length``) and leave the batch, as at ``max_new_tokens``.
+            sample ``j``: ``i * n + j``) that drew a counted token, and those tokens.
+        budgets: per prompt, a token limit in [1, max_new_tokens] (finish ``length`` there).
         on_done: ``fn(sequence, row)`` once per sequence, at the host check after its end
             (the last ones as the call ends): ``row`` holds its ``tokens``, ``logprobs``,
             ``sampler_logprobs`` (lists), ``finish`` and ``text``, as the ``Samples`` has them.
-        cancel: a ``threading.Event``; once set (from any thread), the call raises
-            ``GenerationCancelled`` at its next step.
+        cancel: a ``threading.Event``: once set, the call raises ``GenerationCancelled``.
     """
     cfg = model_config(model)
     n, max_new_tokens, top_k, stop = _check_settings(
@@ -567,11 +565,9 @@ def generate(
         on_done=on_done, cancel=cancel,
     )  # fmt: skip
     step = batch_size or num_seq
+    starts = range(0, num_seq, step)
     with eval_mode(model):
-        parts = [
-            runner.run(prompt_ids, states, start, min(start + step, num_seq))
-            for start in range(0, num_seq, step)
-        ]
+        parts = [runner.run(prompt_ids, states, i, min(i + step, num_seq)) for i in starts]
     return _assemble(parts, prompt_ids, n, tokenizer.pad_token_id, device)
 
 
