@@ -276,9 +276,13 @@ class Engine:
         self._cancel.set()
         self._go.set()
         deadline = time.monotonic() + wait_s
-        while (self._busy or not self._q.empty()) and time.monotonic() < deadline:
+        while (
+            self._thread.is_alive()
+            and (self._busy or not self._q.empty())
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.005)
-        return not self._busy
+        return not self._busy or not self._thread.is_alive()
 
     def resume(self) -> None:
         """Serve again after ``interrupt``."""
