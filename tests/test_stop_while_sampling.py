@@ -21,7 +21,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from cli_helper import ROOT  # noqa: E402
-from peergrade.envs.protocol import run_sync  # noqa: E402
+from peergrade.envs.protocol import run_stoppable as run_sync  # noqa: E402
 from peergrade.generation.harness import HarnessRunner  # noqa: E402
 from peergrade.generation.kernel import GenerationCancelled, generate  # noqa: E402
 from peergrade.generation.server import Job  # noqa: E402

@@ -60,10 +60,33 @@ class Environment(Protocol):
     def step(self, message: dict) -> Step: ...
 
 
-def run_sync(awaitable, grace_s: float = 10.0):
-    """Run a coroutine to completion from synchronous code (also when the caller is itself
-    inside a running event loop: a notebook), on an event loop of its own thread while the
-    caller waits. A stop raised by a signal handler in the caller's thread (the trainer's
+def run_sync(awaitable):
+    """Run a coroutine to completion from synchronous code, also when the caller is itself
+    inside a running event loop (a notebook): then it runs on a helper thread's own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(awaitable)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(awaitable)
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def run_stoppable(awaitable, grace_s: float = 10.0):
+    """``run_sync``, on an event loop of its own thread while the caller waits (the harness's
+    episodes; not for code under ``limits.call_within``, whose watchdog interrupts only the
+    main thread). A stop raised by a signal handler in the caller's thread (the trainer's
     Ctrl-C or SIGTERM) so lands in that wait, never inside the loop's machinery, where it
     would leave tasks half run and print "Task exception was never retrieved"; the
     coroutine is then cancelled (up to ``grace_s`` to unwind) and the stop goes on. What the

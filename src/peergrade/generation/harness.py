@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from peergrade.envs.episode import Episode
 from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of
-from peergrade.envs.protocol import run_sync
+from peergrade.envs.protocol import run_stoppable
 from peergrade.envs.template import render
 from peergrade.errors import describe_exit, users_own_stop
 from peergrade.generation.recorder import EpisodeSettings, Recorder
@@ -187,7 +187,7 @@ class HarnessRunner:
             gate = asyncio.Semaphore(concurrency or max(total, 1))
             return await asyncio.gather(*(one(i, gate) for i in range(total)))
 
-        return run_sync(all_of())  # a Ctrl-C lands in its wait, not inside the loop
+        return run_stoppable(all_of())  # a Ctrl-C lands in its wait, not inside the loop
 
     def _result(self, rec, row_index: int, row, value, error, kind) -> HarnessResult:
         """The ``HarnessResult`` of a closed recording ``rec``: the harness's ``value`` checked
