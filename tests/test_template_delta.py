@@ -163,3 +163,34 @@ def test_a_template_that_rewrites_earlier_turns_is_still_refused():
     history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer"}]
     with pytest.raises(TemplateError, match="not prefix-preserving"):
         turn_delta(tok, history, [{"role": "user", "content": "go on"}], eos_ids=[eos])
+
+
+def test_the_eos_token_s_text_is_looked_up_once_per_tokenizer(monkeypatch):
+    """A turn's delta encodes one text (the delta itself); which eos texts split is asked once
+    per tokenizer, and a tokenizer that cannot be cached (unhashable) is asked every time."""
+    tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer"}]
+    new = [{"role": "tool", "content": "42"}]
+    texts = []
+    call = type(tok).__call__
+
+    def spy(self, text, *a, **kw):
+        texts.append(text)
+        return call(self, text, *a, **kw)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    first = turn_delta(tok, history, new, eos_ids=[eos])
+    texts.clear()
+    assert turn_delta(tok, history, new, eos_ids=[eos]) == first
+    assert texts == ["<|im_end|>" + tok.decode(first)]  # the delta only: the eos text is known
+
+    class Unhashable(type(tok)):
+        __hash__ = None
+
+    other = Unhashable(tokenizer_object=tok.backend_tokenizer, eos_token="<|im_end|>")
+    other.chat_template = tok.chat_template
+    for _ in range(2):
+        texts.clear()
+        assert turn_delta(other, history, new, eos_ids=[eos]) == first
+        assert texts[0] == "<|im_end|>" and len(texts) == 2

@@ -33,6 +33,7 @@ stops with an error that says so.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from peergrade.errors import InputError
@@ -95,9 +96,24 @@ def _render_text(
     return text if isinstance(text, str) else None
 
 
+#: ``_eos_texts``'s answers, per tokenizer (a turn's delta asks again every turn)
+_EOS_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _eos_texts(tokenizer, eos_ids: Sequence[int]) -> dict[str, int]:
     """Text -> id of each eos token that the tokenizer encodes back into that one token (a
     special token, matched before anything else), so that text is a hard split."""
+    key = tuple(int(i) for i in eos_ids)
+    try:
+        known = _EOS_TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: asked every time
+        known = {}
+    if key not in known:
+        known[key] = _find_eos_texts(tokenizer, key)
+    return known[key]
+
+
+def _find_eos_texts(tokenizer, eos_ids: tuple[int, ...]) -> dict[str, int]:
     out = {}
     for i in eos_ids:
         text = tokenizer.convert_ids_to_tokens(int(i))
