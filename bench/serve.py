@@ -19,17 +19,20 @@ temperature 1; every turn ends at the next position that is a multiple of 24.
 
 - A, "in-process": ``peergrade.generation.episodes.run_episodes`` with a native environment:
   one batched KV cache kept across turns, all 32 episodes in lock-step.
-- B, "endpoint": ``peergrade.generation.harness.HarnessRunner``, what ``train --harness`` runs:
-  32 agents, each its own thread with its own ``openai.OpenAI`` client and tool loop, talking
-  HTTP to the policy's endpoint on 127.0.0.1; every request is recorded into an Episode in
-  tokens; the server batches the requests queued at each moment into one ``generate`` call.
+- B, "endpoint, threads": ``peergrade.generation.harness.HarnessRunner``, what ``train
+  --harness`` runs with ``harness.processes: 0`` (and ``GRPOTrainer(harness=fn)`` by
+  default): 32 agents, each its own thread with its own ``openai.OpenAI`` client and tool
+  loop, talking HTTP to the policy's endpoint on 127.0.0.1; every request is recorded into an
+  Episode in tokens; the server batches the requests queued at each moment into one
+  ``generate`` call.
 - C, "endpoint, N processes" (``--processes N``, N >= 1; 0 leaves it out): B with the agents
   in N worker processes (``harness.processes: N``; ``envs.harness_pool``), each running its
   share of the 32 agents on threads of its own, so their client-side CPU (the openai client,
   httpx) is off the trainer's GIL. The pool starts during the warm-up, as a run's first step.
+  What ``train --harness`` runs by default (``harness.processes: auto``: min(4, CPUs) workers).
 
-Sides alternate A B (C) / (C) B A in one process; the table shows medians of episodes/s and the ratio
-of the medians, then the ratio pass by pass (each pass's sides ran back to back) and its median,
+Sides alternate A B (C) / (C) B A in one process; the table shows medians of episodes/s and
+the ratio of the medians, then the ratio pass by pass (each pass's sides ran back to back) and its median,
 and the machine's load average. Where the endpoint's time goes: its sampling calls' seconds a
 pass, and the CPU seconds a pass of the trainer's process (sampling and the server; with
 threads, the agents too) and of the agents' worker processes (Linux's /proc), beside
@@ -171,7 +174,7 @@ def main() -> None:
         return run
 
     load_before = _common.load_note()
-    sides = {"in-process": side(in_process, None), "endpoint": side(endpoint, runner)}
+    sides = {"in-process": side(in_process, None), "endpoint, threads": side(endpoint, runner)}
     proc = f"endpoint, {args.processes} processes"
     if pool is not None:
         sides[proc] = side(endpoint, runner, pool)
