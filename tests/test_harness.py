@@ -740,6 +740,35 @@ def test_tool_choice_none_in_an_episode_renders_no_tools_as_the_plain_route(inne
     assert none.episode.prompt_ids != auto.episode.prompt_ids
 
 
+def test_tools_the_template_does_not_show_fail_a_training_episode_unless_allowed(inner):
+    """A harness sending tools to a policy whose chat template renders none: the episode
+    fails with a 400 that says why and names env.unrendered_tools, which lets it through."""
+    from peergrade.model.tiny import CHAT_TEMPLATE
+
+    tok = build_char_tokenizer(chat_template=CHAT_TEMPLATE)  # no tool schemas rendered
+    model, _ = build_tiny_model("qwen2", tok, seed=0)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+
+    def with_tools(row, base_url, model_name):
+        client(base_url).chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "q"}], tools=tools
+        )
+        return 1.0
+
+    rows = [{"q": "q", "prompt": [{"role": "user", "content": "q"}]}]
+    for allowed in (False, True):
+        runner = HarnessRunner(model.eval(), tok, unrendered_tools=allowed)
+        try:
+            (res,) = runner.run(with_tools, rows, n=1, max_completion_length=8)
+        finally:
+            runner.close()
+        if allowed:
+            assert res.error is None and res.reward == 1.0, res.error
+        else:
+            assert res.error and "does not render tool schemas" in res.error, res.error
+            assert "(lookup)" in res.error and "env.unrendered_tools" in res.error
+
+
 def test_failing_harnesses_score_zero_and_the_rest_run(inner, merge_tok):
     model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
 

@@ -684,6 +684,30 @@ def test_template_that_cannot_render_tools(calc):
     engine.close()
 
 
+def test_tools_the_template_does_not_show_are_served_with_a_warning_once(calc, capfd):
+    """tiny-calc's template renders no tool schemas (the model learned its call in a
+    warm-up): ``peergrade serve`` answers, and says once per tool set that the model does not
+    see them; a template that renders them says nothing."""
+    from peergrade.model.tiny import TOOL_CHAT_TEMPLATE
+
+    model, tok = calc
+    warned = []
+    for template in (None, TOOL_CHAT_TEMPLATE):
+        engine = Engine(model, tok, MODEL, chat_template=template)
+        with Server(build_app(engine)) as s:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+            for _ in range(2):
+                r = c.chat.completions.create(
+                    model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=1
+                )
+                assert r.choices[0].finish_reason == "length"
+        engine.close()
+        warned.append(capfd.readouterr().err)
+    assert warned[0].count("does not render tool schemas") == 1, warned[0]
+    assert "(calculate)" in warned[0] and "warm-up" in warned[0]
+    assert "tool schemas" not in warned[1], warned[1]
+
+
 def test_a_short_request_is_answered_while_a_longer_one_of_its_call_goes_on(calc):
     """Two plain requests in one ``generate`` call, one with a small ``max_tokens``: it is
     answered as soon as its row ends (the row leaves the batch at its budget), while the

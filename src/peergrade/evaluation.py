@@ -431,12 +431,11 @@ def _harness_episodes(cfg: Config, agent, model, tokenizer):
         return
     from types import SimpleNamespace
 
-    from peergrade.generation.harness import HarnessRunner
     from peergrade.training import harness
 
     h = cfg.harness
     pool = harness.pool_of(h.fn, h.processes, agent)
-    runner = HarnessRunner(model, tokenizer, h.model_name)
+    runner = harness.runner_of(cfg, model, tokenizer)
     run = SimpleNamespace(cfg=cfg, harness=agent, harness_runner=runner, harness_pool=pool)
     try:
         yield harness.episode_fn(run)

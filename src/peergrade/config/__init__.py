@@ -618,7 +618,9 @@ class EnvConfig:
         "Train tools with a chat template that does not render tool schemas: the model never "
         "sees them, so it must know the tools already (a warm-up, as bundled:tiny-calc and "
         "configs/smollm2-calculator.yaml). false: such a template is an error before the "
-        "model loads (docs/environments.md, 'A template that shows the tools').",
+        "model loads (docs/environments.md, 'A template that shows the tools'), and a "
+        "harness's request with tools it does not render is answered with a 400 (the episode "
+        "fails, saying why; docs/serving.md).",
         False,
     )
     max_tool_calling_iterations: int | None = doc(

@@ -85,9 +85,13 @@ class HarnessRunner:
         window_s: float = 0.1,
         chat_template: str | None = None,
         keep_cache: bool = True,
+        unrendered_tools: bool = False,
     ):
         self.name = name
         self.engine = Engine(model, tokenizer, name, window_s=window_s, chat_template=chat_template)
+        # tools the chat template does not show the model: a 400 (the episode fails, saying
+        # why), unless the model knows them already (``env.unrendered_tools``)
+        self.engine.unseen_tools = "allow" if unrendered_tools else "error"
         self.recorder = Recorder(self.engine)
         self.engine.expected = self.recorder.open_count
         if keep_cache:  # each episode's KV cache kept between its requests

@@ -61,6 +61,7 @@ import contextlib
 import json
 import queue
 import secrets
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -68,7 +69,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peergrade.envs.template import render
+from peergrade.envs.template import render, renders_tools
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.generation.kernel import (
     GenerationCancelled,
@@ -210,6 +211,11 @@ class Engine:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.window_s, self.max_batch = window_s, max_batch
         self.chat_template = chat_template
+        #: a request's ``tools`` that the chat template does not show the model (``tools_seen``):
+        #: ``warn`` (``peergrade serve``: a line in the log, once per tool set), ``error`` (a
+        #: training endpoint: a 400, unless ``env.unrendered_tools``) or ``allow``
+        self.unseen_tools = "warn"
+        self.tools_shown: dict[str, bool] = {}
         self.prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # ``render_prompt``'s
         self.forced: dict[str, tuple[str, list[int]]] = {}  # ``forced_prefix``'s
         self.eos_ids = default_eos_ids(model, tokenizer)
@@ -509,10 +515,49 @@ def render_prompt(
             param="tools" if tools else "messages",
             code="template_error",
         ) from e
+    if tools:
+        tools_seen(engine, tools, template_kwargs)
     engine.prompts[key] = tuple(ids)
     if len(engine.prompts) > 256:
         engine.prompts.popitem(last=False)
     return ids
+
+
+def tools_seen(engine: Engine, tools: list[dict], template_kwargs: dict | None) -> None:
+    """What ``engine.unseen_tools`` says where the chat template does not show ``tools`` to
+    the model (a probe conversation rendered with and without them is the same): the model
+    would call them only if it learned them before (a warm-up), and a run trained so would
+    train on tools it never sees. Checked once per tool set and template variables."""
+    if engine.unseen_tools == "allow":
+        return
+    key = json.dumps([tools, template_kwargs], sort_keys=True, default=repr)
+    shown = engine.tools_shown.get(key)
+    first = shown is None
+    if first:
+        kw = dict(chat_template=engine.chat_template, template_kwargs=template_kwargs)
+        try:
+            shown = renders_tools(engine.tokenizer, tools, **kw)
+        except Exception:  # the request rendered: a probe the template rejects proves nothing
+            shown = True
+        engine.tools_shown[key] = shown
+        if len(engine.tools_shown) > 256:
+            engine.tools_shown.pop(next(iter(engine.tools_shown)))
+    if not shown:
+        names = ", ".join(str(t.get("function", t).get("name", "?")) for t in tools)
+        why = (
+            f"the chat template of {engine.name} does not render tool schemas: the model never "
+            f"sees the tools ({names}) and calls them only if it learned them before (a warm-up)"
+        )
+        if engine.unseen_tools == "error":
+            raise APIError(
+                f"{why}; a run trained so trains on tools the model never sees. Use a model "
+                "whose chat template renders `tools`, or set env.unrendered_tools: true when "
+                "it knows them already (docs/serving.md)",
+                param="tools",
+                code="template_error",
+            )
+        if first:
+            print(f"warning: {why}; serving such requests anyway", file=sys.stderr, flush=True)
 
 
 _PROBE_NAMES = ("pgprobefnA", "pgprobefnB")

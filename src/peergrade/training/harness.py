@@ -74,7 +74,14 @@ def start(run) -> HarnessRunner:
     (``run.harness_pool``; the workers start at the first step, ``close(run)`` stops them)."""
     h = run.cfg.harness
     run.harness_pool = pool_of(h.fn, h.processes, run.harness)
-    return HarnessRunner(run.models.policy, run.models.tokenizer, h.model_name)
+    return runner_of(run.cfg, run.models.policy, run.models.tokenizer)
+
+
+def runner_of(cfg, model, tokenizer) -> HarnessRunner:
+    """The endpoint a run's harness talks to (training and ``peergrade eval`` alike)."""
+    return HarnessRunner(
+        model, tokenizer, cfg.harness.model_name, unrendered_tools=cfg.env.unrendered_tools
+    )
 
 
 #: ``harness.processes: auto``: at most this many workers (one per CPU below it)
