@@ -69,7 +69,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peergrade.envs.template import render, renders_tools
+from peergrade.envs.template import render, renders_tools, template_name
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.generation.kernel import (
     GenerationCancelled,
@@ -544,8 +544,10 @@ def tools_seen(engine: Engine, tools: list[dict], template_kwargs: dict | None) 
             engine.tools_shown.pop(next(iter(engine.tools_shown)))
     if not shown:
         names = ", ".join(str(t.get("function", t).get("name", "?")) for t in tools)
+        of = template_name(engine.tokenizer)
+        of = engine.name if of in ("", engine.name) else f"{engine.name} ({of})"
         why = (
-            f"the chat template of {engine.name} does not render tool schemas: the model never "
+            f"the chat template of {of} does not render tool schemas: the model never "
             f"sees the tools ({names}) and calls them only if it learned them before (a warm-up)"
         )
         if engine.unseen_tools == "error":
