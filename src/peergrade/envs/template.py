@@ -272,13 +272,18 @@ def renders_tools(tokenizer, tools: list[dict], **kw) -> bool:
     return with_tools != render(tokenizer, user, add_generation_prompt=True, **kw)
 
 
+def tool_names(tools: list[dict] | None) -> str:
+    """The tools' function names, comma-separated (for messages about them)."""
+    return ", ".join(str(t.get("function", t).get("name", "?")) for t in tools or [])
+
+
 def check_tools_rendered(tokenizer, tools: list[dict], **kw) -> None:
     """A TemplateError naming the template, the tools and the ways out unless the template
     renders tool schemas (a template that drops them trains with tools the model never sees,
     so it makes no calls and nothing says why)."""
     if not tools or renders_tools(tokenizer, tools, **kw):
         return
-    names = ", ".join(t.get("function", t).get("name", "?") for t in tools)
+    names = tool_names(tools)
     raise TemplateError(
         f"chat template of {template_name(tokenizer)} does not render tool schemas: the "
         f"model would never see the tools ({names}) and would train making no calls. Use a "

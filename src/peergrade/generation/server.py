@@ -69,7 +69,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from peergrade.envs.template import render, renders_tools, template_name
+from peergrade.envs.template import render, renders_tools, template_name, tool_names
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.generation.kernel import (
     GenerationCancelled,
@@ -543,7 +543,7 @@ def tools_seen(engine: Engine, tools: list[dict], template_kwargs: dict | None) 
         if len(engine.tools_shown) > 256:
             engine.tools_shown.pop(next(iter(engine.tools_shown)))
     if not shown:
-        names = ", ".join(str(t.get("function", t).get("name", "?")) for t in tools)
+        names = tool_names(tools)
         of = template_name(engine.tokenizer)
         of = engine.name if of in ("", engine.name) else f"{engine.name} ({of})"
         why = (

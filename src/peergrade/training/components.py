@@ -387,7 +387,7 @@ def episode_prompt_note(cfg: Config, task, tokenizer, row: dict, make_env) -> st
     """The start-up line of episode mode: the first row's opening messages rendered as the
     episodes render them (chat template, system prompt, tool schemas), before the environment's
     reset adds anything."""
-    from peergrade.envs.template import render, renders_tools
+    from peergrade.envs.template import render, renders_tools, tool_names
 
     (opening,) = episode_rows(cfg, task, [row])
     tools = getattr(make_env, "tool_schemas", None) or None
@@ -398,7 +398,7 @@ def episode_prompt_note(cfg: Config, task, tokenizer, row: dict, make_env) -> st
     except Exception as e:  # the template check before the model loads says more
         return f"episodes: the chat template could not render the first prompt: {e}"
     shown = repr(text if len(text) <= 240 else text[:150] + " ... " + text[-80:])
-    names = ", ".join(t.get("function", t).get("name", "?") for t in tools or [])
+    names = tool_names(tools)
     tools_part = ""
     if names:
         tools_part = (
