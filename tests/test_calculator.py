@@ -13,6 +13,7 @@ import pytest
 from peergrade.envs.calculator import Calculator, calculate, calculator_turns, tool_call_text
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.model.load import BUNDLED_MODEL, load_tokenizer, resolve_model_path, save_tokenizer
+from written_files import assert_same_written
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "calculator.yaml"
@@ -92,8 +93,7 @@ def test_tiny_calc_tokenizer_files_are_what_sft_writes(tmp_path):
     from peergrade.model.tiny import COMPACT_TOOL_CHAT_TEMPLATE, build_char_tokenizer
 
     save_tokenizer(build_char_tokenizer(chat_template=COMPACT_TOOL_CHAT_TEMPLATE), tmp_path)
-    for name in ("tokenizer.json", "chat_template.jinja"):
-        assert (tmp_path / name).read_bytes() == (TINY_CALC / name).read_bytes(), name
+    assert_same_written(tmp_path, TINY_CALC, ("tokenizer.json", "chat_template.jinja"))
     ours = json.loads((tmp_path / "tokenizer_config.json").read_text())
     shipped = json.loads((TINY_CALC / "tokenizer_config.json").read_text())
     assert {k: v for k, v in shipped.items() if k not in ("is_local", "local_files_only")} == ours
@@ -121,8 +121,7 @@ def test_tiny_calc_config_is_what_the_warm_up_writes(tmp_path):
         tool_fraction=1.0,
         log=lambda *_: None,
     )
-    for name in ("config.json", "generation_config.json"):
-        assert (out / name).read_bytes() == (TINY_CALC / name).read_bytes(), name
+    assert_same_written(out, TINY_CALC, ("config.json", "generation_config.json"))
     assert set(json.loads((out / "sft_info.json").read_text())) == set(info)
 
 

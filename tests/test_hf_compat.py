@@ -27,6 +27,7 @@ from peergrade.model.load import (
     save_tokenizer,
 )
 from peergrade.tasks import load_task, render_prompt
+from written_files import assert_same_written
 
 TINY_RUN = {
     "rollout.prompts_per_step": "2",
@@ -148,8 +149,8 @@ def test_bundled_tokenizer_files_are_what_sft_writes(tmp_path):
     from peergrade.model.tiny import COMPACT_CHAT_TEMPLATE, build_char_tokenizer
 
     save_tokenizer(build_char_tokenizer(chat_template=COMPACT_CHAT_TEMPLATE), tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (tmp_path / name).read_bytes() == (BUNDLED_MODEL / name).read_bytes(), name
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    assert_same_written(tmp_path, BUNDLED_MODEL, names)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -289,3 +290,21 @@ def test_export_lora_adapter_and_merged(tmp_path):
     ours = load_tokenizer(ckpt)
     for d in ("adapter", "merged"):
         assert auto_tokenizer_mismatches(tmp_path / d, ours, demo_texts(ours, 10)) == []
+
+
+def test_written_files_ignore_only_the_library_version_stamps(tmp_path):
+    """The bundled-file comparison (issue 60) passes a newer transformers' stamp and nothing else."""
+    shipped = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    for name, change, same in [
+        ("a", {"transformers_version": "9.99.0"}, True),
+        ("b", {"vocab_size": shipped["vocab_size"] + 1}, False),
+        ("c", {"model_type": "llama"}, False),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**shipped, **change}, indent=1))
+        try:
+            assert_same_written(tmp_path / name, BUNDLED_MODEL, ["config.json"])
+        except AssertionError:
+            assert not same, change
+        else:
+            assert same, change
