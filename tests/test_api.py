@@ -194,6 +194,7 @@ def test_every_mapped_field_sets_the_key_it_names():
         "beta": 0.04,
         "epsilon": 0.3,
         "epsilon_high": 0.28,
+        "use_bias_correction_kl": False,
         "loss_type": "grpo",
         "importance_sampling_level": "sequence",
         "delta": 4.0,

@@ -24,6 +24,14 @@ one advantage per token, ``[B, T]``, and A_i becomes A_it below):
 ``beta > 0`` *and* ``ref_logp`` is given; with ``beta > 0`` and no ``ref_logp`` the loss has no
 KL term (callers that skip the reference model pass ``beta=0``).
 
+``kl_bias_correction=True`` multiplies the KL term by the importance ratio rho_it (with its
+gradient; with ``ratio_level="sequence"`` the sequence ratio s_i, whose gradient reaches every
+token of the sequence, as TRL broadcasts it), DeepSeek-V3.2's unbiased
+estimate of the reverse KL's gradient for tokens sampled from pi_old: KL_it becomes
+rho_it * KL_it. It changes the gradient on-policy too (rho = 1 there but d rho / d logp = 1):
+with k3 the gradient of rho k3 is exactly logp - ref_logp. TRL's ``use_bias_correction_kl``
+(default True there); peergrade's own default is False, the DeepSeekMath term as written.
+
 ``ratio_level="sequence"`` is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"):
 one ratio per sequence, the length-normalised sequence likelihood ratio
 
@@ -36,7 +44,10 @@ gradient flows through each token's own log-probability. Clipping then acts on w
 ``loss_type="cispo"`` is CISPO (MiniMax-M1, MiniMax 2025): the importance weight is truncated
 from above and detached, and every token keeps a gradient (no token is dropped by clipping):
 
-    l_it = -sg(min(rho_it, 1 + eps_high)) A_i logp_it (+ beta * KL_it)
+    l_it = -sg(min(rho_it, cap)) A_i logp_it (+ beta * KL_it)
+
+with cap = 1 + eps_high (the paper's form) unless ``cispo_cap`` gives the cap itself: TRL caps
+at its ``epsilon_high`` as is (recommended 5.0), which ``GRPOConfig`` maps to ``cispo_cap``.
 
 ``loss_type="sapo"`` is SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization",
 arXiv 2511.20347): the hard clip is replaced by a smooth gate of the ratio with a temperature
@@ -132,7 +143,7 @@ over zero tokens is 0):
   rho < 1 - eps (their gradient is zero); ``clip/high_frac``: A > 0 and rho > 1 + eps_high;
   ``clip/frac``: their sum. These are the tokens whose gradient the clip removes (the way TRL
   and verl count them). For ``cispo``, ``clip/high_frac`` counts tokens whose weight was
-  truncated at 1 + eps_high (any sign of A) and ``clip/low_frac`` is 0 (CISPO has no low clip).
+  truncated at its cap (any sign of A) and ``clip/low_frac`` is 0 (CISPO has no low clip).
   ``sapo`` and ``vespo`` have no hard clip: all three are 0. With ``delta``, ``clip/delta_frac``
   counts tokens with A < 0 and rho > delta (their gradient is removed by the delta cap).
 - ``vespo/phi_mean`` (vespo only): the mean of phi(w_i) over the B sequences.
@@ -284,6 +295,8 @@ def policy_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    kl_bias_correction: bool = False,
+    cispo_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss over a batch of completions (see the module docstring).
 
@@ -307,6 +320,10 @@ def policy_loss(
         sapo_temperature_pos, sapo_temperature_neg: SAPO's tau for A > 0 and A <= 0 (> 0).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma shape
             (k >= 0) and decay (lam >= 0) for A >= 0 and A < 0.
+        kl_bias_correction: multiply the KL term by the importance ratio (TRL's
+            ``use_bias_correction_kl``); False: the KL estimate as is.
+        cispo_cap: CISPO's cap of the weight itself (> 0; TRL's ``epsilon_high``); None: the
+            paper's 1 + clip_eps_high. ``loss_type="cispo"`` only.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
@@ -316,15 +333,19 @@ def policy_loss(
     vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
     eps_high = _check_options(loss_type, ratio_level, kl_estimator, clip_eps, clip_eps_high, beta)
     _check_family_options(loss_type, delta, sapo_tau, vespo, max_completion_length)
+    _check_cispo_cap(loss_type, cispo_cap)
     _check_normalisers(B, mask, num_tokens, num_sequences, stands_for, batch_tokens)
     B_all = B if stands_for is None else stands_for  # the sequences the normalisers count
 
-    clip = (1.0 - clip_eps, 1.0 + eps_high, delta)
+    hi = 1.0 + eps_high if cispo_cap is None else float(cispo_cap)  # CISPO's cap as given
+    clip = (1.0 - clip_eps, hi, delta)
     x = _LossInputs(logp, old_logp, advantages, mask, ratio_level, clip, sapo_tau, vespo, weights)
     s = _OBJECTIVES[loss_type](x)
     # VESPO folds the off-policy weights into phi; the other families multiply the surrogate
     pg = _corrected(x, s.pg, None if loss_type == "vespo" else weights, keep)  # [B, T]
     kl = _kl_term(x, ref_logp, kl_estimator)  # [B, T] or None
+    if kl is not None and kl_bias_correction:
+        kl = kl * _kl_ratio(x, ratio_level)  # [B, T] (DeepSeek-V3.2's correction)
     use_kl = kl is not None and beta > 0
 
     aggregate = _aggregator(
@@ -446,6 +467,16 @@ def _check_family_options(
             )
 
 
+def _check_cispo_cap(loss_type: str, cispo_cap: float | None) -> None:
+    """CISPO's cap of the weight itself: a positive number, CISPO only."""
+    if cispo_cap is None:
+        return
+    if not (_is_number(cispo_cap) and cispo_cap > 0):
+        raise ValueError(f"cispo_cap: expected a positive number or None, got {cispo_cap!r}")
+    if loss_type != "cispo":
+        raise ValueError(f"cispo_cap: applies to loss_type='cispo' only, not {loss_type!r}")
+
+
 def _check_normalisers(
     B: int,
     mask: torch.Tensor,
@@ -547,6 +578,16 @@ def _ratio(lp: torch.Tensor, old: torch.Tensor, m: torch.Tensor, ratio_level: st
     return torch.exp(log_rho)  # [B, T]
 
 
+def _kl_ratio(x: _LossInputs, ratio_level: str) -> torch.Tensor:
+    """The importance ratio that ``kl_bias_correction`` multiplies the KL term by, with its full
+    gradient, as TRL forms it: the token ratio ``[B, T]``, or the sequence ratio s_i ``[B, 1]``
+    (d s_i / d logp_it = s_i / |o_i| for every token, unlike the surrogate's GSPO-token form)."""
+    log_ratio = x.lp - x.old  # [B, T], 0 on padding
+    if ratio_level == "token":
+        return torch.exp(log_ratio)  # [B, T]
+    return torch.exp(log_ratio.sum(dim=1, keepdim=True) / x.m.sum(dim=1, keepdim=True).clamp(min=1))
+
+
 class _Surrogate:
     """A loss family's per-token surrogate ``pg`` ``[B, T]`` (before the off-policy weights and
     the keep mask) and what its metrics count: the ``[B, T]`` bool masks of the tokens whose
@@ -586,9 +627,9 @@ def _clipped_objective(x: _LossInputs) -> _Surrogate:
 
 
 def _cispo_objective(x: _LossInputs) -> _Surrogate:
-    """CISPO: l = -sg(min(rho, 1 + eps_high)) A logp; the weight is truncated from above and
-    detached, every token keeps a gradient (no low clip)."""
-    weight = x.rho.clamp(max=x.hi).detach()  # [B, T], sg(min(rho, 1 + eps_high))
+    """CISPO: l = -sg(min(rho, cap)) A logp (cap = 1 + eps_high, or ``cispo_cap``); the weight
+    is truncated from above and detached, every token keeps a gradient (no low clip)."""
+    weight = x.rho.clamp(max=x.hi).detach()  # [B, T], sg(min(rho, cap))
     pg = -weight * x.adv * x.lp  # [B, T]
     return _Surrogate(pg, torch.zeros_like(x.valid), x.rho.detach() > x.hi)
 

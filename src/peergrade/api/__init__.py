@@ -125,7 +125,15 @@ MAPPED: dict[str, tuple[str, str]] = {
     "max_grad_norm": ("optim.max_grad_norm", "as is"),
     "beta": ("algo.beta", "as is"),
     "epsilon": ("algo.clip_eps", "as is"),
-    "epsilon_high": ("algo.clip_eps_high", "as is"),
+    "epsilon_high": (
+        "algo.clip_eps_high",
+        "as is; with loss_type cispo also algo.cispo_cap (TRL caps CISPO's weight at "
+        "epsilon_high itself, or epsilon when None: not 1 + epsilon_high)",
+    ),
+    "use_bias_correction_kl": (
+        "algo.kl_bias_correction",
+        "as is (TRL's default True; a native config's default is false)",
+    ),
     "loss_type": ("algo.loss_type", "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo"),
     "importance_sampling_level": (
         "algo.ratio_level",
@@ -319,7 +327,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "sync_ref_model": (False, "beta (a fixed reference)"),
     "ref_model_mixup_alpha": (0.6, "beta (a fixed reference)"),
     "ref_model_sync_steps": (512, "beta (a fixed reference)"),
-    "use_bias_correction_kl": (True, _NO),
     "use_transformers_continuous_batching": (False, _VLLM),
     "transformers_continuous_batching_config": (None, _VLLM),
     "use_transformers_paged": (False, _VLLM),
@@ -380,6 +387,7 @@ class GRPOConfig:
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
+    use_bias_correction_kl: bool = True
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
     delta: float | None = None
@@ -591,6 +599,11 @@ class GRPOConfig:
             ("algo.beta", self.beta),
             ("algo.clip_eps", self.epsilon),
             ("algo.clip_eps_high", self.epsilon_high),
+            ("algo.cispo_cap", self._cispo_cap()),
+            ("algo.kl_bias_correction", self.use_bias_correction_kl),
+            # TRL divides the token-mean losses by the generated batch's counted tokens per
+            # optimizer step (num_items_in_batch), not by each step's own count
+            ("algo.token_normaliser", "batch_mean"),
             ("algo.loss_type", _choice("loss_type", self.loss_type, LOSS_TYPES)),
             ("algo.ratio_level", self._ratio_level()),
             ("algo.delta", self.delta),
@@ -670,6 +683,12 @@ class GRPOConfig:
         """The peergrade ``Config`` these fields describe (rewards and model left at their
         defaults: ``GRPOTrainer`` sets them from its arguments)."""
         return load_config(None, self.to_overrides(num_rows))
+
+    def _cispo_cap(self) -> float | None:
+        """TRL's CISPO cap: epsilon_high itself (epsilon when None), not 1 + epsilon_high."""
+        if self.loss_type != "cispo":
+            return None
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     def _ratio_level(self) -> str:
         """algo.ratio_level; VESPO forms its own sequence ratio, so with loss_type vespo it is
@@ -1534,8 +1553,94 @@ def _recipe_rewards(names, script: dict, weights, where: str) -> list[dict]:
 
 def trl_mapping_markdown() -> str:
     """docs/coming-from-trl.md, rendered from the tables above (a test compares the two)."""
-    lines = _mapped_section() + _native_section() + _ignored_sections() + _open_r1_section()
+    lines = _mapped_section() + _verified_section() + _native_section()
+    lines += _ignored_sections() + _open_r1_section()
     return "\n".join(lines) + "\n"
+
+
+#: TRL fields whose numeric effect a test checks against TRL 1.16's own code on the same
+#: tensors (field -> the test file under tests/ that does it)
+VERIFIED_AGAINST_TRL: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "beta",
+            "epsilon",
+            "epsilon_high",
+            "loss_type",
+            "importance_sampling_level",
+            "delta",
+            "sapo_temperature_pos",
+            "sapo_temperature_neg",
+            "vespo_k_pos",
+            "vespo_lambda_pos",
+            "vespo_k_neg",
+            "vespo_lambda_neg",
+            "use_bias_correction_kl",
+        ),
+        "test_trl_loss_semantics.py (TRL's `GRPOTrainer._compute_loss`: loss and gradient)",
+    ),
+    **dict.fromkeys(
+        ("steps_per_generation", "gradient_accumulation_steps"),
+        "test_trl_loss_semantics.py (the dapo/cispo token normaliser over several optimizer "
+        "steps) and test_api.py (prompts and groups per step, TRL's `RepeatSampler`)",
+    ),
+    **dict.fromkeys(
+        ("num_generations", "per_device_train_batch_size", "generation_batch_size"),
+        "test_api.py (prompts and groups per step, TRL's `RepeatSampler`)",
+    ),
+}
+
+#: where a native peergrade config means something else than the TRL field of that name
+#: (GRPOConfig always follows TRL): (TRL field, TRL's meaning, peergrade's native default)
+NATIVE_DIFFERENCES: list[tuple[str, str, str]] = [
+    (
+        "use_bias_correction_kl",
+        "default True: the KL term times the importance ratio (DeepSeek-V3.2)",
+        "`algo.kl_bias_correction: false`: DeepSeekMath's k3 term as written",
+    ),
+    (
+        "epsilon_high (cispo)",
+        "CISPO's weight is capped at epsilon_high itself (or epsilon): 0.2 by default, 5.0 "
+        "recommended",
+        "`algo.cispo_cap: null`: the cap is 1 + clip_eps_high, the paper's form",
+    ),
+    (
+        "steps_per_generation > gradient_accumulation_steps",
+        "dapo/cispo/vespo divide by the generated batch's counted tokens per optimizer step",
+        "`algo.token_normaliser: minibatch`: each optimizer step by its own counted tokens",
+    ),
+]
+
+
+def _verified_section() -> list[str]:
+    """The TRL fields checked numerically against TRL's code, and the few native defaults
+    that intentionally differ from TRL's meaning."""
+    lines = [
+        "",
+        "## Checked against TRL's own code",
+        "",
+        "These fields' numeric effect is tested against TRL 1.16's own code on the same "
+        "tensors (loss and gradient to float64 rounding; SAPO to 1e-6, since TRL forms its "
+        "temperatures in float32):",
+        "",
+        "| TRL field | test |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{n}` | {where} |" for n, where in VERIFIED_AGAINST_TRL.items()]
+    lines += [
+        "",
+        "### Where a native config differs on purpose",
+        "",
+        "Through `GRPOConfig` (and `--trl-config`) every name keeps TRL's meaning. A native "
+        "peergrade config (YAML, `peergrade.train`) keeps peergrade's own defaults, named "
+        "here; set the key to get TRL's behaviour there too "
+        "([algorithms](algorithms.md)).",
+        "",
+        "| TRL | TRL's meaning | native peergrade default |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{n}` | {trl} | {ours} |" for n, trl, ours in NATIVE_DIFFERENCES]
+    return lines
 
 
 def _mapped_section() -> list[str]:

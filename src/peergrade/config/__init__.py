@@ -323,6 +323,27 @@ class AlgoConfig:
     vespo_lambda_neg: float = doc("VESPO: decay lam of phi(w) for A < 0 (>= 0).", 2.0)
     beta: float = doc("KL penalty coefficient toward the reference policy (0 = no reference).", 0.0)
     kl_estimator: Literal["k1", "k2", "k3"] = doc("Per-token KL estimator (Schulman).", "k3")
+    kl_bias_correction: bool = doc(
+        "Multiply the KL term by the importance ratio (with its gradient): DeepSeek-V3.2's "
+        "unbiased reverse-KL gradient, TRL's use_bias_correction_kl (True in TRL's GRPOConfig, "
+        "and so in peergrade's). false (peergrade's own default): the estimator as written, "
+        "DeepSeekMath's KL term. Changes the gradient on-policy too (docs/algorithms.md).",
+        False,
+    )
+    cispo_cap: float | None = doc(
+        "CISPO (loss_type cispo): the cap of the importance weight itself, sg(min(ratio, cap)) "
+        "(> 0). null = 1 + clip_eps_high, the paper's form. TRL caps at its epsilon_high as is "
+        "(recommended 5.0): GRPOConfig sets this key from epsilon_high.",
+        None,
+    )
+    token_normaliser: Literal["minibatch", "batch_mean"] = doc(
+        "The counted-token normaliser of dapo, cispo and vespo (and PPO's token mean): "
+        "minibatch = each optimizer step divides by its own minibatch's counted tokens; "
+        "batch_mean = by the generated batch's counted tokens divided by its optimizer steps "
+        "(TRL's num_items_in_batch rule; GRPOConfig sets it). The two differ only when one "
+        "generated batch makes several optimizer steps.",
+        "minibatch",
+    )
     advantage_scale: Literal["group", "batch", "none"] = doc(
         "Divide advantages by the group std, the batch std, or not at all (Dr. GRPO).", "group"
     )
@@ -1354,6 +1375,15 @@ def _check_algo_losses(cfg: Config) -> None:
         f"algo.entropy_coef_delta must be >= 0, got {a.entropy_coef_delta}",
     )
     _need(a.entropy_target >= 0, f"algo.entropy_target must be >= 0, got {a.entropy_target}")
+    _need(
+        a.cispo_cap is None or a.cispo_cap > 0,
+        f"algo.cispo_cap must be > 0 or null, got {a.cispo_cap}",
+    )
+    _need(
+        a.cispo_cap is None or a.loss_type == "cispo",
+        f"algo.cispo_cap caps CISPO's weight: it has no effect with algo.loss_type="
+        f"{a.loss_type!r}; use loss_type cispo or set algo.cispo_cap to null",
+    )
 
 
 def _check_algo_grpo_only(cfg: Config) -> None:

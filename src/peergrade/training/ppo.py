@@ -285,6 +285,7 @@ def ppo_update(
             beta=loss_beta,
             kl_estimator=a.kl_estimator,
             num_tokens=num_tokens,
+            kl_bias_correction=a.kl_bias_correction,
         )
         v = critic.model(ii, am, Tc)  # [mb, Tc]
         vl, vm = value_loss(v, old_values[mb, :Tc], returns[mb, :Tc], cm, clip_eps=a.value_clip_eps)

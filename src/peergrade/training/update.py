@@ -231,6 +231,19 @@ class MeanMetrics:
         return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
 
 
+def token_normaliser(kind: str, row_tokens: torch.Tensor, mini_idx: torch.Tensor) -> torch.Tensor:
+    """The counted-token normaliser of minibatch ``mini_idx`` (``algo.token_normaliser``), from
+    every row's counted tokens ``row_tokens`` ``[N]`` of the generated batch: ``minibatch`` its
+    own rows' total; ``batch_mean`` the batch's total times its share of the rows (the batch's
+    tokens divided by its optimizer steps, TRL's rule, when the minibatches are equal)."""
+    if kind == "minibatch":
+        return row_tokens[mini_idx].sum().clamp(min=1)
+    if kind == "batch_mean":
+        share = len(mini_idx) / row_tokens.shape[0]
+        return (row_tokens.sum().to(torch.float64) * share).clamp(min=1.0)
+    raise ValueError(f"algo.token_normaliser: expected 'minibatch' or 'batch_mean', got {kind!r}")
+
+
 def minibatch_schedule(cfg, step: int, N: int, device) -> Iterator[torch.Tensor]:
     """The minibatches (index tensors) of one update call: ``algo.num_iterations`` passes over
     the N rows, each pass in an order seeded by (seed, step, pass), cut into
@@ -351,14 +364,12 @@ def run_update(
             return micro_batches(by_length(idx, cmask) if W == 1 else idx, micro)
 
     # Each row's counted tokens, for every rank's rows: the global minibatch normaliser.
-    row_tokens = dist.gather_rows(cmask.sum(dim=1)) if W > 1 else None  # [N]
+    row_tokens = dist.gather_rows(cmask.sum(dim=1)) if W > 1 else cmask.sum(dim=1)  # [N]
     for mini_idx in minibatch_schedule(cfg, step, n * W, cmask.device):
+        mine = mini_idx
         if W > 1:  # this rank's rows of the global minibatch, in schedule order
             mine = mini_idx[(mini_idx >= offset) & (mini_idx < offset + n)] - offset
-            num_tokens = row_tokens[mini_idx].sum().clamp(min=1)
-        else:
-            mine = mini_idx
-            num_tokens = cmask[mini_idx].sum().clamp(min=1)
+        num_tokens = token_normaliser(cfg.algo.token_normaliser, row_tokens, mini_idx)
         skipped = start_minibatch(trainees, skip, mine, metrics)
         for mb in [] if skipped else plan(mine):
             trimmed = trim(input_ids[mb], attention_mask[mb], cmask[mb])
@@ -593,6 +604,8 @@ class GrpoLoss:
             vespo_lambda_pos=a.vespo_lambda_pos,
             vespo_k_neg=a.vespo_k_neg,
             vespo_lambda_neg=a.vespo_lambda_neg,
+            kl_bias_correction=a.kl_bias_correction,
+            cispo_cap=a.cispo_cap,
             **elide,
         )
         if self.bonus_on:
