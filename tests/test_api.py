@@ -550,6 +550,33 @@ def test_ctrl_c_saves_raises_and_resumes_and_overwrite_replaces_as_in_trl(tmp_pa
     assert not (out / "checkpoints" / "step-3").exists()  # replaced, not continued
 
 
+def test_sigterm_in_train_raises_the_public_terminated(tmp_path):
+    """A SIGTERM (preemption) in train(): the step finishes, a checkpoint is saved, and
+    peergrade.Terminated is raised (a KeyboardInterrupt, with the resume hint as its message),
+    not an internal class."""
+    import os
+    import signal
+
+    import peergrade
+    from peergrade import GRPOTrainer
+
+    out = tmp_path / "run"
+
+    class Preempt:
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = GRPOTrainer(
+        str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2), callbacks=[Preempt()]
+    )
+    with pytest.raises(peergrade.Terminated, match="resume_from_checkpoint=") as info:
+        trainer.train()
+    assert type(info.value).__module__ == "peergrade.errors"
+    assert isinstance(info.value, KeyboardInterrupt)
+    assert (out / "checkpoints" / "step-1").is_dir()
+
+
 def test_every_peergrade_key_is_settable_from_grpoconfig_and_checked():
     """peergrade={dotted key: value}: the keys TRL has no field for, checked like a YAML file's."""
     cfg = GRPOConfig(max_steps=2, peergrade={

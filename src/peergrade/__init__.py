@@ -18,9 +18,18 @@ _LAZY = {
     "train": "peergrade.api",
     "Config": "peergrade.config",
     "load_config": "peergrade.config",
+    "Terminated": "peergrade.errors",
 }
 
-__all__ = ["Config", "GRPOConfig", "GRPOTrainer", "__version__", "load_config", "train"]
+__all__ = [
+    "Config",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "Terminated",
+    "__version__",
+    "load_config",
+    "train",
+]
 
 
 def __getattr__(name: str):

@@ -17,7 +17,8 @@ The family::
       MissingPackageError  an optional package a feature needs is not installed (``require``)
       UserCodeError     the user's environment raised, exited or hung (named, with the row)
       ...               next to the code that raises them: ``DataError`` (tasks.files),
-                        ``RewardError`` (rewards), ``RunDirError`` (checkpoint)
+                        ``RewardError`` (rewards), ``RunDirError`` (checkpoint),
+                        ``RunLockError`` (run_lock: a run directory another process writes)
 
 Each also keeps its historical builtin base (``ValueError`` / ``RuntimeError``) so existing
 ``except ValueError`` code still catches it. ``user_input`` turns a plain ValueError raised while
@@ -70,6 +71,21 @@ class UserCodeError(PeergradeError, RuntimeError):
 class Stop(KeyboardInterrupt):
     """A stop that a Ctrl-C or SIGTERM asked for, raised by the trainer's signal handler
     (``training.checkpoint.StopFlag``): never the user's code's own ``KeyboardInterrupt``."""
+
+
+class Terminated(Stop):
+    """The stop a SIGTERM asked for (preemption, ``docker stop``, a job scheduler), raised
+    where a Ctrl-C raises ``KeyboardInterrupt``: ``peergrade.Terminated``. The CLI exits 143
+    for it (130 for a Ctrl-C); from Python, ``GRPOTrainer.train()`` and ``peergrade.train()``
+    raise it once the run has saved what it can, so a script can catch it (it is a
+    ``KeyboardInterrupt``, so code that catches that catches it too)."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "stopped by SIGTERM: the run saved its last checkpoint (if it had reached one); "
+            "resume it to continue (docs/resume.md)"
+        )
 
 
 def users_own_stop(exc: BaseException) -> bool:

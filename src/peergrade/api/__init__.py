@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from peergrade.config import PYTHON_ONLY, Config, ConfigError, all_keys, load_config
+from peergrade.errors import Terminated
 
 __all__ = [
     "GRPOConfig",
@@ -1089,6 +1090,11 @@ class GRPOTrainer:
         except RunDirError as e:  # the command line's advice, said in Python
             raise RunDirError(_in_python(str(e))) from None
         if summary.get("interrupted"):  # the checkpoint is saved and the hint printed
+            if summary.get("signal") == "SIGTERM":
+                raise Terminated(
+                    f"stopped by SIGTERM after step {summary.get('step')}: resume with "
+                    f"trainer.train(resume_from_checkpoint={str(run_dir)!r})"
+                )
             raise KeyboardInterrupt
         self._call("on_train_end")
         losses = [h["loss/policy"] for h in self.state.log_history if "loss/policy" in h]

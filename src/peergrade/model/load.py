@@ -73,12 +73,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _check_dir(path) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelLoadError(f"model path {str(p)!r} does not exist")
+        raise ModelLoadError(f"model path {str(p)!r} does not exist{_hub_hint(str(path))}")
     if not p.is_dir():
         raise ModelLoadError(
             f"model path {str(p)!r} is not a directory: expected a save_pretrained directory"
         )
     return p
+
+
+def _hub_hint(path: str) -> str:
+    """What to say when a missing model path looks like a Hub id (``Qwen/Qwen2.5-0.5B``), as
+    given or as the config resolved it against the working directory."""
+    with contextlib.suppress(ValueError):
+        path = str(Path(path).relative_to(Path.cwd()))
+    parts = path.split("/")
+    if len(parts) != 2 or not all(parts) or path.startswith((".", "~")):
+        return ""
+    return (
+        f" (it looks like a Hugging Face Hub id: peergrade reads local directories only and "
+        f"never reaches a model hub; download it where a hub is reachable, e.g. `hf download "
+        f"{path} --local-dir models/{parts[1]}`, copy that directory here and pass its path, "
+        "or use a model a pip package ships: docs/getting-started.md, 'A real model')"
+    )
 
 
 def _read_config_json(p: Path) -> dict:

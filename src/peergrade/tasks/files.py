@@ -187,6 +187,22 @@ def memory_rows(data, where: str):
     )
 
 
+def _not_utf8(path: Path) -> str:
+    """The first line of ``path`` that is not UTF-8, named with its byte column and bytes."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad = line[exc.start : exc.end]
+                return (
+                    f"{path}: line {lineno}: not UTF-8 (byte {exc.start + 1} of the line, "
+                    f"{bad!r}); dataset files are read as UTF-8: convert it, e.g. `iconv -f "
+                    f"latin1 -t utf-8 {path.name} > utf8-{path.name}`"
+                )
+    return f"{path}: not UTF-8; dataset files are read as UTF-8"
+
+
 def read_rows(path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] | None]:
     """(numbered raw rows, numbered raw eval rows of a DatasetDict or None) of ``path``."""
     path = Path(path).expanduser()
@@ -195,12 +211,12 @@ def read_rows(path) -> tuple[list[tuple[int, object]], list[tuple[int, object]] 
     if path.is_dir():
         return _read_hf_dir(path)
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return _read_jsonl(path), None
-    elif suffix == ".json":
-        return _read_json(path), None
-    elif suffix == ".csv":
-        return _read_csv(path), None
+    text_readers = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}
+    if suffix in text_readers:
+        try:
+            return text_readers[suffix](path), None
+        except UnicodeDecodeError:
+            raise DataError(_not_utf8(path)) from None
     elif suffix == ".parquet":
         return _read_parquet(path), None
     else:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
-from peergrade.errors import PeergradeError, Stop
+from peergrade.errors import PeergradeError, Stop, Terminated
 from peergrade.files import apply_umask, atomic_write_text  # importable from here too
 from peergrade.model.load import load_model, resolve_dtype, save_tokenizer
 from peergrade.monitoring.metrics import JsonlWriter, MetricLogger, Tee
@@ -623,11 +623,6 @@ def resume_from_checkpoint(run, run_dir: RunDir) -> Path | None:
             truncate_jsonl(run_dir.path / name, step)
     run_dir.last_saved = step
     return last
-
-
-class Terminated(Stop):
-    """The stop a SIGTERM asked for, raised where a Ctrl-C would raise ``KeyboardInterrupt``
-    (the CLI exits 143 for it, 130 for a Ctrl-C)."""
 
 
 @contextmanager

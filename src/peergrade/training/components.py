@@ -41,7 +41,7 @@ from peergrade.tasks import load_task
 from peergrade.tasks.curriculum import FewShot
 from peergrade.tasks.prompts import chat_template_note, encode_prompts, to_messages
 from peergrade.training.judge_local import load_local_backend  # noqa: F401 - registers the judge_model loader
-from peergrade.training.update import Models
+from peergrade.training.update import Models, bf16_cpu_note
 
 __all__ = [
     "Given",
@@ -371,6 +371,8 @@ def run_header(
             + f" (env.max_tool_output_chars), {e.tool_concurrency} calls at once "
             "(env.tool_concurrency)"
         )
+    bf16 = bf16_cpu_note(cfg, resolve_device(cfg.model.device))
+    lines += [bf16] if bf16 else []
     first = next(task.train_rows(cfg.train.seed))
     if make_env is not None:
         return lines + [episode_prompt_note(cfg, task, tokenizer, first, make_env)]

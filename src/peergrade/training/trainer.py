@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
-from peergrade.config import Config, ConfigError, to_yaml
+from peergrade.config import Config, ConfigError, off_policy_correction, to_yaml
 from peergrade.envs.scoring import EPISODE_COLUMNS
 from peergrade.envs.verifiers import is_verifiers_spec
 from peergrade.evaluation import (
@@ -596,6 +596,13 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
         threads,
     )
     producer.timeout_s = cfg.rollout.producer_timeout_s
+    display.print(
+        f"pipelined rollouts: a producer {kind} ({threads} torch thread"
+        f"{'s' if threads > 1 else ''}) samples up to {k} step{'s' if k > 1 else ''} ahead of "
+        f"the update (rollout.async_steps {k}); stale samples are corrected by "
+        f"algo.off_policy_correction {off_policy_correction(cfg)}",
+        always=True,
+    )
     return producer.start()
 
 

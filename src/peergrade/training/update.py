@@ -126,6 +126,32 @@ def cpu_has_amx_bf16() -> bool:
         return False
 
 
+def cpu_bf16_kind() -> str | None:
+    """How this CPU multiplies bf16: ``"amx"``, ``"avx512_bf16"``, or None (emulated: torch
+    converts to float32 and back, slower than float32 itself). Linux's /proc/cpuinfo flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return None
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else None
+
+
+def bf16_cpu_note(cfg, device) -> str | None:
+    """One start-up line when bf16 is asked for on a CPU that has no bf16 matrix units."""
+    asked = cfg.model.autocast == "bf16" or cfg.model.dtype == "bfloat16"
+    if not asked or torch.device(device).type != "cpu" or cpu_bf16_kind() is not None:
+        return None
+    what = "model.autocast bf16" if cfg.model.autocast == "bf16" else "model.dtype bfloat16"
+    return (
+        f"{what} on a CPU without bf16 matrix units (neither AMX nor AVX512-BF16): bf16 is "
+        "emulated here and runs slower than float32; set model.autocast off / model.dtype "
+        "float32 (GRPOConfig: bf16=False) unless you need bf16's numerics"
+    )
+
+
 def use_bf16_autocast(setting: str, device, model) -> bool:
     """``model.autocast`` resolved: bf16, off, or auto (module docstring of the config key)."""
     if setting == "off":
