@@ -10,8 +10,10 @@ what ``grpo_update`` runs per micro-batch: ``token_logprobs`` (shared-prompt for
 backward of a token-mean loss. The chunked lm_head stays in the weights' dtype (float32) inside
 ``token_logprobs`` by design, so autocast speeds up the backbone only.
 
-Whether bf16 may become the CPU default is a question of learning, not speed: compare the demo
-(``peergrade train``) with and without it; this script only measures time.
+The last lines name the CPU's bf16 units (AMX, AVX512-BF16 or none) and what
+``model.autocast: auto`` chooses for this model here, and why: run it on each kind of CPU to
+fill the table in docs/benchmarks.md. Whether bf16 may be a default is a question of learning
+too: compare the demo with and without it; this script only measures time.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ def main() -> None:
     print(f"{a.size} ({n_params / 1e6:.1f}M params), {a.threads} thread(s), {a.reps} reps, "
           f"P={a.prompts} G={a.group}, {a.prompt_len}-token prompts, {a.new_tokens} new tokens")  # fmt: skip
     print(_common.format_table(["phase", "fp32 s", "bf16 autocast s", "bf16 / fp32"], rows))
+    from peergrade.training.update import auto_bf16, cpu_bf16_kind
+
+    on, why = auto_bf16("cpu", torch.float32, n_params)
+    print(
+        f"CPU bf16 units: {cpu_bf16_kind() or 'none (emulated)'}; model.autocast auto would "
+        f"choose {'bf16' if on else 'float32'} here ({why})"
+    )
     print(_common.load_note())
 
 

@@ -72,6 +72,16 @@ def test_bf16_on_a_cpu_without_bf16_units_is_said_once(monkeypatch):
     assert update.bf16_cpu_note(cfg, "cpu") is None  # auto decides by itself
 
 
+def test_start_up_says_what_precision_auto_chose(tmp_path, capsys):
+    args = ["train", "-o", str(tmp_path / "run"), "--steps", "1", "--train.threads", "1"]
+    args += ["--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    args += ["--rollout.max_completion_length", "4", "--train.eval_size", "4"]
+    assert main([*args, "--train.display", "plain"]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert text.count("precision: float32 (model.autocast auto: the model has 0.") == 1, text
+
+
 def test_start_up_says_bf16_is_emulated_and_the_producer_is_on(monkeypatch, tmp_path, capsys):
     """A short demo run with bf16 asked for on a CPU without bf16 units (simulated) and
     pipelined rollouts: both are said at start-up, once."""

@@ -271,13 +271,43 @@ def test_autocast_setting_resolves(tiny_qwen2, monkeypatch):
     assert not update.use_bf16_autocast("off", "cpu", model)
     assert not update.use_bf16_autocast("auto", "cpu", model)  # ~0.1M parameters: too small
     monkeypatch.setattr(update, "AUTO_BF16_MIN_PARAMS", 1)
-    monkeypatch.setattr(update, "cpu_has_amx_bf16", lambda: True)
+    monkeypatch.setattr(update, "cpu_bf16_pays", lambda: (True, "AMX"))
     assert update.use_bf16_autocast("auto", "cpu", model)
     assert not update.use_bf16_autocast("auto", "cuda", model)  # GPUs: the weights' dtype
-    monkeypatch.setattr(update, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(update, "cpu_bf16_pays", lambda: (False, "neither"))
     assert not update.use_bf16_autocast("auto", "cpu", model)
     with pytest.raises(ValueError, match="model.autocast"):
         update.use_bf16_autocast("fp8", "cpu", model)
+
+
+@pytest.mark.parametrize(
+    ("flags", "ratio", "on", "why"),
+    [
+        ({"avx2", "amx_bf16", "avx512_bf16"}, None, True, "AMX"),
+        ({"avx2", "avx512f", "avx512_bf16"}, None, True, "AVX512-BF16"),
+        ({"avx2", "avx512f"}, None, False, "neither AMX nor AVX512-BF16"),
+        (None, 0.5, True, "measured 0.50x"),  # no flags to read: a short measurement decides
+        (None, 1.7, False, "measured 1.70x"),
+    ],
+)
+def test_auto_precision_follows_the_cpus_bf16_units(flags, ratio, on, why, monkeypatch):
+    """model.autocast auto: bf16 where the CPU has AMX or AVX512-BF16 (a model of 10M+ float32
+    parameters), float32 where it has neither, a measurement where its flags are unknown; the
+    reason is said."""
+    from peergrade.training import update
+
+    monkeypatch.setattr(update, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(update, "_measured_bf16_ratio", lambda: ratio)
+    update.cpu_bf16_pays.cache_clear()
+    try:
+        got, reason = update.auto_bf16("cpu", torch.float32, 34_000_000)
+        assert got is on and why in reason, reason
+        small = update.auto_bf16("cpu", torch.float32, 750_000)
+        assert small[0] is False and "0.75M parameters" in small[1]
+        assert update.auto_bf16("cpu", torch.bfloat16, 34_000_000)[0] is False
+        assert update.auto_bf16("cuda", torch.float32, 34_000_000)[0] is False
+    finally:
+        update.cpu_bf16_pays.cache_clear()
 
 
 def test_bnpo_micro_batch_left_out_entirely(tiny_qwen2):

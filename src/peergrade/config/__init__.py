@@ -105,9 +105,11 @@ class ModelConfig:
         "Mixed precision: run training rollouts and the log-prob forwards (update, reference, "
         "old policy) under torch.autocast in bfloat16, weights and optimizer staying in "
         "model.dtype (fp32 master weights); the chunked lm_head keeps the weights' dtype and "
-        "evaluation stays in model.dtype. auto = bf16 on a CPU with AMX bf16 units for a "
-        "float32 model of at least 10M parameters (where it measured 0.6x the time), off "
-        "otherwise (tiny models run slower in bf16). See bench/bf16_cpu.py.",
+        "evaluation stays in model.dtype. auto = bf16 on a CPU with AMX or AVX512-BF16 units "
+        "for a float32 model of at least 10M parameters (measured 0.6x and 0.64x a step's "
+        "time), off on a CPU with neither (bf16 is emulated there) and for smaller models "
+        "(slower in bf16); where the CPU's flags cannot be read, a short matmul measurement "
+        "decides. The start-up line says what auto chose and why. See bench/bf16_cpu.py.",
         "auto",
     )
     disable_dropout: bool = doc(

@@ -635,16 +635,11 @@ def estimate_for_config(
     if cfg.model.lora.enabled:
         lora = {"r": cfg.model.lora.r, "target_modules": cfg.model.lora.target_modules}
     reward_models = _reward_models(cfg, dtype=dtype, device=device, prompt_len=prompt_len)
-    from peergrade.training.update import AUTO_BF16_MIN_PARAMS, cpu_has_amx_bf16
+    from peergrade.training.update import auto_bf16
 
     autocast = cfg.model.autocast == "bf16"
-    if cfg.model.autocast == "auto":  # update.use_bf16_autocast, from the config alone
-        autocast = (
-            device == "cpu"
-            and dtype == "float32"
-            and param_counts(path)["total"] >= AUTO_BF16_MIN_PARAMS
-            and cpu_has_amx_bf16()
-        )
+    if cfg.model.autocast == "auto":  # the trainer's decision, from the config alone
+        autocast = auto_bf16(device, dtype, param_counts(path)["total"])[0]
     return estimate_memory(
         path,
         batch=cfg.batch_size,

@@ -112,6 +112,7 @@ from peergrade.training.update import (
     Algorithm,
     Models,
     autocast,
+    autocast_note,
     build_optimizer,
     build_scheduler,
     ref_logprobs,
@@ -762,6 +763,8 @@ def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detecto
     )
     if run.harness is not None:
         header.append(harness.describe(run))
+    precision = autocast_note(run.cfg, run.models.device, run.models.policy)
+    header += [precision] if precision else []
     for line in header:
         display.print(line, literal=True)
     if not held_out.rows:

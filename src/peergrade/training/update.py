@@ -30,6 +30,7 @@ checkpoints, no loop. It reads the config (batch sizes, loss options) but never 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -117,26 +118,57 @@ def trim(input_ids, attention_mask, cmask):
 AUTO_BF16_MIN_PARAMS = 10_000_000  # below this, bf16 autocast measured slower on the CPU
 
 
-def cpu_has_amx_bf16() -> bool:
-    """The CPU has AMX bf16 tiles (Linux: the ``amx_bf16`` flag of /proc/cpuinfo)."""
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (Linux: /proc/cpuinfo), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+            return next((set(line.split()) for line in f if line.startswith("flags")), None)
     except OSError:
-        return False
+        return None
 
 
 def cpu_bf16_kind() -> str | None:
-    """How this CPU multiplies bf16: ``"amx"``, ``"avx512_bf16"``, or None (emulated: torch
-    converts to float32 and back, slower than float32 itself). Linux's /proc/cpuinfo flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return None
+    """How this CPU multiplies bf16: ``"amx"`` (AMX tiles), ``"avx512_bf16"``, or None
+    (emulated: torch converts to float32 and back, slower than float32 itself; also where the
+    flags cannot be read)."""
+    flags = _cpu_flags() or set()
     if "amx_bf16" in flags:
         return "amx"
     return "avx512_bf16" if "avx512_bf16" in flags else None
+
+
+def _measured_bf16_ratio(n: int = 384, reps: int = 5) -> float:
+    """bf16 / float32 time of one ``n x n`` matmul, medians of ``reps`` (about 50 ms in all):
+    the question asked of a CPU whose flags say nothing."""
+    import time
+
+    a = torch.randn(n, n)
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    for _ in range(reps):
+        for dt in times:
+            x = a.to(dt)
+            t0 = time.perf_counter()
+            x @ x
+            times[dt].append(time.perf_counter() - t0)
+    f32, b16 = (sorted(v)[len(v) // 2] for v in times.values())
+    return b16 / max(f32, 1e-9)
+
+
+@functools.cache
+def cpu_bf16_pays() -> tuple[bool, str]:
+    """Whether bf16 autocast pays on this CPU, and why, once per process: AMX or AVX512-BF16
+    units, yes (measured 0.6x a step's time with AMX, 0.64x with AVX512-BF16 on an AMD EPYC:
+    docs/benchmarks.md); flags that show neither, no (bf16 is emulated); no flags to read (not
+    Linux), a short matmul measurement decides."""
+    kind = cpu_bf16_kind()
+    if kind == "amx":
+        return True, "this CPU has AMX bf16 units"
+    if kind == "avx512_bf16":
+        return True, "this CPU has AVX512-BF16"
+    if _cpu_flags() is not None:
+        return False, "this CPU has neither AMX nor AVX512-BF16 (bf16 would be emulated)"
+    ratio = _measured_bf16_ratio()
+    return ratio < 0.8, f"a bf16 matmul measured {ratio:.2f}x float32's time here"
 
 
 def bf16_cpu_note(cfg, device) -> str | None:
@@ -152,8 +184,37 @@ def bf16_cpu_note(cfg, device) -> str | None:
     )
 
 
+def auto_bf16(device, dtype: torch.dtype | str, n_params: int) -> tuple[bool, str]:
+    """``model.autocast: auto`` for a model of ``n_params`` weights of ``dtype`` on ``device``:
+    (bf16 or not, why), the one decision the trainer and the memory planner share."""
+    if torch.device(device).type != "cpu":
+        return False, "not on a CPU: the weights' dtype (model.dtype) decides"
+    if dtype not in (torch.float32, "float32"):
+        return False, f"the weights are {str(dtype).replace('torch.', '')}, not float32"
+    if n_params < AUTO_BF16_MIN_PARAMS:
+        return False, (
+            f"the model has {n_params / 1e6:.2g}M parameters, below the "
+            f"{AUTO_BF16_MIN_PARAMS // 1_000_000}M where bf16 pays on a CPU"
+        )
+    return cpu_bf16_pays()
+
+
+def autocast_note(cfg, device, model) -> str | None:
+    """The start-up line of ``model.autocast: auto`` on a CPU: what it chose and why."""
+    if cfg.model.autocast != "auto" or torch.device(device).type != "cpu":
+        return None
+    on, why = _auto_for(device, model)
+    return f"precision: {'bf16 autocast' if on else 'float32'} (model.autocast auto: {why})"
+
+
+def _auto_for(device, model) -> tuple[bool, str]:
+    params = list(model.parameters())
+    dtype = torch.float32 if all(p.dtype == torch.float32 for p in params) else params[0].dtype
+    return auto_bf16(device, dtype, sum(p.numel() for p in params))
+
+
 def use_bf16_autocast(setting: str, device, model) -> bool:
-    """``model.autocast`` resolved: bf16, off, or auto (module docstring of the config key)."""
+    """``model.autocast`` resolved: bf16, off, or auto (``auto_bf16``)."""
     if setting == "off":
         return False
     if setting == "bf16":
@@ -162,12 +223,7 @@ def use_bf16_autocast(setting: str, device, model) -> bool:
         raise ValueError(f"model.autocast={setting!r}: expected auto, off or bf16")
     if torch.device(device).type != "cpu" or model is None:
         return False
-    params = list(model.parameters())
-    return (
-        all(p.dtype == torch.float32 for p in params)
-        and sum(p.numel() for p in params) >= AUTO_BF16_MIN_PARAMS
-        and cpu_has_amx_bf16()
-    )
+    return _auto_for(device, model)[0]
 
 
 def autocast(cfg, device, model=None) -> contextlib.AbstractContextManager:
