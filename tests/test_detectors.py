@@ -136,6 +136,16 @@ def tools_always_fail(s, m):
     m["tools/call_frequency"], m["tools/failure_frequency"] = 1.2, 1.0
 
 
+def harness_failing(s, m):
+    if s == ONSET:  # 15 of the step's 16 harness episodes failed, 15 with the same error
+        m.update({"harness/failed": 15 / 16, "harness/failed_episodes": 15.0,
+                  "harness/episodes": 16.0, "harness/top_error": "TimeoutError: upstream",
+                  "harness/top_error_count": 15.0})  # fmt: skip
+    elif s > ONSET:  # 1 in 16: below the threshold (the progress line still counts it)
+        m.update({"harness/failed": 1 / 16, "harness/failed_episodes": 1.0,
+                  "harness/episodes": 16.0})  # fmt: skip
+
+
 def reward_imbalance(s, m):
     # format saturates at 1.0 on every sample; accuracy slides from 0.5 to ~0.05
     m["reward/format/mean"], m["reward/format/std"] = 1.0, 0.0
@@ -158,6 +168,7 @@ CASES = {
     "nonfinite": (nonfinite, None, 40, 40),
     "bf16_update": (bf16_update, None, ONSET, ONSET),
     "tools_always_fail": (tools_always_fail, None, ONSET + 9, ONSET + 9),
+    "harness_failing": (harness_failing, None, ONSET, ONSET),  # on the step itself
     "reward_imbalance": (reward_imbalance, None, ONSET + 9, ONSET + 25),
     # training reward climbs while held-out accuracy falls at the step-60 evaluation
     "reward_vs_eval": (reward_up, {0: 0.40, 30: 0.45, 60: 0.30}, 60, 60),
@@ -328,6 +339,18 @@ def test_bf16_update_probe_and_alert(tiny_qwen2):
     fixed = first_step_ratio(model)
     assert fixed["precision/bf16_tie_frac"] == 0.0 and fixed["precision/bf16_step_ratio"] < 3
     assert not Detectors(AlertConfig()).update({"step": 1, "loss/policy": 0.0, **fixed})
+
+
+def test_harness_failing_counts_the_episodes_and_quotes_the_most_common_error():
+    out = run(stream(harness_failing))
+    msg = out[ONSET]["alerts"]["harness_failing"]
+    assert msg.startswith("15/16 episodes failed on this step: TimeoutError: upstream (15x"), msg
+    assert "alert/harness_failing" not in out[ONSET + 1]  # 1/16: under harness_failed_frac
+    loose = replace(AlertConfig(), harness_failed_frac=0.05)
+    assert (
+        "1/16 episodes failed"
+        in run(stream(harness_failing), loose)[ONSET + 1]["alerts"]["harness_failing"]
+    )
 
 
 def test_tools_always_fail_fires_after_a_window_of_failed_calls():

@@ -893,11 +893,13 @@ def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path, capsys):
     run = str(tmp_path / "run")
     out = run_eval_command(model=run, overrides=[("harness.processes", 0)])
     assert out["harness"] == cfg.harness.fn
+    assert out["scorer"] == "harness"  # what the agent returned: the run's training reward
     after = summary["eval_after"]
     for key in ("pass@1_greedy", "pass@1_sampled", "tool_call_rate", "tool_call_rate_sampled"):
         assert out[key] == after[key], key
     alone = run_eval_command(model=run, overrides=[("harness.fn", None)])
     assert "harness" not in alone and "tool_call_rate" not in alone  # plain replies
+    assert alone["scorer"] == "arithmetic"  # the task's verifier scores the model alone
     from peergrade.cli import main
 
     capsys.readouterr()

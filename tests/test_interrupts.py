@@ -308,8 +308,10 @@ def torchrun_cmd(run: Path, reward: Path, model: Path, steps: int) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # the held-out scorer is the task's verifier, so the reward's calls count training steps
     opts = {**TINY, "rollout.prompts_per_step": "4", "train.eval_every": "0",
-            "train.audit_rewards": "\"off\"", "train.steps": str(steps), "dist.timeout_s": "120"}  # fmt: skip
+            "train.audit_rewards": "\"off\"", "train.steps": str(steps), "dist.timeout_s": "120",
+            "train.eval_reward": "arithmetic"}  # fmt: skip
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
         "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.5",

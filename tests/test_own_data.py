@@ -4,8 +4,8 @@
 - plain-text prompts on a tokenizer with a chat template: one start-up line naming
   ``data.use_chat_template`` with both renderings; ``samples.jsonl`` and the report show the
   prompt the model saw (item 1);
-- the held-out scorer is ``train.eval_reward`` (default: the task's verifier), printed in the
-  run header and used by ``peergrade eval`` (item 2);
+- the held-out scorer is ``train.eval_reward`` (default: the training reward, issue 50),
+  printed in the run header and used by ``peergrade eval`` (item 2);
 - a column a reward requires (a parameter without a default) must exist, non-null, in every row:
   checked before the model loads, with the file, line and the ``data.columns`` fix (items 3, 4);
 - ``peergrade eval --model RUN_DIR`` reads the run's config and reproduces the run's held-out
@@ -126,13 +126,19 @@ def test_held_out_scorer_rule(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", sums(4))
     task = load_task("file", path=str(data))
     mine = make_reward_spec(f"{write_reward(tmp_path)}:always_one")
+    # the training reward, not math_accuracy because the rows have an answer (issue 50)
     acc, why = held_out_scorer(task, [mine])
-    assert acc.name == "math_accuracy" and why == "the task's verifier"
-    acc, why = held_out_scorer(task, [mine], "always_one")
+    assert acc.fn is mine.fn and why == "the training reward"
+    acc, why = held_out_scorer(task, [mine], "math_accuracy")
+    assert acc.name == "math_accuracy" and why == "train.eval_reward"
+    fmt = make_reward_spec("format")
+    acc, why = held_out_scorer(task, [fmt, mine])
+    assert acc.fn is fmt.fn and why == "the first of the 2 training rewards"
+    acc, why = held_out_scorer(task, [fmt, mine], "always_one")
     assert acc.fn is mine.fn and why == "train.eval_reward"
     no_answer = load_task("file", path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "q"}])))
     acc, why = held_out_scorer(no_answer, [mine])
-    assert acc.fn is mine.fn and why.startswith("the first reward")
+    assert acc.fn is mine.fn and why == "the training reward"
     # the scorer's own required column is checked too, and named as the scorer
     with pytest.raises(Exception, match="held-out scorer"):
         check_reward_columns(no_answer, [mine], make_reward_spec("math_accuracy"))
@@ -170,8 +176,9 @@ def test_missing_columns_stop_before_the_model_loads(walkthrough, capsys, monkey
     assert main([*base, "--reward", "my_rewards.py:exact", "-o", "r2"]) == 2
     err = capsys.readouterr().err
     assert "sums.jsonl: line 3: column 'answer' is missing or null" in err
-    # the held-out scorer (math_accuracy, the default) needs it too, even for a reward that does not
-    assert main([*base, "--reward", "my_rewards.py:always_one", "-o", "r3"]) == 2
+    # a held-out scorer named apart from the rewards needs it too, even when they do not
+    r3 = ["--reward", "my_rewards.py:always_one", "--train.eval_reward", "math_accuracy"]
+    assert main([*base, *r3, "-o", "r3"]) == 2
     assert "held-out scorer (train.eval_reward)" in capsys.readouterr().err
     # no prompt column: data.columns named
     write_jsonl(walkthrough / "q.jsonl", [{"question": "1+1=", "answer": "2"}])
@@ -203,8 +210,8 @@ def test_walkthrough_plain_prompts_scorer_epoch_and_eval_lines(walkthrough):
     assert "--data.use_chat_template true: 'Q:" in out  # the bundled model's chat template
     samples = jsonl(run / "samples.jsonl")
     assert samples and all(s["prompt_rendered"] == s["prompt"] for s in samples)
-    # item 2: the scorer is named
-    assert "held-out scorer: math_accuracy (the task's verifier; train.eval_reward" in out
+    # item 2: the scorer is named: the first training reward (issue 50)
+    assert "held-out scorer: exact (the first of the 2 training rewards; train.eval_reward" in out
     # item 13: the evaluation of step 1 is on screen (step 2 is the final table)
     assert "eval after step 1 (2 held-out problems): pass@1_greedy" in out
     # item 15: config.yaml says what was used

@@ -22,9 +22,10 @@ greedy answers that the ``format`` reward in mode ``answer_only`` accepts (one f
 run's sampling settings before, during and after training) and ``results_table`` its
 before/after table; they take the trainer's run duck-typed and never import the trainer.
 
-The scorer (``held_out_scorer``): ``train.eval_reward`` when set, else the task's verifier
-when the task has one, else the first reward of the mix; a scorer that is one of the training
-rewards takes that reward's options. The seed (``eval_seed``): greedy answers are drawn with
+The scorer (``held_out_scorer``): ``train.eval_reward`` when set, else the training reward:
+the mix's only reward (a harness run's: what the harness returns), or the first of several (a
+reward model skipped); a scorer that is one of the training rewards takes that reward's
+options. The seed (``eval_seed``): greedy answers are drawn with
 ``eval_seed(train.seed)`` and the k samples with that + 1, whichever path evaluates.
 
 One evaluator, two callers: ``HeldOut`` and ``peergrade eval`` both go through
@@ -85,22 +86,31 @@ def held_out_scorer(
 ) -> tuple[RewardSpec, str]:
     """The reward that decides "correct" on held-out problems, and why it was chosen (for the
     run header): ``name`` (``train.eval_reward``: a reward of the mix by its metric name, or any
-    reward spec), else the task's verifier, else ``rewards[0]``. A scorer that is one of the
-    mix's functions keeps that reward's options (e.g. arithmetic with extract: last_number)
-    unless ``options`` are given."""
+    reward spec), else the training reward: the only reward of the mix ``rewards`` (a harness
+    run's: what the harness returned, ``harness``), or the first of several that is no reward
+    model (a classifier's score says nothing of "correct"; all reward models: the first). The
+    task's verifier scores only when it is a training reward (its default mix, or named). A
+    scorer that is one of the mix's functions keeps that reward's options (e.g. arithmetic with
+    extract: last_number) unless ``options`` are given."""
     if name is not None:
         picked = next((s for s in rewards if s.name == name), None)
         why = "train.eval_reward"
         if picked is None:
             with user_input("train.eval_reward"):
                 picked = make_reward_spec(name)
-    elif task.default_rewards:
-        picked, why = accuracy_spec(task), "the task's verifier"
     elif rewards:
-        picked, why = rewards[0], "the first reward (the task has no verifier)"
+        from peergrade.rewards.models import RewardModel
+
+        i = next((i for i, s in enumerate(rewards) if not isinstance(s.fn, RewardModel)), 0)
+        picked, n = rewards[i], len(rewards)
+        why = "the training reward" if n == 1 else f"the first of the {n} training rewards"
+        if i > 0:
+            why += " that is no reward model"
+        if n == 1 and getattr(picked.fn, "__name__", "") == "harness_reward":
+            why = "what the harness returns: the training reward"
     else:
         raise InputError(
-            f"task {task.name!r} has no verifier to score held-out problems: name one with "
+            f"task {task.name!r} has no reward to score held-out problems with: name one with "
             "--reward (peergrade eval) or train.eval_reward"
         )
     same = next((s for s in rewards if s.fn is picked.fn), None)
@@ -471,7 +481,8 @@ def _eval_config(model, config, task, task_options, data, flags: dict, overrides
     from peergrade.model.load import resolve_model_path
 
     given = resolve_model_path(model)
-    path = ckpt.resolve_model_dir(given)  # a run dir -> its latest complete checkpoint
+    # a run dir -> its latest complete checkpoint; a checkpoint's model files are verified
+    path = ckpt.resolve_model_dir(given, verify=True)
     run_config = Path(path) / "config.yaml"
     run_config = config if config is not None else (run_config if run_config.is_file() else None)
     base = load_config(run_config)
@@ -532,14 +543,22 @@ def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_op
             rows, step=1
         )
     # the run's reward mix (a reward model directory is not loaded: it is never the scorer
-    # unless named), for the default scorer and its options
+    # unless named), for the default scorer and its options; a harness run's mix ends with
+    # what the harness returns (its only reward without `rewards:`), as training's does
+    harness = cfg.harness.fn is not None
     with user_input("rewards"):
         items = [
             (i.name, i.weight, i.kwargs, i.display_name)
             for i in cfg.rewards
             if not Path(i.name).is_dir()
-        ] or [(name, w, {}, None) for name, w in the_task.default_rewards]
+        ]
+        if not items and not (harness and not cfg.rewards):
+            items = [(name, w, {}, None) for name, w in the_task.default_rewards]
         mix = make_reward_specs(items)
+    if harness:
+        from peergrade.training.harness import reward_specs
+
+        mix += reward_specs()
     with user_input("reward"):  # a wrong option name fails here, before the model loads
         acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
     # an env's or a harness's run: its answers are episodes, which start from messages

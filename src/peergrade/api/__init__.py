@@ -1282,14 +1282,13 @@ def _lora_overrides(peft_config) -> list[tuple[str, Any]]:
 
 def train(config: Config | str | Path, *, resume: bool = False, overwrite: bool = False):
     """peergrade's own entry point: train with a ``Config`` (or a YAML file's path) into its
-    ``train.output_dir``; returns the summary (``peergrade train --config`` does the same)."""
-    import time
-
+    ``train.output_dir`` (none: a new ``runs/<date>-<time>``; the summary's ``run_dir``);
+    returns the summary (``peergrade train --config`` does the same). A directory another
+    process is writing is refused (``RunInUseError``, naming its pid)."""
     from peergrade.training.trainer import train as run_training
 
     cfg = config if isinstance(config, Config) else load_config(config)
-    run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
-    return run_training(cfg, run_dir, resume=resume, overwrite=overwrite)
+    return run_training(cfg, cfg.train.output_dir, resume=resume, overwrite=overwrite)
 
 
 # ----------------------------------------------------------------------------- recipes

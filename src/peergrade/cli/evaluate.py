@@ -118,8 +118,9 @@ def _what_flags(e) -> None:
     )
     e.add_argument(
         "--reward",
-        help="the scorer (= --train.eval_reward; default: the run's, else the task's verifier; "
-        "for --data, math_accuracy on the answer column)",
+        help="the scorer (= --train.eval_reward; default: the run's, i.e. its training reward "
+        "or what its harness returns; else the task's verifier; for --data, math_accuracy on "
+        "the answer column)",
     )
     e.add_argument(
         "--reward-option",

@@ -4,7 +4,6 @@ It parses and calls; the work happens in the library."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from peergrade.cli.common import (
@@ -22,19 +21,30 @@ from peergrade.config import (
 
 
 def run(args, extra) -> int:
+    from peergrade.planning.sweep import parse_sets
+    from peergrade.training import run_lock
+
+    axes = parse_sets(args.set or [])
+    base = overrides_of(args, extra)
+    # one process writes a sweep directory (each variant's run directory is locked as well);
+    # the default name is new: runs/sweep-<date>-<time>, -2, -3, ... when taken
+    if args.output:
+        lock = run_lock.acquire(Path(args.output), create=True)
+    else:
+        lock = run_lock.claim_new("runs/sweep-%Y%m%d-%H%M%S")
+    with lock:
+        return _sweep(args, axes, base, lock.directory)
+
+
+def _sweep(args, axes, base, out_dir: Path) -> int:
     from peergrade.monitoring.report import load_run, write_report
     from peergrade.planning.sweep import (
         format_summary,
-        parse_sets,
         run_sweep,
         summarize,
         sweep_section,
         variant_name,
     )
-
-    axes = parse_sets(args.set or [])
-    base = overrides_of(args, extra)
-    out_dir = Path(args.output or time.strftime("runs/sweep-%Y%m%d-%H%M%S"))
 
     def load(ov):
         run_dir = out_dir / variant_name(ov)
@@ -84,7 +94,13 @@ def add_parser(sub) -> None:
     )
     sw.add_argument("--steps", type=int, help="training steps of every variant (= --train.steps)")
     add_seed(sw, "seed of every variant (= --train.seed)")
-    add_output(sw, "OUTPUT_DIR", "sweep directory (default runs/sweep-<time>)", "--output-dir")
+    add_output(
+        sw,
+        "OUTPUT_DIR",
+        "sweep directory (default: a new runs/sweep-<time>, with -2, -3, ... when taken); one "
+        "process writes it at a time",
+        "--output-dir",
+    )
     add_overwrite(sw, "variant run dir")
     add_metric_args(
         sw,

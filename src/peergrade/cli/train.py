@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from peergrade.cli.common import (
@@ -25,10 +24,12 @@ from peergrade.errors import InputError
 def run(args, extra) -> int:
     from peergrade.training import checkpoint as ckpt
 
+    # the trainer takes the run directory (making runs/<date>-<time> when none is given) and
+    # holds its lock; the checks here only make the errors come before any config is read
     if args.resume:
         run_dir = Path(args.resume)
-        for line in ckpt.check_run_dir(run_dir, resume=True, overwrite=False):
-            print(f"checkpoints: {line} (left by an interrupted run)", file=sys.stderr)
+        # leftovers are swept by the trainer, under the run's lock
+        ckpt.check_run_dir(run_dir, resume=True, overwrite=False, sweep=False)
         if args.config:
             raise InputError(
                 "--resume uses the run's own config.yaml; do not pass --config with it"
@@ -37,8 +38,10 @@ def run(args, extra) -> int:
         cfg = config_from(args, extra, run_config=True)
     else:
         cfg = config_from(args, extra)
-        run_dir = Path(cfg.train.output_dir or time.strftime("runs/%Y%m%d-%H%M%S"))
-        ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
+        run_dir = Path(cfg.train.output_dir) if cfg.train.output_dir else None
+        if run_dir is not None:
+            ckpt.check_run_dir(run_dir, resume=False, overwrite=args.overwrite)
+    held = [run_dir]  # the directory the trainer took (a new runs/<date>-<time>)
     # under torchrun: a failure names its rank, and the process group is torn down either way;
     # a SIGTERM while the trainer imports or loads is a stop, as a Ctrl-C there
     try:
@@ -47,12 +50,18 @@ def run(args, extra) -> int:
             from peergrade.training.trainer import train
 
             summary = main_guard(
-                train, cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite
+                train,
+                cfg,
+                run_dir,
+                resume=bool(args.resume),
+                overwrite=args.overwrite,
+                on_run_dir=lambda path: held.__setitem__(0, path),
             )
     except KeyboardInterrupt as stop:
         # while loading or evaluating the starting model: the run directory may already exist
         code, what = (143, "SIGTERM") if isinstance(stop, ckpt.Terminated) else (130, "interrupted")
-        if (run_dir / "config.yaml").is_file():
+        run_dir = held[0]
+        if run_dir is not None and (run_dir / "config.yaml").is_file():
             last = ckpt.latest_checkpoint(run_dir)
             print(
                 f"{what} before the first checkpoint: continue with: peergrade train "
@@ -127,11 +136,19 @@ def add_parser(sub) -> None:
         "--harness",
         metavar="FILE.py:fn",
         help="an external agent, fn(row, base_url, model) -> reward: each completion is an "
-        "episode it runs against the policy served as an OpenAI-compatible endpoint "
-        "(= harness.fn; see docs/serving.md)",
+        "episode it runs against the policy served as an OpenAI-compatible endpoint; what it "
+        "returns is the reward and scores the held-out episodes (= harness.fn; see "
+        "docs/serving.md)",
     )
     t.add_argument("--steps", type=int, help="training steps (= --train.steps)")
     add_seed(t, "random seed (= --train.seed)")
-    add_output(t, "RUN_DIR", "run directory (= --train.output_dir)", "--output-dir")
+    add_output(
+        t,
+        "RUN_DIR",
+        "run directory (= --train.output_dir; default: a new runs/<date>-<time>, with -2, -3, "
+        "... when taken); one process writes a run directory at a time: a second writer is "
+        "refused with the first one's pid",
+        "--output-dir",
+    )
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     add_overwrite(t, "run directory")

@@ -540,6 +540,12 @@ class AlertConfig:
         "moved more than this many times as far as the float32 weights.",
         3.0,
     )
+    harness_failed_frac: float = doc(
+        "harness_failing: share of a step's harness episodes that failed (raised, timed out, "
+        "returned no number, never called the server; each scored 0) at or above which the "
+        "step alerts. Any failure shows on the progress line (failed F/N) whatever this says.",
+        0.25,
+    )
 
 
 @dataclass
@@ -551,7 +557,9 @@ class TrainConfig:
         0,
     )
     output_dir: str | None = doc(
-        "Run directory; null = runs/<timestamp>. Never overwritten unless --overwrite.", None
+        "Run directory; null = a new runs/<timestamp> (-2, -3, ... when taken). Never "
+        "overwritten unless --overwrite; written by one process at a time.",
+        None,
     )
     eval_every: int = doc(
         "Evaluate on the held-out split every N steps (0 = only before/after).", 50
@@ -570,9 +578,11 @@ class TrainConfig:
     eval_reward: str | None = doc(
         "The held-out scorer: a reward (one of `rewards` by its metric name, a built-in name, "
         "or file.py:function) whose score 1.0 counts as correct in pass@1 / pass@k and in "
-        "reward/accuracy; null = the task's verifier when the task has one (arithmetic, "
-        "countdown, math_accuracy for a dataset with an answer column), else the first reward. "
-        "Printed when the run starts; `peergrade eval --model RUN_DIR` uses the same.",
+        "reward/accuracy; null = the training reward: the only reward of the mix (through a "
+        "harness: what the harness returns), or the first of several that is no reward model; "
+        "without `rewards`, the task's own (arithmetic, countdown, math_accuracy for a dataset "
+        "with an answer column). Printed when the run starts; `peergrade eval --model RUN_DIR` "
+        "uses the same.",
         None,
     )
     save_every: int = doc("Save a checkpoint every N steps (0 = only at the end).", 100)
@@ -1461,7 +1471,13 @@ def _check_train(cfg: Config) -> None:
     )
     al = t.alerts
     _need(al.window >= 1, f"train.alerts.window must be >= 1, got {al.window}")
-    for k in ("zero_signal_frac", "truncated_frac", "length_collapse", "entropy_collapse"):
+    for k in (
+        "zero_signal_frac",
+        "truncated_frac",
+        "length_collapse",
+        "entropy_collapse",
+        "harness_failed_frac",
+    ):
         v = getattr(al, k)
         _need(0 < v <= 1, f"train.alerts.{k} must be in (0, 1], got {v}")
     for k in ("eval_drop", "reward_rise", "component_drop", "repetition", "kl_max", "ratio_max"):
@@ -1513,7 +1529,7 @@ def _check_rewards(cfg: Config) -> None:
         )
     _need(
         t.eval_reward is None or bool(t.eval_reward.strip()),
-        "train.eval_reward must be a reward name or null (the task's verifier)",
+        "train.eval_reward must be a reward name or null (the training reward)",
     )
 
 

@@ -73,6 +73,21 @@ def _in_thread(fn: Callable, *args) -> asyncio.Future:
     return fut
 
 
+class _Raised(Exception):
+    """A ``TimeoutError`` the harness raised (an upstream API's), told apart from the limit's."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _own_timeouts(call):
+    try:
+        return await call
+    except TimeoutError as e:
+        raise _Raised(e) from e
+
+
 class HarnessRunner:
     """The policy's endpoint plus the loop that runs a harness over a batch of rows."""
 
@@ -172,9 +187,12 @@ class HarnessRunner:
                         call = pool.submit(row, base_url, self.name)
                     else:
                         call = _in_thread(fn, row, base_url, self.name)
-                    value = await asyncio.wait_for(call, timeout_s)
-                except asyncio.TimeoutError:
-                    error, kind = f"timed out after {timeout_s:g}s", "timeout"
+                    value = await asyncio.wait_for(_own_timeouts(call), timeout_s)
+                except asyncio.TimeoutError:  # the limit (asyncio's is the builtin since 3.11)
+                    error = f"TimeoutError: no result within {timeout_s:g} s (harness.timeout_s)"
+                    kind = "timeout"
+                except _Raised as e:  # a TimeoutError the harness raised itself
+                    error, kind = f"{type(e.error).__name__}: {e.error}", "exception"
                 except EpisodeFailure as e:  # the same failure, reported by a worker process
                     error, kind = e.text, e.kind
                 except Exception as e:

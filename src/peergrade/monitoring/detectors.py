@@ -34,6 +34,11 @@ bf16_update        (d) on the first step under bf16 autocast, the bf16 casts of 
                    (``precision/bf16_step_ratio``, ``peergrade.training.precision``)
 tools_always_fail  (f) every tool call failed (``tools/failure_frequency`` 1 with calls made) on
                    each of the last ``window`` steps
+harness_failing    (f) ``harness/failed`` (the share of the step's episodes whose harness raised,
+                   timed out, returned no number or never called the server, each scored 0)
+                   >= ``harness_failed_frac`` on this step; the message counts them
+                   (``harness/failed_episodes`` of ``harness/episodes``) and quotes the most
+                   common error (``harness/top_error``)
 nonfinite          (e) the loss or gradient norm was NaN/inf: ``update/nonfinite_frac`` > 0 (the
                    trainer skipped those optimizer steps; parameters untouched) -- the message
                    counts the skipped steps so far, also logged as ``update/skipped_total``
@@ -63,6 +68,7 @@ ALERT_NAMES = (
     "ratio_blowup",
     "bf16_update",
     "tools_always_fail",
+    "harness_failing",
     "nonfinite",
 )
 
@@ -184,6 +190,7 @@ class Detectors:
                 self._blowup,
                 self._bf16_update,
                 self._tools_always_fail,
+                self._harness_failing,
             ):
                 alerts.update(check(m))
             nf = self._nonfinite(m)
@@ -395,6 +402,28 @@ class Detectors:
                 "Read the tool turns in samples.jsonl for the cause (a malformed call format, "
                 "a tool that raises on every input); try a template that shows the tools, a "
                 "warm-up on the call format, or a longer env.tool_timeout."
+            )
+        }
+
+    def _harness_failing(self, m: dict) -> dict[str, str]:
+        share = _num(m, "harness/failed")
+        limit = getattr(self.s, "harness_failed_frac", 0.25)
+        if not share or share < limit:
+            return {}
+        failed, total = _num(m, "harness/failed_episodes"), _num(m, "harness/episodes")
+        counted = (
+            f"{failed:.0f}/{total:.0f} episodes" if failed and total else f"{share:.0%} of episodes"
+        )
+        top, times = m.get("harness/top_error"), _num(m, "harness/top_error_count")
+        seen = ""
+        if isinstance(top, str) and top:
+            seen = f": {top}" if times is None else f": {top} ({times:.0f}x, the most common)"
+        return {
+            "harness_failing": (
+                f"{counted} failed on this step{seen}. A failed episode scores 0 whatever the "
+                f"model did (threshold {limit:.0%}). Every episode's error is in samples.jsonl "
+                "(extra.harness_error); try a longer harness.timeout_s, a lower "
+                "harness.concurrency, or run the harness by hand against `peergrade serve`."
             )
         }
 

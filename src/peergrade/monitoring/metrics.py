@@ -6,9 +6,11 @@ the same names, to the backends of ``train.report_to``: TensorBoard (event files
 ``<run>/tensorboard``), trackio (its local store, ``TRACKIO_DIR``) and W&B (``<run>/wandb``;
 ``WANDB_MODE=offline`` logs without an account or network). Each backend is imported only when
 selected; ``check_backends`` names the missing pip package before anything is loaded.
-``Display`` shows the run: a rich live panel in an interactive terminal (step, reward, accuracy,
-KL, completion length, tokens/s, ETA), plain one-line-per-step output otherwise (CI logs,
-pipes), or nothing; alerts are printed when they start and listed while they last.
+``Display`` shows the run: a rich live panel in an interactive terminal (step, reward, the
+scorer's mean -- ``acc`` while every score is 0 or 1, so a share correct, else ``score`` --, KL,
+completion length, tokens/s, ETA; failed reward calls and failed harness episodes when there are
+any), plain one-line-per-step output otherwise (CI logs, pipes), or nothing; alerts are printed
+when they start and listed while they last.
 ``quiet_hf_progress`` is the one policy for transformers' own progress bars ("Loading weights",
 "Writing model shards"): off while peergrade works, since its display is the progress, whether
 the CLI or ``trainer.train`` from Python started it; the caller's setting is restored after.
@@ -20,7 +22,8 @@ What the files hold (what the run report reads):
   (``reward/<fn>/mean|std``, ``reward/total/mean``, ``reward/accuracy``, ``loss/policy``,
   ``kl/mean``, ``entropy/mean``, ``rollout/len_mean``, ``rollout/frac_zero_std_groups``,
   ``rollout/repetition``, ``update/nonfinite_frac``, ``perf/tokens_per_s``, ``time/<phase>_s``;
-  ``eval/<metric>`` on evaluation steps, step 0 = before training, ``"final": true`` = after);
+  through a harness ``harness/failed_episodes`` of ``harness/episodes`` and the text
+  ``harness/top_error``; ``eval/<metric>`` on evaluation steps, step 0 = before training, ``"final": true`` = after);
   NaN/inf are written as null. Active detectors (``peergrade.monitoring.detectors``) add
   ``alert/<name>: 1.0`` and ``"alerts": {<name>: <message>}`` to the step's line, and
   ``update/skipped_total`` counts optimizer steps skipped for a non-finite loss or gradient.
@@ -28,7 +31,7 @@ What the files hold (what the run report reads):
   "rewards": [G] (weighted total), "rewards_by_fn": {<fn>: [G]} (each function's raw score,
   null where it gave none), "advantages": [G], "finish_reason": [G]}``.
 
-Backends get only the numeric values (``alerts`` and flags stay in the JSON). This module
+Backends get only the numeric values (``alerts``, texts and flags stay in the JSON). This module
 computes no metric and no alert itself.
 """
 
@@ -241,6 +244,15 @@ def _error_note(metrics: dict[str, Any]) -> str:
     return f"  reward errors {int(errors)}" + (f" (sandbox {int(sandbox)})" if sandbox else "")
 
 
+def _harness_note(metrics: dict[str, Any]) -> str:
+    """``  failed F/N`` when episodes run through a harness failed this step (each scored 0):
+    a failing agent never looks like a low score."""
+    failed, total = metrics.get("harness/failed_episodes"), metrics.get("harness/episodes")
+    if not failed or not total:
+        return ""
+    return f"  failed {int(failed)}/{int(total)}"
+
+
 def _stats_progress(*columns, **kwargs):
     """A rich ``Progress`` whose bar line holds only the name, bar, step counter and ETA, with
     the step's stats on the line below: a narrow terminal (80 columns, or fewer) then folds the
@@ -292,6 +304,8 @@ class Display:
         self._live = None
         self._progress = None
         self._alerts: set[str] = set()  # active last step: a message is printed when one starts
+        # reward/accuracy: "acc" (a share correct) while every score has been 0 or 1
+        self.acc_label = "acc"
         if mode == "rich":
             from rich.console import Console
             from rich.progress import (
@@ -326,10 +340,17 @@ class Display:
         else:
             print(text, flush=True)
 
+    def partial_scores(self) -> None:
+        """The scorer gave a score other than 0 or 1: ``reward/accuracy`` is a mean score, not
+        a share correct, and the progress line calls it ``score`` from now on."""
+        self.acc_label = "score"
+
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         stats = "  ".join(
-            f"{name} {_fmt(metrics.get(key), spec)}" for name, key, spec in self.COLUMNS
-        ) + _error_note(metrics)
+            f"{self.acc_label if key == 'reward/accuracy' else name} {_fmt(metrics.get(key), spec)}"
+            for name, key, spec in self.COLUMNS
+        )
+        stats += _error_note(metrics) + _harness_note(metrics)
         alerts = self.show_alerts(step, metrics)
         if alerts:
             stats += "  " + (

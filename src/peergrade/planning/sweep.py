@@ -53,6 +53,7 @@ from peergrade.monitoring.report import (
     line_figure,
     train_seconds,
 )
+from peergrade.training.run_lock import LOCK_NAME  # the sweep directory's lock is no content
 
 __all__ = [
     "parse_sets",
@@ -139,7 +140,7 @@ def run_sweep(
     ``train(cfg, run_dir, overwrite=...)`` is the trainer's entry point. All configs are built
     (and so validated) before the first run starts, so a bad value fails at once."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    if out_dir.exists() and any(p.name != LOCK_NAME for p in out_dir.iterdir()) and not overwrite:
         raise InputError(
             f"{out_dir}: sweep directory exists and is not empty (pass --overwrite, or -o NEW_DIR)"
         )

@@ -39,7 +39,8 @@ extracted answer, several distinct answers, repetition, cut at the length cap, t
 echoed), ranked, with their prompts.
 
 ``at_startup`` is the trainer's ``train.audit_rewards`` hook: a small battery before the
-model loads, one line per exploitable function.
+model loads, one line per exploitable function; a function that returns no list of one score
+per completion stops the run there (``AuditError``), whatever the mode but ``off``.
 
 This module does not load or run a model (completion ids are approximated, one id per word or
 punctuation mark), does not change a reward function, and imports neither the trainer nor
@@ -929,6 +930,20 @@ class AuditReport:
             "functions": [asdict(u) for u in self.units],
         }
 
+    def shape_errors(self) -> list[str]:
+        """Per function that returned something other than one score per completion (a
+        wrong-length list, or no list at all), its first such message: a break of the calling
+        contract whatever the completions, so training with it cannot start."""
+        out = []
+        for u in self.units:
+            if u.name == "total":
+                continue
+            for f in u.findings:
+                if f.error and _SHAPE_ERR_RE.search(f.error):
+                    out.append(_SHAPE_ERR_RE.search(f.error).group(0))
+                    break
+        return out
+
     def lines(self) -> list[str]:
         """One line per exploitable or fragile unit, with its worst exploit (start-up)."""
         out = []
@@ -1405,6 +1420,11 @@ _BATCH_ERR_RE = re.compile(
     r"raised on the batch of \d+(?: \(first failing sample index \d+: .*\))?: (.*)$", re.S
 )
 _SAMPLE_ERR_RE = re.compile(r"sample \d+: (.*)$", re.S)
+#: ``score_rewards``' message for a call that returned no list of one score per completion
+_SHAPE_ERR_RE = re.compile(
+    r"reward '[^']*' returned (?:\d+ scores for \d+ completions|a \w+, expected a list of "
+    r"\d+ floats or None)"
+)
 
 
 def _short_error(msg: str) -> str:
@@ -1427,7 +1447,9 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
     """``train.audit_rewards``: the battery on a few rows before the model loads.
 
     ``warn``: one line per exploitable or fragile function on stderr (nothing when clean);
-    ``fail``: the same, then ``AuditError``; ``off``: nothing. The global random generators
+    ``fail``: the same, then ``AuditError``; ``off``: nothing. A function that returned no
+    list of one score per completion is an ``AuditError`` under ``warn`` too (one line naming
+    it, what it returned and for how many completions): nothing it returns can be scored. The global random generators
     are left as they were (a reward function that draws from them would shift the run)."""
     mode = cfg.train.audit_rewards
     if mode == "off":
@@ -1454,6 +1476,13 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
         torch.random.set_rng_state(torch_state)
         if np_state is not None:
             np.random.set_state(np_state)
+    shape = report.shape_errors()
+    if shape:  # no score can be read from it at all: the run stops here, before the model loads
+        raise AuditError(
+            "; ".join(shape) + " (called on a batch of the first rows by the start-up audit, "
+            "train.audit_rewards): a reward function returns one score per completion, in "
+            "order (None where it does not apply); fix it before training"
+        )
     lines = report.lines()
     if show:
         for line in lines:

@@ -319,36 +319,59 @@ def epoch_metric(task, rows_used: int) -> dict[str, float]:
     return {"data/epoch": rows_used / len(task)}
 
 
-def eval_batch_line(cfg: Config, world: int = 1) -> str:
+def eval_batch_line(cfg: Config, world: int = 1, problems: int | None = None) -> str:
     """The start-up line that says how many sequences held-out evaluation generates at once
-    (``train.eval_batch_size``, resolved by ``Config.eval_generation_batch``)."""
+    (``train.eval_batch_size``, resolved by ``Config.eval_generation_batch``); ``problems``:
+    how many held-out problems the run has (default: ``train.eval_size``; a split may hold
+    fewer)."""
     t = cfg.train
+    size = t.eval_size if problems is None else problems
     n = cfg.eval_generation_batch(world)
+    if problems is not None:  # never more than the sampled pass holds
+        n = min(n, max(1, size * t.eval_samples))
     why = (
         "train.eval_batch_size auto: the step's largest generation call, so evaluation holds "
         "no more KV cache and logits than a training step"
         if t.eval_batch_size == "auto"
         else "train.eval_batch_size"
     )
+    fewer = (
+        f" (all the held-out split has; train.eval_size {t.eval_size})"
+        if size < t.eval_size
+        else ""
+    )
     return (
-        f"held-out evaluation: {t.eval_size} problems x {t.eval_samples} samples, {n} sequences "
+        f"held-out evaluation: {size} problems{fewer} x {t.eval_samples} samples, {n} sequences "
         f"generated at once ({why})"
     )
 
 
 def run_header(
-    cfg: Config, task, tokenizer, scorer: RewardSpec, why: str, make_env=None
+    cfg: Config,
+    task,
+    tokenizer,
+    scorer: RewardSpec,
+    why: str,
+    make_env=None,
+    held_out: int | None = None,
 ) -> list[str]:
-    """What a user must know before the first step: the held-out scorer (and how it was
-    chosen), how many epochs the steps make of a dataset, and, for plain-text prompts on a
-    tokenizer with a chat template, what the model sees (``tasks.prompts.chat_template_note``);
-    with episodes (``make_env``), the opening prompt as the episodes render it (always through
-    the chat template, with the tool schemas)."""
-    lines = [
-        f"held-out scorer: {scorer.name} ({why}; train.eval_reward picks another); pass@1 "
-        "counts a score of 1.0 as correct",
-        eval_batch_line(cfg, dist.world()),
-    ]
+    """What a user must know before the first step: the scorer (and how it was chosen), how
+    many held-out problems are evaluated (``held_out``; default ``train.eval_size``; 0: none,
+    and nothing is said of an evaluation), how many epochs the steps make of a dataset, and,
+    for plain-text prompts on a tokenizer with a chat template, what the model sees
+    (``tasks.prompts.chat_template_note``); with episodes (``make_env``), the opening prompt as
+    the episodes render it (always through the chat template, with the tool schemas)."""
+    chosen = f"{scorer.name} ({why}; train.eval_reward picks another)"
+    if held_out == 0:  # no evaluation: the scorer still gives the progress line's acc / score
+        lines = [
+            f"scorer: {chosen}; the progress line's acc is its mean over the step's "
+            "completions (called score once a score is neither 0 nor 1)"
+        ]
+    else:
+        lines = [
+            f"held-out scorer: {chosen}; pass@1 counts a score of 1.0 as correct",
+            eval_batch_line(cfg, dist.world(), held_out),
+        ]
     if hasattr(task, "__len__") and len(task):
         n, P, steps = len(task), cfg.rollout.prompts_per_step, cfg.train.steps
         lines.append(

@@ -5,6 +5,11 @@ What this module does
 * Finds the checkpoint: a run directory means its latest complete ``checkpoints/step-N``; a
   checkpoint directory (one holding ``trainer_state.json``) means itself. Anything else is a
   ``RunDirError`` naming the path and what was expected.
+* Verifies it first: every file it exports against the size and sha256 its ``manifest.json``
+  records (``checkpoint.verify_checkpoint``; the optimizer state is not read). A damaged
+  checkpoint, or a run whose newest checkpoint is damaged, is refused in one line naming the
+  file, what was expected and what was found; a checkpoint saved before manifests existed is
+  exported with a note that it could not be verified.
 * A full-model checkpoint is written as ``config.json`` + ``generation_config.json`` + the
   weight files (copied byte for byte) + the tokenizer: loadable with plain
   ``AutoModelForCausalLM`` / ``AutoTokenizer``, and by any tool that loads through them.
@@ -52,16 +57,16 @@ class ExportError(RunDirError):
     """A checkpoint that cannot be exported as asked (e.g. --merge-lora on a full model)."""
 
 
-def find_checkpoint(path) -> Path:
-    """The checkpoint directory that ``path`` (a run dir or a checkpoint dir) names: the one
-    resolver of a run to its checkpoint (``checkpoint.resolve_model_dir``), plus the errors
-    of a path that is neither."""
+def find_checkpoint(path, say=None) -> Path:
+    """The checkpoint directory that ``path`` (a run dir or a checkpoint dir) names, verified:
+    the one resolver of a run to its checkpoint (``checkpoint.resolve_model_dir``), plus the
+    errors of a path that is neither. ``say``: the note for a checkpoint without a manifest."""
     p = Path(path).expanduser()
     if not p.exists():
         raise RunDirError(f"export: {str(p)!r} does not exist")
     if not p.is_dir():
         raise RunDirError(f"export: {str(p)!r} is a file; expected a run or checkpoint directory")
-    resolved = Path(resolve_model_dir(str(p)))
+    resolved = Path(resolve_model_dir(str(p), verify=True, say=say))
     if (resolved / "trainer_state.json").is_file():
         return resolved
     raise RunDirError(
@@ -149,7 +154,7 @@ def export_checkpoint(src, out, *, merge_lora: bool = False, log=print) -> Path:
     """Write the checkpoint that ``src`` names as a standalone HF directory ``out``."""
     from peergrade.model.load import auto_tokenizer_mismatches, load_tokenizer, save_tokenizer
 
-    ckpt = find_checkpoint(src)
+    ckpt = find_checkpoint(src, say=log)
     out_path = Path(out).expanduser()
     if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
         raise RunDirError(

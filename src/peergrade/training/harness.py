@@ -9,8 +9,12 @@ returns the recorded ``Episode`` records, the one record the in-process engine m
 scoring, advantages and the update are unchanged. The harness's return value is the reward
 ``harness`` (one more reward function, reading the ``harness_result`` column); a failed harness
 (raised, timed out, returned something else, never called the server) scores 0, its error
-written into ``samples.jsonl`` (``extra.harness_error``) and counted (``harness/failed*``),
-unless ``train.on_reward_error: fail``, which stops the run naming the episode and the error.
+written into ``samples.jsonl`` (``extra.harness_error``) and counted (``harness/failed*``;
+``step_metrics``: ``harness/failed_episodes`` of ``harness/episodes`` and the most common error,
+which the progress line and the alert ``harness_failing`` show), unless
+``train.on_reward_error: fail``, which stops the run naming the episode and the error. The
+reward ``harness`` is the run's training reward, so it is the held-out scorer too
+(``evaluation.held_out_scorer``) unless ``train.eval_reward`` names another.
 
 ``episode_fn(run)`` is the same for the held-out evaluation (greedy and sampled passes run the
 harness too). It does not score with other reward functions or train.
@@ -19,6 +23,7 @@ harness too). It does not score with other reward functions or train.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from peergrade.config import PYTHON_ONLY
@@ -32,8 +37,16 @@ from peergrade.seeds import step_seed
 COLUMN = "harness_result"
 
 
-def harness_reward(completions, harness_result, log_extra=None, log_metric=None, **kwargs):
-    """The reward ``harness``: what each episode's harness returned (0 for a failed one)."""
+def harness_reward(
+    completions, harness_result=None, env_reward=None, log_extra=None, log_metric=None, **kwargs
+):
+    """The reward ``harness``: what each episode's harness returned (0 for a failed one). The
+    held-out evaluation's episodes come without ``harness_result``: each episode's record
+    carries the same value (``Episode.reward``), which the evaluator passes as ``env_reward``."""
+    if harness_result is None:
+        if env_reward is None:
+            raise ValueError("the reward 'harness' scores episodes run through a harness only")
+        return [0.0 if r is None else float(r) for r in env_reward]
     results: list[HarnessResult] = list(harness_result)
     if log_extra is not None and any(r.error for r in results):
         log_extra("harness_error", [r.error for r in results])
@@ -45,6 +58,28 @@ def harness_reward(completions, harness_result, log_extra=None, log_metric=None,
 
 def reward_specs():
     return make_reward_specs([(harness_reward, 1.0, {}, "harness")])
+
+
+def step_metrics(metrics: dict, errors: Sequence | None, episodes: int) -> dict:
+    """What the progress line and the alert ``harness_failing`` read of a step's ``episodes``
+    harness runs (every rank's, every round's): ``harness/episodes``,
+    ``harness/failed_episodes`` (from ``harness/failed``, the share the reward logged) and,
+    when some failed, ``harness/top_error``: the most common error text among ``errors``
+    (this rank's logged episodes: ``extra.harness_error``) with its count
+    (``harness/top_error_count``, of those episodes)."""
+    share = metrics.get("harness/failed")
+    if share is None:
+        return {}
+    out = {
+        "harness/episodes": float(episodes),
+        "harness/failed_episodes": float(round(share * episodes)),
+    }
+    seen = Counter(e for e in errors or () if e)
+    if share > 0 and seen:
+        text, count = seen.most_common(1)[0]
+        out["harness/top_error"] = text
+        out["harness/top_error_count"] = float(count)
+    return out
 
 
 def load(cfg, given_fn: Callable | None = None) -> Callable | None:

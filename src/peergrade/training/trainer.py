@@ -193,14 +193,17 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         task = build_task(cfg, make_env)
     harness_fn = harness.load(cfg, given.harness)  # an external agent: its reward is the mix
     rewards = [] if harness_fn and not cfg.rewards else build_rewards(cfg, task, given.reward_fns)
-    acc, why = held_out_scorer(task, rewards, t.eval_reward)
-    in_mix = any(s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards)
+    # the environments' own reward (episodes give its column) and what the harness returned
+    own = env_reward_spec(make_env) + (harness.reward_specs() if harness_fn else [])
+    acc, why = held_out_scorer(task, rewards + own, t.eval_reward)  # the training reward
+    in_mix = any(
+        s.name == acc.name and s.fn is acc.fn and s.kwargs == acc.kwargs for s in rewards + own
+    )
     # a column a reward cannot score without, checked in every row before the model loads
     check_reward_columns(
         task, rewards, None if in_mix else acc, EPISODE_COLUMNS if make_env or harness_fn else ()
     )
-    rewards += env_reward_spec(make_env)  # the environments' own reward: episodes give its column
-    rewards += harness.reward_specs() if harness_fn else []  # what the harness returned
+    rewards += own
     if make_env is None and harness_fn is None:  # its exploits are single replies
         audit_at_startup(cfg, task, rewards, show=dist.is_main())  # train.audit_rewards, no model
     few_shot = build_few_shot(cfg, task)
@@ -259,6 +262,8 @@ class StepResult:
     metrics: dict[str, Any]
     samples: list[dict] = field(default_factory=list)  # the logged groups (train.log_samples)
     shapes: dict[str, int] = field(default_factory=dict)  # prompt/sequence/completion lengths
+    # every score of the scorer was 0 or 1: reward/accuracy is a share correct (else a mean score)
+    all_or_nothing: bool = True
 
 
 NO_METER = NoMeter()
@@ -625,10 +630,11 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
     rewards = scores.total.view(P, G).to(torch.float32)  # [P, G]
     group_std = torch.nan_to_num(g(rewards), nan=0.0).std(dim=1)  # [P]
     all_scores, truncated = dist.gather_scores(scores), g(exp.truncated)
+    acc = g(s.accuracy).nan_to_num(0.0)  # [N] the held-out scorer's scores (train.eval_reward)
     metrics = {
         "step": step,
         **all_scores.metrics(),
-        "reward/accuracy": g(s.accuracy).nan_to_num(0.0).mean().item(),
+        "reward/accuracy": acc.mean().item(),
         "rollout/len_mean": lens.float().mean().item(),
         "rollout/len_max": lens.max().item(),
         "rollout/frac_truncated": truncated.float().mean().item(),
@@ -647,6 +653,10 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "perf/train_tokens_per_s": gen_tokens * cfg.algo.num_iterations / max(sec["update"], 1e-9),
         **flop_rates(run, exp, sec),
     }
+    if getattr(run, "harness", None) is not None:  # failed episodes, for the progress line
+        errors = dist.gather_objects(scores.extra.get("harness_error") or [])
+        episodes = int(metrics.get("dynamic/sampled_groups") or cfg.rollout.prompts_per_step) * G
+        metrics.update(harness.step_metrics(metrics, [e for p in errors for e in p], episodes))
     per_completion = exp.advantages is not None and exp.advantages.dim() == 1  # GRPO's
     samples = []
     for p in range(min(cfg.train.log_samples, P)):
@@ -674,7 +684,7 @@ def step_result(run: Run, exp: Experience, upd: dict[str, float], step: int) -> 
         "seq_len": exp.input_ids.shape[1],
         "completion_len": exp.loss_mask.shape[1],
     }
-    return StepResult(metrics, samples, shapes)
+    return StepResult(metrics, samples, shapes, bool(((acc == 0) | (acc == 1)).all()))
 
 
 def phase_work(run: Run, exp: Experience) -> dict[str, flops.Work]:
@@ -724,10 +734,13 @@ def flop_rates(run: Run, exp: Experience, sec: dict[str, float]) -> dict[str, fl
 
 
 def open_run_dir(run: Run, out: RunDir, display, detectors, *, resume: bool, overwrite: bool):
-    """Resume into ``out`` or create it (replacing it with ``overwrite``); returns the step to
-    start after."""
+    """Resume into ``out`` or start it (``claimed_run_dir`` made it; ``overwrite`` empties it);
+    returns the step to start after."""
     if resume:
-        last = resume_from_checkpoint(run, out)
+        # damaged checkpoints passed over are named in one line, whatever the display
+        last = resume_from_checkpoint(
+            run, out, say=lambda line: display.print(line, always=True, literal=True)
+        )
         detectors.replay(read_jsonl(out.path / "metrics.jsonl"))  # windows continue
         display.print(
             f"resuming {out.path} from {last.name}"
@@ -735,10 +748,15 @@ def open_run_dir(run: Run, out: RunDir, display, detectors, *, resume: bool, ove
             else f"resuming {out.path} from step 0 (it stopped before its first checkpoint)"
         )
         return out.last_saved
-    if dist.is_main():
-        if overwrite and out.path.exists():
-            shutil.rmtree(out.path)  # only now: a failure while loading left the old run intact
-        out.path.mkdir(parents=True, exist_ok=True)
+    if dist.is_main() and overwrite:
+        # only now: a failure while loading left the old run intact; the lock file stays
+        for p in out.path.iterdir():
+            if p.name == ckpt.LOCK_NAME:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     return 0
 
 
@@ -759,7 +777,13 @@ def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detecto
     once per run (a resumed run has it)."""
     run = held_out.run
     header = run_header(
-        run.cfg, run.task, run.models.tokenizer, run.accuracy, run.accuracy_why, run.make_env
+        run.cfg,
+        run.task,
+        run.models.tokenizer,
+        run.accuracy,
+        run.accuracy_why,
+        run.make_env,
+        len(held_out.rows),  # what the split holds (0: no evaluation), not train.eval_size
     )
     if run.harness is not None:
         header.append(harness.describe(run))
@@ -786,7 +810,7 @@ def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detecto
 @quiet_hf_progress()  # peergrade's display is the progress, from the CLI or from Python
 def train(
     cfg: Config,
-    run_dir: Path,
+    run_dir: Path | str | None,
     *,
     resume: bool = False,
     overwrite: bool = False,
@@ -794,28 +818,39 @@ def train(
     on_log=None,
     resume_hint: str | None = None,
     count_steps=None,
+    on_run_dir=None,
 ) -> dict[str, Any]:
     """Run (or resume) training into ``run_dir``; returns the final summary.
 
-    A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or ``overwrite`` (replace
-    it, once everything has loaded). ``run``: one ``setup`` already built (the Python API builds
-    it when the trainer is constructed); ``on_log(metrics)`` sees every line metrics.jsonl gets;
-    ``resume_hint``: how the caller continues an interrupted run (default: the command line);
-    ``count_steps(step)``: the step number the progress line shows (the Python API: TRL's
-    optimizer steps, as its log_history)."""
+    ``run_dir`` None: a new ``runs/<date>-<time>`` (``-2``, ... when taken). The directory is
+    held for the run's life (``checkpoint.claimed_run_dir``): a second writer is refused with
+    this process's pid. A non-empty ``run_dir`` is refused unless ``resume`` (continue it) or
+    ``overwrite`` (replace it, once everything has loaded). ``run``: one ``setup`` already
+    built (the Python API builds it when the trainer is constructed); ``on_log(metrics)`` sees
+    every line metrics.jsonl gets; ``resume_hint``: how the caller continues an interrupted run
+    (default: the command line); ``count_steps(step)``: the step number the progress line shows
+    (the Python API: TRL's optimizer steps, as its log_history); ``on_run_dir(path)``: told the
+    run directory once it is held."""
     t = cfg.train
     check_run_conflicts(cfg)  # before the process group, the model and the run directory
     dist.init(cfg)  # under torchrun: join the process group (nothing in one process)
-    ckpt.check_run_dir(Path(run_dir), resume=resume, overwrite=overwrite)
-    if resume and (done := ckpt.finished_run(Path(run_dir), t.steps)) is not None:
-        return done  # a finished run stays as it is
-    check_backends(t.report_to)  # a missing logging package fails here, before the model loads
-    dist.barrier()  # every rank has checked the run dir before rank 0 creates it
-    run = setup(cfg) if run is None else run
-    try:
-        return _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_steps)
-    finally:  # the end, an error or Ctrl-C: no harness worker process outlives the run
-        harness.close(run)
+    with ckpt.claimed_run_dir(run_dir, resume=resume, overwrite=overwrite) as (run_dir, swept):
+        if on_run_dir is not None:
+            on_run_dir(run_dir)
+        if dist.is_main():
+            for line in swept:
+                print(f"checkpoints: {line} (left by an interrupted run)", file=sys.stderr)
+        if resume and (done := ckpt.finished_run(run_dir, t.steps)) is not None:
+            return done  # a finished run stays as it is
+        check_backends(t.report_to)  # a missing logging package fails here, before the model
+        dist.barrier()
+        run = setup(cfg) if run is None else run
+        try:
+            return _train_run(
+                cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_steps
+            )
+        finally:  # the end, an error or Ctrl-C: no harness worker process outlives the run
+            harness.close(run)
 
 
 def _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_steps):
@@ -894,6 +929,8 @@ def _loop(
             with ckpt.critical():
                 metrics_log.write(m)
                 logged = step
+            if not result.all_or_nothing:  # a mean score from now on, not a share correct
+                display.partial_scores()
             display.update(step, m)
             if t.save_every and step % t.save_every == 0:
                 out.save(run, step, checkpoint_extra(producer, step))
