@@ -673,8 +673,9 @@ class EnvConfig:
         300.0,
     )
     tool_timeout: float | None = doc(
-        "Seconds a tool call may take; a slower call is a failed call (the model reads "
-        "'timed out', tools/failure_frequency counts it). null = no limit.",
+        "Seconds a tool call may take; a slower call is stopped (its worker process is "
+        "killed) and is a failed call (the model reads 'timed out', tools/failure_frequency "
+        "counts it, and one warning line per tool and batch says how many). null = no limit.",
         60.0,
     )
     max_tool_output_chars: int | None = doc(
@@ -683,8 +684,9 @@ class EnvConfig:
         10000,
     )
     tool_concurrency: int = doc(
-        "Tool calls running at once across the episodes of a step (each on a thread of its "
-        "own): one slow tool does not hold up the other episodes' tools.",
+        "Tool calls running at once across the episodes of a step (each sync call in a worker "
+        "process forked from the trainer, reused between calls): one slow tool does not hold "
+        "up the other episodes' tools.",
         8,
     )
 

@@ -21,11 +21,16 @@
 - A turn without tool calls ends the episode (``finish_reason`` ``"answer"``); a turn with tool
   calls after ``max_tool_calling_iterations`` rounds ends it unexecuted (``"max_tool_calls"``).
 
-Beyond TRL: a per-call timeout (a sync tool that overruns is abandoned on its daemon thread, not
-killed; an async one is cancelled), a cap on the characters of a tool result (the cut is marked
+Beyond TRL: a per-call timeout (a sync tool runs in a worker process forked from the trainer,
+``envs.tool_workers``, killed with its process group when it overruns, so a spinning tool stops
+using the CPU; an async one is cancelled; the timed-out calls of a batch are one warning line per
+tool, ``ToolLimiter.report``), a cap on the characters of a tool result (the cut is marked
 in the text and counted), a bound on the tool calls running at once across a batch's episodes
-(each sync call runs on a thread of its own, so episodes do not wait for each other's tools),
-and a tool's ``sys.exit()`` / ``KeyboardInterrupt`` is its failed call, not the end of the run.
+(each sync call runs in a worker of its own, so episodes do not wait for each other's tools),
+and a tool's ``sys.exit()`` / ``KeyboardInterrupt`` / ``os._exit()`` is its failed call, not the
+end of the run. A tool method of an environment instance that cannot be pickled runs on a thread
+of the trainer instead (stopped past its limit by an exception raised in it: Python code stops,
+C code that never returns cannot), said once per class.
 
 Not done here: other model families' call formats (Llama 3 JSON, Mistral ``[TOOL_CALLS]``) and
 the code sandbox for Python-code tools.
@@ -39,7 +44,9 @@ import inspect
 import json
 import numbers
 import re
+import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,10 +155,31 @@ class ToolLimiter:
     of a step run their tools concurrently: one slow tool does not hold up the others). Shared
     by the environments of one factory; a semaphore per event loop (each batch runs its own)."""
 
-    def __init__(self, concurrency: int | None = None):
+    def __init__(self, concurrency: int | None = None, tools: Sequence[Callable] = ()):
+        from peergrade.envs.tool_workers import ToolWorkers
+
         self.concurrency = concurrency
         self._loop: Any = None
         self._sem: asyncio.Semaphore | None = None
+        # the sync calls' processes (envs.tool_workers)
+        self.workers = ToolWorkers(tools, check=check_result, exited=ToolExited)
+        self.timeouts: Counter = Counter()  # timed-out calls per tool since the last report
+        self.timeout: float | None = None
+        self.on_threads: set[str] = set()  # classes whose tool methods run on threads
+
+    def report(self) -> list[str]:
+        """One warning line per tool whose calls timed out since the last report (the end of a
+        batch of episodes: ``run_episodes`` calls it), printed to stderr; the lines."""
+        lines = [
+            f"warning: tool {name}: {n} call{'s' if n > 1 else ''} timed out in this batch "
+            f"(env.tool_timeout {self.timeout:g} s) and {'were' if n > 1 else 'was'} stopped; "
+            "each is a failed call the model reads as 'timed out'"
+            for name, n in sorted(self.timeouts.items())
+        ]
+        self.timeouts.clear()
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        return lines
 
     def slot(self):
         if self.concurrency is None:
@@ -168,10 +196,10 @@ class ToolExited(Exception):
 
 async def _in_thread(fn: Callable, args: dict, timeout: float | None):
     """``fn(**args)`` on a daemon thread of its own, awaited (at most ``timeout`` seconds): the
-    event loop runs other episodes' tools meanwhile. A call that overruns is abandoned, not
-    killed (Python cannot stop a thread): it keeps its thread until it returns, but the episode
-    goes on without it. Its ``sys.exit()`` / ``KeyboardInterrupt`` is its failure
-    (``ToolExited``)."""
+    event loop runs other episodes' tools meanwhile (the tools a worker process cannot take).
+    A call that overruns is stopped by an exception raised in its thread (``limits.stop_thread``:
+    Python code stops, C code that never returns to Python cannot); the episode goes on without
+    it. Its ``sys.exit()`` / ``KeyboardInterrupt`` is its failure (``ToolExited``)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
 
@@ -198,12 +226,16 @@ async def _in_thread(fn: Callable, args: dict, timeout: float | None):
         with contextlib.suppress(RuntimeError):  # the batch's loop is closed: abandoned
             loop.call_soon_threadsafe(settle, value, error)
 
-    threading.Thread(target=target, name="peergrade-tool", daemon=True).start()
+    thread = threading.Thread(target=target, name="peergrade-tool", daemon=True)
+    thread.start()
     if timeout is None:
         return await done
     try:
         return await asyncio.wait_for(done, timeout)
     except asyncio.TimeoutError:
+        from peergrade.limits import stop_thread
+
+        stop_thread(thread)
         raise TimeoutError(f"timed out after {timeout:g}s") from None
 
 
@@ -227,17 +259,49 @@ async def _awaited(awaitable, timeout: float | None):
         ) from None
 
 
+async def _run_sync(fn: Callable, args: dict, timeout, limiter: ToolLimiter, instance) -> Any:
+    """A sync tool's result: in a worker process (``envs.tool_workers``), or on a thread for a
+    tool the workers cannot take (a function they do not know, an instance that does not
+    pickle); its exceptions are raised."""
+    from peergrade.envs.tool_workers import NotPicklable, WorkerDied
+
+    workers = limiter.workers
+    if instance is not None and getattr(fn, "__self__", None) is instance:
+        target: Any = (instance, fn.__name__)
+    else:
+        target = workers.index(fn)
+    if target is not None and type(instance).__name__ not in limiter.on_threads:
+        try:
+            return await workers.call(target, args, timeout)
+        except NotPicklable as e:
+            cls = type(instance).__name__
+            limiter.on_threads.add(cls)
+            print(
+                f"warning: the tool methods of {cls} run on the trainer's threads, not in worker "
+                f"processes: its instances cannot be pickled ({e}); a timed-out call is "
+                "interrupted, and one stuck in C code keeps its thread",
+                file=sys.stderr,
+                flush=True,
+            )
+        except WorkerDied as e:
+            raise RuntimeError(str(e)) from None
+    return await _in_thread(fn, args, timeout)
+
+
 async def _call_tools(
     calls: list[dict],
     registry: dict[str, Callable],
     timeout: float | None = None,
     limiter: ToolLimiter | None = None,
+    instance: Any = None,
 ) -> list[tuple[str, Any, bool]]:
     """(name, result, failed) per call, in call order; sync tools run in order, async ones
-    together afterwards (TRL's order of execution), each on its own thread / task so other
-    episodes' calls run meanwhile (at most ``limiter.concurrency`` at once). With ``timeout``,
-    a call that takes longer fails with a timeout error."""
-    limiter = limiter or ToolLimiter()
+    together afterwards (TRL's order of execution), each in its own worker process / task so
+    other episodes' calls run meanwhile (at most ``limiter.concurrency`` at once). With
+    ``timeout``, a call that takes longer is stopped and fails with a timeout error (counted
+    in ``limiter.timeouts``)."""
+    limiter = limiter or ToolLimiter(tools=list(registry.values()))
+    limiter.timeout = timeout
     out: list[tuple[str, Any, bool] | None] = [None] * len(calls)
     pending: list[tuple[int, str, Any]] = []
     for i, call in enumerate(calls):
@@ -251,10 +315,12 @@ async def _call_tools(
                 result = fn(**args)
             else:
                 async with limiter.slot():
-                    result = await _in_thread(fn, args, timeout)
+                    result = await _run_sync(fn, args, timeout, limiter, instance)
         except PeergradeError:
             raise  # the setup is wrong, not the call (e.g. a sandbox that cannot contain code)
         except Exception as e:
+            if isinstance(e, TimeoutError):
+                limiter.timeouts[name] += 1
             out[i] = (name, {"error": str(e) or type(e).__name__}, True)
             continue
         if inspect.isawaitable(result):
@@ -272,6 +338,8 @@ async def _call_tools(
             if isinstance(r, PeergradeError):
                 raise r
             failed = isinstance(r, Exception)
+            if isinstance(r, TimeoutError):
+                limiter.timeouts[name] += 1
             out[i] = (
                 name,
                 {"error": str(r) or type(r).__name__} if failed else check_result(name, r),
@@ -345,8 +413,8 @@ class ToolEnvironment:
         limiter: ToolLimiter | None = None,
     ):
         self.instance = instance
-        self.limiter = limiter or ToolLimiter()
         fns = list(tools)
+        self.limiter = limiter or ToolLimiter(tools=fns)
         if instance is not None:
             fns += [getattr(instance, n) for n in _public_methods(type(instance))]
         self.registry = {fn.__name__: fn for fn in fns}
@@ -392,7 +460,7 @@ class ToolEnvironment:
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
-        results = await _call_tools(calls, self.registry, self.timeout, self.limiter)
+        results = await _call_tools(calls, self.registry, self.timeout, self.limiter, self.instance)
         answers, truncated = [], 0
         for name, result, failed in results:
             # errors are ours and short: only what a tool returned is capped
@@ -492,7 +560,7 @@ def tool_environment_factory(
     _check_limits(
         max_tool_calling_iterations, tool_timeout, max_tool_output_chars, tool_concurrency
     )
-    limiter = ToolLimiter(tool_concurrency)
+    limiter = ToolLimiter(tool_concurrency, tools)
 
     def make(row: Any) -> ToolEnvironment:
         factory = environment_factory
@@ -513,4 +581,5 @@ def tool_environment_factory(
             limiter,
         )
 
+    make.end_batch = limiter.report  # run_episodes: the batch's timed-out calls, one line a tool
     return make

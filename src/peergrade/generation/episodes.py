@@ -80,7 +80,7 @@ from peergrade.generation.kernel import (
     slab_cache_ok,
     uniforms,
 )
-from peergrade.limits import TimeLimitExceeded, call_within
+from peergrade.limits import TimeLimitExceeded, in_thread, steps_within
 
 
 def _as_step(value: Any, where: str) -> Step:
@@ -152,7 +152,9 @@ def run_episodes(
         check_roles: the roles of environment messages the template must render token-exactly.
         env_timeout_s: seconds one environment's ``reset`` or ``step`` may take (None: no
             limit); past it the episode engine raises ``UserCodeError`` naming the class, the
-            method, the row and the limit (``limits.call_within``; async methods: wait_for).
+            method, the row and the limit. The environments' calls of a turn run at once
+            (sync ones on threads of their own), so a hanging one ends the turn after about
+            this limit (``_call_all``).
     """
     cfg = model_config(model)
     n, budget, top_k, stop = _check_arguments(
@@ -176,10 +178,15 @@ def run_episodes(
         template_kw=tkw, device=device, env_timeout_s=env_timeout_s,
     )  # fmt: skip
     step = batch_size or len(episodes)
-    with eval_mode(model):
-        for start in range(0, len(episodes), step):
-            idx = list(range(start, min(start + step, len(episodes))))
-            engine.run([episodes[i] for i in idx], draws[idx])
+    try:
+        with eval_mode(model):
+            for start in range(0, len(episodes), step):
+                idx = list(range(start, min(start + step, len(episodes))))
+                engine.run([episodes[i] for i in idx], draws[idx])
+    finally:  # the batch's timed-out tool calls: one warning line per tool (envs.tools)
+        report = getattr(make_env, "end_batch", None)
+        if callable(report):
+            report()
     return episodes
 
 
@@ -489,12 +496,17 @@ class TurnEngine:
 
 
 def _call_all(calls: list[tuple[Any, str, Any, int]], limit_s: float | None = None) -> list[Any]:
-    """``env.method(arg)`` for every (env, method, arg, row) at once (async ones concurrently),
-    each within ``limit_s`` seconds (a sync method under ``limits.call_within``, an async one
-    under ``asyncio.wait_for``; an environment whose ``step`` bounds itself, ``bounds_own_step``,
-    as the tool wrapper whose every tool call has its own limit, is not limited again there);
-    an exception or an overrun is re-raised naming the environment class, the method and the
-    row."""
+    """``env.method(arg)`` for every (env, method, arg, row) at once, each within ``limit_s``
+    seconds: a sync method on a thread of its own (``limits.in_thread``: started in row order,
+    stopped past the limit), an async one on the event loop under ``asyncio.wait_for``, each of
+    its steps under ``limits.call_within`` (``steps_within``: one that blocks the loop, never
+    awaiting, is interrupted too). So a batch of calls takes about its slowest call, and one
+    that hangs ends the batch after about ``limit_s``, not one limit per episode. An
+    environment whose ``step`` bounds itself (``bounds_own_step``: the tool wrapper, whose
+    every tool call has its own limit) is not limited again there. An exception or an overrun
+    is re-raised naming the environment class, the method and the row (and how many others
+    overran). Environments of a batch run at once: one that draws from a shared global random
+    generator gets its draws in an order that may vary (seed an own ``random.Random`` per row)."""
     if not calls:
         return []
 
@@ -503,11 +515,15 @@ def _call_all(calls: list[tuple[Any, str, Any, int]], limit_s: float | None = No
 
         limit = None if method == "step" and getattr(env, "bounds_own_step", False) else limit_s
         try:
-            value = call_within(lambda: getattr(env, method)(arg), limit, name=method)
+            fn = getattr(env, method)
+            if inspect.iscoroutinefunction(fn):
+                value = fn(arg)
+            else:
+                value = await in_thread(lambda: fn(arg), limit, name=method)
             if not inspect.isawaitable(value) or limit is None or math.isinf(limit):
                 return await maybe_await(value)
             try:
-                return await asyncio.wait_for(value, limit)
+                return await asyncio.wait_for(steps_within(value, limit, name=method), limit)
             except asyncio.TimeoutError:
                 raise TimeLimitExceeded(method, limit) from None
         except Exception as e:
@@ -523,6 +539,7 @@ def _call_all(calls: list[tuple[Any, str, Any, int]], limit_s: float | None = No
         return await asyncio.gather(*(one(e, m, a) for e, m, a, _ in calls), return_exceptions=True)
 
     results = run_sync(go())
+    late = [r for r in results if isinstance(r, TimeLimitExceeded)]
     for (env, method, _, row), r in zip(calls, results):
         if isinstance(
             r, PeergradeError
@@ -536,6 +553,8 @@ def _call_all(calls: list[tuple[Any, str, Any, int]], limit_s: float | None = No
                 what = str(r)
             elif isinstance(r, TimeLimitExceeded):
                 what = f"did not return within {r.limit_s:g}s (env.timeout_s; null = no limit)"
+                if len(late) > 1:
+                    what += f"; {len(late) - 1} more of the batch's {len(calls)} calls too"
             else:
                 what = f"raised {type(r).__name__}: {r}{where_raised(r)}"
             raise UserCodeError(f"environment {cls}.{method} (rows[{row}]) {what}") from r

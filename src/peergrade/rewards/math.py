@@ -43,7 +43,9 @@ Both follow the reward contract of ``peergrade.rewards.registry``:
     Time limit (``timeout_s`` per check, default 3 s): a check that runs past it scores 0.
     In the main thread of a POSIX process the limit is a ``SIGALRM`` interval timer
     (``signal.setitimer``), restored afterwards, whose exception derives from ``BaseException``
-    so library code catching ``Exception`` cannot swallow it. Signals can only be handled in
+    so library code catching ``Exception`` cannot swallow it. The checkers (math-verify, sympy)
+    are imported before the timer starts, and a timer that fires during an import waits for it
+    to finish: an import cut short would leave sympy half-imported for the whole process. Signals can only be handled in
     the main thread, so from any other thread the check runs in a long-lived helper process
     (``python -m peergrade.rewards.math``, JSON lines over pipes) that is killed and restarted
     when a check runs past the limit. (math-verify's own ``signal.alarm`` timeouts are integer
@@ -71,6 +73,8 @@ import sys
 import threading
 from collections import OrderedDict
 from fractions import Fraction
+
+from peergrade.limits import importing
 
 from .extract import answer_tag, boxed, completion_text, last_number, parse_int
 
@@ -287,11 +291,22 @@ class CheckTimeout(BaseException):
 
 def _alarm(signum, frame):
     global _alarms_fired
+    if importing(frame):  # never cut an import (a half-imported sympy breaks the process)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # ask again once it is done
+        return
     _alarms_fired += 1
     raise CheckTimeout
 
 
+def _import_checkers() -> None:
+    """math-verify and sympy imported (seconds on a busy machine), before any time limit."""
+    if _math_verify():
+        return
+    import sympy  # noqa: F401  (the fallback's)
+
+
 def _equivalent_with_signal(pred: str, gold: str, timeout_s: float) -> bool:
+    _import_checkers()  # import time is not check time, and no alarm may cut an import
     old_handler = signal.signal(signal.SIGALRM, _alarm)
     old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
