@@ -146,6 +146,13 @@ def harness_failing(s, m):
                   "harness/episodes": 16.0})  # fmt: skip
 
 
+def judge_failing(s, m):
+    if s == ONSET:  # the judge could score none of the step's 16 answers: they abstained
+        m.update({"judge/unscored": 16.0, "judge/unscored_share": 1.0, "judge/failed_steps": 1.0})
+    elif s > ONSET:  # 2 in 16 unscored: below the judge's fail_share, not a failing step
+        m.update({"judge/unscored": 2.0, "judge/unscored_share": 0.125, "judge/failed_steps": 0.0})
+
+
 def reward_imbalance(s, m):
     # format saturates at 1.0 on every sample; accuracy slides from 0.5 to ~0.05
     m["reward/format/mean"], m["reward/format/std"] = 1.0, 0.0
@@ -169,6 +176,7 @@ CASES = {
     "bf16_update": (bf16_update, None, ONSET, ONSET),
     "tools_always_fail": (tools_always_fail, None, ONSET + 9, ONSET + 9),
     "harness_failing": (harness_failing, None, ONSET, ONSET),  # on the step itself
+    "judge_failing": (judge_failing, None, ONSET, ONSET),  # on the step itself
     "reward_imbalance": (reward_imbalance, None, ONSET + 9, ONSET + 25),
     # training reward climbs while held-out accuracy falls at the step-60 evaluation
     "reward_vs_eval": (reward_up, {0: 0.40, 30: 0.45, 60: 0.30}, 60, 60),

@@ -71,6 +71,23 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # keep pytest's output clean
         pass
 
+    def _json(self, status: int, obj) -> None:
+        out = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def do_GET(self):
+        srv = self.server
+        srv.gets += 1
+        if srv.models is None or not self.path.endswith("/models"):
+            self.send_error(404)
+            return
+        listed = [{"id": m, "object": "model"} for m in srv.models]
+        self._json(200, {"object": "list", "data": listed})
+
     def do_POST(self):
         srv = self.server
         srv.calls += 1
@@ -82,6 +99,15 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(srv.delay)
         if srv.fail_status:
             self.send_error(srv.fail_status)
+            return
+        if srv.models is not None and body.get("model") not in srv.models:
+            # what vLLM and `peergrade serve` answer to a model they do not serve
+            message = f"The model `{body.get('model')}` does not exist."
+            self._json(400, {"error": {"message": message, "type": "invalid_request_error"}})
+            return
+        status = srv.fail_when(body["messages"]) if srv.fail_when is not None else 0
+        if status:
+            self._json(status, {"error": {"message": f"failed on purpose ({status})"}})
             return
         srv.bodies.append(body)
         text = srv.answer(body["messages"])
@@ -99,11 +125,15 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve(answer, *, delay: float = 0.0, fail_status: int = 0):
+def serve(answer, *, delay: float = 0.0, fail_status: int = 0, models=None, fail_when=None):
     """An OpenAI-compatible chat endpoint answering with ``answer(messages) -> text`` (or the
-    whole response, a dict); the request bodies are kept in ``srv.bodies``."""
+    whole response, a dict); the request bodies are kept in ``srv.bodies``. ``models``: the
+    names ``GET /v1/models`` lists, and a request naming another gets a 400 with an OpenAI
+    error message (None: no listing, any name served); ``fail_when(messages)``: an HTTP status
+    to fail that request with (0: answer it)."""
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     srv.answer, srv.delay, srv.fail_status, srv.calls = answer, delay, fail_status, 0
+    srv.models, srv.fail_when, srv.gets = models, fail_when, 0
     srv.bodies = []
     srv.daemon_threads = True
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -343,10 +373,10 @@ def test_a_slow_endpoint_times_out_and_a_500_is_retried():
     with serve(rule_judge, fail_status=503) as (srv, url):
         j = Judge(HTTPBackend(url, retries=2), RUBRIC)
         logged = {}
-        assert (
-            j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__) == [0.5] * 2
-        )
-        assert srv.calls == 3 and logged["judge/fallbacks"] == 2.0
+        out = j(*groups_of(ROWS[:1], ["Paris", "Lyon"]), log_metric=logged.__setitem__)
+        assert out == [None] * 2  # unscored answers abstain: no made-up score
+        assert srv.calls == 3 and logged["judge/unscored"] == 2.0
+        assert logged["judge/fallbacks"] == 0.0
 
 
 def test_on_fallback_error_goes_through_the_runs_reward_error_policy():
@@ -446,6 +476,30 @@ def test_local_model_and_peergrade_serve_of_the_same_model_give_identical_scores
         engine.close()
 
 
+def test_a_judge_without_a_model_name_asks_what_peergrade_serve_serves(judge_dir, capsys):
+    """``peergrade serve`` names its model after the path: a judge given only ``base_url``
+    asks ``GET /v1/models`` and sends that name (it sent ``judge`` and got a 400 on every
+    request before), so its scores are the local model's, not abstentions."""
+    pytest.importorskip("uvicorn")
+    from peergrade.generation.server import Engine, Server, build_app
+    from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+
+    opts = dict(rubric=RUBRIC, max_tokens=24)
+    local = make_judge(judge_model=str(judge_dir), batch_size=4, device="cpu", **opts)
+    model = load_model(str(judge_dir)).eval()
+    tok = prepare_tokenizer(load_tokenizer(str(judge_dir)))
+    engine = Engine(model, tok, str(judge_dir), window_s=0.02)  # named as `peergrade serve` does
+    prompts, completions = groups_of(ROWS[:2], ["Paris", "Lyon"])
+    try:
+        with Server(build_app(engine)) as srv:
+            remote = make_judge(base_url=srv.url + "/v1", retries=0, **opts)
+            assert remote(prompts, completions) == local(prompts, completions)
+            assert remote.backend.model == str(judge_dir)
+    finally:
+        engine.close()
+    assert f"asking {str(judge_dir)!r}, the model GET" in capsys.readouterr().err
+
+
 def test_judge_model_through_the_config(judge_dir, tmp_path):
     from peergrade.config import load_config
     from peergrade.tasks import load_task
@@ -474,8 +528,9 @@ def test_audit_passes_a_judge_without_bias_and_catches_a_position_bias():
     biased = audit_judge(Judge(FnBackend(position_judge), RUBRIC), ROWS)
     assert biased.failed and biased.findings[0].startswith("position_bias = ")
     shuffled = audit_judge(Judge(FnBackend(position_judge), RUBRIC, shuffles=2), ROWS)
-    # figures recorded in docs/audit.md
-    assert biased.figures["position_bias"] == pytest.approx(0.175)
+    # figures recorded in docs/audit.md: slot effects of a 3, 2, 1, 0 point bonus
+    assert biased.figures["position_bias"] == pytest.approx(0.15)
+    assert biased.slot_effects == pytest.approx([0.15, 0.05, -0.05, -0.15])
     assert shuffled.figures["position_bias"] == pytest.approx(0.0)
     assert not any(f.startswith("position_bias") for f in shuffled.findings)
 
@@ -500,7 +555,7 @@ def _obedient(messages):
         (_padding_lover, "length_bias"),
         (_obedient, "injection"),
         (lambda m: json.dumps({"scores": [5] * len(shown_answers(m))}), "spread"),
-        (lambda m: "I like them all", "fallback_share"),
+        (lambda m: "I like them all", "unscored_share"),
     ],
 )
 def test_audit_names_each_bias(fn, finding):
@@ -538,7 +593,8 @@ def test_cli_audit_of_a_rule_based_judge_over_http_exits_0(tmp_path, capsys):
     with serve(rule_judge) as (_, url):
         assert main(_write_audit_inputs(tmp_path, url)) == 0
     out = capsys.readouterr().out
-    assert "judge audit of judge: 4 rows x 4 answers" in out and "no finding" in out
+    # groups of the run's group size (the default config's 8), as the judge sees them in training
+    assert "judge audit of judge: 4 rows x 8 answers" in out and "no finding" in out
 
 
 def test_cli_audit_of_a_position_biased_judge_exits_1_naming_it(tmp_path, capsys):
@@ -546,7 +602,8 @@ def test_cli_audit_of_a_position_biased_judge_exits_1_naming_it(tmp_path, capsys
         assert main(_write_audit_inputs(tmp_path, url) + ["--json"]) == 1
         data = json.loads(capsys.readouterr().out)
         (rep,) = data["judges"]
-        assert rep["findings"][0].startswith("position_bias = 0.175")
+        assert rep["findings"][0].startswith("position_bias = 0.150")
+        assert rep["slot_effects"][0] == pytest.approx(0.15) and len(rep["slot_effects"]) == 8
         assert main(_write_audit_inputs(tmp_path, url, shuffles=2)) == 0
 
 
@@ -592,46 +649,6 @@ def test_peergrade_memory_counts_a_local_judge(judge_dir, tmp_path):
     assert with_judge["phases"]["rewards"] > with_judge["reward_models"]
 
 
-def test_a_training_run_with_a_judge_logs_its_fallbacks(tiny_model_dir, tmp_path):
-    """Two steps of the tiny model with the judge as its only reward, over HTTP: the first
-    step's judge answers, the second's endpoint is broken; metrics.jsonl shows both."""
-    from peergrade.config import load_config
-    from peergrade.training.trainer import train
-
-    broken = {"on": False}
-
-    def length_judge(messages):  # the first request is answered, every later one is not
-        if broken["on"]:
-            return "no JSON today"
-        broken["on"] = True
-        return json.dumps({"scores": [min(10.0, len(a)) for a in shown_answers(messages)]})
-
-    with serve(length_judge) as (_, url):
-        cfg = load_config(
-            None,
-            [
-                ("model.path", str(tiny_model_dir)),
-                ("rewards", [{"name": "judge", "kwargs": {"rubric": RUBRIC, "base_url": url}}]),
-                ("rollout.prompts_per_step", 1),
-                ("rollout.group_size", 2),
-                ("rollout.max_completion_length", 4),
-                ("train.steps", 2),
-                ("train.eval_size", 1),
-                ("train.eval_samples", 1),
-                ("train.display", "none"),
-                ("train.threads", 1),
-            ],
-        )
-        train(cfg, tmp_path / "run")
-    rows = [
-        json.loads(line)
-        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-        if '"judge/fallbacks"' in line
-    ]
-    assert [r["judge/fallbacks"] for r in rows] == [0.0, 2.0]
-    assert rows[1]["reward/judge/mean"] == 0.5 and rows[1]["judge/failed_requests"] == 1.0
-
-
 def test_a_request_too_long_for_the_local_model_fails_alone(tmp_path):
     from peergrade.model.tiny import save_tiny_model
 
@@ -648,7 +665,7 @@ def test_a_request_too_long_for_the_local_model_fails_alone(tmp_path):
     msgs = [build_messages(RUBRIC, q, ["a", "b"]) for q in ("Short?", long_prompt)]
     short, long = j.ask(msgs, use_cache=False)
     assert isinstance(short, str) and "exceeds" in str(long)
-    assert out == [0.5] * 4
+    assert out == [None] * 4
 
 
 def test_audit_uses_the_rows_own_answers_and_judges_alone_with_group_false():
@@ -665,7 +682,8 @@ def test_audit_uses_the_rows_own_answers_and_judges_alone_with_group_false():
     # one answer per request: no position to be biased by, so no figure (not a fake 0.0)
     assert report.figures["position_bias"] is None and report.figures["discrimination"] is None
     assert "group: false" in report.not_applicable["position_bias"]
-    assert not report.failed, report.format()
+    # no reference and no gold pairs: that nothing measured discrimination is the one finding
+    assert [f[:31] for f in report.findings] == ["discrimination not measured: no"]
 
 
 # ----------------------------------------------------------------------------- scoring: yes_no
@@ -789,7 +807,7 @@ def test_yes_no_through_an_endpoint_sums_the_variants_of_top_logprobs():
             ]
         elif "Lyon" in reply_of(messages):  # no yes variant listed: it counts 0
             top = [(" No", math.log(0.3)), ("Maybe", math.log(0.6))]
-        else:  # neither: the fallback
+        else:  # neither: unscored, it abstains
             top = [("Maybe", math.log(0.9))]
         return _logprobs_response(top)
 
@@ -797,8 +815,8 @@ def test_yes_no_through_an_endpoint_sums_the_variants_of_top_logprobs():
         j = make_judge(rubric=QUESTION, base_url=url, scoring="yes_no", retries=0)
         logged = {}
         out = j(*groups_of(ROWS[:1], ["Paris", "Lyon", "Rome"]), log_metric=logged.__setitem__)
-        assert out == pytest.approx([0.6 / 0.8, 0.0, 0.5])
-        assert logged["judge/fallbacks"] == 1.0
+        assert out[:2] == pytest.approx([0.6 / 0.8, 0.0]) and out[2] is None
+        assert logged["judge/unscored"] == 1.0 and logged["judge/fallbacks"] == 0.0
         body = srv.bodies[0]
         assert (body["max_tokens"], body["temperature"], body["logprobs"]) == (1, 0, True)
         assert body["top_logprobs"] == 20
@@ -929,7 +947,7 @@ def test_audit_of_a_yes_no_judge_says_position_bias_is_not_applicable():
     bad = audit_judge(Judge(YesNoBackend(gullible), QUESTION, scoring="yes_no"), ROWS)
     assert {f.split(" = ")[0] for f in bad.findings} >= {"length_bias", "injection"}
     none = audit_judge(Judge(YesNoBackend(lambda r: (0.0, 0.0)), QUESTION, scoring="yes_no"), ROWS)
-    assert any("fallback_share" in f and "neither yes nor no" in f for f in none.findings)
+    assert any("unscored_share" in f and "neither yes nor no" in f for f in none.findings)
 
 
 def test_yes_no_examples_come_first_as_solved_turns():
@@ -1010,7 +1028,8 @@ def test_cli_audit_of_a_yes_no_judge_over_http_says_not_applicable(tmp_path, cap
     assert rep["scoring"] == "yes_no" and rep["figures"]["position_bias"] is None
     assert "position_bias" in rep["not_applicable"]
     assert rep["figures"]["discrimination"] == 1.0  # "The answer is Paris." over "I am not sure."
-    assert rep["figures"]["spread"] == pytest.approx(0.2598, abs=1e-3)
+    # one of the 8 built answers names Paris (0.8), seven do not (0.2)
+    assert rep["figures"]["spread"] == pytest.approx(0.6 * 7**0.5 / 8, abs=1e-3)
 
 
 def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -75,8 +76,10 @@ def main(argv=None) -> int:
             ro = generate(model, tok, ids, n=1, max_new_tokens=max_new, temperature=temp, seed=0)
             replies = list(ro.completion_text)
             scores = judge(prompts, replies)
+            scored = [s for s in scores if s is not None]  # None: the judge could not score it
             res[mode] = {
-                "judge": sum(scores) / len(scores),
+                "judge": sum(scored) / len(scored) if scored else math.nan,
+                "judge_unscored": len(scores) - len(scored),
                 **summary(replies),
                 "replies": [
                     {"prompt": p, "reply": r, "judge": s}

@@ -44,8 +44,10 @@ def run(args, extra) -> int:
     from peergrade.rewards.judge_audit import audit_judge, judge_of
 
     judges = [(s, judge_of(s)) for s in specs]
-    judge_reports = [
-        audit_judge(j, audit.first_rows(task, args.judge_rows, cfg.train.seed), name=s.name)
+    judged = any(j is not None for _, j in judges)
+    judge_rows = audit.first_rows(task, args.judge_rows, cfg.train.seed) if judged else []
+    judge_reports = [  # groups of the run's size, as the judge sees them in training
+        audit_judge(j, judge_rows, name=s.name, answers=cfg.rollout.group_size)
         for s, j in judges
         if j is not None
     ]
@@ -91,8 +93,10 @@ def add_parser(sub) -> None:
         "code that exits before its tests, ...) built from the first rows, next to a correct "
         "and a wrong completion, with every reward function of the config. Exit status 1 when "
         "an exploit scores at least as well as the correct completion on --fail-share of the "
-        "rows (see docs/audit.md). A judge reward is audited for its biases instead (position, "
-        "length, injection, self-consistency; exit 1 above a threshold). With --samples: the "
+        "rows (see docs/audit.md). A judge reward is audited for its biases instead (position "
+        "per slot, length, two injections and the rubric's keywords over same-length neutral "
+        "controls, self-consistency, agreement with its gold pairs; exit 1 past a threshold) "
+        "on groups of rollout.group_size answers. With --samples: the "
         "suspect completions of a finished run.",
     )
     add_config(au, ("reward", "rewards"), ("data", "data.path"), ("task", "data.task"))
@@ -117,8 +121,8 @@ def add_parser(sub) -> None:
         "--judge-rows",
         type=int,
         default=20,
-        help="rows a judge reward is audited on (position, length, injection, consistency; "
-        "default 20)",
+        help="rows a judge reward is audited on (position, length, injection, keyword, "
+        "consistency; default 20; its gold pairs are asked too)",
     )
     au.add_argument("--all", action="store_true", help="also list the exploits that do not apply")
     au.add_argument("--json", action="store_true", help="print one JSON object")

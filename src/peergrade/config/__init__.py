@@ -607,6 +607,14 @@ class TrainConfig:
         "fail stops the run, off skips it.",
         "warn",
     )
+    audit_judge_requests: int = doc(
+        "Judge requests the start-up audit of a judge reward may send (with audit_rewards warn "
+        "or fail: its slot, length, injection, keyword and consistency probes on the first rows "
+        "at the run's group size, and its gold pairs; docs/audit.md): the rows are cut to fit, "
+        "and a judge that one row would overrun is not audited, which one line says. 0 = never "
+        "audit the judge at start-up.",
+        100,
+    )
     threads: int = doc("CPU threads for torch (0 = torch's default).", 0)
     display: Literal["auto", "rich", "plain", "none"] = doc(
         "Live progress display: rich (interactive terminals), plain lines, or none.", "auto"
@@ -1467,6 +1475,11 @@ def _check_train(cfg: Config) -> None:
         f"train.eval_batch_size must be auto or an integer >= 1, got {t.eval_batch_size}",
     )
     _need(t.threads >= 0, f"train.threads must be >= 0, got {t.threads}")
+    _need(
+        t.audit_judge_requests >= 0,
+        f"train.audit_judge_requests must be >= 0 (0 = no judge audit), got "
+        f"{t.audit_judge_requests}",
+    )
     _need(
         t.reward_timeout_s >= 0,
         f"train.reward_timeout_s must be >= 0 (0 = no limit), got {t.reward_timeout_s}",

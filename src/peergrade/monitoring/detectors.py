@@ -13,7 +13,7 @@ The detectors (names as in ``alert/<name>``; thresholds in ``train.alerts``):
 =================  ============================================================================
 no_signal          (a) ``rollout/frac_zero_std_groups`` >= ``zero_signal_frac`` on each of the
                    last ``window`` steps: most groups score all-equal, so advantages are 0
-                   (the message counts a judge reward's fallbacks, ``judge/fallbacks``)
+                   (the message counts a judge reward's unscored answers, ``judge/unscored``)
 reward_vs_eval     (b) between two held-out evaluations accuracy fell by >= ``eval_drop`` while
                    the training reward rose by >= ``reward_rise`` (active until the next eval)
 reward_imbalance   (b) one reward function is saturated (batch std ~0, mean above its start) while
@@ -39,6 +39,10 @@ harness_failing    (f) ``harness/failed`` (the share of the step's episodes whos
                    >= ``harness_failed_frac`` on this step; the message counts them
                    (``harness/failed_episodes`` of ``harness/episodes``) and quotes the most
                    common error (``harness/top_error``)
+judge_failing      (f) a judge reward counted this step as failing (``judge/failed_steps`` >= 1:
+                   at least its ``fail_share`` of the answers unscored, each abstaining); the
+                   message counts them (``judge/unscored``, ``judge/unscored_share``) and the
+                   failing steps in a row (the judge stops the run at its ``max_failed_steps``)
 nonfinite          (e) the loss or gradient norm was NaN/inf: ``update/nonfinite_frac`` > 0 (the
                    trainer skipped those optimizer steps; parameters untouched) -- the message
                    counts the skipped steps so far, also logged as ``update/skipped_total``
@@ -69,6 +73,7 @@ ALERT_NAMES = (
     "bf16_update",
     "tools_always_fail",
     "harness_failing",
+    "judge_failing",
     "nonfinite",
 )
 
@@ -191,6 +196,7 @@ class Detectors:
                 self._bf16_update,
                 self._tools_always_fail,
                 self._harness_failing,
+                self._judge_failing,
             ):
                 alerts.update(check(m))
             nf = self._nonfinite(m)
@@ -227,11 +233,17 @@ class Detectors:
             seen = f"every completion of this step scored {mean:.3g}"
         else:
             seen = f"{frac:.0%} of groups scored all-equal rewards"
-        fallbacks = _num(m, "judge/fallbacks")  # a judge reward's unscorable answers
+        unscored = _num(m, "judge/unscored")  # a judge reward's unscorable answers
+        fallbacks = _num(m, "judge/fallbacks")
         if fallbacks:
             seen += (
                 f" ({fallbacks:.0f} answers got the judge's fallback_score: its replies were "
                 "not the JSON asked for, or its endpoint failed; see judge/failed_requests)"
+            )
+        elif unscored:
+            seen += (
+                f" ({unscored:.0f} answers the judge could not score abstained: its replies "
+                "were not the JSON asked for, or its endpoint failed; see judge/failed_requests)"
             )
         return {
             "no_signal": (
@@ -424,6 +436,25 @@ class Detectors:
                 f"model did (threshold {limit:.0%}). Every episode's error is in samples.jsonl "
                 "(extra.harness_error); try a longer harness.timeout_s, a lower "
                 "harness.concurrency, or run the harness by hand against `peergrade serve`."
+            )
+        }
+
+    def _judge_failing(self, m: dict) -> dict[str, str]:
+        streak = _num(m, "judge/failed_steps")
+        if not streak:
+            return {}
+        unscored, share = _num(m, "judge/unscored"), _num(m, "judge/unscored_share")
+        counted = (
+            f"{unscored:.0f} answers ({share:.0%})" if unscored is not None and share else "most"
+        )
+        return {
+            "judge_failing": (
+                f"the judge could not score {counted} of this step's answers "
+                f"({streak:.0f} failing step(s) in a row): they abstain (advantage 0), so the "
+                "step teaches little or nothing. The judge printed why when this began; each "
+                "answer's reason is in samples.jsonl (extra.judge_error). Try `peergrade audit "
+                "--config ...` on the judge, and check that its endpoint or model is up; the "
+                "run stops at the judge's max_failed_steps."
             )
         }
 

@@ -39,7 +39,8 @@ extracted answer, several distinct answers, repetition, cut at the length cap, t
 echoed), ranked, with their prompts.
 
 ``at_startup`` is the trainer's ``train.audit_rewards`` hook: a small battery before the
-model loads, one line per exploitable function; a function that returns no list of one score
+model loads, one line per exploitable function (a judge reward gets its own probes instead,
+``judge_audit.startup_audit``, within ``train.audit_judge_requests``; one line per judge); a function that returns no list of one score
 per completion stops the run there (``AuditError``), whatever the mode but ``off``.
 
 This module does not load or run a model (completion ids are approximated, one id per word or
@@ -91,6 +92,8 @@ DEFAULT_FAIL_SHARE = 0.1
 STARTUP_ROWS = 16
 #: ... and when the rows are code rows (each exploit is a sandboxed process)
 STARTUP_CODE_ROWS = 4
+#: rows a judge reward's start-up audit may use (``train.audit_judge_requests`` cuts them)
+STARTUP_JUDGE_ROWS = 8
 #: equivalent forms are information only: scored on at most this many rows (math-verify
 #: takes tens of milliseconds to reject "forty-two")
 INFO_ROWS = 10
@@ -1453,6 +1456,7 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
     are left as they were (a reward function that draws from them would shift the run)."""
     mode = cfg.train.audit_rewards
     if mode == "off":
+        _audit_judges(cfg, task, specs, mode, show)  # one line per judge: not audited
         return None
     if mode not in ("warn", "fail"):
         raise ValueError(f"train.audit_rewards={mode!r}; expected 'warn', 'fail' or 'off'")
@@ -1461,12 +1465,15 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
     py_state, torch_state = random.getstate(), torch.random.get_rng_state()
     np = sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
+    judged = specs
     # reward models are left out: each exploit would cost a forward pass (and the memory of
-    # a long filler completion); ``peergrade audit`` takes them when asked
+    # a long filler completion); ``peergrade audit`` takes them when asked. A judge gets its
+    # own probes instead (``_audit_judges``)
     specs = [s for s in specs if not getattr(s.fn, "skip_startup_audit", False)]
-    if not specs:
-        return None
     try:
+        _audit_judges(cfg, task, judged, mode, show)
+        if not specs:
+            return None
         rows = first_rows(task, STARTUP_ROWS, cfg.train.seed)
         if any(_code_info(r) for r in rows[:1]):
             rows = rows[:STARTUP_CODE_ROWS]  # each program is a sandboxed process
@@ -1493,6 +1500,31 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
             "train.audit_rewards: warn"
         )
     return report
+
+
+def _audit_judges(cfg, task, specs: Sequence[RewardSpec], mode: str, show: bool) -> None:
+    """The judge rewards among ``specs`` audited with their own probes, within
+    ``train.audit_judge_requests`` (``judge_audit.startup_audit``): one line per judge with its
+    verdict (and one per finding), or why it was not audited; ``fail`` and a finding:
+    ``AuditError``. A judge endpoint that refuses its requests (HTTP 4xx) stops the run here."""
+    from peergrade.rewards.judge_audit import judge_of, startup_audit
+
+    if not any(judge_of(s) is not None for s in specs):
+        return
+    off = "train.audit_rewards: off" if mode == "off" else None
+    rows = [] if off else first_rows(task, STARTUP_JUDGE_ROWS, cfg.train.seed)
+    lines, reports = startup_audit(
+        specs, rows, budget=cfg.train.audit_judge_requests, answers=cfg.rollout.group_size, off=off
+    )
+    if show:
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+    failed = [f"{r.name}: {f}" for r in reports for f in r.findings]
+    if mode == "fail" and failed:
+        raise AuditError(
+            "judge audit: " + "; ".join(failed) + ". See the table with `peergrade audit "
+            "--config ...`, or set train.audit_rewards: warn"
+        )
 
 
 # ----------------------------------------------------------------------------- samples

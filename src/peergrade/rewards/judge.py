@@ -39,8 +39,8 @@ P(no) those of ``NO_VARIANTS`` ("No", " No", "no", " no"): locally, the variants
 token of the judge's tokenizer (one batched forward pass, no sampling); through an endpoint, the
 entries of ``top_logprobs`` (20 asked for, ``max_tokens: 1``, ``temperature: 0``) whose token
 text is a variant (a variant not among them counts 0). When neither side has any probability
-(no variant among the endpoint's top 20) the request has failed and the answer gets the
-fallback, counted as for an unparsable reply. ``examples`` (yes_no only) puts solved requests
+(no variant among the endpoint's top 20) the request has failed and the answer is unscored,
+as for an unparsable reply. ``examples`` (yes_no only) puts solved requests
 before the real one, as user/assistant turns answered "Yes" or "No"; ``show_question: false``
 leaves the question out of the request. SmolLM2-135M-Instruct told 20 hand-written cheerful
 replies from flat ones only with two examples and without the question (docs/rewards.md).
@@ -51,13 +51,32 @@ that prefers the first (or last) position is averaged out; with k = 2 a bias lin
 position cancels exactly. Identical requests are answered from a cache (a greedy judge gives
 the same reply).
 
-Failures never raise into the training loop unless asked to: an answer whose every request
-failed (unparsable reply, endpoint down or too slow after ``retries``) gets ``fallback_score``
-(default 0.5, neutral: a group that is all fallback has no advantage, as it should), and the
-count goes to the metric ``judge/fallbacks`` (answers given the fallback in the batch) next to
-``judge/failed_requests`` and ``judge/requests``; the no-signal detector names it. With
-``on_fallback: error`` a ``JudgeError`` (a ``RewardError``) is raised instead, naming the
+An answer the judge could not score (every request of it failed: an unparsable reply, the
+endpoint down or too slow after ``retries``) *abstains*: its reward is ``None`` (advantage 0,
+left out of its group's baseline), never a made-up score; ``fallback_score: X`` gives it X
+instead, only when asked for. Each call logs ``judge/unscored`` (answers without a score),
+``judge/unscored_share``, ``judge/fallbacks`` (answers given ``fallback_score``),
+``judge/failed_requests``, ``judge/requests`` and ``judge/failed_steps`` (failing steps in a
+row), and ``log_extra`` column ``judge_error`` (each unscored answer's reason, in
+``samples.jsonl``). A step fails when at least ``fail_share`` (default 0.5) of its answers are
+unscored: the first failing step of a streak prints one line to stderr saying why, and
+``max_failed_steps`` (default 3) failing steps in a row stop the run (``JudgeUnavailable``,
+re-raised whatever ``train.on_reward_error`` says; 0 = never stop). Steps are told apart by
+``trainer_state.global_step`` (a call without one is a step of its own). With
+``on_fallback: error`` a failure is a ``JudgeError`` (a ``RewardError``) instead, naming the
 request and the reason, and the run's ``on_reward_error`` policy decides.
+
+Configuration errors stop the run at once (``JudgeConfigError``, also re-raised whatever the
+policy): an endpoint that refuses every request of a call with HTTP 4xx (a wrong model name,
+URL or key; 408 and 429 are retried like 5xx), or 401 / 403 / 404 / 405 on any request; the
+endpoint's own message is quoted. A 4xx on some requests only (one too long for the judge's
+context) leaves those answers unscored. With ``base_url`` and no ``model`` the judge asks
+``GET {base_url}/models`` once and uses the model listed there (a line says which); an endpoint
+that lists several is an error naming them, one that lists none is sent no model name.
+
+``gold`` names a file of labelled pairs (JSONL, a JSON list, or CSV with a header; fields
+``prompt``, ``better``, ``worse``), read and checked when the judge is built; only the audit
+uses them (``rewards/judge_audit.py``: the judge's agreement with them).
 
 This module does not load models, does not train the judge, and does not decide what a rubric
 should say.
@@ -67,6 +86,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -87,12 +107,15 @@ __all__ = [
     "YES_VARIANTS",
     "HTTPBackend",
     "Judge",
+    "JudgeConfigError",
     "JudgeError",
     "JudgeParseError",
+    "JudgeUnavailable",
     "build_messages",
     "build_yes_no_messages",
     "check_examples",
     "judge",
+    "load_gold",
     "orders_for",
     "parse_scores",
     "register_local_loader",
@@ -101,7 +124,14 @@ __all__ = [
 
 #: scores the judge is asked for lie in [0, MAX_SCORE]; the reward is score / MAX_SCORE
 MAX_SCORE = 10.0
-DEFAULT_FALLBACK = 0.5
+#: an unscored answer abstains (None) unless the user asks for a fallback_score
+DEFAULT_FALLBACK = None
+#: a call with at least this share of its answers unscored is a failing step
+DEFAULT_FAIL_SHARE = 0.5
+#: failing steps in a row after which the run stops (0 = never)
+DEFAULT_MAX_FAILED_STEPS = 3
+#: HTTP statuses that say the request itself is wrong, whatever its content
+_CONFIG_STATUSES = (401, 403, 404, 405)
 DEFAULT_MAX_TOKENS = 256
 _CACHE_SIZE = 4096
 #: the judge's modes: ``json`` (scores 0-10 in a JSON reply) and ``yes_no`` (module doc)
@@ -126,6 +156,31 @@ SYSTEM_PROMPT = (
 
 class JudgeError(RewardError):
     """A judge could not score (bad options, or a failed request under ``on_fallback: error``)."""
+
+
+class JudgeConfigError(JudgeError):
+    """The judge's endpoint refused its requests (HTTP 4xx) or cannot say which model to ask: a
+    configuration error, so the run stops whatever ``train.on_reward_error`` says."""
+
+    stops_run = True
+
+
+class JudgeUnavailable(JudgeError):
+    """``max_failed_steps`` steps in a row with most answers unscored: the run stops rather
+    than train on steps without a reward (whatever ``train.on_reward_error`` says)."""
+
+    stops_run = True
+
+
+class _Refused(JudgeError):
+    """One request the endpoint answered with HTTP 4xx (a value, not raised): ``status`` and
+    the endpoint's own message."""
+
+    def __init__(self, url: str, status: int, reason: str, detail: str, model):
+        self.url, self.status, self.reason, self.detail, self.model = (
+            url, status, reason, detail, model,
+        )  # fmt: skip
+        super().__init__(f"{url}: HTTP {status} {reason}" + (f": {detail}" if detail else ""))
 
 
 class JudgeParseError(ValueError):
@@ -335,7 +390,9 @@ class HTTPBackend:
     ``complete(requests)`` -> one reply text per request, or the exception that ended its last
     try (a connection error, a timeout, an HTTP error, a reply without a message). Requests run
     concurrently on ``concurrency`` threads; a failed one is tried ``retries`` more times
-    (0.5 s, 1 s, ... apart)."""
+    (0.5 s, 1 s, ... apart), but for a 4xx other than 408 / 429 (a ``_Refused`` value carrying
+    the endpoint's message). ``model`` None: the one ``GET {base}/models`` lists, asked once
+    (``model_name``; none listed: the request names no model)."""
 
     def __init__(
         self,
@@ -353,17 +410,68 @@ class HTTPBackend:
             raise JudgeError(f"judge base_url {base_url!r}: expected http://... or https://...")
         if not url.endswith("/chat/completions"):
             url += "/chat/completions"
-        self.url, self.model, self.api_key = url, model or "judge", api_key
+        self.url, self.model, self.api_key = url, model or None, api_key
+        self.base = url[: -len("/chat/completions")]
         self.timeout_s, self.retries = float(timeout_s), int(retries)
         self.max_tokens, self.concurrency = int(max_tokens), max(1, int(concurrency))
         self.key = f"http:{self.url}:{self.model}:{self.max_tokens}"
+        #: where the model name came from: "given", "listed" (GET /models), "none listed"
+        self.model_source = "given" if self.model else None
+        self._model_lock = threading.Lock()
 
-    def _post(self, body: dict) -> dict:
+    def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps({"model": self.model, **body}).encode()
-        req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+        return headers
+
+    def model_name(self) -> str | None:
+        """The model the requests name: the given one, else the one ``GET {base}/models``
+        lists (asked once; a connection error or a 5xx raises, and the next request asks
+        again), else None (the endpoint lists none: no model name is sent)."""
+        if self.model_source is not None:
+            return self.model
+        with self._model_lock:
+            if self.model_source is not None:
+                return self.model
+            url = self.base + "/models"
+            req = urllib.request.Request(url, headers=self._headers(), method="GET")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    data = json.loads(resp.read().decode("utf-8"))
+            except urllib.error.HTTPError as exc:
+                if exc.code >= 500 and exc.code != 501:
+                    raise
+                data = None  # no model listing here (404, 405, 501)
+            except json.JSONDecodeError:
+                data = None
+            listed = data.get("data") if isinstance(data, dict) else None
+            ids = [
+                m["id"]
+                for m in (listed if isinstance(listed, list) else [])
+                if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+            ]
+            if len(ids) > 1:
+                raise JudgeConfigError(
+                    f"judge base_url {self.base!r} names no model and GET {url} lists "
+                    f"{len(ids)}: {', '.join(map(repr, ids[:8]))}; name one in the judge's "
+                    "options (model: ...)"
+                )
+            self.model = ids[0] if ids else None
+            self.model_source = "listed" if ids else "none listed"
+            if ids:
+                print(
+                    f"judge: base_url {self.base} names no model; asking {self.model!r}, the "
+                    f"model GET {url} lists",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return self.model
+
+    def _post(self, body: dict) -> dict:
+        model = self.model_name()
+        data = json.dumps({"model": model, **body} if model else body).encode()
+        req = urllib.request.Request(self.url, data=data, headers=self._headers(), method="POST")
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
             return json.loads(resp.read().decode("utf-8"))
 
@@ -405,9 +513,12 @@ class HTTPBackend:
             try:
                 return once(messages)
             except urllib.error.HTTPError as exc:
+                if 400 <= exc.code < 500 and exc.code not in (408, 429):
+                    # a client error does not get better with retries: the endpoint's message
+                    return _Refused(self.url, exc.code, exc.reason, _error_detail(exc), self.model)
                 last = JudgeError(f"{self.url}: HTTP {exc.code} {exc.reason}")
-                if exc.code < 500 and exc.code != 429:
-                    break  # a client error does not get better with retries
+            except JudgeConfigError as exc:  # the model listing: no retry makes it one model
+                return exc
             except Exception as exc:  # URLError, timeout, bad JSON
                 last = JudgeError(f"{self.url}: {type(exc).__name__}: {exc}")
             if attempt < self.retries:
@@ -427,6 +538,30 @@ class HTTPBackend:
             return []
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(requests))) as pool:
             return list(pool.map(lambda m: self._with_retries(m, self._once_yes_no), requests))
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    """The endpoint's own message in an HTTP error's body (OpenAI's ``{"error": {"message"}}``,
+    FastAPI's ``{"detail"}``, or the text), one line, at most 300 characters."""
+    try:
+        text = exc.read().decode("utf-8", "replace")
+    except Exception:  # no body
+        return ""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            text = str(err["message"])
+        elif isinstance(err, str) and err:
+            text = err
+        elif data.get("detail"):
+            text = str(data["detail"])
+        elif data.get("message"):
+            text = str(data["message"])
+    return " ".join(text.split())[:300]
 
 
 #: set by ``peergrade.training.judge_local``: (path, device, dtype, batch_size, max_tokens) -> a backend
@@ -484,11 +619,13 @@ def _check_question(scoring: str, rubric: str) -> None:
 
 class Judge:
     """A judge reward: ``judge(prompts=..., completions=..., log_metric=...)`` -> one score
-    in [0, 1] per completion (TRL's contract). Completions of the same prompt that are adjacent
-    form a group (the trainer passes each prompt's G completions together)."""
+    in [0, 1] per completion, or None where it could not score (TRL's contract). Completions of
+    the same prompt that are adjacent form a group (the trainer passes each prompt's G
+    completions together)."""
 
     __name__ = "judge"
-    #: the start-up audit of train.audit_rewards leaves it out (each exploit is a judge call)
+    #: the exploit battery of train.audit_rewards leaves it out (each exploit is a judge call);
+    #: the start-up audit asks it its own probes instead (rewards/judge_audit.py)
     skip_startup_audit = True
 
     def __init__(
@@ -498,11 +635,14 @@ class Judge:
         *,
         group: bool | None = None,
         shuffles: int = 1,
-        fallback_score: float = DEFAULT_FALLBACK,
+        fallback_score: float | None = DEFAULT_FALLBACK,
         on_fallback: str = "score",
         scoring: str = "json",
         examples: Sequence[dict] | None = None,
         show_question: bool = True,
+        fail_share: float = DEFAULT_FAIL_SHARE,
+        max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
+        gold=None,
     ):
         group = _check_scoring(scoring, group, shuffles)
         self.examples = check_examples(examples, scoring)
@@ -511,13 +651,37 @@ class Judge:
             raise JudgeError(f"judge on_fallback={on_fallback!r}: expected 'score' or 'error'")
         if not isinstance(shuffles, int) or isinstance(shuffles, bool) or shuffles < 1:
             raise JudgeError(f"judge shuffles={shuffles!r}: expected an integer >= 1")
-        if isinstance(fallback_score, bool) or not isinstance(fallback_score, (int, float)):
-            raise JudgeError(f"judge fallback_score={fallback_score!r}: expected a number")
-        if not 0.0 <= float(fallback_score) <= 1.0:
+        if fallback_score is not None:
+            if isinstance(fallback_score, bool) or not isinstance(fallback_score, (int, float)):
+                raise JudgeError(
+                    f"judge fallback_score={fallback_score!r}: expected a number, or null (an "
+                    "unscored answer abstains)"
+                )
+            if not 0.0 <= float(fallback_score) <= 1.0:
+                raise JudgeError(
+                    f"judge fallback_score={fallback_score}: expected a number in [0, 1] "
+                    "(the reward's scale: score / 10)"
+                )
+            fallback_score = float(fallback_score)
+        if (
+            isinstance(fail_share, bool)
+            or not isinstance(fail_share, (int, float))
+            or not 0.0 < fail_share <= 1.0
+        ):
             raise JudgeError(
-                f"judge fallback_score={fallback_score}: expected a number in [0, 1] "
-                "(the reward's scale: score / 10)"
+                f"judge fail_share={fail_share!r}: expected a share in (0, 1] (a step fails "
+                "when at least this share of its answers is unscored)"
             )
+        if (
+            isinstance(max_failed_steps, bool)
+            or not isinstance(max_failed_steps, int)
+            or max_failed_steps < 0
+        ):
+            raise JudgeError(
+                f"judge max_failed_steps={max_failed_steps!r}: expected an integer >= 0 "
+                "(failing steps in a row that stop the run; 0 = never stop)"
+            )
+        self.gold = load_gold(gold) if gold is not None else []  # read by the audit only
         self.backend, self.rubric = backend, _rubric_text(rubric)
         _check_question(scoring, self.rubric)
         if scoring == "yes_no" and not callable(getattr(backend, "yes_no", None)):
@@ -527,10 +691,19 @@ class Judge:
             )
         self.scoring = scoring
         self.group, self.shuffles = bool(group), shuffles
-        self.fallback_score, self.on_fallback = float(fallback_score), on_fallback
+        self.fallback_score, self.on_fallback = fallback_score, on_fallback
+        self.fail_share, self.max_failed_steps = float(fail_share), max_failed_steps
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
-        self.stats = {"requests": 0, "cache_hits": 0, "failed_requests": 0, "fallbacks": 0}
+        self.stats = {
+            "requests": 0,
+            "cache_hits": 0,
+            "failed_requests": 0,
+            "fallbacks": 0,
+            "unscored": 0,
+        }
+        # the failing steps in a row, and the step (trainer_state.global_step) last counted
+        self._failed_steps, self._failed_step_key = 0, None
 
     def __repr__(self) -> str:
         return f"Judge({getattr(self.backend, 'key', self.backend)!r})"
@@ -558,6 +731,7 @@ class Judge:
                 replies = ask([requests[i] for i in firsts])
             except Exception as exc:  # a backend bug or a dead local model: every request fails
                 replies = [JudgeError(f"{type(exc).__name__}: {exc}")] * len(firsts)
+            _raise_config_error(replies, getattr(self.backend, "base", None))
             with self._lock:
                 self.stats["requests"] += len(firsts)
                 for (k, idx), reply in zip(todo.items(), replies):
@@ -611,6 +785,13 @@ class Judge:
         """Scores in [0, 1] per answer of each (question, answers) group, averaged over the
         judge's orders (``None`` where every request of that answer failed), and the failure
         reasons."""
+        scores, failures, _ = self._score_groups(groups, use_cache=use_cache)
+        return scores, failures
+
+    def _score_groups(
+        self, groups: list[tuple[str, list[str]]], *, use_cache: bool = True
+    ) -> tuple[list[list[float | None]], list[str], list[list[str | None]]]:
+        """``score_groups``, and per answer the reason its last failed request gave."""
         items, where = [], []  # where[r] = (group index, order) of request r
         for g, (q, answers) in enumerate(groups):
             if self.group:
@@ -624,20 +805,24 @@ class Judge:
                     where.append((g, [i]))
         sums = [[0.0] * len(a) for _, a in groups]
         counts = [[0] * len(a) for _, a in groups]
+        why: list[list[str | None]] = [[None] * len(a) for _, a in groups]
         failures = []
         for (g, order), res in zip(where, self.score_shown(items, use_cache=use_cache)):
             if isinstance(res, str):
                 failures.append(f"group {g} order {order}: {res}")
+                for i in order:
+                    why[g][i] = res
                 continue
             for pos, i in enumerate(order):
                 sums[g][i] += res[pos]
                 counts[g][i] += 1
         scores = [[s / c if c else None for s, c in zip(sg, cg)] for sg, cg in zip(sums, counts)]
-        return scores, failures
+        why = [[w if s is None else None for w, s in zip(wg, sg)] for wg, sg in zip(why, scores)]
+        return scores, failures, why
 
     # -- the reward contract
 
-    def __call__(self, prompts, completions, log_metric=None, **_columns) -> list[float]:
+    def __call__(self, prompts, completions, log_metric=None, **_columns) -> list[float | None]:
         if len(prompts) != len(completions):
             raise JudgeError(f"judge: {len(prompts)} prompts but {len(completions)} completions")
         # groups: runs of adjacent completions that answer the same prompt
@@ -652,19 +837,21 @@ class Judge:
             for a, b in spans
         ]
         before = dict(self.stats)
-        scores, failures = self.score_groups(groups)
-        out: list[float] = []
-        fallbacks = 0
-        for sg in scores:
-            for s in sg:
-                if s is None:
-                    fallbacks += 1
-                    out.append(self.fallback_score)
-                else:
-                    out.append(s)
+        scores, failures, why = self._score_groups(groups)
+        out: list[float | None] = [s for sg in scores for s in sg]  # None: unscored, abstains
+        reasons = [w for wg in why for w in wg]
+        unscored = sum(s is None for s in out)
+        fallbacks = unscored if self.fallback_score is not None else 0
+        if fallbacks:
+            out = [self.fallback_score if s is None else s for s in out]
+        state = _columns.get("trainer_state")
+        failed_steps = self._count_failed_step(
+            unscored, len(out), getattr(state, "global_step", None), reasons
+        )
         with self._lock:
             self.stats["failed_requests"] += len(failures)
             self.stats["fallbacks"] += fallbacks
+            self.stats["unscored"] += unscored
         if failures and self.on_fallback == "error":
             shown = "; ".join(failures[:3]) + (
                 f"; ... {len(failures) - 3} more" if len(failures) > 3 else ""
@@ -673,13 +860,178 @@ class Judge:
                 f"judge: {len(failures)} request(s) failed (on_fallback=error): {shown}"
             )
         if log_metric is not None:
+            log_metric("judge/unscored", float(unscored))
+            log_metric("judge/unscored_share", unscored / len(out) if out else 0.0)
             log_metric("judge/fallbacks", float(fallbacks))
             log_metric("judge/failed_requests", float(len(failures)))
             log_metric("judge/requests", float(self.stats["requests"] - before["requests"]))
+            log_metric("judge/failed_steps", float(failed_steps))
+        log_extra = _columns.get("log_extra")
+        if unscored and callable(log_extra):
+            log_extra("judge_error", reasons)
         return out
+
+    def _count_failed_step(
+        self, unscored: int, n: int, step: int | None, reasons: list[str | None]
+    ) -> int:
+        """The failing steps in a row, this call counted (module doc): a call with at least
+        ``fail_share`` of its ``n`` answers unscored fails; calls of the same ``step``
+        (``trainer_state.global_step``; None: a step of its own) count once. The first failing
+        step of a streak prints one line; the ``max_failed_steps``-th raises
+        ``JudgeUnavailable``."""
+        failing = n > 0 and unscored / n >= self.fail_share - 1e-12
+        with self._lock:
+            if not failing:
+                self._failed_steps, self._failed_step_key = 0, None
+                return 0
+            new = step is None or step != self._failed_step_key or self._failed_steps == 0
+            if new:
+                self._failed_steps += 1
+                self._failed_step_key = step
+            streak = self._failed_steps
+        reason = next((r for r in reasons if r), "no reason given")
+        where = self.where()
+        reason = reason if where in reason else f"{where}: {reason}"
+        if new and streak == 1:
+            stop = (
+                f"the run stops after {self.max_failed_steps} such steps in a row "
+                "(the judge's max_failed_steps)"
+                if self.max_failed_steps
+                else "max_failed_steps is 0: the run goes on"
+            )
+            given = (
+                f"given fallback_score {self.fallback_score:g}"
+                if self.fallback_score is not None
+                else "they abstain (reward None: advantage 0, no score made up)"
+            )
+            at = "" if step is None else f" at step {step + 1}"
+            print(
+                f"judge: {unscored} of {n} answers unscored{at} ({reason}); {given}; {stop}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.max_failed_steps and streak >= self.max_failed_steps:
+            with self._lock:  # a judge object reused by a later run starts afresh
+                self._failed_steps, self._failed_step_key = 0, None
+            raise JudgeUnavailable(
+                f"judge: {streak} steps in a row with at least {self.fail_share:.0%} of the "
+                f"answers unscored ({unscored} of {n} on the last; {reason}). The run "
+                "stops rather than train without a reward: check that the judge is up and "
+                "answers in the asked shape (peergrade audit --config ...), or set the "
+                "judge's max_failed_steps (0 = never stop) or fail_share"
+            )
+        return streak
+
+    def where(self) -> str:
+        """The judge's backend in words: its endpoint URL, or its model's key."""
+        url = getattr(self.backend, "url", None)
+        return url if isinstance(url, str) else str(getattr(self.backend, "key", self.backend))
+
+
+def _raise_config_error(replies: list, base: str | None) -> None:
+    """Raise a ``JudgeConfigError`` among ``replies`` (one call's), or make one of the 4xx
+    refusals when every reply is one, or one has a status that never depends on the request's
+    content (401 / 403 / 404 / 405). A 4xx on some requests only passes (those answers are
+    unscored: e.g. one request too long for the judge's context)."""
+    for r in replies:
+        if isinstance(r, JudgeConfigError):
+            raise r
+    refused = [r for r in replies if isinstance(r, _Refused)]
+    if not refused:
+        return
+    hard = [r for r in refused if r.status in _CONFIG_STATUSES]
+    if len(refused) < len(replies) and not hard:
+        return
+    r = (hard or refused)[0]
+    how_many = (
+        "every request" if len(refused) == len(replies) else f"{len(refused)} of {len(replies)}"
+    )
+    named = f"model {r.model!r}" if r.model else "no model name (none given, none listed)"
+    listing = f" (GET {base}/models lists what it serves)" if base else ""
+    raise JudgeConfigError(
+        f"the judge's endpoint {r.url} refused {how_many} with HTTP {r.status} {r.reason}: "
+        f"{r.detail or '(no message)'} [sent {named}]. A 4xx is a configuration error: check "
+        f"the judge's base_url, model{listing} and api_key_env"
+    )
 
 
 _RUBRIC_SUFFIXES = (".txt", ".md", ".yaml", ".yml", ".json")
+_GOLD_FIELDS = ("prompt", "better", "worse")
+
+
+def load_gold(path) -> list[dict]:
+    """The ``gold`` option: labelled pairs ``{prompt, better, worse}`` from a JSONL file, a JSON
+    list or a CSV file with a header (by the suffix; JSONL otherwise). ``prompt`` is a string or
+    a chat message list, ``better`` and ``worse`` two different non-empty strings; any other
+    field is ignored. A bad file or row is a ``JudgeError`` naming the file and the row."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise JudgeError(
+            f"judge gold={path!r}: expected the path of a file of (prompt, better, worse) rows"
+        )
+    p = Path(str(path).strip()).expanduser()
+    if not p.is_file():
+        raise JudgeError(
+            f"judge gold: no such file {str(p)!r} (resolved {p.resolve()}); expected a file of "
+            "(prompt, better, worse) rows (JSONL, JSON or CSV)"
+        )
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JudgeError(f"judge gold {str(p)!r}: cannot read it ({exc})") from None
+    rows: list[tuple[str, object]] = []  # (where, row)
+    if p.suffix.lower() == ".csv":
+        import csv
+        import io
+
+        reader = csv.DictReader(io.StringIO(text))
+        missing = [f for f in _GOLD_FIELDS if f not in (reader.fieldnames or [])]
+        if missing:
+            raise JudgeError(
+                f"judge gold {str(p)!r}: the CSV header lacks {', '.join(missing)} (expected "
+                f"columns prompt, better, worse; got {reader.fieldnames})"
+            )
+        rows = [(f"row {k}", r) for k, r in enumerate(reader, start=2)]
+    elif p.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise JudgeError(f"judge gold {str(p)!r}: not JSON ({exc})") from None
+        if not isinstance(data, list):
+            raise JudgeError(
+                f"judge gold {str(p)!r}: expected a JSON list of {{prompt, better, worse}} "
+                f"objects, got a {type(data).__name__}"
+            )
+        rows = [(f"item {k}", r) for k, r in enumerate(data)]
+    else:
+        for k, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {k}", json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise JudgeError(f"judge gold {str(p)!r}: line {k} is not JSON ({exc})") from None
+    out = []
+    for where, r in rows:
+        at = f"judge gold {str(p)!r}: {where}"
+        if not isinstance(r, dict):
+            raise JudgeError(f"{at}: expected an object with prompt, better, worse, got {r!r:.80}")
+        missing = [f for f in _GOLD_FIELDS if f not in r]
+        if missing:
+            raise JudgeError(f"{at}: missing {', '.join(missing)} (has {', '.join(map(str, r))})")
+        prompt, better, worse = r["prompt"], r["better"], r["worse"]
+        if not (isinstance(prompt, str) and prompt.strip()) and not (
+            isinstance(prompt, list) and prompt
+        ):
+            raise JudgeError(f"{at}: prompt must be a non-empty string or message list")
+        for name, v in (("better", better), ("worse", worse)):
+            if not isinstance(v, str) or not v.strip():
+                raise JudgeError(f"{at}: {name} must be a non-empty string, got {v!r:.80}")
+        if better.strip() == worse.strip():
+            raise JudgeError(f"{at}: better and worse are the same answer")
+        out.append({"prompt": prompt, "better": better, "worse": worse})
+    if not out:
+        raise JudgeError(f"judge gold {str(p)!r}: no (prompt, better, worse) rows in it")
+    return out
 
 
 def _rubric_text(rubric) -> str:
@@ -732,8 +1084,11 @@ def make_judge(
     show_question: bool = True,
     group: bool | None = None,
     shuffles: int = 1,
-    fallback_score: float = DEFAULT_FALLBACK,
+    fallback_score: float | None = DEFAULT_FALLBACK,
     on_fallback: str = "score",
+    fail_share: float = DEFAULT_FAIL_SHARE,
+    max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
+    gold=None,
     timeout_s: float = 60.0,
     retries: int = 2,
     max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -745,8 +1100,8 @@ def make_judge(
     """The ``Judge`` for these options, built once per process (the local model loads once)."""
     key = json.dumps(
         [rubric, judge_model, base_url, model, api_key_env, scoring, examples, show_question,
-         group, shuffles, fallback_score, on_fallback, timeout_s, retries, max_tokens,
-         concurrency, batch_size, device, dtype],
+         group, shuffles, fallback_score, on_fallback, fail_share, max_failed_steps, gold,
+         timeout_s, retries, max_tokens, concurrency, batch_size, device, dtype],
         default=str,
     )  # fmt: skip
     with _judges_lock:
@@ -754,6 +1109,8 @@ def make_judge(
             return _judges[key]
     text = _rubric_text(rubric)
     _check_scoring(scoring, group, shuffles)  # before a local model loads
+    if gold is not None:
+        load_gold(gold)  # a bad file: its error before a local model loads
     _check_question(scoring, text)
     check_examples(examples, scoring)
     _check_show_question(show_question, scoring)
@@ -780,6 +1137,9 @@ def make_judge(
         shuffles=shuffles,
         fallback_score=fallback_score,
         on_fallback=on_fallback,
+        fail_share=fail_share,
+        max_failed_steps=max_failed_steps,
+        gold=gold,
         scoring=scoring,
         examples=examples,
         show_question=show_question,
@@ -884,8 +1244,11 @@ def judge(
     show_question: bool = True,
     group: bool | None = None,
     shuffles: int = 1,
-    fallback_score: float = DEFAULT_FALLBACK,
+    fallback_score: float | None = DEFAULT_FALLBACK,
     on_fallback: str = "score",
+    fail_share: float = DEFAULT_FAIL_SHARE,
+    max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
+    gold=None,
     timeout_s: float = 60.0,
     retries: int = 2,
     max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -894,12 +1257,12 @@ def judge(
     device: str = "auto",
     dtype: str = "auto",
     **_columns,
-) -> list[float]:
+) -> list[float | None]:
     """The built-in ``judge`` reward (module doc): each completion's judged score in [0, 1]. Its
     keyword options are ``make_judge``'s, named here so that a misspelt one is caught."""
     options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
     j = make_judge(**options)
-    return j(prompts, completions, log_metric=log_metric)
+    return j(prompts, completions, log_metric=log_metric, **_columns)
 
 
 #: ``judge``'s parameters that are not the judge's options (the reward contract's)
@@ -926,6 +1289,9 @@ _OPTIONS = (
     "shuffles",
     "fallback_score",
     "on_fallback",
+    "fail_share",
+    "max_failed_steps",
+    "gold",
     "timeout_s",
     "retries",
     "max_tokens",
