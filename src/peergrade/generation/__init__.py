@@ -7,8 +7,9 @@ come back as one record (``record.Samples``) with the same fields, so training, 
 evaluation, ``peergrade eval``, ``peergrade memory`` and the audit read one thing.
 ``SamplerSettings`` (``record``) says how to sample, built once per purpose.
 
-Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``episodes`` (the
-episode engine), ``record`` (``Samples``, ``SamplerSettings``); the OpenAI-compatible endpoint:
+Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``vllm_engine``
+(vLLM in this process, another engine for single replies: ``sample(..., engine=)``),
+``episodes`` (the episode engine), ``record`` (``Samples``, ``SamplerSettings``); the OpenAI-compatible endpoint:
 ``server`` (routes, batching ``Engine``), ``openai_schema`` (the requests it accepts),
 ``responses`` (the Responses API on the chat route), ``stream`` (its server-sent events),
 ``recorder`` /
@@ -42,6 +43,7 @@ def sample(
     make_env: Callable[[Any], Any] | None = None,
     episodes_from: Callable[..., list] | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    engine: Any = None,
 ) -> Samples:
     """``settings.n`` answers to each of ``rows`` (groups adjacent), keyed by (``seed``, the
     row's key in ``row_keys`` (default its index), sample index, token index).
@@ -51,7 +53,10 @@ def sample(
     environment``): the environment's ``reset`` opens each episode, ``prompt_ids`` are unused
     and ``settings.max_new_tokens`` is the budget of a whole episode. ``episodes_from`` is
     another episode source with ``episodes.run_episodes``' signature (an external agent through
-    the endpoint, ``generation.harness``): its episodes come back as the same record."""
+    the endpoint, ``generation.harness``): its episodes come back as the same record.
+
+    ``engine``: another rollout engine for single replies (``vllm_engine.VllmEngine``: same
+    record, its own sampled log-probs as the behaviour log-probs); None = the own kernel."""
     common = dict(
         n=settings.n,
         temperature=settings.temperature,
@@ -63,6 +68,8 @@ def sample(
         batch_size=settings.batch_size,
         eos_token_ids=eos_token_ids,
     )
+    if engine is not None and (make_env is not None or episodes_from is not None):
+        raise ValueError("sample(): episodes sample with the own kernel only (engine=None)")
     if make_env is not None or episodes_from is not None:
         episodes = (episodes_from or run_episodes)(
             model,
@@ -78,6 +85,13 @@ def sample(
         return Samples.of_episodes(episodes, tokenizer.pad_token_id, settings.n)
     if prompt_ids is None:
         raise ValueError("sample(): single replies need prompt_ids (the rows' encoded prompts)")
+    if engine is not None:
+        out = engine.sample(
+            model, tokenizer, prompt_ids, settings, seed=seed, row_keys=row_keys,
+            eos_token_ids=eos_token_ids,
+        )  # fmt: skip
+        out.prompts = [row["prompt"] for row in rows for _ in range(settings.n)]
+        return out
     out = generate(
         model,
         tokenizer,

@@ -55,7 +55,76 @@ def sample(run, rows: list[dict], step: int, row_keys: Sequence[int]) -> Samples
             row_keys=row_keys,
             prompt_ids=None if run.make_env else run.encode(rows),
             make_env=run.make_env,
+            engine=getattr(run, "engine", None),
         )
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def build_engine(cfg):
+    """The run's rollout engine: None for the own kernel (``rollout.engine peergrade``), else a
+    ``VllmEngine`` (built lazily at the first sample). A missing vLLM (``MissingPackageError``)
+    or a launch it does not serve (``ConfigError``) fails before any model loads."""
+    r = cfg.rollout
+    if r.engine == "peergrade":
+        return None
+    from peergrade.config import ConfigError
+    from peergrade.errors import MissingPackageError
+    from peergrade.generation.vllm_engine import INSTALL_HINT, VllmEngine, vllm_available
+
+    if not vllm_available():
+        raise MissingPackageError(
+            f"rollout.engine vllm needs vLLM, which is not installed: {INSTALL_HINT}"
+        )
+    if dist.launched() or dist.world() > 1:
+        raise ConfigError(
+            "rollout.engine vllm runs in one process: launch without torchrun, or use "
+            "rollout.engine peergrade"
+        )
+    return VllmEngine(
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        kv_cache_gb=r.vllm_kv_cache_gb,
+        max_model_len=r.vllm_max_model_len,
+    )
+
+
+def engine_gap(run, exp) -> dict[str, float]:
+    """The train/inference gap of the step's samples (another engine only: the own kernel
+    samples with the trainer's forward): the trainer's own log-probs of the sampled tokens
+    (one no-grad pass with the weights that sampled them) against the engine's, over the
+    tokens the loss counts. ``engine/logp_gap_mean`` / ``_max``: mean and max |delta logp|;
+    ``engine/seq_kl``: the mean over sequences of sum_t (log mu - log pi), the k1 estimate of
+    KL(engine || trainer) per sequence."""
+    if getattr(run, "engine", None) is None or exp.sampler_logprobs is None:
+        return {}
+    from peergrade.training.update import frozen_logprobs
+
+    trainer_lp = frozen_logprobs(run.models.policy, exp.batch, run.cfg)  # [N, C]
+    m = exp.loss_mask > 0  # [N, C]
+    d = (exp.sampler_logprobs.to(trainer_lp.device) - trainer_lp) * m  # [N, C]
+    if not bool(m.any()):
+        return {}
+    return {
+        "engine/logp_gap_mean": float(d.abs().sum() / m.sum()),
+        "engine/logp_gap_max": float(d.abs().max()),
+        "engine/seq_kl": float(d.sum(dim=1).mean()),
+    }
+
+
+def close_engine(run) -> None:
+    """Shut the rollout engine down at the end of a run (a later sample builds it again)."""
+    engine = getattr(run, "engine", None)
+    if engine is not None:
+        engine.close()
+
+
+def push_weights(run, step: int) -> None:
+    """The policy's weights after step ``step``'s update into the rollout engine (in place;
+    nothing for the own kernel, which samples with the policy itself)."""
+    engine = getattr(run, "engine", None)
+    if engine is not None:
+        engine.push(run.models.policy, version=step)
 
 
 def reward_inputs_of(run, rows: list[dict], samples: Samples):

