@@ -19,7 +19,7 @@ temperature 1; every turn ends at the next position that is a multiple of 24.
 
 - A, "in-process": ``peergrade.generation.episodes.run_episodes`` with a native environment:
   one batched KV cache kept across turns, all 32 episodes in lock-step.
-- B, "endpoint, threads": ``peergrade.generation.harness.HarnessRunner``, what ``train
+- B, "endpoint, threads": ``peergrade.serving.harness.HarnessRunner``, what ``train
   --harness`` runs with ``harness.processes: 0`` (and ``GRPOTrainer(harness=fn)`` by
   default): 32 agents, each its own thread with its own ``openai.OpenAI`` client and tool
   loop, talking HTTP to the policy's endpoint on 127.0.0.1; every request is recorded into an
@@ -144,7 +144,7 @@ def main() -> None:
     import torch
 
     from peergrade.envs.harness_pool import HarnessPool
-    from peergrade.generation.harness import HarnessRunner
+    from peergrade.serving.harness import HarnessRunner
 
     torch.set_num_threads(args.threads)
     model, tok = build()

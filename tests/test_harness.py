@@ -1,5 +1,5 @@
-"""Episodes recorded from an external agent through the endpoint (``generation.recorder`` and
-``generation.harness``): token-exact records, the in-process engine's record, failures."""
+"""Episodes recorded from an external agent through the endpoint (``serving.recorder`` and
+``serving.harness``): token-exact records, the in-process engine's record, failures."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ pytest.importorskip("uvicorn")
 
 from peergrade.envs.template import render, turn_delta  # noqa: E402
 from peergrade.generation.episodes import run_episodes  # noqa: E402
-from peergrade.generation.harness import HarnessRunner, harness_metrics  # noqa: E402
 from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
+from peergrade.serving.harness import HarnessRunner, harness_metrics  # noqa: E402
 from test_envs import Fixed, Steered, forced_model, full_forward_logprobs  # noqa: E402
 
 
@@ -113,8 +113,8 @@ def test_episodes_that_open_alike_share_one_prefill_and_sample_the_same(inner, m
     """New episodes whose first request is the same prompt (a row's G samples) prefill it
     once, the row copied to the others, as the in-process engine does; every episode samples
     what it samples alone (the draws are keyed per episode)."""
-    from peergrade.generation.server import Job
     from peergrade.generation.sessions import Sessions
+    from peergrade.serving.server import Job
 
     a = merge_tok("what is two plus two")["input_ids"]
     b = merge_tok("name a colour")["input_ids"]
@@ -145,8 +145,8 @@ def test_a_call_runs_only_its_own_episodes_rows(inner, merge_tok):
     """A call whose jobs are some of the open episodes feeds a batch of just those rows (the
     others cost nothing); new episodes beside held ones that open alike still prefill their
     prompt once; every job samples what it samples alone (keyed draws)."""
-    from peergrade.generation.server import Job
     from peergrade.generation.sessions import Sessions
+    from peergrade.serving.server import Job
 
     eos = [merge_tok.eos_token_id]
     prompts = [merge_tok(q)["input_ids"] for q in ("hi", "name a colour", "two plus two", "ok")]
@@ -190,8 +190,8 @@ def test_a_turn_that_ends_is_answered_while_longer_turns_go_on(inner, merge_tok)
     its follow-up, sent then, waits for the next call and still feeds only its new tokens (the
     episode's cache was kept when the first call ended). Each reply is what its job samples
     alone."""
-    from peergrade.generation.server import Engine, Job
     from peergrade.generation.sessions import Sessions
+    from peergrade.serving.server import Engine, Job
 
     engine = Engine(inner, merge_tok, "m", window_s=1.0)
     engine.keep_sessions()
@@ -233,8 +233,8 @@ def test_a_call_that_fails_after_an_early_answer(inner, merge_tok):
     """A call that fails after one of its turns was answered: the answer stands, the other
     request gets the error, and the answered episode's follow-up (its kept cache lost with the
     call) is sampled afresh in the next call, as it samples alone."""
-    from peergrade.generation.server import Engine, Job
     from peergrade.generation.sessions import Sessions
+    from peergrade.serving.server import Engine, Job
 
     engine = Engine(inner, merge_tok, "m", window_s=1.0)
     engine.keep_sessions()

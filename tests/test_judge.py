@@ -456,8 +456,8 @@ def test_local_model_and_peergrade_serve_of_the_same_model_give_identical_scores
     ``base_url`` of ``peergrade serve`` (its real engine, chat template and greedy sampler) of the
     same model give identical scores, and they are parsed replies, not fallbacks."""
     pytest.importorskip("uvicorn")
-    from peergrade.generation.server import Engine, Server, build_app
     from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+    from peergrade.serving.server import Engine, Server, build_app
 
     opts = dict(rubric=RUBRIC, max_tokens=24)
     local = make_judge(judge_model=str(judge_dir), batch_size=4, device="cpu", **opts)
@@ -481,8 +481,8 @@ def test_a_judge_without_a_model_name_asks_what_peergrade_serve_serves(judge_dir
     asks ``GET /v1/models`` and sends that name (it sent ``judge`` and got a 400 on every
     request before), so its scores are the local model's, not abstentions."""
     pytest.importorskip("uvicorn")
-    from peergrade.generation.server import Engine, Server, build_app
     from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+    from peergrade.serving.server import Engine, Server, build_app
 
     opts = dict(rubric=RUBRIC, max_tokens=24)
     local = make_judge(judge_model=str(judge_dir), batch_size=4, device="cpu", **opts)
@@ -899,8 +899,8 @@ def test_yes_no_local_model_and_peergrade_serve_give_the_same_scores(yes_no_dir)
     """The same answers through ``judge_model=DIR`` (one batched forward) and through the
     ``base_url`` of ``peergrade serve`` of the same model (max_tokens 1, top_logprobs 20)."""
     pytest.importorskip("uvicorn")
-    from peergrade.generation.server import Engine, Server, build_app
     from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+    from peergrade.serving.server import Engine, Server, build_app
 
     local = local_yes_no_judge(yes_no_dir, batch_size=3)
     model = load_model(str(yes_no_dir)).eval()

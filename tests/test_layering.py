@@ -110,6 +110,8 @@ ALLOWED = {
     "envs": {"errors", "files", "seeds", "limits", "rewards", "tasks"},
     "model": {"errors", "files", "seeds", "algo", "distributed"},
     "generation": {"errors", "files", "seeds", "limits", "envs", "model", "rewards"},
+    # the endpoint and the external agents' episodes: above the sampler it serves
+    "serving": {"errors", "files", "seeds", "limits", "envs", "model", "rewards", "generation"},
     # the local Tinker server: a front door onto the sampler, the losses and the optimizer
     # builder (training.update, never the trainer: the test below says who may import it)
     "tinker_server": {

@@ -46,11 +46,11 @@ def test_csv_without_pandas_is_one_error_line_exit_2(tmp_path, monkeypatch, caps
         ),
         (
             "starlette",
-            lambda p: __import__("peergrade.generation.server").generation.server.build_app(None),
+            lambda p: __import__("peergrade.serving.server").serving.server.build_app(None),
         ),
         (
             "uvicorn",
-            lambda p: __import__("peergrade.generation.server").generation.server.Server(None),
+            lambda p: __import__("peergrade.serving.server").serving.server.Server(None),
         ),
     ],
 )

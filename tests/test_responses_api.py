@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the endpoint (``generation.responses``), through the official
+"""OpenAI's Responses API on the endpoint (``serving.responses``), through the official
 ``openai`` client: the same replies as the chat route, follow-ups by ``previous_response_id``
 or by items, streams, refusals, and training episodes recorded as the chat requests they mean."""
 
@@ -15,7 +15,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 # the fixtures of the chat route's tests (server, client) and of the harness tests
-from peergrade.generation.harness import HarnessRunner, harness_metrics  # noqa: E402
+from peergrade.serving.harness import HarnessRunner, harness_metrics  # noqa: E402
 from test_envs import Steered, full_forward_logprobs  # noqa: E402
 from test_harness import chat_loop, inner, merge_tok  # noqa: E402,F401
 from test_harness import client as client_of  # noqa: E402
@@ -287,7 +287,7 @@ def test_both_ways_of_following_up_mean_the_same_chat_messages():
     """Unit level: a follow-up by ``previous_response_id`` and the same conversation sent as
     items translate to the same chat messages (a tool result named after its call both ways;
     the reply's text and calls one assistant message)."""
-    from peergrade.generation.responses import Request, ResponseStore
+    from peergrade.serving.responses import Request, ResponseStore
 
     store = ResponseStore()
     first = Request({"model": "m", "input": "q", "tools": [TOOL]}, store)

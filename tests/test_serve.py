@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (``peergrade.generation.server``), through the official
+"""The OpenAI-compatible endpoint (``peergrade.serving.server``), through the official
 ``openai`` client against a server started in-process on a free port."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from peergrade.generation.server import Engine, Server, build_app  # noqa: E402
+from peergrade.serving.server import Engine, Server, build_app  # noqa: E402
 
 MODEL = "tiny"
 
@@ -427,7 +427,7 @@ def test_renderers_client_generates_through_the_token_route(server, client):
 
 
 def test_sure_prefix():
-    from peergrade.generation.stream import sure_prefix
+    from peergrade.serving.stream import sure_prefix
 
     assert sure_prefix("hello wor", (), False) == "hello wor"
     assert sure_prefix("hello <tool_c", ("<tool_call>",), True) == "hello"
@@ -712,7 +712,7 @@ def test_a_short_request_is_answered_while_a_longer_one_of_its_call_goes_on(calc
     """Two plain requests in one ``generate`` call, one with a small ``max_tokens``: it is
     answered as soon as its row ends (the row leaves the batch at its budget), while the
     other is still sampled; each gets what it samples alone."""
-    from peergrade.generation.server import Job
+    from peergrade.serving.server import Job
 
     model, tok = calc
     engine = Engine(model, tok, MODEL, window_s=1.0)
@@ -775,7 +775,7 @@ def test_concurrent_requests_share_generate_calls(server):
 
 def test_a_prompt_is_rendered_once_for_the_requests_that_open_alike(server, monkeypatch):
     """The G samples of a prompt open with the same request: rendered once, the same ids."""
-    from peergrade.generation import server as srv
+    from peergrade.serving import server as srv
 
     calls = []
     real = srv.render

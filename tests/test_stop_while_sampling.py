@@ -22,10 +22,10 @@ pytest.importorskip("uvicorn")
 
 from cli_helper import ROOT  # noqa: E402
 from peergrade.envs.protocol import run_stoppable as run_sync  # noqa: E402
-from peergrade.generation.harness import HarnessRunner  # noqa: E402
 from peergrade.generation.kernel import GenerationCancelled, generate  # noqa: E402
-from peergrade.generation.server import Job  # noqa: E402
 from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
+from peergrade.serving.harness import HarnessRunner  # noqa: E402
+from peergrade.serving.server import Job  # noqa: E402
 from peergrade.training import harness as training_harness  # noqa: E402
 
 # A model that never ends a turn (its eos logit is pushed down) and is slow at every forward
@@ -131,7 +131,7 @@ import signal, sys
 from types import SimpleNamespace
 from openai import OpenAI
 from peergrade.errors import Stop
-from peergrade.generation.harness import HarnessRunner
+from peergrade.serving.harness import HarnessRunner
 from peergrade.training import harness
 
 
@@ -199,7 +199,7 @@ SERVED = (
     ENDLESS
     + """
 import sys
-from peergrade.generation.server import serve
+from peergrade.serving.server import serve
 
 model, tok = endless_model()
 serve(model, tok, "p", port=int(sys.argv[1]))
@@ -212,7 +212,7 @@ def test_ctrl_c_stops_peergrade_serve_with_a_request_in_flight(tmp_path):
     at its next token and answered with an error, so one Ctrl-C ends the server at once."""
     import httpx
 
-    from peergrade.generation.server import Server
+    from peergrade.serving.server import Server
 
     with Server(lambda *a: None) as probe:  # a free port
         port = probe.port

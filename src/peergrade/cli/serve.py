@@ -10,7 +10,6 @@ from peergrade.cli.common import add_command
 
 
 def run(args, extra) -> int:
-    from peergrade.generation.server import serve
     from peergrade.model.load import (
         load_model,
         load_tokenizer,
@@ -19,6 +18,7 @@ def run(args, extra) -> int:
         resolve_dtype,
         resolve_model_path,
     )
+    from peergrade.serving.server import serve
     from peergrade.training.checkpoint import resolve_model_dir
 
     if args.threads:

@@ -26,7 +26,7 @@ trainer killed), so none outlives it.
 
 ``reward_of(value)``: the (reward, metrics) of what a harness returned, both sides' check.
 It imports neither torch nor the generation code (a worker loads only the harness). It does
-not record, score or time episodes (``generation.harness``).
+not record, score or time episodes (``serving.harness``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def sample(
     environment``): the environment's ``reset`` opens each episode, ``prompt_ids`` are unused
     and ``settings.max_new_tokens`` is the budget of a whole episode. ``episodes_from`` is
     another episode source with ``episodes.run_episodes``' signature (an external agent through
-    the endpoint, ``generation.harness``): its episodes come back as the same record.
+    the endpoint, ``serving.harness``): its episodes come back as the same record.
 
     ``engine``: another rollout engine for single replies (``vllm_engine.VllmEngine``: same
     record, its own sampled log-probs as the behaviour log-probs); None = the own kernel."""

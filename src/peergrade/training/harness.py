@@ -1,7 +1,7 @@
 """Training through an external agent (``harness:``, ``GRPOTrainer(harness=fn)``): the parts of
 a step that differ from in-process episodes.
 
-``start(run)`` serves the policy (``generation.harness.HarnessRunner``: the OpenAI-compatible
+``start(run)`` serves the policy (``serving.harness.HarnessRunner``: the OpenAI-compatible
 endpoint on a free local port, recording every episode in tokens). ``sample(run, rows, step,
 keys)`` runs the harness once per (prompt, sample) with the step's sampling settings (the
 trainer's win over the client's; every draw keyed by (seed, step, prompt, sample, turn)) and
@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 
 from peergrade.config import PYTHON_ONLY
 from peergrade.envs.harness_pool import HarnessPool
-from peergrade.generation.harness import HarnessResult, HarnessRunner, harness_metrics
 from peergrade.rewards import make_reward_specs
 from peergrade.rewards.registry import RewardError
 from peergrade.seeds import step_seed
+from peergrade.serving.harness import HarnessResult, HarnessRunner, harness_metrics
 
 #: the column the reward ``harness`` reads: one ``HarnessResult`` per episode
 COLUMN = "harness_result"

@@ -14,13 +14,13 @@ that agents use, as vLLM speaks them:
 - ``POST /v1/completions`` for plain prompts (a string or token ids, or a batch of them);
 - ``POST /v1/responses``: OpenAI's Responses API (``input`` items, ``instructions``,
   ``previous_response_id``, function ``tools``, ``stream``), translated to the chat request it
-  means and back (``generation.responses``); ``GET`` / ``DELETE /v1/responses/{id}``;
+  means and back (``serving.responses``); ``GET`` / ``DELETE /v1/responses/{id}``;
 - vLLM's ``return_token_ids: true``: ``prompt_token_ids`` and ``choices[i].token_ids``;
 - vLLM's ``prompt_logprobs: k``: each prompt token's log-prob and rank, with the ``k`` most
   likely tokens beside it (``prompt_logprobs``), on the chat, text and token routes;
 - ``POST /v1/episodes/<id>/chat/completions`` (and ``.../responses``, ``.../completions``,
   ``.../models``): the same API under a base URL private to one training episode
-  (``generation.recorder``).
+  (``serving.recorder``).
 
 Requests are queued to one worker thread (``Engine``) that owns the model: it takes everything
 queued (after a short collection window) and answers it with as few ``kernel.generate`` calls
@@ -38,7 +38,7 @@ which adds only schema generation on top of Starlette), small (no pydantic model
 step with the OpenAI schema), maintained by Encode for years, with streaming responses built in
 and a ``uvicorn.Server`` that can run on a thread inside the trainer on an ephemeral port.
 
-Streams (``generation.stream``) are sent as the tokens are sampled; a chat request with
+Streams (``serving.stream``) are sent as the tokens are sampled; a chat request with
 ``logprobs`` and a training episode's request are streamed once their reply is finished.
 
 ``tool_choice`` ``required`` or a named function starts the reply with the template's own
@@ -79,7 +79,8 @@ from peergrade.generation.kernel import (
     eval_mode,
     generate,
 )
-from peergrade.generation.openai_schema import (
+from peergrade.model.logprobs import PositionScores, position_logprobs
+from peergrade.serving.openai_schema import (
     APIError,
     Settings,
     TokenRequest,
@@ -92,15 +93,14 @@ from peergrade.generation.openai_schema import (
     parse_settings,
     refuse_unsupported,
 )
-from peergrade.generation.responses import ResponseStore, answer
-from peergrade.generation.stream import (
+from peergrade.serving.responses import ResponseStore, answer
+from peergrade.serving.stream import (
     live_chat,
     live_completion,
     replay_chat,
     usage_of,
     whole_completion,
 )
-from peergrade.model.logprobs import PositionScores, position_logprobs
 
 #: re-exported: the request checks the recorder shares (``openai_schema``)
 __all__ = [
@@ -962,7 +962,7 @@ class Handler:
         return out, pairs
 
     async def responses(self, body: dict):
-        """OpenAI's Responses API, answered through the chat route (``generation.responses``)."""
+        """OpenAI's Responses API, answered through the chat route (``serving.responses``)."""
         return await answer(body, self.stored, self.chat)
 
     async def completions(self, body: dict):
@@ -1052,7 +1052,7 @@ def _route(fn):
 
 def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
     """The Starlette app: the OpenAI routes, and the per-episode routes when a ``recorder``
-    (``generation.recorder.Recorder``) is given."""
+    (``serving.recorder.Recorder``) is given."""
     _require_serve("starlette")
     from starlette.applications import Starlette
     from starlette.routing import Route

@@ -1,6 +1,6 @@
 """Episodes run by an external agent (a "harness") against the policy's own endpoint.
 
-``HarnessRunner(model, tokenizer)`` starts the OpenAI-compatible server (``generation.server``)
+``HarnessRunner(model, tokenizer)`` starts the OpenAI-compatible server (``serving.server``)
 on a free local port, with a ``Recorder``. ``runner.run(fn, rows, n=G, ...)`` calls
 ``fn(row, base_url, model)`` (sync or ``async def``) once per (row, sample), each with a base URL
 private to that episode (``http://127.0.0.1:PORT/v1/episodes/<id>``), at most ``concurrency`` at
@@ -35,8 +35,8 @@ from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of
 from peergrade.envs.protocol import run_stoppable
 from peergrade.envs.template import render
 from peergrade.errors import describe_exit, users_own_stop
-from peergrade.generation.recorder import EpisodeSettings, Recorder
-from peergrade.generation.server import Engine, Server, build_app, mix_key
+from peergrade.serving.recorder import EpisodeSettings, Recorder
+from peergrade.serving.server import Engine, Server, build_app, mix_key
 
 
 @dataclass

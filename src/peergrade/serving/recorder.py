@@ -42,7 +42,7 @@ engine's: ``max_completion_length`` tokens after the prompt, ``max_tokens_per_tu
 (nothing is sampled), and the episode's ``finish_reason`` says which budget ended it, as in
 the engine.
 
-It does not run the agent (``generation.harness``) or score anything.
+It does not run the agent (``serving.harness``) or score anything.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 
 from peergrade.envs.episode import Episode
 from peergrade.envs.template import TemplateError, turn_delta
-from peergrade.generation.openai_schema import (
+from peergrade.serving.openai_schema import (
     APIError,
     canonical,
     normalise_messages,
@@ -63,8 +63,8 @@ from peergrade.generation.openai_schema import (
     parse_prompts,
     parse_settings,
 )
-from peergrade.generation.responses import ResponseStore, answer
-from peergrade.generation.server import (
+from peergrade.serving.responses import ResponseStore, answer
+from peergrade.serving.server import (
     Handler,
     Job,
     Sampled,

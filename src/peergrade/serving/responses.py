@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from peergrade.generation.openai_schema import APIError
+from peergrade.serving.openai_schema import APIError
 
 #: vLLM-style extras passed to the chat route as they are
 _PASSED = ("seed", "top_k", "stop", "model")
