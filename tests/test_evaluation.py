@@ -7,8 +7,9 @@ import itertools
 
 import pytest
 
+from peergrade.cli.evaluate import run_eval_command
 from peergrade.errors import InputError
-from peergrade.evaluation import evaluate, pass_at_k, pass_at_k_curve, run_eval_command
+from peergrade.evaluation import evaluate, pass_at_k, pass_at_k_curve
 from peergrade.generation import SamplerSettings
 from peergrade.generation.kernel import generate
 from peergrade.rewards import RewardSpec, columns_for
@@ -153,7 +154,7 @@ def test_prompt_tokens_as_trl_makes_them(char_tokenizer):
 def test_eval_few_shot_prompts_carry_training_examples(tiny_model_dir, monkeypatch):
     """``--few-shot 2``: every held-out prompt gets two solved examples drawn from training
     problems (never a held-out one); the default stays zero-shot."""
-    import peergrade.evaluation as ev
+    import peergrade.training.held_out as ev  # evaluate_config's evaluate
 
     seen = {}
 
@@ -240,7 +241,7 @@ def test_eval_batch_size_changes_no_number(tiny_qwen2, monkeypatch):
     and the batch the evaluation really generates with is the resolved one."""
     import peergrade.generation as generation
     from peergrade.config import load_config
-    from peergrade.evaluation import evaluate_config
+    from peergrade.training.held_out import evaluate_config
 
     model, tok = tiny_qwen2
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(5)]

@@ -136,7 +136,7 @@ def test_sampler_settings_are_one_frozen_record():
 def test_eval_sampled_pass_equals_greedy_when_sampling_is_greedy(tiny_model_dir, override):
     """``peergrade eval --rollout.top_k 1`` (or ``--rollout.top_p 1e-6``) samples the argmax
     at every step: the sampled pass is the greedy pass, for every one of the k samples."""
-    from peergrade.evaluation import run_eval_command
+    from peergrade.cli.evaluate import run_eval_command
 
     common = dict(model=str(tiny_model_dir), n=12, k=3)
     out = run_eval_command(**common, overrides=[override, ("rollout.temperature", 1.0)])

@@ -880,8 +880,8 @@ def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path, capsys):
     the model's plain replies); ``--harness.fn null`` evaluates the model alone."""
     from pathlib import Path
 
+    from peergrade.cli.evaluate import run_eval_command
     from peergrade.config import load_config
-    from peergrade.evaluation import run_eval_command
     from peergrade.training.trainer import train
 
     example = Path(__file__).resolve().parents[1] / "examples" / "openai_agent" / "config.yaml"

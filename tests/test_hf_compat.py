@@ -92,7 +92,7 @@ def hf_greedy_accuracy(path, n: int, max_new_tokens: int = 16) -> float:
 
 
 def peergrade_greedy_accuracy(path, n: int) -> float:
-    from peergrade.evaluation import run_eval_command
+    from peergrade.cli.evaluate import run_eval_command
 
     d = load_config(None).data
     res = run_eval_command(

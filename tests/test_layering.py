@@ -98,6 +98,13 @@ def _deps_of(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
     return {m: d for m, d in graph.items() if _package(m) == package}
 
 
+#: what the sampler, the rewards and everything below them make: what a folder that sits
+#: below the trainer may build on
+_BELOW_TRAINING = {
+    *("errors", "files", "seeds", "limits", "distributed"),
+    *("algo", "model", "generation", "envs", "rewards", "tasks"),
+}
+
 #: the folders (and top-level modules) each folder may import, besides itself
 ALLOWED = {
     "algo": set(),
@@ -118,7 +125,20 @@ ALLOWED = {
         *("errors", "files", "seeds", "limits"),
         *("algo", "model", "generation", "training"),
     },
+    "distributed": {"errors", "algo", "model"},
+    # the config tree names the sampler's settings record (generation.SamplerSettings) only
+    "config": {"errors", "files", "generation"},
+    "monitoring": {"errors", "files"},
+    # pass@k and the sampling of answers: below training/ (the trainer's held-out machinery
+    # is training.held_out, the command's is cli.evaluate)
+    "evaluation": {*_BELOW_TRAINING},
+    "training": {*_BELOW_TRAINING, "config", "evaluation", "monitoring", "serving"},
+    "planning": {*_BELOW_TRAINING, "config", "evaluation", "monitoring", "training"},
+    "api": {*_BELOW_TRAINING, "config", "evaluation", "monitoring", "training", "planning"},
 }
+#: cli may import every folder; ``python -m peergrade`` only the cli
+ALLOWED["cli"] = set(ALLOWED) | {"serving", "tinker_server"}
+ALLOWED["__main__"] = {"cli"}
 
 
 def test_folders_import_only_the_layers_below_them():
@@ -130,6 +150,13 @@ def test_folders_import_only_the_layers_below_them():
                 if _package(dep) not in allowed | {package}:
                     bad.append(f"{mod} -> {dep}")
     assert bad == [], bad
+
+
+def test_every_folder_and_top_level_module_has_a_rule():
+    """The next folder (or module at the top of the package) gets a rule, so no back arrow
+    can hide in a folder the test does not look at."""
+    packages = {_package(m) for m in import_graph()} - {""}
+    assert sorted(packages - set(ALLOWED)) == []
 
 
 def test_the_folder_rules_can_fail():

@@ -28,11 +28,11 @@ import yaml
 from cli_helper import cli
 from peergrade.cli import main
 from peergrade.config import load_config
-from peergrade.evaluation import check_reward_columns, held_out_scorer
 from peergrade.rewards import RewardSpec, make_reward_spec, required_columns
 from peergrade.tasks import load_task
 from peergrade.tasks.files import DataError
 from peergrade.tasks.prompts import chat_template_note
+from peergrade.training.held_out import check_reward_columns, held_out_scorer
 
 ROOT = Path(__file__).resolve().parents[1]
 # the walk-through's reward file, read from docs/own-data.md so that the tests and the page

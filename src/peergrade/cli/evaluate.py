@@ -5,13 +5,20 @@ It parses and calls; the work happens in the library."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from typing import TYPE_CHECKING, Any
 
 from peergrade.cli.common import add_command, add_config, add_seed, key_value, split_overrides
+from peergrade.errors import InputError, user_input
+from peergrade.files import PYTHON_ONLY
+
+if TYPE_CHECKING:
+    from peergrade.config import Config
 
 
 def run(args, extra) -> int:
-    from peergrade.evaluation import FORMAT_KEYS, run_eval_command
+    from peergrade.evaluation import FORMAT_KEYS
 
     result = run_eval_command(
         model=args.model,
@@ -198,3 +205,245 @@ def _how_flags(e) -> None:
         "--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ..."
     )
     e.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+# ------------------------------------------------- the command's work (heavy imports inside)
+
+
+def run_eval_command(
+    *,
+    model: str,
+    config: str | None = None,
+    overrides: list[tuple[str, Any]] | None = None,
+    task: str | None = None,
+    task_options: dict | None = None,
+    data: str | None = None,
+    n: int | None = None,
+    k: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    seed: int | None = None,
+    batch_size: int | None = None,
+    device: str = "auto",
+    reward: str | None = None,
+    curve: bool = False,
+    few_shot: int = 0,
+    few_shot_answer: str = "<answer>{answer}</answer>",
+    reward_options: dict | None = None,
+    samples: str | None = None,
+) -> dict[str, Any]:
+    """``peergrade eval``: load ``model``, evaluate on held-out rows of its task, or on the
+    first rows of the dataset ``data`` (its eval split when it has one, or the split that the
+    task options ``eval_path`` / ``eval_fraction`` name, else the file itself).
+
+    A run directory or checkpoint brings its run's config.yaml: the task, prompts (system
+    prompt, chat template), sampling settings, scorer and seed the run's held-out table used;
+    ``config`` (a YAML file) is used instead when given, e.g. a recipe's, to evaluate the base
+    model as the recipe's run will evaluate it.
+    The flags (``task``, ``data``, ``n`` = train.eval_size, ``k`` = train.eval_samples,
+    ``temperature``, ``max_new_tokens``, ``seed``, ``batch_size`` = train.eval_batch_size, ``reward`` =
+    train.eval_reward) change it where given, and ``overrides`` (``--section.key value``) win
+    over both. Without a run config: the config defaults, with 16 new tokens for the bundled
+    model, else 128. ``few_shot`` solved training examples go before each prompt (default
+    none); ``reward_options`` are keyword arguments for the scorer; ``samples`` is a JSONL file
+    written with one line per problem (its answers, see ``evaluate``'s completions)."""
+    from peergrade.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from peergrade.training import checkpoint as ckpt
+    from peergrade.training.components import encode_rows
+    from peergrade.training.held_out import evaluate_config
+
+    if (n is not None and n < 1) or (k is not None and k < 1):
+        raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
+    if few_shot < 0:
+        raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
+    if temperature is not None and temperature <= 0:
+        raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
+    flags = dict(n=n, k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    flags.update(batch_size=batch_size, reward=reward)
+    cfg, run_config, path, given = _eval_config(
+        model, config, task, task_options, data, flags, overrides
+    )
+    the_task, rows, acc, why, make_env = _eval_rows(
+        cfg, data, few_shot, few_shot_answer, reward_options
+    )
+    agent = _eval_harness(cfg)  # before the model loads: a harness that cannot load says so
+    tok = load_tokenizer(path)
+    dev = resolve_device(device)
+    net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
+    episodes = make_env is not None or agent is not None
+    ids = [] if episodes else encode_rows(cfg, the_task, tok, rows)
+    with _harness_episodes(cfg, agent, net, tok) as episode_fn:
+        result = evaluate_config(
+            cfg, net, tok, rows, ids, acc, curve=curve, keep_completions=samples is not None,
+            make_env=make_env, episode_fn=episode_fn,
+        )  # fmt: skip
+    if agent is not None:
+        result["harness"] = cfg.harness.fn
+    if samples is not None:  # one JSON line per problem; never half a file under the name
+        import json
+
+        lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
+        ckpt.atomic_write_text(samples, "".join(lines))
+    return _labelled(result, cfg, model, acc.name, why, run_config, few_shot, reward_options) | (
+        {"checkpoint": path} if path != given else {}
+    )
+
+
+def _eval_harness(cfg: Config):
+    """The run's harness (``harness.fn``), which its held-out table ran: ``peergrade eval``
+    runs it too, so the numbers match (None: the run had none)."""
+    from peergrade.training import harness
+
+    spec = cfg.harness.fn
+    if spec is None:
+        return None
+    if spec.startswith(PYTHON_ONLY):
+        raise InputError(
+            f"eval: this run trained through a harness given from Python "
+            f"({spec[len(PYTHON_ONLY) :]}), which cannot be loaded by name here; name it: "
+            "--harness.fn path/to/file.py:fn (or --harness.fn null to evaluate the model alone)"
+        )
+    with user_input("harness"):
+        return harness.load(cfg)
+
+
+@contextlib.contextmanager
+def _harness_episodes(cfg: Config, agent, model, tokenizer):
+    """The evaluation's episodes through ``agent`` against ``model`` served on a local port
+    (``training.harness.episode_fn``, as the trainer's held-out table runs them); None
+    without one. The endpoint and any worker processes stop at the end."""
+    if agent is None:
+        yield None
+        return
+    from types import SimpleNamespace
+
+    from peergrade.training import harness
+
+    h = cfg.harness
+    pool = harness.pool_of(h.fn, h.processes, agent)
+    runner = harness.runner_of(cfg, model, tokenizer)
+    run = SimpleNamespace(cfg=cfg, harness=agent, harness_runner=runner, harness_pool=pool)
+    try:
+        yield harness.episode_fn(run)
+    finally:
+        runner.close()
+        if pool is not None:
+            pool.close()
+
+
+def _labelled(result, cfg, model, scorer, why, run_config, few_shot, reward_options) -> dict:
+    """``peergrade eval``'s result with what it evaluated: task, model, scorer, seed, config."""
+    from peergrade.training.held_out import eval_seed
+
+    result["task"] = cfg.data.path or cfg.data.task
+    result["model"] = model
+    result["scorer"] = scorer
+    result["scorer_chosen_by"] = why
+    result["seed"] = eval_seed(cfg.train.seed)
+    if run_config is not None:
+        result["config"] = str(run_config)
+    if few_shot:
+        result["few_shot"] = few_shot
+    if reward_options:
+        result["reward_options"] = dict(reward_options)
+    return result
+
+
+def _eval_config(model, config, task, task_options, data, flags: dict, overrides):
+    """``peergrade eval``'s config: the run's config.yaml (a run or checkpoint directory), or
+    ``config``, or the defaults; the flags where given; ``overrides`` last. Returns ``(cfg,
+    the config file read or None, the model directory, the model as named)``."""
+    from pathlib import Path
+
+    from peergrade.config import load_config
+    from peergrade.model.load import resolve_model_path
+    from peergrade.training import checkpoint as ckpt
+
+    given = resolve_model_path(model)
+    # a run dir -> its latest complete checkpoint; a checkpoint's model files are verified
+    path = ckpt.resolve_model_dir(given, verify=True)
+    run_config = Path(path) / "config.yaml"
+    run_config = config if config is not None else (run_config if run_config.is_file() else None)
+    base = load_config(run_config)
+    keys: list[tuple[str, Any]] = []
+    if task is not None:
+        keys += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
+    options = dict(task_options or {})
+    if data is not None:
+        keys += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
+    if options:
+        new_source = task is not None or data is not None
+        keys.append(
+            ("data.task_options", {**({} if new_source else base.data.task_options), **options})
+        )
+    elif task is not None or data is not None:
+        keys.append(("data.task_options", {}))
+    max_new_tokens = flags["max_new_tokens"]
+    if max_new_tokens is None and run_config is None:
+        max_new_tokens = 16 if model == "bundled" else 128
+    for key, value in (
+        ("train.eval_size", flags["n"]),
+        ("train.eval_samples", flags["k"]),
+        ("rollout.temperature", flags["temperature"]),
+        ("rollout.max_completion_length", max_new_tokens),
+        ("train.seed", flags["seed"]),
+        ("train.eval_batch_size", flags["batch_size"]),
+        ("train.eval_reward", flags["reward"]),
+    ):
+        if value is not None:
+            keys.append((key, value))
+    return load_config(run_config, keys + list(overrides or [])), run_config, path, given
+
+
+def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_options):
+    """The held-out rows ``peergrade eval`` scores and their scorer, all checked before the
+    model loads: ``(task, rows, scorer, why it was chosen, the env factory or None)``."""
+    from pathlib import Path
+
+    from peergrade.envs.scoring import EPISODE_COLUMNS
+    from peergrade.rewards import make_reward_specs
+    from peergrade.training.components import build_env, build_task, episode_rows
+    from peergrade.training.held_out import check_reward_columns, held_out_scorer
+
+    make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
+    the_task = build_task(cfg, make_env)
+    d = cfg.data
+    if data is not None and not the_task.has_eval and "eval_fraction" not in d.task_options:
+        # --data names the rows to evaluate: the file itself is the held-out split
+        d.eval_path = d.path
+        the_task = build_task(cfg, make_env)
+    with user_input("data" if d.path else "task"):
+        # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
+        rows = the_task.eval_rows(cfg.train.eval_size)
+    if few_shot:
+        from peergrade.tasks.curriculum import FewShot
+
+        # fade 0: every prompt carries the examples; the pool is training problems only
+        rows, _ = FewShot(few_shot, 0, few_shot_answer, the_task, cfg.train.seed).apply(
+            rows, step=1
+        )
+    # the run's reward mix (a reward model directory is not loaded: it is never the scorer
+    # unless named), for the default scorer and its options; a harness run's mix ends with
+    # what the harness returns (its only reward without `rewards:`), as training's does
+    harness = cfg.harness.fn is not None
+    with user_input("rewards"):
+        items = [
+            (i.name, i.weight, i.kwargs, i.display_name)
+            for i in cfg.rewards
+            if not Path(i.name).is_dir()
+        ]
+        if not items and not (harness and not cfg.rewards):
+            items = [(name, w, {}, None) for name, w in the_task.default_rewards]
+        mix = make_reward_specs(items)
+    if harness:
+        from peergrade.training.harness import reward_specs
+
+        mix += reward_specs()
+    with user_input("reward"):  # a wrong option name fails here, before the model loads
+        acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
+    # an env's or a harness's run: its answers are episodes, which start from messages
+    episodes = make_env is not None or cfg.harness.fn is not None
+    check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if episodes else ())
+    if episodes:
+        rows = episode_rows(cfg, the_task, rows)
+    return the_task, rows, acc, why, make_env

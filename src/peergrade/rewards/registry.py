@@ -1157,3 +1157,9 @@ def _at_step(state) -> str:
     if not getattr(state, "max_steps", 0):
         return ""
     return f" in step {state.global_step + 1}"
+
+
+def reward_state(task, step: int, max_steps: int, prompts: int, group: int) -> TrainerState:
+    """The ``trainer_state`` reward functions get while step ``step`` (1-based) is scored."""
+    num_rows = len(task) if hasattr(task, "__len__") else None
+    return TrainerState.at_step(step, max_steps, prompts * group, prompts, num_rows)

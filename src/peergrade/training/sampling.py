@@ -27,9 +27,9 @@ from peergrade import distributed as dist
 from peergrade import generation
 from peergrade.envs import episode_metrics
 from peergrade.envs.scoring import env_reward
-from peergrade.evaluation import reward_state
 from peergrade.generation import Samples
 from peergrade.rewards import RewardScores, score_rewards
+from peergrade.rewards.registry import reward_state
 from peergrade.seeds import step_seed
 from peergrade.training import harness
 from peergrade.training.experience import Sampled

@@ -63,12 +63,6 @@ from peergrade import distributed as dist
 from peergrade.config import Config, ConfigError, off_policy_correction, to_yaml
 from peergrade.envs.scoring import EPISODE_COLUMNS
 from peergrade.envs.verifiers import is_verifiers_spec
-from peergrade.evaluation import (
-    HeldOut,
-    check_reward_columns,
-    held_out_scorer,
-    results_table,
-)
 from peergrade.files import read_jsonl
 from peergrade.generation import SamplerSettings
 from peergrade.monitoring import flops
@@ -98,6 +92,12 @@ from peergrade.training.components import (  # importable from here too: Given, 
 )
 from peergrade.training.dynamic import fill_groups
 from peergrade.training.experience import Experience, Sampled
+from peergrade.training.held_out import (
+    HeldOut,
+    check_reward_columns,
+    held_out_scorer,
+    results_table,
+)
 from peergrade.training.sampling import (  # importable from here too (tests patch trainer.sample)
     build_engine,
     close_engine,
