@@ -272,3 +272,37 @@ def test_eval_batch_size_changes_no_number(tiny_qwen2, monkeypatch):
     assert 0 < results[1]["pass@1_sampled"] < 1  # not vacuous: some pass, some fail
     for size in (3, 7, "auto"):
         assert results[size] == results[1], size
+
+
+def test_held_out_replies_come_from_the_runs_engine(tiny_qwen2):
+    """With another rollout engine (rollout.engine vllm), the held-out answers are sampled by
+    it, as the run's training replies are: every evaluate() call goes through engine.sample
+    (greedy and the k samples), and its answers are what is scored."""
+    from peergrade.generation.kernel import generate
+
+    model, tok = tiny_qwen2
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)]
+    ids = encode_prompts(rows, tok)
+    acc = RewardSpec(name="even", fn=_first_char_even, weight=1.0, kwargs={})
+    calls = []
+
+    class Engine:  # the own kernel behind the engine's interface, counting its calls
+        def sample(self, model_, tok_, prompt_ids, settings, *, seed, row_keys, eos_token_ids):
+            calls.append((settings.n, seed))
+            return generate(
+                model_,
+                tok_,
+                prompt_ids,
+                max_new_tokens=settings.max_new_tokens,
+                n=settings.n,
+                temperature=settings.temperature,
+                seed=seed,
+            )
+
+    settings = SamplerSettings(n=1, max_new_tokens=3, temperature=1.0)
+    with_engine = evaluate(
+        model, tok, rows, ids, acc, k=2, settings=settings, seed=5, engine=Engine()
+    )
+    assert calls == [(1, 5), (2, 6)]  # greedy from seed, the k samples from seed + 1
+    without = evaluate(model, tok, rows, ids, acc, k=2, settings=settings, seed=5)
+    assert with_engine["pass@1_greedy"] == without["pass@1_greedy"]

@@ -96,6 +96,7 @@ def evaluate(
     trainer_state: TrainerState | None = None,
     curve: bool = False,
     keep_completions: bool = False,
+    engine=None,
 ) -> dict[str, Any]:
     """Greedy pass@1 (``settings.greedy()``), sampled pass@1 (mean over k samples per problem,
     ``settings`` with ``n = k``) and pass@k; with ``curve``, also pass@j for every j = 1..k
@@ -106,7 +107,9 @@ def evaluate(
     external agent's ``episodes_from``) each is an episode over the (episode) ``rows``
     (``prompt_ids`` unused; adds the tool rates, module doc), else a reply to ``prompt_ids``.
 
-    ``trainer_state`` is what the reward functions read (default: outside training, step 0)."""
+    ``trainer_state`` is what the reward functions read (default: outside training, step 0);
+    ``engine``: another rollout engine for single replies (``rollout.engine: vllm``), as the
+    training replies of the run were sampled."""
     n_rows = len(rows)
 
     def answers(s: SamplerSettings, seed_: int):
@@ -119,6 +122,7 @@ def evaluate(
             prompt_ids=prompt_ids,
             make_env=make_env,
             episodes_from=episodes_from,
+            engine=engine if make_env is None and episodes_from is None else None,
         )
         return samples, samples.reward_inputs(rows, env_reward=True)  # episodes' own rewards
 

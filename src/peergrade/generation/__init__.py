@@ -9,11 +9,9 @@ evaluation, ``peergrade eval``, ``peergrade memory`` and the audit read one thin
 
 Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``vllm_engine``
 (vLLM in this process, another engine for single replies: ``sample(..., engine=)``),
-``episodes`` (the episode engine), ``record`` (``Samples``, ``SamplerSettings``); the OpenAI-compatible endpoint:
-``server`` (routes, batching ``Engine``), ``openai_schema`` (the requests it accepts),
-``responses`` (the Responses API on the chat route), ``stream`` (its server-sent events),
-``recorder`` /
-``sessions`` / ``harness`` (an external agent's training episodes behind ``base_url``).
+``episodes`` (the episode engine), ``record`` (``Samples``, ``SamplerSettings``), ``sessions``
+(external agents' episodes, batched: the engine behind the endpoint, which is
+``peergrade.serving`` and samples through this package).
 
 It does not score (``rewards``), build the update's batch beyond the teacher-forcing tensors,
 or know the config: the trainer builds the settings (``training.sampling.settings_of``).

@@ -187,6 +187,7 @@ class HeldOut:
             trainer_state=state,
             make_env=getattr(self.run, "make_env", None),
             episode_fn=getattr(self.run, "harness_episodes", None),
+            engine=getattr(self.run, "engine", None),  # rollout.engine vllm: its weights are ours
         )
 
     def evaluate_logged(self, step: int, display) -> dict[str, float]:
