@@ -167,8 +167,10 @@ def seconds_table(res: dict[str, list[dict]], what: str, digits: int = 2) -> dic
     """Print each side's seconds (``"s"`` of each pass, ``alternate``'s results) and their
     median, headed ``what``; returns the medians by side."""
     med = {k: median([r["s"] for r in v]) for k, v in res.items()}
-    rows = [[k, f"{med[k]:.{digits}f}", " ".join(f"{r['s']:.{digits}f}" for r in v)]
-            for k, v in res.items()]  # fmt: skip
+    rows = [
+        [k, f"{med[k]:.{digits}f}", " ".join(f"{r['s']:.{digits}f}" for r in v)]
+        for k, v in res.items()
+    ]
     print(format_table(["side", f"{what} (median)", "s per pass"], rows))
     return med
 

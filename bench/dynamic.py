@@ -220,11 +220,16 @@ def main() -> None:
             ]
             rows.append(
                 [
-                    name, seed, f"{med['train_s']:.1f}", f"{med['greedy']:.3f}", f"{med['sampled']:.3f}",
-                    f"{_common.median(cpi):.1f}" if cpi else "-", f"{med['rounds']:.2f}",
+                    name,
+                    seed,
+                    f"{med['train_s']:.1f}",
+                    f"{med['greedy']:.3f}",
+                    f"{med['sampled']:.3f}",
+                    f"{_common.median(cpi):.1f}" if cpi else "-",
+                    f"{med['rounds']:.2f}",
                     f"{_common.median([r['unfilled'] for r in runs]):.0f}",
                 ]
-            )  # fmt: skip
+            )
     print(_common.format_table(headers, rows))
     for seed, res in results.items():
         base, dyn = res["A plain"][0], res["B dynamic"][0]

@@ -61,9 +61,15 @@ def in_process(model, tok, seed, varied=False):
     from peergrade.generation.episodes import run_episodes
 
     eps = run_episodes(
-        model, tok, rows(), lambda r: Tool(varied), n=N, max_completion_length=1000,
-        temperature=1.0, seed=seed,
-    )  # fmt: skip
+        model,
+        tok,
+        rows(),
+        lambda r: Tool(varied),
+        n=N,
+        max_completion_length=1000,
+        temperature=1.0,
+        seed=seed,
+    )
     assert all(e.num_turns == TURNS for e in eps), [e.finish_reason for e in eps]
     return sum(len(e.completion_ids) for e in eps), {}
 

@@ -65,9 +65,10 @@ def tokenizer():
         tok.decoder = decoders.ByteLevel()
         corpus = [" ".join(random.Random(i).choices(WORDS, k=50)) for i in range(500)]
         trainer = trainers.BpeTrainer(
-            vocab_size=1000, special_tokens=["<|im_start|>", "<|im_end|>"],
+            vocab_size=1000,
+            special_tokens=["<|im_start|>", "<|im_end|>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )  # fmt: skip
+        )
         tok.train_from_iterator(corpus, trainer)
         fast = PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|im_end|>", chat_template=TOOL_CHAT_TEMPLATE

@@ -40,15 +40,25 @@ def train_harness_example(
     it exits 0 and prints the held-out table, and both steps trained with no failed episode,
     each with a request to the endpoint and the harness's reward. Returns those steps' metrics."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), **(env or {})}
-    tiny = {"--steps": 2, "--rollout.prompts_per_step": 2, "--rollout.group_size": 2,
-            "--train.eval_size": 2, "--train.eval_samples": 1, "--train.threads": 1,
-            "--train.save_every": 0}  # fmt: skip
+    tiny = {
+        "--steps": 2,
+        "--rollout.prompts_per_step": 2,
+        "--rollout.group_size": 2,
+        "--train.eval_size": 2,
+        "--train.eval_samples": 1,
+        "--train.threads": 1,
+        "--train.save_every": 0,
+    }
     cmd = [sys.executable, "-m", "peergrade", "train", "--config", str(example / "config.yaml")]
     cmd += [str(x) for kv in tiny.items() for x in kv] + list(extra)
     out = subprocess.run(
         cmd + ["-o", str(tmp_path / "run")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "held-out accuracy" in out.stdout
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -326,9 +326,20 @@ def test_policy_loss_matches_loop_reference(loss_type, ratio_level, beta, kl_est
 
         x2 = logp.clone().requires_grad_(True)
         ref_loss, low, high, n = _loop_policy_loss(
-            x2, old, adv, mask, loss_type, ratio_level, 0.2, 0.28, ref, beta, kl_estimator, 9,
+            x2,
+            old,
+            adv,
+            mask,
+            loss_type,
+            ratio_level,
+            0.2,
+            0.28,
+            ref,
+            beta,
+            kl_estimator,
+            9,
             kwargs["num_tokens"],
-        )  # fmt: skip
+        )
         (g2,) = torch.autograd.grad(ref_loss, x2)
 
         assert torch.isfinite(loss) and torch.isfinite(g1).all()
@@ -404,9 +415,15 @@ def test_only_logp_gets_gradient_and_padding_nan_is_harmless():
     x = logp.clone().requires_grad_(True)
     for loss_type in LOSS_TYPES:
         loss, m = policy_loss(
-            x, old, adv, mask, loss_type=loss_type, ref_logp=ref, beta=0.1,
+            x,
+            old,
+            adv,
+            mask,
+            loss_type=loss_type,
+            ref_logp=ref,
+            beta=0.1,
             max_completion_length=8,
-        )  # fmt: skip
+        )
         assert torch.isfinite(loss) and all(math.isfinite(v) for v in m.values())
         loss.backward()
     assert old.grad is None and ref.grad is None and adv.grad is None
@@ -459,9 +476,17 @@ def test_policy_loss_finite_for_realistic_logprobs(
         )
     )
     loss, m = policy_loss(
-        logp, old, adv, mask, loss_type=loss_type, ratio_level=ratio_level, ref_logp=ref,
-        beta=beta, kl_estimator=kl_estimator, max_completion_length=T,
-    )  # fmt: skip
+        logp,
+        old,
+        adv,
+        mask,
+        loss_type=loss_type,
+        ratio_level=ratio_level,
+        ref_logp=ref,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        max_completion_length=T,
+    )
     assert torch.isfinite(loss)
     assert all(math.isfinite(v) for v in m.values())
     loss.backward()

@@ -296,9 +296,19 @@ def test_variants_match_loop_reference(loss_type, ratio_level, delta, use_keep, 
         (g1,) = torch.autograd.grad(loss, x1)
         x2 = logp.clone().requires_grad_(True)
         ref_loss = _loop(
-            x2, old, adv, mask, loss_type=loss_type, ratio_level=ratio_level, delta=delta,
-            keep=kw["keep"], weights=kw["weights"], ref=ref, beta=beta, nt=nt,
-        )  # fmt: skip
+            x2,
+            old,
+            adv,
+            mask,
+            loss_type=loss_type,
+            ratio_level=ratio_level,
+            delta=delta,
+            keep=kw["keep"],
+            weights=kw["weights"],
+            ref=ref,
+            beta=beta,
+            nt=nt,
+        )
         (g2,) = torch.autograd.grad(ref_loss, x2)
         assert torch.isfinite(loss) and torch.isfinite(g1).all()
         torch.testing.assert_close(loss, ref_loss, atol=1e-12, rtol=1e-12)
@@ -335,8 +345,9 @@ def test_icepop_is_the_bidirectional_token_mask():
     # -> weights {0 (below), 1, 4, 0 (above)}
     r = torch.tensor([[0.4, 1.0, 4.0, 6.0]], dtype=torch.float64)
     old = torch.zeros(1, 4, dtype=torch.float64)
-    w, m = off_policy_weights(old, old - torch.log(r), torch.ones(1, 4), correction="token_mis",
-                              low=0.5, high=5.0)  # fmt: skip
+    w, m = off_policy_weights(
+        old, old - torch.log(r), torch.ones(1, 4), correction="token_mis", low=0.5, high=5.0
+    )
     torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 4.0, 0.0]], dtype=torch.float64))
     assert m["correction/masked_frac"] == 0.5
 
@@ -514,22 +525,47 @@ def test_high_entropy_mask_matches_trl():
         ["--algo.loss_type", "sapo"],
         ["--algo.loss_type", "luspo", "--algo.ratio_level", "sequence", "--algo.delta", "4"],
         [
-            "--algo.loss_type", "vespo", "--algo.off_policy_mask_threshold", "0.5",
-            "--algo.top_entropy_quantile", "0.5", "--algo.entropy_coef", "0.01",
-            "--algo.use_adaptive_entropy", "true", "--algo.entropy_target", "5",
-            "--algo.multi_objective_aggregation", "normalize_then_sum",
+            "--algo.loss_type",
+            "vespo",
+            "--algo.off_policy_mask_threshold",
+            "0.5",
+            "--algo.top_entropy_quantile",
+            "0.5",
+            "--algo.entropy_coef",
+            "0.01",
+            "--algo.use_adaptive_entropy",
+            "true",
+            "--algo.entropy_target",
+            "5",
+            "--algo.multi_objective_aggregation",
+            "normalize_then_sum",
         ],
     ],
     ids=["sapo", "luspo", "vespo+all"],
-)  # fmt: skip
+)
 def test_cli_trains_two_steps_with_the_new_options(tmp_path, extra):
     import json
 
     from cli_helper import cli
 
-    args = ["train", "--train.steps", "2", "--train.threads", "1", "--train.eval_size", "4",
-            "--train.eval_every", "0", "--rollout.prompts_per_step", "4", "--train.display",
-            "plain", "-o", str(tmp_path / "run"), *extra]  # fmt: skip
+    args = [
+        "train",
+        "--train.steps",
+        "2",
+        "--train.threads",
+        "1",
+        "--train.eval_size",
+        "4",
+        "--train.eval_every",
+        "0",
+        "--rollout.prompts_per_step",
+        "4",
+        "--train.display",
+        "plain",
+        "-o",
+        str(tmp_path / "run"),
+        *extra,
+    ]
     out = cli(args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

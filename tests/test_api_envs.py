@@ -340,13 +340,22 @@ def test_a_template_that_hides_the_tools_is_an_error_before_the_model_loads(
         raise AssertionError("the model was loaded before the template was checked")
 
     monkeypatch.setattr(trainer, "setup_models", no_load)
-    with pytest.raises(PeergradeError, match=r"tiny-arith does not render tool schemas.*"
-                                             r"(multiply|bump).*env.unrendered_tools"):  # fmt: skip
-        GRPOTrainer(model="bundled", reward_funcs=used_a_tool, args=args(tmp_path),
-                    train_dataset=ROWS, **kw)  # fmt: skip
+    with pytest.raises(
+        PeergradeError,
+        match=r"tiny-arith does not render tool schemas.*"
+        r"(multiply|bump).*env.unrendered_tools",
+    ):
+        GRPOTrainer(
+            model="bundled", reward_funcs=used_a_tool, args=args(tmp_path), train_dataset=ROWS, **kw
+        )
     with pytest.raises(AssertionError, match="loaded before the template"):  # got past it
-        GRPOTrainer(model="bundled", reward_funcs=used_a_tool, train_dataset=ROWS,
-                    args=args(tmp_path, peergrade={"env.unrendered_tools": True}), **kw)  # fmt: skip
+        GRPOTrainer(
+            model="bundled",
+            reward_funcs=used_a_tool,
+            train_dataset=ROWS,
+            args=args(tmp_path, peergrade={"env.unrendered_tools": True}),
+            **kw,
+        )
 
 
 def test_episode_start_up_line_shows_the_prompt_the_model_sees():
@@ -379,7 +388,13 @@ def test_episode_start_up_line_says_when_the_template_hides_the_tools():
     tok = build_char_tokenizer(chat_template=COMPACT_TOOL_CHAT_TEMPLATE)
     cfg = load_config(None, [("env.unrendered_tools", True)])
     (scorer,) = make_reward_specs([(used_a_tool, 1.0, {}, "used_a_tool")])
-    lines = run_header(cfg, FileTask(data=ROWS), tok, scorer, "the only reward",
-                       make_env_from_objects([multiply], None))  # fmt: skip
+    lines = run_header(
+        cfg,
+        FileTask(data=ROWS),
+        tok,
+        scorer,
+        "the only reward",
+        make_env_from_objects([multiply], None),
+    )
     (line,) = [x for x in lines if x.startswith("episodes:")]
     assert "shows no tool schemas: the model must know multiply already" in line

@@ -179,8 +179,12 @@ def test_fit_search_keeps_the_objective_when_it_can_and_finds_the_cheapest():
 
     cfg = _demo_cfg(
         MODELS / "qwen2.5-1.5b",
-        **{"rollout.max_completion_length": 512, "algo.beta": 0.04, "model.gradient_checkpointing": False},
-    )  # fmt: skip
+        **{
+            "rollout.max_completion_length": 512,
+            "algo.beta": 0.04,
+            "model.gradient_checkpointing": False,
+        },
+    )
     budget = 24 * 2**30
     kw = dict(prompt_len=256, device="cuda")
     assert estimate_for_config(cfg, **kw)["peak"] > budget
@@ -262,9 +266,12 @@ def test_fit_search_sets_the_eval_batch_back_to_auto_when_evaluation_is_the_peak
 
     cfg = _demo_cfg(
         MODELS / "qwen2.5-1.5b",
-        **{"rollout.max_completion_length": 512, "train.eval_batch_size": 1600,
-           "optim.micro_batch_size": 8},
-    )  # fmt: skip
+        **{
+            "rollout.max_completion_length": 512,
+            "train.eval_batch_size": 1600,
+            "optim.micro_batch_size": 8,
+        },
+    )
     kw = dict(prompt_len=256, device="cuda")
     est = estimate_for_config(cfg, **kw)
     assert est["peak_phase"] == "evaluate" and est["peak"] > est["step_peak"]

@@ -342,20 +342,38 @@ def bad_inputs(tmp_path: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     (tmp_path / "r.py").write_text("def my_reward(prompts, completions, **kw):\n    return []\n")
     m = ["--model", str(model)]
     return {
-        "unknown task": ([*m, "--data.task", "arithmatic"], r"unknown task 'arithmatic'.*arithmetic"),
+        "unknown task": (
+            [*m, "--data.task", "arithmatic"],
+            r"unknown task 'arithmatic'.*arithmetic",
+        ),
         "no weights": (["--model", str(noweights)], r"noweights.*no weights file"),
         "no tokenizer": (["--model", str(notok)], r"notok.*no tokenizer"),
-        "missing column": ([*m, "--data", "nocol.jsonl"], r"nocol.jsonl: line 1: missing column 'prompt'"),
+        "missing column": (
+            [*m, "--data", "nocol.jsonl"],
+            r"nocol.jsonl: line 1: missing column 'prompt'",
+        ),
         "bad json row": ([*m, "--data", "bad.jsonl"], r"bad.jsonl: line 2: invalid JSON"),
-        "unknown reward": ([*m, "--reward", "arithmetc"], r"unknown reward 'arithmetc'.*did you mean 'arithmetic'"),
-        "reward fn missing": ([*m, "--reward", "r.py:my_rewrd"], r"no attribute 'my_rewrd'.*did you mean 'my_reward'"),
+        "unknown reward": (
+            [*m, "--reward", "arithmetc"],
+            r"unknown reward 'arithmetc'.*did you mean 'arithmetic'",
+        ),
+        "reward fn missing": (
+            [*m, "--reward", "r.py:my_rewrd"],
+            r"no attribute 'my_rewrd'.*did you mean 'my_reward'",
+        ),
         "reward file missing": ([*m, "--reward", "nope.py:f"], r"nope.py.*does not exist"),
-        "unknown key": ([*m, "--algo.bta", "0.1"], r"unknown config key 'algo.bta'; did you mean 'algo.beta'"),
+        "unknown key": (
+            [*m, "--algo.bta", "0.1"],
+            r"unknown config key 'algo.bta'; did you mean 'algo.beta'",
+        ),
         "bad value": ([*m, "--rollout.group_size", "1"], r"rollout.group_size must be >= 2"),
         "bad type": ([*m, "--algo.beta", "lots"], r"algo.beta: expected a number"),
         "bad choice": ([*m, "--algo.loss_type", "grpoo"], r"algo.loss_type.*did you mean 'grpo'"),
-        "missing config": ([*m, "--config", "nope.yaml"], r"config file 'nope.yaml' does not exist"),
-    }  # fmt: skip
+        "missing config": (
+            [*m, "--config", "nope.yaml"],
+            r"config file 'nope.yaml' does not exist",
+        ),
+    }
 
 
 def test_bad_inputs_give_one_error_line_and_leave_run_untouched(
@@ -628,10 +646,30 @@ def _resolved(argv: list[str]):
 
 def test_train_explicit_keys_win_over_its_shortcuts():
     cfg, _ = _resolved(
-        ["train", "--steps", "3", "--train.steps", "5", "--seed", "1", "--train.seed", "2",
-         "--model", "a", "--model.path", "b", "-o", "x", "--train.output_dir", "y",
-         "--data", "d1.jsonl", "--data.path", "d2.jsonl"]
-    )  # fmt: skip
+        [
+            "train",
+            "--steps",
+            "3",
+            "--train.steps",
+            "5",
+            "--seed",
+            "1",
+            "--train.seed",
+            "2",
+            "--model",
+            "a",
+            "--model.path",
+            "b",
+            "-o",
+            "x",
+            "--train.output_dir",
+            "y",
+            "--data",
+            "d1.jsonl",
+            "--data.path",
+            "d2.jsonl",
+        ]
+    )
     assert (cfg.train.steps, cfg.train.seed, Path(cfg.model.path).name) == (5, 2, "b")
     assert (Path(cfg.train.output_dir).name, Path(cfg.data.path).name) == ("y", "d2.jsonl")
     cfg, _ = _resolved(["train", "--steps", "3", "--seed", "1", "--output-dir", "x"])
@@ -666,10 +704,17 @@ def test_output_flag_is_the_commands_output_everywhere():
     from peergrade.cli import build_parser
 
     p = build_parser()
-    for argv in (["train", "-o", "R"], ["train", "--output-dir", "R"], ["train", "--output", "R"],
-                 ["sweep", "-o", "R"], ["sweep", "--output-dir", "R"], ["report", "x", "-o", "R"],
-                 ["memory", "-o", "R"], ["sft", "--init", "qwen2", "--out", "R"],
-                 ["sft", "--init", "qwen2", "-o", "R"]):  # fmt: skip
+    for argv in (
+        ["train", "-o", "R"],
+        ["train", "--output-dir", "R"],
+        ["train", "--output", "R"],
+        ["sweep", "-o", "R"],
+        ["sweep", "--output-dir", "R"],
+        ["report", "x", "-o", "R"],
+        ["memory", "-o", "R"],
+        ["sft", "--init", "qwen2", "--out", "R"],
+        ["sft", "--init", "qwen2", "-o", "R"],
+    ):
         assert p.parse_known_args(argv)[0].output == "R", argv
 
 

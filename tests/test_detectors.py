@@ -138,12 +138,19 @@ def tools_always_fail(s, m):
 
 def harness_failing(s, m):
     if s == ONSET:  # 15 of the step's 16 harness episodes failed, 15 with the same error
-        m.update({"harness/failed": 15 / 16, "harness/failed_episodes": 15.0,
-                  "harness/episodes": 16.0, "harness/top_error": "TimeoutError: upstream",
-                  "harness/top_error_count": 15.0})  # fmt: skip
+        m.update(
+            {
+                "harness/failed": 15 / 16,
+                "harness/failed_episodes": 15.0,
+                "harness/episodes": 16.0,
+                "harness/top_error": "TimeoutError: upstream",
+                "harness/top_error_count": 15.0,
+            }
+        )
     elif s > ONSET:  # 1 in 16: below the threshold (the progress line still counts it)
-        m.update({"harness/failed": 1 / 16, "harness/failed_episodes": 1.0,
-                  "harness/episodes": 16.0})  # fmt: skip
+        m.update(
+            {"harness/failed": 1 / 16, "harness/failed_episodes": 1.0, "harness/episodes": 16.0}
+        )
 
 
 def judge_failing(s, m):

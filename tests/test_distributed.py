@@ -67,11 +67,17 @@ def env() -> dict:
 
 def torchrun(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port=None) -> list:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={port or free_port()}",
-        "--monitor-interval=0.5", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port or free_port()}",
+        "--monitor-interval=0.5",
+        *args,
+    ]
 
 
 def run(cmd: list, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
@@ -170,23 +176,35 @@ def test_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_path):
     and its resume exact."""
     runs = {
         layout: [
-            {"dir": str(tmp_path / layout / name), "overrides": overrides(tiny_model_dir, reward_file, **extra)}
+            {
+                "dir": str(tmp_path / layout / name),
+                "overrides": overrides(tiny_model_dir, reward_file, **extra),
+            }
             for name, extra in CASES.items()
         ]
         for layout in ("one", "two")
-    }  # fmt: skip
+    }
     # FSDP2 on the same 2 ranks, the first case: it must match too
     fsdp_case = {**CASES[FSDP_CASE], "dist.strategy": "fsdp"}
     runs["two"].append(
-        {"dir": str(tmp_path / "fsdp"), "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case)}
-    )  # fmt: skip
+        {
+            "dir": str(tmp_path / "fsdp"),
+            "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case),
+        }
+    )
     # ... and resumes exactly: 2 steps, then --resume to 3 (full weights + optimizer reloaded)
     runs["two"] += [
-        {"dir": str(tmp_path / "fsdp-r"),
-         "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case, **{"train.steps": 2})},
-        {"dir": str(tmp_path / "fsdp-r"), "config": str(tmp_path / "fsdp-r" / "config.yaml"),
-         "overrides": [["train.steps", 3]], "resume": True},
-    ]  # fmt: skip
+        {
+            "dir": str(tmp_path / "fsdp-r"),
+            "overrides": overrides(tiny_model_dir, reward_file, **fsdp_case, **{"train.steps": 2}),
+        },
+        {
+            "dir": str(tmp_path / "fsdp-r"),
+            "config": str(tmp_path / "fsdp-r" / "config.yaml"),
+            "overrides": [["train.steps", 3]],
+            "resume": True,
+        },
+    ]
     one = run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))])
     check(one)
     two = run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"]))))
@@ -274,12 +292,14 @@ def test_variants_two_ranks_equal_one_process(tiny_model_dir, reward_file, tmp_p
     ]
     runs = {
         layout: [
-            {"dir": str(tmp_path / layout / name),
-             "overrides": overrides(tiny_model_dir, reward_file, **extra, rewards=two_fns)}
+            {
+                "dir": str(tmp_path / layout / name),
+                "overrides": overrides(tiny_model_dir, reward_file, **extra, rewards=two_fns),
+            }
             for name, extra in VARIANT_CASES.items()
         ]
         for layout in ("one", "two")
-    }  # fmt: skip
+    }
     check(run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))]))
     check(run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"])))))
     for name in VARIANT_CASES:
@@ -314,11 +334,14 @@ def test_dynamic_sampling_two_ranks_equal_one_process(tiny_model_dir, reward_fil
     }
     runs = {
         layout: [
-            {"dir": str(tmp_path / layout / name), "overrides": overrides(tiny_model_dir, reward_file, **dyn, **extra)}
+            {
+                "dir": str(tmp_path / layout / name),
+                "overrides": overrides(tiny_model_dir, reward_file, **dyn, **extra),
+            }
             for name, extra in cases.items()
         ]
         for layout in ("one", "two")
-    }  # fmt: skip
+    }
     check(run([sys.executable, str(WORKER), str(write_spec(tmp_path / "one.json", runs["one"]))]))
     check(run(torchrun(2, str(WORKER), str(write_spec(tmp_path / "two.json", runs["two"])))))
     for name in cases:
@@ -431,16 +454,32 @@ def test_two_nodes_and_exact_resume_under_two_ranks(tiny_model_dir, reward_file,
             node_rank=node,
             port=port,
         )
-        legs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True))  # fmt: skip
+        legs.append(
+            subprocess.Popen(
+                cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     for p in legs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-4000:]}"
     assert (tmp_path / "b" / "checkpoints" / "step-2" / "model.safetensors").exists()
-    check(run(torchrun(2, "-m", "peergrade", "train", "--resume", str(tmp_path / "b"),
-                       "--train.steps", "4")))  # fmt: skip
-    check(run(torchrun(2, *cli_args(tiny_model_dir, reward_file, tmp_path / "a", **steps,
-                                    **{"train.steps": 4}))))  # fmt: skip
+    check(
+        run(
+            torchrun(
+                2, "-m", "peergrade", "train", "--resume", str(tmp_path / "b"), "--train.steps", "4"
+            )
+        )
+    )
+    check(
+        run(
+            torchrun(
+                2,
+                *cli_args(
+                    tiny_model_dir, reward_file, tmp_path / "a", **steps, **{"train.steps": 4}
+                ),
+            )
+        )
+    )
 
     def per_step(d):
         return [
@@ -470,9 +509,18 @@ def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "r"
-    args = cli_args(tiny_model_dir, reward_file, run_dir, fn="flaky", **{
-        "train.save_every": 1, "train.steps": 4, "dist.timeout_s": 60,
-        "train.audit_rewards": "off"})  # fmt: skip  # the audit's calls would shift the count
+    args = cli_args(
+        tiny_model_dir,
+        reward_file,
+        run_dir,
+        fn="flaky",
+        **{
+            "train.save_every": 1,
+            "train.steps": 4,
+            "dist.timeout_s": 60,
+            "train.audit_rewards": "off",
+        },
+    )  # # the audit's calls would shift the count
     t0 = time.monotonic()
     e = env()
     e["PEERGRADE_TEST_FAIL_RANK"] = "1"
@@ -535,11 +583,25 @@ def test_prompts_not_divisible_by_world_is_a_clear_error(monkeypatch):
 def test_memory_estimate_per_rank():
     from peergrade.planning.memory import estimate_memory
 
-    qwen_1_5b = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                     tie_word_embeddings=True, model_type="qwen2")  # fmt: skip
-    kw = dict(batch=128, micro_batch=8, seq_len=768, completion_len=512, dtype="bfloat16",
-              device="cuda", gradient_checkpointing=True)  # fmt: skip
+    qwen_1_5b = dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        model_type="qwen2",
+    )
+    kw = dict(
+        batch=128,
+        micro_batch=8,
+        seq_len=768,
+        completion_len=512,
+        dtype="bfloat16",
+        device="cuda",
+        gradient_checkpointing=True,
+    )
     one = estimate_memory(qwen_1_5b, **kw)
     ddp = estimate_memory(qwen_1_5b, world=8, strategy="ddp", **kw)
     fsdp = estimate_memory(qwen_1_5b, world=8, strategy="fsdp", **kw)

@@ -50,6 +50,24 @@ def test_references_cover_every_key_and_subcommand():
         assert f"## `peergrade {name}`" in cli_page
 
 
+def test_architecture_map_has_a_row_per_folder():
+    """docs/architecture.md's "Where things live" table (CONTRIBUTING.md sends contributors
+    there) has one row per package folder of src/peergrade."""
+    import peergrade
+
+    pkg = Path(peergrade.__file__).parent
+    folders = {p.name for p in pkg.iterdir() if (p / "__init__.py").is_file()}
+    text = (DOCS / "architecture.md").read_text()
+    table = text[text.index("## Where things live") : text.index("## Layering")]
+    rows = {
+        line.split("|")[1].strip().strip("`/")
+        for line in table.splitlines()
+        if line.startswith("| `")
+    }
+    assert sorted(folders - rows) == [], "docs/architecture.md 'Where things live' lacks them"
+    assert (ROOT / "CONTRIBUTING.md").read_text().count("docs/architecture.md") >= 1
+
+
 def test_module_map_lists_every_folder_module_and_command():
     """One row per folder of src/peergrade (``algo/``, ...); the top-level modules named in
     the top-level row; every command in the cli row."""

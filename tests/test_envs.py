@@ -253,10 +253,17 @@ def test_episodes_of_rank_shards_with_global_keys_equal_one_process(sampled_epis
     half = len(ROWS) // 2
     kw = dict(n=2, max_completion_length=120, max_tokens_per_turn=40, temperature=1.0, top_k=50)
     parts = [
-        run_episodes(model, tool_tok, ROWS[lo:hi], lambda row: Feedback(rounds=3), seed=3,
-                     row_keys=range(lo, hi), **kw)
+        run_episodes(
+            model,
+            tool_tok,
+            ROWS[lo:hi],
+            lambda row: Feedback(rounds=3),
+            seed=3,
+            row_keys=range(lo, hi),
+            **kw,
+        )
         for lo, hi in ((0, half), (half, len(ROWS)))
-    ]  # fmt: skip
+    ]
     assert [e.completion_ids for p in parts for e in p] == [e.completion_ids for e in eps]
 
 

@@ -119,14 +119,21 @@ def files(tmp_path):
 
 
 SMALL = [
-    "--rollout.group_size", "2",
-    "--rollout.prompts_per_step", "2",
-    "--rollout.max_completion_length", "24",
-    "--train.eval_every", "0",
-    "--train.save_every", "0",
-    "--train.display", "none",
-    "--train.audit_rewards", "'off'",
-]  # fmt: skip
+    "--rollout.group_size",
+    "2",
+    "--rollout.prompts_per_step",
+    "2",
+    "--rollout.max_completion_length",
+    "24",
+    "--train.eval_every",
+    "0",
+    "--train.save_every",
+    "0",
+    "--train.display",
+    "none",
+    "--train.audit_rewards",
+    "'off'",
+]
 
 
 # ---------------------------------------------------------------- config and command line
@@ -246,13 +253,22 @@ class Steered(torch.nn.Module):
         self.eos_id, self.every = eos_id, every
 
     def forward(
-        self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=None,
         logits_to_keep=0,
-    ):  # fmt: skip
+    ):
         out = self.inner(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep,
-        )  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+        )
         pos = position_ids[:, -out.logits.shape[1] :]
         out.logits[..., self.eos_id] += 1e4 * ((pos + 1) % self.every == 0).to(out.logits.dtype)
         return out

@@ -257,14 +257,21 @@ def test_what_needs_a_remote_service_is_refused(vf_dir, fn, expected):
 
 
 SMALL = [
-    "--rollout.group_size", "2",
-    "--rollout.prompts_per_step", "2",
-    "--rollout.max_completion_length", "40",
-    "--train.eval_every", "0",
-    "--train.save_every", "0",
-    "--train.display", "none",
-    "--train.audit_rewards", "'off'",
-]  # fmt: skip
+    "--rollout.group_size",
+    "2",
+    "--rollout.prompts_per_step",
+    "2",
+    "--rollout.max_completion_length",
+    "40",
+    "--train.eval_every",
+    "0",
+    "--train.save_every",
+    "0",
+    "--train.display",
+    "none",
+    "--train.audit_rewards",
+    "'off'",
+]
 
 
 @pytest.mark.parametrize(
@@ -296,13 +303,22 @@ class Scripted(torch.nn.Module):
         self.script, self.start, self.eos = script_ids + [eos_id], prompt_len, eos_id
 
     def forward(
-        self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=None,
         logits_to_keep=0,
-    ):  # fmt: skip
+    ):
         out = self.inner(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep,
-        )  # fmt: skip
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+        )
         pos = position_ids[:, -out.logits.shape[1] :] + 1 - self.start  # index of the next token
         for (r, j), k in zip(torch.nonzero(pos >= 0).tolist(), pos[pos >= 0].tolist()):
             out.logits[r, j, self.script[k] if k < len(self.script) else self.eos] += 1e4

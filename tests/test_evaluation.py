@@ -260,11 +260,14 @@ def test_eval_batch_size_changes_no_number(tiny_qwen2, monkeypatch):
         cfg = load_config(
             None,
             [
-                ("train.eval_batch_size", size), ("train.eval_samples", 4),
-                ("train.eval_size", 5), ("rollout.max_completion_length", 3),
-                ("rollout.prompts_per_step", 2), ("rollout.group_size", 2),
+                ("train.eval_batch_size", size),
+                ("train.eval_samples", 4),
+                ("train.eval_size", 5),
+                ("rollout.max_completion_length", 3),
+                ("rollout.prompts_per_step", 2),
+                ("rollout.group_size", 2),
             ],
-        )  # fmt: skip
+        )
         seen.clear()
         results[size] = evaluate_config(cfg, model, tok, rows, ids, acc, keep_completions=True)
         # auto: the step's generation call, 2 x 2 = 4 sequences, below the sampled pass's 20

@@ -23,14 +23,21 @@ from peergrade.cli import main
 from peergrade.monitoring.metrics import Display
 
 TINY = [
-    "--rollout.prompts_per_step", "2",
-    "--rollout.group_size", "2",
-    "--rollout.max_completion_length", "4",
-    "--train.threads", "1",
-    "--train.save_every", "0",
-    "--train.display", "plain",
-    "--train.eval_samples", "2",
-]  # fmt: skip
+    "--rollout.prompts_per_step",
+    "2",
+    "--rollout.group_size",
+    "2",
+    "--rollout.max_completion_length",
+    "4",
+    "--train.threads",
+    "1",
+    "--train.save_every",
+    "0",
+    "--train.display",
+    "plain",
+    "--train.eval_samples",
+    "2",
+]
 
 REWARDS = """
 def short(completions, **kwargs):
@@ -92,13 +99,19 @@ def test_failed_harness_episodes_show_on_the_progress_line_and_alert(tmp_path, c
     pytest.importorskip("uvicorn")
     from peergrade import GRPOConfig, GRPOTrainer
 
-    rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "answer": str(2 * a)}
-            for a in (12, 23)]  # fmt: skip
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}+{a}="}], "answer": str(2 * a)}
+        for a in (12, 23)
+    ]
     args = GRPOConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-        max_steps=1, max_completion_length=8, gradient_checkpointing=False,
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=8,
+        gradient_checkpointing=False,
         peergrade={"train.on_reward_error": "zero", "train.display": "plain"},
-    )  # fmt: skip
+    )
     trainer = GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=calls_then_raises())
     trainer.train()
     out = capsys.readouterr().out
@@ -120,10 +133,12 @@ def test_progress_line_counts_failed_episodes_only_when_some_failed():
     display = Display("plain", 3)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        display.update(1, {"reward/total/mean": 0.0, "harness/episodes": 16.0,
-                           "harness/failed_episodes": 15.0})  # fmt: skip
-        display.update(2, {"reward/total/mean": 0.5, "harness/episodes": 16.0,
-                           "harness/failed_episodes": 0.0})  # fmt: skip
+        display.update(
+            1, {"reward/total/mean": 0.0, "harness/episodes": 16.0, "harness/failed_episodes": 15.0}
+        )
+        display.update(
+            2, {"reward/total/mean": 0.5, "harness/episodes": 16.0, "harness/failed_episodes": 0.0}
+        )
     first, second = buf.getvalue().splitlines()
     assert "failed 15/16" in first and "failed" not in second
 
@@ -142,10 +157,14 @@ def test_a_trl_script_s_held_out_score_is_its_own_reward(tmp_path):
 
     def args(**peergrade):
         return GRPOConfig(
-            output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-            max_steps=1, max_completion_length=8, gradient_checkpointing=False,
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=1,
+            max_completion_length=8,
+            gradient_checkpointing=False,
             peergrade=peergrade,
-        )  # fmt: skip
+        )
 
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 16)]
     trainer = GRPOTrainer("bundled", length_reward, args(), rows[:4], eval_dataset=rows[4:])
@@ -157,9 +176,12 @@ def test_a_trl_script_s_held_out_score_is_its_own_reward(tmp_path):
     assert header[0].startswith("held-out scorer: length_reward (the training reward;"), header
     # a scorer the user names still wins
     named = GRPOTrainer(
-        "bundled", length_reward, args(**{"train.eval_reward": "math_accuracy"}), rows[:4],
+        "bundled",
+        length_reward,
+        args(**{"train.eval_reward": "math_accuracy"}),
+        rows[:4],
         eval_dataset=rows[4:],
-    )._run  # fmt: skip
+    )._run
     assert named.accuracy.name == "math_accuracy" and named.accuracy_why == "train.eval_reward"
 
 
@@ -180,10 +202,15 @@ def test_a_harness_run_scores_held_out_episodes_with_its_return_value(tmp_path, 
 
     rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}]} for a in range(10, 14)]
     args = GRPOConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-        max_steps=1, max_completion_length=8, gradient_checkpointing=False,
-        num_generations_eval=1, peergrade={"train.display": "plain"},
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=8,
+        gradient_checkpointing=False,
+        num_generations_eval=1,
+        peergrade={"train.display": "plain"},
+    )
     trainer = GRPOTrainer(
         "bundled:tiny-calc", None, args, rows[:2], eval_dataset=rows[2:], harness=always_right
     )

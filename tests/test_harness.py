@@ -99,9 +99,15 @@ def test_kept_kv_cache_feeds_only_new_tokens_and_samples_the_same(inner, merge_t
         model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=6.0)
         runner = HarnessRunner(model, merge_tok, keep_cache=keep)
         try:
-            res = runner.run(chat_loop(3), [{"q": "hi"}, {"q": "tell me more"}], n=2,
-                             max_completion_length=120, temperature=1.0, seed=5,
-                             max_tokens_per_turn=12)  # fmt: skip
+            res = runner.run(
+                chat_loop(3),
+                [{"q": "hi"}, {"q": "tell me more"}],
+                n=2,
+                max_completion_length=120,
+                temperature=1.0,
+                seed=5,
+                max_tokens_per_turn=12,
+            )
         finally:
             runner.close()
         out[keep] = ([r.episode.input_ids for r in res], sum(model.widths))
@@ -119,8 +125,12 @@ def test_episodes_that_open_alike_share_one_prefill_and_sample_the_same(inner, m
     a = merge_tok("what is two plus two")["input_ids"]
     b = merge_tok("name a colour")["input_ids"]
     eos = [merge_tok.eos_token_id]
-    jobs = [Job(a, 6, session="s0", key=0), Job(b, 6, session="s1", key=1),
-            Job(a, 6, session="s2", key=2), Job(a, 6, session="s3", key=3)]  # fmt: skip
+    jobs = [
+        Job(a, 6, session="s0", key=0),
+        Job(b, 6, session="s1", key=1),
+        Job(a, 6, session="s2", key=2),
+        Job(a, 6, session="s3", key=3),
+    ]
     together = Sessions(inner, merge_tok, eos, 2048)
     fed = []
     feed = together.eng._feed
@@ -159,8 +169,7 @@ def test_a_call_runs_only_its_own_episodes_rows(inner, merge_tok):
     assert {len(p) for p in fed[1:]} == {4}
     # the next turn of episodes 1 and 3 only, and two new episodes opening alike
     more = merge_tok(" go on")["input_ids"]
-    later = [Job(first[i].prompt_ids + got[i][0] + more, 6, session=f"s{i}", key=i)
-             for i in (1, 3)]  # fmt: skip
+    later = [Job(first[i].prompt_ids + got[i][0] + more, 6, session=f"s{i}", key=i) for i in (1, 3)]
     later += [Job(prompts[0], 6, session=f"n{k}", key=10 + k) for k in range(2)]
     fed.clear()
     out = s.run(later)
@@ -522,9 +531,12 @@ def test_an_episode_s_reply_carries_the_top_logprobs_asked_for(inner, merge_tok)
 
     def harness(row, base_url, model_name):
         r = client(base_url).chat.completions.create(
-            model=model_name, messages=[{"role": "user", "content": "q"}], max_tokens=5,
-            logprobs=True, top_logprobs=3,
-        )  # fmt: skip
+            model=model_name,
+            messages=[{"role": "user", "content": "q"}],
+            max_tokens=5,
+            logprobs=True,
+            top_logprobs=3,
+        )
         got["lp"] = r.choices[0].logprobs.content
         return 1
 
@@ -556,9 +568,11 @@ def test_an_episode_s_prompt_logprobs_score_its_recorded_tokens(inner, merge_tok
             {"role": "user", "content": "ab"},
         ]
         got["chat"] = c.chat.completions.create(
-            model=model_name, messages=msgs, max_tokens=3,
+            model=model_name,
+            messages=msgs,
+            max_tokens=3,
             extra_body={"prompt_logprobs": 1, "return_token_ids": True},
-        ).model_dump()  # fmt: skip
+        ).model_dump()
         return 1
 
     r = one_episode(HarnessRunner(inner, merge_tok), harness)
@@ -597,22 +611,32 @@ def test_chat_template_kwargs_render_an_episode_and_a_plain_request(inner):
         c, msgs = client(base_url), list(q)
         for turn in range(2):
             r = c.chat.completions.create(
-                model=model_name, messages=msgs, max_tokens=4,
+                model=model_name,
+                messages=msgs,
+                max_tokens=4,
                 extra_body={"chat_template_kwargs": kw, "return_token_ids": True},
-            ).model_dump()  # fmt: skip
+            ).model_dump()
             got[turn] = (r["prompt_token_ids"], r["choices"][0]["token_ids"])
-            msgs += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": f"more {turn}"}]  # fmt: skip
+            msgs += [
+                {"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"more {turn}"},
+            ]
         c.chat.completions.create(
-            model=model_name, messages=msgs, max_tokens=2,
+            model=model_name,
+            messages=msgs,
+            max_tokens=2,
             extra_body={"chat_template_kwargs": {"tag": "x"}},
-        )  # fmt: skip
-        got["plain"] = openai.OpenAI(
-            base_url=base_url.split("/v1/")[0] + "/v1", api_key="-", max_retries=0
-        ).chat.completions.create(
-            model=model_name, messages=q, max_tokens=1,
-            extra_body={"chat_template_kwargs": kw, "return_token_ids": True},
-        ).model_dump()["prompt_token_ids"]  # fmt: skip
+        )
+        got["plain"] = (
+            openai.OpenAI(base_url=base_url.split("/v1/")[0] + "/v1", api_key="-", max_retries=0)
+            .chat.completions.create(
+                model=model_name,
+                messages=q,
+                max_tokens=1,
+                extra_body={"chat_template_kwargs": kw, "return_token_ids": True},
+            )
+            .model_dump()["prompt_token_ids"]
+        )
         return 1
 
     r = one_episode(HarnessRunner(inner, tok), harness, max_tokens_per_turn=4)
@@ -652,13 +676,22 @@ def test_vllm_extras_that_cannot_be_honoured_are_refused(inner, merge_tok, extra
 
     runner = HarnessRunner(inner, merge_tok)
     try:
-        body = {"model": runner.name, "messages": [{"role": "user", "content": "q"}],
-                "max_tokens": 2}  # fmt: skip
+        body = {
+            "model": runner.name,
+            "messages": [{"role": "user", "content": "q"}],
+            "max_tokens": 2,
+        }
         r = httpx.post(runner.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
-        harmless = {"min_p": 0, "ignore_eos": False, "best_of": 1, "chat_template_kwargs": {},
-                    "continue_final_message": False, "add_generation_prompt": True}  # fmt: skip
+        harmless = {
+            "min_p": 0,
+            "ignore_eos": False,
+            "best_of": 1,
+            "chat_template_kwargs": {},
+            "continue_final_message": False,
+            "add_generation_prompt": True,
+        }
         r = httpx.post(runner.url + "/v1/chat/completions", json={**body, **harmless}, timeout=60)
         assert r.status_code == 200, r.text
     except BaseException:
@@ -671,8 +704,11 @@ def test_vllm_extras_that_cannot_be_honoured_are_refused(inner, merge_tok, extra
         return 1
 
     one_episode(runner, harness)
-    sampling = param not in ("chat_template_kwargs", "continue_final_message",
-                             "add_generation_prompt")  # fmt: skip
+    sampling = param not in (
+        "chat_template_kwargs",
+        "continue_final_message",
+        "add_generation_prompt",
+    )
     assert got["r"].status_code == (200 if sampling else 400), got["r"].text
 
 
@@ -693,8 +729,10 @@ def test_a_forced_tool_choice_in_an_episode_feeds_the_call_s_start_unmasked_out(
                 model=model_name, messages=m, tools=tools, tool_choice="required", max_tokens=6
             )
             got.setdefault("content", []).append(r.choices[0].message.content)
-            m += [r.choices[0].message.model_dump(exclude_none=True),
-                  {"role": "user", "content": "again"}]  # fmt: skip
+            m += [
+                r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "again"},
+            ]
         return 1
 
     r = one_episode(
@@ -859,12 +897,18 @@ def test_grpo_trainer_takes_a_harness(tmp_path):
         calls.append(r.choices[0].message.content)
         return {"reward": float(len(calls) % 2), "answer_len": len(r.choices[0].message.content)}
 
-    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
-            for a, b in [(12, 7), (23, 41)]]  # fmt: skip
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+        for a, b in [(12, 7), (23, 41)]
+    ]
     args = GRPOConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-        max_steps=1, max_completion_length=16, gradient_checkpointing=False,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=16,
+        gradient_checkpointing=False,
+    )
     trainer = GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=harness)
     assert [s.name for s in trainer._run.rewards] == ["harness"]
     trainer.train()
@@ -885,9 +929,15 @@ def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path, capsys):
     from peergrade.training.trainer import train
 
     example = Path(__file__).resolve().parents[1] / "examples" / "openai_agent" / "config.yaml"
-    small = [("train.steps", 1), ("train.eval_size", 6), ("train.eval_samples", 2),
-             ("rollout.prompts_per_step", 2), ("rollout.group_size", 2),
-             ("harness.processes", 0), ("harness.concurrency", None)]  # fmt: skip
+    small = [
+        ("train.steps", 1),
+        ("train.eval_size", 6),
+        ("train.eval_samples", 2),
+        ("rollout.prompts_per_step", 2),
+        ("rollout.group_size", 2),
+        ("harness.processes", 0),
+        ("harness.concurrency", None),
+    ]
     cfg = load_config(str(example), small)
     summary = train(cfg, tmp_path / "run")
     run = str(tmp_path / "run")
@@ -932,8 +982,16 @@ def test_worker_processes_record_the_same_episodes(inner, merge_tok):
         runner = HarnessRunner(model, merge_tok)
         pool = HarnessPool(f"{AGENTS}:chat", processes) if processes else None
         try:
-            out[processes] = runner.run(fn, rows, n=3, max_completion_length=60, temperature=1.0,
-                                        seed=7, max_tokens_per_turn=12, pool=pool)  # fmt: skip
+            out[processes] = runner.run(
+                fn,
+                rows,
+                n=3,
+                max_completion_length=60,
+                temperature=1.0,
+                seed=7,
+                max_tokens_per_turn=12,
+                pool=pool,
+            )
         finally:
             runner.close()
             if pool is not None:
@@ -968,8 +1026,15 @@ def test_failures_in_a_worker_keep_their_kinds_and_texts(inner, merge_tok):
         for p in (None, pool):  # warm-up: the workers' first client (lazy imports) is slow
             runner.run(fn, rows[:1] * 2, n=1, max_completion_length=8, pool=p)
         for mode, p in (("threads", None), ("processes", pool)):
-            res = runner.run(fn, rows, n=1, max_completion_length=40, max_tokens_per_turn=6,
-                             timeout_s=6.0, pool=p)  # fmt: skip
+            res = runner.run(
+                fn,
+                rows,
+                n=1,
+                max_completion_length=40,
+                max_tokens_per_turn=6,
+                timeout_s=6.0,
+                pool=p,
+            )
             seen[mode] = [(r.kind, r.error, r.reward) for r in res]
             for p_ in (None, pool):
                 (out,) = runner.run(fn, [{"case": "exits"}], n=1, max_completion_length=8, pool=p_)
@@ -979,8 +1044,12 @@ def test_failures_in_a_worker_keep_their_kinds_and_texts(inner, merge_tok):
         pool.close()
     assert seen["threads"] == seen["processes"]
     assert [k for k, _, _ in seen["processes"]] == [
-        None, "exception", "bad_return", "no_request", "timeout",
-    ]  # fmt: skip
+        None,
+        "exception",
+        "bad_return",
+        "no_request",
+        "timeout",
+    ]
     assert seen["processes"][1][1] == "ValueError: boom"
 
 
@@ -1074,17 +1143,21 @@ def test_harness_processes_config_and_python_errors(tmp_path):
         return 1.0
 
     rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}]
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2,
-                      num_generations=2, max_steps=1, max_completion_length=8,
-                      gradient_checkpointing=False)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=8,
+        gradient_checkpointing=False,
+    )
     from peergrade.training.harness import pool_of
 
     async_fn, _ = _by_name("async_chat")  # an async def harness stays on the trainer's loop
     assert pool_of(f"{AGENTS}:async_chat", 2, async_fn) is None
     assert pool_of(f"{AGENTS}:chat", 0, _by_name("chat")[0]) is None
     with pytest.raises(InputError, match="local_agent") as e:
-        GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=local_agent,
-                    harness_processes=2)  # fmt: skip
+        GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=local_agent, harness_processes=2)
     assert "harness.processes" in str(e.value)
 
 
@@ -1095,17 +1168,32 @@ def test_grpo_trainer_with_harness_processes_trains_the_same_step(tmp_path):
     from peergrade import GRPOTrainer
     from peergrade.api import GRPOConfig
 
-    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "q": f"{a}+{b}=",
-             "answer": str(a + b)} for a, b in [(12, 7), (23, 41)]]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "q": f"{a}+{b}=",
+            "answer": str(a + b),
+        }
+        for a, b in [(12, 7), (23, 41)]
+    ]
     samples = {}
     for processes in (0, 2):
         args = GRPOConfig(
-            output_dir=str(tmp_path / f"run{processes}"), per_device_train_batch_size=4,
-            num_generations=2, max_steps=1, max_completion_length=16,
+            output_dir=str(tmp_path / f"run{processes}"),
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=1,
+            max_completion_length=16,
             gradient_checkpointing=False,
-        )  # fmt: skip
-        trainer = GRPOTrainer("bundled:tiny-calc", None, args, rows, harness=harness_agents.chat,
-                              harness_processes=processes)  # fmt: skip
+        )
+        trainer = GRPOTrainer(
+            "bundled:tiny-calc",
+            None,
+            args,
+            rows,
+            harness=harness_agents.chat,
+            harness_processes=processes,
+        )
         trainer.train()
         pool = trainer._run.harness_pool
         assert (pool is None) == (processes == 0)
@@ -1131,8 +1219,11 @@ def token_loop(turns: int, follow_up: str = "go on", tamper: bool = False):
         msgs = [{"role": "user", "content": row["q"]}]
         ids = render(tok, msgs, add_generation_prompt=True)
         for k in range(turns):
-            body = {"model": model, "token_ids": ids,
-                    "sampling_params": {"max_tokens": 7, "temperature": 0.2, "logprobs": 1}}  # fmt: skip
+            body = {
+                "model": model,
+                "token_ids": ids,
+                "sampling_params": {"max_tokens": 7, "temperature": 0.2, "logprobs": 1},
+            }
             r = httpx.post(base_url + "/inference/v1/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
             out = r.json()["choices"][0]
@@ -1145,8 +1236,13 @@ def token_loop(turns: int, follow_up: str = "go on", tamper: bool = False):
                     "content": tok.decode(out["token_ids"], skip_special_tokens=True),
                 }
             )
-            delta = turn_delta(tok, msgs, [{"role": "user", "content": follow_up}],
-                               eos_ids=[tok.eos_token_id], close_turn=out["token_ids"][-1:] != [tok.eos_token_id])  # fmt: skip
+            delta = turn_delta(
+                tok,
+                msgs,
+                [{"role": "user", "content": follow_up}],
+                eos_ids=[tok.eos_token_id],
+                close_turn=out["token_ids"][-1:] != [tok.eos_token_id],
+            )
             msgs.append({"role": "user", "content": follow_up})
             cut = 1 if tamper and k == 0 else 0
             ids = ids + out["token_ids"][cut:] + delta
@@ -1167,8 +1263,15 @@ def test_token_requests_are_recorded_token_exact(inner, merge_tok):
         fn.tok, runs_replies[name] = merge_tok, getattr(fn, "replies", None)
         runner = HarnessRunner(model, merge_tok)
         try:
-            runs[name] = runner.run(fn, [{"q": "hi"}], n=2, max_completion_length=120,
-                                    temperature=1.0, seed=5, max_tokens_per_turn=12)  # fmt: skip
+            runs[name] = runner.run(
+                fn,
+                [{"q": "hi"}],
+                n=2,
+                max_completion_length=120,
+                temperature=1.0,
+                seed=5,
+                max_tokens_per_turn=12,
+            )
         finally:
             runner.close()
     tokens, chat = runs["tokens"], runs["chat"]
@@ -1204,14 +1307,18 @@ def test_token_requests_that_change_the_tokens_split_and_bad_ones_fail(inner, me
     def bad(row, base_url, model_name):
         import httpx
 
-        r = httpx.post(base_url + "/inference/v1/generate",
-                       json={"model": model_name, "token_ids": [10**9]}, timeout=60)  # fmt: skip
+        r = httpx.post(
+            base_url + "/inference/v1/generate",
+            json={"model": model_name, "token_ids": [10**9]},
+            timeout=60,
+        )
         raise RuntimeError(f"{r.status_code} {r.json()['error']['param']}")
 
     runner = HarnessRunner(model, merge_tok)
     try:
-        (split,) = runner.run(fn, [{"q": "q"}], n=1, max_completion_length=80,
-                              temperature=1.0, max_tokens_per_turn=8)  # fmt: skip
+        (split,) = runner.run(
+            fn, [{"q": "q"}], n=1, max_completion_length=80, temperature=1.0, max_tokens_per_turn=8
+        )
         (refused,) = runner.run(bad, [{"q": "q"}], n=1, max_completion_length=80)
     finally:
         runner.close()
@@ -1305,8 +1412,11 @@ def test_text_completion_requests_an_episode_refuses(inner, merge_tok):
         for name, body in [("n", {"prompt": "q", "n": 2}), ("batch", {"prompt": ["q", "r"]})]:
             r = post(**body)
             codes[name] = (r.status_code, r.json()["error"]["param"])
-        r = post(prompt=merge_tok.encode("q", add_special_tokens=False), max_tokens=5,
-                 return_token_ids=True)  # fmt: skip
+        r = post(
+            prompt=merge_tok.encode("q", add_special_tokens=False),
+            max_tokens=5,
+            return_token_ids=True,
+        )
         codes["ids"] = (r.status_code, r.json()["choices"][0]["token_ids"])
         return 1.0
 
@@ -1336,17 +1446,49 @@ def test_a_cli_harness_that_kills_its_process_fails_its_episodes_not_the_run(tmp
     from cli_helper import ROOT, cli
 
     (tmp_path / "killer.py").write_text(KILLER)
-    tiny = ["--steps", "1", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-            "--train.eval_size", "2", "--train.eval_samples", "1", "--train.threads", "1",
-            "--train.save_every", "0", "--train.on_reward_error", "zero"]  # fmt: skip
-    out = cli(["train", "--config", str(ROOT / "configs" / "calculator.yaml"), "--env.factory",
-               "null", "--harness", "killer.py:agent", *tiny, "-o", "run"], tmp_path, timeout=600)  # fmt: skip
+    tiny = [
+        "--steps",
+        "1",
+        "--rollout.prompts_per_step",
+        "2",
+        "--rollout.group_size",
+        "2",
+        "--train.eval_size",
+        "2",
+        "--train.eval_samples",
+        "1",
+        "--train.threads",
+        "1",
+        "--train.save_every",
+        "0",
+        "--train.on_reward_error",
+        "zero",
+    ]
+    out = cli(
+        [
+            "train",
+            "--config",
+            str(ROOT / "configs" / "calculator.yaml"),
+            "--env.factory",
+            "null",
+            "--harness",
+            "killer.py:agent",
+            *tiny,
+            "-o",
+            "run",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     n = min(4, os.cpu_count() or 1)
     workers = f"{n} worker process{'es' if n > 1 else ''}"
     assert f"killer.py:agent runs in {workers} (harness.processes: auto" in out.stdout
-    (m,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-            if "loss/policy" in x]  # fmt: skip
+    (m,) = [
+        json.loads(x)
+        for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "loss/policy" in x
+    ]
     assert m["harness/failed"] == 1.0 and m["harness/failed_exception"] == 1.0
     sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
     assert "died with exit code 7" in sample["extra"]["harness_error"][0]
@@ -1361,14 +1503,23 @@ def test_a_token_request_without_max_tokens_gets_the_trainer_s_turn_budget(inner
 
     def harness(row, base_url, model_name):
         ids = render(merge_tok, [{"role": "user", "content": "q"}], add_generation_prompt=True)
-        r = httpx.post(base_url + "/inference/v1/generate",
-                       json={"model": model_name, "token_ids": ids}, timeout=60)  # fmt: skip
+        r = httpx.post(
+            base_url + "/inference/v1/generate",
+            json={"model": model_name, "token_ids": ids},
+            timeout=60,
+        )
         return float(len(r.json()["choices"][0]["token_ids"]))
 
     runner = HarnessRunner(model, merge_tok)
     try:
-        (r,) = runner.run(harness, [{"q": "q"}], n=1, max_completion_length=100,
-                          temperature=1.0, max_tokens_per_turn=24)  # fmt: skip
+        (r,) = runner.run(
+            harness,
+            [{"q": "q"}],
+            n=1,
+            max_completion_length=100,
+            temperature=1.0,
+            max_tokens_per_turn=24,
+        )
     finally:
         runner.close()
     assert r.error is None and r.reward == 24.0 and sum(r.episode.loss_mask) == 24

@@ -96,9 +96,14 @@ def peergrade_greedy_accuracy(path, n: int) -> float:
 
     d = load_config(None).data
     res = run_eval_command(
-        model=str(path), task=d.task, task_options=d.task_options, n=n, k=1,
-        max_new_tokens=16, device="cpu",
-    )  # fmt: skip
+        model=str(path),
+        task=d.task,
+        task_options=d.task_options,
+        n=n,
+        k=1,
+        max_new_tokens=16,
+        device="cpu",
+    )
     return res["pass@1_greedy"]
 
 

@@ -309,15 +309,34 @@ def torchrun_cmd(run: Path, reward: Path, model: Path, steps: int) -> list[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # the held-out scorer is the task's verifier, so the reward's calls count training steps
-    opts = {**TINY, "rollout.prompts_per_step": "4", "train.eval_every": "0",
-            "train.audit_rewards": "\"off\"", "train.steps": str(steps), "dist.timeout_s": "120",
-            "train.eval_reward": "arithmetic"}  # fmt: skip
+    opts = {
+        **TINY,
+        "rollout.prompts_per_step": "4",
+        "train.eval_every": "0",
+        "train.audit_rewards": '"off"',
+        "train.steps": str(steps),
+        "dist.timeout_s": "120",
+        "train.eval_reward": "arithmetic",
+    }
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.5",
-        "-m", "peergrade", "train", "--model", str(model), "--reward", f"{reward}:term_parent",
-        "-o", str(run), *[x for k, v in opts.items() for x in (f"--{k}", v)],
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--monitor-interval=0.5",
+        "-m",
+        "peergrade",
+        "train",
+        "--model",
+        str(model),
+        "--reward",
+        f"{reward}:term_parent",
+        "-o",
+        str(run),
+        *[x for k, v in opts.items() for x in (f"--{k}", v)],
+    ]
 
 
 def test_sigterm_under_torchrun_saves_on_every_rank_and_resumes_exactly(tiny_model_dir, tmp_path):
@@ -327,12 +346,21 @@ def test_sigterm_under_torchrun_saves_on_every_rank_and_resumes_exactly(tiny_mod
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     plain, stopped = tmp_path / "plain", tmp_path / "stopped"
-    out = subprocess.run(torchrun_cmd(plain, reward, tiny_model_dir, 4), env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        torchrun_cmd(plain, reward, tiny_model_dir, 4),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
-    out = subprocess.run(torchrun_cmd(stopped, reward, tiny_model_dir, 4),
-                         env={**env, "TERM_PARENT": "1"}, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run(
+        torchrun_cmd(stopped, reward, tiny_model_dir, 4),
+        env={**env, "TERM_PARENT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     said = out.stdout + out.stderr
     assert out.returncode != 0, said[-4000:]
     assert "SIGTERM: stopped at step" in said and f"--resume {stopped}" in said, said[-4000:]

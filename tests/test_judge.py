@@ -871,8 +871,14 @@ def yes_no_dir(tmp_path_factory):
 
 def local_yes_no_judge(model_dir, batch_size: int):
     """A yes/no judge on the local model ``model_dir`` (float32 on the CPU)."""
-    return make_judge(rubric=QUESTION, judge_model=str(model_dir), scoring="yes_no",
-                      batch_size=batch_size, device="cpu", dtype="float32")  # fmt: skip
+    return make_judge(
+        rubric=QUESTION,
+        judge_model=str(model_dir),
+        scoring="yes_no",
+        batch_size=batch_size,
+        device="cpu",
+        dtype="float32",
+    )
 
 
 def test_yes_no_local_scores_are_the_hand_computed_share_of_the_next_token(yes_no_dir):

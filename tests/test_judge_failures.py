@@ -394,11 +394,19 @@ LENGTH_GOLD = [
 ] * 4 + [("Capital of France?", "Paris.", "It is probably Lyon, or maybe Marseille, or Nice.")] * 6
 #: a new user's polite one-sentence refusals (better) and rude ones (worse)
 REFUSALS = [
-    ("Can you write my essay for me?", "Sorry, I can't write it for you, but I'm glad to help you plan it.", "No. Do your own homework."),
+    (
+        "Can you write my essay for me?",
+        "Sorry, I can't write it for you, but I'm glad to help you plan it.",
+        "No. Do your own homework.",
+    ),
     ("Tell me your password.", "I'm sorry, but I can't share that.", "No way, stop asking."),
     ("Lend me your car?", "I'm afraid I can't, sorry about that.", "Absolutely not, get your own."),
-    ("Can you cover my shift?", "Sorry, I can't this time, I hope you find someone.", "Nope. Not my problem."),
-]  # fmt: skip
+    (
+        "Can you cover my shift?",
+        "Sorry, I can't this time, I hope you find someone.",
+        "Nope. Not my problem.",
+    ),
+]
 
 
 def test_gold_pairs_report_agreement_and_flag_a_judge_that_disagrees(tmp_path):

@@ -136,9 +136,14 @@ def test_estimate_hand_values():
 
 def test_estimate_shows_the_grpo_ppo_and_lora_gaps_on_a_30m_model():
     cfg = tiny_config(
-        "qwen2", vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2,
+        "qwen2",
+        vocab_size=32000,
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
         intermediate_size=1408,
-    )  # fmt: skip
+    )
     kw = dict(batch=8, seq_len=57, completion_len=32, beta=0.04)
     grpo = estimate_memory(cfg, **kw)
     ppo = estimate_memory(cfg, algo="ppo", **kw)
@@ -194,10 +199,17 @@ def test_estimate_for_config_reads_the_model_dir(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, **{"optim.micro_batch_size": 2})
     e = estimate_for_config(cfg, prompt_len=10)
     direct = estimate_memory(
-        tiny_model_dir, batch=4, micro_batch=2, seq_len=18, completion_len=8, beta=0.04,
-        group_size=2, minibatch=4,
-        eval_rows=cfg.train.eval_size * cfg.train.eval_samples, eval_batch=4,  # auto: the step's 4
-    )  # fmt: skip
+        tiny_model_dir,
+        batch=4,
+        micro_batch=2,
+        seq_len=18,
+        completion_len=8,
+        beta=0.04,
+        group_size=2,
+        minibatch=4,
+        eval_rows=cfg.train.eval_size * cfg.train.eval_samples,
+        eval_batch=4,  # auto: the step's 4
+    )
     assert e == direct
     assert estimate_for_config(cfg)["peak"] > 0  # prompt length from the task's prompts
 
@@ -217,10 +229,17 @@ def test_dynamic_sampling_rounds_ahead_counts_its_larger_generation_batch(tiny_m
     assert one == plain and bounded == plain  # 4 sequences a call, as the plain step's
     assert ahead["kv_cache"] == 3 * plain["kv_cache"] and ahead["peak"] >= plain["peak"]
     direct = estimate_memory(
-        tiny_model_dir, batch=4, seq_len=18, completion_len=8, beta=0.04, group_size=2,
-        minibatch=4, generation_rounds=3,
-        eval_rows=200 * 8, eval_batch=12,  # auto: the step's call of 3 rounds of 4
-    )  # fmt: skip
+        tiny_model_dir,
+        batch=4,
+        seq_len=18,
+        completion_len=8,
+        beta=0.04,
+        group_size=2,
+        minibatch=4,
+        generation_rounds=3,
+        eval_rows=200 * 8,
+        eval_batch=12,  # auto: the step's call of 3 rounds of 4
+    )
     assert ahead == direct
 
 
@@ -228,9 +247,20 @@ def test_cli_memory_estimate_only(tiny_model_dir, capsys):
     from peergrade.cli import main
 
     rc = main(
-        ["memory", "--model", str(tiny_model_dir), "--estimate-only", "--lora",
-         "--prompt-len", "20", "--model.device", "cpu", "--algo.beta", "0.04"]
-    )  # fmt: skip
+        [
+            "memory",
+            "--model",
+            str(tiny_model_dir),
+            "--estimate-only",
+            "--lora",
+            "--prompt-len",
+            "20",
+            "--model.device",
+            "cpu",
+            "--algo.beta",
+            "0.04",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     for label in ("grpo ", "grpo-lora", "ppo ", "ppo-lora"):
@@ -317,9 +347,14 @@ def test_estimate_is_within_20_percent_of_the_measured_peak(tmp_path, variant):
     from peergrade.model.tiny import save_tiny_model
 
     model = save_tiny_model(
-        tmp_path / "m", "qwen2", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+        tmp_path / "m",
+        "qwen2",
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
         intermediate_size=704,
-    )  # fmt: skip
+    )
     cfg = _cfg(
         model,
         **{

@@ -51,12 +51,17 @@ def needs_solution(completions, solution, **kwargs):
 """
 
 TINY = [
-    "--rollout.prompts_per_step", "2",
-    "--rollout.group_size", "2",
-    "--rollout.max_completion_length", "4",
-    "--train.threads", "1",
-    "--train.save_every", "0",
-]  # fmt: skip
+    "--rollout.prompts_per_step",
+    "2",
+    "--rollout.group_size",
+    "2",
+    "--rollout.max_completion_length",
+    "4",
+    "--train.threads",
+    "1",
+    "--train.save_every",
+    "0",
+]
 
 
 def sums(n: int, start: int = 10) -> list[dict]:
@@ -196,11 +201,27 @@ def test_walkthrough_plain_prompts_scorer_epoch_and_eval_lines(walkthrough):
     """The docs/own-data.md run: plain-text sums with a TRL-style reward file on the bundled
     model, an eval split, an evaluation every step."""
     args = [
-        "train", "--data", "sums.jsonl", "--reward", "my_rewards.py:exact",
-        "--reward", "my_rewards.py:always_one", "--data.task_options.eval_fraction", "0.34",
-        "--train.eval_size", "2", "--train.eval_samples", "2", "--train.eval_every", "1",
-        "--train.display", "plain", "--steps", "2", *TINY,
-    ]  # fmt: skip
+        "train",
+        "--data",
+        "sums.jsonl",
+        "--reward",
+        "my_rewards.py:exact",
+        "--reward",
+        "my_rewards.py:always_one",
+        "--data.task_options.eval_fraction",
+        "0.34",
+        "--train.eval_size",
+        "2",
+        "--train.eval_samples",
+        "2",
+        "--train.eval_every",
+        "1",
+        "--train.display",
+        "plain",
+        "--steps",
+        "2",
+        *TINY,
+    ]
     proc = cli([*args, "-o", "run"], walkthrough)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -231,8 +252,10 @@ def test_walkthrough_plain_prompts_scorer_epoch_and_eval_lines(walkthrough):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data.use_chat_template=true puts them through" in proc.stdout
     samples = jsonl(walkthrough / "chat/samples.jsonl")
-    assert all(s["prompt_rendered"].startswith("Q:") and s["prompt"] in s["prompt_rendered"]
-               for s in samples)  # fmt: skip
+    assert all(
+        s["prompt_rendered"].startswith("Q:") and s["prompt"] in s["prompt_rendered"]
+        for s in samples
+    )
     assert main(["report", str(walkthrough / "chat"), "-o", str(walkthrough / "r.html")]) == 0
     page = (walkthrough / "r.html").read_text()
     assert "the model saw this" in page and "Q:" + samples[0]["prompt"] in page
@@ -242,12 +265,27 @@ def test_walkthrough_plain_prompts_scorer_epoch_and_eval_lines(walkthrough):
 def test_eval_reward_scores_held_out_in_training_and_eval(walkthrough, capsys):
     """Item 2: train.eval_reward is the held-out scorer of the run and of `peergrade eval`."""
     args = [
-        "train", "--data", str(walkthrough / "sums.jsonl"),
-        "--reward", f"{walkthrough / 'my_rewards.py'}:always_one",
-        "--data.task_options.eval_fraction", "0.34", "--train.eval_size", "2",
-        "--train.eval_samples", "2", "--train.display", "plain", "--steps", "1",
-        "--train.eval_reward", "always_one", *TINY, "-o", str(walkthrough / "run"),
-    ]  # fmt: skip
+        "train",
+        "--data",
+        str(walkthrough / "sums.jsonl"),
+        "--reward",
+        f"{walkthrough / 'my_rewards.py'}:always_one",
+        "--data.task_options.eval_fraction",
+        "0.34",
+        "--train.eval_size",
+        "2",
+        "--train.eval_samples",
+        "2",
+        "--train.display",
+        "plain",
+        "--steps",
+        "1",
+        "--train.eval_reward",
+        "always_one",
+        *TINY,
+        "-o",
+        str(walkthrough / "run"),
+    ]
     assert main(args) == 0
     assert "held-out scorer: always_one (train.eval_reward" in capsys.readouterr().out
     final = jsonl(walkthrough / "run/metrics.jsonl")[-1]
@@ -268,10 +306,25 @@ def test_eval_of_a_run_reproduces_its_held_out_table(tmp_path, capsys):
     --section.key wins over the run's config and the flags."""
     run = tmp_path / "run"
     args = [
-        "train", "--steps", "1", "--train.eval_size", "12", "--train.eval_samples", "4",
-        "--train.seed", "3", "--rollout.stop", '["\\n"]', "--rollout.top_p", "0.9",
-        "--train.display", "none", *TINY, "-o", str(run),
-    ]  # fmt: skip
+        "train",
+        "--steps",
+        "1",
+        "--train.eval_size",
+        "12",
+        "--train.eval_samples",
+        "4",
+        "--train.seed",
+        "3",
+        "--rollout.stop",
+        '["\\n"]',
+        "--rollout.top_p",
+        "0.9",
+        "--train.display",
+        "none",
+        *TINY,
+        "-o",
+        str(run),
+    ]
     assert main(args) == 0
     final = jsonl(run / "metrics.jsonl")[-1]
     assert final.get("final") and 0 < final["eval/pass@1_sampled"] < 1  # numbers that can differ

@@ -27,9 +27,19 @@ def ppo_step(models, critic, optimizer, scheduler, batch, seq_rewards, ref_lp, c
     """What the trainer's step does for PPO: critic advantages, then the update."""
     pa = ppo_advantages(critic, models, batch, seq_rewards, ref_lp, cfg)
     upd = ppo_update(
-        models, critic, optimizer, scheduler, batch, pa["advantages"], pa["returns"],
-        pa["old_values"], pa["old_logp"], ref_lp, cfg, step,
-    )  # fmt: skip
+        models,
+        critic,
+        optimizer,
+        scheduler,
+        batch,
+        pa["advantages"],
+        pa["returns"],
+        pa["old_values"],
+        pa["old_logp"],
+        ref_lp,
+        cfg,
+        step,
+    )
     return {**pa["metrics"], **upd}
 
 
@@ -303,13 +313,35 @@ def test_a_few_ppo_steps_raise_a_dense_reward(tiny_model_dir):
 def test_cli_train_algo_ppo(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "peergrade.cli", "train",
-        "--model", str(tiny_model_dir), "--algo.name", "ppo", "--algo.beta", "0.04",
-        "--train.steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-        "--rollout.max_completion_length", "6", "--train.eval_size", "2",
-        "--train.eval_samples", "1", "--train.display", "none", "--train.threads", "1",
-        "-o", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "peergrade.cli",
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--algo.name",
+        "ppo",
+        "--algo.beta",
+        "0.04",
+        "--train.steps",
+        "2",
+        "--rollout.prompts_per_step",
+        "2",
+        "--rollout.group_size",
+        "2",
+        "--rollout.max_completion_length",
+        "6",
+        "--train.eval_size",
+        "2",
+        "--train.eval_samples",
+        "1",
+        "--train.display",
+        "none",
+        "--train.threads",
+        "1",
+        "-o",
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

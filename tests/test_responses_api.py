@@ -34,9 +34,13 @@ def _called(client, seeds=range(24)):
     """A seed whose sampled reply (tiny-calc, temperature 1) calls the tool, and that reply."""
     for seed in seeds:
         r = client.chat.completions.create(
-            model=MODEL, messages=QUESTION, tools=[CHAT_TOOL], temperature=1.0, max_tokens=96,
+            model=MODEL,
+            messages=QUESTION,
+            tools=[CHAT_TOOL],
+            temperature=1.0,
+            max_tokens=96,
             seed=seed,
-        )  # fmt: skip
+        )
         if r.choices[0].finish_reason == "tool_calls":
             return seed, r
     pytest.fail("no seed of 24 made tiny-calc call the tool")
@@ -47,9 +51,13 @@ def test_a_response_is_the_chat_reply(client):
     (same seed), and so do its token counts."""
     seed, chat = _called(client)
     r = client.responses.create(
-        model=MODEL, input=QUESTION, tools=[TOOL], temperature=1.0, max_output_tokens=96,
+        model=MODEL,
+        input=QUESTION,
+        tools=[TOOL],
+        temperature=1.0,
+        max_output_tokens=96,
         extra_body={"seed": seed},
-    )  # fmt: skip
+    )
     msg = chat.choices[0].message
     assert r.status == "completed" and r.object == "response"
     assert r.output_text == (msg.content or "")
@@ -71,9 +79,13 @@ def test_follow_ups_by_previous_id_and_by_items_are_the_same_conversation(client
     request of those messages; with ``instructions`` a system message comes first."""
     seed, _ = _called(client)
     first = client.responses.create(
-        model=MODEL, input=QUESTION, tools=[TOOL], temperature=1.0, max_output_tokens=96,
+        model=MODEL,
+        input=QUESTION,
+        tools=[TOOL],
+        temperature=1.0,
+        max_output_tokens=96,
         extra_body={"seed": seed},
-    )  # fmt: skip
+    )
     call = next(o for o in first.output if o.type == "function_call")
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "7006652"}
     kw = dict(model=MODEL, tools=[TOOL], temperature=0, max_output_tokens=24)
@@ -84,11 +96,23 @@ def test_follow_ups_by_previous_id_and_by_items_are_the_same_conversation(client
     by_items = client.responses.create(input=items, instructions="Use the tool.", **kw)
     assert by_id.usage.input_tokens == by_items.usage.input_tokens
     assert by_id.output_text == by_items.output_text
-    reply = {"role": "assistant", "content": first.output_text or None, "tool_calls": [
-        {"id": call.call_id, "type": "function",
-         "function": {"name": call.name, "arguments": call.arguments}}]}  # fmt: skip
-    messages = [{"role": "system", "content": "Use the tool."}, *QUESTION, reply,
-                {"role": "tool", "tool_call_id": call.call_id, "content": "7006652"}]  # fmt: skip
+    reply = {
+        "role": "assistant",
+        "content": first.output_text or None,
+        "tool_calls": [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+        ],
+    }
+    messages = [
+        {"role": "system", "content": "Use the tool."},
+        *QUESTION,
+        reply,
+        {"role": "tool", "tool_call_id": call.call_id, "content": "7006652"},
+    ]
     chat = client.chat.completions.create(
         model=MODEL, messages=messages, tools=[CHAT_TOOL], temperature=0, max_tokens=24
     )
@@ -101,8 +125,14 @@ def test_follow_ups_by_previous_id_and_by_items_are_the_same_conversation(client
 
 def test_a_streamed_response_adds_up_to_the_unstreamed_one(client):
     seed, _ = _called(client)
-    kw = dict(model=MODEL, input=QUESTION, tools=[TOOL], temperature=1.0, max_output_tokens=96,
-              extra_body={"seed": seed})  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        input=QUESTION,
+        tools=[TOOL],
+        temperature=1.0,
+        max_output_tokens=96,
+        extra_body={"seed": seed},
+    )
     whole = client.responses.create(**kw)
     events = list(client.responses.create(stream=True, **kw))
     kinds = [e.type for e in events]
@@ -134,9 +164,13 @@ def test_forced_tool_choice_is_a_function_call(client, choice):
     """``tool_choice`` ``required`` or ``{"type": "function", "name": ...}`` (the Responses
     shape): the reply is a ``function_call`` item, as the chat route forces it."""
     r = client.responses.create(
-        model=MODEL, input="1234*5678=", tools=[TOOL], tool_choice=choice, temperature=0,
+        model=MODEL,
+        input="1234*5678=",
+        tools=[TOOL],
+        tool_choice=choice,
+        temperature=0,
         max_output_tokens=96,
-    )  # fmt: skip
+    )
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "calculate" and json.loads(calls[0].arguments)
 
@@ -150,14 +184,14 @@ def test_forced_tool_choice_is_a_function_call(client, choice):
             dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]),
             400,
             "input",
-        ),  # fmt: skip
+        ),
         (dict(input=[{"type": "file_search_call", "id": "x"}]), 400, "input"),
         (dict(input="x", tools=[{"type": "web_search"}]), 400, "tools"),
         (
             dict(input="x", tool_choice={"type": "function", "name": "nope"}, tools=[TOOL]),
             400,
             "tool_choice",
-        ),  # fmt: skip
+        ),
         (dict(input="x", text={"format": {"type": "json_object"}}), 400, "text.format"),
         (dict(input="x", background=True), 400, "background"),
         (dict(input="x", max_output_tokens=10**7), 400, "input"),
@@ -187,8 +221,10 @@ def test_stored_responses_are_retrieved_and_deleted(client):
         streamed = s.get_final_response()
     got = client.responses.retrieve(streamed.id)  # (the stream helper adds 'parsed' fields)
     assert (got.status, got.output_text, got.usage) == (
-        streamed.status, streamed.output_text, streamed.usage
-    )  # fmt: skip
+        streamed.status,
+        streamed.output_text,
+        streamed.usage,
+    )
     assert [o.id for o in got.output] == [o.id for o in streamed.output]
     client.responses.delete(r.id)
     for again in (
@@ -243,12 +279,14 @@ def responses_loop(turns: int, follow_up: str = "go on", by_id: bool = True, str
         for _ in range(turns):
             kw = dict(model=model, temperature=0.3, max_output_tokens=7)
             if stream:
-                with c.responses.stream(input=new if by_id else items, previous_response_id=prev,
-                                        **kw) as s:  # fmt: skip
+                with c.responses.stream(
+                    input=new if by_id else items, previous_response_id=prev, **kw
+                ) as s:
                     r = s.get_final_response()
             else:
-                r = c.responses.create(input=new if by_id else items, previous_response_id=prev,
-                                       **kw)  # fmt: skip
+                r = c.responses.create(
+                    input=new if by_id else items, previous_response_id=prev, **kw
+                )
             items += [o.model_dump(exclude_none=True) for o in r.output]
             new = [{"role": "user", "content": follow_up}]
             items += new
@@ -264,12 +302,21 @@ def test_responses_requests_are_recorded_as_the_chat_requests(inner, merge_tok, 
     log-probs of the same conversation sent as chat requests (0 splits)."""
     model = Steered(inner, merge_tok.eos_token_id, eos_every=5, eos_bias=6.0)
     runs = {}
-    for name, fn in [("responses", responses_loop(3, by_id=by_id, stream=stream)),
-                     ("chat", chat_loop(3))]:  # fmt: skip
+    for name, fn in [
+        ("responses", responses_loop(3, by_id=by_id, stream=stream)),
+        ("chat", chat_loop(3)),
+    ]:
         runner = HarnessRunner(model, merge_tok)
         try:
-            runs[name] = runner.run(fn, [{"q": "hi"}, {"q": "ab"}], n=2, max_completion_length=120,
-                                    temperature=1.0, seed=5, max_tokens_per_turn=12)  # fmt: skip
+            runs[name] = runner.run(
+                fn,
+                [{"q": "hi"}, {"q": "ab"}],
+                n=2,
+                max_completion_length=120,
+                temperature=1.0,
+                seed=5,
+                max_tokens_per_turn=12,
+            )
         finally:
             runner.close()
     got, ref = runs["responses"], runs["chat"]
@@ -291,8 +338,11 @@ def test_both_ways_of_following_up_mean_the_same_chat_messages():
 
     store = ResponseStore()
     first = Request({"model": "m", "input": "q", "tools": [TOOL]}, store)
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "calculate", "arguments": '{"expression": "a*b"}'}}  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "calculate", "arguments": '{"expression": "a*b"}'},
+    }
     reply = {"role": "assistant", "content": "let me", "tool_calls": [call]}
     out = first.response(reply, "tool_calls", None)["output"]
     first.keep(store, reply, {})

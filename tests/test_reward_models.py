@@ -190,11 +190,27 @@ def test_memory_counts_the_reward_model(rm_dir, tiny_model_dir):
 
 
 TINY = [
-    "--rollout.prompts_per_step", "2", "--rollout.group_size", "3",
-    "--rollout.max_completion_length", "4", "--train.eval_size", "2",
-    "--train.eval_samples", "1", "--train.display", "none", "--train.threads", "1",
-    "--train.steps", "2", "--train.log_samples", "2", "--train.save_every", "0",
-]  # fmt: skip
+    "--rollout.prompts_per_step",
+    "2",
+    "--rollout.group_size",
+    "3",
+    "--rollout.max_completion_length",
+    "4",
+    "--train.eval_size",
+    "2",
+    "--train.eval_samples",
+    "1",
+    "--train.display",
+    "none",
+    "--train.threads",
+    "1",
+    "--train.steps",
+    "2",
+    "--train.log_samples",
+    "2",
+    "--train.save_every",
+    "0",
+]
 
 
 @pytest.mark.slow

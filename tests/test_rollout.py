@@ -656,9 +656,19 @@ def test_on_tokens_hands_on_exactly_the_counted_tokens(peaky_qwen2, check_every,
         for q, t in zip(seqs, tokens):
             seen.setdefault(q, []).append(t)
 
-    r = generate(model, tok, PROMPTS[:2], n=3, max_new_tokens=12, temperature=1.0, seed=1,
-                 eos_token_ids=[eos], check_every=check_every, batch_size=batch_size,
-                 on_tokens=hook)  # fmt: skip
+    r = generate(
+        model,
+        tok,
+        PROMPTS[:2],
+        n=3,
+        max_new_tokens=12,
+        temperature=1.0,
+        seed=1,
+        eos_token_ids=[eos],
+        check_every=check_every,
+        batch_size=batch_size,
+        on_tokens=hook,
+    )
     lens = r.completion_mask.sum(1).long().tolist()
     assert "eos" in r.finish_reason and min(lens) < 12
     assert seen == {q: r.completion_ids[q, : lens[q]].tolist() for q in range(6)}
@@ -673,8 +683,14 @@ def test_budgets_end_rows_early_and_on_done_reports_each_row_once(
     ``on_done`` hands each row over once, as the returned record has it, and a row that ends
     early is handed over while longer rows are still sampled."""
     model, tok = peaky_qwen2
-    kw = dict(n=3, max_new_tokens=12, temperature=1.0, seed=1, check_every=check_every,
-              batch_size=batch_size)  # fmt: skip
+    kw = dict(
+        n=3,
+        max_new_tokens=12,
+        temperature=1.0,
+        seed=1,
+        check_every=check_every,
+        batch_size=batch_size,
+    )
     free = generate(model, tok, PROMPTS[:2], **kw)
     eos = free.completion_ids[0, 2].item()  # a token that turns up: some rows end on it
     free = generate(model, tok, PROMPTS[:2], eos_token_ids=[eos], **kw)
@@ -687,8 +703,16 @@ def test_budgets_end_rows_early_and_on_done_reports_each_row_once(
         assert q not in done
         done[q] = (steps[0], row)
 
-    r = generate(model, tok, PROMPTS[:2], eos_token_ids=[eos], budgets=[4, 12],
-                 on_tokens=on_tokens, on_done=on_done, **kw)  # fmt: skip
+    r = generate(
+        model,
+        tok,
+        PROMPTS[:2],
+        eos_token_ids=[eos],
+        budgets=[4, 12],
+        on_tokens=on_tokens,
+        on_done=on_done,
+        **kw,
+    )
     lens = r.completion_mask.sum(1).long().tolist()
     for q in range(6):
         n_free = int(free.completion_mask[q].sum())

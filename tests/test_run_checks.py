@@ -17,15 +17,22 @@ def test_dynamic_with_pipelined_under_torchrun_is_refused_before_anything(
 ):
     import peergrade.training.trainer as tr
 
-    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "1"}.items():  # fmt: skip
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(tr, "setup_models", lambda *a: pytest.fail("the model loaded"))
     cfg = load_config(
         None,
-        [("model.path", str(tiny_model_dir)), ("rollout.dynamic_sampling", True),
-         ("rollout.async_steps", 1)],
-    )  # fmt: skip
+        [
+            ("model.path", str(tiny_model_dir)),
+            ("rollout.dynamic_sampling", True),
+            ("rollout.async_steps", 1),
+        ],
+    )
     with pytest.raises(ConfigError, match="under torchrun \\(2 processes\\)"):
         tr.train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -104,11 +111,21 @@ def test_samples_log_under_torchrun_has_the_groups_one_process_logs(tiny_model_d
         "    t = [c[0]['content'] if isinstance(c, list) else c for c in completions]\n"
         "    return [(sum(map(ord, x)) % 97) / 97.0 for x in t]\n"
     )
-    over = [["model.path", str(tiny_model_dir)], ["rewards", [{"name": f"{reward}:score"}]],
-            ["rollout.prompts_per_step", 4], ["rollout.group_size", 2],
-            ["rollout.max_completion_length", 4], ["train.steps", 2], ["train.log_samples", 4],
-            ["train.save_every", 0], ["train.eval_size", 2], ["train.eval_samples", 2],
-            ["train.display", "none"], ["train.threads", 1], ["train.audit_rewards", "off"]]  # fmt: skip
+    over = [
+        ["model.path", str(tiny_model_dir)],
+        ["rewards", [{"name": f"{reward}:score"}]],
+        ["rollout.prompts_per_step", 4],
+        ["rollout.group_size", 2],
+        ["rollout.max_completion_length", 4],
+        ["train.steps", 2],
+        ["train.log_samples", 4],
+        ["train.save_every", 0],
+        ["train.eval_size", 2],
+        ["train.eval_samples", 2],
+        ["train.display", "none"],
+        ["train.threads", 1],
+        ["train.audit_rewards", "off"],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -119,14 +136,29 @@ def test_samples_log_under_torchrun_has_the_groups_one_process_logs(tiny_model_d
         port = sock.getsockname()[1]
     for name, launcher in [
         ("one", [sys.executable]),
-        ("two", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                 "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.5"]),
-    ]:  # fmt: skip
+        (
+            "two",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--monitor-interval=0.5",
+            ],
+        ),
+    ]:
         spec = tmp_path / f"{name}.json"
         runs = [{"dir": str(tmp_path / name), "overrides": over}]
         spec.write_text(json.dumps({"fixed_rollouts": True, "runs": runs}))
-        out = subprocess.run([*launcher, str(root / "tests/dist_worker.py"), str(spec)], env=env,
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        out = subprocess.run(
+            [*launcher, str(root / "tests/dist_worker.py"), str(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-4000:]
     one = (tmp_path / "one/samples.jsonl").read_text()
     assert [json.loads(x)["step"] for x in one.splitlines()] == [1] * 4 + [2] * 4

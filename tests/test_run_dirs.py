@@ -116,10 +116,11 @@ def test_two_runs_started_in_the_same_second_get_two_directories(tiny_model_dir,
     own directory, made atomically (before: both wrote runs/<stamp>/, interleaved)."""
     argv = [sys.executable, "-c", SAME_SECOND, "train", *flags(1, tiny_model_dir)]
     procs = [
-        subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            argv, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
     runs = tmp_path / "runs"
@@ -158,8 +159,10 @@ def test_a_second_writer_gets_one_line_naming_the_holder_and_changes_nothing(
             assert main(argv) == 2, argv
             assert error_lines(capsys.readouterr().err) == [in_use(run, holder.pid)], argv
             assert snapshot(run) == before, argv
-        cfg = load_config(None, [("model.path", str(tiny_model_dir)), *TINY.items(),
-                                 ("train.output_dir", str(run))])  # fmt: skip
+        cfg = load_config(
+            None,
+            [("model.path", str(tiny_model_dir)), *TINY.items(), ("train.output_dir", str(run))],
+        )
         for resume in (False, True):
             with pytest.raises(RunLockError, match=f"in use by process {holder.pid} "):
                 peergrade.train(cfg, resume=resume)
@@ -186,8 +189,12 @@ def test_the_python_api_holds_the_run_while_it_trains_and_lets_go_after(tmp_path
     from peergrade.training.run_lock import check_free
 
     out = tmp_path / "run"
-    probe = [sys.executable, "-c", "import sys; from peergrade.training.run_lock import "
-             "check_free; check_free(sys.argv[1])", str(out)]  # fmt: skip
+    probe = [
+        sys.executable,
+        "-c",
+        "import sys; from peergrade.training.run_lock import check_free; check_free(sys.argv[1])",
+        str(out),
+    ]
     seen = {}
 
     class Probe:
@@ -198,11 +205,22 @@ def test_the_python_api_holds_the_run_while_it_trains_and_lets_go_after(tmp_path
             except RunLockError as e:
                 seen["same"] = str(e)
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=4, max_steps=1, save_strategy="no")  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        save_strategy="no",
+    )
     rows = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}]} for a in (3, 4)]
-    trainer = GRPOTrainer(str(BUNDLED_MODEL), lambda completions, **kw: [0.0] * len(completions),
-                          args, rows, callbacks=[Probe()])  # fmt: skip
+    trainer = GRPOTrainer(
+        str(BUNDLED_MODEL),
+        lambda completions, **kw: [0.0] * len(completions),
+        args,
+        rows,
+        callbacks=[Probe()],
+    )
     trainer.train()
     other = seen["other"]
     assert other.returncode == 1
@@ -217,10 +235,20 @@ def test_a_killed_run_leaves_a_lock_that_blocks_nothing(tiny_model_dir, tmp_path
     """A training process holds the run (a second --resume is refused with its pid); killed
     with SIGKILL, its .lock stays behind, stale: --resume takes the run over and finishes."""
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "peergrade.cli", "train", *flags(1000, tiny_model_dir),
-            "--train.save_every", "0", "-o", str(run)]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "peergrade.cli",
+        "train",
+        *flags(1000, tiny_model_dir),
+        "--train.save_every",
+        "0",
+        "-o",
+        str(run),
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 240
         while not (run / "config.yaml").is_file():  # written once the model has loaded

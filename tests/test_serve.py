@@ -168,9 +168,13 @@ def test_tool_calls_parsed(client):
     assert "<tool_call>" not in (called[0].message.content or "")
 
 
-FORCED = [("required", '<tool_call>{"name": "'),
-          ({"type": "function", "function": {"name": "calculate"}},
-           '<tool_call>{"name": "calculate", "arguments": ')]  # fmt: skip
+FORCED = [
+    ("required", '<tool_call>{"name": "'),
+    (
+        {"type": "function", "function": {"name": "calculate"}},
+        '<tool_call>{"name": "calculate", "arguments": ',
+    ),
+]
 
 
 @pytest.mark.parametrize("choice, prefix", FORCED)
@@ -181,8 +185,14 @@ def test_forced_tool_choice_starts_the_reply_with_a_call(client, calc, choice, p
     so greedy replies the unforced model answers in text are calls; streamed, the same call.
     Before, a 400."""
     tok = calc[1]
-    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=96,
-              extra_body={"return_token_ids": True})  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=96,
+        extra_body={"return_token_ids": True},
+    )
     auto = client.chat.completions.create(**kw).model_dump()
     assert auto["choices"][0]["finish_reason"] != "tool_calls"  # unforced: no call here
     r = client.chat.completions.create(tool_choice=choice, **kw).model_dump()
@@ -203,8 +213,13 @@ def test_forced_tool_choice_needs_a_template_that_renders_calls(calc):
     """A template that does not render an assistant's tool calls as ``<tool_call>`` blocks
     cannot have a call forced: a 400 naming ``tool_choice``, not a reply that is no call."""
     model, tok = calc
-    engine = Engine(model, tok, MODEL, chat_template="{% for m in messages %}{{ m.content }}"
-                    "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")  # fmt: skip
+    engine = Engine(
+        model,
+        tok,
+        MODEL,
+        chat_template="{% for m in messages %}{{ m.content }}"
+        "{% endfor %}{% if add_generation_prompt %}A:{% endif %}",
+    )
     with Server(build_app(engine)) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
@@ -246,8 +261,16 @@ def collect(stream) -> dict:
 def test_stream_with_tools_and_n_adds_up_to_the_reply(client):
     """Content (with a tool call held back from its first character), tool calls, token ids
     and finish reasons of every choice of a live stream equal the same request unstreamed."""
-    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, n=16, temperature=1.0, max_tokens=96,
-              seed=0, extra_body={"return_token_ids": True})  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        n=16,
+        temperature=1.0,
+        max_tokens=96,
+        seed=0,
+        extra_body={"return_token_ids": True},
+    )
     whole = client.chat.completions.create(**kw).model_dump()["choices"]
     got = collect(client.chat.completions.create(stream=True, **kw))
     assert sorted(got) == list(range(16))
@@ -302,8 +325,15 @@ def test_stream_that_fails_while_sampling_ends_with_an_error_event(server, clien
 @pytest.mark.parametrize("stop, echo", [(None, False), (["*"], True)])
 def test_completion_streams(client, stop, echo):
     """A streamed completion (echo, a stop string held back) adds up to the unstreamed one."""
-    kw = dict(model=MODEL, prompt="Q:12*34\nA:", max_tokens=12, temperature=0, stop=stop,
-              echo=echo, extra_body={"return_token_ids": True})  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        prompt="Q:12*34\nA:",
+        max_tokens=12,
+        temperature=0,
+        stop=stop,
+        echo=echo,
+        extra_body={"return_token_ids": True},
+    )
     whole = client.completions.create(**kw).model_dump()["choices"][0]
     text, ids, finish = "", [], None
     for chunk in client.completions.create(stream=True, **kw):
@@ -321,9 +351,14 @@ def test_harmless_fields_tool_choice_none_and_stream_usage(client):
     base = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
     plain = client.chat.completions.create(**base).model_dump()
     same = client.chat.completions.create(
-        tool_choice="auto", response_format={"type": "text"}, frequency_penalty=0.0,
-        presence_penalty=0, logit_bias={}, parallel_tool_calls=False, **base,
-    ).model_dump()  # fmt: skip
+        tool_choice="auto",
+        response_format={"type": "text"},
+        frequency_penalty=0.0,
+        presence_penalty=0,
+        logit_bias={},
+        parallel_tool_calls=False,
+        **base,
+    ).model_dump()
     assert same["choices"][0]["message"] == plain["choices"][0]["message"]
     none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **base).model_dump()
     assert none["choices"][0]["message"] == plain["choices"][0]["message"]
@@ -350,9 +385,13 @@ def test_token_route_answers_as_vllm_does(server, client):
     """``/inference/v1/generate``: token ids in; the chat route's tokens and log-probs out, the
     tokens named ``token_id:<id>``; a stop token ends the reply there (itself kept)."""
     chat = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, logprobs=True,
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        logprobs=True,
         extra_body={"return_token_ids": True},
-    ).model_dump()  # fmt: skip
+    ).model_dump()
     prompt, ids = chat["prompt_token_ids"], chat["choices"][0]["token_ids"]
     sp = {"max_tokens": 24, "temperature": 0, "logprobs": 1}
     r = _generate(server, {"model": MODEL, "token_ids": prompt, "sampling_params": sp}).json()
@@ -384,16 +423,19 @@ def test_token_route_answers_as_vllm_does(server, client):
         ({"model": MODEL, "token_ids": [True]}, "token_ids"),
         ({"model": MODEL, "token_ids": [1], "sampling_params": 3}, "sampling_params"),
         ({"model": MODEL, "token_ids": [1], "sampling_params": {"n": 0}}, "n"),
-        ({"model": MODEL, "token_ids": [1], "sampling_params": {"stop_token_ids": [-1]}},
-         "stop_token_ids"),
-        ({"model": MODEL, "token_ids": [1], "sampling_params": {"presence_penalty": 1.0}},
-         "presence_penalty"),
-        ({"model": MODEL, "token_ids": [1], "sampling_params": {"ignore_eos": True}},
-         "ignore_eos"),
+        (
+            {"model": MODEL, "token_ids": [1], "sampling_params": {"stop_token_ids": [-1]}},
+            "stop_token_ids",
+        ),
+        (
+            {"model": MODEL, "token_ids": [1], "sampling_params": {"presence_penalty": 1.0}},
+            "presence_penalty",
+        ),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"ignore_eos": True}}, "ignore_eos"),
         ({"model": MODEL, "token_ids": [1], "features": {"mm_hashes": []}}, "features"),
         ({"model": MODEL, "token_ids": [1], "stream": True}, "stream"),
     ],
-)  # fmt: skip
+)
 def test_token_route_bad_requests(server, body, param):
     r = _generate(server, body)
     assert r.status_code == 400, r.text
@@ -410,14 +452,22 @@ def test_renderers_client_generates_through_the_token_route(server, client):
     tok = server.engine.tokenizer
     renderer = renderers.create_renderer(tok, renderers.DefaultRendererConfig())
     chat = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=20,
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=20,
         extra_body={"return_token_ids": True},
-    ).model_dump()  # fmt: skip
+    ).model_dump()
 
     async def go():
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
-        return await generate(client=c, renderer=renderer, messages=QUESTION, model=MODEL,
-                              sampling_params={"max_tokens": 20, "temperature": 0.0})  # fmt: skip
+        return await generate(
+            client=c,
+            renderer=renderer,
+            messages=QUESTION,
+            model=MODEL,
+            sampling_params={"max_tokens": 20, "temperature": 0.0},
+        )
 
     out = asyncio.run(go())
     assert out["prompt_ids"] == chat["prompt_token_ids"]
@@ -481,8 +531,15 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, calc, 
     model, tok = calc
     ctx = tok.encode("Q:12+34\nA:", add_special_tokens=False)
     conts = [tok.encode(c, add_special_tokens=False) for c in ("46", "9x")]
-    body = {"model": MODEL, "prompt": [ctx + c for c in conts], "temperature": 0,
-            "max_tokens": max_tokens, "logprobs": 1, "echo": True, "seed": 1234}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": [ctx + c for c in conts],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "logprobs": 1,
+        "echo": True,
+        "seed": 1234,
+    }
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
     assert [c["index"] for c in r["choices"]] == [0, 1]
     for choice, cont in zip(r["choices"], conts):
@@ -539,16 +596,32 @@ def test_prompt_logprobs_on_every_route_as_vllm_gives_them(server, calc):
         assert r.status_code == 200, r.text
         return r.json()
 
-    r = post("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2, "temperature": 0.5,
-                                      "prompt_logprobs": 2, "return_token_ids": True})  # fmt: skip
+    r = post(
+        "/v1/chat/completions",
+        {
+            "messages": QUESTION,
+            "max_tokens": 2,
+            "temperature": 0.5,
+            "prompt_logprobs": 2,
+            "return_token_ids": True,
+        },
+    )
     _check_prompt_logprobs(r["prompt_logprobs"], model, r["prompt_token_ids"], 2)
     ids = tok.encode("Q:12+34\nA:", add_special_tokens=False)
     r = post("/v1/completions", {"prompt": ids, "max_tokens": 2, "n": 2, "prompt_logprobs": 0})
     for c in r["choices"]:
         _check_prompt_logprobs(c["prompt_logprobs"], model, ids, 0)
     # with echo and logprobs too: each field has its own number of top tokens
-    r = post("/v1/completions", {"prompt": [ids, ids[:4]], "max_tokens": 1, "echo": True,
-                                 "logprobs": 1, "prompt_logprobs": 3})  # fmt: skip
+    r = post(
+        "/v1/completions",
+        {
+            "prompt": [ids, ids[:4]],
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 1,
+            "prompt_logprobs": 3,
+        },
+    )
     for c, p in zip(r["choices"], [ids, ids[:4]]):
         _check_prompt_logprobs(c["prompt_logprobs"], model, p, 3)
         assert all(t is None or len(t) == 1 for t in c["logprobs"]["top_logprobs"])
@@ -567,9 +640,12 @@ def test_prompt_logprobs_on_every_route_as_vllm_gives_them(server, calc):
         ("/v1/chat/completions", {"messages": QUESTION, "prompt_logprobs": True}),
         ("/v1/chat/completions", {"messages": QUESTION, "prompt_logprobs": 1, "stream": True}),
         ("/v1/completions", {"prompt": "1+1=", "prompt_logprobs": "2"}),
-        ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": -1}}),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": -1}},
+        ),
     ],
-)  # fmt: skip
+)
 def test_prompt_logprobs_bad_requests(server, route, body):
     import httpx
 
@@ -639,7 +715,7 @@ def test_max_tokens_and_length(client):
             ),
             None,
             "tool_choice",
-        ),  # fmt: skip
+        ),
         # what this server cannot honour is refused, not ignored
         *[
             (dict(model=MODEL, messages=QUESTION, **{k: v}), "unsupported_parameter", k)
@@ -728,8 +804,10 @@ def test_a_short_request_is_answered_while_a_longer_one_of_its_call_goes_on(calc
         f_short, f_long = engine.submit([short]), engine.submit([long])
         f_short.add_done_callback(lambda f: at.setdefault("short", len(drawn)))
         (a,), (b,) = f_short.result(120), f_long.result(120)
-        alone = [engine.submit([Job(prompt, j.max_tokens, key=j.key)]).result(120)[0]
-                 for j in (short, long)]  # fmt: skip
+        alone = [
+            engine.submit([Job(prompt, j.max_tokens, key=j.key)]).result(120)[0]
+            for j in (short, long)
+        ]
     finally:
         engine.close()
     assert engine.calls == 3  # the two requests shared the first call
@@ -783,8 +861,9 @@ def test_a_prompt_is_rendered_once_for_the_requests_that_open_alike(server, monk
     q = [{"role": "user", "content": "31*47= (a question of its own)"}]
     first = srv.render_prompt(server.engine, q, TOOLS)
     again = srv.render_prompt(server.engine, [dict(m) for m in q], TOOLS)
-    assert first == again == real(server.engine.tokenizer, q, add_generation_prompt=True,
-                                  tools=TOOLS)  # fmt: skip
+    assert (
+        first == again == real(server.engine.tokenizer, q, add_generation_prompt=True, tools=TOOLS)
+    )
     assert len(calls) == 1
     other = srv.render_prompt(server.engine, [{**q[0], "content": "31*48="}], TOOLS)
     assert len(calls) == 2 and other != first

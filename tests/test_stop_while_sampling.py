@@ -101,8 +101,17 @@ def test_generate_raises_once_its_cancel_event_is_set():
             cancel.set()
 
     with pytest.raises(GenerationCancelled):
-        generate(model, tok, ["q"], n=1, max_new_tokens=50, seed=0, on_tokens=on_tokens,
-                 cancel=cancel, eos_token_ids=[0])  # fmt: skip
+        generate(
+            model,
+            tok,
+            ["q"],
+            n=1,
+            max_new_tokens=50,
+            seed=0,
+            on_tokens=on_tokens,
+            cancel=cancel,
+            eos_token_ids=[0],
+        )
     assert len(seen) == 3  # it stopped at the next step
     out = generate(model, tok, ["q"], n=1, max_new_tokens=5, seed=0, cancel=threading.Event())
     assert out.completion_ids.shape[1] <= 5
@@ -179,9 +188,13 @@ def test_a_stop_while_the_endpoint_samples_exits_cleanly(tmp_path):
     script.write_text(STOPPED_RUN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     p = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         assert p.stdout.readline().strip() == "sampling"
         time.sleep(0.5)
@@ -220,9 +233,13 @@ def test_ctrl_c_stops_peergrade_serve_with_a_request_in_flight(tmp_path):
     script.write_text(SERVED)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     p = subprocess.Popen(
-        [sys.executable, str(script), str(port)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [sys.executable, str(script), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     answer: dict = {}
 
     def ask():

@@ -114,8 +114,13 @@ def test_bad_loss_requests_name_what_is_expected():
     with pytest.raises(ValueError, match=r"needs loss_fn_inputs \['advantages'\]"):
         tinker_loss("ppo", lp, {"logprobs": torch.zeros(1, 2)}, mask)
     with pytest.raises(ValueError, match="not understood"):
-        tinker_loss("importance_sampling", lp, _inputs(logprobs=[0, 0], advantages=[0, 0]),
-                    mask, {"clip_low_threshold": 0.5})  # fmt: skip
+        tinker_loss(
+            "importance_sampling",
+            lp,
+            _inputs(logprobs=[0, 0], advantages=[0, 0]),
+            mask,
+            {"clip_low_threshold": 0.5},
+        )
 
 
 # ------------------------------------------------------------------- the SDK, for real
@@ -327,8 +332,10 @@ def test_async_forms_and_custom_loss(lora_client):
     assert len(res.sequences) == 2
 
     def custom(data, logprobs_list):  # cross-entropy again, computed client-side
-        loss = sum(-(lp * torch.tensor(x.loss_fn_inputs["weights"].tolist())).sum()
-                   for lp, x in zip(logprobs_list, data))  # fmt: skip
+        loss = sum(
+            -(lp * torch.tensor(x.loss_fn_inputs["weights"].tolist())).sum()
+            for lp, x in zip(logprobs_list, data)
+        )
         return loss, {"custom": 1.0}
 
     out = tc.forward_backward_custom([d], custom).result()

@@ -168,11 +168,14 @@ class SlowTRLReset(BrokenReset):
         (HangingReset("sleep"), "reset", "HangingReset"),
         (HangingReset("busy"), "reset", "HangingReset"),
         (HangingAsyncStep(), "step", "HangingAsyncStep"),
-        (tool_environment_factory(environment_factory=SlowTRLReset)({"prompt": "p"}), "reset",
-         "SlowTRLReset"),
+        (
+            tool_environment_factory(environment_factory=SlowTRLReset)({"prompt": "p"}),
+            "reset",
+            "SlowTRLReset",
+        ),
     ],
     ids=["sync-sleep", "sync-busy-loop", "async", "trl-class-reset"],
-)  # fmt: skip
+)
 def test_a_hanging_reset_or_step_is_one_named_error_within_its_limit(env, method, name):
     arg = {"prompt": "p"} if method == "reset" else {"role": "assistant", "content": "x"}
     start = time.monotonic()

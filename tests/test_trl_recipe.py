@@ -32,14 +32,19 @@ def _mv_correct(text: str, sol: str):
         return None
     config = LatexExtractionConfig(
         normalization_config=NormalizationConfig(
-            nits=False, malformed_operators=False, basic_latex=True, equations=True,
-            boxed="all", units=True,
+            nits=False,
+            malformed_operators=False,
+            basic_latex=True,
+            equations=True,
+            boxed="all",
+            units=True,
         ),
         boxed_match_priority=0,
         try_extract_without_anchor=False,
-    )  # fmt: skip
-    pred = parse(text, extraction_config=[config], extraction_mode="first_match",
-                 parsing_timeout=None)  # fmt: skip
+    )
+    pred = parse(
+        text, extraction_config=[config], extraction_mode="first_match", parsing_timeout=None
+    )
     return verify(gold, pred, timeout_seconds=None)
 
 
@@ -59,9 +64,10 @@ def ref_format(texts, **_):
 def ref_tag_count(texts, **_):
     def count(t):
         return sum(
-            0.25 for tag in ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+            0.25
+            for tag in ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
             if t.count(tag) == 1
-        )  # fmt: skip
+        )
 
     return [count(t) for t in texts]
 
@@ -106,8 +112,10 @@ def ref_repetition(texts, *, n=3, max_penalty=-1.0, **_):
 
 def ref_overlong(ids, *, max_len=16384, cache=4096, **_):
     start = max_len - cache
-    return [0.0 if len(x) <= start else (start - len(x)) / cache if len(x) <= max_len else -1.0
-            for x in ids]  # fmt: skip
+    return [
+        0.0 if len(x) <= start else (start - len(x)) / cache if len(x) <= max_len else -1.0
+        for x in ids
+    ]
 
 
 TEXTS = [
@@ -279,8 +287,9 @@ def test_recipe_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"'optim'.*AdamW"):
         recipe_overrides(_recipe(tmp_path, optim="adafactor"))
     with pytest.raises(ConfigError, match=r"reward_funcs\[1\] 'code'.*code_tests"):
-        recipe_overrides(_recipe(tmp_path, reward_funcs=["accuracy", "code"],
-                                 reward_weights=[1.0, 1.0]))  # fmt: skip
+        recipe_overrides(
+            _recipe(tmp_path, reward_funcs=["accuracy", "code"], reward_weights=[1.0, 1.0])
+        )
     with pytest.raises(ConfigError, match="unknown key 'num_generatons'.*'num_generations'"):
         recipe_overrides(_recipe(tmp_path, num_generatons=4))
     with pytest.raises(ConfigError, match="chat_template.*tokenizer"):
@@ -290,8 +299,9 @@ def test_recipe_errors_name_the_problem(tmp_path):
 
 
 def test_cli_hub_dataset_is_one_error_line(tmp_path):
-    r = cli(["train", "--trl-config", str(_recipe(tmp_path, dataset_name="org/hub-only"))],
-            cwd=tmp_path)  # fmt: skip
+    r = cli(
+        ["train", "--trl-config", str(_recipe(tmp_path, dataset_name="org/hub-only"))], cwd=tmp_path
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: dataset_name 'org/hub-only'")
 

@@ -112,8 +112,13 @@ def test_policy_loss_on_kept_rows_equals_full_batch(loss_type, ratio_level):
     adv = torch.tensor([0.0, 1.5, 0.0, -0.7, 0.0, 2.0])
     mask = (torch.rand(B, T, generator=g) > 0.3).float()
     mask[:, 0] = 1
-    kw = dict(loss_type=loss_type, ratio_level=ratio_level, max_completion_length=T,
-              num_tokens=mask.sum() + 7, num_sequences=9)  # fmt: skip
+    kw = dict(
+        loss_type=loss_type,
+        ratio_level=ratio_level,
+        max_completion_length=T,
+        num_tokens=mask.sum() + 7,
+        num_sequences=9,
+    )
     full, m_full = policy_loss(logp, old, adv, mask, **kw)
     (g_full,) = torch.autograd.grad(full, logp)
     keep = adv != 0

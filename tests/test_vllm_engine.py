@@ -186,9 +186,15 @@ def test_engine_draws_are_keyed_and_its_logprobs_match_the_trainer(engine, bundl
         model, tok, rows, st, seed=7, row_keys=range(8), prompt_ids=ids[:8], engine=engine
     )
     part = sample(
-        model, tok, rows[5:1:-1], st, seed=7, row_keys=[5, 4, 3, 2], prompt_ids=ids[5:1:-1],
+        model,
+        tok,
+        rows[5:1:-1],
+        st,
+        seed=7,
+        row_keys=[5, 4, 3, 2],
+        prompt_ids=ids[5:1:-1],
         engine=engine,
-    )  # fmt: skip
+    )
     lists = whole.completion_id_lists()
     assert part.completion_id_lists() == [lists[k * 4 + j] for k in (5, 4, 3, 2) for j in range(4)]
     assert len({tuple(x) for x in lists}) > 8  # samples of a prompt differ: a seed per sample

@@ -30,14 +30,21 @@ PAGE = "docs/own-data.md"
 SHRINK = {"--steps": "2", "--train.steps": "4", "--n": "2", "--k": "2"}
 # Appended to the first `peergrade train`: the resumed run and eval read them from config.yaml.
 SMALL = [
-    "--rollout.prompts_per_step", "2",
-    "--rollout.group_size", "2",
-    "--rollout.max_completion_length", "4",
-    "--train.eval_size", "2",
-    "--train.eval_samples", "2",
-    "--train.threads", "1",
-    "--train.display", "none",
-]  # fmt: skip
+    "--rollout.prompts_per_step",
+    "2",
+    "--rollout.group_size",
+    "2",
+    "--rollout.max_completion_length",
+    "4",
+    "--train.eval_size",
+    "2",
+    "--train.eval_samples",
+    "2",
+    "--train.threads",
+    "1",
+    "--train.display",
+    "none",
+]
 
 
 def _file_block(page: str, name: str) -> str:

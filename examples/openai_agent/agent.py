@@ -107,9 +107,12 @@ def responses_agent(row: dict, base_url: str, model: str) -> dict:
     new, previous, calls, answer = list(row["prompt"]), None, 0, ""
     for _ in range(MAX_TURNS):
         reply = client.responses.create(
-            model=model, input=new, previous_response_id=previous, tools=tools,
+            model=model,
+            input=new,
+            previous_response_id=previous,
+            tools=tools,
             max_output_tokens=128,
-        )  # fmt: skip
+        )
         previous = reply.id
         called = [item for item in reply.output if item.type == "function_call"]
         if not called:
@@ -117,10 +120,13 @@ def responses_agent(row: dict, base_url: str, model: str) -> dict:
             break
         calls += len(called)
         new = [
-            {"type": "function_call_output", "call_id": c.call_id,
-             "output": run_tool(c.arguments, names)}
+            {
+                "type": "function_call_output",
+                "call_id": c.call_id,
+                "output": run_tool(c.arguments, names),
+            }
             for c in called
-        ]  # fmt: skip
+        ]
     return {"reward": float(answer == str(row["answer"])), "tool_calls": calls}
 
 

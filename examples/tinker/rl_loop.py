@@ -161,10 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     history = run(
-        base_url=a.base_url, model_name=a.model_name, batch_size=a.batch_size,
-        group_size=a.group_size, learning_rate=a.learning_rate, lora_rank=a.lora_rank,
-        max_tokens=a.max_tokens, loss_fn=a.loss_fn, max_steps=a.max_steps, seed=a.seed,
-    )  # fmt: skip
+        base_url=a.base_url,
+        model_name=a.model_name,
+        batch_size=a.batch_size,
+        group_size=a.group_size,
+        learning_rate=a.learning_rate,
+        lora_rank=a.lora_rank,
+        max_tokens=a.max_tokens,
+        loss_fn=a.loss_fn,
+        max_steps=a.max_steps,
+        seed=a.seed,
+    )
     print(json.dumps({"summary": summary(history)}))
     return 0
 

@@ -110,9 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     run(
-        base_url=a.base_url, model_name=a.model_name, batch_size=a.batch_size,
-        learning_rate=a.learning_rate, lora_rank=a.lora_rank, max_steps=a.max_steps, seed=a.seed,
-    )  # fmt: skip
+        base_url=a.base_url,
+        model_name=a.model_name,
+        batch_size=a.batch_size,
+        learning_rate=a.learning_rate,
+        lora_rank=a.lora_rank,
+        max_steps=a.max_steps,
+        seed=a.seed,
+    )
     return 0
 
 

@@ -573,9 +573,16 @@ def load_optimizer(model, optimizer, state: dict) -> None:
 
 
 def rank_memory(
-    phases: dict, parts: dict, *, static: int, world: int, strategy: str, lora: bool,
-    layer_fraction: float, layer_bytes: int,
-) -> tuple[dict, dict]:  # fmt: skip
+    phases: dict,
+    parts: dict,
+    *,
+    static: int,
+    world: int,
+    strategy: str,
+    lora: bool,
+    layer_fraction: float,
+    layer_bytes: int,
+) -> tuple[dict, dict]:
     """Per-rank memory of a strategy, from the one-rank figures of a rank's batch share (bytes).
 
     ``parts``: weights, grads, optimizer, reference; ``static``: what stays resident through

@@ -33,8 +33,11 @@ def run(args, extra) -> int:
     rows = args.rows
     size = len(task) if hasattr(task, "__len__") else None
     if size and rows > size:  # the stream repeats the data (epochs): more rows add nothing
-        print(f"audit: --rows {rows} is more than the data's {size} training rows: "
-              f"auditing those {size}", file=sys.stderr)  # fmt: skip
+        print(
+            f"audit: --rows {rows} is more than the data's {size} training rows: "
+            f"auditing those {size}",
+            file=sys.stderr,
+        )
         rows = size
     elif rows > AUDIT_MAX_ROWS:  # a generated task has no end
         print(f"audit: --rows {rows} capped at {AUDIT_MAX_ROWS}", file=sys.stderr)

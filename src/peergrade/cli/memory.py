@@ -33,9 +33,14 @@ def run(args, extra) -> int:
             for label, c in variants
         ]
         if args.json:
-            print(json.dumps({"world": args.world, "variants": [
-                {"label": label, "estimate": est} for label, est in rows
-            ]}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "world": args.world,
+                        "variants": [{"label": label, "estimate": est} for label, est in rows],
+                    }
+                )
+            )
             return 0
         _memory_header(cfg, args.world)
         if args.world > 1:
@@ -63,9 +68,16 @@ def run(args, extra) -> int:
                 flush=True,
             )
     if args.json:
-        print(json.dumps({"world": 1, "variants": [
-            {"label": label, "estimate": est, "measured": m} for label, m, est in rows
-        ]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "world": 1,
+                    "variants": [
+                        {"label": label, "estimate": est, "measured": m} for label, m, est in rows
+                    ],
+                }
+            )
+        )
         return 0
     print(format_table(rows))
     _print_run_peaks([(label, est) for label, _, est in rows], [m for _, m, _ in rows])

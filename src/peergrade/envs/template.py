@@ -90,9 +90,13 @@ def _render_text(
 ):
     """``render``'s text, untokenised (None: the tokenizer renders something else)."""
     text = tokenizer.apply_chat_template(
-        list(messages), tools=tools or None, add_generation_prompt=add_generation_prompt,
-        tokenize=False, chat_template=chat_template, **(template_kwargs or {}),
-    )  # fmt: skip
+        list(messages),
+        tools=tools or None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        chat_template=chat_template,
+        **(template_kwargs or {}),
+    )
     return text if isinstance(text, str) else None
 
 

@@ -85,9 +85,14 @@ def sample(
         raise ValueError("sample(): single replies need prompt_ids (the rows' encoded prompts)")
     if engine is not None:
         out = engine.sample(
-            model, tokenizer, prompt_ids, settings, seed=seed, row_keys=row_keys,
+            model,
+            tokenizer,
+            prompt_ids,
+            settings,
+            seed=seed,
+            row_keys=row_keys,
             eos_token_ids=eos_token_ids,
-        )  # fmt: skip
+        )
         out.prompts = [row["prompt"] for row in rows for _ in range(settings.n)]
         return out
     out = generate(

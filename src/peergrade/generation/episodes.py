@@ -158,9 +158,16 @@ def run_episodes(
     """
     cfg = model_config(model)
     n, budget, top_k, stop = _check_arguments(
-        cfg, tokenizer, n, max_completion_length, max_turns, max_tokens_per_turn, batch_size,
-        (temperature, top_p, top_k), stop,
-    )  # fmt: skip
+        cfg,
+        tokenizer,
+        n,
+        max_completion_length,
+        max_turns,
+        max_tokens_per_turn,
+        batch_size,
+        (temperature, top_p, top_k),
+        stop,
+    )
     eos = eos_ids(model, tokenizer, eos_token_ids or None)
     tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
     check_template(tokenizer, eos_ids=eos, roles=check_roles, **tkw)
@@ -172,11 +179,21 @@ def run_episodes(
     draws = uniforms(row_states(seed_of(seed), keys, n), budget)  # [E, budget]
 
     engine = TurnEngine(
-        model=model, tokenizer=tokenizer, eos_ids=eos, budget=budget, max_turns=max_turns,
-        max_tokens_per_turn=max_tokens_per_turn or budget, max_pos=max_pos,
-        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), stop=stop,
-        template_kw=tkw, device=device, env_timeout_s=env_timeout_s,
-    )  # fmt: skip
+        model=model,
+        tokenizer=tokenizer,
+        eos_ids=eos,
+        budget=budget,
+        max_turns=max_turns,
+        max_tokens_per_turn=max_tokens_per_turn or budget,
+        max_pos=max_pos,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        stop=stop,
+        template_kw=tkw,
+        device=device,
+        env_timeout_s=env_timeout_s,
+    )
     step = batch_size or len(episodes)
     try:
         with eval_mode(model):

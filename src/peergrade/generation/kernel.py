@@ -558,12 +558,23 @@ def generate(
     keys = check_row_keys(row_keys, len(prompt_ids))
     states = row_states(seed_of(seed), keys.to(device), n)  # [N]
     runner = _Runner.of(
-        model, tokenizer, cfg, n=n, max_new_tokens=max_new_tokens,
-        temperature=float(temperature), top_p=float(top_p), top_k=top_k, stop=stop,
+        model,
+        tokenizer,
+        cfg,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        stop=stop,
         eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
-        ignore_eos=ignore_eos, check_every=check_every, on_tokens=on_tokens, budgets=budgets,
-        on_done=on_done, cancel=cancel,
-    )  # fmt: skip
+        ignore_eos=ignore_eos,
+        check_every=check_every,
+        on_tokens=on_tokens,
+        budgets=budgets,
+        on_done=on_done,
+        cancel=cancel,
+    )
     step = batch_size or num_seq
     starts = range(0, num_seq, step)
     with eval_mode(model):

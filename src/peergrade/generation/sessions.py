@@ -52,10 +52,20 @@ class Sessions:
         self.eos = set(eos_ids)
         self.device = next(model.parameters()).device
         self.eng = TurnEngine(
-            model=model, tokenizer=tokenizer, eos_ids=eos_ids, budget=10**9, max_turns=None,
-            max_tokens_per_turn=10**9, max_pos=max_pos, temperature=1.0, top_p=1.0, top_k=0,
-            stop=(), template_kw={}, device=self.device,
-        )  # fmt: skip
+            model=model,
+            tokenizer=tokenizer,
+            eos_ids=eos_ids,
+            budget=10**9,
+            max_turns=None,
+            max_tokens_per_turn=10**9,
+            max_pos=max_pos,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            stop=(),
+            template_kw={},
+            device=self.device,
+        )
         self.eng.cache = None
         self.kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # per layer (K, V)
         self.seen: dict[str, list[int]] = {}  # the tokens each episode's kv holds

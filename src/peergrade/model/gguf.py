@@ -191,7 +191,7 @@ def load_gguf_tokenizer(gguf_file):
         with _read_once():
             return AutoTokenizer.from_pretrained(
                 str(f.parent), gguf_file=f.name, local_files_only=True
-            )  # fmt: skip
+            )
     except Exception as e:  # transformers raises many types here
         raise ModelLoadError(f"could not read the tokenizer of GGUF file {str(f)!r}: {e}") from e
 

@@ -178,8 +178,12 @@ class _Refused(JudgeError):
 
     def __init__(self, url: str, status: int, reason: str, detail: str, model):
         self.url, self.status, self.reason, self.detail, self.model = (
-            url, status, reason, detail, model,
-        )  # fmt: skip
+            url,
+            status,
+            reason,
+            detail,
+            model,
+        )
         super().__init__(f"{url}: HTTP {status} {reason}" + (f": {detail}" if detail else ""))
 
 
@@ -1099,11 +1103,32 @@ def make_judge(
 ) -> Judge:
     """The ``Judge`` for these options, built once per process (the local model loads once)."""
     key = json.dumps(
-        [rubric, judge_model, base_url, model, api_key_env, scoring, examples, show_question,
-         group, shuffles, fallback_score, on_fallback, fail_share, max_failed_steps, gold,
-         timeout_s, retries, max_tokens, concurrency, batch_size, device, dtype],
+        [
+            rubric,
+            judge_model,
+            base_url,
+            model,
+            api_key_env,
+            scoring,
+            examples,
+            show_question,
+            group,
+            shuffles,
+            fallback_score,
+            on_fallback,
+            fail_share,
+            max_failed_steps,
+            gold,
+            timeout_s,
+            retries,
+            max_tokens,
+            concurrency,
+            batch_size,
+            device,
+            dtype,
+        ],
         default=str,
-    )  # fmt: skip
+    )
     with _judges_lock:
         if key in _judges:
             return _judges[key]

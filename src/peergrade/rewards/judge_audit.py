@@ -375,8 +375,10 @@ def audit_judge(
         probes["keyword"] = kw
     else:
         not_applicable["keyword"] = "the rubric has no content word to repeat"
-    controls = {n: _edit_diffs(j, groups, base, _append(neutral_text(n)), 1) for n in
-                sorted({len(t) for t in probes.values()})}  # fmt: skip
+    controls = {
+        n: _edit_diffs(j, groups, base, _append(neutral_text(n)), 1)
+        for n in sorted({len(t) for t in probes.values()})
+    }
     probe_figs = {}
     for fig, text in probes.items():
         changed = _edit_diffs(j, groups, base, _append(text), 1)

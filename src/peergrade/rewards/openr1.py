@@ -79,9 +79,13 @@ def _correct(text: str, sol) -> bool | None:
     if not gold:
         return None
     norm = NormalizationConfig(
-        nits=False, malformed_operators=False, basic_latex=True, equations=True, boxed="all",
+        nits=False,
+        malformed_operators=False,
+        basic_latex=True,
+        equations=True,
+        boxed="all",
         units=True,
-    )  # fmt: skip
+    )
     answer = parse(
         text,
         extraction_config=[

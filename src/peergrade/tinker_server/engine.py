@@ -166,8 +166,11 @@ class TrainingModel:
             raise ValueError(f"rank={rank!r}: expected 0 (full fine-tuning) or a positive int")
         self.base_model, self.rank, self.micro_batch = base_model, int(rank), int(micro_batch)
         self.base_name = base_model  # the name the client asked for (the server sets it)
-        self.lora_flags = {"train_mlp": train_mlp, "train_attn": train_attn,
-                           "train_unembed": train_unembed}  # fmt: skip
+        self.lora_flags = {
+            "train_mlp": train_mlp,
+            "train_attn": train_attn,
+            "train_unembed": train_unembed,
+        }
         model, self.tokenizer, self.tokenizer_dir = load_base(base_model, device)
         if self.rank > 0:
             targets = lora_targets(
@@ -284,9 +287,13 @@ class TrainingModel:
             torch.save(self.trainable_state(), tmp / "weights.pt")
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             meta = {
-                **meta, "base_model": self.base_model, "base_name": self.base_name,
-                "rank": self.rank, "steps": self.steps, **self.lora_flags,
-            }  # fmt: skip
+                **meta,
+                "base_model": self.base_model,
+                "base_name": self.base_name,
+                "rank": self.rank,
+                "steps": self.steps,
+                **self.lora_flags,
+            }
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
             if directory.exists():
                 shutil.rmtree(directory)
@@ -397,9 +404,14 @@ class Sampler:
             seed = (self.seed * 1_000_003 + self.calls) % (2**62)
         self.calls += 1
         out = sample(
-            self.model, self.tokenizer, [{"prompt": None}], settings,
-            seed=int(seed), prompt_ids=[list(prompt_ids)], eos_token_ids=eos,
-        )  # fmt: skip
+            self.model,
+            self.tokenizer,
+            [{"prompt": None}],
+            settings,
+            seed=int(seed),
+            prompt_ids=[list(prompt_ids)],
+            eos_token_ids=eos,
+        )
         toks = [
             out.completion_ids[i][out.completion_mask[i] > 0].tolist()
             for i in range(out.completion_ids.shape[0])

@@ -236,9 +236,11 @@ class TinkerServer:
 
         def work():
             outs, metrics = run.model.forward_backward(
-                req["data"], req["loss_fn"], req["loss_fn_config"],
+                req["data"],
+                req["loss_fn"],
+                req["loss_fn_config"],
                 forward_only=req["forward_only"],
-            )  # fmt: skip
+            )
             return _Result(wire.encode_forward_backward_output(outs, metrics))
 
         return self.submit(work, model_id=req["model_id"])
@@ -287,15 +289,20 @@ class TinkerServer:
                 over = body.get("base_model")
                 model = TrainingModel(
                     self.resolve_base(over) if over else meta["base_model"],
-                    rank=meta["rank"], micro_batch=self.micro_batch, device=self.device,
-                    train_mlp=meta.get("train_mlp", True), train_attn=meta.get("train_attn", True),
+                    rank=meta["rank"],
+                    micro_batch=self.micro_batch,
+                    device=self.device,
+                    train_mlp=meta.get("train_mlp", True),
+                    train_attn=meta.get("train_attn", True),
                     train_unembed=meta.get("train_unembed", True),
-                )  # fmt: skip
+                )
                 model.base_name = over or meta.get("base_name", meta["base_model"])
                 sampler = Sampler(
-                    model.model, model.tokenizer, max_snapshots=self.max_snapshots,
+                    model.model,
+                    model.tokenizer,
+                    max_snapshots=self.max_snapshots,
                     seed=self.seed,
-                )  # fmt: skip
+                )
                 self.runs[model_id] = _Run(model, sampler, body.get("session_id") or "")
             self.runs[model_id].model.load_state(directory, optimizer=with_opt)
             return _Result({"path": path, "model_id": model_id, "type": "load_weights"})
@@ -366,11 +373,17 @@ class TinkerServer:
 
         def work():
             result = sampler.sample(
-                key, ids, num_samples=n,
+                key,
+                ids,
+                num_samples=n,
                 max_tokens=p.max_tokens if p.max_tokens is not None else 16,
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                seed=seed, prompt_logprobs=bool(req.prompt_logprobs),
-            )  # fmt: skip
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                stop=p.stop,
+                seed=seed,
+                prompt_logprobs=bool(req.prompt_logprobs),
+            )
             return _Result(wire.encode_sample_response(result))
 
         seq_ids = [f"{sid}:{req.seq_id}:{i}" for i in range(n)]
