@@ -98,3 +98,20 @@ def test_start_up_says_bf16_is_emulated_and_the_producer_is_on(monkeypatch, tmp_
     text = out.out + out.err
     assert text.count("bf16 is emulated here") == 1, text
     assert text.count("pipelined rollouts: a producer thread") == 1, text
+
+
+def test_the_progress_line_has_one_kl_form(capsys):
+    """beta 0 (no reference): no kl field at all, whether the update ran (kl/mean 0.0) or was
+    skipped (no kl/mean); beta > 0: the measured value, or '-' when none was measured."""
+    from peergrade.monitoring.metrics import Display
+
+    off = Display("plain", 3, show_kl=False)
+    off.update(1, {"reward/total/mean": 0.5, "kl/mean": 0.0})
+    off.update(2, {"reward/total/mean": 0.5})
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    assert len(lines) == 2 and not any(" kl " in ln for ln in lines), lines
+    on = Display("plain", 3)
+    on.update(1, {"kl/mean": 0.0123})
+    on.update(2, {})
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
+    assert " kl 0.0123 " in lines[0] and " kl - " in lines[1], lines

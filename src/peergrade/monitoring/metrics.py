@@ -274,7 +274,9 @@ class Display:
     """Live progress: ``mode`` is 'rich', 'plain', 'none' or 'auto' (rich on a terminal).
     ``console``: the rich console to draw on (default: the terminal's). ``count``: the number
     shown for a step (the Python API shows TRL's optimizer steps, as its log_history counts);
-    default: the step itself."""
+    default: the step itself. ``show_kl`` False (``algo.beta`` 0: no reference, so no KL is
+    measured) leaves the kl field off the line, instead of "kl -" on a skipped update and
+    "kl 0.0000" on the others."""
 
     COLUMNS = [
         ("reward", "reward/total/mean", ".3f"),
@@ -292,7 +294,9 @@ class Display:
         title: str = "peergrade",
         console=None,
         count=None,
+        show_kl: bool = True,
     ):
+        self.columns = [c for c in self.COLUMNS if show_kl or c[0] != "kl"]
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
@@ -348,7 +352,7 @@ class Display:
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         stats = "  ".join(
             f"{self.acc_label if key == 'reward/accuracy' else name} {_fmt(metrics.get(key), spec)}"
-            for name, key, spec in self.COLUMNS
+            for name, key, spec in self.columns
         )
         stats += _error_note(metrics) + _harness_note(metrics)
         alerts = self.show_alerts(step, metrics)
