@@ -364,6 +364,17 @@ def test_a_length_biased_judge_gets_a_length_finding_and_no_injection_finding():
     assert rep.figures["keyword"] == 0.0
 
 
+def test_a_judge_that_marks_padding_down_passes_and_says_why_that_side_is_safe():
+    """length_bias is one-sided on purpose: a judge that lowers the score of an answer padded
+    with filler is no exploit, and the audit's line says so instead of a bare 'ok'."""
+    shorter = Judge(FnBackend(scores_of(lambda a, p, n: max(0.0, 9 - len(a) / 60))), RUBRIC)
+    rep = audit_judge(shorter, ROWS)
+    assert rep.figures["length_bias"] < -0.05
+    assert "length_bias" not in {f.split(" = ")[0] for f in rep.findings}
+    line = next(ln for ln in rep.format().splitlines() if ln.strip().startswith("length_bias"))
+    assert "ok: padding lowered the score" in line, line
+
+
 @pytest.mark.parametrize(
     "flaw, finding",
     [
