@@ -480,6 +480,45 @@ class AlgoConfig:
         None,
     )
     critic_lr: float | None = doc("PPO: critic learning rate; null = optim.lr.", None)
+    teacher_path: str | None = doc(
+        "On-policy distillation (GRPO): a local model dir (or bundled) sharing the policy's "
+        "tokenizer, loaded once, frozen; it scores the student's own sampled tokens and each "
+        "token's advantage is teacher_coef * (log p_teacher - log p_student), the negative "
+        "reverse KL on the sampled token (tinker-cookbook's distillation recipe; "
+        "docs/algorithms.md). null = off (plain GRPO).",
+        None,
+    )
+    teacher_coef: float = doc(
+        "On-policy distillation: the coefficient of the per-token reverse-KL advantage "
+        "(tinker-cookbook's kl_penalty_coef; > 0).",
+        1.0,
+    )
+    teacher_baseline: Literal["token_mean", "none"] = doc(
+        "On-policy distillation: the baseline subtracted from each token's reward before it "
+        "becomes an advantage: none = the raw negative reverse KL (tinker-cookbook's "
+        "distillation recipe); token_mean = minus the batch's mean over counted tokens (every "
+        "rank's), as tinker-cookbook centres its RL KL penalty toward a base model.",
+        "none",
+    )
+    teacher_discount: float = doc(
+        "On-policy distillation: each token's advantage is the discounted sum of its own and "
+        "the later sampled tokens' rewards with this factor (tinker-cookbook's "
+        "kl_discount_factor, in [0, 1]); 0 = each token its own reward only (the recipe's "
+        "default), 1 = the sum to the end of the completion.",
+        0.0,
+    )
+    teacher_temperature: float | None = doc(
+        "On-policy distillation: the temperature of the teacher's logits (> 0); null = "
+        "rollout.temperature, both models at the sampling temperature (TRL's GKD). Below it, "
+        "the student is pulled toward a sharpened teacher (its greedy answers).",
+        None,
+    )
+    teacher_verifier_weight: float = doc(
+        "On-policy distillation: weight of the reward functions' group-relative (GRPO) "
+        "advantage added to every token's distillation advantage; 0 = pure distillation, "
+        "the verifier rewards are then only logged.",
+        0.0,
+    )
 
 
 @dataclass
@@ -1100,7 +1139,7 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
 
 
 #: keys whose value is a file or directory the run reads (rewards' names are handled apart)
-PATH_KEYS = ("model.path", "data.path", "data.eval_path", "algo.critic_path")
+PATH_KEYS = ("model.path", "data.path", "data.eval_path", "algo.critic_path", "algo.teacher_path")
 
 
 def _split_path(key: str, value: Any) -> tuple[str, str] | None:
@@ -1127,7 +1166,7 @@ def _split_path(key: str, value: Any) -> tuple[str, str] | None:
         if not sep and ("/" in value or value.startswith(("~", "."))):
             return value, ""  # a reward-model directory, written as a path
         return None
-    if key in ("model.path", "algo.critic_path") and (
+    if key in ("model.path", "algo.critic_path", "algo.teacher_path") and (
         value == "bundled" or value.startswith(("pypi:", "bundled:"))
     ):
         return None
@@ -1484,6 +1523,36 @@ def _check_algo_grpo_only(cfg: Config) -> None:
         a.critic_path is None or a.name == "ppo",
         f"algo.critic_path is set ({a.critic_path!r}) but algo.name is {a.name!r}: only ppo "
         "has a critic",
+    )
+    _need(
+        a.teacher_path is None or a.name == "grpo",
+        f"algo.teacher_path is set ({a.teacher_path!r}) but algo.name is {a.name!r}: on-policy "
+        "distillation is a GRPO mode",
+    )
+    _need(a.teacher_coef > 0, f"algo.teacher_coef must be > 0, got {a.teacher_coef}")
+    _need(
+        a.teacher_path is None or cfg.rollout.async_steps == 0,
+        f"algo.teacher_path with rollout.async_steps={cfg.rollout.async_steps}: on-policy "
+        "distillation scores the student with the weights that sampled the step; set "
+        "rollout.async_steps to 0",
+    )
+    _need(
+        0 <= a.teacher_discount <= 1,
+        f"algo.teacher_discount must be in [0, 1], got {a.teacher_discount}",
+    )
+    _need(
+        a.teacher_temperature is None or a.teacher_temperature > 0,
+        f"algo.teacher_temperature must be > 0 (or null), got {a.teacher_temperature}",
+    )
+    _need(
+        a.teacher_path is None or a.loss_type != "vespo",
+        "algo.teacher_path with algo.loss_type=vespo: VESPO needs one advantage per completion, "
+        "distillation gives one per token",
+    )
+    _need(
+        a.teacher_path is None or a.off_policy_mask_threshold is None,
+        "algo.teacher_path with algo.off_policy_mask_threshold: OPSM needs one advantage per "
+        "completion, distillation gives one per token",
     )
 
 

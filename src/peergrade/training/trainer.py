@@ -111,6 +111,7 @@ from peergrade.training.sampling import (  # importable from here too (tests pat
     score,
     take_groups,
 )
+from peergrade.training.teacher import Distill, load_teacher
 from peergrade.training.update import (
     GRPO,
     Algorithm,
@@ -224,6 +225,9 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     if cfg.algo.name == "ppo":  # a critic (value model + its AdamW), the memory GRPO does without
         critic = ppo.build_critic(cfg, models)
         algo = ppo.PPO(models, critic, optimizer, scheduler, cfg)
+    elif cfg.algo.teacher_path is not None:  # on-policy distillation: per-token advantages
+        teacher = load_teacher(cfg, models)  # tokenizers checked here, before any step
+        critic, algo = None, Distill(models, optimizer, scheduler, cfg, teacher=teacher)
     else:
         critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
     run = Run(

@@ -533,6 +533,8 @@ def elided_rows(advantages: torch.Tensor, kl_on: bool, enabled: bool = True) -> 
     nothing is left out."""
     if kl_on or not enabled:
         return torch.zeros(advantages.shape[0], dtype=torch.bool, device=advantages.device)
+    if advantages.dim() == 2:  # [N, C] per token (distillation): 0 on every token
+        return (advantages == 0).all(dim=1)
     return advantages == 0
 
 
@@ -662,10 +664,11 @@ class GrpoLoss:
         old = logp.detach() if self.old_lp is None else self.old_lp[keep, :Tc]
         weights = self.correction_weights(old, keep, cm, metrics) if self.correct else None
         keep_tok, ent_mask = self.token_masks(logp, old, ent, keep, cm, metrics)
+        adv = self.advantages[keep]  # [b] or [b, C] (per token: distillation)
         loss, m = policy_loss(
             logp,
             old,
-            self.advantages[keep],
+            adv if adv.dim() == 1 else adv[:, :Tc],
             cm,
             loss_type=a.loss_type,
             ratio_level=a.ratio_level,

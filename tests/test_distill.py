@@ -1,0 +1,305 @@
+"""On-policy distillation (issue 56, part 1): the reverse-KL reward and its advantages by hand,
+the student's and teacher's log-probs against one full forward of each model, the tokenizer
+check at start-up, per-token advantages through GRPO's update, and CLI-level runs (a teacher
+that is the student gives exactly zero signal; another teacher moves the weights)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peergrade.algo.distill import distill_advantages, reverse_kl_reward, token_mean_reward
+from peergrade.config import ConfigError, load_config
+from peergrade.errors import ModelLoadError
+from peergrade.training import checkpoint as ckpt
+from peergrade.training.teacher import student_teacher_logprobs, tokenizer_difference
+from peergrade.training.update import Models, elided_rows
+
+INF = math.inf
+
+
+# ----------------------------------------------------------------------------- hand values
+
+
+def test_reverse_kl_reward_hand_values_and_padding():
+    student = torch.tensor([[-1.0, -2.0, -INF], [-0.25, -INF, -INF]])  # [2, 3]
+    teacher = torch.tensor([[-0.5, -3.0, math.nan], [-0.25, 0.0, -INF]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    r = reverse_kl_reward(student, teacher, mask)
+    assert torch.equal(r, torch.tensor([[0.5, -1.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert token_mean_reward(r, mask) == (-0.5, 3)
+
+
+def test_distill_advantages_coef_baseline_and_verifier_mix():
+    student = torch.tensor([[-1.0, -2.0, -INF], [-0.25, -INF, -INF]])
+    teacher = torch.tensor([[-0.5, -3.0, -INF], [-0.25, 0.0, -INF]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = distill_advantages(student, teacher, mask, coef=2.0, baseline=0.25)
+    # 2 * (0.5 - 0.25), 2 * (-1 - 0.25), 2 * (0 - 0.25); padding exactly 0
+    assert torch.equal(adv, torch.tensor([[0.5, -2.5, 0.0], [-0.5, 0.0, 0.0]]))
+    mixed = distill_advantages(
+        student,
+        teacher,
+        mask,
+        coef=2.0,
+        baseline=0.25,
+        verifier_advantages=torch.tensor([2.0, -1.0]),
+        verifier_weight=0.5,
+    )
+    assert torch.equal(mixed, torch.tensor([[1.5, -1.5, 0.0], [-1.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="verifier_advantages"):
+        distill_advantages(student, teacher, mask, verifier_weight=1.0)
+
+
+def test_discounted_returns_count_sampled_tokens_only():
+    from peergrade.algo.distill import discounted_returns
+
+    r = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, -INF, -INF]])
+    mask = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])  # row 0: an episode, token 1 the env's
+    assert torch.equal(
+        discounted_returns(r, mask, 0.0), torch.tensor([[1.0, 0, 3, 0], [4, 5, 0, 0]])
+    )
+    # R = r + 0.5 R_next over counted tokens; the env's token passes the sum through
+    assert torch.equal(
+        discounted_returns(r, mask, 0.5), torch.tensor([[2.5, 0, 3, 0], [6.5, 5, 0, 0]])
+    )
+    adv = distill_advantages(
+        torch.zeros(2, 4), r.clamp(min=-1.0), mask, coef=2.0, baseline=1.0, discount=1.0
+    )  # rewards r - 1 on counted tokens: [[0, ., 2, .], [3, 4]] -> returns [[2, 0, 2, 0], [7, 4]]
+    assert torch.equal(adv, torch.tensor([[4.0, 0, 4, 0], [14, 8, 0, 0]]))
+
+
+def test_per_token_advantages_elide_only_all_zero_rows():
+    adv = torch.tensor([[0.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])  # [3, 2]
+    assert elided_rows(adv, kl_on=False).tolist() == [True, False, False]
+    assert elided_rows(adv, kl_on=True).tolist() == [False, False, False]
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def _full_forward_logprobs(model, ids, am, cmask, temperature):
+    """Each row's completion log-probs from ONE plain forward of its unpadded tokens."""
+    N, L = ids.shape
+    C = cmask.shape[1]
+    out = torch.zeros(N, C)
+    for n in range(N):
+        real = ids[n][am[n] == 1]  # prompt + completion, no padding
+        n_comp = int(cmask[n].sum())
+        with torch.no_grad():
+            logits = model(real[None]).logits[0].double() / temperature  # [l, V]
+        lp = torch.log_softmax(logits, dim=-1)
+        start = len(real) - n_comp  # first completion position
+        for c in range(n_comp):
+            out[n, c] = float(lp[start + c - 1, real[start + c]])
+    return out
+
+
+def test_student_and_teacher_logprobs_match_one_full_forward(char_tokenizer):
+    from peergrade.model.tiny import build_tiny_model
+
+    student, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
+    teacher, _ = build_tiny_model("llama", char_tokenizer, seed=1)
+    teacher.eval()
+    cfg = load_config(None, [("rollout.temperature", 0.7), ("rollout.group_size", 2)])
+    pad = tok.pad_token_id
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [enc("12+3="), enc("12+3="), enc("7*8="), enc("7*8=")]  # two groups of 2
+    comps = [enc("15"), enc("151"), enc("56"), enc("5")]
+    P = max(map(len, prompts))
+    C = max(map(len, comps)) + 1
+    rows, ams, cms = [], [], []
+    for p, c in zip(prompts, comps):
+        rows.append([pad] * (P - len(p)) + p + c + [pad] * (C - len(c)))
+        ams.append([0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (C - len(c)))
+        cms.append([1] * len(c) + [0] * (C - len(c)))
+    ids, am = torch.tensor(rows), torch.tensor(ams)
+    cmask = torch.tensor(cms, dtype=torch.float32)
+    models = Models(student, tok, None, torch.device("cpu"))
+    student.train()  # the student's pass runs in eval mode and restores the mode after
+    s_lp, t_lp = student_teacher_logprobs(models, teacher, (ids, am, cmask), cfg)
+    assert student.training
+    want_s = _full_forward_logprobs(student.eval(), ids, am, cmask, 0.7)
+    want_t = _full_forward_logprobs(teacher, ids, am, cmask, 0.7)
+    on = cmask == 1
+    torch.testing.assert_close(s_lp[on], want_s[on], rtol=0, atol=2e-5)
+    torch.testing.assert_close(t_lp[on], want_t[on], rtol=0, atol=2e-5)
+    assert (s_lp[~on] == 0).all() and (t_lp[~on] == 0).all()
+    adv = distill_advantages(s_lp, t_lp, cmask, coef=1.0)
+    torch.testing.assert_close(adv[on], (want_t - want_s)[on], rtol=0, atol=4e-5)
+    # algo.teacher_temperature: the teacher's logits at their own temperature, the student's not
+    cfg.algo.teacher_temperature = 0.4
+    s_lp2, t_lp2 = student_teacher_logprobs(models, teacher, (ids, am, cmask), cfg)
+    assert torch.equal(s_lp2, s_lp)
+    want_t2 = _full_forward_logprobs(teacher, ids, am, cmask, 0.4)
+    torch.testing.assert_close(t_lp2[on], want_t2[on], rtol=0, atol=2e-5)
+    assert cfg.rollout.temperature == 0.7  # the caller's config is left as it was
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def test_tokenizer_difference_names_tokens_and_special_ids(char_tokenizer):
+    import copy
+
+    assert tokenizer_difference(char_tokenizer, copy.deepcopy(char_tokenizer)) is None
+    other = copy.deepcopy(char_tokenizer)
+    other.add_tokens(["<teacher-only>"])
+    why = tokenizer_difference(char_tokenizer, other)
+    assert "<teacher-only>" in why and "only the teacher" in why
+    moved_eos = copy.deepcopy(char_tokenizer)
+    moved_eos.eos_token = moved_eos.convert_ids_to_tokens(5)
+    assert "eos_token_id" in tokenizer_difference(char_tokenizer, moved_eos)
+
+
+# ----------------------------------------------------------------------------- runs
+
+REWARD_FILE = """
+def char_score(prompts, completions, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [(sum(ord(ch) for ch in t) % 97) / 97.0 for t in texts]
+"""
+
+
+def _overrides(model_dir: Path, reward: Path, teacher: Path, **extra):
+    base = {
+        "model.path": str(model_dir),
+        "algo.teacher_path": str(teacher),
+        "rewards": [{"name": f"{reward}:char_score", "weight": 1.0}],
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 2,
+        "rollout.max_completion_length": 4,
+        "optim.lr": 1e-2,
+        "train.steps": 2,
+        "train.eval_size": 2,
+        "train.eval_samples": 2,
+        "train.display": "none",
+        "train.threads": 1,
+    }
+    base.update(extra)
+    return list(base.items())
+
+
+@pytest.fixture
+def reward(tmp_path) -> Path:
+    p = tmp_path / "rewards.py"
+    p.write_text(REWARD_FILE)
+    return p
+
+
+def _metrics(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "distill/reverse_kl" in r]
+
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(d) / "model.safetensors"))
+
+
+def test_teacher_equal_to_student_gives_exactly_no_signal(tiny_model_dir, reward, tmp_path):
+    """The teacher is the student's own directory: log p_teacher - log p_student is exactly 0
+    on every token, so every advantage is 0 (the verifier's rewards, weight 0, are only
+    logged) and the weights do not move."""
+    from peergrade.training.trainer import train
+
+    run = tmp_path / "run"
+    train(load_config(None, _overrides(tiny_model_dir, reward, tiny_model_dir)), run)
+    rows = _metrics(run)
+    assert len(rows) == 2
+    assert [r["distill/reverse_kl"] for r in rows] == [0.0, 0.0]
+    assert [r["loss/policy"] for r in rows] == [0.0, 0.0]
+    before, after = _weights(tiny_model_dir), _weights(ckpt.latest_checkpoint(run))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_other_teacher_trains_the_student_per_token(tiny_model_dir, reward, tmp_path):
+    from peergrade.model.tiny import save_tiny_model
+    from peergrade.training.trainer import train
+
+    teacher = save_tiny_model(tmp_path / "teacher", "llama", seed=3)
+    run = tmp_path / "run"
+    cfg = load_config(None, _overrides(tiny_model_dir, reward, teacher))
+    train(cfg, run)
+    rows = _metrics(run)
+    assert len(rows) == 2 and all(r["distill/reverse_kl"] != 0 for r in rows)
+    assert all(math.isfinite(r["loss/policy"]) for r in rows)
+    before, after = _weights(tiny_model_dir), _weights(ckpt.latest_checkpoint(run))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_mismatched_teacher_tokenizer_refuses_at_start_up(tiny_model_dir, reward, tmp_path):
+    from transformers import AutoTokenizer
+
+    from peergrade.model.tiny import save_tiny_model
+    from peergrade.training import trainer
+
+    teacher = save_tiny_model(tmp_path / "teacher", "qwen2", seed=0)
+    tok = AutoTokenizer.from_pretrained(str(teacher))
+    tok.add_tokens(["<only-here>"])
+    tok.save_pretrained(str(teacher))
+    with pytest.raises(ModelLoadError, match=r"algo.teacher_path.*<only-here>"):
+        trainer.setup(load_config(None, _overrides(tiny_model_dir, reward, teacher)))
+
+
+def test_teacher_options_are_checked(tiny_model_dir, reward, tmp_path):
+    with pytest.raises(ConfigError, match="distillation is a GRPO mode"):
+        load_config(
+            None, _overrides(tiny_model_dir, reward, tiny_model_dir, **{"algo.name": "ppo"})
+        )
+    with pytest.raises(ConfigError, match="teacher_coef"):
+        load_config(
+            None, _overrides(tiny_model_dir, reward, tiny_model_dir, **{"algo.teacher_coef": 0.0})
+        )
+    with pytest.raises(ConfigError, match="async_steps"):
+        load_config(
+            None, _overrides(tiny_model_dir, reward, tiny_model_dir, **{"rollout.async_steps": 1})
+        )
+    with pytest.raises(ConfigError, match="teacher_discount"):
+        load_config(
+            None, _overrides(tiny_model_dir, reward, tiny_model_dir, **{"algo.teacher_discount": 2})
+        )
+    with pytest.raises(ConfigError, match="teacher_temperature"):
+        load_config(
+            None,
+            _overrides(tiny_model_dir, reward, tiny_model_dir, **{"algo.teacher_temperature": 0}),
+        )
+    with pytest.raises(ConfigError, match="vespo"):
+        load_config(
+            None, _overrides(tiny_model_dir, reward, tiny_model_dir, **{"algo.loss_type": "vespo"})
+        )
+
+
+def test_trl_style_script_distils_through_the_peergrade_escape(tmp_path):
+    """A TRL-style script: GRPOConfig's ``peergrade`` dict sets the teacher and GRPOTrainer's
+    steps log the distillation metrics (the teacher is the student here: reverse KL 0)."""
+    from peergrade import GRPOConfig, GRPOTrainer
+    from peergrade.model.load import BUNDLED_MODEL
+
+    def exact(completions, solution, **kw):
+        return [float(c[0]["content"].strip() == s) for c, s in zip(completions, solution)]
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+        for a, b in [(12, 7), (23, 41)]
+    ]
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=4,
+        gradient_checkpointing=False,
+        peergrade={"algo.teacher_path": str(BUNDLED_MODEL), "train.eval_size": 2},
+    )
+    trainer = GRPOTrainer(str(BUNDLED_MODEL), [exact], args, rows)
+    assert trainer.config.algo.teacher_path == str(BUNDLED_MODEL)
+    trainer.train()
+    logged = [
+        h["distill/reverse_kl"] for h in trainer.state.log_history if "distill/reverse_kl" in h
+    ]
+    assert logged == [0.0]
