@@ -5,6 +5,7 @@ It parses and calls; the work happens in the library."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from peergrade.cli.common import add_command
 
@@ -40,6 +41,12 @@ def run(args, extra) -> int:
         port=args.port,
         max_tokens=args.max_tokens,
         window_s=args.window_ms / 1000,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        api_key=args.api_key or None,
+        max_batch_tokens=args.max_batch_tokens,
+        kv_memory_bytes=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
     )
     return 0
 
@@ -89,3 +96,43 @@ def add_parser(sub) -> None:
         help="how long the sampler waits for more requests to batch with the first (default 5)",
     )
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("PEERGRADE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 and /inference routes, as vLLM's "
+        "--api-key (default: $PEERGRADE_API_KEY; none: open, with a warning when --host is "
+        "not a loopback address)",
+    )
+    s.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="admission control: KV cache token slots one sampling batch may take (a "
+        "sequence takes its prompt + max_tokens); requests past it wait for the next batch, "
+        "one that can never fit is a 400 (default: from --kv-memory-gb)",
+    )
+    s.add_argument(
+        "--kv-memory-gb",
+        type=float,
+        default=None,
+        help="memory the KV cache may use, for the default --max-batch-tokens (default: 0.8 of "
+        "the GPU's free memory, or half the machine's available memory on the CPU)",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="largest request body accepted, in MiB (default 16; larger: HTTP 413)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's headers (default 30; then HTTP 408)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a client has to send a request's body after its headers (default 120)",
+    )

@@ -542,6 +542,8 @@ def generate(
             (the last ones as the call ends): ``row`` holds its ``tokens``, ``logprobs``,
             ``sampler_logprobs`` (lists), ``finish`` and ``text``, as the ``Samples`` has them.
         cancel: a ``threading.Event``: once set, the call raises ``GenerationCancelled``.
+            An object with ``is_set()`` and ``dropped()`` (the sequences to end at the next
+            host check, their clients gone) is read the same way.
     """
     cfg = model_config(model)
     n, max_new_tokens, top_k, stop = _check_settings(
@@ -830,6 +832,7 @@ class _Runner:
             if t == T - 1:
                 break
             if (t + 1) % self.check_every == 0:
+                self._drop_left(rows, start, t, finished_at)
                 alive = finished_at[rows] == T  # [B]
                 n_alive = int(alive.sum().item())
                 if n_alive < rows.numel():
@@ -852,6 +855,19 @@ class _Runner:
 
         ends.report(range(b), out)  # the rows still running at the end
         return self._finish(tokens_out, logp_out, sampler_out, finished_at, ends.finishes())
+
+    def _drop_left(self, rows: torch.Tensor, start: int, t: int, finished_at) -> None:
+        """Rows nobody waits for any more end at step ``t``: ``cancel.dropped()``, when the
+        cancel object has it (the endpoint's: its clients that disconnected), names their
+        sequences (global indices); the call goes on with the others."""
+        dropped = getattr(self.cancel, "dropped", None)
+        gone = dropped() if dropped is not None else None
+        if not gone:
+            return
+        T = self.max_new_tokens
+        for i in rows.tolist():
+            if start + i in gone and int(finished_at[i]) == T:
+                finished_at[i] = t
 
     def _finish(self, tokens_out, logp_out, sampler_out, finished_at, reason) -> dict:
         """The micro-batch's result: masks up to each row's end (its first EOS, the token

@@ -80,6 +80,20 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
     return v
 
 
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    """A boolean field: ``true``, ``false`` or absent / null (``default``); anything else (a
+    string ``"false"``, a number) is a 400, as the OpenAI API answers it."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(
+            f"'{name}' must be a boolean (true or false), got {v!r}", param=name,
+            code="invalid_type",
+        )  # fmt: skip
+    return v
+
+
 def _text_of(content: Any, where: str) -> str | None:
     """A message's content as text: a string, None, or a list of text parts."""
     if content is None or isinstance(content, str):
@@ -249,6 +263,7 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_beam_search": (lambda v: bool(v), "there is no beam search"),
     "best_of": (lambda v: v not in (1,), "use 'n' (every sample is returned)"),
     "truncate_prompt_tokens": (lambda v: True, "prompts are never truncated"),
+    "suffix": (lambda v: v != "", "there is no insertion (fill-in-the-middle) here"),
     "response_format": (
         lambda v: not (isinstance(v, dict) and v.get("type") in (None, "text")),
         f"the reply is not forced into a format; {_NO_CONSTRAINTS}",
@@ -270,7 +285,13 @@ def parse_settings(body: dict, chat: bool) -> Settings:
     s = Settings()
     s.n = _number(body, "n", 1, 1, 128, integer=True)
     mt = body.get("max_completion_tokens") if chat else None
-    s.echo = not chat and bool(body.get("echo") or False)
+    echo = _flag(body, "echo")
+    s.echo = not chat and echo
+    if chat and echo:  # vLLM's chat extension (the last message repeated): not served
+        raise APIError(
+            "'echo' is not supported on /v1/chat/completions (it is a /v1/completions field)",
+            param="echo", code="unsupported_parameter",
+        )  # fmt: skip
     s.max_tokens = _number(
         body,
         "max_completion_tokens" if mt is not None else "max_tokens",
@@ -285,31 +306,23 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         raise APIError("'top_p' must be > 0", param="top_p")
     s.top_k = int(_number(body, "top_k", 0, -1, None, integer=True))
     s.top_k = max(s.top_k, 0)
-    stop = body.get("stop")
-    if stop is None:
-        s.stop = ()
-    elif isinstance(stop, str):
-        s.stop = (stop,) if stop else ()
-    elif isinstance(stop, list) and all(isinstance(x, str) and x for x in stop) and len(stop) <= 16:
-        s.stop = tuple(stop)
-    else:
-        raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
+    s.stop = _stop(body.get("stop"))
     s.seed = _number(body, "seed", None, None, None, integer=True)
     if chat:
-        s.logprobs = bool(body.get("logprobs") or False)
+        s.logprobs = _flag(body, "logprobs")
         s.top_logprobs = _number(body, "top_logprobs", 0, 0, 20, integer=True)
         if s.top_logprobs and not s.logprobs:
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
         lp = _number(body, "logprobs", None, 0, 20, integer=True)
         s.logprobs, s.top_logprobs = lp is not None, lp or 0
-    s.stream = bool(body.get("stream") or False)
+    s.stream = _flag(body, "stream")
     s.prompt_logprobs = _prompt_logprobs(body, s.stream)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
-    s.include_usage = bool(s.stream and opts and opts.get("include_usage"))
-    s.return_token_ids = bool(body.get("return_token_ids") or False)
+    s.include_usage = bool(s.stream and opts and _flag(opts, "include_usage"))
+    s.return_token_ids = _flag(body, "return_token_ids")
     if chat:
         s.tool_choice, s.forced_tool = parse_tool_choice(body.get("tool_choice"))
         s.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
@@ -325,6 +338,25 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         if body.get(k) is not None and bad(body[k])
     )
     return s
+
+
+#: OpenAI's limit on stop sequences (its API says "up to 4"; vLLM and this server take 16)
+MAX_STOP = 16
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    """``stop``: a string or a list of at most ``MAX_STOP`` non-empty strings."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if isinstance(stop, list) and all(isinstance(x, str) and x for x in stop):
+        if len(stop) > MAX_STOP:
+            raise APIError(
+                f"'stop' has {len(stop)} strings; at most {MAX_STOP} are allowed", param="stop"
+            )
+        return tuple(stop)
+    raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
 
 
 def _prompt_logprobs(params: dict, stream: bool) -> int | None:
@@ -423,7 +455,7 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
                 f"'{k}': this server takes text-only token prompts", param=k,
                 code="unsupported_parameter",
             )  # fmt: skip
-    if body.get("stream"):
+    if _flag(body, "stream"):
         raise APIError(
             "'stream' is not supported on /inference/v1/generate",
             param="stream",
@@ -441,14 +473,7 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     if s.top_p == 0:
         raise APIError("'top_p' must be > 0", param="top_p")
     s.top_k = max(int(_number(sp, "top_k", 0, -1, None, integer=True)), 0)
-    stop = sp.get("stop")
-    if isinstance(stop, str):
-        stop = [stop] if stop else []
-    if stop is not None and not (
-        isinstance(stop, list) and all(isinstance(x, str) and x for x in stop)
-    ):
-        raise APIError("'stop' must be a string or a list of non-empty strings", param="stop")
-    s.stop = tuple(stop or ())
+    s.stop = _stop(sp.get("stop"))
     s.seed = _number(sp, "seed", None, None, None, integer=True)
     lp = _number(sp, "logprobs", None, 0, 20, integer=True)
     s.logprobs, s.top_logprobs = lp is not None, lp or 0

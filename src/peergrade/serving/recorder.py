@@ -118,7 +118,7 @@ class Recording:
     #: each appended text as sent
     text: str = ""
     #: the episode's Responses API replies (``previous_response_id``), all of them
-    stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None))
+    stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None, max_bytes=None))
 
 
 def _imposed(asked, s: EpisodeSettings):

@@ -15,10 +15,11 @@ translated back:
   never sends them); other items (images, files, built-in tool calls) are refused;
 - ``previous_response_id`` continues a stored response: its conversation (input and output)
   comes before ``input``. Responses are stored unless ``"store": false``; ``peergrade serve``
-  keeps the last 1024, a training episode all of its own. ``GET /v1/responses/{id}`` returns a
+  keeps the last 1024 (at most ``STORE_BYTES`` of them), a training episode all of its own. ``GET /v1/responses/{id}`` returns a
   stored response, ``DELETE`` forgets it (``ResponseStore``);
 - ``tools`` of type ``function``; ``tool_choice``, ``text.format`` and the rest are checked as
-  the chat route checks them (what cannot be honoured is refused with a 400);
+  the chat route checks them (what cannot be honoured is refused with a 400); ``metadata``
+  as OpenAI checks it (``check_metadata``);
 - the reply: a ``message`` item with one ``output_text`` part (when there is text or no tool
   call), then one ``function_call`` item per tool call; ``status`` ``incomplete`` with reason
   ``max_output_tokens`` when the reply ran out of tokens;
@@ -49,18 +50,68 @@ _NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output
           "messages": "input"}  # fmt: skip
 
 
+#: the Responses store's default bound on the bytes it keeps (the JSON of its entries)
+STORE_BYTES = 64 * 2**20
+
+#: OpenAI's limits on ``metadata``: keys, a key's and a value's characters
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(v: Any) -> dict:
+    """``metadata`` as OpenAI checks it: an object of at most 16 string keys of at most 64
+    characters, each value a string of at most 512."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise APIError(f"'metadata' must be an object, got {type(v).__name__}", param="metadata")
+    if len(v) > METADATA_KEYS:
+        raise APIError(
+            f"'metadata' has {len(v)} keys; at most {METADATA_KEYS} are allowed",
+            param="metadata",
+        )
+    for k, x in v.items():
+        if len(k) > METADATA_KEY_CHARS:
+            raise APIError(
+                f"'metadata' key {k[:80]!r}... has {len(k)} characters; at most "
+                f"{METADATA_KEY_CHARS} are allowed",
+                param="metadata",
+            )
+        if not isinstance(x, str) or len(x) > METADATA_VALUE_CHARS:
+            got = f"{len(x)} characters" if isinstance(x, str) else type(x).__name__
+            raise APIError(
+                f"'metadata.{k}' must be a string of at most {METADATA_VALUE_CHARS} "
+                f"characters, got {got}",
+                param="metadata",
+            )
+    return dict(v)
+
+
 class ResponseStore:
     """Stored responses by id (the most recent ``limit``): each one's conversation (what
     ``previous_response_id`` continues) and the response object (``GET /v1/responses/{id}``)."""
 
-    def __init__(self, limit: int | None = 1024):
-        self.limit = limit
+    def __init__(self, limit: int | None = 1024, max_bytes: int | None = STORE_BYTES):
+        self.limit, self.max_bytes = limit, max_bytes
         self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0  # the stored entries' size (their JSON)
 
     def put(self, rid: str, conversation: list[dict], response: dict) -> None:
+        """Store ``rid``; the oldest entries go while there are more than ``limit`` or they
+        take more than ``max_bytes`` (an entry larger than that alone is not kept, and
+        drops nothing)."""
+        size = len(json.dumps([conversation, response], default=repr))
+        if self.max_bytes is not None and size > self.max_bytes:
+            return  # a later previous_response_id to it is a 404 saying so
         self._items[rid] = (conversation, response)
-        while self.limit is not None and len(self._items) > self.limit:
-            self._items.popitem(last=False)
+        self._sizes[rid] = size
+        self.bytes += size
+        while self._items and (
+            (self.limit is not None and len(self._items) > self.limit)
+            or (self.max_bytes is not None and self.bytes > self.max_bytes)
+        ):
+            old, _ = self._items.popitem(last=False)
+            self.bytes -= self._sizes.pop(old)
 
     def get(self, rid: Any) -> list[dict]:
         """The conversation of ``previous_response_id`` ``rid``."""
@@ -89,6 +140,7 @@ class ResponseStore:
         """``DELETE /v1/responses/{rid}``: forget it (a later follow-up by its id is a 404)."""
         self.retrieve(rid)
         del self._items[rid]
+        self.bytes -= self._sizes.pop(rid)
         return {"id": rid, "object": "response.deleted", "deleted": True}
 
 
@@ -214,6 +266,7 @@ class Request:
                     f"'{k}' is not supported by this server", param=k, code="unsupported_parameter"
                 )
         self.body, self.rid, self.created = body, "resp_" + secrets.token_hex(12), time.time()
+        self.metadata = check_metadata(body.get("metadata"))
         history = []
         if body.get("previous_response_id") is not None:
             history = list(store.get(body["previous_response_id"]))
@@ -274,7 +327,7 @@ class Request:
             "top_p": b.get("top_p"),
             "max_output_tokens": b.get("max_output_tokens"),
             "previous_response_id": b.get("previous_response_id"),
-            "metadata": b.get("metadata") or {},
+            "metadata": self.metadata,
             "text": b.get("text") or {"format": {"type": "text"}},
             "truncation": b.get("truncation", "disabled"),
             "store": b.get("store", True),

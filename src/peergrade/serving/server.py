@@ -48,7 +48,14 @@ vLLM's ``guided_*``, ``min_p``, ``ignore_eos`` and the like: ``openai_schema._UN
 are refused with a 400 naming them (``refuse_unsupported``), not ignored. vLLM's
 ``chat_template_kwargs`` are passed to the chat template.
 
-What it does not do: authentication, continuous batching inside a running ``generate`` call
+Robustness: a body over ``max_body_bytes`` is a 413, slow headers or bodies a 408
+(``timed_protocol``), a client that disconnects cancels its sampling call once nobody else
+waits for it (``_unless_gone``, ``_Gone``), prompts are tokenised off the event loop, and
+admission control (``Engine.max_batch_tokens``) keeps each batch within a KV cache budget
+(``default_batch_tokens``), refusing at once what can never fit. ``api_key``: vLLM's
+``--api-key``.
+
+What it does not do: per-user keys, continuous batching inside a running ``generate`` call
 (requests that arrive during one wait for the next), images, audio, the Responses API's built-in
 tools and background mode, constrained decoding.
 """
@@ -59,6 +66,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import queue
 import secrets
 import sys
@@ -207,9 +215,16 @@ class Engine:
         window_s: float = 0.005,
         max_batch: int = 256,
         chat_template: str | None = None,
+        max_batch_tokens: int | None = None,
     ):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.window_s, self.max_batch = window_s, max_batch
+        #: admission control: the KV cache slots one batch may take (``cost``); requests past
+        #: it wait for the next batch, and one that cannot fit alone is refused
+        #: (``check_fits``). None: no limit (the trainer's endpoint: its batch is its step)
+        self.max_batch_tokens = max_batch_tokens
+        self.row_tokens = row_overhead_tokens(model)
+        self._carry = None  # a request taken from the queue but left for the next batch
         self.chat_template = chat_template
         #: a request's ``tools`` that the chat template does not show the model (``tools_seen``):
         #: ``warn`` (``peergrade serve``: a line in the log, once per tool set), ``error`` (a
@@ -217,6 +232,7 @@ class Engine:
         self.unseen_tools = "warn"
         self.tools_shown: dict[str, bool] = {}
         self.prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # ``render_prompt``'s
+        self.prompts_lock = threading.Lock()
         self.forced: dict[str, tuple[str, list[int]]] = {}  # ``forced_prefix``'s
         self.eos_ids = default_eos_ids(model, tokenizer)
         cfg = model.config
@@ -230,6 +246,7 @@ class Engine:
         self.sessions = None  # training episodes' KV cache rows (``keep_sessions``)
         self.calls = 0  # generate calls made
         self.jobs = 0  # jobs answered
+        self.cancelled = 0  # calls stopped because every client of theirs had left
         self._taken = 0  # requests the worker holds while ``hold`` is on
         self._go = threading.Event()  # cleared: the worker holds queued requests (``hold``)
         self._go.set()
@@ -263,7 +280,30 @@ class Engine:
 
     def queued(self) -> int:
         """Requests waiting for the worker."""
-        return self._q.qsize() + self._taken
+        return self._q.qsize() + self._taken + (self._carry is not None)
+
+    def cost(self, jobs: Sequence[Job]) -> int:
+        """The KV cache slots ``jobs`` take in one sampling call, as the kernel allocates
+        them: each row holds the longest prompt plus the longest budget, and the sampler's
+        per-row buffers (``row_tokens``, in slots)."""
+        if not jobs:
+            return 0
+        span = max(len(j.prompt_ids) for j in jobs) + max(j.max_tokens for j in jobs)
+        return len(jobs) * (span + self.row_tokens)
+
+    def check_fits(self, jobs: Sequence[Job], param: str = "n") -> None:
+        """A 400 for a request that can never be admitted: it alone needs more KV cache
+        slots than ``max_batch_tokens``."""
+        need = self.cost(jobs)
+        if self.max_batch_tokens is not None and need > self.max_batch_tokens:
+            raise APIError(
+                f"this request needs {need} KV cache token slots ({len(jobs)} sequence(s) of "
+                f"prompt + max_tokens, plus {self.row_tokens} each for the sampler), more than "
+                f"the server's limit of {self.max_batch_tokens} (max_batch_tokens: peergrade "
+                "serve --max-batch-tokens); lower n or max_tokens",
+                param=param,
+                code="request_too_large",
+            )
 
     def submit(self, jobs: Sequence[Job]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -284,7 +324,7 @@ class Engine:
         deadline = time.monotonic() + wait_s
         while (
             self._thread.is_alive()
-            and (self._busy or not self._q.empty())
+            and (self._busy or not self._q.empty() or self._carry is not None)
             and time.monotonic() < deadline
         ):
             time.sleep(0.005)
@@ -300,16 +340,19 @@ class Engine:
     def _loop(self) -> None:
         while True:
             self._go.wait()
-            item = self._q.get()
+            item, self._carry = (self._q.get() if self._carry is None else self._carry), None
             if item is None:
                 return
+            if item[1].done():  # cancelled while queued: its client left
+                continue
             self._busy = True  # until this batch is answered (``interrupt`` waits for it)
             self._taken = 1
             self._go.wait()
             self._taken = 0
             batch = [item]
             # Collect more: each next request may arrive within window_s of the last one; stop
-            # early once every client that can send (``expected``) has sent.
+            # early once every client that can send (``expected``) has sent, or at the first
+            # one that would take the batch past ``max_batch_tokens`` (it opens the next).
             while (size := sum(len(j) for j, _ in batch)) < self.max_batch:
                 if self.expected is not None and size >= self.expected():
                     break
@@ -323,6 +366,14 @@ class Engine:
                     break
                 if nxt is None:
                     self._q.put(None)
+                    break
+                if nxt[1].done():
+                    continue
+                if self.max_batch_tokens is not None and (
+                    self.cost([j for jobs, _ in batch for j in jobs] + nxt[0])
+                    > self.max_batch_tokens
+                ):
+                    self._carry = nxt
                     break
                 batch.append(nxt)
             t0 = time.perf_counter()
@@ -368,7 +419,15 @@ class Engine:
                         results[(bi, ji)] = res
                         answer(bi)
 
-                    self._generate([j for _, _, j in part], ended)
+                    gone = _Gone(self._cancel, [batch[bi][1] for bi, _, _ in part])
+                    if gone.is_set():  # every client of this call left while it was queued
+                        continue
+                    try:
+                        self._generate([j for _, _, j in part], ended, gone)
+                    except GenerationCancelled:
+                        if self._cancel.is_set():
+                            raise
+                        self.cancelled += 1  # its clients left: the next call goes on
         except BaseException as e:  # every waiting request learns of it; the thread goes on
             for _, fut in batch:
                 _resolve(fut, error=e)
@@ -396,7 +455,7 @@ class Engine:
 
         self.sessions.run(jobs, ended)
 
-    def _generate(self, jobs: list[Job], done: Callable[[int, Sampled], None]) -> None:
+    def _generate(self, jobs: list[Job], done: Callable[[int, Sampled], None], cancel=None) -> None:
         """Sample ``jobs`` (one settings group) in one ``generate`` call, each job to its own
         ``max_tokens``; ``done(i, sampled)`` as each job's row ends."""
         j0 = jobs[0]
@@ -428,7 +487,7 @@ class Engine:
             on_tokens=hand_on if any(j.on_token is not None for j in jobs) else None,
             budgets=[j.max_tokens for j in jobs],
             on_done=ended,
-            cancel=self._cancel,
+            cancel=self._cancel if cancel is None else cancel,
         )
 
     def _scored_only(self, job: Job) -> Sampled:
@@ -464,6 +523,76 @@ class Engine:
             return position_logprobs(self.model, job.prompt_ids, 1, job.prompt_logprobs)
 
 
+#: the sampler's float32 [rows, vocab] buffers per row (``planning.memory``'s
+#: ``SAMPLER_VOCAB_BUFFERS``: logits, probabilities, their sorted copies)
+_SAMPLER_VOCAB_BUFFERS = 4
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache one token of one sequence takes: keys and values of every layer
+    (``2 * layers * kv_heads * head_dim`` in the model's dtype), the memory planner's formula
+    (``planning.memory._generation_bytes``)."""
+    import torch
+
+    cfg = model.config
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * size
+
+
+def row_overhead_tokens(model) -> int:
+    """The sampler's per-row buffers (``_SAMPLER_VOCAB_BUFFERS`` float32 rows of the
+    vocabulary) in KV cache token slots, so that a request's cost is one number."""
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    return -(-(_SAMPLER_VOCAB_BUFFERS * vocab * 4) // kv_bytes_per_token(model))
+
+
+def default_batch_tokens(model, max_pos: int, memory_bytes: int | None = None) -> int:
+    """``max_batch_tokens`` from the memory the KV cache may use: ``memory_bytes``, else 80%
+    of the GPU's free memory (the model on a GPU) or half the machine's available memory
+    (on the CPU); at least one full-context sequence."""
+    if memory_bytes is None:
+        memory_bytes = _free_memory(next(model.parameters()).device)
+    per_token = kv_bytes_per_token(model)
+    return max(int(memory_bytes // per_token), max_pos + row_overhead_tokens(model))
+
+
+def _free_memory(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024 // 2
+    except (OSError, KeyError, ValueError):
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // 2
+
+
+class _Gone:
+    """The cancel event of one ``generate`` call (``kernel.check_cancel`` reads ``is_set``):
+    set when the engine is interrupted, or when no request of the call is still waiting, i.e.
+    each was answered or cancelled by its waiter (``Future.cancel``: the client disconnected),
+    so a call nobody waits for stops at its next token instead of running to its budget; and
+    ``dropped``, the rows of a call that others still wait for whose client left."""
+
+    def __init__(self, engine_cancel: threading.Event, futures: list):
+        self.engine_cancel, self.futures = engine_cancel, futures  # futures[k]: job k's request
+
+    def is_set(self) -> bool:
+        return self.engine_cancel.is_set() or all(f.done() for f in self.futures)
+
+    def dropped(self) -> set[int]:
+        """The call's rows whose request is cancelled (or answered): they leave the batch at
+        the kernel's next check while the others go on."""
+        return {k for k, f in enumerate(self.futures) if f.done()}
+
+
 def _split_calls(items: list, max_pos: int) -> list[list]:
     """Items of one settings group as ``generate`` calls: keys distinct within a call, and
     every prompt fits the context with the call's longest budget."""
@@ -495,10 +624,11 @@ def render_prompt(
     prompt, which open with the same request, are rendered once."""
     day = time.strftime("%Y-%m-%d")
     key = json.dumps([messages, tools, template_kwargs, day], sort_keys=True, default=repr)
-    kept = engine.prompts.get(key)
-    if kept is not None:
-        engine.prompts.move_to_end(key)
-        return list(kept)
+    with engine.prompts_lock:  # requests render on the tokenising thread, episodes on the loop
+        kept = engine.prompts.get(key)
+        if kept is not None:
+            engine.prompts.move_to_end(key)
+            return list(kept)
     try:
         ids = render(
             engine.tokenizer,
@@ -517,9 +647,10 @@ def render_prompt(
         ) from e
     if tools:
         tools_seen(engine, tools, template_kwargs)
-    engine.prompts[key] = tuple(ids)
-    if len(engine.prompts) > 256:
-        engine.prompts.popitem(last=False)
+    with engine.prompts_lock:
+        engine.prompts[key] = tuple(ids)
+        if len(engine.prompts) > 256:
+            engine.prompts.popitem(last=False)
     return ids
 
 
@@ -856,6 +987,17 @@ class Handler:
     def __init__(self, engine: Engine, recorder=None, max_tokens: int | None = None):
         self.engine, self.recorder, self.default_max_tokens = engine, recorder, max_tokens
         self.stored = ResponseStore()  # /v1/responses' previous_response_id
+        #: where prompts are rendered and tokenised: off the event loop, so that a long prompt
+        #: does not stall the other requests (``GET /v1/models`` answers meanwhile); one
+        #: thread, so the tokenizer is never used by two requests at once
+        self._tokenising = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="peergrade-tokenise"
+        )
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` on the tokenising thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenising, lambda: fn(*args))
 
     def check_model(self, body: dict) -> str:
         model = body.get("model")
@@ -886,7 +1028,7 @@ class Handler:
 
     def jobs(self, prompt_ids, settings: Settings, max_tokens: int, stop_ids=()) -> list[Job]:
         base = secrets.randbits(62) if settings.seed is None else settings.seed
-        return [
+        jobs = [
             Job(
                 list(prompt_ids),
                 max_tokens,
@@ -903,12 +1045,14 @@ class Handler:
             )
             for i in range(settings.n)
         ]
+        self.engine.check_fits(jobs)
+        return jobs
 
     async def generate(self, body: dict) -> dict:
         """vLLM's token-in ``POST /inference/v1/generate``: token ids in, token ids and
         log-probs out (``openai_schema.parse_generate``)."""
         self.check_model(body)
-        req = parse_generate(body, len(self.engine.tokenizer))
+        req = await self.off_loop(parse_generate, body, len(self.engine.tokenizer))
         refuse_unsupported(req.settings)
         asked = 16 if req.settings.max_tokens is None else req.settings.max_tokens  # vLLM's
         max_tokens = self.budget(req.prompt_ids, asked)
@@ -924,8 +1068,10 @@ class Handler:
         refuse_unsupported(settings)
         messages = normalise_messages(body.get("messages"))
         tools = offered_tools(body, settings)
-        prompt_ids = render_prompt(self.engine, messages, tools, settings.template_kwargs)
-        prefix, fed = forced_prefix(self.engine, tools, settings)  # a forced call's start
+        prompt_ids = await self.off_loop(
+            render_prompt, self.engine, messages, tools, settings.template_kwargs
+        )
+        prefix, fed = await self.off_loop(forced_prefix, self.engine, tools, settings)
         prompt_ids = prompt_ids + fed
         max_tokens = self.budget(prompt_ids, settings.max_tokens)
         jobs = self.jobs(prompt_ids, settings, max_tokens)
@@ -970,15 +1116,20 @@ class Handler:
         settings = parse_settings(body, chat=False)
         refuse_unsupported(settings)
         tok = self.engine.tokenizer
-        prompts = parse_prompts(body.get("prompt"), self.engine.encode, len(tok))
+        prompts = await self.off_loop(
+            parse_prompts, body.get("prompt"), self.engine.encode, len(tok)
+        )
         asked = settings.max_tokens if settings.max_tokens is not None else 16
         jobs = []  # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
         for ids in prompts:
             jobs += self.jobs(ids, settings, self.budget(ids, asked))
+        self.engine.check_fits(jobs, param="prompt")
         if settings.echo and settings.logprobs:  # the prompt's tokens scored too
             for j in jobs:
                 j.prompt_logprobs = max(settings.top_logprobs, j.prompt_logprobs or 0)
-        echoes = [tok.decode(ids) if settings.echo else "" for ids in prompts]
+        echoes = [""] * len(prompts)
+        if settings.echo:
+            echoes = await self.off_loop(lambda: [tok.decode(ids) for ids in prompts])
         if settings.stream and not settings.logprobs and len(prompts) == 1 and asked > 0:
             return live_completion(
                 self.engine, model, settings, prompts[0], jobs,
@@ -1016,9 +1167,37 @@ def _require_serve(module: str):
     )
 
 
-async def _read_json(request) -> dict:
+#: the default limit on a request body's bytes (``build_app(max_body_bytes=)``,
+#: ``peergrade serve --max-body-mb``): vLLM's and OpenAI's are of this order, and a longer
+#: body than this holds more text than any context served here
+MAX_BODY_BYTES = 16 * 2**20
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        f"the request body is larger than this server's limit of {limit} bytes "
+        "(peergrade serve --max-body-mb)",
+        status=413,
+        code="request_too_large",
+    )
+
+
+async def _read_json(request, limit: int = MAX_BODY_BYTES) -> dict:
+    """The body as a JSON object: refused (413) past ``limit`` bytes, whether the client said
+    so in ``Content-Length`` or not (a chunked body is counted as it comes), and parsed on a
+    worker thread (a large body does not stall the event loop)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        body = await request.json()
+        body = await asyncio.to_thread(json.loads, raw) if len(raw) > 65536 else json.loads(raw)
     except Exception as e:
         raise APIError(f"the request body is not JSON: {e}") from e
     if not isinstance(body, dict):
@@ -1026,10 +1205,43 @@ async def _read_json(request) -> dict:
     return body
 
 
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready (nothing is sent)."""
+
+
+async def _disconnected(request) -> None:
+    """Returns once the client of ``request`` (its body read) has disconnected."""
+    while True:
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # a server that hands out empty body messages: poll
+
+
+async def _unless_gone(request, work):
+    """``await work``, unless the client disconnects first: then ``work`` is cancelled (the
+    engine's future with it, so its ``generate`` call stops at its next token:
+    ``_Gone``) and ``ClientGone`` is raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        raise ClientGone()
+    return task.result()
+
+
 def _route(fn):
     """An endpoint of ``fn(request)``: a dict is JSON, anything else a server-sent event
     stream; a refused request (``APIError``) or a failure (500) is OpenAI's error shape."""
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.background import BackgroundTask
+    from starlette.responses import JSONResponse, Response, StreamingResponse
 
     def error(e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -1039,29 +1251,50 @@ def _route(fn):
             result = await fn(request)
         except APIError as e:
             return error(e)
+        except ClientGone:  # nobody to answer: an empty reply the server cannot send anyway
+            return Response(status_code=499)
         except GenerationCancelled as e:  # the server or the run is stopping
             return error(APIError(str(e), status=503, type="server_error", code="stopping"))
         except Exception as e:  # a bug or a model failure: a 500 in the same shape
             return error(APIError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream")
+        # closed after the stream, also when its client left before it began (a live stream's
+        # sampling is cancelled then: ``stream._Live``)
+        close = getattr(result, "aclose", None)
+        return StreamingResponse(
+            result, media_type="text/event-stream", background=close and BackgroundTask(close)
+        )
 
     return endpoint
 
 
-def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
+def build_app(
+    engine: Engine,
+    recorder=None,
+    *,
+    max_tokens: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+):
     """The Starlette app: the OpenAI routes, and the per-episode routes when a ``recorder``
-    (``serving.recorder.Recorder``) is given."""
+    (``serving.recorder.Recorder``) is given. A body over ``max_body_bytes`` is a 413; a
+    request whose client disconnects is cancelled (``_unless_gone``); an unknown route or
+    method is a 404 / 405 in OpenAI's error shape. ``api_key``: every request to ``/v1`` and
+    ``/inference`` must carry ``Authorization: Bearer <api_key>`` (vLLM's ``--api-key``),
+    else a 401."""
     _require_serve("starlette")
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     handler = Handler(engine, recorder, max_tokens)
 
     def plain(fn):  # fn(body)
         async def route(request):
-            return await fn(await _read_json(request))
+            body = await _read_json(request, max_body_bytes)
+            return await _unless_gone(request, fn(body))
 
         return _route(route)
 
@@ -1074,7 +1307,10 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
         async def route(request):
             rec = episode_of(request)
             retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
-            return await fn(handler, rec, await _read_json(request), retry)
+            body = await _read_json(request, max_body_bytes)
+            # not cancelled when its client leaves: a client that timed out sends it again
+            # as a retry, which gets the answer recorded for this one (``recorder``)
+            return await fn(handler, rec, body, retry)
 
         return _route(route)
 
@@ -1121,7 +1357,47 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
             methods=["POST"],
         ),
     ]
-    return Starlette(routes=routes)
+
+    async def http_error(request, exc: HTTPException):  # no such route, or not this method
+        if exc.status_code == 404:
+            msg = f"there is no route {request.url.path} (the OpenAI API is under /v1)"
+            code = "not_found"
+        elif exc.status_code == 405:
+            msg = f"{request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            msg, code = str(exc.detail), None
+        body = APIError(msg, status=exc.status_code, code=code).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return app if not api_key else _KeyCheck(app, api_key)
+
+
+class _KeyCheck:
+    """ASGI middleware: requests to ``/v1`` and ``/inference`` need ``Authorization: Bearer
+    <key>`` (compared in constant time); others get a 401 in OpenAI's error shape."""
+
+    _PROTECTED = ("/v1", "/inference")
+
+    def __init__(self, app, key: str):
+        self.app, self._want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(self._PROTECTED):
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._want):
+                from starlette.responses import JSONResponse
+
+                err = APIError(
+                    "incorrect or missing API key: send 'Authorization: Bearer <key>' with "
+                    "the key the server was started with (--api-key / PEERGRADE_API_KEY)",
+                    status=401, code="invalid_api_key",
+                )  # fmt: skip
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------- running it
@@ -1135,16 +1411,95 @@ def build_app(engine: Engine, recorder=None, *, max_tokens: int | None = None):
 KEEP_ALIVE_S = 75
 
 
+#: seconds a client has to send a request's headers once it connects or begins the request,
+#: and then its body: a connection that trickles them (slowloris) is closed with a 408
+HEADER_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 120.0
+
+
+def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S):
+    """uvicorn's httptools protocol with read deadlines, which uvicorn does not have: the
+    headers within ``header_timeout_s`` of the connection (or of a kept-alive connection's
+    next request beginning), the body within ``body_timeout_s`` of the headers; past one the
+    client gets a 408 and the connection is closed (a request being answered is not
+    affected: the deadlines end when the body is in). ``"auto"`` (no deadlines) without
+    httptools."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "auto"
+
+    class TimedProtocol(HttpToolsProtocol):
+        _read_timer = None
+
+        def _arm(self, seconds: float | None) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            self._read_timer = None
+            if seconds is not None:
+                self._read_timer = self.loop.call_later(seconds, self._read_timed_out)
+
+        def _read_timed_out(self) -> None:
+            self._read_timer = None
+            if not self.transport.is_closing():
+                if self.cycle is None or not self.cycle.response_started:
+                    self.transport.write(
+                        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                        b"connection: close\r\ncontent-length: "
+                        + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY
+                    )  # fmt: skip
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm(header_timeout_s)
+
+        def connection_lost(self, exc) -> None:
+            self._arm(None)
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm(header_timeout_s)
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._arm(body_timeout_s)
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._arm(None)
+
+    return TimedProtocol
+
+
+_TIMEOUT_BODY = json.dumps(
+    APIError(
+        "the request was not received in time (its headers or body came too slowly)",
+        status=408, code="request_timeout",
+    ).body()
+).encode()  # fmt: skip
+
+
 class Server:
     """The app served by uvicorn on a background thread (the trainer's server; tests).
-    ``port=0`` takes a free port; ``url`` is ``http://host:port``."""
+    ``port=0`` takes a free port; ``url`` is ``http://host:port``. ``header_timeout_s`` /
+    ``body_timeout_s``: ``timed_protocol``."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ):
         uvicorn = _require_serve("uvicorn")
 
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", lifespan="off",
-            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_keep_alive=KEEP_ALIVE_S, http=timed_protocol(header_timeout_s, body_timeout_s),
         )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -1174,6 +1529,18 @@ class Server:
         self.stop()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``): only this machine reaches it."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def serve(
     model,
     tokenizer,
@@ -1183,23 +1550,48 @@ def serve(
     port: int = 8000,
     max_tokens: int | None = None,
     window_s: float = 0.005,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    api_key: str | None = None,
+    max_batch_tokens: int | None = None,
+    kv_memory_bytes: int | None = None,
 ) -> None:
     """Serve until interrupted (``peergrade serve``). On Ctrl-C (or SIGTERM) the sampling call
     in flight stops at its next token and its requests are answered with an error, so the
     server's graceful shutdown (which waits for open requests) ends at once, and no thread is
-    inside the model when the process exits."""
+    inside the model when the process exits. Binding an address other than loopback without
+    an ``api_key`` prints a warning: anyone who can reach it can use the model."""
     uvicorn = _require_serve("uvicorn")
 
+    if not api_key and not is_loopback(host):
+        print(
+            f"warning: serving on {host} without an API key: anyone who can reach this "
+            "address can use the model; set --api-key (or PEERGRADE_API_KEY), or bind "
+            "127.0.0.1",
+            file=sys.stderr,
+            flush=True,
+        )
     engine = Engine(model, tokenizer, name, window_s=window_s)
+    if max_batch_tokens is None:
+        max_batch_tokens = default_batch_tokens(model, engine.max_pos, kv_memory_bytes)
+    engine.max_batch_tokens = max_batch_tokens
+    print(
+        f"admission: at most {max_batch_tokens} KV cache token slots per batch "
+        f"({kv_bytes_per_token(model)} bytes each; --max-batch-tokens)",
+        file=sys.stderr,
+        flush=True,
+    )
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             engine.interrupt(wait_s=0)  # does not wait: this is the signal handler
             super().handle_exit(sig, frame)
 
+    app = build_app(engine, max_tokens=max_tokens, max_body_bytes=max_body_bytes, api_key=api_key)
     config = uvicorn.Config(
-        build_app(engine, max_tokens=max_tokens), host=host, port=port, log_level="info",
-        timeout_keep_alive=KEEP_ALIVE_S,
+        app, host=host, port=port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S,
+        http=timed_protocol(header_timeout_s, body_timeout_s),
     )  # fmt: skip
     server = _Server(config)
     try:

@@ -153,6 +153,34 @@ async def _sure_text(q: asyncio.Queue, shown: list[_Shown]):
         yield i, shown[i].add(token)
 
 
+class _Live:
+    """A live stream's ``events``: when the stream ends before them (the client disconnected:
+    the server cancels the task that sends it, or closes the stream, even one never started),
+    the engine's future is cancelled, so that the call sampling for it stops at its next
+    token (``server._Gone``)."""
+
+    def __init__(self, events, fut):
+        self._events, self._fut = events, fut
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._events.__anext__()
+        except BaseException:  # the end (the future is done then), or a cancellation
+            self._cancel()
+            raise
+
+    def _cancel(self) -> None:
+        if not self._fut.done():
+            self._fut.cancel()
+
+    async def aclose(self) -> None:
+        self._cancel()
+        await self._events.aclose()
+
+
 def _error_event(e: BaseException) -> str:
     """OpenAI's error shape (a ``server.APIError``'s own body, else a server error)."""
     if hasattr(e, "body"):
@@ -219,7 +247,7 @@ def live_chat(
         ):
             yield c
 
-    return events()
+    return _Live(events(), fut)
 
 
 def live_completion(
@@ -271,7 +299,7 @@ def live_completion(
         for c in _ending(settings, rid, "text_completion", created, model, prompt_ids, sampled):
             yield c
 
-    return events()
+    return _Live(events(), fut)
 
 
 def whole_completion(
