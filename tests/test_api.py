@@ -234,6 +234,7 @@ def test_every_mapped_field_sets_the_key_it_names():
         "use_vllm": True,
         "vllm_gpu_memory_utilization": 0.5,
         "vllm_max_model_length": 256,
+        "chat_template_path": "hermes",
     }
     # need rows / rewards / strategy; read by GRPOTrainer.train
     skip = {"num_train_epochs", "reward_weights", "eval_steps", "overwrite_output_dir"}

@@ -104,6 +104,11 @@ MAPPED: dict[str, tuple[str, str]] = {
         "None = peergrade's default",
     ),
     "temperature": ("rollout.temperature", "as is"),
+    "chat_template_path": (
+        "model.chat_template",
+        "a Jinja file, a tokenizer directory (its chat template) or a bundled name ('hermes', "
+        "'llama3'); None = the tokenizer's own (TRL's SFTConfig field, taken by GRPOConfig here)",
+    ),
     "top_p": ("rollout.top_p", "as is"),
     "top_k": ("rollout.top_k", "as is (0 = off)"),
     "learning_rate": ("optim.lr", "as is"),
@@ -439,6 +444,7 @@ class GRPOConfig:
     use_vllm: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     vllm_max_model_length: int | None = None
+    chat_template_path: str | None = None
     peergrade: dict[str, Any] | None = None  # any peergrade key: {"rollout.async_steps": 1}
 
     def __init__(self, output_dir: str | None = None, **kwargs):
@@ -683,6 +689,8 @@ class GRPOConfig:
             out.append(("env.max_tool_calling_iterations", self.max_tool_calling_iterations))
         if self.save_total_limit is not None:
             out.append(("train.keep_last", self.save_total_limit))
+        if self.chat_template_path is not None:
+            out.append(("model.chat_template", str(self.chat_template_path)))
         if self.use_cpu:
             out.append(("model.device", "cpu"))
         # use_vllm: colocate, the only vllm_mode (UNSUPPORTED refuses "server")

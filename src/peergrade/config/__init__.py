@@ -134,6 +134,16 @@ class ModelConfig:
         "step. No effect on CPU or with LoRA (whose reference is the adapter disabled).",
         False,
     )
+    chat_template: str | None = doc(
+        "The chat template to use instead of the tokenizer's own (TRL's chat_template_path): a "
+        "Jinja file, or a bundled name: 'hermes' (alias 'qwen2.5': ChatML with the tools in "
+        "the system turn and <tool_call>{json}</tool_call> calls, for SmolLM2, Qwen and other "
+        "ChatML models) or 'llama3' (Llama 3.1's JSON calls, for Llama 3 tokenizers). Used for "
+        "every prompt (training, evaluation, the endpoint) and saved with every checkpoint and "
+        "export. Tool calls are parsed in the format the template writes. null = the "
+        "tokenizer's own. docs/environments.md, 'Your tools on your model'.",
+        None,
+    )
     lora: LoraConfig = doc("LoRA settings.", default_factory=LoraConfig)
 
 

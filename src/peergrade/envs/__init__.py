@@ -5,8 +5,8 @@
 - ``template``: chat-template token deltas and the start-up check that a template is
   prefix-preserving.
 - ``tools``: TRL's contract (``tools=[fn, ...]``, ``environment_factory``,
-  ``max_tool_calling_iterations``) as a native environment: schemas, Hermes/Qwen2 tool-call
-  parsing, tool execution.
+  ``max_tool_calling_iterations``) as a native environment: schemas, Hermes/Qwen2 and Llama 3
+  JSON tool-call parsing (the chat template's format), tool execution.
 - ``runner``: ``run_episodes``, which samples the model's turns batched with one KV cache per
   episode kept across turns, and returns ``Episode`` records with separate attention and loss masks.
 - ``load``: ``make_env_from_specs``, the environment factory named by ``--tools FILE:fn`` /

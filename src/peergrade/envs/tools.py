@@ -32,8 +32,10 @@ end of the run. A tool method of an environment instance that cannot be pickled 
 of the trainer instead (stopped past its limit by an exception raised in it: Python code stops,
 C code that never returns cannot), said once per class.
 
-Not done here: other model families' call formats (Llama 3 JSON, Mistral ``[TOOL_CALLS]``) and
-the code sandbox for Python-code tools.
+Llama 3's JSON calls (``{"name": ..., "parameters": ...}``) are parsed when the chat template
+writes them (``ToolEnvironment.tool_format``, set from ``model.chat_templates.tool_format`` by
+whoever knows the tokenizer: the factory's ``tool_format`` attribute). Not done here: other
+families' call formats (Mistral ``[TOOL_CALLS]``) and the code sandbox for Python-code tools.
 """
 
 from __future__ import annotations
@@ -107,8 +109,11 @@ def check_result(name: str, value: Any) -> Any:
     return value
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
+def parse_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[dict], list[str]]:
     """Split an assistant turn into (content without the calls, calls, errors).
+
+    ``fmt``: the call format of the chat template (``model.chat_templates.tool_format``):
+    ``"hermes"`` (below) or ``"llama3"`` (``parse_llama3_tool_calls``).
 
     Calls are ``{"type": "function", "function": {"name": str, "arguments": dict}}`` (the
     message format chat templates render); ``arguments`` may also arrive as a JSON string. Each
@@ -116,6 +121,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
     and its raw text stays in the content: the logged messages, the report and the reward
     functions see what the model wrote, as the trained tokens are what it sampled.
     """
+    if fmt == "llama3":
+        return parse_llama3_tool_calls(text)
+    if fmt != "hermes":
+        raise ValueError(f"tool call format {fmt!r}: expected 'hermes' or 'llama3'")
     calls: list[dict] = []
     errors: list[str] = []
 
@@ -148,6 +157,47 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
     if _OPEN in _CALL.sub("", text):
         errors.append("unclosed <tool_call> (no </tool_call>)")
     return rest.strip(), calls, errors
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_tool_calls(text: str) -> tuple[str, list[dict], list[str]]:
+    """``parse_tool_calls`` for Llama 3's JSON calls: a turn that is (after an optional
+    ``<|python_tag|>``) one or more ``{"name": ..., "parameters": {...}}`` objects (``arguments``
+    is read too), separated by ``;`` or whitespace, is calls with content ""; a turn that starts
+    otherwise is an answer. A turn that starts with ``<|python_tag|>`` or ``{"name"`` but is not
+    such a list of objects is one error, its text kept as the content."""
+    stripped = text.strip()
+    tagged = stripped.startswith(_PYTHON_TAG)
+    body = stripped[len(_PYTHON_TAG) :].strip() if tagged else stripped
+    if not tagged and not re.match(r'\{\s*"name"\s*:', body):
+        return stripped, [], []
+    decoder = json.JSONDecoder()
+    calls: list[dict] = []
+    i = 0
+    while i < len(body):
+        if body[i] in "; \t\r\n":
+            i += 1
+            continue
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError as e:
+            return stripped, [], [f"tool call is not valid JSON ({e.msg}): {body[:200]}"]
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            shape = '{"name": ..., "parameters": {...}}'
+            return stripped, [], [f"tool call must be {shape}, got {body[:200]}"]
+        args = obj.get("parameters", obj.get("arguments", {}))
+        if isinstance(args, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                args = json.loads(args) if args.strip() else {}
+        if not isinstance(args, dict):
+            bad = f"arguments of tool call {obj['name']} must be a JSON object, got {args!r}"
+            return stripped, [], [bad]
+        calls.append({"type": "function", "function": {"name": obj["name"], "arguments": args}})
+    if not calls:
+        return stripped, [], [f"{_PYTHON_TAG} with no tool call after it"]
+    return "", calls, []
 
 
 class ToolLimiter:
@@ -411,8 +461,10 @@ class ToolEnvironment:
         tool_timeout: float | None = None,
         max_tool_output_chars: int | None = None,
         limiter: ToolLimiter | None = None,
+        tool_format: str = "hermes",
     ):
         self.instance = instance
+        self.tool_format = tool_format  # the chat template's call format (parse_tool_calls)
         fns = list(tools)
         self.limiter = limiter or ToolLimiter(tools=fns)
         if instance is not None:
@@ -451,7 +503,7 @@ class ToolEnvironment:
         return _with_observation(messages, observation)
 
     async def step(self, message: dict) -> Step:
-        content, calls, errors = parse_tool_calls(message["content"])
+        content, calls, errors = parse_tool_calls(message["content"], self.tool_format)
         if not calls and not errors:
             return Step(done=True, finish_reason="answer")
         if self.max_iterations is not None and self.iterations >= self.max_iterations:
@@ -579,7 +631,11 @@ def tool_environment_factory(
             tool_timeout,
             max_tool_output_chars,
             limiter,
+            make.tool_format,
         )
 
+    # the chat template's call format: set by whoever prepares the tokenizer (the trainer,
+    # ``peergrade eval``) from ``model.chat_templates.tool_format``; read at each episode
+    make.tool_format = "hermes"
     make.end_batch = limiter.report  # run_episodes: the batch's timed-out calls, one line a tool
     return make

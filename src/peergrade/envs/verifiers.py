@@ -169,8 +169,10 @@ def load_verifiers(
             t = t.with_data()  # a copy per episode
         env = VerifiersEnvironment(vf, t, shared, agent_config, max_turns, ready)
         env.timeout, env.max_chars = tool_timeout, max_tool_output_chars
+        env.tool_format = make.tool_format
         return env
 
+    make.tool_format = "hermes"  # the chat template's call format (envs.tools.parse_tool_calls)
     make.task = task
     make.environment_class = None
     return make
@@ -337,6 +339,8 @@ async def _stop_fired(vf, hooks: list, values: dict[type, Any]) -> str | None:
 class VerifiersEnvironment:
     """One episode of a verifiers task in the native protocol (see the module docstring)."""
 
+    tool_format = "hermes"  # the chat template's call format (set by ``load_verifiers``'s make)
+
     def __init__(
         self, vf, task, shared: list, agent_config, max_turns: int | None, ready: set[int]
     ):
@@ -430,7 +434,7 @@ class VerifiersEnvironment:
 
     async def step(self, message: dict) -> Step:
         vf = self.vf
-        content, calls, errors = parse_tool_calls(message["content"])
+        content, calls, errors = parse_tool_calls(message["content"], self.tool_format)
         ids = [f"call_{uuid.uuid4().hex[:12]}" for _ in calls]
         reply = vf.AssistantMessage(
             content=content if calls or errors else message["content"],

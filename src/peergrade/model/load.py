@@ -148,11 +148,12 @@ def _tokenizer_class(p: Path):
     return transformers.AutoTokenizer
 
 
-def load_tokenizer(path):
+def load_tokenizer(path, chat_template: str | None = None):
     """The tokenizer saved in ``path``, with ``padding_side="left"`` (for batched generation).
 
     If the tokenizer has no pad token but has an eos token, pad is set to eos (with a warning);
-    with neither, ``ModelLoadError``.
+    with neither, ``ModelLoadError``. ``chat_template``: a bundled template's name or a file
+    (``model.chat_template``, see ``model.chat_templates``) replacing the tokenizer's own.
     """
     from peergrade.model.gguf import find_gguf, load_gguf_tokenizer
 
@@ -170,13 +171,23 @@ def load_tokenizer(path):
             tok = _tokenizer_class(p).from_pretrained(str(p), local_files_only=True)
         except Exception as e:  # transformers raises many types; re-raise as one clear error
             raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}") from e
-    return prepare_tokenizer(tok, f"tokenizer in {str(p)!r}")
+    return prepare_tokenizer(tok, f"tokenizer in {str(p)!r}", chat_template)
 
 
-def prepare_tokenizer(tok, where: str = "the tokenizer"):
+def prepare_tokenizer(tok, where: str = "the tokenizer", chat_template: str | None = None):
     """``tok`` set up for batched generation: ``padding_side="left"``, and pad = eos (with a
     warning) when it has no pad token; neither is a ``ModelLoadError``. Also for a tokenizer
-    object a Python caller passes (``peergrade.api``'s ``processing_class``)."""
+    object a Python caller passes (``peergrade.api``'s ``processing_class``).
+
+    ``chat_template`` (``model.chat_template``: a bundled name or a file, resolved by
+    ``model.chat_templates.resolve_chat_template``) becomes ``tok.chat_template``: every prompt
+    rendered with this tokenizer uses it, and every directory it is saved into
+    (``save_tokenizer``: checkpoints, ``peergrade sft``, exports) carries it for AutoTokenizer."""
+    from peergrade.model.chat_templates import resolve_chat_template
+
+    template = resolve_chat_template(chat_template)
+    if template is not None:
+        tok.chat_template = template
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ModelLoadError(

@@ -569,7 +569,7 @@ def prompt_length(cfg, n: int = 64) -> int:
     from peergrade.training.components import build_few_shot, build_task, encode_rows
 
     task = build_task(cfg)
-    tok = load_tokenizer(resolve_model_path(cfg.model.path))
+    tok = load_tokenizer(resolve_model_path(cfg.model.path), cfg.model.chat_template)
     rows = list(itertools.islice(task.train_rows(cfg.train.seed), n))
     rows, _ = build_few_shot(cfg, task).apply(rows, step=1)
     return max(len(x) for x in encode_rows(cfg, task, tok, rows))

@@ -6,7 +6,8 @@ that agents use, as vLLM speaks them:
 
 - ``GET /v1/models``;
 - ``POST /v1/chat/completions``: ``messages``, ``tools`` (rendered by the model's chat template;
-  Hermes/Qwen2 ``<tool_call>`` blocks in the reply are parsed with ``envs.tools.parse_tool_calls``
+  Hermes/Qwen2 ``<tool_call>`` blocks in the reply, or Llama 3 JSON calls when the template
+  writes those (``Engine.tool_format``), are parsed with ``envs.tools.parse_tool_calls``
   into ``message.tool_calls``, finish_reason ``tool_calls``), ``tool_choice`` (``auto``,
   ``none``, ``required``, a named function), ``n``, ``temperature`` (0 =
   greedy), ``top_p``, ``top_k`` (vLLM's extra), ``max_tokens`` / ``max_completion_tokens``,
@@ -226,6 +227,11 @@ class Engine:
         self.row_tokens = row_overhead_tokens(model)
         self._carry = None  # a request taken from the queue but left for the next batch
         self.chat_template = chat_template
+        from peergrade.model.chat_templates import tool_format
+
+        #: the call format replies are parsed in: the one the chat template writes
+        #: (``model.chat_templates.tool_format``: Hermes ``<tool_call>`` or Llama 3 JSON)
+        self.tool_format = tool_format(chat_template or getattr(tokenizer, "chat_template", None))
         #: a request's ``tools`` that the chat template does not show the model (``tools_seen``):
         #: ``warn`` (``peergrade serve``: a line in the log, once per tool set), ``error`` (a
         #: training endpoint: a 400, unless ``env.unrendered_tools``) or ``allow``
@@ -776,7 +782,7 @@ def chat_choice(
     content = _strip_stop(s.text, s.finish, settings.stop)
     calls, errors = [], []
     if tools:
-        content, calls, errors = parse_tool_calls(content)
+        content, calls, errors = parse_tool_calls(content, engine.tool_format)
     finish = "tool_calls" if calls else ("length" if s.finish == "length" else "stop")
     msg: dict[str, Any] = {
         "role": "assistant",

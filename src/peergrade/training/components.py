@@ -185,12 +185,25 @@ def check_env_template(cfg: Config, tokenizer=None, make_env=None) -> None:
     from peergrade.envs.template import check_tools_rendered
 
     if tokenizer is None:
-        tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model.path), cfg.model.chat_template)
+    else:  # a Python caller's tokenizer, with model.chat_template (TRL's chat_template_path)
+        tokenizer = prepare_tokenizer(tokenizer, chat_template=cfg.model.chat_template)
+    set_tool_format(make_env, tokenizer)
     eos = tokenizer.eos_token_id
     with user_input("model"):
         check_template(tokenizer, eos_ids=[] if eos is None else [eos])
         if not cfg.env.unrendered_tools:
             check_tools_rendered(tokenizer, getattr(make_env, "tool_schemas", None) or [])
+
+
+def set_tool_format(make_env, tokenizer) -> None:
+    """The environments of ``make_env`` parse tool calls in the format the tokenizer's chat
+    template writes them (``model.chat_templates.tool_format``: Hermes ``<tool_call>`` or
+    Llama 3 JSON)."""
+    if make_env is not None and hasattr(make_env, "tool_format"):
+        from peergrade.model.chat_templates import tool_format
+
+        make_env.tool_format = tool_format(getattr(tokenizer, "chat_template", None))
 
 
 def episode_rows(cfg: Config, task, rows: list[dict]) -> list[dict]:
@@ -226,11 +239,16 @@ def setup_models(cfg: Config, policy=None, tokenizer=None) -> Models:
     dtype = resolve_dtype(cfg.model.dtype, device)
     path = resolve_model_path(cfg.model.path)
     gc = cfg.gradient_checkpointing_on(device.type)
+    template = cfg.model.chat_template  # set on the tokenizer: every prompt and save uses it
     if policy is None:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, template)
         policy = load_model(path, dtype=dtype, device=str(device), gradient_checkpointing=gc)
     else:
-        tokenizer = prepare_tokenizer(tokenizer) if tokenizer is not None else load_tokenizer(path)
+        tokenizer = (
+            prepare_tokenizer(tokenizer, chat_template=template)
+            if tokenizer is not None
+            else load_tokenizer(path, template)
+        )
         policy = prepare_model(policy, device=device, gradient_checkpointing=gc)
     if cfg.model.disable_dropout:
         disable_dropout(policy)

@@ -17,6 +17,15 @@ calculator's tool schemas, as the episodes are (templates that show tools in the
 e.g. Qwen2.5's, show them to the warm-up too). This is how the calculator demo's model
 (``assets/tiny-calc``) is made: it calls the tool on some problems and answers others in its head.
 
+With ``tools`` (``peergrade sft --tools FILE:fn``), every example is a warm-up episode built
+from the user's own tools (``tool_warmup_rows``): a prompt (a row of ``--data`` with its
+``call``, or one written from the tool's schema and docstring with arguments drawn from the
+schema's types), the model's call in the format the chat template writes
+(``model.chat_templates.format_tool_call``), the tool's real result as the environment appends
+it (its text, no loss), and the final answer (the row's ``answer``, else the result). It teaches
+the format, not the task. ``chat_template`` (``--chat-template``) replaces the tokenizer's
+template first and is saved with the output, so GRPO renders prompts as the warm-up did.
+
 This module is not a general SFT trainer (no packing, no LoRA, no eval loop).
 """
 
@@ -119,6 +128,97 @@ def with_tool_turns(rows, fraction: float, seed: int):
         yield row
 
 
+_WORDS = ("alpha", "blue", "river", "seven", "paris", "meter", "cloud", "north")
+
+
+def _draw_argument(schema: dict, rng) -> object:
+    """A value of a JSON-schema type (an enum's member when it has one)."""
+    if schema.get("enum"):
+        return rng.choice(list(schema["enum"]))
+    kind = schema.get("type", "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    if kind == "integer":
+        return rng.randint(1, 999)
+    if kind == "number":
+        return round(rng.uniform(0, 100), rng.choice((0, 1, 2)))
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [_draw_argument(schema.get("items") or {}, rng) for _ in range(rng.randint(1, 3))]
+    if kind == "object":
+        return {}
+    return rng.choice(_WORDS)
+
+
+def _schema_prompt(fn: dict, args: dict) -> str:
+    """A request for a call of the tool ``fn`` (its schema) with ``args``, from its description."""
+    what = (fn.get("description") or fn["name"]).strip().split("\n")[0].rstrip(".")
+    given = ", ".join(f"{k} = {json.dumps(v)}" for k, v in args.items())
+    return f"{what}: {given}." if given else f"{what}."
+
+
+def tool_warmup_rows(fns, *, fmt: str, seed: int, rows: list[dict] | None = None):
+    """Endless warm-up episodes (``{"prompt", "turns"}``) calling the tools ``fns`` (functions
+    with schemas): ``rows`` (each with ``prompt`` and ``call``: ``{"name", "arguments"}``, and an
+    optional ``answer``) in a seeded order, else prompts written from each tool's schema with
+    arguments drawn from its types. The call is written in ``fmt`` (the chat template's call
+    format); the tool really runs, and its result is the tool message's text as the
+    environment sends it; the final answer is ``answer`` or that result."""
+    import random
+
+    from peergrade.envs.tools import _result_text, check_result, tool_schema
+    from peergrade.errors import InputError
+    from peergrade.model.chat_templates import format_tool_call
+
+    registry = {fn.__name__: fn for fn in fns}
+    schemas = {fn.__name__: tool_schema(fn, "--tools")["function"] for fn in fns}
+    for i, row in enumerate(rows or []):
+        c = row.get("call") if isinstance(row, dict) else None
+        if (
+            not isinstance(row, dict)
+            or "prompt" not in row
+            or not isinstance(c, dict)
+            or c.get("name") not in registry
+            or not isinstance(c.get("arguments", {}), dict)
+        ):
+            raise InputError(
+                f"warm-up row {i}: expected {{'prompt': ..., 'call': {{'name': one of "
+                f"{sorted(registry)}, 'arguments': {{...}}}}, 'answer' (optional)}}, got "
+                f"{str(row)[:200]}"
+            )
+    rng = random.Random(f"sft/tools/{seed}")
+    order: list[dict] = []
+    while True:
+        if rows:
+            if not order:
+                order = list(rows)
+                rng.shuffle(order)
+            row = order.pop()
+            name, args = row["call"]["name"], dict(row["call"].get("arguments") or {})
+            prompt, answer = row["prompt"], row.get("answer")
+        else:
+            name = rng.choice(sorted(registry))
+            props = schemas[name].get("parameters", {}).get("properties", {})
+            args = {k: _draw_argument(v, rng) for k, v in props.items()}
+            prompt, answer = _schema_prompt(schemas[name], args), None
+        try:
+            result = check_result(name, registry[name](**args))
+        except InputError:
+            raise
+        except Exception as e:  # the tool's own failure: the model reads it, as in an episode
+            result = {"error": str(e) or type(e).__name__}
+        text, _ = _result_text(result, None)
+        yield {
+            "prompt": prompt,
+            "turns": [
+                {"role": "assistant", "content": format_tool_call(name, args, fmt)},
+                {"role": "tool", "name": name, "content": text},
+                {"role": "assistant", "content": str(text if answer is None else answer)},
+            ],
+        }
+
+
 def calculator_tools() -> list[dict]:
     """The tool schemas a calculator episode is rendered with (``envs.calculator.Calculator``'s,
     as the episode runner reads them from the environment)."""
@@ -135,7 +235,9 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
     )
 
 
-def _check_sft_args(out_path: Path, *, overwrite, steps, batch_size, lr, tool_fraction, task):
+def _check_sft_args(
+    out_path: Path, *, overwrite, steps, batch_size, lr, tool_fraction, task, tools=None
+):
     """Raise for an occupied or unwritable output dir or bad settings, before any model loads."""
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:
         raise RunDirError(f"output dir {str(out_path)!r} exists and is not empty; pass --overwrite")
@@ -146,15 +248,39 @@ def _check_sft_args(out_path: Path, *, overwrite, steps, batch_size, lr, tool_fr
         )
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"sft: tool_fraction must be in [0, 1] (got {tool_fraction})")
+    if tools and tool_fraction:
+        raise ValueError(
+            "sft: --tools makes every example a warm-up episode with your tools; "
+            "--tool-fraction (the calculator's episodes) cannot be added to it"
+        )
     if tool_fraction and task != "arithmetic":
         raise ValueError(
             f"sft: tool_fraction needs the arithmetic task (its calculator episodes), got {task!r}"
         )
 
 
-def _start_model(init, model, *, seed, model_sizes, tool_fraction):
+def _load_tools(tools) -> list:
+    """The tool functions of ``tools`` (specs are loaded as ``env.tools`` are), schema-checked."""
+    from peergrade.envs.load import load_object
+    from peergrade.envs.tools import tool_schema
+
+    fns = [load_object(t, "--tools") if isinstance(t, str) else t for t in tools or []]
+    for fn in fns:
+        tool_schema(fn, "--tools")
+    return fns
+
+
+def _read_warmup_rows(path: str) -> list[dict]:
+    """The rows of a warm-up data file (JSONL, JSON, CSV, Parquet or a saved dataset)."""
+    from peergrade.tasks.files import read_rows
+
+    numbered, _ = read_rows(path)
+    return [row for _, row in numbered]
+
+
+def _start_model(init, model, *, seed, model_sizes, tool_fraction, chat_template=None):
     """(model, tokenizer): a fresh tiny ``init`` architecture, or the model directory ``model``."""
-    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
     from peergrade.model.tiny import (
         COMPACT_CHAT_TEMPLATE,
         COMPACT_TOOL_CHAT_TEMPLATE,
@@ -168,9 +294,12 @@ def _start_model(init, model, *, seed, model_sizes, tool_fraction):
         template = COMPACT_TOOL_CHAT_TEMPLATE if tool_fraction else COMPACT_CHAT_TEMPLATE
         tok = build_char_tokenizer(chat_template=template)
         net, tok = build_tiny_model(init, tok, seed=seed, **sizes)
+        tok = prepare_tokenizer(tok, chat_template=chat_template)
     else:
-        tok = load_tokenizer(model)
-        net = load_model(model, dtype="float32", device="cpu")
+        from peergrade.model.load import resolve_model_path
+
+        tok = load_tokenizer(resolve_model_path(model), chat_template)
+        net = load_model(resolve_model_path(model), dtype="float32", device="cpu")
     return net, tok
 
 
@@ -206,36 +335,58 @@ def run_sft(
     threads: int = 0,
     model_sizes: dict | None = None,
     tool_fraction: float = 0.0,
+    tools: list | None = None,
+    data: str | None = None,
+    chat_template: str | None = None,
     log=print,
     on_step=None,
 ) -> Path:
-    """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir."""
+    """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir.
+
+    ``tools``: the user's tools ('file.py:fn' / 'module:fn' specs or the functions): every
+    example is a warm-up episode calling them (``tool_warmup_rows``; ``data``: a file of rows
+    with ``prompt``, ``call`` and an optional ``answer``). ``chat_template``: a bundled name or
+    a file replacing the tokenizer's template (``model.chat_template``), saved with the model."""
     out_path = Path(out)
     _check_sft_args(
         out_path, overwrite=overwrite, steps=steps, batch_size=batch_size, lr=lr,
-        tool_fraction=tool_fraction, task=task,
+        tool_fraction=tool_fraction, task=task, tools=tools,
     )  # fmt: skip
+    fns = _load_tools(tools)  # the user's files: every problem before a model loads
+    warm_rows = _read_warmup_rows(data) if data else None
     if threads:
         torch.set_num_threads(threads)
-    the_task = load_task(task, **(task_options or {}))
+    the_task = None if fns else load_task(task, **(task_options or {}))
     torch.manual_seed(seed)
     net, tok = _start_model(
-        init, model, seed=seed, model_sizes=model_sizes, tool_fraction=tool_fraction
-    )
+        init, model, seed=seed, model_sizes=model_sizes,
+        tool_fraction=tool_fraction or bool(fns), chat_template=chat_template,
+    )  # fmt: skip
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warm = 20  # fixed, so a run of N steps is the prefix of a longer one
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm))
-    rows = the_task.train_rows(seed)
-    tools = None
+    schemas = None
+    system_prompt = None
+    if fns:
+        from peergrade.envs.tools import tool_schema
+        from peergrade.model.chat_templates import tool_format
+
+        fmt = tool_format(tok.chat_template)
+        rows = tool_warmup_rows(fns, fmt=fmt, seed=seed, rows=warm_rows)
+        schemas = [tool_schema(fn) for fn in fns]
+        log(f"sft: warm-up episodes calling {', '.join(f.__name__ for f in fns)} ({fmt} calls)")
+    else:
+        rows = the_task.train_rows(seed)
+        system_prompt = the_task.system_prompt
     if tool_fraction:
         rows = with_tool_turns(rows, tool_fraction, seed)
-        tools = calculator_tools()
+        schemas = calculator_tools()
     t0 = time.perf_counter()
     loss_ema = None
     for step in range(1, steps + 1):
         batch = [next(rows) for _ in range(batch_size)]
-        ii, am, lab = sft_batch(batch, tok, the_task.system_prompt, tools)
+        ii, am, lab = sft_batch(batch, tok, system_prompt, schemas)
         loss = sft_loss(net, ii, am, lab)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -249,8 +400,11 @@ def run_sft(
             log(f"sft step {step}/{steps}  loss {loss_ema:.4f}  ({time.perf_counter() - t0:.0f} s)")
     net.eval()
     info = {
-        "task": task,
-        "task_options": task_options or {},
+        "task": None if fns else task,
+        "task_options": {} if fns else task_options or {},
+        **({"tools": [getattr(f, "__name__", str(f)) for f in fns]} if fns else {}),
+        **({"data": data} if data else {}),
+        **({"chat_template": chat_template} if chat_template else {}),
         "steps": steps,
         "batch_size": batch_size,
         "lr": lr,
