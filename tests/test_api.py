@@ -287,8 +287,10 @@ def test_import_peergrade_stays_light():
 
 def _rows(n: int = 4) -> list[dict]:
     pairs = [(12, 7), (23, 41), (30, 15), (8, 9), (44, 21), (17, 17)][:n]
-    return [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
-            for a, b in pairs]  # fmt: skip
+    return [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+        for a, b in pairs
+    ]
 
 
 def _long_context_model(tmp_path) -> Path:
@@ -421,16 +423,22 @@ def test_in_memory_objects_reach_the_trainer(tmp_path):
         return [0.0 for _ in completions]
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, num_generations=2,
-        max_steps=1, max_completion_length=4, gradient_checkpointing=False,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=4,
+        gradient_checkpointing=False,
+    )
     trainer = GRPOTrainer(model, shortness, args, _rows(2), processing_class=tok)
     assert trainer.model is model and trainer.reward_funcs == [shortness]
-    assert trainer.config.rewards[0].name.endswith(":test_in_memory_objects_reach_the_trainer."
-                                                   "<locals>.shortness")  # fmt: skip
+    assert trainer.config.rewards[0].name.endswith(
+        ":test_in_memory_objects_reach_the_trainer.<locals>.shortness"
+    )
     with pytest.raises(Exception, match=r"train_dataset: row 2: missing column 'prompt'"):
-        GRPOTrainer(model, shortness, args, [{"prompt": "1+1="}, {"question": "x"}],
-                    processing_class=tok)  # fmt: skip
+        GRPOTrainer(
+            model, shortness, args, [{"prompt": "1+1="}, {"question": "x"}], processing_class=tok
+        )
 
 
 @pytest.mark.slow
@@ -458,14 +466,24 @@ def test_lora_eval_dataset_and_callbacks(tmp_path):
         return [float(c[0]["content"].strip() == s) for c, s in zip(completions, solution)]
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-        max_steps=2, max_completion_length=4, gradient_checkpointing=False, learning_rate=1e-3,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=2,
+        max_completion_length=4,
+        gradient_checkpointing=False,
+        learning_rate=1e-3,
+    )
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = GRPOTrainer(
-        model=str(BUNDLED_MODEL), reward_funcs=[exact], args=args, train_dataset=_rows(4),
-        eval_dataset=_rows(2), peft_config=lora, callbacks=[Recorder()],
-    )  # fmt: skip
+        model=str(BUNDLED_MODEL),
+        reward_funcs=[exact],
+        args=args,
+        train_dataset=_rows(4),
+        eval_dataset=_rows(2),
+        peft_config=lora,
+        callbacks=[Recorder()],
+    )
     assert trainer.config.model.lora.enabled and trainer.config.model.lora.r == 4
     base = {k: v.clone() for k, v in trainer.model.named_parameters() if "lora_" not in k}
     trainer.train()
@@ -503,9 +521,14 @@ def test_native_api_trains_a_config(tmp_path):
 
 def _tiny_args(out, **kw) -> GRPOConfig:
     return GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
-        max_completion_length=4, gradient_checkpointing=False, save_strategy="no", **kw,
-    )  # fmt: skip
+        output_dir=str(out),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        **kw,
+    )
 
 
 def _zero(completions, **kw):
@@ -530,8 +553,9 @@ def test_ctrl_c_saves_raises_and_resumes_and_overwrite_replaces_as_in_trl(tmp_pa
             if state.global_step == 1:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    trainer = GRPOTrainer(str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2),
-                          callbacks=[CtrlC()])  # fmt: skip
+    trainer = GRPOTrainer(
+        str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=3), _rows(2), callbacks=[CtrlC()]
+    )
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     said = capsys.readouterr()
@@ -548,8 +572,9 @@ def test_ctrl_c_saves_raises_and_resumes_and_overwrite_replaces_as_in_trl(tmp_pa
     assert result.global_step == 3
     assert [h["step"] for h in again.state.log_history] == [2, 3]
 
-    fresh = GRPOTrainer(str(BUNDLED_MODEL), _zero,
-                        _tiny_args(out, max_steps=1, overwrite_output_dir=True), _rows(2))  # fmt: skip
+    fresh = GRPOTrainer(
+        str(BUNDLED_MODEL), _zero, _tiny_args(out, max_steps=1, overwrite_output_dir=True), _rows(2)
+    )
     assert fresh.train().global_step == 1
     assert not (out / "checkpoints" / "step-3").exists()  # replaced, not continued
 
@@ -583,15 +608,24 @@ def test_sigterm_in_train_raises_the_public_terminated(tmp_path):
 
 def test_every_peergrade_key_is_settable_from_grpoconfig_and_checked():
     """peergrade={dotted key: value}: the keys TRL has no field for, checked like a YAML file's."""
-    cfg = GRPOConfig(max_steps=2, peergrade={
-        "rollout.async_steps": 1, "rollout.dynamic_sampling": True, "env.tool_timeout": 5,
-        "env.max_tool_output_chars": 100, "train.audit_rewards": "fail",
-    }).to_config()  # fmt: skip
+    cfg = GRPOConfig(
+        max_steps=2,
+        peergrade={
+            "rollout.async_steps": 1,
+            "rollout.dynamic_sampling": True,
+            "env.tool_timeout": 5,
+            "env.max_tool_output_chars": 100,
+            "train.audit_rewards": "fail",
+        },
+    ).to_config()
     assert cfg.rollout.async_steps == 1 and cfg.rollout.dynamic_sampling
     assert cfg.env.tool_timeout == 5.0 and cfg.env.max_tool_output_chars == 100
     assert cfg.train.audit_rewards == "fail"
-    with pytest.raises(ConfigError, match=r"peergrade\['rollout.async_step'\].*did you mean "
-                                          r"'rollout.async_steps'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"peergrade\['rollout.async_step'\].*did you mean "
+        r"'rollout.async_steps'",
+    ):
         GRPOConfig(peergrade={"rollout.async_step": 1})
     with pytest.raises(ConfigError, match="rollout.async_steps: expected an integer"):
         GRPOConfig(peergrade={"rollout.async_steps": "soon"})
@@ -611,10 +645,14 @@ def test_length_limits_beyond_the_context_fail_when_the_trainer_is_built(tmp_pat
     from peergrade import GRPOTrainer
 
     out = tmp_path / "run"
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=2, num_generations=2,
-                      max_steps=1)  # fmt: skip
-    with pytest.raises(ConfigError, match=r"max_completion_length.*= 512.*context of 512 tokens"
-                                          r".*at most 256"):  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=2, num_generations=2, max_steps=1
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"max_completion_length.*= 512.*context of 512 tokens"
+        r".*at most 256",
+    ):
         GRPOTrainer(str(BUNDLED_MODEL), _zero, args, _rows(2))
     assert not out.exists()
     # a loaded model object: its config says the same
@@ -659,8 +697,9 @@ def test_progress_line_counts_the_steps_log_history_counts(tmp_path, capsys):
     TRL's optimizer steps (2/4, 4/4), not peergrade's generation steps (1/2, 2/2)."""
     from peergrade import GRPOTrainer
 
-    args = _tiny_args(tmp_path / "run", max_steps=4, steps_per_generation=4,
-                      gradient_accumulation_steps=2)  # fmt: skip
+    args = _tiny_args(
+        tmp_path / "run", max_steps=4, steps_per_generation=4, gradient_accumulation_steps=2
+    )
     trainer = GRPOTrainer(str(BUNDLED_MODEL), _zero, args, _rows(4))
     assert trainer.config.train.steps == 2 and trainer.state.max_steps == 4
     trainer.train()

@@ -265,8 +265,16 @@ def test_booleans_and_16_stop_strings_are_served(serve):
     s = serve()
     with httpx.Client(base_url=s.url, timeout=60) as c:
         stops = [f"s{i}" for i in range(16)]
-        r = c.post("/v1/chat/completions", json={**CHAT, "stream": False, "logprobs": False,
-                                                 "stop": stops, "return_token_ids": True})  # fmt: skip
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                **CHAT,
+                "stream": False,
+                "logprobs": False,
+                "stop": stops,
+                "return_token_ids": True,
+            },
+        )
         assert r.status_code == 200 and "token_ids" in r.json()["choices"][0]
         r = c.post("/v1/completions", json={**TEXT, "echo": True, "suffix": None})
         assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("1+1=")
@@ -480,9 +488,15 @@ def test_an_api_key_is_required_on_the_api_routes(calc):
 
 @pytest.mark.parametrize(
     "host,key,warned",
-    [("0.0.0.0", None, True), ("192.168.1.5", None, True), ("0.0.0.0", "k", False),
-     ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False)],
-)  # fmt: skip
+    [
+        ("0.0.0.0", None, True),
+        ("192.168.1.5", None, True),
+        ("0.0.0.0", "k", False),
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("::1", None, False),
+    ],
+)
 def test_binding_beyond_loopback_without_a_key_warns(calc, monkeypatch, capsys, host, key, warned):
     """Nothing is bound here: uvicorn's run is replaced, so the server never starts."""
     import uvicorn

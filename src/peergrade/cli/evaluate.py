@@ -277,9 +277,17 @@ def run_eval_command(
     ids = [] if episodes else encode_rows(cfg, the_task, tok, rows)
     with _harness_episodes(cfg, agent, net, tok) as episode_fn:
         result = evaluate_config(
-            cfg, net, tok, rows, ids, acc, curve=curve, keep_completions=samples is not None,
-            make_env=make_env, episode_fn=episode_fn,
-        )  # fmt: skip
+            cfg,
+            net,
+            tok,
+            rows,
+            ids,
+            acc,
+            curve=curve,
+            keep_completions=samples is not None,
+            make_env=make_env,
+            episode_fn=episode_fn,
+        )
     if agent is not None:
         result["harness"] = cfg.harness.fn
     if samples is not None:  # one JSON line per problem; never half a file under the name

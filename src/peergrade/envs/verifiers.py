@@ -79,9 +79,11 @@ def _import_vf():
     from packaging.version import Version
 
     verifiers = require(
-        "verifiers", needed_for="--env verifiers:MODULE", pip="'verifiers>=0.4,<0.5'",
+        "verifiers",
+        needed_for="--env verifiers:MODULE",
+        pip="'verifiers>=0.4,<0.5'",
         extra="verifiers",
-    )  # fmt: skip
+    )
     version = getattr(verifiers, "__version__", "0")
     if not Version("0.4") <= Version(version) < Version("0.5"):
         raise InputError(
@@ -418,11 +420,14 @@ class VerifiersEnvironment:
             task=vf.TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
             agent=vf.AgentInfo(config=self.agent_config),
             tools=[
-                vf.Tool(name=t["function"]["name"], description=t["function"]["description"],
-                        parameters=t["function"]["parameters"])
+                vf.Tool(
+                    name=t["function"]["name"],
+                    description=t["function"]["description"],
+                    parameters=t["function"]["parameters"],
+                )
                 for t in self.tools or []
             ],
-        )  # fmt: skip
+        )
         for m in messages:
             self._add(m)
         return messages
@@ -439,16 +444,23 @@ class VerifiersEnvironment:
         reply = vf.AssistantMessage(
             content=content if calls or errors else message["content"],
             tool_calls=[
-                vf.ToolCall(id=i, name=c["function"]["name"],
-                            arguments=json.dumps(c["function"]["arguments"]))
+                vf.ToolCall(
+                    id=i,
+                    name=c["function"]["name"],
+                    arguments=json.dumps(c["function"]["arguments"]),
+                )
                 for i, c in zip(ids, calls)
-            ] or None,
-        )  # fmt: skip
+            ]
+            or None,
+        )
         self._add(reply, sampled=True)
         response = vf.Response(
-            id=uuid.uuid4().hex, created=int(time.time()), model="peergrade", message=reply,
+            id=uuid.uuid4().hex,
+            created=int(time.time()),
+            model="peergrade",
+            message=reply,
             finish_reason="tool_calls" if calls else "stop",
-        )  # fmt: skip
+        )
         fired = await _stop_fired(
             vf, self._stops["after"], {vf.Response: response, vf.Trace: self.trace}
         )

@@ -281,9 +281,20 @@ class _PolicyPass(NamedTuple):
 
 
 def _policy_pass(
-    a: dict, pc: dict, b: int, *, micro: int, L: int, C: int, lora, autocast: bool,
-    group_size: int, shared_prompt: bool, checkpointing: bool, chunk_size: int,
-) -> _PolicyPass:  # fmt: skip
+    a: dict,
+    pc: dict,
+    b: int,
+    *,
+    micro: int,
+    L: int,
+    C: int,
+    lora,
+    autocast: bool,
+    group_size: int,
+    shared_prompt: bool,
+    checkpointing: bool,
+    chunk_size: int,
+) -> _PolicyPass:
     """What the policy's forward of one micro-batch keeps for the backward, and what its
     backward holds on top (see ``_PolicyPass``)."""
     H, V, nl = a["H"], a["V"], a["layers"]
@@ -298,9 +309,8 @@ def _policy_pass(
     # groups together in the length-sorted plan, so a micro-batch spans about micro / G prompts
     prompts_in_micro = min(micro, -(-micro // G) + (1 if micro % G else 0))
     shared = (
-        shared_prompt and not checkpointing and a["full_attention"]
-        and prompts_in_micro < micro
-    )  # fmt: skip
+        shared_prompt and not checkpointing and a["full_attention"] and prompts_in_micro < micro
+    )
     if shared:  # prompts once, completions against the cache expanded to every row
         layer_act = (prompts_in_micro * Lp + micro * C) * per_tok + micro * Lp * 2 * q_dim * act_b
     else:
@@ -357,9 +367,18 @@ def _generation_bytes(a: dict, b: int, *, rows: int, generation_batch, seq_len: 
 
 
 def _phases(
-    static: int, fwd: _PolicyPass, *, critic_acts: int, critic_grads: int, grads: int,
-    accumulate: bool, generation: int, casts: int, reference_pass: bool, reward_models,
-) -> dict[str, int]:  # fmt: skip
+    static: int,
+    fwd: _PolicyPass,
+    *,
+    critic_acts: int,
+    critic_grads: int,
+    grads: int,
+    accumulate: bool,
+    generation: int,
+    casts: int,
+    reference_pass: bool,
+    reward_models,
+) -> dict[str, int]:
     """Each phase's peak on one process (bytes): the resident ``static`` plus what the phase
     adds. generate and update always; reference and rewards when they run."""
     # grads (policy's and critic's) are allocated as the backward frees activations. The
@@ -380,9 +399,18 @@ def _phases(
 
 
 def _per_rank(
-    phases: dict, res: _Resident, *, static: int, offloaded: bool, a: dict, pc: dict, b: int,
-    world: int, strategy: str, lora,
-) -> tuple[dict, _Resident]:  # fmt: skip
+    phases: dict,
+    res: _Resident,
+    *,
+    static: int,
+    offloaded: bool,
+    a: dict,
+    pc: dict,
+    b: int,
+    world: int,
+    strategy: str,
+    lora,
+) -> tuple[dict, _Resident]:
     """The phases and resident tensors of one of ``world`` ranks under ``strategy``: sharding
     and communication buffers (``peergrade.distributed.rank_memory``)."""
     from peergrade.distributed import rank_memory
@@ -392,26 +420,53 @@ def _per_rank(
         weights=res.weights, grads=res.grads, optimizer=res.optimizer, reference=resident_ref
     )
     phases, parts = rank_memory(
-        phases, parts, static=static, world=world, strategy=strategy, lora=bool(lora),
-        layer_fraction=a["layers"] * pc["per_layer"] / res.params, layer_bytes=pc["per_layer"] * b,
-    )  # fmt: skip
+        phases,
+        parts,
+        static=static,
+        world=world,
+        strategy=strategy,
+        lora=bool(lora),
+        layer_fraction=a["layers"] * pc["per_layer"] / res.params,
+        layer_bytes=pc["per_layer"] * b,
+    )
     res = res._replace(
-        weights=parts["weights"], grads=parts["grads"], optimizer=parts["optimizer"],
+        weights=parts["weights"],
+        grads=parts["grads"],
+        optimizer=parts["optimizer"],
         reference=parts["reference"] if not offloaded else res.reference,
-    )  # fmt: skip
+    )
     return phases, res
 
 
 def estimate_memory(
-    model_config, *, batch: int, seq_len: int, completion_len: int, dtype: str = "float32",
-    lora: dict | None = None, algo: str = "grpo", beta: float = 0.0, optimizer: str = "adamw",
-    chunk_size: int = 1024, gradient_checkpointing: bool = False, micro_batch: int | None = None,
-    device: str = "cpu", ref_offload: bool = False, reward_models: list[dict] | None = None,
-    world: int = 1, strategy: str = "ddp", autocast: bool = False, group_size: int = 1,
-    shared_prompt: bool = True, generation_batch: int | None = None, generation_rounds: int = 1,
-    minibatch: int | None = None, async_steps: int = 0, eval_rows: int = 0,
+    model_config,
+    *,
+    batch: int,
+    seq_len: int,
+    completion_len: int,
+    dtype: str = "float32",
+    lora: dict | None = None,
+    algo: str = "grpo",
+    beta: float = 0.0,
+    optimizer: str = "adamw",
+    chunk_size: int = 1024,
+    gradient_checkpointing: bool = False,
+    micro_batch: int | None = None,
+    device: str = "cpu",
+    ref_offload: bool = False,
+    reward_models: list[dict] | None = None,
+    world: int = 1,
+    strategy: str = "ddp",
+    autocast: bool = False,
+    group_size: int = 1,
+    shared_prompt: bool = True,
+    generation_batch: int | None = None,
+    generation_rounds: int = 1,
+    minibatch: int | None = None,
+    async_steps: int = 0,
+    eval_rows: int = 0,
     eval_batch: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
     batch: sequences per step (P * G); micro_batch: sequences per forward/backward (default
@@ -447,32 +502,64 @@ def estimate_memory(
     res = _resident(pc, b, lora=lora, beta=beta)
     critic_w = (res.params - pc["lm_head"]) * b if algo == "ppo" else 0  # PPO's value model
     fwd = _policy_pass(
-        a, pc, b, micro=micro, L=seq_len, C=completion_len, lora=lora, autocast=autocast,
-        group_size=group_size, shared_prompt=shared_prompt,
-        checkpointing=gradient_checkpointing, chunk_size=chunk_size,
-    )  # fmt: skip
+        a,
+        pc,
+        b,
+        micro=micro,
+        L=seq_len,
+        C=completion_len,
+        lora=lora,
+        autocast=autocast,
+        group_size=group_size,
+        shared_prompt=shared_prompt,
+        checkpointing=gradient_checkpointing,
+        chunk_size=chunk_size,
+    )
     ppo = algo == "ppo"  # the critic: a plain forward (no autocast) in the joint backward
     critic_acts = _critic_activations(a, b, micro, seq_len, gradient_checkpointing) if ppo else 0
     kv_cache, gen_logits = _generation_bytes(
-        a, b, rows=batch * max(1, int(generation_rounds)), generation_batch=generation_batch,
+        a,
+        b,
+        rows=batch * max(1, int(generation_rounds)),
+        generation_batch=generation_batch,
         seq_len=seq_len,
-    )  # fmt: skip
+    )
     offloaded = ref_offload and device == "cuda" and res.reference > 0  # resident in its pass
     rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
     # the critic's weights and optimizer state are static; its grads exist during the update
     static = res.weights + (0 if offloaded else res.reference) + critic_w * 3 + res.optimizer
     static += rm_weights
     phases = _phases(
-        static, fwd, critic_acts=critic_acts, critic_grads=critic_w, grads=res.grads,
-        accumulate=micro < min(minibatch or batch, batch), generation=kv_cache + gen_logits,
-        casts=2 * res.params if autocast else 0, reward_models=reward_models,
+        static,
+        fwd,
+        critic_acts=critic_acts,
+        critic_grads=critic_w,
+        grads=res.grads,
+        accumulate=micro < min(minibatch or batch, batch),
+        generation=kv_cache + gen_logits,
+        casts=2 * res.params if autocast else 0,
+        reward_models=reward_models,
         reference_pass=res.reference > 0 or (lora and beta > 0),
-    )  # fmt: skip
+    )
     phases, res, eval_generation, producer = _beyond_the_step(
-        phases, res, static=static, fwd=fwd, a=a, pc=pc, b=b, seq_len=seq_len,
-        eval_rows=eval_rows, eval_batch=eval_batch, autocast=autocast, offloaded=offloaded,
-        world=world, strategy=strategy, lora=lora, device=device, async_steps=async_steps,
-    )  # fmt: skip
+        phases,
+        res,
+        static=static,
+        fwd=fwd,
+        a=a,
+        pc=pc,
+        b=b,
+        seq_len=seq_len,
+        eval_rows=eval_rows,
+        eval_batch=eval_batch,
+        autocast=autocast,
+        offloaded=offloaded,
+        world=world,
+        strategy=strategy,
+        lora=lora,
+        device=device,
+        async_steps=async_steps,
+    )
     return {
         **res._asdict(),
         "critic": 4 * critic_w,  # weights, grads and AdamW's two states
@@ -503,10 +590,25 @@ _OUTSIDE_THE_STEP = ("evaluate", "checkpoint")
 
 
 def _beyond_the_step(
-    phases: dict, res: _Resident, *, static: int, fwd: _PolicyPass, a: dict, pc: dict, b: int,
-    seq_len: int, eval_rows: int, eval_batch, autocast: bool, offloaded: bool, world: int,
-    strategy: str, lora, device: str, async_steps: int,
-) -> tuple[dict, _Resident, int, int]:  # fmt: skip
+    phases: dict,
+    res: _Resident,
+    *,
+    static: int,
+    fwd: _PolicyPass,
+    a: dict,
+    pc: dict,
+    b: int,
+    seq_len: int,
+    eval_rows: int,
+    eval_batch,
+    autocast: bool,
+    offloaded: bool,
+    world: int,
+    strategy: str,
+    lora,
+    device: str,
+    async_steps: int,
+) -> tuple[dict, _Resident, int, int]:
     """``estimate_memory``'s phases past one process's step. Returns (phases, this rank's
     resident figures, the evaluation's generation bytes, the producer's bytes).
 
@@ -523,18 +625,28 @@ def _beyond_the_step(
     (generation, the reference pass, a reward model) sit on top of the update's."""
     eval_generation = 0
     if eval_rows:  # the held-out passes: the step's generation formula at the eval batch
-        eval_generation = sum(_generation_bytes(
-            a, b, rows=int(eval_rows), generation_batch=eval_batch, seq_len=seq_len
-        ))  # fmt: skip
+        eval_generation = sum(
+            _generation_bytes(
+                a, b, rows=int(eval_rows), generation_batch=eval_batch, seq_len=seq_len
+            )
+        )
         phases["evaluate"] = static + eval_generation + (2 * res.params if autocast else 0)
     # the producer (async_steps k >= 1): its copy of the trainable weights and k + 1 versions
     producer = (async_steps + 2) * res.grads if async_steps else 0
     whole = res  # the unsharded figures: what a checkpoint gathers under fsdp
     if world > 1:  # per-rank sharding and communication buffers
         phases, res = _per_rank(
-            phases, res, static=static, offloaded=offloaded, a=a, pc=pc, b=b, world=world,
-            strategy=strategy, lora=lora,
-        )  # fmt: skip
+            phases,
+            res,
+            static=static,
+            offloaded=offloaded,
+            a=a,
+            pc=pc,
+            b=b,
+            world=world,
+            strategy=strategy,
+            lora=lora,
+        )
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
     sharded = world > 1 and strategy == "fsdp" and not lora

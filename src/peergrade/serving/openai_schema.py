@@ -88,9 +88,10 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
         return default
     if not isinstance(v, bool):
         raise APIError(
-            f"'{name}' must be a boolean (true or false), got {v!r}", param=name,
+            f"'{name}' must be a boolean (true or false), got {v!r}",
+            param=name,
             code="invalid_type",
-        )  # fmt: skip
+        )
     return v
 
 
@@ -290,8 +291,9 @@ def parse_settings(body: dict, chat: bool) -> Settings:
     if chat and echo:  # vLLM's chat extension (the last message repeated): not served
         raise APIError(
             "'echo' is not supported on /v1/chat/completions (it is a /v1/completions field)",
-            param="echo", code="unsupported_parameter",
-        )  # fmt: skip
+            param="echo",
+            code="unsupported_parameter",
+        )
     s.max_tokens = _number(
         body,
         "max_completion_tokens" if mt is not None else "max_tokens",
@@ -330,8 +332,10 @@ def parse_settings(body: dict, chat: bool) -> Settings:
             if body.get(k) is not None and body[k] != default:  # vLLM's rendering switches
                 raise APIError(
                     f"'{k}': {body[k]!r} is not supported; every reply starts a new assistant "
-                    "turn after the generation prompt", param=k, code="unsupported_parameter",
-                )  # fmt: skip
+                    "turn after the generation prompt",
+                    param=k,
+                    code="unsupported_parameter",
+                )
     s.unsupported = tuple(
         (k, why)
         for k, (bad, why) in _UNSUPPORTED.items()
@@ -369,18 +373,30 @@ def _prompt_logprobs(params: dict, stream: bool) -> int | None:
             param="prompt_logprobs",
         )
     if k is not None and stream:
-        raise APIError(
-            "'prompt_logprobs' is not supported with 'stream'", param="prompt_logprobs"
-        )  # fmt: skip
+        raise APIError("'prompt_logprobs' is not supported with 'stream'", param="prompt_logprobs")
     return k
 
 
 #: ``apply_chat_template``'s own arguments: not template variables
 _RENDER_ARGS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def _template_kwargs(v: Any) -> dict | None:
@@ -452,9 +468,10 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     for k in ("features", "content_parts"):
         if body.get(k):
             raise APIError(
-                f"'{k}': this server takes text-only token prompts", param=k,
+                f"'{k}': this server takes text-only token prompts",
+                param=k,
                 code="unsupported_parameter",
-            )  # fmt: skip
+            )
     if _flag(body, "stream"):
         raise APIError(
             "'stream' is not supported on /inference/v1/generate",

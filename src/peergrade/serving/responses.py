@@ -46,8 +46,11 @@ from peergrade.serving.openai_schema import APIError
 #: vLLM-style extras passed to the chat route as they are
 _PASSED = ("seed", "top_k", "stop", "model")
 #: chat fields by the Responses fields they come from (an error names the one sent)
-_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-          "messages": "input"}  # fmt: skip
+_NAMES = {
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+}
 
 
 #: the Responses store's default bound on the bytes it keeps (the JSON of its entries)
@@ -285,8 +288,11 @@ class Request:
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
         if fmt is not None:
             chat["response_format"] = fmt
-        for ours, theirs in (("max_output_tokens", "max_completion_tokens"),
-                             ("temperature", "temperature"), ("top_p", "top_p")):  # fmt: skip
+        for ours, theirs in (
+            ("max_output_tokens", "max_completion_tokens"),
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+        ):
             if body.get(ours) is not None:
                 chat[theirs] = body[ours]
         if body.get("top_logprobs"):
@@ -302,12 +308,26 @@ class Request:
         done = "incomplete" if finish == "length" else "completed"
         if content or not calls:
             part = {**_part(content or ""), "logprobs": logprobs or []}
-            output.append({"type": "message", "id": "msg_" + secrets.token_hex(12),
-                           "status": done, "role": "assistant", "content": [part]})  # fmt: skip
+            output.append(
+                {
+                    "type": "message",
+                    "id": "msg_" + secrets.token_hex(12),
+                    "status": done,
+                    "role": "assistant",
+                    "content": [part],
+                }
+            )
         for c in calls:
-            output.append({"type": "function_call", "id": "fc_" + secrets.token_hex(12),
-                           "call_id": c["id"], "name": c["function"]["name"],
-                           "arguments": c["function"]["arguments"], "status": "completed"})  # fmt: skip
+            output.append(
+                {
+                    "type": "function_call",
+                    "id": "fc_" + secrets.token_hex(12),
+                    "call_id": c["id"],
+                    "name": c["function"]["name"],
+                    "arguments": c["function"]["arguments"],
+                    "status": "completed",
+                }
+            )
         u = usage or {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         return {
             "id": self.rid,
@@ -367,14 +387,15 @@ class Request:
         yield out.event("response.in_progress", response=live)
         finish, usage = "stop", None
         async for raw in chunks:
-            data = raw[len("data: "):].strip() if raw.startswith("data: ") else ""  # fmt: skip
+            data = raw[len("data: ") :].strip() if raw.startswith("data: ") else ""
             if data == "[DONE]" or not data:
                 continue
             chunk = json.loads(data)
             if "error" in chunk:
                 e = chunk["error"]
-                yield out.event("error", message=e.get("message"), code=e.get("code"),
-                                param=e.get("param"))  # fmt: skip
+                yield out.event(
+                    "error", message=e.get("message"), code=e.get("code"), param=e.get("param")
+                )
                 return
             usage = chunk.get("usage") or usage
             for c in chunk.get("choices") or []:
@@ -418,16 +439,22 @@ class _Events:
         yield self.event("response.output_text.delta", delta=delta, logprobs=[], **self._at())
 
     def _open_text(self):
-        self.item = {"type": "message", "id": "msg_" + secrets.token_hex(12),
-                     "status": "in_progress", "role": "assistant", "content": []}  # fmt: skip
+        self.item = {
+            "type": "message",
+            "id": "msg_" + secrets.token_hex(12),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
         yield self.event("response.output_item.added", item=self.item, output_index=self.index)
         yield self.event("response.content_part.added", part=_part(""), **self._at())
 
     def _close_text(self):
         if self.item is not None:
             part = _part(self.content)
-            yield self.event("response.output_text.done", text=self.content, logprobs=[],
-                             **self._at())  # fmt: skip
+            yield self.event(
+                "response.output_text.done", text=self.content, logprobs=[], **self._at()
+            )
             yield self.event("response.content_part.done", part=part, **self._at())
             done = {**self.item, "status": "completed", "content": [part]}
             yield self.event("response.output_item.done", item=done, output_index=self.index)
@@ -438,8 +465,14 @@ class _Events:
         yield from self._close_text()
         self.calls.append({"id": tc["id"], "type": "function", "function": tc["function"]})
         name, args = tc["function"]["name"], tc["function"]["arguments"]
-        fc = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": tc["id"],
-              "name": name, "arguments": "", "status": "in_progress"}  # fmt: skip
+        fc = {
+            "type": "function_call",
+            "id": "fc_" + secrets.token_hex(12),
+            "call_id": tc["id"],
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
         at = {"item_id": fc["id"], "output_index": self.index}
         yield self.event("response.output_item.added", item=fc, output_index=self.index)
         yield self.event("response.function_call_arguments.delta", delta=args, **at)

@@ -472,8 +472,17 @@ class Engine:
                     jobs[q].on_token(t)
 
         def ended(q: int, row: dict) -> None:
-            done(q, self._sampled(jobs[q], row["tokens"], row["logprobs"],
-                                  row["sampler_logprobs"], row["text"], row["finish"]))  # fmt: skip
+            done(
+                q,
+                self._sampled(
+                    jobs[q],
+                    row["tokens"],
+                    row["logprobs"],
+                    row["sampler_logprobs"],
+                    row["text"],
+                    row["finish"],
+                ),
+            )
 
         self.calls += 1
         self.jobs += len(jobs)
@@ -515,9 +524,12 @@ class Engine:
         temperature; untempered when greedy)."""
         with eval_mode(self.model):
             return position_logprobs(
-                self.model, job.prompt_ids + ids, len(job.prompt_ids), job.top_logprobs,
+                self.model,
+                job.prompt_ids + ids,
+                len(job.prompt_ids),
+                job.top_logprobs,
                 job.temperature,
-            ).top  # fmt: skip
+            ).top
 
     def _prompt_logprobs(self, job: Job) -> PositionScores:
         """The log-prob and rank of each prompt token after the first, and its
@@ -725,9 +737,13 @@ def forced_prefix(
 
     def text(messages, gen: bool) -> str:
         return tok.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=gen, tokenize=False,
-            chat_template=engine.chat_template, **kw,
-        )  # fmt: skip
+            messages,
+            tools=tools,
+            add_generation_prompt=gen,
+            tokenize=False,
+            chat_template=engine.chat_template,
+            **kw,
+        )
 
     def after_prompt(fn: str) -> str:
         call = {"type": "function", "function": {"name": fn, "arguments": {_PROBE_ARG: 1}}}
@@ -963,7 +979,7 @@ def token_response(engine: Engine, req: TokenRequest, sampled: list[Sampled]) ->
                         "top_logprobs": [{"token": name(a), "logprob": b} for a, b in top],
                     }
                     for t, lp, top in zip(s.token_ids, s.logprobs, tops)
-                ]  # fmt: skip
+                ]
             }
         choices.append(
             {
@@ -1083,9 +1099,14 @@ class Handler:
         jobs = self.jobs(prompt_ids, settings, max_tokens)
         if settings.stream and not settings.logprobs and not prefix:
             return live_chat(
-                self.engine, model, settings, bool(tools), prompt_ids, jobs,
+                self.engine,
+                model,
+                settings,
+                bool(tools),
+                prompt_ids,
+                jobs,
                 lambda i, s: chat_choice(self.engine, i, s, settings, tools)[0],
-            )  # fmt: skip
+            )
         sampled = await self.sample(jobs)
         for sm in sampled:
             sm.text = prefix + sm.text
@@ -1138,9 +1159,14 @@ class Handler:
             echoes = await self.off_loop(lambda: [tok.decode(ids) for ids in prompts])
         if settings.stream and not settings.logprobs and len(prompts) == 1 and asked > 0:
             return live_completion(
-                self.engine, model, settings, prompts[0], jobs,
-                lambda i, s: completion_choice(self.engine, i, s, settings), echoes[0],
-            )  # fmt: skip
+                self.engine,
+                model,
+                settings,
+                prompts[0],
+                jobs,
+                lambda i, s: completion_choice(self.engine, i, s, settings),
+                echoes[0],
+            )
         sampled = await self.sample(jobs)
         for i, sm in enumerate(sampled):  # a prompt's samples share its scores
             sm.prompt = sm.prompt or sampled[i - i % settings.n].prompt
@@ -1399,8 +1425,9 @@ class _KeyCheck:
                 err = APIError(
                     "incorrect or missing API key: send 'Authorization: Bearer <key>' with "
                     "the key the server was started with (--api-key / PEERGRADE_API_KEY)",
-                    status=401, code="invalid_api_key",
-                )  # fmt: skip
+                    status=401,
+                    code="invalid_api_key",
+                )
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -1452,8 +1479,10 @@ def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s=BO
                     self.transport.write(
                         b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                         b"connection: close\r\ncontent-length: "
-                        + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY
-                    )  # fmt: skip
+                        + str(len(_TIMEOUT_BODY)).encode()
+                        + b"\r\n\r\n"
+                        + _TIMEOUT_BODY
+                    )
                 self.transport.close()
 
         def connection_made(self, transport) -> None:
@@ -1482,9 +1511,10 @@ def timed_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s=BO
 _TIMEOUT_BODY = json.dumps(
     APIError(
         "the request was not received in time (its headers or body came too slowly)",
-        status=408, code="request_timeout",
+        status=408,
+        code="request_timeout",
     ).body()
-).encode()  # fmt: skip
+).encode()
 
 
 class Server:
@@ -1504,9 +1534,14 @@ class Server:
         uvicorn = _require_serve("uvicorn")
 
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="off",
-            timeout_keep_alive=KEEP_ALIVE_S, http=timed_protocol(header_timeout_s, body_timeout_s),
-        )  # fmt: skip
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_keep_alive=KEEP_ALIVE_S,
+            http=timed_protocol(header_timeout_s, body_timeout_s),
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, name="peergrade-serve", daemon=True
@@ -1596,9 +1631,13 @@ def serve(
 
     app = build_app(engine, max_tokens=max_tokens, max_body_bytes=max_body_bytes, api_key=api_key)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S,
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_keep_alive=KEEP_ALIVE_S,
         http=timed_protocol(header_timeout_s, body_timeout_s),
-    )  # fmt: skip
+    )
     server = _Server(config)
     try:
         server.run()

@@ -349,9 +349,15 @@ def run_sft(
     a file replacing the tokenizer's template (``model.chat_template``), saved with the model."""
     out_path = Path(out)
     _check_sft_args(
-        out_path, overwrite=overwrite, steps=steps, batch_size=batch_size, lr=lr,
-        tool_fraction=tool_fraction, task=task, tools=tools,
-    )  # fmt: skip
+        out_path,
+        overwrite=overwrite,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        tool_fraction=tool_fraction,
+        task=task,
+        tools=tools,
+    )
     fns = _load_tools(tools)  # the user's files: every problem before a model loads
     warm_rows = _read_warmup_rows(data) if data else None
     if threads:
@@ -359,9 +365,13 @@ def run_sft(
     the_task = None if fns else load_task(task, **(task_options or {}))
     torch.manual_seed(seed)
     net, tok = _start_model(
-        init, model, seed=seed, model_sizes=model_sizes,
-        tool_fraction=tool_fraction or bool(fns), chat_template=chat_template,
-    )  # fmt: skip
+        init,
+        model,
+        seed=seed,
+        model_sizes=model_sizes,
+        tool_fraction=tool_fraction or bool(fns),
+        chat_template=chat_template,
+    )
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warm = 20  # fixed, so a run of N steps is the prefix of a longer one
