@@ -21,23 +21,10 @@ import pytest
 
 from peergrade.cli import main
 from peergrade.monitoring.metrics import Display
+from test_own_data import TINY as OWN_DATA_TINY
 
-TINY = [
-    "--rollout.prompts_per_step",
-    "2",
-    "--rollout.group_size",
-    "2",
-    "--rollout.max_completion_length",
-    "4",
-    "--train.threads",
-    "1",
-    "--train.save_every",
-    "0",
-    "--train.display",
-    "plain",
-    "--train.eval_samples",
-    "2",
-]
+# test_own_data's tiny run, shown as plain lines, two samples per held-out problem
+TINY = [*OWN_DATA_TINY, "--train.display", "plain", "--train.eval_samples", "2"]
 
 REWARDS = """
 def short(completions, **kwargs):
