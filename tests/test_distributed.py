@@ -519,8 +519,9 @@ def test_failing_rank_stops_the_job_naming_it_and_resume_continues(
             "train.steps": 4,
             "dist.timeout_s": 60,
             "train.audit_rewards": "off",
+            "train.eval_reward": "arithmetic",
         },
-    )  # # the audit's calls would shift the count
+    )  # the audit's and the held-out scorer's calls would shift the count
     t0 = time.monotonic()
     e = env()
     e["PEERGRADE_TEST_FAIL_RANK"] = "1"

