@@ -59,6 +59,7 @@ def run(
     api_key = os.environ.get("TINKER_API_KEY") or "tml-local"
     rows = ArithmeticTask().train_rows(seed=seed)
     history: list[dict] = []
+    service_client = None
     try:
         service_client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
         training_client = service_client.create_lora_training_client(
@@ -134,6 +135,8 @@ def run(
             history.append(metrics)
             log(json.dumps(metrics))
     finally:
+        if service_client is not None:  # stops its heartbeats (and their retries) first
+            service_client.close("success").result(timeout=60)
         if server is not None:
             server.close()
     return history

@@ -71,6 +71,7 @@ def run(
     api_key = os.environ.get("TINKER_API_KEY") or "tml-local"
     rows = ArithmeticTask(ops="+").train_rows(seed=seed)
     history = []
+    service_client = None
     try:
         service_client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
         training_client = service_client.create_lora_training_client(
@@ -94,6 +95,8 @@ def run(
             history.append(metrics)
             log(json.dumps(metrics))
     finally:
+        if service_client is not None:  # stops its heartbeats (and their retries) first
+            service_client.close("success").result(timeout=60)
         if server is not None:
             server.close()
     return history
