@@ -1657,35 +1657,34 @@ NATIVE_DIFFERENCES: list[tuple[str, str, str]] = [
 ]
 
 
+def _table(heading: str, intro: str | None, columns: list[str], rows) -> list[str]:
+    """A section of the page: its heading, an optional paragraph, and a markdown table whose
+    ``rows`` are lists of cells (already formatted)."""
+    lines = ["", heading, ""] + ([intro, ""] if intro else [])
+    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
 def _verified_section() -> list[str]:
     """The TRL fields checked numerically against TRL's code, and the few native defaults
     that intentionally differ from TRL's meaning."""
-    lines = [
-        "",
+    checked = _table(
         "## Checked against TRL's own code",
-        "",
         "These fields' numeric effect is tested against TRL 1.16's own code on the same "
         "tensors (loss and gradient to float64 rounding; SAPO to 1e-6, since TRL forms its "
         "temperatures in float32):",
-        "",
-        "| TRL field | test |",
-        "| --- | --- |",
-    ]
-    lines += [f"| `{n}` | {where} |" for n, where in VERIFIED_AGAINST_TRL.items()]
-    lines += [
-        "",
+        ["TRL field", "test"],
+        ([f"`{n}`", where] for n, where in VERIFIED_AGAINST_TRL.items()),
+    )
+    return checked + _table(
         "### Where a native config differs on purpose",
-        "",
         "Through `GRPOConfig` (and `--trl-config`) every name keeps TRL's meaning. A native "
         "peergrade config (YAML, `peergrade.train`) keeps peergrade's own defaults, named "
         "here; set the key to get TRL's behaviour there too "
         "([algorithms](algorithms.md)).",
-        "",
-        "| TRL | TRL's meaning | native peergrade default |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| `{n}` | {trl} | {ours} |" for n, trl, ours in NATIVE_DIFFERENCES]
-    return lines
+        ["TRL", "TRL's meaning", "native peergrade default"],
+        ([f"`{n}`", trl, ours] for n, trl, ours in NATIVE_DIFFERENCES),
+    )
 
 
 def _mapped_section() -> list[str]:
@@ -1748,25 +1747,18 @@ def _native_section() -> list[str]:
 
 def _ignored_sections() -> list[str]:
     """The tables of the fields ignored with a warning and of those refused."""
-    lines = [
-        "",
+    ignored = _table(
         "## Fields ignored with a warning",
-        "",
         "Also every `vllm_*` and `hub_*` field.",
-        "",
-        "| TRL field | why |",
-        "| --- | --- |",
-    ]
-    lines += [f"| `{n}` | {why} |" for n, why in IGNORED.items()]
-    lines += [
-        "",
+        ["TRL field", "why"],
+        ([f"`{n}`", why] for n, why in IGNORED.items()),
+    )
+    return ignored + _table(
         "## Fields refused (unless at TRL's default)",
-        "",
-        "| TRL field | TRL default | use instead |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| `{n}` | `{d!r}` | {use} |" for n, (d, use) in UNSUPPORTED.items()]
-    return lines
+        None,
+        ["TRL field", "TRL default", "use instead"],
+        ([f"`{n}`", f"`{d!r}`", use] for n, (d, use) in UNSUPPORTED.items()),
+    )
 
 
 def _open_r1_section() -> list[str]:
