@@ -256,7 +256,7 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
     from peergrade.config import load_config
     from peergrade.generation.kernel import generate
     from peergrade.model.logprobs import token_logprobs
-    from peergrade.training.update import Models, grpo_update, lr_lambda
+    from peergrade.training.update import Models, UpdateInputs, grpo_update, lr_lambda
 
     base, tok = smol
     model = copy.deepcopy(base)
@@ -280,7 +280,7 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.optim, 1))
     models = Models(model, tok, None, torch.device("cpu"))
-    m = grpo_update(models, opt, sched, batch, adv, None, cfg, 1)
+    m = grpo_update(models, opt, sched, UpdateInputs(batch, adv), cfg, 1)
     after = seq_logp()
 
     assert m["grad/norm"] > 0

@@ -11,7 +11,7 @@ import torch
 
 from peergrade.config import ConfigError, load_config
 from peergrade.training.trainer import train
-from peergrade.training.update import Models, frozen_logprobs, grpo_update
+from peergrade.training.update import Models, UpdateInputs, frozen_logprobs, grpo_update
 from test_trainer import read_metrics, reward_file, tiny_overrides  # noqa: F401 (fixture)
 from test_update_fast import ConstantSchedule, RecordingOptimizer, _batch, _cfg
 
@@ -22,7 +22,8 @@ def _grads(model, tok, batch, cfg, behaviour):
     policy = copy.deepcopy(model)
     opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
     models = Models(policy, tok, None, torch.device("cpu"))
-    m = grpo_update(models, opt, ConstantSchedule(), batch, ADV, None, cfg, 3, behaviour)
+    exp = UpdateInputs(batch, ADV, sampler_logprobs=behaviour)
+    m = grpo_update(models, opt, ConstantSchedule(), exp, cfg, 3)
     return opt.grads, m
 
 

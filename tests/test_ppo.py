@@ -16,6 +16,7 @@ from peergrade.algo.advantages import last_token_index, token_rewards, whiten
 from peergrade.config import ConfigError, load_config
 from peergrade.training.ppo import CriticCheckpointState, build_critic, ppo_advantages, ppo_update
 from peergrade.training.trainer import setup_models
+from peergrade.training.update import UpdateInputs
 
 
 def ppo_policy_loss(logp, old, adv, mask, **kw):
@@ -26,20 +27,15 @@ def ppo_policy_loss(logp, old, adv, mask, **kw):
 def ppo_step(models, critic, optimizer, scheduler, batch, seq_rewards, ref_lp, cfg, step):
     """What the trainer's step does for PPO: critic advantages, then the update."""
     pa = ppo_advantages(critic, models, batch, seq_rewards, ref_lp, cfg)
-    upd = ppo_update(
-        models,
-        critic,
-        optimizer,
-        scheduler,
+    exp = UpdateInputs(
         batch,
         pa["advantages"],
-        pa["returns"],
-        pa["old_values"],
-        pa["old_logp"],
-        ref_lp,
-        cfg,
-        step,
+        ref_logprobs=ref_lp,
+        values=pa["old_values"],
+        returns=pa["returns"],
+        old_logprobs=pa["old_logp"],
     )
+    upd = ppo_update(models, critic, optimizer, scheduler, exp, cfg, step)
     return {**pa["metrics"], **upd}
 
 

@@ -11,7 +11,13 @@ import torch
 from peergrade.algo import policy_loss
 from peergrade.config import load_config
 from peergrade.model.logprobs import token_logprobs
-from peergrade.training.update import Models, build_optimizer, build_scheduler, grpo_update
+from peergrade.training.update import (
+    Models,
+    UpdateInputs,
+    build_optimizer,
+    build_scheduler,
+    grpo_update,
+)
 
 
 def _batch(tok, N=8, P=5, C=4, seed=0):
@@ -50,7 +56,12 @@ def _step(model, tok, cfg, batch, adv, ref_lp=None):
     opt = build_optimizer(params, cfg.optim)
     sched = build_scheduler(opt, cfg)
     m = grpo_update(
-        Models(model, tok, None, torch.device("cpu")), opt, sched, batch, adv, ref_lp, cfg, 1
+        Models(model, tok, None, torch.device("cpu")),
+        opt,
+        sched,
+        UpdateInputs(batch, adv, ref_lp),
+        cfg,
+        1,
     )
     return model, m
 
@@ -76,7 +87,8 @@ def test_micro_batches_take_the_whole_batch_step(tiny_qwen2, tiny_model_dir, los
         params = [p for p in m.parameters() if p.requires_grad]
         opt = Capture(params, {"lr": 0.0})
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-        grpo_update(Models(m, tok, None, torch.device("cpu")), opt, sched, batch, adv, None, cfg, 1)
+        models = Models(m, tok, None, torch.device("cpu"))
+        grpo_update(models, opt, sched, UpdateInputs(batch, adv), cfg, 1)
     if loss_type == "bnpo":  # bnpo is a token mean per micro-batch: size-weighted, not equal
         assert any(not torch.allclose(a, b, atol=1e-7) for a, b in zip(grads[8], grads[2]))
         return

@@ -11,7 +11,14 @@ import torch
 
 from peergrade.algo import policy_loss
 from peergrade.config import load_config
-from peergrade.training.update import Models, by_length, elided_rows, grpo_update, trim
+from peergrade.training.update import (
+    Models,
+    UpdateInputs,
+    by_length,
+    elided_rows,
+    grpo_update,
+    trim,
+)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -79,7 +86,7 @@ def _update(model, tok, batch, adv, cfg):
     counter = RowCounter(policy.model)
     opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
     models = Models(policy, tok, None, torch.device("cpu"))
-    metrics = grpo_update(models, opt, ConstantSchedule(), batch, adv, None, cfg, step=3)
+    metrics = grpo_update(models, opt, ConstantSchedule(), UpdateInputs(batch, adv), cfg, step=3)
     return opt.grads, metrics, counter.rows
 
 
@@ -198,7 +205,7 @@ def test_elision_keeps_rows_with_a_kl_term(tiny_qwen2):
     counter = RowCounter(policy.model)
     opt = RecordingOptimizer(policy.parameters())
     models = Models(policy, tok, None, torch.device("cpu"))
-    m = grpo_update(models, opt, ConstantSchedule(), batch, adv, ref_lp, cfg, step=1)
+    m = grpo_update(models, opt, ConstantSchedule(), UpdateInputs(batch, adv, ref_lp), cfg, step=1)
     assert m["update/elided_frac"] == 0.0
     assert counter.rows == 2 * 12  # old-policy pass and update, every row
 
@@ -387,7 +394,9 @@ def test_adaptive_entropy_coefficient_moves_per_optimizer_step(tiny_qwen2):
     opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
     models = Models(policy, tok, None, torch.device("cpu"))
     state = EntropyControl(0.1)
-    grpo_update(models, opt, ConstantSchedule(), batch, adv, None, cfg, step=3, entropy=state)
+    grpo_update(
+        models, opt, ConstantSchedule(), UpdateInputs(batch, adv), cfg, step=3, entropy=state
+    )
     assert state.coef == pytest.approx(0.2)  # two optimizer steps, each + 0.05
     assert 0 < state.last_entropy <= 100.0
     g_pg, _, _ = _update(model, tok, batch, adv, _cfg())
@@ -411,7 +420,8 @@ def test_opsm_drops_negative_advantage_rows_far_from_the_sampler(tiny_qwen2):
     behaviour = frozen_logprobs(policy, batch, cfg) + 5.0
     opt = RecordingOptimizer(p for p in policy.parameters() if p.requires_grad)
     models = Models(policy, tok, None, torch.device("cpu"))
-    m = grpo_update(models, opt, ConstantSchedule(), batch, adv, None, cfg, 3, behaviour)
+    exp = UpdateInputs(batch, adv, sampler_logprobs=behaviour)
+    m = grpo_update(models, opt, ConstantSchedule(), exp, cfg, 3)
     # over the computed completions: the 8 with a nonzero advantage (4 elided), 4 negative
     assert m["opsm/masked_frac"] == pytest.approx(4 / 8, abs=1e-6)
     g_pos, _, _ = _update(model, tok, batch, adv.clamp(min=0), _cfg(**{"algo.loss_type": "dapo"}))

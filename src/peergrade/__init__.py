@@ -3,7 +3,8 @@
 The public entry points: the `peergrade` CLI (``peergrade.cli``); the Python API in TRL's
 words, ``from peergrade import GRPOConfig, GRPOTrainer`` (``peergrade.api``); the native one,
 ``peergrade.train(config)`` with a ``peergrade.Config`` (or ``peergrade.load_config(path)``);
-the pure loss and advantage math in ``peergrade.algo``. They are imported on first use, so
+the pure loss and advantage math in ``peergrade.algo`` (``peergrade.register_loss`` adds a
+policy loss). They are imported on first use, so
 ``import peergrade`` stays cheap (no torch). See docs/index.md for the map.
 """
 
@@ -19,6 +20,8 @@ _LAZY = {
     "Config": "peergrade.config",
     "load_config": "peergrade.config",
     "Terminated": "peergrade.errors",
+    # a policy loss under a new algo.loss_type name (algo.loss_registry)
+    "register_loss": "peergrade.algo",
 }
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "Terminated",
     "__version__",
     "load_config",
+    "register_loss",
     "train",
 ]
 

@@ -1,184 +1,19 @@
 """Policy-gradient losses (GRPO family, GSPO, CISPO, SAPO, LUSPO, VESPO), KL estimators, the
 entropy helpers and the PPO value loss.
 
-What this module does
----------------------
-``kl_divergence(logp, ref_logp, estimator)``: per-token estimators of KL(pi || pi_ref) from
-samples of pi, from J. Schulman, "Approximating KL Divergence" (2020), with
-d = ref_logp - logp = log(pi_ref / pi):
+The formulas and their sources, the aggregation of every loss type, the normalisers (gradient
+accumulation, exact elision), the off-policy weights and keep mask, and every metric are stated
+in docs/algorithms.md ("The policy loss" to "PPO"); each function's docstring gives its
+arguments. ``policy_loss`` takes its options as one ``LossOptions`` record (``loss_options``:
+one record per loss family) and runs the loss registered under ``options.loss_type``
+(``loss_registry``): the eight built-in types are ``builtin_policy_loss``, registered here.
 
-    k1 = logp - ref_logp = -d                 unbiased, high variance, can be negative
-    k2 = 0.5 * (logp - ref_logp)^2            biased, low variance, >= 0
-    k3 = exp(d) - d - 1                        unbiased, low variance, >= 0 (DeepSeekMath GRPO)
-
-``policy_loss(logp, old_logp, advantages, mask, ...)``: the clipped surrogate of PPO
-(Schulman et al. 2017) as used by GRPO (DeepSeekMath, Shao et al. 2024), per token t of
-sequence i, with A_i the sequence's advantage (one scalar per completion, ``[B]``; PPO passes
-one advantage per token, ``[B, T]``, and A_i becomes A_it below):
-
-    rho_it = exp(logp_it - old_logp_it)                                  (ratio_level="token")
-    l_it   = -min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps_high) A_i) + beta * KL_it
-
-``eps_high`` (``clip_eps_high``) defaults to ``eps``; a larger value is DAPO's "clip-higher"
-(Yu et al. 2025). The KL term (estimator ``kl_estimator``, default k3) is added only when
-``beta > 0`` *and* ``ref_logp`` is given; with ``beta > 0`` and no ``ref_logp`` the loss has no
-KL term (callers that skip the reference model pass ``beta=0``).
-
-``kl_bias_correction=True`` multiplies the KL term by the importance ratio rho_it (with its
-gradient; with ``ratio_level="sequence"`` the sequence ratio s_i, whose gradient reaches every
-token of the sequence, as TRL broadcasts it), DeepSeek-V3.2's unbiased
-estimate of the reverse KL's gradient for tokens sampled from pi_old: KL_it becomes
-rho_it * KL_it. It changes the gradient on-policy too (rho = 1 there but d rho / d logp = 1):
-with k3 the gradient of rho k3 is exactly logp - ref_logp. TRL's ``use_bias_correction_kl``
-(default True there); peergrade's own default is False, the DeepSeekMath term as written.
-
-``ratio_level="sequence"`` is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"):
-one ratio per sequence, the length-normalised sequence likelihood ratio
-
-    log s_i = sum_t m_it (logp_it - old_logp_it) / sum_t m_it,
-
-applied to every token in the "GSPO-token" form rho_it = exp(sg(log s_i) + logp_it - sg(logp_it))
-(sg = stop-gradient): its value is s_i for every token, and d rho_it / d logp_it = s_i, so the
-gradient flows through each token's own log-probability. Clipping then acts on whole sequences.
-
-``loss_type="cispo"`` is CISPO (MiniMax-M1, MiniMax 2025): the importance weight is truncated
-from above and detached, and every token keeps a gradient (no token is dropped by clipping):
-
-    l_it = -sg(min(rho_it, cap)) A_i logp_it (+ beta * KL_it)
-
-with cap = 1 + eps_high (the paper's form) unless ``cispo_cap`` gives the cap itself: TRL caps
-at its ``epsilon_high`` as is (recommended 5.0), which ``GRPOConfig`` maps to ``cispo_cap``.
-
-``loss_type="sapo"`` is SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization",
-arXiv 2511.20347): the hard clip is replaced by a smooth gate of the ratio with a temperature
-tau that depends on the sign of the advantage (tau_pos for A > 0, tau_neg for A <= 0):
-
-    f(rho) = (4 / tau) * sigmoid(tau * (rho - 1))          l_it = -f(rho_it) A_i (+ beta * KL_it)
-
-f(1) = 2 / tau and f'(1) = 1, so on-policy the gradient is GRPO's; far from 1 the gate's slope
-4 sigma (1 - sigma) decays smoothly instead of dropping to 0 at the clip boundary. Aggregated as
-``grpo`` (sequence mean), as in the paper and TRL.
-
-``loss_type="luspo"`` is LUSPO (arXiv 2602.05261, "Length-Unbiased Sequence Policy
-Optimization"): the clipped surrogate (normally with ``ratio_level="sequence"``, i.e. GSPO) whose
-per-sequence loss is scaled by the sequence's length, i.e. summed over its tokens instead of
-averaged: ``mean_i( sum_t m_it l_it )`` (see the aggregation table).
-
-``loss_type="vespo"`` is VESPO (arXiv 2602.10693, "Variational Sequence-Level Soft Policy
-Optimization"): a detached, smooth Gamma-shaped weight of the *sequence* importance ratio w_i
-(the product of token ratios, not GSPO's geometric mean) replaces clipping, and the surrogate is
-a REINFORCE term:
-
-    log w_i  = clamp( sum_t m_it clamp(logp_it - old_logp_it, -20, 20), log 1e-8, 20 )
-    phi(w)   = exp( lam + k log w - lam w )       (= e^lam w^k e^{-lam w}; phi(1) = 1)
-    l_it     = -sg(phi(w_i)) A_i logp_it (+ beta * KL_it)
-
-with (k, lam) = (k_pos, lam_pos) when A_i >= 0 and (k_neg, lam_neg) otherwise (lam clamped to
->= 1e-4; a non-finite phi becomes 0). phi rises as w^k below 1 and decays as e^{-lam w} above
-1, down-weighting sequences far off-policy on either side. Aggregated as ``dapo``. ``ratio_level``
-does not enter (VESPO forms its own sequence ratio). With off-policy ``weights`` (token-level
-TIS/MIS toward the sampler), VESPO does not multiply the surrogate by them but adds
-``sum_t m_it clamp(log w_it, log 1e-8, 20)`` to log w_i before its clamp (a masked token, weight 0,
-contributes log 1e-8), as TRL does with its vLLM importance ratio.
-
-``delta`` (optional) is INTELLECT-2's two-sided clip (Prime Intellect 2025, arXiv 2505.07291):
-the unclipped branch's ratio is capped at delta, l_it = -min(min(rho_it, delta) A_i,
-clip(rho_it, 1 - eps, 1 + eps_high) A_i), which bounds the loss of a negative-advantage token
-whose ratio has exploded (delta > 1, normally > 1 + eps_high). Clipped-surrogate loss types only
-(grpo, bnpo, dr_grpo, dapo, luspo), as in TRL.
-
-``keep`` (optional, ``[B, T]`` 0/1 or bool): tokens whose surrogate counts, multiplied into
-the per-token surrogate (not the KL term) like ``weights`` and changing no normaliser: the
-product of the off-policy sequence mask (``offpolicy.off_policy_sequence_mask``, DeepSeek-V3.2's
-OPSM) and the high-entropy token mask (``high_entropy_mask``, "Beyond the 80/20 Rule"), as TRL
-applies them.
-
-``weights`` (optional, ``[B, T]``): per-token off-policy correction weights w_it
-(``offpolicy.off_policy_weights``: truncated or masked importance sampling toward the sampler's
-log-probs) multiply the surrogate part, l_it = -w_it min(...) + beta * KL_it (for CISPO
--w_it sg(min(rho_it, 1 + eps_high)) A_i logp_it + beta * KL_it); they are detached, change no
-normaliser (a token of weight 0 still counts in every denominator, as in TRL and verl) and
-not the clip or ratio metrics. ``weights=None`` multiplies by nothing; weights all exactly 1
-give the same loss bit for bit.
-
-Aggregation of the masked per-token losses l (m = mask, B = number of sequences):
-
-    grpo     mean_i( sum_t m_it l_it / sum_t m_it )       DeepSeekMath GRPO (sequence mean)
-    sapo     as grpo
-    luspo    mean_i( sum_t m_it l_it )                     LUSPO (length-scaled sequence loss)
-    bnpo     sum m l / sum m                              token mean over this (micro)batch
-    dr_grpo  sum m l / (B * max_completion_length)        Dr. GRPO (Liu et al. 2025), constant
-    dapo     sum m l / num_tokens                         DAPO token-level loss
-    cispo    sum m l / num_tokens                         as DAPO
-    vespo    sum m l / num_tokens                         as DAPO
-
-``num_tokens`` is the active-token count of the whole global batch (across gradient
-accumulation steps and processes) so that micro-batch losses add up to the global token mean;
-it defaults to sum m (local). It is used by ``dapo``, ``cispo`` and ``vespo`` only. A sequence with no
-active token contributes 0 to ``grpo`` but still counts in the mean over B (as in TRL).
-
-``num_sequences`` is the minibatch rule for gradient accumulation: when the B sequences here
-are one micro-batch of a minibatch of ``num_sequences`` sequences, the returned loss of the
-per-batch normalised types (``grpo``, ``sapo``, ``luspo``, ``bnpo``, ``dr_grpo``) is scaled by
-B / num_sequences,
-its share of the minibatch, so that the micro-batch gradients add up to the minibatch's
-(size-weighted for ``bnpo``, exact for the others). ``dapo``, ``cispo`` and ``vespo`` are already
-normalised by the minibatch's ``num_tokens`` and are not scaled. The metrics stay this
-micro-batch's own normalised values.
-
-``stands_for`` and ``batch_tokens`` are the exact-elision rule: a sequence whose every token
-has loss 0 (advantage 0 and no KL term) has zero gradient, so a caller may leave it out of the
-forward/backward. The B rows given then *stand for* ``stands_for`` sequences (>= B; the others
-have loss 0) holding ``batch_tokens`` counted tokens, and these replace B and ``sum m`` in
-every normaliser: grpo's mean over sequences, bnpo's token count, dr_grpo's B, and the share
-B / num_sequences. The loss and its gradient are then those of the full batch (up to float
-summation order). ``stands_for`` may be fractional when several micro-batches share the left-out
-rows of a minibatch: grpo and dr_grpo divide by it and the share multiplies by it, so it cancels
-in the loss; it only sets the metrics' normalisation.
-
-Metrics (python floats, computed without gradient over tokens with ``mask == 1``; a fraction
-over zero tokens is 0):
-
-- ``clip/low_frac``: tokens where the clipped branch is active on the low side, A < 0 and
-  rho < 1 - eps (their gradient is zero); ``clip/high_frac``: A > 0 and rho > 1 + eps_high;
-  ``clip/frac``: their sum. These are the tokens whose gradient the clip removes (the way TRL
-  and verl count them). For ``cispo``, ``clip/high_frac`` counts tokens whose weight was
-  truncated at its cap (any sign of A) and ``clip/low_frac`` is 0 (CISPO has no low clip).
-  ``sapo`` and ``vespo`` have no hard clip: all three are 0. With ``delta``, ``clip/delta_frac``
-  counts tokens with A < 0 and rho > delta (their gradient is removed by the delta cap).
-- ``vespo/phi_mean`` (vespo only): the mean of phi(w_i) over the B sequences.
-- ``ratio/mean``, ``ratio/min``, ``ratio/max``: of rho over active tokens (for GSPO every
-  token carries its sequence's ratio, so the mean is token-weighted); all 0 with no tokens.
-- ``kl/mean``: token mean of the chosen KL estimator whenever ``ref_logp`` is given (also with
-  ``beta == 0``, for monitoring), 0.0 when it is not.
-- ``advantage/mean``: mean of ``advantages`` over the B sequences (not token-weighted), or
-  over ``stands_for`` sequences whose left-out ones have advantage 0; for ``[B, T]``
-  advantages, their mean over active tokens.
-- With ``stands_for`` (elision), ``loss/policy``, ``loss/kl`` and ``advantage/mean`` are those
-  of the full batch; the clip, ratio and KL statistics are over the tokens of the B rows given
-  (the only ones computed).
-- ``loss/policy``: the aggregated surrogate part of the loss; ``loss/kl``: the aggregated
-  ``beta * KL`` part (0.0 without a KL term). ``loss == loss/policy + loss/kl``.
-
-``value_loss(values, old_values, returns, mask, clip_eps)``: the clipped value loss of PPO
-(Schulman et al. 2017; the form used by OpenAI baselines and LLM PPO trainers),
-
-    L = masked_mean( 0.5 * max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2) )
-
-returning ``(loss, metrics)`` with ``value/clip_frac`` (tokens where the clipped term is the
-larger one, i.e. the clip removed the gradient) and ``value/mean``.
-
-Robustness: positions with ``mask == 0`` are replaced by 0 before any arithmetic, so padding
-that holds -inf or NaN log-probabilities cannot leak NaN into the loss or its gradient. Only
-``logp`` (and ``values``) carry gradient: old/ref log-probs, advantages and returns are detached.
-
-What it deliberately does not do
---------------------------------
-No log-prob or entropy computation (see peergrade.model.logprobs), no advantage computation
-(advantages.py), no cross-process reduction (the caller passes ``num_tokens`` and reduces
-metrics), no dual-clip, no config objects, no I/O. The entropy bonus and the high-entropy token
-selection are separate functions (``entropy_bonus``, ``high_entropy_mask``,
-``adaptive_entropy_coef``) that the caller adds to the loss. It imports torch only.
+What it deliberately does not do: no log-prob or entropy computation (peergrade.model.logprobs),
+no advantage computation (advantages.py), no cross-process reduction (the caller passes
+``num_tokens`` and reduces metrics), no dual-clip, no config objects, no I/O. The entropy bonus
+and the high-entropy token selection are separate functions (``entropy_bonus``,
+``high_entropy_mask``, ``adaptive_entropy_coef``) that the caller adds to the loss. It imports
+torch only.
 """
 
 from __future__ import annotations
@@ -188,9 +23,25 @@ import numbers
 
 import torch
 
+from peergrade.algo.loss_options import (
+    KL_ESTIMATORS,
+    TOKEN_MEAN_TYPES,
+    CispoLoss,
+    ClippedLoss,
+    DrGrpoLoss,
+    LossBatch,
+    LossCounts,
+    LossOptions,
+    SapoLoss,
+    VespoLoss,
+    loss_options,
+)
+from peergrade.algo.loss_registry import LOSS_TYPES, is_builtin, loss_function, register_loss
+
 __all__ = [
     "LOSS_TYPES",
     "adaptive_entropy_coef",
+    "builtin_policy_loss",
     "entropy_bonus",
     "high_entropy_mask",
     "kl_divergence",
@@ -199,13 +50,12 @@ __all__ = [
     "vespo_weights",
 ]
 
-_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-LOSS_TYPES = _LOSS_TYPES
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the hard-clipped surrogate (and delta)
-_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # normalised by the global token count num_tokens
+_LOSS_TYPES = LOSS_TYPES
+_TOKEN_MEAN = TOKEN_MEAN_TYPES  # normalised by the global token count num_tokens
 _VESPO_LOG_MIN = math.log(1e-8)  # VESPO's lower clamp of log w
 _RATIO_LEVELS = ("token", "sequence")
-_KL_ESTIMATORS = ("k1", "k2", "k3")
+_KL_ESTIMATORS = KL_ESTIMATORS
+_COUNT_NAMES = ("num_tokens", "num_sequences", "stands_for", "batch_tokens")
 
 
 def _is_number(x: object) -> bool:
@@ -249,7 +99,7 @@ def kl_divergence(
     Args:
         logp: log pi(token), any shape.
         ref_logp: log pi_ref(token), same shape as ``logp``.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see the module docstring).
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (docs/algorithms.md).
 
     Returns:
         A tensor of the shape of ``logp``; gradients flow through both arguments.
@@ -273,91 +123,115 @@ def policy_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    options: LossOptions | None = None,
     *,
-    loss_type: str = "grpo",
-    ratio_level: str = "token",
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
     ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    max_completion_length: int | None = None,
-    num_tokens: float | int | torch.Tensor | None = None,
-    num_sequences: int | None = None,
-    stands_for: float | None = None,
-    batch_tokens: float | int | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    kl_bias_correction: bool = False,
-    cispo_cap: float | None = None,
+    counts: LossCounts | None = None,
+    **knobs: object,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss over a batch of completions (see the module docstring).
+    """The policy-gradient loss ``options.loss_type`` over a batch of completions: the
+    built-in types (docs/algorithms.md) or a loss added with ``register_loss``.
 
     Args:
         logp: ``[B, T]`` log-probs of the sampled tokens under the current policy (with grad).
         old_logp: ``[B, T]`` log-probs under the policy that sampled them (detached here).
         advantages: ``[B]`` one advantage per sequence (GRPO), or ``[B, T]`` one per token (PPO).
         mask: ``[B, T]``, ``mask == 1`` marks completion tokens that count.
-        loss_type: one of ``LOSS_TYPES``; ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
-        clip_eps, clip_eps_high: clip range [1 - clip_eps, 1 + clip_eps_high], > 0 (None: clip_eps).
-        ref_logp, beta, kl_estimator: ``[B, T]`` reference log-probs (for the KL term and
-            ``kl/mean``), the KL coefficient (>= 0) and ``"k1"``, ``"k2"`` or ``"k3"``.
-        max_completion_length: the constant normaliser of ``dr_grpo`` (required there).
-        num_tokens: global active-token count of the token-mean types (default: ``mask.sum()``).
-        num_sequences: sequences in the minibatch these B belong to (gradient accumulation).
-        stands_for, batch_tokens: the sequences (>= B) and counted tokens these rows stand for
-            when rows whose loss is exactly 0 were left out (exact elision).
+        options: the loss type with its family's knobs and the shared clip/KL options
+            (``LossOptions``; ``loss_options(**flat)`` builds one from ``algo.*`` names).
+        ref_logp: ``[B, T]`` reference log-probs, for the KL term (``options.beta > 0``) and
+            ``kl/mean``; None: no KL term.
         weights: ``[B, T]`` off-policy correction weights (``off_policy_weights``) or None.
         keep: ``[B, T]`` 0/1 (or bool) tokens whose surrogate counts; None = all.
-        delta: INTELLECT-2's cap of the unclipped ratio (> 1); clipped loss types only.
-        sapo_temperature_pos, sapo_temperature_neg: SAPO's tau for A > 0 and A <= 0 (> 0).
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma shape
-            (k >= 0) and decay (lam >= 0) for A >= 0 and A < 0.
-        kl_bias_correction: multiply the KL term by the importance ratio (TRL's
-            ``use_bias_correction_kl``); False: the KL estimate as is.
-        cispo_cap: CISPO's cap of the weight itself (> 0; TRL's ``epsilon_high``); None: the
-            paper's 1 + clip_eps_high. ``loss_type="cispo"`` only.
+        counts: the counts that replace the local ones in the normalisers (``LossCounts``:
+            ``num_tokens``, ``num_sequences``, ``stands_for``, ``batch_tokens``); None: local.
+        **knobs: the keyword form, for one-off calls and tests, instead of ``options`` and
+            ``counts``: their fields by flat name, e.g. ``loss_type="dr_grpo",
+            max_completion_length=8, beta=0.1, num_tokens=40`` (``loss_options``' names
+            plus the four counts). Not together with ``options``.
 
     Returns:
-        ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats.
+        ``(loss, metrics)``: a scalar tensor with gradient w.r.t. ``logp`` and a dict of floats
+        (a registered loss without ``loss/policy`` gets its returned loss there).
     """
     B = _check_tensors(logp, old_logp, advantages, mask, ref_logp, weights, keep)
-    sapo_tau = (sapo_temperature_pos, sapo_temperature_neg)
-    vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
-    eps_high = _check_options(loss_type, ratio_level, kl_estimator, clip_eps, clip_eps_high, beta)
-    _check_family_options(loss_type, delta, sapo_tau, vespo, max_completion_length)
-    _check_cispo_cap(loss_type, cispo_cap)
-    _check_normalisers(B, mask, num_tokens, num_sequences, stands_for, batch_tokens)
-    B_all = B if stands_for is None else stands_for  # the sequences the normalisers count
+    options, counts = _resolve_options(options, counts, knobs)
+    _check_normalisers(B, mask, counts)
+    batch = LossBatch(logp, old_logp, advantages, mask, ref_logp, weights, keep, counts)
+    loss, metrics = loss_function(options.loss_type)(batch, options)
+    if not is_builtin(options.loss_type) and "loss/policy" not in metrics:
+        metrics = {**metrics, "loss/policy": float(loss.detach())}
+    return loss, metrics
 
-    hi = 1.0 + eps_high if cispo_cap is None else float(cispo_cap)  # CISPO's cap as given
-    clip = (1.0 - clip_eps, hi, delta)
-    x = _LossInputs(logp, old_logp, advantages, mask, ratio_level, clip, sapo_tau, vespo, weights)
+
+def _resolve_options(
+    options: LossOptions | None, counts: LossCounts | None, knobs: dict
+) -> tuple[LossOptions, LossCounts]:
+    """``policy_loss``'s options and counts: as given, or from the keyword form ``knobs``."""
+    if options is not None:
+        if knobs:
+            raise TypeError(
+                f"policy_loss: options is given, so the keyword options {sorted(knobs)} would "
+                "be ignored: set them in the LossOptions (or LossCounts) instead"
+            )
+        if not isinstance(options, LossOptions):
+            raise ValueError(
+                f"options: expected a LossOptions (peergrade.algo.loss_options), got "
+                f"{type(options).__name__}"
+            )
+        return options, LossCounts() if counts is None else counts
+    flat_counts = {k: knobs.pop(k) for k in _COUNT_NAMES if k in knobs}
+    if flat_counts and counts is not None:
+        raise TypeError(f"policy_loss: counts is given, so {sorted(flat_counts)} would be ignored")
+    opts = loss_options(**knobs)
+    return opts, LossCounts(**flat_counts) if counts is None else counts
+
+
+def builtin_policy_loss(
+    batch: LossBatch, options: LossOptions
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The built-in loss types (``LOSS_TYPES``), a registered ``LossFn``: the family's
+    per-token objective, times the off-policy weights and the keep mask, plus the KL term,
+    aggregated by the loss type, times the micro-batch's share; and the metrics."""
+    fam, c = options.family, batch.counts
+    loss_type = fam.loss_type
+    if not is_builtin(loss_type):
+        raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
+    B = batch.logp.shape[0]
+    B_all = B if c.stands_for is None else c.stands_for  # the sequences the normalisers count
+    cap = fam.cap if isinstance(fam, CispoLoss) else None
+    delta = fam.delta if isinstance(fam, (ClippedLoss, DrGrpoLoss)) else None
+    max_len = fam.max_completion_length if isinstance(fam, DrGrpoLoss) else None
+    hi = 1.0 + options.eps_high if cap is None else float(cap)  # CISPO's cap as given
+    clip = (1.0 - options.clip_eps, hi, delta)
+    x = _LossInputs(batch, options.ratio_level, clip, fam)
     s = _OBJECTIVES[loss_type](x)
     # VESPO folds the off-policy weights into phi; the other families multiply the surrogate
-    pg = _corrected(x, s.pg, None if loss_type == "vespo" else weights, keep)  # [B, T]
-    kl = _kl_term(x, ref_logp, kl_estimator)  # [B, T] or None
-    if kl is not None and kl_bias_correction:
-        kl = kl * _kl_ratio(x, ratio_level)  # [B, T] (DeepSeek-V3.2's correction)
+    weights = None if loss_type == "vespo" else batch.weights
+    pg = _corrected(x, s.pg, weights, batch.keep)  # [B, T]
+    kl = _kl_term(x, batch.ref_logp, options.kl_estimator)  # [B, T] or None
+    if kl is not None and options.kl_bias_correction:
+        kl = kl * _kl_ratio(x, options.ratio_level)  # [B, T] (DeepSeek-V3.2's correction)
+    beta = options.beta
     use_kl = kl is not None and beta > 0
 
     aggregate = _aggregator(
-        x, loss_type, B_all, stands_for, max_completion_length, num_tokens, batch_tokens
+        x, loss_type, B_all, c.stands_for, max_len, c.num_tokens, c.batch_tokens
     )
     loss_pg = aggregate(pg)
     loss = loss_pg + beta * aggregate(kl) if use_kl else loss_pg
-    metrics = _metrics(x, s, kl, loss_pg, loss, use_kl, stands_for, B_all)
+    metrics = _metrics(x, s, kl, loss_pg, loss, use_kl, c.stands_for, B_all)
     share = 1.0
-    if num_sequences is not None and loss_type not in _TOKEN_MEAN:
-        share = B_all / num_sequences  # this micro-batch's share of the minibatch
+    if c.num_sequences is not None and loss_type not in _TOKEN_MEAN:
+        share = B_all / c.num_sequences  # this micro-batch's share of the minibatch
     return (loss * share if share != 1.0 else loss), metrics
+
+
+for _name in LOSS_TYPES:  # the built-in (and TRL) names, through the public registry
+    register_loss(_name, builtin_policy_loss)
+del _name
 
 
 # ---- policy_loss's argument checks, in the order they are made ------------------------------
@@ -398,95 +272,11 @@ def _check_tensors(
     return B
 
 
-def _check_options(
-    loss_type: str,
-    ratio_level: str,
-    kl_estimator: str,
-    clip_eps: float,
-    clip_eps_high: float | None,
-    beta: float,
-) -> float:
-    """Check the options every loss type reads; return clip_eps_high (clip_eps when None)."""
-    if loss_type not in _LOSS_TYPES:
-        raise ValueError(f"loss_type: expected one of {_LOSS_TYPES}, got {loss_type!r}")
-    if ratio_level not in _RATIO_LEVELS:
-        raise ValueError(f"ratio_level: expected one of {_RATIO_LEVELS}, got {ratio_level!r}")
-    if kl_estimator not in _KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator: expected one of {_KL_ESTIMATORS}, got {kl_estimator!r}")
-    if not (_is_number(clip_eps) and clip_eps > 0):
-        raise ValueError(f"clip_eps: expected a positive number, got {clip_eps!r}")
-    if clip_eps_high is None:
-        clip_eps_high = clip_eps
-    if not (_is_number(clip_eps_high) and clip_eps_high > 0):
-        raise ValueError(
-            f"clip_eps_high: expected a positive number or None, got {clip_eps_high!r}"
-        )
-    if not (_is_number(beta) and beta >= 0):
-        raise ValueError(f"beta: expected a number >= 0, got {beta!r}")
-    return clip_eps_high
-
-
-def _check_family_options(
-    loss_type: str,
-    delta: float | None,
-    sapo_tau: tuple[float, float],
-    vespo: tuple[float, float, float, float],
-    max_completion_length: int | None,
-) -> None:
-    """Check the options of one loss family: INTELLECT-2's delta, SAPO's temperatures
-    ``(pos, neg)``, VESPO's ``(k_pos, lambda_pos, k_neg, lambda_neg)``, Dr. GRPO's length."""
-    if delta is not None:
-        if not (_is_number(delta) and delta > 1):
-            raise ValueError(f"delta: expected a number > 1 or None, got {delta!r}")
-        if loss_type not in _CLIPPED:
-            raise ValueError(
-                f"delta: applies to the clipped loss types {_CLIPPED} only, not "
-                f"loss_type={loss_type!r}"
-            )
-    for name, v in zip(("sapo_temperature_pos", "sapo_temperature_neg"), sapo_tau):
-        if not (_is_number(v) and v > 0):
-            raise ValueError(f"{name}: expected a positive number, got {v!r}")
-    for name, v in zip(
-        ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), vespo
-    ):
-        if not (_is_number(v) and v >= 0):
-            raise ValueError(f"{name}: expected a number >= 0, got {v!r}")
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError(
-                "max_completion_length: required for loss_type='dr_grpo' (its constant "
-                "normaliser is B * max_completion_length)"
-            )
-        if not (
-            isinstance(max_completion_length, numbers.Integral)
-            and not isinstance(max_completion_length, bool)
-            and max_completion_length > 0
-        ):
-            raise ValueError(
-                f"max_completion_length: expected a positive int, got {max_completion_length!r}"
-            )
-
-
-def _check_cispo_cap(loss_type: str, cispo_cap: float | None) -> None:
-    """CISPO's cap of the weight itself: a positive number, CISPO only."""
-    if cispo_cap is None:
-        return
-    if not (_is_number(cispo_cap) and cispo_cap > 0):
-        raise ValueError(f"cispo_cap: expected a positive number or None, got {cispo_cap!r}")
-    if loss_type != "cispo":
-        raise ValueError(f"cispo_cap: applies to loss_type='cispo' only, not {loss_type!r}")
-
-
-def _check_normalisers(
-    B: int,
-    mask: torch.Tensor,
-    num_tokens: float | int | torch.Tensor | None,
-    num_sequences: int | None,
-    stands_for: float | None,
-    batch_tokens: float | int | torch.Tensor | None,
-) -> None:
+def _check_normalisers(B: int, mask: torch.Tensor, counts: LossCounts) -> None:
     """Check the counts that replace the local ones in the normalisers (gradient accumulation,
     exact elision)."""
+    num_tokens, num_sequences = counts.num_tokens, counts.num_sequences
+    stands_for, batch_tokens = counts.stands_for, counts.batch_tokens
     if num_tokens is not None:
         if isinstance(num_tokens, torch.Tensor):
             if num_tokens.numel() != 1:
@@ -535,16 +325,13 @@ class _LossInputs:
 
     def __init__(
         self,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
+        batch: LossBatch,
         ratio_level: str,
         clip: tuple[float, float, float | None],
-        sapo_tau: tuple[float, float],
-        vespo: tuple[float, float, float, float],
-        weights: torch.Tensor | None,
+        family: object,
     ) -> None:
+        logp, old_logp, advantages = batch.logp, batch.old_logp, batch.advantages
+        mask = batch.mask
         self.valid = _check_mask(mask)  # [B, T] bool
         self.m = self.valid.to(logp.dtype)  # [B, T]
         self.n_active = self.m.sum()  # [], the counted tokens
@@ -558,9 +345,8 @@ class _LossInputs:
             self.adv = torch.where(self.valid, advantages.detach().to(logp.dtype), self.zero)
         self.rho = _ratio(self.lp, self.old, self.m, ratio_level)  # [B, T]
         self.lo, self.hi, self.delta = clip  # 1 - eps, 1 + eps_high, INTELLECT-2's cap or None
-        self.sapo_tau = sapo_tau  # (tau_pos, tau_neg)
-        self.vespo = vespo  # (k_pos, lambda_pos, k_neg, lambda_neg)
-        self.weights = weights  # [B, T] off-policy weights or None (VESPO folds them into phi)
+        self.family = family  # the loss family's record: SAPO's and VESPO's knobs
+        self.weights = batch.weights  # [B, T] off-policy weights or None (VESPO: into phi)
 
 
 def _ratio(lp: torch.Tensor, old: torch.Tensor, m: torch.Tensor, ratio_level: str) -> torch.Tensor:
@@ -637,7 +423,8 @@ def _cispo_objective(x: _LossInputs) -> _Surrogate:
 def _sapo_objective(x: _LossInputs) -> _Surrogate:
     """SAPO: l = -f(rho) A with the smooth gate f(rho) = (4 / tau) sigmoid(tau (rho - 1)),
     tau = tau_pos for A > 0 and tau_neg for A <= 0; no hard clip."""
-    tau_pos, tau_neg = x.sapo_tau
+    fam: SapoLoss = x.family
+    tau_pos, tau_neg = fam.temperature_pos, fam.temperature_neg
     tau = torch.where(
         x.adv > 0,
         torch.full_like(x.adv, float(tau_pos)),
@@ -657,7 +444,8 @@ def _vespo_objective(x: _LossInputs) -> _Surrogate:
             f"advantages: loss_type='vespo' needs one advantage per sequence, "
             f"shape ({x.lp.shape[0]},)"
         )
-    k_pos, lambda_pos, k_neg, lambda_neg = x.vespo
+    fam: VespoLoss = x.family
+    k_pos, lambda_pos, k_neg, lambda_neg = fam.k_pos, fam.lambda_pos, fam.k_neg, fam.lambda_neg
     phi = vespo_weights(
         x.lp.detach(),
         x.old,
@@ -718,7 +506,7 @@ def _aggregator(
     num_tokens: float | int | torch.Tensor | None,
     batch_tokens: float | int | torch.Tensor | None,
 ):
-    """The aggregation of ``loss_type`` (the module docstring's table): a function from masked
+    """The aggregation of ``loss_type`` (docs/algorithms.md's table): a function from masked
     per-token losses ``[B, T]`` to the scalar loss."""
     m = x.m
     if loss_type in ("grpo", "sapo"):
@@ -789,7 +577,7 @@ def _metrics(
     stands_for: float | None,
     B_all: float,
 ) -> dict[str, float]:
-    """``policy_loss``'s metrics (the module docstring), no grad, one host sync for the common
+    """``policy_loss``'s metrics (docs/algorithms.md), no grad, one host sync for the common
     ones."""
     with torch.no_grad():
         denom = x.n_active.clamp(min=1)
@@ -841,7 +629,7 @@ def vespo_weights(
     k_neg: float = 3.0,
     lambda_neg: float = 2.0,
 ) -> torch.Tensor:
-    """VESPO's detached sequence weight phi(w_i) (see the module docstring), ``[B]``.
+    """VESPO's detached sequence weight phi(w_i) (docs/algorithms.md), ``[B]``.
 
     Args:
         logp, old_logp: ``[B, T]`` current and old log-probs (padding may hold anything).
@@ -952,7 +740,7 @@ def value_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped value loss, masked token mean (see the module docstring).
+    """PPO clipped value loss, masked token mean (docs/algorithms.md).
 
     Args:
         values: ``[B, T]`` current critic values (with grad).

@@ -17,7 +17,7 @@ class AlgoConfig:
         "token-level GAE advantages; the memory baseline GRPO is measured against).",
         "grpo",
     )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = doc(
+    loss_type: str = doc(
         "Loss aggregation / variant: grpo (per-sequence mean), bnpo (token mean over the "
         "micro-batch), dr_grpo (sum / (B * max_completion_length)), dapo (token mean over the "
         "global batch), cispo (clipped IS-weight policy gradient, token mean over the global batch), "
@@ -25,7 +25,8 @@ class AlgoConfig:
         "sapo_temperature_*), luspo (LUSPO: the clipped surrogate summed over each sequence's "
         "tokens, mean over sequences; use with ratio_level sequence), vespo (VESPO: REINFORCE "
         "weighted by a detached Gamma function of the sequence ratio, token mean over the global "
-        "batch; vespo_*). Formulas: docs/algorithms.md.",
+        "batch; vespo_*); or a name given to peergrade.register_loss in the same process (checked "
+        "when the trainer starts). Formulas: docs/algorithms.md.",
         "grpo",
     )
     ratio_level: Literal["token", "sequence"] = doc(

@@ -4,7 +4,9 @@ allowed."""
 
 from __future__ import annotations
 
+import difflib
 import math
+import sys
 
 from peergrade.config.schema import Config
 from peergrade.errors import ConfigError
@@ -14,6 +16,7 @@ def validate(cfg: Config) -> None:
     """Cross-field rules; raises ConfigError naming the key and what is allowed.
 
     One check per section, in this order: the first rule broken is the error raised."""
+    _check_loss_type(cfg.algo.loss_type)  # a choice, as the Literal keys are checked on load
     _check_rollout(cfg)
     _check_algo_clipping(cfg)
     _check_algo_losses(cfg)
@@ -145,6 +148,33 @@ def _check_algo_clipping(cfg: Config) -> None:
         f"algo.loss_type ({a.loss_type!r}) and algo.ratio_level ({a.ratio_level!r}) are GRPO "
         "options: algo.name=ppo always uses the token-level clipped loss (token mean); leave "
         "them at their defaults ('grpo', 'token')",
+    )
+
+
+#: the built-in algo.loss_type names (algo.loss_registry registers the same eight)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+def loss_type_names() -> tuple[str, ...]:
+    """The built-in loss names and those given to ``peergrade.register_loss`` in this process.
+
+    A registered loss exists only where its registry was imported (by ``register_loss``), so
+    the registry is read from ``sys.modules``: importing it here would bring torch into
+    loading a config."""
+    registry = sys.modules.get("peergrade.algo.loss_registry")
+    extra = () if registry is None else registry.loss_names()
+    return LOSS_TYPES + tuple(n for n in extra if n not in LOSS_TYPES)
+
+
+def _check_loss_type(name: str) -> None:
+    names = loss_type_names()
+    if name in names:
+        return
+    close = difflib.get_close_matches(str(name), names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(
+        f"algo.loss_type: {name!r} is not allowed; choose one of {', '.join(map(repr, names))}"
+        f"{hint}, or add one with peergrade.register_loss"
     )
 
 

@@ -46,7 +46,15 @@ import torch
 from torch import nn
 
 from peergrade import distributed as dist
-from peergrade.algo import gae, kl_divergence, policy_loss, value_loss
+from peergrade.algo import (
+    ClippedLoss,
+    LossCounts,
+    LossOptions,
+    gae,
+    kl_divergence,
+    policy_loss,
+    value_loss,
+)
 from peergrade.algo.advantages import token_rewards
 from peergrade.model.load import (
     find_backbone_and_head,
@@ -59,6 +67,7 @@ from peergrade.training.experience import Experience
 from peergrade.training.update import (
     Models,
     Trainee,
+    UpdateInputs,
     build_optimizer,
     frozen_logprobs,
     logprobs_of,
@@ -251,23 +260,29 @@ def ppo_update(
     critic: Critic,
     optimizer,
     scheduler,
-    batch,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    old_values: torch.Tensor,
-    old_lp: torch.Tensor | None,
-    ref_lp: torch.Tensor | None,
+    exp: Experience | UpdateInputs,
     cfg,
     step: int,
 ) -> dict[str, float]:
-    """mu passes of minibatch updates of the policy and the critic; returns averaged metrics.
+    """mu passes of minibatch updates of the policy and the critic on ``exp``; returns averaged
+    metrics.
 
-    advantages, returns, old_values, old_lp, ref_lp: ``[N, C]`` (old_lp may be None only with
-    one optimizer step per batch, where the old policy is the current one).
+    ``exp.advantages``, ``returns``, ``values`` (rollout-time), ``old_logprobs`` and
+    ``ref_logprobs``: ``[N, C]`` (``old_logprobs`` may be None only with one optimizer step per
+    batch, where the old policy is the current one; ``ref_logprobs`` None without a reference).
     """
     a = cfg.algo
-    # KL in the reward: the loss has no KL term, but kl/mean is still reported.
-    loss_beta = 0.0 if a.kl_in_reward else a.beta
+    advantages, returns, old_values = exp.advantages, exp.returns, exp.values
+    old_lp, ref_lp = exp.old_logprobs, exp.ref_logprobs
+    options = LossOptions(
+        ClippedLoss("dapo"),  # token mean over the minibatch
+        clip_eps=a.clip_eps,
+        clip_eps_high=a.clip_eps_high,
+        # KL in the reward: the loss has no KL term, but kl/mean is still reported.
+        beta=0.0 if a.kl_in_reward else a.beta,
+        kl_estimator=a.kl_estimator,
+        kl_bias_correction=a.kl_bias_correction,
+    )
 
     def micro_loss(mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor:
         ii, am, cm = trimmed
@@ -278,14 +293,9 @@ def ppo_update(
             logp.detach() if old_lp is None else old_lp[mb, :Tc],
             advantages[mb, :Tc],
             cm,
-            loss_type="dapo",  # token mean over the minibatch
-            clip_eps=a.clip_eps,
-            clip_eps_high=a.clip_eps_high,
+            options,
             ref_logp=None if ref_lp is None else ref_lp[mb, :Tc],
-            beta=loss_beta,
-            kl_estimator=a.kl_estimator,
-            num_tokens=num_tokens,
-            kl_bias_correction=a.kl_bias_correction,
+            counts=LossCounts(num_tokens=num_tokens),
         )
         v = critic.model(ii, am, Tc)  # [mb, Tc]
         vl, vm = value_loss(v, old_values[mb, :Tc], returns[mb, :Tc], cm, clip_eps=a.value_clip_eps)
@@ -307,7 +317,7 @@ def ppo_update(
     ]
     models.policy.train()
     critic.model.train()
-    metrics = run_update(batch, cfg, step, trainees, micro_loss)
+    metrics = run_update(exp.batch, cfg, step, trainees, micro_loss)
     return {**metrics.means(), "optim/lr": scheduler.get_last_lr()[0]}
 
 
@@ -334,16 +344,5 @@ class PPO:
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         return ppo_update(
-            self.models,
-            self.critic,
-            self.optimizer,
-            self.scheduler,
-            exp.batch,
-            exp.advantages,
-            exp.returns,
-            exp.values,
-            exp.old_logprobs,
-            exp.ref_logprobs,
-            self.cfg,
-            step,
+            self.models, self.critic, self.optimizer, self.scheduler, exp, self.cfg, step
         )

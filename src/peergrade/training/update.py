@@ -15,9 +15,12 @@ also leaves out the completions whose gradient is exactly zero (advantage 0, no 
 log-prob pass runs each distinct prompt once (``model.shared_prompt_forward``). All three give
 the plain update's gradient up to float summation order.
 
-``grpo_update`` is that skeleton with ``algo.policy_loss`` on one advantage per completion;
-PPO's update (``peergrade.training.ppo.ppo_update``) is the same skeleton with per-token advantages and a
-value loss for its critic. The trainer sees either through one small interface,
+``grpo_update`` is that skeleton with ``algo.policy_loss`` on one advantage per completion,
+its options one ``LossOptions`` record built from ``algo.*`` (``loss_options_for``; a name given
+to ``peergrade.register_loss`` is a valid ``algo.loss_type``). PPO's update
+(``peergrade.training.ppo.ppo_update``) is the same skeleton with per-token advantages and a
+value loss for its critic. Both read one step's tensors from an ``Experience`` (or an
+``UpdateInputs``: those fields alone). The trainer sees either through one small interface,
 ``Algorithm``: ``advantages(experience)`` then ``update(experience, step)`` (``GRPO`` here,
 ``peergrade.training.ppo.PPO``), both on an ``Experience``. Minibatch orders are derived from (seed, step, pass) only
 (``peergrade.seeds``), which is what makes a resumed run exact.
@@ -40,16 +43,21 @@ import torch
 
 from peergrade import distributed as dist
 from peergrade.algo import (
+    LossCounts,
+    LossOptions,
     adaptive_entropy_coef,
     entropy_bonus,
     group_advantages,
     high_entropy_mask,
+    loss_options,
     off_policy_sequence_mask,
     off_policy_weights,
     policy_loss,
 )
 from peergrade.algo.advantages import gdpo_advantages
+from peergrade.algo.loss_registry import is_builtin
 from peergrade.config import off_policy_correction
+from peergrade.errors import ConfigError
 from peergrade.model.load import disable_adapter
 from peergrade.model.logprobs import token_logprobs
 from peergrade.monitoring.flops import Shape, Work, logprob_pass, split_lengths
@@ -72,6 +80,8 @@ __all__ = [
     "build_scheduler",
     "lr_lambda",
     "run_update",
+    "UpdateInputs",
+    "loss_options_for",
     "elided_rows",
     "grpo_plan",
     "grpo_update",
@@ -578,6 +588,51 @@ class EntropyControl:
         )
 
 
+@dataclass
+class UpdateInputs:
+    """What an update reads of one step's experience: ``Experience``'s fields of those names
+    (an ``Experience`` serves as one), for a caller that has the tensors but no full record.
+
+    ``batch`` is ``(input_ids, attention_mask, loss_mask)``; ``advantages`` ``[N]`` (GRPO) or
+    ``[N, C]``; the rest ``[N, C]`` or None: ``ref_logprobs`` the reference's (a KL term),
+    ``sampler_logprobs`` the behaviour policy's (GRPO's off-policy correction), and PPO's
+    ``values`` (rollout-time), ``returns`` and ``old_logprobs`` (None: one optimizer step per
+    batch, the old policy is the current one)."""
+
+    batch: tuple
+    advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+
+
+def loss_options_for(cfg) -> LossOptions:
+    """The GRPO update's policy-loss options from ``cfg.algo`` (``algo.loss_type`` and its
+    family's keys, the clip and KL keys) and ``rollout.max_completion_length`` (Dr. GRPO's
+    normaliser): ``algo.loss_options`` of the same names, which checks every value. A
+    ``loss_type`` that is neither built in nor registered (``peergrade.register_loss``) is a
+    ``ConfigError`` naming the registered ones."""
+    a = cfg.algo
+    knobs = {
+        name: getattr(a, name)
+        for name in (
+            *("ratio_level", "clip_eps", "clip_eps_high", "beta", "kl_estimator"),
+            *("kl_bias_correction", "delta", "cispo_cap"),
+            *("sapo_temperature_pos", "sapo_temperature_neg"),
+            *("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+        )
+    }
+    try:
+        return loss_options(
+            a.loss_type, max_completion_length=cfg.rollout.max_completion_length, **knobs
+        )
+    except ValueError as e:
+        section = "rollout" if str(e).startswith("max_completion_length") else "algo"
+        raise ConfigError(f"{section}.{e}") from e
+
+
 def grpo_plan(mini_idx, drop, cmask, micro: int, loss_type: str) -> list[torch.Tensor]:
     """The micro-batches of one GRPO minibatch.
 
@@ -595,15 +650,19 @@ class GrpoLoss:
     minibatch skip test and plan, and what they share: the completions left out (``drop``),
     pi_old, the off-policy correction and the entropy bonus's state (``grpo_update``'s
     docstring says what each does). Made before the policy goes into training mode: pi_old's
-    pass runs here."""
+    pass runs here. A registered (not built-in) loss is never elided or skipped: its loss at
+    advantage 0 need not be 0."""
 
-    def __init__(self, models: Models, batch, advantages, ref_lp, cfg, behaviour_lp, entropy):
-        self.models, self.batch, self.cfg, self.a = models, batch, cfg, cfg.algo
-        self.advantages, self.ref_lp, self.behaviour_lp = advantages, ref_lp, behaviour_lp
-        cmask = batch[2]
+    def __init__(self, models: Models, exp, cfg, entropy: EntropyControl | None):
+        self.models, self.batch, self.cfg, self.a = models, exp.batch, cfg, cfg.algo
+        self.advantages, self.ref_lp = exp.advantages, exp.ref_logprobs
+        self.behaviour_lp = exp.sampler_logprobs  # algo.off_policy_correction's mu
+        self.options = loss_options_for(cfg)
+        self.builtin = is_builtin(self.options.loss_type)
+        cmask = self.batch[2]
         N = cmask.shape[0]
         a = self.a
-        self.kl_on = cfg.uses_reference and ref_lp is not None
+        self.kl_on = cfg.uses_reference and self.ref_lp is not None
         self.bonus_on = a.entropy_coef != 0 or a.use_adaptive_entropy
         if self.bonus_on and entropy is None:
             entropy = EntropyControl(a.entropy_coef)
@@ -615,20 +674,22 @@ class GrpoLoss:
         # (under torchrun each rank computes all of its rows, in schedule order).
         self.parallel = dist.world() > 1
         elide_ok = (
-            a.skip_zero_advantage and not self.parallel and not self.bonus_on and not self.select
+            a.skip_zero_advantage
+            and self.builtin
+            and not (self.parallel or self.bonus_on or self.select)
         )
-        self.drop = elided_rows(advantages, self.kl_on, elide_ok)  # [N]
+        self.drop = elided_rows(self.advantages, self.kl_on, elide_ok)  # [N]
         all_idx = torch.arange(N, device=cmask.device)
         # With one optimizer step per batch, the old policy is the current one:
         # old = logp.detach(). (Under torchrun: zero signal on every rank, one decision.)
         need_old = cfg.updates_per_step > 1 and not dist.all_true(self.no_signal(all_idx))
         self.old_lp = (
-            frozen_logprobs(models.policy, batch, cfg, rows=all_idx[~self.drop])
+            frozen_logprobs(models.policy, self.batch, cfg, rows=all_idx[~self.drop])
             if need_old
             else None
         )
         self.correction = off_policy_correction(cfg)  # auto: token_tis with pipelined rollouts
-        self.correct = self.correction != "none" and behaviour_lp is not None
+        self.correct = self.correction != "none" and self.behaviour_lp is not None
         # the correction weight's min and max over computed tokens
         self.w_range = [math.inf, -math.inf]
 
@@ -636,7 +697,9 @@ class GrpoLoss:
     # such a minibatch is skipped (zero gradients, no forward/backward). Common early on, when
     # a model never earns any reward. (Not with the entropy bonus: its gradient is not 0.)
     def no_signal(self, idx) -> bool:
-        return not self.kl_on and not self.bonus_on and bool((self.advantages[idx] == 0).all())
+        if self.kl_on or self.bonus_on or not self.builtin:
+            return False
+        return bool((self.advantages[idx] == 0).all())
 
     def skip(self, idx) -> bool:  # run_update's test, once per minibatch on every rank
         if self.bonus_on:  # a new optimizer step: the previous one's entropy moves the coefficient
@@ -651,7 +714,7 @@ class GrpoLoss:
     def micro_loss(self, mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
         """The policy loss of micro-batch ``mb`` (its rows not left out) in minibatch
         ``mini_idx``, less its share of the entropy bonus; adds its metrics."""
-        a, cfg = self.a, self.cfg
+        cfg = self.cfg
         keep = mb[~self.drop[mb]]
         if len(keep) == 0:  # (bnpo only) every row's loss and gradient are exactly 0
             for k in ("loss/policy", "loss/kl", "advantage/mean"):
@@ -670,28 +733,11 @@ class GrpoLoss:
             old,
             adv if adv.dim() == 1 else adv[:, :Tc],
             cm,
-            loss_type=a.loss_type,
-            ratio_level=a.ratio_level,
-            clip_eps=a.clip_eps,
-            clip_eps_high=a.clip_eps_high,
+            self.options,
             ref_logp=None if self.ref_lp is None else self.ref_lp[keep, :Tc],
-            beta=a.beta,
-            kl_estimator=a.kl_estimator,
-            max_completion_length=cfg.rollout.max_completion_length,
-            num_tokens=num_tokens,
-            num_sequences=len(mini_idx),
             weights=weights,
             keep=keep_tok,
-            delta=a.delta,
-            sapo_temperature_pos=a.sapo_temperature_pos,
-            sapo_temperature_neg=a.sapo_temperature_neg,
-            vespo_k_pos=a.vespo_k_pos,
-            vespo_lambda_pos=a.vespo_lambda_pos,
-            vespo_k_neg=a.vespo_k_neg,
-            vespo_lambda_neg=a.vespo_lambda_neg,
-            kl_bias_correction=a.kl_bias_correction,
-            cispo_cap=a.cispo_cap,
-            **elide,
+            counts=LossCounts(num_tokens, len(mini_idx), **elide),
         )
         if self.bonus_on:
             loss = self.entropy_term(loss, ent, ent_mask, len(keep) / len(mini_idx), metrics)
@@ -780,9 +826,10 @@ class GrpoLoss:
     def add_metrics(self, m, metrics, kept: int, mini: int, stands_for, cm) -> None:
         """``policy_loss``'s metrics ``m`` of a micro-batch of ``kept`` computed rows in a
         minibatch of ``mini``, each with its weight."""
-        # dapo/cispo/vespo losses are this micro-batch's share of the minibatch's: scaled so that
-        # the weighted mean over a minibatch is the sum of the shares (the minibatch's loss).
-        shared = self.a.loss_type in ("dapo", "cispo", "vespo")
+        # dapo/cispo/vespo (and registered) losses are this micro-batch's share of the
+        # minibatch's: scaled so that the weighted mean over a minibatch is the sum of the
+        # shares (the minibatch's loss).
+        shared = self.a.loss_type in ("dapo", "cispo", "vespo") or not self.builtin
         n_tok = int(cm.sum().item())
         for k, v in m.items():
             # whole-batch values weigh what they stand for; the others what was computed
@@ -812,19 +859,18 @@ def grpo_update(
     models: Models,
     optimizer,
     scheduler,
-    batch,
-    advantages,
-    ref_lp,
+    exp: Experience | UpdateInputs,
     cfg,
     step: int,
-    behaviour_lp: torch.Tensor | None = None,
     entropy: EntropyControl | None = None,
 ) -> dict[str, float]:
-    """The GRPO update of one step: ``algo.policy_loss`` with one advantage per completion
-    (``[N]``), over ``run_update``; returns the averaged metrics.
+    """The GRPO update of one step on ``exp``: ``algo.policy_loss`` (options:
+    ``loss_options_for(cfg)``) with one advantage per completion (``exp.advantages`` ``[N]``),
+    the KL term toward ``exp.ref_logprobs`` when given, over ``run_update``; returns the
+    averaged metrics.
 
     Off-policy correction (``algo.off_policy_correction`` other than none, with
-    ``behaviour_lp``, the sampler's ``[N, C]`` log-probs): each micro-batch's surrogate is
+    ``behaviour_lp`` = ``exp.sampler_logprobs``, the sampler's ``[N, C]`` log-probs): each micro-batch's surrogate is
     weighted per token by ``algo.off_policy_weights(old, behaviour_lp)``, old being pi_old
     (the frozen log-probs, or the current ones detached with one optimizer step per batch).
     ``correction/weight_mean``, ``masked_frac`` and ``truncated_frac`` are token means and
@@ -844,11 +890,11 @@ def grpo_update(
     minibatch (``entropy``: the coefficient's state, adaptive with ``algo.use_adaptive_entropy``).
     A completion with advantage 0 then still matters (its entropy has a gradient; its tokens
     enter the quantile), so nothing is elided or skipped with either on."""
-    loss = GrpoLoss(models, batch, advantages, ref_lp, cfg, behaviour_lp, entropy)
+    loss = GrpoLoss(models, exp, cfg, entropy)
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
     metrics = run_update(
-        batch,
+        exp.batch,
         cfg,
         step,
         [Trainee(params, optimizer, scheduler)],
@@ -928,6 +974,10 @@ class GRPO:
     cfg: Any
     entropy: EntropyControl | None = None  # algo.entropy_coef's state across steps
 
+    def __post_init__(self) -> None:
+        # a bad or unregistered algo.loss_type fails here, at setup, not at the first update
+        loss_options_for(self.cfg)
+
     def advantages(self, exp: Experience) -> None:
         a, G = self.cfg.algo, self.cfg.rollout.group_size
         rewards = exp.rewards.view(-1, G).to(torch.float32)  # [P, G]
@@ -951,20 +1001,13 @@ class GRPO:
     def update_work(self, exp: Experience, shape: Shape) -> Work:
         """The model work of ``update(exp)`` (``grpo_update_work``)."""
         kl_on = self.cfg.uses_reference and exp.ref_logprobs is not None
-        return grpo_update_work(shape, exp.batch, exp.advantages, self.cfg, kl_on)
+        # a registered loss is never elided: every completion is model work
+        every_row = kl_on or not is_builtin(self.cfg.algo.loss_type)
+        return grpo_update_work(shape, exp.batch, exp.advantages, self.cfg, every_row)
 
     def update(self, exp: Experience, step: int) -> dict[str, float]:
         return grpo_update(
-            self.models,
-            self.optimizer,
-            self.scheduler,
-            exp.batch,
-            exp.advantages,
-            exp.ref_logprobs,
-            self.cfg,
-            step,
-            behaviour_lp=exp.sampler_logprobs,  # algo.off_policy_correction's mu
-            entropy=self.entropy_control(),
+            self.models, self.optimizer, self.scheduler, exp, self.cfg, step, self.entropy_control()
         )
 
     def state(self) -> dict[str, float]:
