@@ -32,7 +32,7 @@ sys.path.insert(0, sys.argv[1])
 
 from peergrade.rewards import sandbox  # noqa: E402
 
-LIMITS = {"timeout_s": 3.0, "memory_mb": 256}
+LIMITS = sandbox.SandboxLimits(timeout_s=3.0, memory_mb=256, max_processes=8)
 # Unsandboxed as root a fork bomb is not capped (root ignores RLIMIT_NPROC) and a setsid child
 # outlives the group kill: the control run leaves those out.
 CONTROL_SAFE = (
@@ -202,9 +202,8 @@ def main() -> None:
         res = sandbox.run_program(
             textwrap.dedent(code),
             args=[argv_mark],
-            max_processes=8,
+            limits=LIMITS,
             mechanism=mechanism,
-            **LIMITS,
         )
         out = res.stdout + res.stderr
         escaped = []

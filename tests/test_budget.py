@@ -11,7 +11,14 @@ import pytest
 from peergrade.cli import main
 from peergrade.errors import InputError
 from peergrade.planning.budget import format_budget, parse_size
-from peergrade.planning.memory import SAMPLER_VOCAB_BUFFERS, estimate_memory, param_counts
+from peergrade.planning.memory import (
+    SAMPLER_VOCAB_BUFFERS,
+    MemoryOptions,
+    Placement,
+    StepShape,
+    estimate_memory,
+    param_counts,
+)
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -65,11 +72,9 @@ def test_qwen25_shapes_match_the_published_parameter_counts():
 def test_fit_decision_at_the_boundary():
     est = estimate_memory(
         MODELS / "qwen2.5-7b",
-        batch=8,
-        seq_len=96,
-        completion_len=64,
-        dtype="bfloat16",
-        device="cuda",
+        StepShape(batch=8, seq_len=96, completion_len=64),
+        MemoryOptions(dtype="bfloat16"),
+        Placement(device="cuda"),
     )
     assert est["weights"] == 7_615_616_512 * 2  # bfloat16
     peak = est["peak"]
@@ -238,21 +243,21 @@ def test_cli_budget_prints_the_settings_to_paste(capsys):
 def test_a_producer_adds_its_weight_copies_and_runs_beside_the_update():
     """rollout.async_steps k: k + 2 copies of the trainable weights (the producer's own and the
     k + 1 versions) and generation's transients on top of the update's; k = 0 adds nothing."""
-    kw = dict(batch=32, seq_len=192, completion_len=32, dtype="float32")
-    sync = estimate_memory(MODELS / "qwen2.5-1.5b", **kw)
-    assert sync == estimate_memory(MODELS / "qwen2.5-1.5b", **kw, async_steps=0)
+    step = StepShape(batch=32, seq_len=192, completion_len=32)
+    sync = estimate_memory(MODELS / "qwen2.5-1.5b", step, MemoryOptions(dtype="float32"))
+    assert sync == estimate_memory(MODELS / "qwen2.5-1.5b", step, MemoryOptions(async_steps=0))
     assert "pipelined" not in sync["phases"] and sync["producer"] == 0
     logits = SAMPLER_VOCAB_BUFFERS * 32 * 151_936 * 4
     static = sync["phases"]["generate"] - sync["kv_cache"] - logits
     for k in (1, 2):
-        est = estimate_memory(MODELS / "qwen2.5-1.5b", **kw, async_steps=k)
+        est = estimate_memory(MODELS / "qwen2.5-1.5b", step, MemoryOptions(async_steps=k))
         assert est["producer"] == (k + 2) * est["trainable_params"] * 4
         assert est["phases"]["pipelined"] == (
             sync["phases"]["update"] + est["producer"] + sync["phases"]["generate"] - static
         )
         assert est["peak"] == est["phases"]["pipelined"] > sync["peak"]
     lora = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
-    small = estimate_memory(MODELS / "qwen2.5-1.5b", **kw, lora=lora, async_steps=1)
+    small = estimate_memory(MODELS / "qwen2.5-1.5b", step, MemoryOptions(lora=lora, async_steps=1))
     assert small["producer"] == 3 * small["trainable_params"] * 4  # the adapters only
 
 

@@ -103,14 +103,11 @@ def test_tiny_calc_tokenizer_files_are_what_sft_writes(tmp_path):
 def test_tiny_calc_config_is_what_the_warm_up_writes(tmp_path):
     """One step of the documented first warm-up command gives the shipped architecture; the
     shipped sft_info.json is the second command's (docs/environments.md)."""
-    from peergrade.training.sft import run_sft
+    from peergrade.training.sft import SFTSettings, run_sft
 
     info = json.loads((TINY_CALC / "sft_info.json").read_text())
     assert info["tool_fraction"] == 0.15 and info["init"] is None
-    out = run_sft(
-        out=str(tmp_path / "m"),
-        init="qwen2",
-        model=None,
+    settings = SFTSettings(
         task=info["task"],
         task_options=info["task_options"],
         steps=1,
@@ -119,7 +116,9 @@ def test_tiny_calc_config_is_what_the_warm_up_writes(tmp_path):
         seed=0,
         threads=1,
         tool_fraction=1.0,
-        log=lambda *_: None,
+    )
+    out = run_sft(
+        out=str(tmp_path / "m"), init="qwen2", model=None, settings=settings, log=lambda *_: None
     )
     assert_same_written(out, TINY_CALC, ("config.json", "generation_config.json"))
     assert set(json.loads((out / "sft_info.json").read_text())) == set(info)

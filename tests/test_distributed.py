@@ -582,7 +582,7 @@ def test_prompts_not_divisible_by_world_is_a_clear_error(monkeypatch):
 
 
 def test_memory_estimate_per_rank():
-    from peergrade.planning.memory import estimate_memory
+    from peergrade.planning.memory import MemoryOptions, Placement, StepShape, estimate_memory
 
     qwen_1_5b = dict(
         hidden_size=1536,
@@ -594,18 +594,11 @@ def test_memory_estimate_per_rank():
         tie_word_embeddings=True,
         model_type="qwen2",
     )
-    kw = dict(
-        batch=128,
-        micro_batch=8,
-        seq_len=768,
-        completion_len=512,
-        dtype="bfloat16",
-        device="cuda",
-        gradient_checkpointing=True,
-    )
-    one = estimate_memory(qwen_1_5b, **kw)
-    ddp = estimate_memory(qwen_1_5b, world=8, strategy="ddp", **kw)
-    fsdp = estimate_memory(qwen_1_5b, world=8, strategy="fsdp", **kw)
+    step = StepShape(batch=128, micro_batch=8, seq_len=768, completion_len=512)
+    opts = MemoryOptions(dtype="bfloat16", gradient_checkpointing=True)
+    one = estimate_memory(qwen_1_5b, step, opts, Placement("cuda"))
+    ddp = estimate_memory(qwen_1_5b, step, opts, Placement("cuda", world=8, strategy="ddp"))
+    fsdp = estimate_memory(qwen_1_5b, step, opts, Placement("cuda", world=8, strategy="fsdp"))
     # ddp: every rank holds everything; its KV cache is for 1/8 of the sequences
     assert ddp["weights"] == one["weights"] and ddp["optimizer"] == one["optimizer"]
     assert ddp["kv_cache"] * 8 == one["kv_cache"]

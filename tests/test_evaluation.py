@@ -4,12 +4,13 @@ count), ``evaluate`` against a slow per-sample reference, and the prompt/column 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
-from peergrade.cli.evaluate import run_eval_command
+from peergrade.cli.evaluate import EvalRequest, run_eval_command
 from peergrade.errors import InputError
-from peergrade.evaluation import evaluate, pass_at_k, pass_at_k_curve
+from peergrade.evaluation import AnswerSource, EvalOptions, evaluate, pass_at_k, pass_at_k_curve
 from peergrade.generation import SamplerSettings
 from peergrade.generation.kernel import generate
 from peergrade.rewards import RewardSpec, columns_for
@@ -78,9 +79,8 @@ def test_evaluate_matches_reference(tiny_qwen2):
     ids = encode_prompts(rows, tok)
     acc = RewardSpec(name="even", fn=_first_char_even, weight=1.0, kwargs={})
     k, seed = 4, 11
-    out = evaluate(
-        model, tok, rows, ids, acc, k=k, settings=SamplerSettings(n=1, max_new_tokens=3), seed=seed
-    )
+    opts = EvalOptions(k=k, settings=SamplerSettings(n=1, max_new_tokens=3), seed=seed)
+    out = evaluate(model, tok, rows, ids, acc, opts)
 
     # reference: the same generations, scored one sample at a time
     greedy = generate(model, tok, ids, n=1, max_new_tokens=3, temperature=0.0, seed=seed)
@@ -100,9 +100,7 @@ def test_evaluate_matches_reference(tiny_qwen2):
 
     # the curve, from the same samples: each pass@j is the share of j-subsets of a problem's
     # samples that hold a correct one, averaged over problems (brute force, not the formula)
-    full = evaluate(
-        model, tok, rows, ids, acc, k=k, settings=SamplerSettings(1, 3), seed=seed, curve=True
-    )
+    full = evaluate(model, tok, rows, ids, acc, replace(opts, curve=True))
     assert {key: full[key] for key in out} == out
     for j in range(1, k + 1):
         per_problem = []
@@ -158,20 +156,21 @@ def test_eval_few_shot_prompts_carry_training_examples(tiny_model_dir, monkeypat
 
     seen = {}
 
-    def fake_evaluate(model, tokenizer, rows, prompt_ids, acc, **kw):
+    def fake_evaluate(model, tokenizer, rows, prompt_ids, acc, options, source=None):
         seen["rows"], seen["ids"] = rows, prompt_ids
-        return {"n": len(rows), "k": kw["k"]}
+        return {"n": len(rows), "k": options.k}
 
     monkeypatch.setattr(ev, "evaluate", fake_evaluate)
-    common = dict(model=str(tiny_model_dir), n=6, k=1)
-    zero = run_eval_command(**common)
+    model = str(tiny_model_dir)
+    zero = run_eval_command(model=model, request=EvalRequest(n=6, k=1))
     assert "few_shot" not in zero
     # the built-in task's prompts are chat messages: one user turn each, zero-shot
     assert all([m["role"] for m in r["prompt"]] == ["user"] for r in seen["rows"])
     held_out = {r["prompt"][-1]["content"] for r in seen["rows"]}
     zero_ids = seen["ids"]
 
-    out = run_eval_command(**common, few_shot=2, few_shot_answer="<answer>{answer}</answer>")
+    two = EvalRequest(n=6, k=1, few_shot=2, few_shot_answer="<answer>{answer}</answer>")
+    out = run_eval_command(model=model, request=two)
     assert out["few_shot"] == 2
     rows = seen["rows"]
     assert {r["prompt"][-1]["content"] for r in rows} == held_out  # same problems, same order
@@ -185,7 +184,31 @@ def test_eval_few_shot_prompts_carry_training_examples(tiny_model_dir, monkeypat
             )
         assert len(ids) > len(ids0)  # the examples are in the encoded prompt too
     with pytest.raises(InputError, match="--few-shot must be >= 0"):
-        run_eval_command(**common, few_shot=-1)
+        EvalRequest(n=6, k=1, few_shot=-1)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(n=0), r"--n and --k must be >= 1 \(got n=0, k=None\)"),
+        (dict(k=0), r"--n and --k must be >= 1 \(got n=None, k=0\)"),
+        (dict(temperature=0.0), r"--temperature must be > 0 for sampled pass@k \(got 0.0\)"),
+    ],
+)
+def test_eval_request_rejects_bad_flags(kw, match):
+    with pytest.raises(InputError, match=match):
+        EvalRequest(**kw)
+
+
+def test_eval_options_reject_bad_values():
+    settings = SamplerSettings(n=1, max_new_tokens=3)
+    with pytest.raises(ValueError, match="k must be an int >= 1, got 0"):
+        EvalOptions(k=0, settings=settings, seed=0)
+    with pytest.raises(ValueError, match="settings must be a SamplerSettings, got dict"):
+        EvalOptions(k=1, settings={"n": 1}, seed=0)
+    # a list of extra specs is kept as a tuple: the options stay immutable
+    spec = RewardSpec(name="even", fn=_first_char_even, weight=1.0, kwargs={})
+    assert EvalOptions(k=1, settings=settings, seed=0, extra=[spec]).extra == (spec,)
 
 
 def test_eval_reward_options_and_samples_file(tiny_model_dir, tmp_path):
@@ -196,11 +219,12 @@ def test_eval_reward_options_and_samples_file(tiny_model_dir, tmp_path):
 
     from peergrade.rewards.math import extract_integer
 
-    common = dict(model=str(tiny_model_dir), n=4, k=3, max_new_tokens=4)
+    common = dict(n=4, k=3, max_new_tokens=4)
     out_file = tmp_path / "answers.jsonl"
-    out = run_eval_command(
+    request = EvalRequest(
         **common, reward_options={"extract": "last_number"}, samples=str(out_file)
     )
+    out = run_eval_command(model=str(tiny_model_dir), request=request)
     assert out["reward_options"] == {"extract": "last_number"}
     lines = [json.loads(x) for x in out_file.read_text().splitlines()]
     assert len(lines) == 4 and not (tmp_path / "answers.jsonl.tmp").exists()
@@ -217,7 +241,10 @@ def test_eval_reward_options_and_samples_file(tiny_model_dir, tmp_path):
             assert ok == (extract_integer(text, "last_number") == want)
 
     with pytest.raises(InputError, match="has no option 'extrct'.*extract"):
-        run_eval_command(**common, reward_options={"extrct": "tag"})
+        run_eval_command(
+            model=str(tiny_model_dir),
+            request=EvalRequest(**common, reward_options={"extrct": "tag"}),
+        )
 
 
 def test_reward_option_scoring_differs_by_extract():
@@ -303,9 +330,8 @@ def test_held_out_replies_come_from_the_runs_engine(tiny_qwen2):
             )
 
     settings = SamplerSettings(n=1, max_new_tokens=3, temperature=1.0)
-    with_engine = evaluate(
-        model, tok, rows, ids, acc, k=2, settings=settings, seed=5, engine=Engine()
-    )
+    opts = EvalOptions(k=2, settings=settings, seed=5)
+    with_engine = evaluate(model, tok, rows, ids, acc, opts, AnswerSource(engine=Engine()))
     assert calls == [(1, 5), (2, 6)]  # greedy from seed, the k samples from seed + 1
-    without = evaluate(model, tok, rows, ids, acc, k=2, settings=settings, seed=5)
+    without = evaluate(model, tok, rows, ids, acc, opts)
     assert with_engine["pass@1_greedy"] == without["pass@1_greedy"]

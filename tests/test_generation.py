@@ -136,13 +136,17 @@ def test_sampler_settings_are_one_frozen_record():
 def test_eval_sampled_pass_equals_greedy_when_sampling_is_greedy(tiny_model_dir, override):
     """``peergrade eval --rollout.top_k 1`` (or ``--rollout.top_p 1e-6``) samples the argmax
     at every step: the sampled pass is the greedy pass, for every one of the k samples."""
-    from peergrade.cli.evaluate import run_eval_command
+    from peergrade.cli.evaluate import EvalRequest, run_eval_command
 
-    common = dict(model=str(tiny_model_dir), n=12, k=3)
+    common = dict(model=str(tiny_model_dir), request=EvalRequest(n=12, k=3))
     out = run_eval_command(**common, overrides=[override, ("rollout.temperature", 1.0)])
     assert out["pass@1_sampled"] == out["pass@1_greedy"]
     assert out["pass@3"] == out["pass@1_greedy"]
-    plain = run_eval_command(**common, overrides=[("rollout.temperature", 1.0)], curve=True)
+    plain = run_eval_command(
+        model=str(tiny_model_dir),
+        request=EvalRequest(n=12, k=3, curve=True),
+        overrides=[("rollout.temperature", 1.0)],
+    )
     assert plain["pass@1"] == plain["pass@1_sampled"]  # the curve's first point, same samples
 
 
@@ -151,7 +155,7 @@ def test_held_out_episodes_stop_on_rollout_stop():
     assistant message is cut right after its first stop string."""
     from collections import Counter
 
-    from peergrade.evaluation import evaluate
+    from peergrade.evaluation import AnswerSource, EvalOptions, evaluate
     from peergrade.rewards import RewardSpec
 
     tok = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
@@ -169,11 +173,8 @@ def test_held_out_episodes_stop_on_rollout_stop():
             rows,
             [],
             acc,
-            k=4,
-            settings=settings,
-            seed=0,
-            make_env=lambda row: Chatter(),
-            keep_completions=True,
+            EvalOptions(k=4, settings=settings, seed=0, keep_completions=True),
+            AnswerSource(make_env=lambda row: Chatter()),
         )
         return [
             m["content"]

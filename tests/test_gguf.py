@@ -297,7 +297,7 @@ def test_one_grpo_step_moves_the_policy_toward_the_better_completion(smol):
 @pytest.mark.slow
 @needs_smollm2
 def test_evaluate_reports_format_rate(smol):
-    from peergrade.evaluation import accuracy_spec, evaluate
+    from peergrade.evaluation import EvalOptions, accuracy_spec, evaluate
     from peergrade.generation import SamplerSettings
     from peergrade.tasks import load_task
     from peergrade.tasks.arithmetic import INSTRUCT_TEMPLATE
@@ -314,10 +314,12 @@ def test_evaluate_reports_format_rate(smol):
         rows,
         ids,
         accuracy_spec(task),
-        k=1,
-        settings=SamplerSettings(n=1, max_new_tokens=6),
-        seed=0,
-        extra=[answer_format_spec()],
+        EvalOptions(
+            k=1,
+            settings=SamplerSettings(n=1, max_new_tokens=6),
+            seed=0,
+            extra=(answer_format_spec(),),
+        ),
     )
     # 6 tokens cannot hold a reasoning step plus "<answer>N</answer>" and the base model never
     # starts with the tag, so the rate is a real 0 (and the key exists)

@@ -92,18 +92,11 @@ def hf_greedy_accuracy(path, n: int, max_new_tokens: int = 16) -> float:
 
 
 def peergrade_greedy_accuracy(path, n: int) -> float:
-    from peergrade.cli.evaluate import run_eval_command
+    from peergrade.cli.evaluate import EvalRequest, run_eval_command
 
     d = load_config(None).data
-    res = run_eval_command(
-        model=str(path),
-        task=d.task,
-        task_options=d.task_options,
-        n=n,
-        k=1,
-        max_new_tokens=16,
-        device="cpu",
-    )
+    request = EvalRequest(task=d.task, task_options=d.task_options, n=n, k=1, max_new_tokens=16)
+    res = run_eval_command(model=str(path), request=request, device="cpu")
     return res["pass@1_greedy"]
 
 

@@ -3,10 +3,15 @@ the child-process measurement, plus `peergrade memory`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from peergrade.model.tiny import tiny_config
 from peergrade.planning.memory import (
+    MemoryOptions,
+    Placement,
+    StepShape,
     estimate_for_config,
     estimate_memory,
     measure_memory,
@@ -54,7 +59,9 @@ def test_estimate_hand_values():
     # params: embedding 10*8 = 80; layer: q 64 + k 32 + v 32 + o 64 + 3 * 128 MLP + 2 * 8 norms
     # = 592; final norm 8 -> 680
     assert param_counts(HAND)["total"] == 680
-    e = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, algo="grpo")
+    step = StepShape(batch=4, seq_len=6, completion_len=2)
+    ref = MemoryOptions(beta=0.1)
+    e = estimate_memory(HAND, step, MemoryOptions(beta=0.1, algo="grpo"))
     assert e["weights"] == 680 * 4
     assert e["grads"] == 680 * 4
     assert e["optimizer"] == 2 * 680 * 4
@@ -77,57 +84,50 @@ def test_estimate_hand_values():
     assert e["peak"] == max(e["phases"].values()) == e["phases"]["update"]
     # fsdp on 2 CPU ranks: the decoder layers' share (592 of 680) halves on each rank, and
     # rank 0's save gathers the full weights and AdamW state on top of its shard
-    fsdp = estimate_memory(
-        HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, world=2, strategy="fsdp"
-    )
+    fsdp = estimate_memory(HAND, step, ref, Placement(world=2, strategy="fsdp"))
     kept = 680 * 4 * 4 - sum(int(680 * 4 * k * (592 / 680) / 2) for k in (1, 1, 2))
     assert abs(fsdp["phases"]["checkpoint"] - (kept + 680 * 4 * 3)) <= 3  # int rounding
     assert (
-        estimate_memory(
-            HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, world=2, strategy="ddp"
-        )["phases"]["checkpoint"]
+        estimate_memory(HAND, step, ref, Placement(world=2, strategy="ddp"))["phases"]["checkpoint"]
         == static
     )
 
     # G = 2: the two prompts of the micro-batch run once, the 4 completions against the cache
     # repeated to every row (2 q_dim per prompt position, float32)
-    g2 = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, group_size=2)
+    g2 = estimate_memory(HAND, StepShape(batch=4, seq_len=6, completion_len=2, group_size=2), ref)
     assert g2["transient"] - 10 * 8 * 4 == (2 * 4 + 4 * 2) * 600 + 4 * 4 * 2 * 8 * 4
     # under gradient checkpointing the prompt is not shared: every row runs in full
     ckpt = estimate_memory(
-        HAND, batch=4, seq_len=6, completion_len=2, group_size=2, gradient_checkpointing=True
+        HAND,
+        StepShape(batch=4, seq_len=6, completion_len=2, group_size=2),
+        MemoryOptions(gradient_checkpointing=True),
     )
     assert ckpt["transient"] - 10 * 8 * 4 == layer_act
 
     # bf16 autocast on float32 weights: 26 H + 8 q_dim + 8 I + 2 L bytes per token, plus each
     # layer's weights cast to bf16 once
-    ac = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, autocast=True)
+    ac = estimate_memory(HAND, step, MemoryOptions(autocast=True))
     assert ac["transient"] - 10 * 8 * 4 == 4 * 6 * (208 + 64 + 128 + 12)
     assert ac["activations"] == 4 * 6 * 412 + 2 * 592 + chunk + 4 * 6 * 8 * 4 + 4 * 2 * 8 * 4
     assert ac["phases"]["generate"] - e["phases"]["generate"] == 2 * 680 - 680 * 4  # casts, no ref
 
     # micro-batches below the minibatch: the first one's grads are alive during the second
-    acc = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, micro_batch=2)
-    half = estimate_memory(HAND, batch=2, seq_len=6, completion_len=2, beta=0.1)
+    acc = estimate_memory(HAND, StepShape(batch=4, seq_len=6, completion_len=2, micro_batch=2), ref)
+    half = estimate_memory(HAND, StepShape(batch=2, seq_len=6, completion_len=2), ref)
     assert acc["phases"]["update"] - half["phases"]["update"] == 680 * 4
 
-    ppo = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, beta=0.1, algo="ppo")
+    ppo = estimate_memory(HAND, step, MemoryOptions(beta=0.1, algo="ppo"))
     assert ppo["critic"] == 4 * 680 * 4  # weights + grads + AdamW state of the value model
     assert ppo["peak"] > e["peak"]
 
     lora = estimate_memory(
-        HAND,
-        batch=4,
-        seq_len=6,
-        completion_len=2,
-        beta=0.1,
-        lora={"r": 2, "target_modules": ["q_proj"]},
+        HAND, step, MemoryOptions(beta=0.1, lora={"r": 2, "target_modules": ["q_proj"]})
     )
     assert lora["reference"] == 0  # the adapter disabled is the reference
     assert lora["trainable_params"] == 2 * (8 + 8)
     assert lora["grads"] == 32 * 4 and lora["optimizer"] == 2 * 32 * 4
 
-    bf16 = estimate_memory(HAND, batch=4, seq_len=6, completion_len=2, dtype="bfloat16")
+    bf16 = estimate_memory(HAND, step, MemoryOptions(dtype="bfloat16"))
     assert bf16["weights"] == 680 * 2 and bf16["reference"] == 0  # beta 0: no reference
     # a bfloat16 lm_head adds one [V, H] product in bf16 to the float32 accumulator; per token
     # 16 H + 8 q_dim + 8 I + 2 L = 332 bytes (all in 2 bytes but the norms' float32 upcast)
@@ -144,39 +144,52 @@ def test_estimate_shows_the_grpo_ppo_and_lora_gaps_on_a_30m_model():
         num_kv_heads=2,
         intermediate_size=1408,
     )
-    kw = dict(batch=8, seq_len=57, completion_len=32, beta=0.04)
-    grpo = estimate_memory(cfg, **kw)
-    ppo = estimate_memory(cfg, algo="ppo", **kw)
-    lora = estimate_memory(cfg, lora={"r": 16, "target_modules": LORA_TARGETS}, **kw)
+    step = StepShape(batch=8, seq_len=57, completion_len=32)
+    grpo = estimate_memory(cfg, step, MemoryOptions(beta=0.04))
+    ppo = estimate_memory(cfg, step, MemoryOptions(beta=0.04, algo="ppo"))
+    lora = estimate_memory(
+        cfg, step, MemoryOptions(beta=0.04, lora={"r": 16, "target_modules": LORA_TARGETS})
+    )
     # PPO adds at least the critic's weights and AdamW state (3 x its parameters in fp32)
     critic_params = param_counts(cfg)["total"]  # tied head: the backbone holds every tensor
     assert ppo["peak"] - grpo["peak"] >= 3 * critic_params * 4
     assert 0.5 < grpo["peak"] / ppo["peak"] < 0.7
     assert lora["peak"] / grpo["peak"] < 0.5
-    ckpt = estimate_memory(cfg, gradient_checkpointing=True, **kw)
+    ckpt = estimate_memory(cfg, step, MemoryOptions(beta=0.04, gradient_checkpointing=True))
     assert ckpt["activations"] < grpo["activations"]
 
 
 @pytest.mark.parametrize(
-    "kw,match",
+    "record,kw,match",
     [
-        (dict(dtype="int8"), "dtype"),
-        (dict(algo="dpo"), "algo"),
-        (dict(optimizer="sgd"), "optimizer"),
-        (dict(device="tpu"), "device"),
-        (dict(completion_len=6), "completion_len"),
+        (MemoryOptions, dict(dtype="int8"), "dtype='int8'"),
+        (MemoryOptions, dict(algo="dpo"), "algo='dpo'"),
+        (MemoryOptions, dict(optimizer="sgd"), "optimizer='sgd'"),
+        (Placement, dict(device="tpu"), "device='tpu'"),
+        (StepShape, dict(batch=2, seq_len=6, completion_len=6), "completion_len"),
+        (StepShape, dict(batch=2, seq_len=6, completion_len=0), "completion_len"),
     ],
 )
-def test_estimate_rejects_bad_arguments(kw, match):
-    args = dict(batch=2, seq_len=6, completion_len=2)
-    args.update(kw)
+def test_estimate_rejects_bad_arguments(record, kw, match):
     with pytest.raises(ValueError, match=match):
-        estimate_memory(HAND, **args)
+        record(**kw)
 
 
 def test_estimate_needs_the_sizes():
     with pytest.raises(ValueError, match="hidden_size"):
-        estimate_memory({"vocab_size": 3}, batch=1, seq_len=3, completion_len=1)
+        estimate_memory({"vocab_size": 3}, StepShape(batch=1, seq_len=3, completion_len=1))
+
+
+def test_estimate_defaults_are_float32_grpo_on_one_cpu():
+    step = StepShape(batch=4, seq_len=6, completion_len=2)
+    plain = estimate_memory(HAND, step)
+    assert plain == estimate_memory(HAND, step, MemoryOptions(), Placement())
+    assert plain["weights"] == 680 * 4 and plain["reference"] == 0 and plain["critic"] == 0
+    # reward models given as a list are kept as a tuple: the options stay immutable
+    rm = {"weights": 100, "activations": 10}
+    opts = MemoryOptions(reward_models=[rm])
+    assert opts.reward_models == (rm,)
+    assert estimate_memory(HAND, step, opts)["reward_models"] == 100
 
 
 def _cfg(model_dir, **over):
@@ -200,15 +213,17 @@ def test_estimate_for_config_reads_the_model_dir(tiny_model_dir):
     e = estimate_for_config(cfg, prompt_len=10)
     direct = estimate_memory(
         tiny_model_dir,
-        batch=4,
-        micro_batch=2,
-        seq_len=18,
-        completion_len=8,
-        beta=0.04,
-        group_size=2,
-        minibatch=4,
-        eval_rows=cfg.train.eval_size * cfg.train.eval_samples,
-        eval_batch=4,  # auto: the step's 4
+        StepShape(
+            batch=4,
+            micro_batch=2,
+            seq_len=18,
+            completion_len=8,
+            group_size=2,
+            minibatch=4,
+            eval_rows=cfg.train.eval_size * cfg.train.eval_samples,
+            eval_batch=4,  # auto: the step's 4
+        ),
+        MemoryOptions(beta=0.04),
     )
     assert e == direct
     assert estimate_for_config(cfg)["peak"] > 0  # prompt length from the task's prompts
@@ -230,15 +245,17 @@ def test_dynamic_sampling_rounds_ahead_counts_its_larger_generation_batch(tiny_m
     assert ahead["kv_cache"] == 3 * plain["kv_cache"] and ahead["peak"] >= plain["peak"]
     direct = estimate_memory(
         tiny_model_dir,
-        batch=4,
-        seq_len=18,
-        completion_len=8,
-        beta=0.04,
-        group_size=2,
-        minibatch=4,
-        generation_rounds=3,
-        eval_rows=200 * 8,
-        eval_batch=12,  # auto: the step's call of 3 rounds of 4
+        StepShape(
+            batch=4,
+            seq_len=18,
+            completion_len=8,
+            group_size=2,
+            minibatch=4,
+            generation_rounds=3,
+            eval_rows=200 * 8,
+            eval_batch=12,  # auto: the step's call of 3 rounds of 4
+        ),
+        MemoryOptions(beta=0.04),
     )
     assert ahead == direct
 
@@ -297,9 +314,11 @@ def test_measure_memory_ppo_child(tiny_model_dir):
 
 
 def test_estimate_with_the_reference_offloaded():
-    kw = dict(batch=4, seq_len=6, completion_len=2, beta=0.1, dtype="bfloat16", device="cuda")
-    resident = estimate_memory(HAND, **kw)
-    off = estimate_memory(HAND, ref_offload=True, **kw)
+    step = StepShape(batch=4, seq_len=6, completion_len=2)
+    opts, cuda = MemoryOptions(beta=0.1, dtype="bfloat16"), Placement(device="cuda")
+    resident = estimate_memory(HAND, step, opts, cuda)
+    offload = replace(opts, ref_offload=True)
+    off = estimate_memory(HAND, step, offload, cuda)
     ref = 680 * 2
     assert off["reference"] == resident["reference"] == ref
     # the reference leaves the generate and update phases, and has a phase of its own
@@ -308,12 +327,14 @@ def test_estimate_with_the_reference_offloaded():
     assert off["phases"]["reference"] < resident["phases"]["update"]
     assert off["peak"] == max(off["phases"].values()) < resident["peak"]
     # no effect on CPU (nowhere to offload to), with LoRA (no copy) or with beta 0 (no reference)
-    assert estimate_memory(HAND, **{**kw, "device": "cpu"}, ref_offload=True) == estimate_memory(
-        HAND, **{**kw, "device": "cpu"}
-    )
+    assert estimate_memory(HAND, step, offload) == estimate_memory(HAND, step, opts)
     lora = {"r": 2, "target_modules": ["q_proj"]}
-    assert estimate_memory(HAND, lora=lora, ref_offload=True, **kw) == estimate_memory(
-        HAND, lora=lora, **kw
+    assert estimate_memory(HAND, step, replace(offload, lora=lora), cuda) == estimate_memory(
+        HAND, step, replace(opts, lora=lora), cuda
+    )
+    no_ref = replace(opts, beta=0.0)
+    assert estimate_memory(HAND, step, replace(no_ref, ref_offload=True), cuda) == (
+        estimate_memory(HAND, step, no_ref, cuda)
     )
 
 
@@ -402,16 +423,16 @@ def test_eval_batch_auto_keeps_the_run_peak_at_the_step():
     with pytest.raises(ConfigError, match="train.eval_batch_size"):
         validate(cfg)
 
-    kw = dict(batch=4, seq_len=6, completion_len=2, beta=0.1)
-    step = estimate_memory(HAND, **kw)
+    shape, ref = StepShape(batch=4, seq_len=6, completion_len=2), MemoryOptions(beta=0.1)
+    step = estimate_memory(HAND, shape, ref)
     assert "evaluate" not in step["phases"] and step["eval_generation"] == 0
-    auto = estimate_memory(HAND, **kw, eval_rows=200 * 8, eval_batch=4)
+    auto = estimate_memory(HAND, replace(shape, eval_rows=200 * 8, eval_batch=4), ref)
     # 4 rows: KV cache 2 * 1 layer * 1 kv head * 4 head dim * 4 rows * 6 tokens * 4 bytes = 768,
     # logits and sampling buffers 4 * 4 rows * 10 vocab * 4 bytes = 640
     assert auto["eval_generation"] == 768 + 640
     assert auto["phases"]["evaluate"] == step["phases"]["generate"]  # same formula, same batch
     assert auto["peak"] == auto["step_peak"] == step["peak"] and auto["peak_phase"] == "update"
-    whole = estimate_memory(HAND, **kw, eval_rows=200 * 8, eval_batch=None)
+    whole = estimate_memory(HAND, replace(shape, eval_rows=200 * 8, eval_batch=None), ref)
     assert whole["eval_generation"] == 400 * (768 + 640) and whole["eval_batch"] == 1600
     assert whole["phases"]["evaluate"] == step["phases"]["generate"] + 399 * (768 + 640)
     assert whole["peak"] == whole["phases"]["evaluate"] > whole["step_peak"] == step["peak"]

@@ -15,14 +15,15 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from peergrade.rewards import sandbox
-from peergrade.rewards.sandbox import STATUSES, run_many, run_program
+from peergrade.rewards.sandbox import STATUSES, SandboxLimits, run_many, run_program
 
-LIMITS = {"timeout_s": 2.0, "memory_mb": 256}
+LIMITS = SandboxLimits(timeout_s=2.0, memory_mb=256)
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="isolation (uid, namespaces) needs root")
 REPO = Path(__file__).resolve().parents[1]
@@ -68,11 +69,11 @@ def tracked_dirs(monkeypatch):
     return made
 
 
-def run_hostile(code: str, tracked_dirs, **kwargs):
+def run_hostile(code: str, tracked_dirs, limits: SandboxLimits = LIMITS, **kwargs):
     """Run with a unique argv marker, then check: non-ok with a reason, nothing left behind."""
     marker = f"pgmark{secrets.token_hex(6)}"
     res = run_program(
-        textwrap.dedent(code), args=[marker, *kwargs.pop("args", [])], **{**LIMITS, **kwargs}
+        textwrap.dedent(code), args=[marker, *kwargs.pop("args", [])], limits=limits, **kwargs
     )
     assert res.status in STATUSES
     assert res.status != "ok", (res.stdout[-500:], res.stderr[-500:])
@@ -86,21 +87,21 @@ def run_hostile(code: str, tracked_dirs, **kwargs):
 
 def test_runs_a_program_with_stdin_and_args(tracked_dirs):
     code = "import sys\nprint(sys.stdin.read().upper(), sys.argv[1:])\n"
-    res = run_program(code, stdin="abc", args=["x", "y"], **LIMITS)
+    res = run_program(code, stdin="abc", args=["x", "y"], limits=LIMITS)
     assert (res.status, res.returncode, res.reason) == ("ok", 0, "")
     assert res.stdout == "ABC ['x', 'y']\n"
     assert not any(os.path.exists(d) for d in tracked_dirs)
 
 
 def test_exception_is_error_with_last_stderr_line():
-    res = run_program("raise ValueError('boom')", **LIMITS)
+    res = run_program("raise ValueError('boom')", limits=LIMITS)
     assert (res.status, res.returncode) == ("error", 1)
     assert "ValueError: boom" in res.reason
 
 
 @needs_root
 def test_isolation_in_force_on_this_machine():
-    res = run_program("import os; print(os.getuid(), os.getpid())", **LIMITS)
+    res = run_program("import os; print(os.getuid(), os.getpid())", limits=LIMITS)
     assert res.status == "ok"
     uid, pid = map(int, res.stdout.split())
     assert uid != 0 and pid == 2  # unprivileged, PID 2 (after the init) of its own namespace
@@ -112,11 +113,13 @@ def test_isolation_in_force_on_this_machine():
 def test_infinite_loop_times_out(tracked_dirs):
     res = run_hostile("while True:\n    pass\n", tracked_dirs)
     assert res.status == "timeout"
-    assert res.wall_s < LIMITS["timeout_s"] + 1.5
+    assert res.wall_s < LIMITS.timeout_s + 1.5
 
 
 def test_cpu_limit_ends_busy_loop_before_wall_limit(tracked_dirs):
-    res = run_hostile("while True:\n    pass\n", tracked_dirs, cpu_time_s=1, timeout_s=6)
+    res = run_hostile(
+        "while True:\n    pass\n", tracked_dirs, replace(LIMITS, cpu_time_s=1, timeout_s=6)
+    )
     # The reason proves the CPU limit ended it (the wall-clock one says "wall-clock"); no bound
     # on wall time, which on a loaded machine can exceed the 1 s of CPU several times.
     assert res.status == "timeout" and "CPU time limit" in res.reason
@@ -126,7 +129,7 @@ def test_sleep_past_limit(tracked_dirs):
     t0 = time.monotonic()
     res = run_hostile("import time\ntime.sleep(30)\n", tracked_dirs)
     assert res.status == "timeout" and "wall-clock" in res.reason
-    assert time.monotonic() - t0 < LIMITS["timeout_s"] + 1.5
+    assert time.monotonic() - t0 < LIMITS.timeout_s + 1.5
 
 
 @needs_root
@@ -145,7 +148,7 @@ def test_fork_bomb_is_capped_and_cleaned_up(tracked_dirs):
             print(n, flush=True)
             raise SystemExit(f"fork failed after {n}: {e}")
     """
-    res = run_hostile(code, tracked_dirs, max_processes=8)
+    res = run_hostile(code, tracked_dirs, replace(LIMITS, max_processes=8))
     assert res.status == "error" and "fork failed" in res.reason
     assert int(res.stdout.split()[0]) <= 7  # the program itself counts against the limit
 
@@ -159,7 +162,7 @@ def test_endless_fork_bomb(tracked_dirs):
             except OSError:
                 pass
     """
-    res = run_hostile(code, tracked_dirs, max_processes=8)
+    res = run_hostile(code, tracked_dirs, replace(LIMITS, max_processes=8))
     assert res.status in ("timeout", "error", "killed")
 
 
@@ -185,12 +188,14 @@ def test_memory_bomb(tracked_dirs):
 
 def test_memory_bomb_growing(tracked_dirs):
     code = "xs = []\nwhile True:\n    xs.append(bytearray(10 ** 7))\n"
-    res = run_hostile(code, tracked_dirs, timeout_s=6)  # page faults are slow on a busy VM
+    # page faults are slow on a busy VM
+    res = run_hostile(code, tracked_dirs, replace(LIMITS, timeout_s=6))
     assert res.status == "memory"
 
 
 def test_huge_output_is_capped(tracked_dirs):
-    res = run_hostile("while True:\n    print('x' * 1000)\n", tracked_dirs, max_output_bytes=10_000)
+    flood = "while True:\n    print('x' * 1000)\n"
+    res = run_hostile(flood, tracked_dirs, replace(LIMITS, max_output_bytes=10_000))
     assert res.status == "output_limit"
     assert len(res.stdout) <= 10_000
     assert res.wall_s < 1.5  # stopped at the cap, not at the wall-clock limit
@@ -198,7 +203,7 @@ def test_huge_output_is_capped(tracked_dirs):
 
 def test_huge_stderr_is_capped(tracked_dirs):
     code = "import sys\nwhile True:\n    sys.stderr.write('e' * 1000)\n"
-    res = run_hostile(code, tracked_dirs, max_output_bytes=10_000)
+    res = run_hostile(code, tracked_dirs, replace(LIMITS, max_output_bytes=10_000))
     assert res.status == "output_limit"
 
 
@@ -239,7 +244,7 @@ def test_cannot_modify_repo_file(tracked_dirs):
 
 def test_workdir_is_writable_and_is_cwd():
     code = "open('f.txt', 'w').write('hi')\nimport os\nprint(open('f.txt').read(), os.getcwd())\n"
-    res = run_program(code, **LIMITS)
+    res = run_program(code, limits=LIMITS)
     assert res.status == "ok"
     text, cwd = res.stdout.split()
     assert text == "hi" and os.path.basename(cwd).startswith("peergrade-sbx-")
@@ -389,11 +394,11 @@ def test_run_many_keeps_order_and_bounds(tracked_dirs):
         "print(1)",
         {"code": "import sys; print(sys.stdin.read()[::-1])", "stdin": "abc"},
         "raise SystemExit(3)",
-        {"code": "import time; time.sleep(5)", "timeout_s": 1.0},
+        {"code": "import time; time.sleep(5)", "limits": SandboxLimits(timeout_s=1.0)},
         "print(2)",
     ]
     t0 = time.monotonic()
-    res = run_many(jobs, workers=3, memory_mb=256, timeout_s=3.0)
+    res = run_many(jobs, workers=3, limits=SandboxLimits(timeout_s=3.0, memory_mb=256))
     assert [r.status for r in res] == ["ok", "ok", "error", "timeout", "ok"]
     assert [r.stdout for r in res[:2]] == ["1\n", "cba\n"]
     assert res[2].returncode == 3
@@ -401,10 +406,29 @@ def test_run_many_keeps_order_and_bounds(tracked_dirs):
     assert not any(os.path.exists(d) for d in tracked_dirs) and len(tracked_dirs) == 5
 
 
-@pytest.mark.parametrize("kwargs", [{"timeout_s": 0}, {"memory_mb": -1}, {"max_output_bytes": 0}])
-def test_bad_arguments(kwargs):
-    with pytest.raises(ValueError, match="must be > 0"):
-        run_program("print(1)", **kwargs)
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"timeout_s": 0}, "timeout_s, memory_mb, max_processes and max_output_bytes must be > 0"),
+        ({"memory_mb": -1}, "timeout_s, memory_mb, max_processes and max_output_bytes"),
+        ({"max_processes": 0}, "timeout_s, memory_mb, max_processes and max_output_bytes"),
+        ({"max_output_bytes": 0}, "timeout_s, memory_mb, max_processes and max_output_bytes"),
+        ({"disk_mb": 0}, "disk_mb, max_open_files and cpu_time_s .* must be > 0, got 0, 64"),
+        ({"max_open_files": 0}, "disk_mb, max_open_files and cpu_time_s"),
+        ({"cpu_time_s": 0}, "disk_mb, max_open_files and cpu_time_s"),
+    ],
+)
+def test_bad_limits(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SandboxLimits(**kwargs)
+
+
+def test_limits_cpu_time_and_bad_limits_argument():
+    assert SandboxLimits().cpu_s == 5  # timeout_s rounded up
+    assert SandboxLimits(timeout_s=2.2).cpu_s == 3
+    assert SandboxLimits(timeout_s=9, cpu_time_s=0.3).cpu_s == 1  # at least one second
+    with pytest.raises(ValueError, match="limits must be a SandboxLimits, got dict"):
+        run_program("print(1)", limits={"timeout_s": 1.0})
 
 
 def test_bad_jobs():
@@ -415,14 +439,14 @@ def test_bad_jobs():
 
 
 def test_signal_death_is_reported():
-    res = run_program("import os, signal\nos.abort()\n", **LIMITS)
+    res = run_program("import os, signal\nos.abort()\n", limits=LIMITS)
     assert res.status == "killed" and res.returncode == -signal.SIGABRT
     assert "SIGABRT" in res.reason
 
 
 def test_extra_files_are_visible_and_bad_names_rejected(tracked_dirs):
     code = "import os\nprint(open('data.txt').read(), sorted(os.listdir('.')))\n"
-    res = run_program(code, files={"data.txt": "hello"}, **LIMITS)
+    res = run_program(code, files={"data.txt": "hello"}, limits=LIMITS)
     assert res.status == "ok" and res.stdout == "hello ['data.txt', 'main.py']\n"
     for bad in ("../x", "main.py", ""):
         with pytest.raises(ValueError, match="bad file name"):
@@ -431,7 +455,7 @@ def test_extra_files_are_visible_and_bad_names_rejected(tracked_dirs):
 
 @pytest.mark.parametrize("isolate", [True, False])
 def test_setup_failure_is_sandbox_error(isolate):
-    res = run_program("print(1)", python="/nonexistent/python3", isolate=isolate, **LIMITS)
+    res = run_program("print(1)", python="/nonexistent/python3", isolate=isolate, limits=LIMITS)
     assert res.status == "sandbox_error" and res.returncode is None
     assert "No such file" in res.reason
 
@@ -459,7 +483,7 @@ def test_require_sandbox_fails_closed_with_one_clear_error(monkeypatch):
         sandbox.require_sandbox()
     msg = str(info.value)
     assert "unshare: EPERM" in msg and "user namespaces" in msg and "sandbox: none" in msg
-    res = run_program("print(1)", **LIMITS)  # and nothing runs unsandboxed meanwhile
+    res = run_program("print(1)", limits=LIMITS)  # and nothing runs unsandboxed meanwhile
     assert res.status == "sandbox_error" and "sandbox: none" in res.reason
 
 

@@ -4,7 +4,7 @@ Correctness is the task's *accuracy reward* (its first default reward, e.g. ``ar
 for the arithmetic task) scoring 1.0. ``pass@k`` uses the unbiased estimator of Chen et al.
 (2021), ``1 - C(n - c, k) / C(n, k)`` for n samples with c correct (here n == k).
 
-The pass@k curve (``evaluate(..., curve=True)``, ``peergrade eval --curve``): from the same k
+The pass@k curve (``EvalOptions(curve=True)``, ``peergrade eval --curve``): from the same k
 samples per problem, ``pass@j`` for every j = 1..k, each averaged over problems. It costs no
 extra generation; ``pass@1`` equals ``pass@1_sampled`` and ``pass@k`` is the usual key. The
 gap between pass@k and pass@1 is the headroom GRPO can turn into pass@1 (docs/recipes.md).
@@ -39,6 +39,8 @@ Prompts are encoded by ``tasks.prompts.encode_prompts`` and reward columns built
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,6 +81,59 @@ def pass_at_k_curve(counts: list[int], n: int) -> dict[str, float]:
     }
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """How ``evaluate`` samples and what it reports.
+
+    k: samples per problem (>= 1) for sampled pass@1 and pass@k; settings: the sampler's
+    settings (greedy pass: ``settings.greedy()``; sampled: ``settings`` with ``n = k``); seed:
+    the greedy pass's seed (the sampled pass uses ``seed + 1``); curve: also pass@j for every
+    j = 1..k (keys ``pass@1`` .. ``pass@{k}``); keep_completions: add the key ``completions``,
+    one dict per problem with its greedy and sampled answers and whether each is correct;
+    extra: more reward specs whose rates are reported (``{name}_rate`` and
+    ``{name}_rate_sampled``, e.g. the format reward); trainer_state: what the reward functions
+    read (None: outside training, step 0).
+    """
+
+    k: int
+    settings: SamplerSettings
+    seed: int
+    curve: bool = False
+    keep_completions: bool = False
+    extra: tuple[RewardSpec, ...] = ()
+    trainer_state: TrainerState | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"EvalOptions: k must be an int >= 1, got {self.k!r}")
+        if not isinstance(self.settings, SamplerSettings):
+            raise ValueError(
+                f"EvalOptions: settings must be a SamplerSettings, got {type(self.settings).__name__}"
+            )
+        object.__setattr__(self, "extra", tuple(self.extra or ()))
+
+
+@dataclass(frozen=True)
+class AnswerSource:
+    """Where ``evaluate``'s answers come from (default: single replies from the own kernel).
+
+    make_env: a row -> environment factory (the run's ``env:``): each answer is an episode
+    over the episode rows; episodes_from: an external agent's episode function
+    (``training.harness.episode_fn``), whose episodes are the answers instead of the engine's;
+    engine: another rollout engine for single replies (``rollout.engine: vllm``), as the
+    training replies of the run were sampled (unused for episodes).
+    """
+
+    make_env: Callable | None = None
+    episodes_from: Callable | None = None
+    engine: Any = None
+
+    @property
+    def episodes(self) -> bool:
+        """Whether the answers are episodes (not single replies)."""
+        return self.make_env is not None or self.episodes_from is not None
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -86,30 +141,24 @@ def evaluate(
     rows,
     prompt_ids,
     acc: RewardSpec,
-    *,
-    k: int,
-    settings: SamplerSettings,
-    seed: int,
-    make_env=None,
-    episodes_from=None,
-    extra: list[RewardSpec] = (),
-    trainer_state: TrainerState | None = None,
-    curve: bool = False,
-    keep_completions: bool = False,
-    engine=None,
+    options: EvalOptions,
+    source: AnswerSource | None = None,
 ) -> dict[str, Any]:
-    """Greedy pass@1 (``settings.greedy()``), sampled pass@1 (mean over k samples per problem,
-    ``settings`` with ``n = k``) and pass@k; with ``curve``, also pass@j for every j = 1..k
-    (keys ``pass@1`` .. ``pass@{k}``); with ``keep_completions``, the key ``completions``: one
-    dict per problem with its greedy and sampled answers and whether each is correct.
+    """Greedy pass@1, sampled pass@1 (mean over ``options.k`` samples per problem) and
+    pass@k of ``model`` on ``rows``, correct where ``acc`` scores 1.0; with ``options.curve``
+    the pass@j curve, with ``options.keep_completions`` the answers (``EvalOptions``).
 
-    Every answer comes from ``generation.sample``, as training's do: with ``make_env`` (or an
-    external agent's ``episodes_from``) each is an episode over the (episode) ``rows``
-    (``prompt_ids`` unused; adds the tool rates, module doc), else a reply to ``prompt_ids``.
+    Every answer comes from ``generation.sample``, as training's do: with ``source.make_env``
+    (or an external agent's ``source.episodes_from``) each is an episode over the (episode)
+    ``rows`` (``prompt_ids`` unused; adds the tool rates, module doc), else a reply to
+    ``prompt_ids`` (from ``source.engine`` when given). For example::
 
-    ``trainer_state`` is what the reward functions read (default: outside training, step 0);
-    ``engine``: another rollout engine for single replies (``rollout.engine: vllm``), as the
-    training replies of the run were sampled."""
+        evaluate(model, tok, rows, ids, accuracy_spec(task),
+                 EvalOptions(k=8, settings=SamplerSettings(n=1, max_new_tokens=64), seed=0))
+    """
+    src = source if source is not None else AnswerSource()
+    k, settings, seed = options.k, options.settings, options.seed
+    trainer_state = options.trainer_state
     n_rows = len(rows)
 
     def answers(s: SamplerSettings, seed_: int):
@@ -120,9 +169,9 @@ def evaluate(
             s,
             seed=seed_,
             prompt_ids=prompt_ids,
-            make_env=make_env,
-            episodes_from=episodes_from,
-            engine=engine if make_env is None and episodes_from is None else None,
+            make_env=src.make_env,
+            episodes_from=src.episodes_from,
+            engine=None if src.episodes else src.engine,
         )
         return samples, samples.reward_inputs(rows, env_reward=True)  # episodes' own rewards
 
@@ -142,13 +191,14 @@ def evaluate(
         "n": n_rows,
         "k": k,
     }
-    if curve:
+    if options.curve:
         out.update(pass_at_k_curve([int(ci) for ci in c], k))
-    for spec in extra:  # e.g. the format reward's rate on the greedy and the sampled answers
+    # e.g. the format reward's rate on the greedy and the sampled answers
+    for spec in options.extra:
         out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
         out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
     out |= tool_rates(greedy.episodes, "") | tool_rates(sampled.episodes, "_sampled")
-    if keep_completions:
+    if options.keep_completions:
         out["completions"] = [
             {
                 "prompt": rows[i]["prompt"],

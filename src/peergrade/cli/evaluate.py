@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from peergrade.cli.common import add_command, add_config, add_seed, key_value, split_overrides
@@ -20,10 +21,7 @@ if TYPE_CHECKING:
 def run(args, extra) -> int:
     from peergrade.evaluation import FORMAT_KEYS
 
-    result = run_eval_command(
-        model=args.model,
-        config=args.config,
-        overrides=split_overrides(extra),
+    request = EvalRequest(
         task=args.task,
         task_options=dict(key_value(o) for o in args.task_option),
         data=args.data,
@@ -33,13 +31,19 @@ def run(args, extra) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         batch_size=args.batch_size,
-        device=args.device,
         reward=args.reward,
+        reward_options=dict(key_value(o, "--reward-option") for o in args.reward_option),
         curve=args.curve,
         few_shot=args.few_shot,
         few_shot_answer=args.few_shot_answer,
-        reward_options=dict(key_value(o, "--reward-option") for o in args.reward_option),
         samples=args.samples,
+    )
+    result = run_eval_command(
+        model=args.model,
+        config=args.config,
+        overrides=split_overrides(extra),
+        request=request,
+        device=args.device,
     )
     if args.json:
         print(json.dumps(result))
@@ -210,62 +214,80 @@ def _how_flags(e) -> None:
 # ------------------------------------------------- the command's work (heavy imports inside)
 
 
+@dataclass(frozen=True)
+class EvalRequest:
+    """What ``peergrade eval`` is asked for: its flags (``run_eval_command``), checked when
+    built. None leaves the setting to the run's config (or the defaults).
+
+    task, task_options: a built-in task instead of the run's; data: a dataset file or directory
+    to evaluate instead of a task; n (= train.eval_size), k (= train.eval_samples), temperature
+    (> 0), max_new_tokens (= rollout.max_completion_length), seed (= train.seed), batch_size
+    (= train.eval_batch_size), reward (= train.eval_reward); reward_options: keyword arguments
+    for the scorer; curve: pass@j for every j = 1..k; few_shot: solved training examples before
+    each prompt (>= 0), their reply written with few_shot_answer; samples: a JSONL file written
+    with one line per problem (its answers, see ``evaluate``'s completions).
+    """
+
+    task: str | None = None
+    task_options: dict = field(default_factory=dict)
+    data: str | None = None
+    n: int | None = None
+    k: int | None = None
+    temperature: float | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    batch_size: int | None = None
+    reward: str | None = None
+    reward_options: dict = field(default_factory=dict)
+    curve: bool = False
+    few_shot: int = 0
+    few_shot_answer: str = "<answer>{answer}</answer>"
+    samples: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "task_options", dict(self.task_options or {}))
+        object.__setattr__(self, "reward_options", dict(self.reward_options or {}))
+        n, k, temperature = self.n, self.k, self.temperature
+        if (n is not None and n < 1) or (k is not None and k < 1):
+            raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
+        if self.few_shot < 0:
+            raise InputError(f"eval: --few-shot must be >= 0 (got {self.few_shot})")
+        if temperature is not None and temperature <= 0:
+            raise InputError(
+                f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})"
+            )
+
+
 def run_eval_command(
     *,
     model: str,
     config: str | None = None,
     overrides: list[tuple[str, Any]] | None = None,
-    task: str | None = None,
-    task_options: dict | None = None,
-    data: str | None = None,
-    n: int | None = None,
-    k: int | None = None,
-    temperature: float | None = None,
-    max_new_tokens: int | None = None,
-    seed: int | None = None,
-    batch_size: int | None = None,
+    request: EvalRequest | None = None,
     device: str = "auto",
-    reward: str | None = None,
-    curve: bool = False,
-    few_shot: int = 0,
-    few_shot_answer: str = "<answer>{answer}</answer>",
-    reward_options: dict | None = None,
-    samples: str | None = None,
 ) -> dict[str, Any]:
     """``peergrade eval``: load ``model``, evaluate on held-out rows of its task, or on the
-    first rows of the dataset ``data`` (its eval split when it has one, or the split that the
-    task options ``eval_path`` / ``eval_fraction`` name, else the file itself).
+    first rows of the dataset ``request.data`` (its eval split when it has one, or the split
+    that the task options ``eval_path`` / ``eval_fraction`` name, else the file itself).
 
     A run directory or checkpoint brings its run's config.yaml: the task, prompts (system
     prompt, chat template), sampling settings, scorer and seed the run's held-out table used;
     ``config`` (a YAML file) is used instead when given, e.g. a recipe's, to evaluate the base
     model as the recipe's run will evaluate it.
-    The flags (``task``, ``data``, ``n`` = train.eval_size, ``k`` = train.eval_samples,
-    ``temperature``, ``max_new_tokens``, ``seed``, ``batch_size`` = train.eval_batch_size, ``reward`` =
-    train.eval_reward) change it where given, and ``overrides`` (``--section.key value``) win
-    over both. Without a run config: the config defaults, with 16 new tokens for the bundled
-    model, else 128. ``few_shot`` solved training examples go before each prompt (default
-    none); ``reward_options`` are keyword arguments for the scorer; ``samples`` is a JSONL file
-    written with one line per problem (its answers, see ``evaluate``'s completions)."""
+    The ``request``'s flags (``EvalRequest``: task, data, n, k, temperature, max_new_tokens,
+    seed, batch_size, reward) change it where given, and ``overrides`` (``--section.key
+    value``) win over both. Without a run config: the config defaults, with 16 new tokens for
+    the bundled model, else 128. ``device``: auto (cuda if available), cpu, cuda, cuda:1, ...
+    """
+    req = request if request is not None else EvalRequest()
+    from peergrade.evaluation import AnswerSource
     from peergrade.model.load import load_model, load_tokenizer, resolve_device, resolve_dtype
     from peergrade.training import checkpoint as ckpt
     from peergrade.training.components import encode_rows
     from peergrade.training.held_out import evaluate_config
 
-    if (n is not None and n < 1) or (k is not None and k < 1):
-        raise InputError(f"eval: --n and --k must be >= 1 (got n={n}, k={k})")
-    if few_shot < 0:
-        raise InputError(f"eval: --few-shot must be >= 0 (got {few_shot})")
-    if temperature is not None and temperature <= 0:
-        raise InputError(f"eval: --temperature must be > 0 for sampled pass@k (got {temperature})")
-    flags = dict(n=n, k=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    flags.update(batch_size=batch_size, reward=reward)
-    cfg, run_config, path, given = _eval_config(
-        model, config, task, task_options, data, flags, overrides
-    )
-    the_task, rows, acc, why, make_env = _eval_rows(
-        cfg, data, few_shot, few_shot_answer, reward_options
-    )
+    cfg, run_config, path, given = _eval_config(model, config, req, overrides)
+    the_task, rows, acc, why, make_env = _eval_rows(cfg, req)
     agent = _eval_harness(cfg)  # before the model loads: a harness that cannot load says so
     tok = load_tokenizer(path, cfg.model.chat_template)  # model.chat_template: as trained
     from peergrade.training.components import set_tool_format
@@ -283,19 +305,18 @@ def run_eval_command(
             rows,
             ids,
             acc,
-            curve=curve,
-            keep_completions=samples is not None,
-            make_env=make_env,
-            episode_fn=episode_fn,
+            source=AnswerSource(make_env=make_env, episodes_from=episode_fn),
+            curve=req.curve,
+            keep_completions=req.samples is not None,
         )
     if agent is not None:
         result["harness"] = cfg.harness.fn
-    if samples is not None:  # one JSON line per problem; never half a file under the name
+    if req.samples is not None:  # one JSON line per problem; never half a file under the name
         import json
 
         lines = (json.dumps(rec) + "\n" for rec in result.pop("completions"))
-        ckpt.atomic_write_text(samples, "".join(lines))
-    return _labelled(result, cfg, model, acc.name, why, run_config, few_shot, reward_options) | (
+        ckpt.atomic_write_text(req.samples, "".join(lines))
+    return _labelled(result, cfg, model, acc.name, why, run_config, req) | (
         {"checkpoint": path} if path != given else {}
     )
 
@@ -342,7 +363,7 @@ def _harness_episodes(cfg: Config, agent, model, tokenizer):
             pool.close()
 
 
-def _labelled(result, cfg, model, scorer, why, run_config, few_shot, reward_options) -> dict:
+def _labelled(result, cfg, model, scorer, why, run_config, req: EvalRequest) -> dict:
     """``peergrade eval``'s result with what it evaluated: task, model, scorer, seed, config."""
     from peergrade.training.held_out import eval_seed
 
@@ -353,16 +374,16 @@ def _labelled(result, cfg, model, scorer, why, run_config, few_shot, reward_opti
     result["seed"] = eval_seed(cfg.train.seed)
     if run_config is not None:
         result["config"] = str(run_config)
-    if few_shot:
-        result["few_shot"] = few_shot
-    if reward_options:
-        result["reward_options"] = dict(reward_options)
+    if req.few_shot:
+        result["few_shot"] = req.few_shot
+    if req.reward_options:
+        result["reward_options"] = dict(req.reward_options)
     return result
 
 
-def _eval_config(model, config, task, task_options, data, flags: dict, overrides):
+def _eval_config(model, config, req: EvalRequest, overrides):
     """``peergrade eval``'s config: the run's config.yaml (a run or checkpoint directory), or
-    ``config``, or the defaults; the flags where given; ``overrides`` last. Returns ``(cfg,
+    ``config``, or the defaults; ``req``'s flags where given; ``overrides`` last. Returns ``(cfg,
     the config file read or None, the model directory, the model as named)``."""
     from pathlib import Path
 
@@ -377,9 +398,10 @@ def _eval_config(model, config, task, task_options, data, flags: dict, overrides
     run_config = config if config is not None else (run_config if run_config.is_file() else None)
     base = load_config(run_config)
     keys: list[tuple[str, Any]] = []
+    task, data = req.task, req.data
     if task is not None:
         keys += [("data.task", task), ("data.path", None), ("data.eval_path", None)]
-    options = dict(task_options or {})
+    options = dict(req.task_options)
     if data is not None:
         keys += [("data.path", data), ("data.eval_path", options.pop("eval_path", None))]
     if options:
@@ -389,24 +411,24 @@ def _eval_config(model, config, task, task_options, data, flags: dict, overrides
         )
     elif task is not None or data is not None:
         keys.append(("data.task_options", {}))
-    max_new_tokens = flags["max_new_tokens"]
+    max_new_tokens = req.max_new_tokens
     if max_new_tokens is None and run_config is None:
         max_new_tokens = 16 if model == "bundled" else 128
     for key, value in (
-        ("train.eval_size", flags["n"]),
-        ("train.eval_samples", flags["k"]),
-        ("rollout.temperature", flags["temperature"]),
+        ("train.eval_size", req.n),
+        ("train.eval_samples", req.k),
+        ("rollout.temperature", req.temperature),
         ("rollout.max_completion_length", max_new_tokens),
-        ("train.seed", flags["seed"]),
-        ("train.eval_batch_size", flags["batch_size"]),
-        ("train.eval_reward", flags["reward"]),
+        ("train.seed", req.seed),
+        ("train.eval_batch_size", req.batch_size),
+        ("train.eval_reward", req.reward),
     ):
         if value is not None:
             keys.append((key, value))
     return load_config(run_config, keys + list(overrides or [])), run_config, path, given
 
 
-def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_options):
+def _eval_rows(cfg: Config, req: EvalRequest):
     """The held-out rows ``peergrade eval`` scores and their scorer, all checked before the
     model loads: ``(task, rows, scorer, why it was chosen, the env factory or None)``."""
     from pathlib import Path
@@ -419,20 +441,19 @@ def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_op
     make_env = build_env(cfg)  # the run's env: (tools, environment), checked before the model
     the_task = build_task(cfg, make_env)
     d = cfg.data
-    if data is not None and not the_task.has_eval and "eval_fraction" not in d.task_options:
+    if req.data is not None and not the_task.has_eval and "eval_fraction" not in d.task_options:
         # --data names the rows to evaluate: the file itself is the held-out split
         d.eval_path = d.path
         the_task = build_task(cfg, make_env)
     with user_input("data" if d.path else "task"):
         # before the model loads (seconds for a GGUF): e.g. fewer held-out problems than --n
         rows = the_task.eval_rows(cfg.train.eval_size)
-    if few_shot:
+    if req.few_shot:
         from peergrade.tasks.curriculum import FewShot
 
         # fade 0: every prompt carries the examples; the pool is training problems only
-        rows, _ = FewShot(few_shot, 0, few_shot_answer, the_task, cfg.train.seed).apply(
-            rows, step=1
-        )
+        few = FewShot(req.few_shot, 0, req.few_shot_answer, the_task, cfg.train.seed)
+        rows, _ = few.apply(rows, step=1)
     # the run's reward mix (a reward model directory is not loaded: it is never the scorer
     # unless named), for the default scorer and its options; a harness run's mix ends with
     # what the harness returns (its only reward without `rewards:`), as training's does
@@ -451,7 +472,7 @@ def _eval_rows(cfg: Config, data, few_shot: int, few_shot_answer: str, reward_op
 
         mix += reward_specs()
     with user_input("reward"):  # a wrong option name fails here, before the model loads
-        acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, reward_options)
+        acc, why = held_out_scorer(the_task, mix, cfg.train.eval_reward, req.reward_options)
     # an env's or a harness's run: its answers are episodes, which start from messages
     episodes = make_env is not None or cfg.harness.fn is not None
     check_reward_columns(the_task, [], acc, EPISODE_COLUMNS if episodes else ())

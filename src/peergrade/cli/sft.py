@@ -15,24 +15,27 @@ from peergrade.cli.common import (
 
 
 def run(args, extra) -> int:
-    from peergrade.training.sft import run_sft
+    from peergrade.training.sft import SFTSettings, run_sft
 
-    run_sft(
-        out=args.output,
-        init=args.init,
-        model=args.model,
+    settings = SFTSettings(
         task=args.task,
         task_options=dict(key_value(o) for o in args.task_option),
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
         seed=args.seed,
-        overwrite=args.overwrite,
         threads=args.threads,
         tool_fraction=args.tool_fraction,
         tools=args.tools,
         data=args.data,
         chat_template=args.chat_template,
+    )
+    run_sft(
+        out=args.output,
+        init=args.init,
+        model=args.model,
+        settings=settings,
+        overwrite=args.overwrite,
     )
     return 0
 

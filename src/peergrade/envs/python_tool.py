@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from peergrade.rewards.sandbox import require_sandbox, run_program
+from peergrade.rewards.sandbox import SandboxLimits, require_sandbox, run_program
 
 __all__ = ["make_python_tool", "run_python"]
 
@@ -33,7 +33,9 @@ MAX_RESULT_CHARS = 2000  # of stdout (its end) in a result; the runner may cut f
 def make_python_tool(
     *, mechanism: str = "auto", timeout_s: float = 5.0, memory_mb: int = 512
 ) -> Callable[[str], str]:
-    """``run_python`` with these sandbox settings (``rewards.sandbox.run_program``'s names)."""
+    """``run_python`` with these sandbox settings (``rewards.sandbox.run_program``'s
+    ``mechanism`` and ``SandboxLimits``' names; bad limits raise ValueError here)."""
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
 
     def run_python(code: str) -> str:
         """Run a Python program in a sandbox and return what it printed.
@@ -42,7 +44,7 @@ def make_python_tool(
             code: the complete program; print the values you need, its standard output is the result
         """
         used = require_sandbox(mechanism)  # cached; raises SandboxUnavailable (a PeergradeError)
-        r = run_program(code, timeout_s=timeout_s, memory_mb=memory_mb, mechanism=used)
+        r = run_program(code, limits=limits, mechanism=used)
         if r.ok:
             return r.stdout[-MAX_RESULT_CHARS:]
         raise RuntimeError(f"{r.status}: {r.reason or r.stderr.strip()[-300:]}")

@@ -31,9 +31,12 @@ The measured steps are the worst case a budget must hold: every completion runs 
 row even where the model earns nothing (with ``algo.beta`` 0 such a step would otherwise skip
 its update and measure only the generation); ``update_ran`` in the report says whether it ran.
 
-``estimate_memory(model_config, ...)`` predicts the same peak from the architecture alone
-(parameter count, vocabulary, hidden/intermediate sizes, heads, layers), the batch shape, the
-dtype, bf16 autocast and LoRA, as a breakdown in bytes (b = bytes per element of the weights):
+``estimate_memory(model_config, shape, options, placement)`` predicts the same peak from the
+architecture alone (parameter count, vocabulary, hidden/intermediate sizes, heads, layers), the
+step's shape (``StepShape``: batch, lengths, micro-batch, group, generation and evaluation
+batches), its options (``MemoryOptions``: dtype, bf16 autocast, LoRA, algorithm, reference,
+...) and where it runs (``Placement``: device, ranks, strategy), as a breakdown in bytes
+(b = bytes per element of the weights):
 
     weights      P * b                          (tied embeddings counted once)
     grads        P_train * b                    (P_train = P, or the LoRA parameters)
@@ -98,12 +101,16 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = [
     "param_counts",
     "estimate_memory",
+    "StepShape",
+    "MemoryOptions",
+    "Placement",
     "estimate_for_config",
     "measure_memory",
     "format_table",
@@ -234,18 +241,98 @@ def _token_bytes(a: dict, L: int, *, act: str, r_sum: int, lora: bool) -> int:
 _F32 = 4  # bytes of a float32 element
 
 
-def _check_estimate_args(dtype, algo, optimizer, device, completion_len, seq_len) -> None:
-    """Raise ValueError for an unknown dtype, algo, optimizer or device, or bad lengths."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
-    if algo not in ("grpo", "ppo"):
-        raise ValueError(f"algo={algo!r}: expected 'grpo' or 'ppo'")
-    if optimizer != "adamw":
-        raise ValueError(f"optimizer={optimizer!r}: only 'adamw' is supported")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
-    if not 0 < completion_len < seq_len:
-        raise ValueError(f"need 0 < completion_len ({completion_len}) < seq_len ({seq_len})")
+@dataclass(frozen=True)
+class StepShape:
+    """The training step's shape, as ``estimate_memory`` counts it (per run, before ``world``
+    divides it between ranks).
+
+    batch: sequences per step (P * G); seq_len: prompt + completion tokens; completion_len:
+    completion tokens (0 < completion_len < seq_len); micro_batch: sequences per
+    forward/backward (None: batch); minibatch: sequences per optimizer step (None: batch;
+    smaller micro-batches accumulate grads while the next one's activations are built);
+    group_size: G (the completions of one prompt); generation_batch:
+    ``rollout.generation_batch_size`` (None: all); generation_rounds: the most rounds of
+    ``batch`` sequences one generation call samples (``rollout.rounds_ahead``: max_rounds - 1);
+    eval_rows, eval_batch: the held-out evaluation's largest pass (``train.eval_size *
+    train.eval_samples``; 0: no evaluation) and the sequences it generates at once (None: all).
+    """
+
+    batch: int
+    seq_len: int
+    completion_len: int
+    micro_batch: int | None = None
+    minibatch: int | None = None
+    group_size: int = 1
+    generation_batch: int | None = None
+    generation_rounds: int = 1
+    eval_rows: int = 0
+    eval_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.completion_len < self.seq_len:
+            raise ValueError(
+                f"need 0 < completion_len ({self.completion_len}) < seq_len ({self.seq_len})"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How the step trains, as far as memory goes (``estimate_memory``).
+
+    dtype: the weights' "float32" | "bfloat16" | "float16"; lora: None or {"r": int,
+    "target_modules": [...]}; algo: "grpo" | "ppo"; beta: KL coefficient (> 0 loads a reference
+    unless LoRA); optimizer: "adamw" (the only one the trainer builds); chunk_size: the chunked
+    log-prob's rows per chunk; gradient_checkpointing; autocast: bf16 autocast on float32
+    weights (``update.use_bf16_autocast``); shared_prompt: ``model.shared_prompt_forward``
+    (each distinct prompt of a micro-batch runs once); ref_offload: the reference copy lives in
+    host memory outside its own pass (counted on "cuda" only); reward_models:
+    ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward models among the
+    rewards; async_steps: ``rollout.async_steps`` k (k >= 1 adds the producer).
+    """
+
+    dtype: str = "float32"
+    lora: dict | None = None
+    algo: str = "grpo"
+    beta: float = 0.0
+    optimizer: str = "adamw"
+    chunk_size: int = 1024
+    gradient_checkpointing: bool = False
+    autocast: bool = False
+    shared_prompt: bool = True
+    ref_offload: bool = False
+    reward_models: tuple[dict, ...] = ()
+    async_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+        if self.algo not in ("grpo", "ppo"):
+            raise ValueError(f"algo={self.algo!r}: expected 'grpo' or 'ppo'")
+        if self.optimizer != "adamw":
+            raise ValueError(f"optimizer={self.optimizer!r}: only 'adamw' is supported")
+        object.__setattr__(self, "reward_models", tuple(self.reward_models or ()))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the step runs: device "cpu" | "cuda"; world: ranks under torchrun; strategy:
+    ``dist.strategy`` ("ddp" | "fsdp"). With world > 1 the figures are per rank."""
+
+    device: str = "cpu"
+    world: int = 1
+    strategy: str = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: expected 'cpu' or 'cuda'")
+
+
+class _Model(NamedTuple):
+    """The sizes the formulas read: ``_arch``'s dict, ``param_counts`` and bytes per weight."""
+
+    a: dict
+    pc: dict
+    b: int
 
 
 class _Resident(NamedTuple):
@@ -280,23 +367,12 @@ class _PolicyPass(NamedTuple):
     head_backward: int  # what the policy's backward adds at its start (the head)
 
 
-def _policy_pass(
-    a: dict,
-    pc: dict,
-    b: int,
-    *,
-    micro: int,
-    L: int,
-    C: int,
-    lora,
-    autocast: bool,
-    group_size: int,
-    shared_prompt: bool,
-    checkpointing: bool,
-    chunk_size: int,
-) -> _PolicyPass:
-    """What the policy's forward of one micro-batch keeps for the backward, and what its
-    backward holds on top (see ``_PolicyPass``)."""
+def _policy_pass(m: _Model, micro: int, shape: StepShape, opts: MemoryOptions) -> _PolicyPass:
+    """What the policy's forward of ``micro`` sequences keeps for the backward, and what its
+    backward holds on top (see ``_PolicyPass``). ``opts.autocast`` is the effective one."""
+    a, pc, b = m
+    L, C, lora, autocast = shape.seq_len, shape.completion_len, opts.lora, opts.autocast
+    checkpointing = opts.gradient_checkpointing
     H, V, nl = a["H"], a["V"], a["layers"]
     q_dim = a["heads"] * a["head_dim"]
     Lp = L - C
@@ -304,12 +380,15 @@ def _policy_pass(
     act_b = _F32 if act == "float32" else 2
     r_sum = int(lora["r"]) * len(pc["lora_per_target"]) if lora else 0
     per_tok = _token_bytes(a, L, act=act, r_sum=r_sum, lora=bool(lora))
-    G = max(1, int(group_size))
+    G = max(1, int(shape.group_size))
     # rows of one micro-batch that share a prompt: completions of equal length keep their
     # groups together in the length-sorted plan, so a micro-batch spans about micro / G prompts
     prompts_in_micro = min(micro, -(-micro // G) + (1 if micro % G else 0))
     shared = (
-        shared_prompt and not checkpointing and a["full_attention"] and prompts_in_micro < micro
+        opts.shared_prompt
+        and not checkpointing
+        and a["full_attention"]
+        and prompts_in_micro < micro
     )
     if shared:  # prompts once, completions against the cache expanded to every row
         layer_act = (prompts_in_micro * Lp + micro * C) * per_tok + micro * Lp * 2 * q_dim * act_b
@@ -326,7 +405,7 @@ def _policy_pass(
         acts = micro * L * H * resid_b * nl
     else:
         acts = (layer_act + weight_copies) * nl
-    c = min(chunk_size, micro * C)
+    c = min(opts.chunk_size, micro * C)
     chunk_bufs = 2 * c * V * _F32  # the chunked log-prob's [c, V] float32 logits and softmax
     hidden = micro * L * H * (_F32 if autocast else b) + micro * C * H * _F32  # final norm, rows
     # the chunked log-prob backward: a float32 [V, H] grad accumulator (updated in place with
@@ -404,16 +483,15 @@ def _per_rank(
     *,
     static: int,
     offloaded: bool,
-    a: dict,
-    pc: dict,
-    b: int,
-    world: int,
-    strategy: str,
+    m: _Model,
+    where: Placement,
     lora,
 ) -> tuple[dict, _Resident]:
-    """The phases and resident tensors of one of ``world`` ranks under ``strategy``: sharding
-    and communication buffers (``peergrade.distributed.rank_memory``)."""
+    """The phases and resident tensors of one of ``where.world`` ranks under its strategy:
+    sharding and communication buffers (``peergrade.distributed.rank_memory``)."""
     from peergrade.distributed import rank_memory
+
+    a, pc, b = m
 
     resident_ref = 0 if offloaded else res.reference
     parts = dict(
@@ -423,8 +501,8 @@ def _per_rank(
         phases,
         parts,
         static=static,
-        world=world,
-        strategy=strategy,
+        world=where.world,
+        strategy=where.strategy,
         lora=bool(lora),
         layer_fraction=a["layers"] * pc["per_layer"] / res.params,
         layer_bytes=pc["per_layer"] * b,
@@ -440,92 +518,55 @@ def _per_rank(
 
 def estimate_memory(
     model_config,
-    *,
-    batch: int,
-    seq_len: int,
-    completion_len: int,
-    dtype: str = "float32",
-    lora: dict | None = None,
-    algo: str = "grpo",
-    beta: float = 0.0,
-    optimizer: str = "adamw",
-    chunk_size: int = 1024,
-    gradient_checkpointing: bool = False,
-    micro_batch: int | None = None,
-    device: str = "cpu",
-    ref_offload: bool = False,
-    reward_models: list[dict] | None = None,
-    world: int = 1,
-    strategy: str = "ddp",
-    autocast: bool = False,
-    group_size: int = 1,
-    shared_prompt: bool = True,
-    generation_batch: int | None = None,
-    generation_rounds: int = 1,
-    minibatch: int | None = None,
-    async_steps: int = 0,
-    eval_rows: int = 0,
-    eval_batch: int | None = None,
+    shape: StepShape,
+    options: MemoryOptions | None = None,
+    placement: Placement | None = None,
 ) -> dict[str, Any]:
     """Peak-memory breakdown in bytes for one training step (see the module docstring).
 
-    batch: sequences per step (P * G); micro_batch: sequences per forward/backward (default
-    batch); seq_len: prompt + completion tokens; completion_len: completion tokens; dtype:
-    "float32" | "bfloat16" | "float16"; lora: None or {"r": int, "target_modules": [...]};
-    algo: "grpo" | "ppo"; beta: KL coefficient (> 0 loads a reference unless LoRA);
-    optimizer: "adamw" (the only one the trainer builds); device: "cpu" | "cuda"; ref_offload:
-    the reference copy lives in host memory outside its own pass (counted on "cuda" only);
-    reward_models: ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward
-    models among the rewards.
-    autocast: bf16 autocast on float32 weights (``update.use_bf16_autocast``); group_size,
-    shared_prompt: G and ``model.shared_prompt_forward`` (each distinct prompt of a micro-batch
-    runs once); generation_batch: ``rollout.generation_batch_size`` (None: all);
-    generation_rounds: the most rounds of ``batch`` sequences one generation call samples
-    (``rollout.rounds_ahead``: max_rounds - 1); minibatch: sequences per optimizer step (None:
-    batch; smaller micro-batches accumulate grads while the next one's activations are built).
-    world, strategy: ranks under torchrun and ``dist.strategy`` (the figures are then per
-    rank); async_steps: ``rollout.async_steps`` k (k >= 1 adds the producer); eval_rows,
-    eval_batch: the held-out evaluation's largest pass and the sequences it generates at once
-    (None: all). How each is counted: ``_beyond_the_step``. What it leaves out: allocator
-    slack per thread or process, which is what a measurement adds on top.
+    model_config: a transformers config, a config.json dict, or a model directory; shape: the
+    step's batch and lengths (``StepShape``); options: dtype, LoRA, algorithm, reference,
+    checkpointing and the rest (``MemoryOptions``; None: its defaults, float32 GRPO without a
+    reference); placement: device, ranks and ``dist.strategy`` (``Placement``; None: one CPU
+    process). How each is counted: ``_beyond_the_step``. What it leaves out: allocator slack
+    per thread or process, which is what a measurement adds on top. For example::
+
+        estimate_memory(
+            "Qwen/Qwen2.5-0.5B",
+            StepShape(batch=64, seq_len=768, completion_len=512, micro_batch=8),
+            MemoryOptions(dtype="bfloat16", beta=0.04),
+            Placement(device="cuda"),
+        )
+
     Returns a dict of components plus ``phases`` (generate/update peaks, "reference" when a
     reference pass runs, "rewards" with a reward model, "pipelined" with k >= 1, "evaluate"
     with eval_rows, "checkpoint"), ``peak`` (the run's: every phase), ``peak_phase`` (the phase
     that sets it), ``step_peak`` (the training step's phases: not the evaluation nor the
     checkpoint) and ``eval_generation`` (the evaluation's KV cache and logits).
     """
-    _check_estimate_args(dtype, algo, optimizer, device, completion_len, seq_len)
-    a, pc, b = _arch(model_config), param_counts(model_config, lora), DTYPE_BYTES[dtype]
-    batch = batch // max(1, world)  # this rank's sequences
-    micro = min(micro_batch or batch, batch)
-    autocast = autocast and b == _F32  # autocast only ever casts float32 weights down
-    res = _resident(pc, b, lora=lora, beta=beta)
-    critic_w = (res.params - pc["lm_head"]) * b if algo == "ppo" else 0  # PPO's value model
-    fwd = _policy_pass(
-        a,
-        pc,
-        b,
-        micro=micro,
-        L=seq_len,
-        C=completion_len,
-        lora=lora,
-        autocast=autocast,
-        group_size=group_size,
-        shared_prompt=shared_prompt,
-        checkpointing=gradient_checkpointing,
-        chunk_size=chunk_size,
-    )
-    ppo = algo == "ppo"  # the critic: a plain forward (no autocast) in the joint backward
-    critic_acts = _critic_activations(a, b, micro, seq_len, gradient_checkpointing) if ppo else 0
+    opts = options if options is not None else MemoryOptions()
+    where = placement if placement is not None else Placement()
+    b = DTYPE_BYTES[opts.dtype]
+    m = _Model(_arch(model_config), param_counts(model_config, opts.lora), b)
+    pc, L = m.pc, shape.seq_len
+    batch = shape.batch // max(1, where.world)  # this rank's sequences
+    micro = min(shape.micro_batch or batch, batch)
+    # autocast only ever casts float32 weights down
+    opts = replace(opts, autocast=opts.autocast and b == _F32)
+    res = _resident(pc, b, lora=opts.lora, beta=opts.beta)
+    ppo = opts.algo == "ppo"
+    critic_w = (res.params - pc["lm_head"]) * b if ppo else 0  # PPO's value model
+    fwd = _policy_pass(m, micro, shape, opts)
+    # the critic: a plain forward (no autocast) in the joint backward
+    checkpointing = opts.gradient_checkpointing
+    critic_acts = _critic_activations(m.a, b, micro, L, checkpointing) if ppo else 0
+    rows = batch * max(1, int(shape.generation_rounds))
     kv_cache, gen_logits = _generation_bytes(
-        a,
-        b,
-        rows=batch * max(1, int(generation_rounds)),
-        generation_batch=generation_batch,
-        seq_len=seq_len,
+        m.a, b, rows=rows, generation_batch=shape.generation_batch, seq_len=L
     )
-    offloaded = ref_offload and device == "cuda" and res.reference > 0  # resident in its pass
-    rm_weights = sum(m["weights"] for m in reward_models or [])  # frozen, resident all run
+    # the reference is resident in its own pass only
+    offloaded = opts.ref_offload and where.device == "cuda" and res.reference > 0
+    rm_weights = sum(r["weights"] for r in opts.reward_models)  # frozen, resident all run
     # the critic's weights and optimizer state are static; its grads exist during the update
     static = res.weights + (0 if offloaded else res.reference) + critic_w * 3 + res.optimizer
     static += rm_weights
@@ -535,30 +576,22 @@ def estimate_memory(
         critic_acts=critic_acts,
         critic_grads=critic_w,
         grads=res.grads,
-        accumulate=micro < min(minibatch or batch, batch),
+        accumulate=micro < min(shape.minibatch or batch, batch),
         generation=kv_cache + gen_logits,
-        casts=2 * res.params if autocast else 0,
-        reward_models=reward_models,
-        reference_pass=res.reference > 0 or (lora and beta > 0),
+        casts=2 * res.params if opts.autocast else 0,
+        reward_models=opts.reward_models,
+        reference_pass=res.reference > 0 or (opts.lora and opts.beta > 0),
     )
     phases, res, eval_generation, producer = _beyond_the_step(
         phases,
         res,
         static=static,
         fwd=fwd,
-        a=a,
-        pc=pc,
-        b=b,
-        seq_len=seq_len,
-        eval_rows=eval_rows,
-        eval_batch=eval_batch,
-        autocast=autocast,
+        m=m,
+        shape=shape,
+        opts=opts,
+        where=where,
         offloaded=offloaded,
-        world=world,
-        strategy=strategy,
-        lora=lora,
-        device=device,
-        async_steps=async_steps,
     )
     return {
         **res._asdict(),
@@ -566,7 +599,7 @@ def estimate_memory(
         "reward_models": rm_weights,
         "activations": fwd.acts + fwd.chunk_bufs + fwd.hidden + critic_acts,
         "transient": fwd.grad_transient + fwd.layer_act,
-        **_peaks(phases, kv_cache, producer, eval_generation, eval_rows, eval_batch),
+        **_peaks(phases, kv_cache, producer, eval_generation, shape.eval_rows, shape.eval_batch),
     }
 
 
@@ -595,19 +628,11 @@ def _beyond_the_step(
     *,
     static: int,
     fwd: _PolicyPass,
-    a: dict,
-    pc: dict,
-    b: int,
-    seq_len: int,
-    eval_rows: int,
-    eval_batch,
-    autocast: bool,
+    m: _Model,
+    shape: StepShape,
+    opts: MemoryOptions,
+    where: Placement,
     offloaded: bool,
-    world: int,
-    strategy: str,
-    lora,
-    device: str,
-    async_steps: int,
 ) -> tuple[dict, _Resident, int, int]:
     """``estimate_memory``'s phases past one process's step. Returns (phases, this rank's
     resident figures, the evaluation's generation bytes, the producer's bytes).
@@ -623,35 +648,28 @@ def _beyond_the_step(
     (``peergrade.training.pipeline``), its copy of the trainable weights and the k + 1
     versions it may sample with, and a "pipelined" phase where its largest phase's transients
     (generation, the reference pass, a reward model) sit on top of the update's."""
+    eval_rows, eval_batch, async_steps = shape.eval_rows, shape.eval_batch, opts.async_steps
+    world, lora = where.world, opts.lora
     eval_generation = 0
     if eval_rows:  # the held-out passes: the step's generation formula at the eval batch
         eval_generation = sum(
             _generation_bytes(
-                a, b, rows=int(eval_rows), generation_batch=eval_batch, seq_len=seq_len
+                m.a, m.b, rows=int(eval_rows), generation_batch=eval_batch, seq_len=shape.seq_len
             )
         )
-        phases["evaluate"] = static + eval_generation + (2 * res.params if autocast else 0)
+        phases["evaluate"] = static + eval_generation + (2 * res.params if opts.autocast else 0)
     # the producer (async_steps k >= 1): its copy of the trainable weights and k + 1 versions
     producer = (async_steps + 2) * res.grads if async_steps else 0
     whole = res  # the unsharded figures: what a checkpoint gathers under fsdp
     if world > 1:  # per-rank sharding and communication buffers
         phases, res = _per_rank(
-            phases,
-            res,
-            static=static,
-            offloaded=offloaded,
-            a=a,
-            pc=pc,
-            b=b,
-            world=world,
-            strategy=strategy,
-            lora=lora,
+            phases, res, static=static, offloaded=offloaded, m=m, where=where, lora=lora
         )
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
         phases["reference"] = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
-    sharded = world > 1 and strategy == "fsdp" and not lora
+    sharded = world > 1 and where.strategy == "fsdp" and not lora
     phases["checkpoint"] = _checkpoint_phase(
-        static, whole, res, offloaded=offloaded, sharded=sharded, device=device
+        static, whole, res, offloaded=offloaded, sharded=sharded, device=where.device
     )
     if async_steps:  # the producer runs its phases while the trainer updates
         outside = ("update", *_OUTSIDE_THE_STEP)
@@ -752,33 +770,33 @@ def estimate_for_config(
     autocast = cfg.model.autocast == "bf16"
     if cfg.model.autocast == "auto":  # the trainer's decision, from the config alone
         autocast = auto_bf16(device, dtype, param_counts(path)["total"])[0]
-    return estimate_memory(
-        path,
+    shape = StepShape(
         batch=cfg.batch_size,
-        autocast=autocast,
-        group_size=r.group_size,
-        shared_prompt=cfg.model.shared_prompt_forward,
-        generation_batch=r.generation_batch_size,
-        generation_rounds=cfg.generation_rounds(),
-        minibatch=cfg.minibatch_size,
-        micro_batch=cfg.micro_batch_size,
         seq_len=prompt_len + r.max_completion_length,
         completion_len=r.max_completion_length,
+        micro_batch=cfg.micro_batch_size,
+        minibatch=cfg.minibatch_size,
+        group_size=r.group_size,
+        generation_batch=r.generation_batch_size,
+        generation_rounds=cfg.generation_rounds(),
+        eval_rows=cfg.train.eval_size * cfg.train.eval_samples,
+        eval_batch=cfg.eval_generation_batch(world),
+    )
+    options = MemoryOptions(
         dtype=dtype,
         lora=lora,
         algo=cfg.algo.name,
         beta=cfg.algo.beta,
         chunk_size=cfg.model.logprob_chunk_size,
         gradient_checkpointing=cfg.gradient_checkpointing_on(device),
-        device=device,
+        autocast=autocast,
+        shared_prompt=cfg.model.shared_prompt_forward,
         ref_offload=cfg.model.ref_offload,
-        reward_models=reward_models,
-        world=world,
-        strategy=cfg.dist.strategy,
+        reward_models=tuple(reward_models),
         async_steps=cfg.rollout.async_steps,
-        eval_rows=cfg.train.eval_size * cfg.train.eval_samples,
-        eval_batch=cfg.eval_generation_batch(world),
     )
+    where = Placement(device=device, world=world, strategy=cfg.dist.strategy)
+    return estimate_memory(path, shape, options, where)
 
 
 # ----------------------------------------------------------------------------- measurement

@@ -92,7 +92,7 @@ from dataclasses import dataclass, field
 
 from .extract import completion_text
 from .registry import RewardSampleErrors
-from .sandbox import MECHANISMS, SandboxResult, require_sandbox, run_many
+from .sandbox import MECHANISMS, SandboxLimits, SandboxResult, require_sandbox, run_many
 
 __all__ = [
     "TEST_FORMATS",
@@ -724,14 +724,10 @@ def code_tests(
 
     jobs, nonces, plan = _plan_jobs(codes, specs)
     n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
-    results = run_many(
-        jobs,
-        workers=max(1, n_workers),
-        timeout_s=timeout_s,
-        memory_mb=memory_mb,
-        max_output_bytes=max_output_bytes,
-        mechanism=mechanism,
+    limits = SandboxLimits(
+        timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes
     )
+    results = run_many(jobs, workers=max(1, n_workers), limits=limits, mechanism=mechanism)
 
     rewards, report = _score_samples(specs, plan, results, nonces, mode)
     last_report = report

@@ -520,6 +520,54 @@ class SandboxResult:
         return self.status == "ok"
 
 
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """The limits ``run_program`` runs a program under; checked when built.
+
+    timeout_s: wall clock, from launch to exit (seconds). cpu_time_s: RLIMIT_CPU per process
+    (None: ``timeout_s`` rounded up). memory_mb: RLIMIT_AS per process. max_processes:
+    RLIMIT_NPROC for the program's uid (the program itself counts). max_output_bytes: cap on
+    stdout + stderr together. disk_mb: size of the tmpfs work directory (and the RLIMIT_FSIZE
+    of any one file). max_open_files: RLIMIT_NOFILE.
+    """
+
+    timeout_s: float = 5.0
+    cpu_time_s: float | None = None
+    memory_mb: int = 512
+    max_processes: int = 16
+    max_output_bytes: int = 64_000
+    disk_mb: int = 64
+    max_open_files: int = 64
+
+    def __post_init__(self) -> None:
+        if (
+            self.timeout_s <= 0
+            or self.memory_mb <= 0
+            or self.max_processes <= 0
+            or self.max_output_bytes <= 0
+        ):
+            raise ValueError(
+                "run_program: timeout_s, memory_mb, max_processes and max_output_bytes must be > 0"
+            )
+        cpu = self.cpu_time_s
+        if self.disk_mb <= 0 or self.max_open_files <= 0 or (cpu is not None and cpu <= 0):
+            # a tmpfs of size 0 would be unlimited: refuse it rather than lift the cap
+            raise ValueError(
+                "run_program: disk_mb, max_open_files and cpu_time_s (when given) must be > 0, "
+                f"got {self.disk_mb}, {self.max_open_files}, {cpu}"
+            )
+
+    @property
+    def cpu_s(self) -> int:
+        """RLIMIT_CPU in whole seconds: ``cpu_time_s`` (else ``timeout_s``) rounded up, >= 1."""
+        limit = self.cpu_time_s if self.cpu_time_s is not None else self.timeout_s
+        return max(1, int(-(-limit // 1)))
+
+
+#: the limits of the probes ``select_mechanism`` and ``self_test`` run
+_PROBE_LIMITS = SandboxLimits(timeout_s=20.0, memory_mb=512)
+
+
 # One uid per running program so that RLIMIT_NPROC counts only that program's processes and
 # programs cannot signal each other. The base depends on our pid so that two trainers on one
 # machine are unlikely to share uids; 1000 concurrent programs per process at most.
@@ -647,11 +695,10 @@ def select_mechanism(
             for mech in candidates:
                 res = run_program(
                     "print('peergrade-probe')",
+                    limits=_PROBE_LIMITS,
                     mechanism=mech,
                     python=python,
                     network=network,
-                    timeout_s=20.0,
-                    memory_mb=512,
                 )
                 if res.ok and res.stdout.strip() == "peergrade-probe":
                     chosen = mech
@@ -807,11 +854,10 @@ def self_test(
         res = run_program(
             _CANARY,
             args=[json.dumps(cfg)],
+            limits=_PROBE_LIMITS,
             mechanism=mechanism,
             python=python,
             network=network,
-            timeout_s=20.0,
-            memory_mb=512,
         )
         written = [t for t in targets if os.path.exists(t)]
         if listener is not None:
@@ -930,16 +976,15 @@ def _last_line(text: str, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
-def _checked_files(
-    code, files, timeout_s, memory_mb, max_processes, max_output_bytes
-) -> dict[str, str]:
-    """``files`` as a dict, after raising ValueError for a program that is not a str, a limit
-    that is not positive, or a file name that is not a plain name other than main.py."""
+def _checked_files(code, files, limits) -> dict[str, str]:
+    """``files`` as a dict, after raising ValueError for a program that is not a str, limits
+    that are not a ``SandboxLimits``, or a file name that is not a plain name other than
+    main.py."""
     if not isinstance(code, str):
         raise ValueError(f"run_program: code must be a str, got {type(code).__name__}")
-    if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0 or max_output_bytes <= 0:
+    if not isinstance(limits, SandboxLimits):
         raise ValueError(
-            "run_program: timeout_s, memory_mb, max_processes and max_output_bytes must be > 0"
+            f"run_program: limits must be a SandboxLimits, got {type(limits).__name__}"
         )
     files = dict(files or {})
     for name in files:
@@ -1038,38 +1083,32 @@ def run_program(
     stdin: str = "",
     args: Sequence[str] = (),
     files: dict[str, str] | None = None,
-    timeout_s: float = 5.0,
-    cpu_time_s: float | None = None,
-    memory_mb: int = 512,
-    max_processes: int = 16,
-    max_output_bytes: int = 64_000,
-    disk_mb: int = 64,
-    max_open_files: int = 64,
+    limits: SandboxLimits | None = None,
     python: str = sys.executable,
     network: bool = False,
     isolate: bool = True,
     mechanism: str = "auto",
 ) -> SandboxResult:
-    """Run ``code`` as ``python -I main.py *args`` with ``stdin`` as its input, under the limits.
+    """Run ``code`` as ``python -I main.py *args`` with ``stdin`` as its input, under ``limits``
+    (``SandboxLimits``: wall clock, CPU time, memory, processes, output, disk, open files;
+    None: its defaults, 5 s and 512 MB).
 
     files: extra text files written next to ``main.py`` in the work directory, owned by the
-    program (it may read, change or delete them). timeout_s: wall clock, from launch to exit (seconds). cpu_time_s: RLIMIT_CPU per process
-    (default: ``timeout_s`` rounded up). memory_mb: RLIMIT_AS per process. max_processes:
-    RLIMIT_NPROC for the program's uid (the program itself counts). max_output_bytes: cap on
-    stdout + stderr together. disk_mb: size of the tmpfs work directory (and the RLIMIT_FSIZE of
-    any one file). network=True keeps the host network (no network namespace). mechanism:
-    ``"auto"`` (the first of ``select_mechanism``'s candidates that works here; when none does,
-    every program ends ``sandbox_error`` without running), ``"root"``, ``"userns"`` (force one),
-    or ``"none"``: no namespaces and no uid switch (rlimits, new session and group kill only; NOT
-    a security boundary). ``isolate=False`` is the older spelling of ``mechanism="none"``.
+    program (it may read, change or delete them). network=True keeps the host network (no
+    network namespace). mechanism: ``"auto"`` (the first of ``select_mechanism``'s candidates
+    that works here; when none does, every program ends ``sandbox_error`` without running),
+    ``"root"``, ``"userns"`` (force one), or ``"none"``: no namespaces and no uid switch
+    (rlimits, new session and group kill only; NOT a security boundary). ``isolate=False`` is
+    the older spelling of ``mechanism="none"``.
     Never raises for anything the program does; bad arguments raise ValueError.
     """
     if mechanism not in MECHANISMS:
         raise ValueError(f"run_program: mechanism must be one of {MECHANISMS}, got {mechanism!r}")
     if not isolate:
         mechanism = "none"
-    files = _checked_files(code, files, timeout_s, memory_mb, max_processes, max_output_bytes)
-    cpu_s = max(1, int(-(-(cpu_time_s if cpu_time_s is not None else timeout_s) // 1)))
+    lim = limits if limits is not None else SandboxLimits()
+    files = _checked_files(code, files, lim)
+    cpu_s = lim.cpu_s
     t0 = time.monotonic()
     if mechanism == "auto":
         try:
@@ -1088,7 +1127,7 @@ def run_program(
         own_uid = os.geteuid() == 0 and mechanism != "none"
         if own_uid:
             _give_workdir(workdir, uid)
-        nproc = _nproc_limit(max_processes, mechanism, own_uid)
+        nproc = _nproc_limit(lim.max_processes, mechanism, own_uid)
         cfg = _launcher_config(
             workdir,
             uid,
@@ -1096,10 +1135,10 @@ def run_program(
             python,
             args,
             network=network,
-            disk_mb=disk_mb,
+            disk_mb=lim.disk_mb,
             cpu_s=cpu_s,
-            memory_mb=memory_mb,
-            nofile=max_open_files,
+            memory_mb=lim.memory_mb,
+            nofile=lim.max_open_files,
             nproc=nproc,
         )
         report_r, report_w = os.pipe()
@@ -1108,7 +1147,7 @@ def run_program(
         os.close(report_w)
         report_w = -1
         return _supervise(
-            proc, report_r, uid if own_uid else None, t0, timeout_s, cpu_s, max_output_bytes
+            proc, report_r, uid if own_uid else None, t0, lim.timeout_s, cpu_s, lim.max_output_bytes
         )
     except OSError as exc:
         return SandboxResult("sandbox_error", None, "", "", f"supervisor: {exc}", 0.0)
@@ -1299,7 +1338,8 @@ def run_many(jobs: Iterable[str | dict], *, workers: int = 4, **defaults) -> lis
     """Run many programs with at most ``workers`` running at once; results in job order.
 
     Each job is a code string, or a dict of ``run_program`` keyword arguments including
-    ``code``; ``defaults`` are keyword arguments applied to every job (a job's own keys win).
+    ``code``; ``defaults`` are keyword arguments applied to every job (a job's own keys win),
+    e.g. ``run_many(codes, limits=SandboxLimits(timeout_s=3.0), mechanism=mechanism)``.
     """
     if workers < 1:
         raise ValueError(f"run_many: workers must be >= 1, got {workers}")

@@ -29,6 +29,8 @@ from peergrade.errors import InputError, user_input
 from peergrade.evaluation import (
     FORMAT_KEYS,
     TOOL_KEYS,
+    AnswerSource,
+    EvalOptions,
     answer_format_spec,
     asks_for_answer_tags,
     evaluate,
@@ -111,10 +113,10 @@ def evaluate_config(
     prompt_ids: list[list[int]],
     acc: RewardSpec,
     *,
+    source: AnswerSource | None = None,
     trainer_state: TrainerState | None = None,
-    make_env=None,
-    episode_fn=None,
-    **options,
+    curve: bool = False,
+    keep_completions: bool = False,
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
     with the run's own ``SamplerSettings`` (``Config.sampler_settings``: temperature, top-k,
@@ -122,24 +124,20 @@ def evaluate_config(
     ``train.eval_batch_size`` sequences at a time (``Config.eval_generation_batch``: auto = the
     training step's largest generation call, so evaluation never holds more KV cache and
     logits than the step; the draws are keyed, so the numbers do not depend on it);
-    ``options`` go to ``evaluate`` (``curve``, ``keep_completions``). With ``make_env`` (the
-    run's ``env:``) the answers are episodes and ``rows`` episode rows; with ``episode_fn`` (an
-    external agent: ``training.harness.episode_fn``) its episodes instead of the engine's."""
-    return evaluate(
-        model,
-        tokenizer,
-        rows,
-        prompt_ids,
-        acc,
+    ``trainer_state``, ``curve`` and ``keep_completions`` go to ``evaluate``'s
+    ``EvalOptions``. With ``source.make_env`` (the run's ``env:``) the answers are episodes and
+    ``rows`` episode rows; with ``source.episodes_from`` (an external agent:
+    ``training.harness.episode_fn``) its episodes instead of the engine's."""
+    options = EvalOptions(
         k=cfg.train.eval_samples,
         settings=cfg.sampler_settings().replace(batch_size=cfg.eval_generation_batch(dist.world())),
         seed=eval_seed(cfg.train.seed),
-        make_env=make_env,
-        episodes_from=episode_fn,
-        extra=[answer_format_spec()] if asks_for_answer_tags(rows) else [],
+        curve=curve,
+        keep_completions=keep_completions,
+        extra=(answer_format_spec(),) if asks_for_answer_tags(rows) else (),
         trainer_state=trainer_state,
-        **options,
     )
+    return evaluate(model, tokenizer, rows, prompt_ids, acc, options, source)
 
 
 @dataclass
@@ -184,10 +182,12 @@ class HeldOut:
             self.rows,
             self.prompt_ids,
             self.run.accuracy,
+            source=AnswerSource(
+                make_env=getattr(self.run, "make_env", None),
+                episodes_from=getattr(self.run, "harness_episodes", None),
+                engine=getattr(self.run, "engine", None),  # rollout.engine vllm: weights are ours
+            ),
             trainer_state=state,
-            make_env=getattr(self.run, "make_env", None),
-            episode_fn=getattr(self.run, "harness_episodes", None),
-            engine=getattr(self.run, "engine", None),  # rollout.engine vllm: its weights are ours
         )
 
     def evaluate_logged(self, step: int, display) -> dict[str, float]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -235,28 +236,62 @@ def sft_loss(model, input_ids, attention_mask, labels) -> torch.Tensor:
     )
 
 
-def _check_sft_args(
-    out_path: Path, *, overwrite, steps, batch_size, lr, tool_fraction, task, tools=None
-):
-    """Raise for an occupied or unwritable output dir or bad settings, before any model loads."""
+@dataclass(frozen=True)
+class SFTSettings:
+    """What ``run_sft`` trains on and how (``peergrade sft``'s options); checked when built.
+
+    task, task_options: the built-in task whose answers are taught; steps: optimizer steps;
+    batch_size: examples per step; lr: AdamW's learning rate; seed; threads: torch CPU threads
+    (0: torch's default); model_sizes: ``build_tiny_model`` sizes for ``init`` (None: its
+    defaults); tool_fraction: share of examples taught as calculator episodes (arithmetic
+    only); tools: the user's tools ('file.py:fn' / 'module:fn' specs or the functions): every
+    example is a warm-up episode calling them (``tool_warmup_rows``); data: with ``tools``, a
+    file of rows with ``prompt``, ``call`` and an optional ``answer``; chat_template: a bundled
+    name or a file replacing the tokenizer's template (``model.chat_template``), saved with the
+    model.
+    """
+
+    task: str = "arithmetic"
+    task_options: dict = field(default_factory=dict)
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    threads: int = 0
+    model_sizes: dict | None = None
+    tool_fraction: float = 0.0
+    tools: tuple = ()
+    data: str | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "task_options", dict(self.task_options or {}))
+        object.__setattr__(self, "tools", tuple(self.tools or ()))
+        steps, batch_size, lr = self.steps, self.batch_size, self.lr
+        if steps < 1 or batch_size < 1 or lr <= 0:
+            raise ValueError(
+                f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"
+            )
+        tool_fraction = self.tool_fraction
+        if not 0.0 <= tool_fraction <= 1.0:
+            raise ValueError(f"sft: tool_fraction must be in [0, 1] (got {tool_fraction})")
+        if self.tools and tool_fraction:
+            raise ValueError(
+                "sft: --tools makes every example a warm-up episode with your tools; "
+                "--tool-fraction (the calculator's episodes) cannot be added to it"
+            )
+        if tool_fraction and self.task != "arithmetic":
+            raise ValueError(
+                "sft: tool_fraction needs the arithmetic task (its calculator episodes), "
+                f"got {self.task!r}"
+            )
+
+
+def _check_out_dir(out_path: Path, overwrite: bool) -> None:
+    """Raise for an occupied or unwritable output dir, before any model loads."""
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:
         raise RunDirError(f"output dir {str(out_path)!r} exists and is not empty; pass --overwrite")
     check_writable(out_path, "output dir")  # before any model is built or loaded
-    if steps < 1 or batch_size < 1 or lr <= 0:
-        raise ValueError(
-            f"sft: steps and batch_size must be >= 1 and lr > 0 (got {steps}, {batch_size}, {lr})"
-        )
-    if not 0.0 <= tool_fraction <= 1.0:
-        raise ValueError(f"sft: tool_fraction must be in [0, 1] (got {tool_fraction})")
-    if tools and tool_fraction:
-        raise ValueError(
-            "sft: --tools makes every example a warm-up episode with your tools; "
-            "--tool-fraction (the calculator's episodes) cannot be added to it"
-        )
-    if tool_fraction and task != "arithmetic":
-        raise ValueError(
-            f"sft: tool_fraction needs the arithmetic task (its calculator episodes), got {task!r}"
-        )
 
 
 def _load_tools(tools) -> list:
@@ -325,77 +360,44 @@ def run_sft(
     out: str,
     init: str | None,
     model: str | None,
-    task: str = "arithmetic",
-    task_options: dict | None = None,
-    steps: int = 300,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    seed: int = 0,
+    settings: SFTSettings | None = None,
     overwrite: bool = False,
-    threads: int = 0,
-    model_sizes: dict | None = None,
-    tool_fraction: float = 0.0,
-    tools: list | None = None,
-    data: str | None = None,
-    chat_template: str | None = None,
     log=print,
     on_step=None,
 ) -> Path:
     """Train and save to ``out``; returns the path. ``init`` = tiny arch name, or ``model`` = dir.
 
-    ``tools``: the user's tools ('file.py:fn' / 'module:fn' specs or the functions): every
-    example is a warm-up episode calling them (``tool_warmup_rows``; ``data``: a file of rows
-    with ``prompt``, ``call`` and an optional ``answer``). ``chat_template``: a bundled name or
-    a file replacing the tokenizer's template (``model.chat_template``), saved with the model."""
+    ``settings``: the task, steps, batch size, learning rate, seed, tools and the rest
+    (``SFTSettings``; None: its defaults, the arithmetic task for 300 steps). ``overwrite``:
+    replace a non-empty ``out``. ``log``: where progress lines go; ``on_step(step, net, tok)``
+    runs after each optimizer step."""
+    st = settings if settings is not None else SFTSettings()
     out_path = Path(out)
-    _check_sft_args(
-        out_path,
-        overwrite=overwrite,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        tool_fraction=tool_fraction,
-        task=task,
-        tools=tools,
-    )
-    fns = _load_tools(tools)  # the user's files: every problem before a model loads
-    warm_rows = _read_warmup_rows(data) if data else None
-    if threads:
-        torch.set_num_threads(threads)
-    the_task = None if fns else load_task(task, **(task_options or {}))
-    torch.manual_seed(seed)
+    _check_out_dir(out_path, overwrite)
+    fns = _load_tools(st.tools)  # the user's files: every problem before a model loads
+    warm_rows = _read_warmup_rows(st.data) if st.data else None
+    if st.threads:
+        torch.set_num_threads(st.threads)
+    the_task = None if fns else load_task(st.task, **st.task_options)
+    torch.manual_seed(st.seed)
     net, tok = _start_model(
         init,
         model,
-        seed=seed,
-        model_sizes=model_sizes,
-        tool_fraction=tool_fraction or bool(fns),
-        chat_template=chat_template,
+        seed=st.seed,
+        model_sizes=st.model_sizes,
+        tool_fraction=st.tool_fraction or bool(fns),
+        chat_template=st.chat_template,
     )
     net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    opt = torch.optim.AdamW(net.parameters(), lr=st.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warm = 20  # fixed, so a run of N steps is the prefix of a longer one
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warm))
-    schemas = None
-    system_prompt = None
-    if fns:
-        from peergrade.envs.tools import tool_schema
-        from peergrade.model.chat_templates import tool_format
-
-        fmt = tool_format(tok.chat_template)
-        rows = tool_warmup_rows(fns, fmt=fmt, seed=seed, rows=warm_rows)
-        schemas = [tool_schema(fn) for fn in fns]
-        log(f"sft: warm-up episodes calling {', '.join(f.__name__ for f in fns)} ({fmt} calls)")
-    else:
-        rows = the_task.train_rows(seed)
-        system_prompt = the_task.system_prompt
-    if tool_fraction:
-        rows = with_tool_turns(rows, tool_fraction, seed)
-        schemas = calculator_tools()
+    rows, system_prompt, schemas = _examples(st, fns, the_task, tok, warm_rows, log)
+    steps = st.steps
     t0 = time.perf_counter()
     loss_ema = None
     for step in range(1, steps + 1):
-        batch = [next(rows) for _ in range(batch_size)]
+        batch = [next(rows) for _ in range(st.batch_size)]
         ii, am, lab = sft_batch(batch, tok, system_prompt, schemas)
         loss = sft_loss(net, ii, am, lab)
         opt.zero_grad(set_to_none=True)
@@ -410,21 +412,44 @@ def run_sft(
             log(f"sft step {step}/{steps}  loss {loss_ema:.4f}  ({time.perf_counter() - t0:.0f} s)")
     net.eval()
     info = {
-        "task": None if fns else task,
-        "task_options": {} if fns else task_options or {},
+        "task": None if fns else st.task,
+        "task_options": {} if fns else st.task_options,
         **({"tools": [getattr(f, "__name__", str(f)) for f in fns]} if fns else {}),
-        **({"data": data} if data else {}),
-        **({"chat_template": chat_template} if chat_template else {}),
+        **({"data": st.data} if st.data else {}),
+        **({"chat_template": st.chat_template} if st.chat_template else {}),
         "steps": steps,
-        "batch_size": batch_size,
-        "lr": lr,
-        "seed": seed,
+        "batch_size": st.batch_size,
+        "lr": st.lr,
+        "seed": st.seed,
         "init": init,
         "base_model": model,
-        **({"tool_fraction": tool_fraction} if tool_fraction else {}),
+        **({"tool_fraction": st.tool_fraction} if st.tool_fraction else {}),
         "final_loss_ema": loss_ema,
         "torch": torch.__version__,
     }
     _save_model(out_path, net, tok, info)
     log(f"saved {out_path}")
     return out_path
+
+
+def _examples(st: SFTSettings, fns: list, the_task, tok, warm_rows, log):
+    """(the training rows, the system prompt, the tool schemas prompts are rendered with): the
+    tools' warm-up episodes with ``fns``, else the task's rows (some turned into calculator
+    episodes with ``tool_fraction``)."""
+    schemas = None
+    system_prompt = None
+    if fns:
+        from peergrade.envs.tools import tool_schema
+        from peergrade.model.chat_templates import tool_format
+
+        fmt = tool_format(tok.chat_template)
+        rows = tool_warmup_rows(fns, fmt=fmt, seed=st.seed, rows=warm_rows)
+        schemas = [tool_schema(fn) for fn in fns]
+        log(f"sft: warm-up episodes calling {', '.join(f.__name__ for f in fns)} ({fmt} calls)")
+    else:
+        rows = the_task.train_rows(st.seed)
+        system_prompt = the_task.system_prompt
+    if st.tool_fraction:
+        rows = with_tool_turns(rows, st.tool_fraction, st.seed)
+        schemas = calculator_tools()
+    return rows, system_prompt, schemas
