@@ -607,3 +607,67 @@ def test_memory_estimate_per_rank():
     assert fsdp["optimizer"] < one["optimizer"] / 3 and fsdp["peak"] < ddp["peak"]
     # the rollout unshards: the generate phase holds the full weights again
     assert fsdp["phases"]["generate"] > one["weights"]
+
+
+# ------------------------------------------------------------- peergrade launch: clean stops
+
+
+def _stop_launch(tmp_path, tiny_model_dir, reward_file, signum, to_group: bool):
+    """``peergrade launch`` 2 ranks; once two steps are logged, ``signum`` goes to the
+    launcher alone (a scheduler's SIGTERM) or to its whole process group (Ctrl-C)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / f"r{int(signum)}"
+    args = cli_args(tiny_model_dir, reward_file, run_dir, **{"train.steps": 10_000})
+    launcher = ["--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    cmd = [sys.executable, "-m", "peergrade", "launch", *launcher, "--monitor-interval=0.5"]
+    p = subprocess.Popen(
+        cmd + args[2:],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        log = run_dir / "metrics.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.killpg(p.pid, signum) if to_group else p.send_signal(signum)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return p.returncode, err, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,code,to_group", [("SIGTERM", 143, False), ("SIGINT", 130, True)])
+def test_launch_stops_with_one_line_and_the_signal_exit_status(
+    tiny_model_dir, reward_file, tmp_path, name, code, to_group
+):
+    """A SIGTERM on the launcher (preemption) or Ctrl-C on the terminal's process group: the
+    ranks save and stop, rank 0 alone prints the stop line, and the launcher exits 143 / 130
+    with no traceback (plain torchrun: exit 1 and its own traceback)."""
+    import signal
+
+    rc, err, run_dir = _stop_launch(
+        tmp_path, tiny_model_dir, reward_file, getattr(signal, name), to_group
+    )
+    assert rc == code, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "stopped at step" in line]
+    assert len(lines) == 1 and f"continue with: peergrade train --resume {run_dir}" in lines[0]
+    step = int(lines[0].split("stopped at step ")[1].split(";")[0])
+    assert (run_dir / "checkpoints" / f"step-{step}").is_dir()
+
+
+def test_launch_names_the_command_it_needs(capsys):
+    """``peergrade launch`` without a command after the launcher's options: one clear line."""
+    from peergrade.cli import main
+
+    assert main(["launch", "--nproc-per-node", "2"]) == 2
+    assert "name the command each rank runs" in capsys.readouterr().err

@@ -169,6 +169,13 @@ def _peergrade_argv(tokens: list[str]) -> list[str] | None:
 
 def check_command(argv: list[str]) -> str | None:
     """None when ``peergrade *argv`` would be accepted by the parser and the config; else why."""
+    if argv[:1] == ["launch"]:  # torchrun's options, then the command each rank runs
+        from peergrade.cli.launch import split
+
+        try:
+            return check_command(split(argv[1:])[1])
+        except cli.UserError as e:
+            return str(e)
     parser = cli.build_parser()
     try:
         args, extra = parser.parse_known_args(argv)

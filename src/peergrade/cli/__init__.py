@@ -12,6 +12,7 @@
   peergrade report RUN_DIR [RUN_DIR ...] [-o report.html]     one self-contained HTML report (overlaid)
   peergrade sweep --set rollout.group_size=2,4,8 [--steps N]  train each value, compare, name the best
   peergrade audit [--config X.yaml] [--reward R] [--samples RUN_DIR]  attack the reward functions
+  peergrade launch --nproc-per-node 8 train --config X.yaml   torchrun with clean stops (exit 143 / 130)
 
 Every config key can be overridden with ``--section.key value`` (the value is parsed as YAML).
 A command's shortcuts (``train --steps N`` = ``--train.steps N``) are its own (``memory
@@ -41,6 +42,7 @@ from peergrade.cli import (
     convert,
     evaluate,
     export,
+    launch,
     memory,
     report,
     serve,
@@ -67,6 +69,7 @@ COMMANDS = (
     convert,
     export,
     serve,
+    launch,
 )
 
 
@@ -87,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    args, extra = parser.parse_known_args(argv)
+    if argv[:1] == ["launch"] and not {"-h", "--help"} & set(launch.split_help(argv[1:])):
+        args, extra = parser.parse_args(["launch"]), argv[1:]  # torchrun's options, verbatim
+    else:
+        args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 0

@@ -35,6 +35,7 @@ examples:
   peergrade memory --model configs/models/qwen2.5-7b --budget 24GiB
   peergrade export runs/X exported/my-model        # latest checkpoint -> AutoModelForCausalLM dir
   torchrun --nproc-per-node 2 -m peergrade train   # several processes (dist.strategy: ddp | fsdp)
+  peergrade launch --nproc-per-node 2 train       # the same; SIGTERM / Ctrl-C exit 143 / 130, no traceback
 """
 
 

@@ -295,7 +295,9 @@ class Display:
         console=None,
         count=None,
         show_kl: bool = True,
+        main: bool = True,
     ):
+        self.main = main  # False on ranks other than 0: they show nothing, not even stop lines
         self.columns = [c for c in self.COLUMNS if show_kl or c[0] != "kl"]
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
@@ -336,7 +338,7 @@ class Display:
         """Show a message; ``always`` ones (interrupts, skipped evals) reach stderr even with mode none.
         ``literal``: text that is not rich markup (a rendered prompt may hold ``[/INST]``)."""
         if self.mode == "none":
-            if always:
+            if always and self.main:
                 print(text, file=sys.stderr, flush=True)
             return
         if self.mode == "rich":

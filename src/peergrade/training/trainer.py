@@ -877,7 +877,8 @@ def _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_
     out = RunDir(Path(run_dir), to_yaml(cfg), {})
     display_mode = t.display if dist.is_main() else "none"
     kl = cfg.algo.beta > 0  # a reference exists: kl/mean means something on the line
-    display = Display(display_mode, t.steps, count=count_steps, show_kl=kl)
+    main = dist.is_main()  # other ranks show nothing, not even the stop line rank 0 prints
+    display = Display(display_mode, t.steps, count=count_steps, show_kl=kl, main=main)
     detectors = Detectors(t.alerts, cfg.updates_per_step)
     start_step = open_run_dir(run, out, display, detectors, resume=resume, overwrite=overwrite)
     metrics_log, samples_log = out.open_logs(cfg, resume=resume, on_log=on_log)
@@ -888,7 +889,9 @@ def _train_run(cfg, run, run_dir, resume, overwrite, on_log, resume_hint, count_
         stop.immediate = True
         evaluate_start(held_out, out, display, metrics_log, detectors)
         display.close()  # the bar shown while loading/evaluating; a fresh one times the steps
-        display = Display(display_mode, t.steps, start_step, count=count_steps, show_kl=kl)
+        display = Display(
+            display_mode, t.steps, start_step, count=count_steps, show_kl=kl, main=main
+        )
         stop.say = display.print
         stop.immediate = False
         again = resume_hint or f"peergrade train --resume {out.path}"
