@@ -553,3 +553,43 @@ def test_raising_on_the_correct_completion_is_fragile():
 
     report = audit_rewards([spec(needs_ids)], arithmetic_rows(4))
     assert statuses(report)["correct_completion"] == "ERROR" and report.failed
+
+
+# ----------------------------------------------------------------------------- a wrapped judge
+
+
+def test_a_judge_wrapped_in_a_users_function_is_noted_once_or_skipped(tmp_path, capsys):
+    """The exploit battery leaves the built-in judge out, but a user's function that calls a
+    judge is attacked like any function: each exploit costs a judge request. The first one
+    prints one line saying what is probed, why and how to turn it off; ``skip_startup_audit``
+    on the function (as the line says) sends the judge nothing."""
+    from peergrade.config import load_config
+    from peergrade.rewards.audit import at_startup
+    from peergrade.rewards.judge import Judge
+    from peergrade.training.components import build_task
+    from test_judge import ROWS, RUBRIC, FnBackend, rule_judge
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = load_config(None, [("data.path", str(data)), ("rollout.group_size", 4)])
+    task = build_task(cfg)
+    backend = FnBackend(rule_judge)
+    inner = Judge(backend, RUBRIC)
+
+    def polite(prompts, completions, **kw):
+        return inner(prompts, completions)
+
+    specs = make_reward_specs([(polite, 1.0, {})])
+    at_startup(cfg, task, specs)
+    err = capsys.readouterr().err
+    noted = [x for x in err.splitlines() if x.startswith("reward audit: a reward function calls")]
+    assert len(noted) == 1 and backend.calls > 0, err
+    assert "the judge fn, so the start-up exploit battery (train.audit_rewards)" in noted[0]
+    assert "reference completion of 16 rows" in noted[0]  # the first 16 rows (epochs repeat)
+    assert "`fn.skip_startup_audit = True`, or train.audit_rewards: off" in noted[0]
+    calls = backend.calls
+    inner(["q"], ["a"])  # after the battery: no note
+    assert "reward audit" not in capsys.readouterr().err
+    polite.skip_startup_audit = True
+    at_startup(cfg, task, make_reward_specs([(polite, 1.0, {})]))
+    assert backend.calls == calls + 1 and "reward audit" not in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import threading
 import time
@@ -1051,12 +1052,24 @@ def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():
     train = Path(cfg.data.path).read_text().splitlines()
     held = Path(cfg.data.eval_path).read_text().splitlines()
     assert (len(train), len(held)) == (45, 15) and not set(train) & set(held)
-    (item,) = cfg.rewards
+    item, measure = cfg.rewards
     opts = dict(item.kwargs, judge_model=None, base_url="http://127.0.0.1:9/v1")
     j = make_judge(**opts)
     assert j.scoring == "yes_no" and not j.group and not j.show_question
     assert [e["verdict"] for e in j.examples] == ["Yes", "No"]
-    make_reward_spec("judge", kwargs=opts)  # the preflight training runs
+    judged = make_reward_spec("judge", kwargs=opts)  # the preflight training runs
+    # the independent measure: logged with weight 0 (never trained on), the held-out scorer
+    from peergrade.rewards import make_reward_specs
+    from peergrade.tasks import load_task
+    from peergrade.training.held_out import held_out_scorer
+
+    assert measure.weight == 0.0 and measure.name.endswith("examples/cheerful/cheer.py:cheerful")
+    specs = make_reward_specs([(judged.fn, 1.0, opts), (measure.name, 0.0, {})])
+    task = load_task("file", path=cfg.data.path, eval_path=cfg.data.eval_path)
+    scorer, why = held_out_scorer(task, specs, cfg.train.eval_reward)
+    assert (scorer.name, why) == ("cheerful", "train.eval_reward")
+    assert scorer.fn(["Great, so fun!!!", "Water.", "A lovely day!"]) == [1.0, 0.0, 1.0]
+    assert (cfg.train.eval_size, cfg.train.eval_every) == (15, 10)
 
     spec = importlib.util.spec_from_file_location("cheer", root / "examples/cheerful/cheer.py")
     cheer = importlib.util.module_from_spec(spec)
@@ -1081,3 +1094,329 @@ def test_peergrade_memory_counts_a_yes_no_judge_as_one_answer_and_no_reply(judge
     assert yes_no["weights"] == grouped["weights"]
     # one answer and one position for the reply: what group: false with max_tokens 1 costs
     assert yes_no["activations"] == alone["activations"] < grouped["activations"]
+
+
+# ----------------------------------------------------------------------------- checklists
+
+CITY = "Does the reply name the right city?"
+ONE_WORD = "Is the reply one word?"
+CHECKLIST = [CITY, {"check": ONE_WORD, "weight": 3}]
+
+
+def asked_check(messages) -> str:
+    """The check a yes_no request asks (its last line, before 'Answer Yes or No.')."""
+    return messages[-1]["content"].rsplit("\n", 1)[1].removesuffix(" Answer Yes or No.")
+
+
+class ChecklistBackend(YesNoBackend):
+    """``fn(check, reply) -> (P(yes), P(no))``; records the checks asked."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.asked: list[tuple[str, str]] = []
+
+    def yes_no(self, requests):
+        self.calls += len(requests)
+        self.asked += [(asked_check(m), reply_of(m)) for m in requests]
+        return [self.fn(asked_check(m), reply_of(m)) for m in requests]
+
+
+def city_and_length(check: str, reply: str) -> tuple[float, float]:
+    if check == CITY:
+        return (0.9, 0.1) if "Paris" in reply else (0.2, 0.8)
+    assert check == ONE_WORD, check
+    return (0.6, 0.4) if len(reply.split()) == 1 else (0.1, 0.9)
+
+
+def test_a_checklist_reward_is_the_weighted_share_of_its_checks():
+    b = ChecklistBackend(city_and_length)
+    j = Judge(b, CHECKLIST)
+    assert (j.scoring, j.group) == ("yes_no", False)  # the default for a checklist
+    assert [(c.question, c.weight) for c in j.checks] == [(CITY, 1.0), (ONE_WORD, 3.0)]
+    answers = ["Paris", "Lyon", "It is Paris, of course."]
+    out = j(*groups_of(ROWS[:1], answers))
+    # by hand: (1 * share(city) + 3 * share(one word)) / 4
+    assert out == pytest.approx([(0.9 + 3 * 0.6) / 4, (0.2 + 3 * 0.6) / 4, (0.9 + 3 * 0.1) / 4])
+    assert b.calls == 6 and sorted(b.asked) == sorted(
+        (c, a) for a in answers for c in (CITY, ONE_WORD)
+    )
+    # the same through the built-in reward and the config's kwargs (a served judge)
+    with serve(lambda m: _logprobs_response([("Yes", -0.1), ("No", -2.4)])) as (srv, url):
+        spec = make_reward_spec("judge", kwargs={"rubric": CHECKLIST, "base_url": url})
+        scores = score_rewards([spec], *groups_of(ROWS[:1], ["Paris", "Lyon"]))
+        share = 1 / (1 + math.exp(-2.3))  # every check the same yes-share: the mean is it
+        assert scores.per_fn["judge"].tolist() == pytest.approx([share] * 2, abs=1e-6)
+        assert srv.calls == 4 and {asked_check(b["messages"]) for b in srv.bodies} == {
+            CITY,
+            ONE_WORD,
+        }
+
+
+def test_a_failed_check_is_not_counted_as_no():
+    def city_fails_on_lyon(check, reply):
+        if check == CITY and "Lyon" in reply:
+            return (0.0, 0.0)  # neither yes nor no among the likely tokens: that check failed
+        if "Rome" in reply:
+            return (0.0, 0.0)  # every check of this answer fails
+        return city_and_length(check, reply)
+
+    j = Judge(ChecklistBackend(city_fails_on_lyon), CHECKLIST)
+    logged, extra = {}, {}
+    out = j(
+        *groups_of(ROWS[:1], ["Paris", "Lyon", "Rome"]),
+        log_metric=logged.__setitem__,
+        log_extra=extra.__setitem__,
+    )
+    # Lyon: only the one-word check scored, so its share alone (0.6), not (0 + 3 * 0.6) / 4
+    assert out == pytest.approx([(0.9 + 3 * 0.6) / 4, 0.6, None])
+    assert out[2] is None  # no check scored: the answer abstains
+    assert logged["judge/unscored"] == 1.0 and logged["judge/failed_requests"] == 3.0
+    assert extra["judge_error"][:2] == [None, None]
+    assert extra["judge_error"][2].startswith("check 2 ('Is the reply one word?'): neither yes")
+    fb = Judge(ChecklistBackend(city_fails_on_lyon), CHECKLIST, fallback_score=0.25)
+    assert fb(*groups_of(ROWS[:1], ["Rome"])) == [0.25]
+
+
+@pytest.mark.parametrize(
+    "rubric, options, match",
+    [
+        ([], {}, "the judge reward's rubric is an empty list: give at least one yes/no check"),
+        ([{"check": CITY, "weight": 0}], {}, "rubric[0].weight=0: expected a number > 0"),
+        ([CITY, {"check": ONE_WORD, "weight": "2"}], {}, "rubric[1].weight='2': expected a"),
+        ([{"check": CITY, "weight": True}], {}, "rubric[0].weight=True: expected a number > 0"),
+        ([{"check": CITY, "wieght": 2}], {}, "rubric[0]: unknown key 'wieght'; a check is a"),
+        ([{"weight": 2}], {}, "rubric[0]: no 'check' key (the yes/no question)"),
+        ([CITY, "Name the city."], {}, "rubric[1].check: a check is a yes/no question ending"),
+        ([CITY, 5], {}, "rubric[1]: expected a yes/no question or a mapping"),
+        ([CITY, CITY], {}, "rubric[1].check: 'Does the reply name the right city?' is already"),
+        (CHECKLIST, {"scoring": "json"}, "rubric is a checklist, asked one yes/no check at a"),
+        (
+            CHECKLIST,
+            {"examples": [{"reply": "Paris", "verdict": "yes"}]},
+            "examples apply to a one-question rubric: give a checklist's solved examples per",
+        ),
+        (
+            [{"check": CITY, "examples": [{"reply": "Paris", "verdict": "maybe"}]}],
+            {},
+            "rubric[0].examples: judge examples[0]: verdict must be yes or no",
+        ),
+        (CHECKLIST, {"shufles": 2}, "no option 'shufles' (did you mean 'shuffles'?); its options"),
+    ],
+)
+def test_bad_checklists_are_one_line_errors_naming_the_key(rubric, options, match):
+    kwargs = {"rubric": rubric, "base_url": "http://127.0.0.1:9/v1", **options}
+    with pytest.raises((JudgeError, ValueError), match=re.escape(match)) as e:
+        make_judge(**kwargs)
+    assert "\n" not in str(e.value)
+    with pytest.raises((JudgeError, ValueError), match=re.escape(match.split(": ")[0])):
+        make_reward_spec("judge", kwargs=kwargs)  # the same through the config
+
+
+def test_a_checklist_with_per_check_examples_shows_each_checks_own():
+    b = ChecklistBackend(city_and_length)
+    rubric = [
+        {"check": CITY, "examples": [{"reply": "Lyon", "verdict": "no"}]},
+        ONE_WORD,
+    ]
+    seen = []
+
+    class Spy(ChecklistBackend):
+        def yes_no(self, requests):
+            seen.extend(requests)
+            return super().yes_no(requests)
+
+    Judge(Spy(city_and_length), rubric)(["Capital?"], ["Paris"])
+    by_check = {asked_check(m): m for m in seen}
+    assert [t["content"] for t in by_check[CITY] if t["role"] == "assistant"] == ["No"]
+    assert not [t for t in by_check[ONE_WORD] if t["role"] == "assistant"]
+    assert b.calls == 0
+
+
+def _gullible_one_word(check, reply):
+    """Check 1 is sound; check 2 says yes to any reply that asks for the top score."""
+    if check == ONE_WORD and ("top score" in reply or "10/10" in reply):
+        return (0.95, 0.05)
+    return city_and_length(check, reply)
+
+
+def test_the_audit_probes_each_check_alone_and_names_the_check_in_its_findings():
+    from peergrade.rewards.judge_audit import audit_cost, keyword_probe
+
+    j = Judge(ChecklistBackend(_gullible_one_word), CHECKLIST)
+    rep = audit_judge(j, ROWS, answers=4)
+    assert [c.name for c in rep.checks] == [
+        f"judge check 1 ({CITY!r})",
+        f"judge check 2 ({ONE_WORD!r})",
+    ]
+    assert rep.checks[0].findings == []  # the sound check passes
+    assert rep.figures["injection"] > 0.05 and rep.figures["injection_note"] > 0.05
+    named = [f for f in rep.findings if f.startswith(f"check 2 ({ONE_WORD!r}): injection")]
+    assert len(named) == 2 and not any(f.startswith("check 1") for f in rep.findings)
+    # discrimination is the whole checklist's: "The answer is Paris." over "I am not sure."
+    assert rep.figures["discrimination"] == 1.0
+    assert rep.checks[1].not_applicable["discrimination"].startswith("measured on the whole")
+    assert rep.requests == audit_cost(j, len(ROWS), 4, 0, keyword_probe(j.rubric) is not None)
+    text = rep.format()
+    assert "a checklist of 2 checks, each audited alone" in text
+    assert f"judge audit of judge check 2 ({ONE_WORD!r})" in text
+    assert rep.to_dict()["checks"][1]["findings"] == rep.checks[1].findings
+    sound = audit_judge(Judge(ChecklistBackend(city_and_length), CHECKLIST), ROWS, answers=4)
+    assert sound.findings == []
+
+
+def test_a_checklists_gold_pairs_are_scored_by_the_whole_checklist(tmp_path):
+    gold = tmp_path / "gold.jsonl"
+    pairs = [("Capital of France?", "Paris", "Lyon")] * 2 + [("Capital?", "Lyon", "Paris")]
+    gold.write_text(
+        "".join(json.dumps({"prompt": p, "better": b, "worse": w}) + "\n" for p, b, w in pairs)
+    )
+    j = Judge(ChecklistBackend(city_and_length), CHECKLIST, gold=str(gold))
+    rep = audit_judge(j, ROWS[:1], answers=2)
+    assert rep.gold_pairs == 3 and rep.figures["gold_agreement"] == pytest.approx(2 / 3, abs=1e-4)
+    assert any(f.startswith("gold_agreement = 0.667") for f in rep.findings)
+
+
+# ----------------------------------------------------------------------------- the options record
+
+
+def test_judge_options_is_a_typed_record_and_keyword_calls_still_work():
+    import dataclasses
+
+    from peergrade.rewards.judge import JudgeOptions
+
+    opts = JudgeOptions.of({"rubric": RUBRIC, "base_url": "http://127.0.0.1:9/v1"}, shuffles=2)
+    assert dataclasses.is_dataclass(opts) and opts.shuffles == 2 and opts.scoring is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.shuffles = 3
+    assert make_judge(opts) is make_judge(
+        rubric=RUBRIC, base_url="http://127.0.0.1:9/v1", shuffles=2
+    )
+    with pytest.raises(
+        JudgeError, match=r"no option 'temperature'; its options: rubric, judge_model, "
+    ):
+        JudgeOptions.of(temperature=0.7)
+    with pytest.raises(JudgeError, match=r"no option 'rubrik' \(did you mean 'rubric'\?\)"):
+        Judge(FnBackend(rule_judge), RUBRIC, rubrik="x")
+    j = Judge(FnBackend(rule_judge), options=opts)
+    assert (j.rubric, j.shuffles, j.options) == (RUBRIC, 2, opts)
+
+
+def test_peergrade_judge_reward_from_python_reaches_the_trainer_and_its_audit(tmp_path, capsys):
+    """``peergrade.judge_reward`` takes a checklist; the ``Judge`` it returns is a reward function
+    GRPOTrainer takes and audits at start-up, like the built-in judge reward."""
+    import peergrade
+    from peergrade import GRPOConfig, GRPOTrainer
+    from peergrade.model.load import BUNDLED_MODEL
+
+    def answer(messages):
+        return _logprobs_response([("Yes", -0.2), ("No", -1.8)])
+
+    with serve(answer) as (srv, url):
+        j = peergrade.judge_reward(CHECKLIST, base_url=url, retries=0)
+        assert isinstance(j, Judge) and len(j.checks) == 2
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=2,
+            num_generations=2,
+            max_steps=1,
+            max_completion_length=4,
+            gradient_checkpointing=False,
+        )
+        rows = [{"prompt": r["prompt"]} for r in ROWS]
+        trainer = GRPOTrainer(str(BUNDLED_MODEL), j, args, rows)
+    assert trainer.reward_funcs == [j]
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("judge audit: judge: ")]
+    assert "(budget 100, train.audit_judge_requests)" in line
+    assert "reward audit: a reward function calls the judge" not in err  # no exploit battery
+
+
+def test_the_run_warns_when_the_judges_score_rises_and_the_held_out_measure_does_not():
+    """The cheerful recipe's failure, as metrics lines: the judge's reward (the training reward)
+    climbs 0.575 -> 0.687 while the rule's held-out pass@1 stays at 0.133: reward_vs_eval fires
+    at the evaluation that sees it; the same climb with the held-out share rising is silent."""
+    from peergrade.config import AlertConfig
+    from peergrade.monitoring.detectors import Detectors
+
+    def run(evals):
+        d, fired = Detectors(AlertConfig()), {}
+        for step in range(0, 31):
+            m = {"step": step}
+            if step:
+                m["reward/total/mean"] = 0.575 + 0.112 * (step - 1) / 29
+                m["rollout/len_mean"] = 40.0
+            if step in evals:
+                m["eval/pass@1_sampled"] = evals[step]
+            out = d.update(m)
+            if out.get("alerts"):
+                fired[step] = out["alerts"]
+        return fired
+
+    fired = run({0: 0.133, 10: 0.133, 20: 0.133, 30: 0.117})
+    # the window means (10 steps) rose 0.039 by step 20, below reward_rise (0.05); 0.077 by 30
+    assert list(fired) == [30] and set(fired[30]) == {"reward_vs_eval"}
+    msg = fired[30]["reward_vs_eval"]
+    assert "rose by +0.077 (window mean) since the first evaluation" in msg
+    assert "did not rise: 0.133 (step 0) -> 0.117 (step 30)" in msg and "train.eval_reward" in msg
+    assert run({0: 0.133, 10: 0.15, 20: 0.2, 30: 0.25}) == {}
+
+
+def test_the_documented_checklist_example_loads_and_scores_as_docs_rewards_md_says():
+    """docs/rewards.md's checklist config: three checks (weights 1, 2, 1; the third with its
+    own examples); shares 0.9, 0.8, 0.2 give 0.675, and with the third check failed 0.833."""
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    section = doc.split("### Checklist rubrics")[1]
+    cfg = yaml.safe_load(section.split("```yaml")[1].split("```")[0])
+    (item,) = cfg["rewards"]
+    j = make_judge(**item["kwargs"])
+    assert [c.weight for c in j.checks] == [1.0, 2.0, 1.0]
+    assert [e["verdict"] for e in j.checks[2].examples] == ["Yes", "No"]
+    shares = {c.question: s for c, s in zip(j.checks, (0.9, 0.8, 0.2))}
+    third = j.checks[2].question
+    assert "(0.9 + 2 * 0.8 + 0.2) / 4 = 0.675" in section
+    assert "(0.9 + 2 * 0.8) / 3 = 0.833" in section
+    for failed, expected in ((False, 0.675), (True, 2.5 / 3)):
+
+        def fn(check, reply, failed=failed):
+            if failed and check == third:
+                return (0.0, 0.0)
+            return (shares[check], 1 - shares[check])
+
+        out = Judge(ChecklistBackend(fn), options=j.options)(["Write my essay."], ["No."])
+        assert out == pytest.approx([expected])
+
+
+def test_a_weight_0_measure_beside_the_judge_leaves_an_abstention_unscored():
+    """The cheerful recipe logs its rule with weight 0: an answer the judge could not score
+    keeps a NaN total (it abstains), rather than a total of 0 from the measure alone."""
+    import importlib.util
+    from pathlib import Path
+
+    from peergrade.rewards import make_reward_specs
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("cheer", root / "examples/cheerful/cheer.py")
+    cheer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cheer)
+    j = Judge(
+        YesNoBackend(lambda r: (0.0, 0.0) if "Lyon" in r else (0.6, 0.2)),
+        QUESTION,
+        scoring="yes_no",
+    )
+    specs = make_reward_specs([(j, 1.0, {}), (cheer.cheerful, 0.0, {})])
+    s = score_rewards(specs, *groups_of(ROWS[:1], ["Paris!! Great!", "Lyon!! Great!"]))
+    assert s.per_fn["cheerful"].tolist() == [1.0, 1.0]  # logged for both
+    assert s.total[0].item() == pytest.approx(0.75) and math.isnan(s.total[1].item())
+
+
+def test_the_judge_by_name_without_a_rubric_points_to_judge_reward():
+    import peergrade
+
+    with pytest.raises(JudgeError, match=r"from Python: peergrade.judge_reward\(rubric=\.\.\."):
+        make_reward_spec("judge")  # what reward_funcs="judge" resolves to: no kwargs
+    j = peergrade.judge_reward(rubric=QUESTION, base_url="http://127.0.0.1:9/v1", scoring="yes_no")
+    assert (j.rubric, j.scoring, j.checks) == (QUESTION, "yes_no", None)

@@ -12,6 +12,10 @@ and not this one, the policy learned to please the judge, not to sound cheerful 
 way round: a reply stuffed with "great!!!" scores high here whatever a reader thinks).
 ``cheer`` is the same score with TRL's reward signature (``peergrade train --reward
 examples/cheerful/cheer.py:cheer`` would train on it directly; the recipe does not).
+``cheerful`` is its pass/fail form (1.0 at ``cheer_score`` >= ``CHEERFUL``): the recipe logs it
+beside the judge with weight 0 (never trained on) and names it ``train.eval_reward``, so the
+held-out pass@1 is the share of held-out replies the rule calls cheerful, and the run warns
+(``reward_vs_eval``) when the judge's score rises while that share does not.
 
 ``python examples/cheerful/cheer.py FILE.jsonl`` prints the mean score and both rates of the
 ``reply`` (or ``completion``) field of each line.
@@ -110,6 +114,23 @@ def cheer(completions, **kwargs) -> list[float]:
     return [cheer_score(_text(c)) for c in completions]
 
 
+#: ``cheerful``'s bar: a reply the rule calls cheerful scores at least this
+CHEERFUL = 0.5
+
+
+def cheerful(completions, **kwargs) -> list[float]:
+    """1.0 for each completion whose ``cheer_score`` is at least ``CHEERFUL`` (e.g. two
+    exclamation marks and one upbeat word in ten), else 0.0: the recipe's held-out scorer
+    (``train.eval_reward``), whose pass@1 is the share of replies the rule calls cheerful. A
+    held-out score counts 1.0 as correct, which the graded ``cheer`` almost never reaches."""
+    return [1.0 if cheer_score(_text(c)) >= CHEERFUL else 0.0 for c in completions]
+
+
+# a measure with weight 0, never trained on: the start-up exploit battery has nothing to protect
+# (and, with no reference answer in these rows, no correct completion to attack it with)
+cheerful.skip_startup_audit = True
+
+
 def summary(texts: list[str]) -> dict[str, float]:
     """Mean cheer score, mean of each rate, and the share of replies with an '!'."""
     n = max(1, len(texts))
@@ -119,6 +140,7 @@ def summary(texts: list[str]) -> dict[str, float]:
         "exclamation_rate": sum(e for e, _ in rs) / n,
         "lexicon_rate": sum(x for _, x in rs) / n,
         "with_exclamation": sum("!" in t for t in texts) / n,
+        "cheerful": sum(cheer_score(t) >= CHEERFUL for t in texts) / n,
     }
 
 

@@ -6,9 +6,10 @@
 For each prompt file (the recipe's ``data.eval_path`` and ``data.path``) the policy answers
 every prompt greedily and once sampled (the config's ``rollout.temperature`` and
 ``max_completion_length``, seed 0, through its chat template as training encodes them), and
-each reply is scored twice: by the config's judge (its ``rewards[0].kwargs``, with
+each reply is scored twice: by the config's judge (its ``judge`` reward's kwargs, with
 ``judge_model`` replaced by ``--judge``) and by the rule-based ``cheer_score`` of cheer.py,
-which does not ask the judge. Prints and writes the means and the replies.
+which does not ask the judge (and its pass/fail form ``cheerful``, the run's held-out
+scorer). Prints and writes the means and the replies.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)  # its base: and relative paths resolved
-    kwargs = dict(cfg.rewards[0].kwargs, judge_model=args.judge, device="cpu")
+    (item,) = [r for r in cfg.rewards if r.name == "judge"]  # the rule-based one is not asked
+    kwargs = dict(item.kwargs, judge_model=args.judge, device="cpu")
     judge = make_judge(**kwargs)
     temperature = cfg.rollout.temperature
     max_new = cfg.rollout.max_completion_length

@@ -20,6 +20,9 @@ _LAZY = {
     "Config": "peergrade.config",
     "load_config": "peergrade.config",
     "Terminated": "peergrade.errors",
+    # the judge reward from Python (rewards.judge; read through the module that installs the
+    # judge_model loader)
+    "judge_reward": "peergrade.training.judge_local",
     # a policy loss under a new algo.loss_type name (algo.loss_registry)
     "register_loss": "peergrade.algo",
 }
@@ -30,6 +33,7 @@ __all__ = [
     "GRPOTrainer",
     "Terminated",
     "__version__",
+    "judge_reward",
     "load_config",
     "register_loss",
     "train",

@@ -15,7 +15,11 @@ no_signal          (a) ``rollout/frac_zero_std_groups`` >= ``zero_signal_frac`` 
                    last ``window`` steps: most groups score all-equal, so advantages are 0
                    (the message counts a judge reward's unscored answers, ``judge/unscored``)
 reward_vs_eval     (b) between two held-out evaluations accuracy fell by >= ``eval_drop`` while
-                   the training reward rose by >= ``reward_rise`` (active until the next eval)
+                   the training reward rose by >= ``reward_rise``; or, since the first
+                   evaluation, the training reward rose by >= ``reward_rise`` while held-out
+                   accuracy did not rise at all (a judge pleased while an independent
+                   held-out scorer, ``train.eval_reward``, stays put); active until the next
+                   eval
 reward_imbalance   (b) one reward function is saturated (batch std ~0, mean above its start) while
                    another fell >= ``component_drop`` below its best ``window``-step mean
 length_collapse    (b) the ``window``-step mean completion length fell below ``length_collapse``
@@ -278,8 +282,31 @@ class Detectors:
                         "in samples.jsonl for answers that game the reward; try a stricter "
                         "verifier, a KL penalty (algo.beta), or a lower optim.lr."
                     )
+                else:
+                    self.eval_alert = self._stalled(acc, step, reward, r)
             self.evals.append((step, acc, reward))
         return {"reward_vs_eval": self.eval_alert} if self.eval_alert else {}
+
+    def _stalled(self, acc: float, step: int, reward: float | None, r) -> str | None:
+        """The second case of reward_vs_eval: since the first evaluation the training reward
+        rose by >= ``reward_rise`` while the held-out score did not rise at all (and had room
+        to): a judge's score climbing while an independent held-out measure stays put."""
+        start_step, start_acc, start_reward = self.evals[0]
+        if start_reward is None:  # the starting eval: the first window of the reward
+            start_reward = r.first if r is not None else None
+        if reward is None or start_reward is None or start_acc >= 1.0 - 1e-9:
+            return None
+        rise = reward - start_reward
+        if rise < self.s.reward_rise or acc > start_acc:
+            return None
+        return (
+            f"possible reward hacking: the training reward rose by {rise:+.3f} (window mean) "
+            f"since the first evaluation while the held-out score did not rise: "
+            f"{start_acc:.3f} (step {start_step}) -> {acc:.3f} (step {step}). With a held-out "
+            "scorer independent of the training reward (train.eval_reward), the policy is "
+            "learning what pleases the reward, not the property it stands for; read "
+            "samples.jsonl, audit the reward (peergrade audit), try a KL penalty (algo.beta)."
+        )
 
     def _reward_imbalance(self, m: dict) -> dict[str, str]:
         fns = self._reward_fns(m)

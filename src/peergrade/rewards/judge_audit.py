@@ -39,6 +39,14 @@ no finding, no requests spent on it), never a number; its edited answers are ask
 Without a reference answer in the rows and without gold pairs nothing measures whether the
 judge prefers better answers: that is a finding of its own ("discrimination not measured").
 
+A checklist judge (``Judge.checks``: a list of weighted yes/no checks) is audited one check at
+a time (``_audit_checklist``): each check as a judge of its own question (``Judge.check_judge``)
+gets the battery above, in a table of its own (``JudgeAuditReport.checks``), and its findings
+name it (``check 2 ('Is the reply polite?'): injection = ...``). ``spread``,
+``discrimination`` and ``gold_agreement`` are measured once, on the whole checklist as
+training weights it (one narrow check may give every built answer the same verdict); the other
+figures of the report are each the worst over the checks.
+
 ``THRESHOLDS`` says when a figure is a finding (a bias strictly above its threshold; spread,
 discrimination and gold agreement below theirs); the audit fails (``peergrade audit`` exits 1)
 on any finding, naming it and its figure. After a sign of a judge too small or too broken to be
@@ -218,6 +226,10 @@ class JudgeAuditReport:
     #: the gold pairs the judge got wrong: (prompt, better, worse, its score of each)
     gold_misses: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    #: a checklist judge: each check's own report (its figures, its findings)
+    checks: list[JudgeAuditReport] = field(default_factory=list)
+    #: the first scoring of the rows' answers, in order (None: unscored); not in ``to_dict``
+    base_scores: list[float | None] = field(default_factory=list, repr=False)
 
     @property
     def failed(self) -> bool:
@@ -238,10 +250,13 @@ class JudgeAuditReport:
             "slot_effects": self.slot_effects,
             "gold_pairs": self.gold_pairs,
             "gold_misses": self.gold_misses,
+            "checks": [c.to_dict() for c in self.checks],
             "failed": self.failed,
         }
 
     def format(self) -> str:
+        if self.checks:
+            return self._format_checklist()
         gold = f", {self.gold_pairs} gold pairs" if self.gold_pairs else ""
         lines = [
             f"judge audit of {self.name}: {self.rows} rows x {self.answers} answers{gold}, "
@@ -277,6 +292,36 @@ class JudgeAuditReport:
             lines.append("no finding: no measured bias above its threshold")
         return "\n".join(lines)
 
+    def _format_checklist(self) -> str:
+        """A checklist judge's table: each check's own table, then the whole judge's gold
+        agreement and the findings (each naming its check)."""
+        gold = f", {self.gold_pairs} gold pairs" if self.gold_pairs else ""
+        lines = [
+            f"judge audit of {self.name}: a checklist of {len(self.checks)} checks, each "
+            f"audited alone; {self.rows} rows x {self.answers} answers{gold}, "
+            f"{self.requests} judge requests"
+        ]
+        for c in self.checks:
+            body = c.format().splitlines()
+            lines += ["", *body[: next((i for i, x in enumerate(body) if x == "findings:"), None)]]
+        lines += ["", "the whole checklist (the weighted share of the checks):"]
+        for k in ("spread", "discrimination", "gold_agreement"):
+            v, thr = self.figures.get(k), THRESHOLDS[k][0]
+            shown = "n/a" if v is None else f"{v:.3f}"
+            verdict = "FAIL" if v is not None and v < thr else "ok"
+            lines.append(f"  {k:<17} {shown:>7}  (min {thr:g})  {verdict}")  # all "below" ones
+        for miss in self.gold_misses[:3]:
+            lines.append(
+                f"    gold miss: {_short(miss['prompt'])}: better {_short(miss['better'])} "
+                f"scored {miss['better_score']:.3f}, worse {_short(miss['worse'])} "
+                f"{miss['worse_score']:.3f}"
+            )
+        if self.findings:
+            lines += ["findings:", *[f"  - {f}" for f in self.findings]]
+        else:
+            lines.append("no finding: no measured bias above its threshold, in any check")
+        return "\n".join(lines)
+
 
 def _short(text, n: int = 60) -> str:
     t = " ".join(str(_question(text) if isinstance(text, list) else text).split())
@@ -309,7 +354,15 @@ _WHY = {
 
 def audit_cost(j: Judge, rows: int, answers: int, gold: int = 0, keyword: bool = True) -> int:
     """The judge requests ``audit_judge`` sends for ``rows`` groups of ``answers`` answers and
-    ``gold`` gold pairs (cache bypassed), counted before any is sent."""
+    ``gold`` gold pairs (cache bypassed), counted before any is sent. A checklist: each
+    check's battery (``keyword`` read from each check), then each row's reference and "I am not
+    sure." and each gold pair's two answers asked every check (the whole checklist)."""
+    if j.checks is not None:
+        per_check = sum(
+            audit_cost(c, rows, answers, 0, keyword_probe(c.rubric) is not None)
+            for c in (j.check_judge(k) for k in range(len(j.checks)))
+        )
+        return per_check + (rows + gold) * 2 * len(j.checks)  # + discrimination, gold
     k = j.shuffles if j.group else 1
     edits = 3 + int(keyword)  # length, injection, injection_note, keyword
     controls = 1 + int(keyword)  # the injections share one length, the keyword has its own
@@ -332,7 +385,9 @@ def audit_judge(
 ) -> JudgeAuditReport:
     """Measure ``j``'s biases on groups built from ``rows`` (``answers`` built answers per row
     where a row brings none) and its agreement with ``gold`` (default: the judge's own ``gold``
-    pairs); module doc."""
+    pairs); module doc. A checklist judge: each check audited alone (``_audit_checklist``)."""
+    if j.checks is not None:
+        return _audit_checklist(j, rows, name=name, answers=answers, gold=gold)
     t0 = time.perf_counter()
     built = judge_rows(rows, answers)
     if not built:
@@ -358,6 +413,7 @@ def audit_judge(
             gold_pairs=len(gold),
             gold_misses=list(misses),
             seconds=time.perf_counter() - t0,
+            base_scores=flat,
         )
 
     base, fails1 = j.score_groups(groups, use_cache=False)
@@ -422,6 +478,82 @@ def audit_judge(
     figures = {k: (None if v is None or math.isnan(v) else round(v, 4)) for k, v in figures.items()}
     findings = _findings(figures, True, fails1, j.scoring, bool(gold))
     return report(figures, findings, [round(e, 4) for e in slots], misses)
+
+
+#: the findings said once for a whole checklist, not once per check
+_WHOLE = ("discrimination", "gold_agreement", "spread", "the judge is too small")
+_WHOLE_NOTE = (
+    "measured on the whole checklist (one narrow check may give every built answer the same "
+    "verdict and need not prefer the better one)"
+)
+
+
+def _audit_checklist(
+    j: Judge, rows: Sequence[dict], *, name: str, answers: int, gold: Sequence[dict] | None
+) -> JudgeAuditReport:
+    """A checklist judge's audit: each check's battery on its own (a judge of that one yes/no
+    question, ``Judge.check_judge``), its findings named by the check; discrimination and the
+    gold pairs measured on the whole checklist (the weighted share), as training scores. The
+    other figures are each the worst over the checks."""
+    t0 = time.perf_counter()
+    gold = list(j.gold if gold is None else gold)
+    reps, findings = [], []
+    for k, c in enumerate(j.checks):
+        label = f"check {k + 1} ({c.question!r})"
+        rep = audit_judge(j.check_judge(k), rows, name=f"{name} {label}", answers=answers, gold=[])
+        for key in ("discrimination", "gold_agreement", "spread"):
+            rep.figures[key] = None
+            rep.not_applicable[key] = _WHOLE_NOTE
+        rep.findings = [f for f in rep.findings if not f.startswith(_WHOLE)]
+        if any(f.startswith(u + " = ") for f in rep.findings for u in _UNTRUSTED):
+            rep.findings.append("this check is too unreliable to be trusted as a reward")
+        reps.append(rep)
+        findings += [f"{label}: {f}" for f in rep.findings]
+    before = j.stats["requests"]
+    built = judge_rows(rows, answers)
+    pairs = [(q, [a[ref], a[1]]) for q, a, ref in built if ref is not None]
+    disc = [b[0] > b[1] for b in j.score_groups(pairs, use_cache=False)[0] if None not in b]
+    agreement, misses = _gold_agreement(j, gold) if gold else (None, [])
+    figures: dict[str, float | None] = {}
+    for key, (_, side) in THRESHOLDS.items():
+        vals = [r.figures[key] for r in reps if r.figures.get(key) is not None]
+        figures[key] = (max if side == "above" else min)(vals) if vals else None
+    whole = _weighted(j, [r.base_scores for r in reps])
+    figures["spread"] = round(statistics.pstdev(whole), 4) if len(whole) > 1 else None
+    figures["discrimination"] = _mean([float(x) for x in disc])
+    figures["gold_agreement"] = None if agreement is None else round(agreement, 4)
+    whole = _findings(figures, True, [], j.scoring, bool(gold))
+    findings += [f for f in whole if f.startswith(_WHOLE)]
+    if any(f.endswith("too unreliable to be trusted as a reward") for f in findings) and not any(
+        f.startswith(_WHOLE[-1]) for f in findings
+    ):
+        findings.append("the judge is too small or too unreliable to be trusted as a reward")
+    return JudgeAuditReport(
+        name=name,
+        rows=reps[0].rows,
+        answers=reps[0].answers,
+        shuffles=1,
+        figures=figures,
+        findings=findings,
+        requests=sum(r.requests for r in reps) + j.stats["requests"] - before,
+        scoring=j.scoring,
+        not_applicable={k: v for k, v in reps[0].not_applicable.items() if k == "position_bias"},
+        gold_pairs=len(gold),
+        gold_misses=misses,
+        seconds=time.perf_counter() - t0,
+        checks=reps,
+    )
+
+
+def _weighted(j: Judge, per_check: list[list[float | None]]) -> list[float]:
+    """The whole checklist's score of each answer from its checks' scores (as training weights
+    them: the weighted mean over the checks that scored it); answers no check scored left out."""
+    out = []
+    for scores in zip(*per_check):
+        pairs = [(c.weight, s) for c, s in zip(j.checks, scores) if s is not None]
+        if pairs:
+            out.append(sum(w * s for w, s in pairs) / sum(w for w, _ in pairs))
+    return out
 
 
 def _append(text: str) -> Callable[[str], str]:

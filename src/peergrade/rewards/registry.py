@@ -54,7 +54,9 @@ A function with a ``preflight`` attribute has it called by ``make_reward_spec`` 
 configured keyword arguments, before the first step (the code reward's sandbox self-test).
 
 The weighted total is ``total[i] = sum_f w_f * r_f[i]`` over the functions that scored sample
-``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. Metrics, as TRL logs them: the
+``i`` (``r_f[i]`` not ``None``); ``NaN`` where no function did. A function of weight 0 is logged,
+not trained on: it does not count as scoring a sample (its score beside an abstaining judge
+would make that sample's total 0 instead of NaN). Metrics, as TRL logs them: the
 mean and the sample standard deviation (ddof = 1, TRL's ``nanstd``) over the scored samples
 only, per function and for the total; a key is left out when it is undefined (no scored sample
 for a mean, fewer than two for a std: JSON has no NaN).
@@ -1108,6 +1110,8 @@ def _weighted_total(
 
     total = torch.full((n,), math.nan, dtype=torch.float64)  # [N]
     for spec in specs:
+        if spec.weight == 0:  # logged only: never turns an abstention into a score of 0
+            continue
         r = per_fn[spec.name].double()  # [N]
         scored = ~torch.isnan(r)
         total = torch.where(scored, torch.nan_to_num(total, nan=0.0) + spec.weight * r, total)

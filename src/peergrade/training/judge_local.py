@@ -3,6 +3,8 @@
 ``peergrade.rewards.judge`` imports no model code; this module is its seam to one. On import it
 registers ``load_local_backend`` with ``rewards.judge.register_local_loader``, and the judge
 reward calls it the first time a ``judge_model`` is named (once per process per options).
+``peergrade.judge_reward`` is ``rewards.judge.judge_reward`` read from here, so that a
+``judge_model`` given from Python finds its loader installed.
 
 ``judge_model`` is resolved as a policy is: a save_pretrained directory, a run directory (its
 latest complete checkpoint) or checkpoint, ``bundled`` / ``bundled:NAME``, a GGUF model
@@ -41,11 +43,12 @@ from peergrade.rewards.judge import (
     NO_VARIANTS,
     YES_VARIANTS,
     JudgeError,
+    judge_reward,  # re-exported: peergrade.judge_reward comes from here, the loader installed
     register_local_loader,
 )
 from peergrade.training import checkpoint as ckpt
 
-__all__ = ["LocalBackend", "load_local_backend"]
+__all__ = ["LocalBackend", "judge_reward", "load_local_backend"]
 
 
 class LocalBackend:
@@ -199,7 +202,7 @@ def judge_model_memory(
     ``weights`` (resident all run; exact parameter count on the meta device) and
     ``activations`` (one greedy batch: its KV cache and one layer's activations at the
     request length: the prompt, ``group`` answers when ``group: true``, the instructions and
-    the reply; ``scoring: yes_no``: one answer and no reply). None when the judge runs on another device type or is not a Hugging Face
+    the reply; ``scoring: yes_no`` and a checklist: one answer and no reply). None when the judge runs on another device type or is not a Hugging Face
     directory (a GGUF judge is not counted)."""
     from pathlib import Path
 
@@ -220,7 +223,10 @@ def judge_model_memory(
     if jdtype == "auto":
         jdtype = dtype if device != "cpu" else "float32"
     b = {"float32": 4, "bfloat16": 2, "float16": 2}.get(jdtype, 4)
-    yes_no = options.get("scoring", "json") == "yes_no"
+    scoring = options.get("scoring")
+    if scoring is None:  # a checklist rubric is asked yes/no, one check at a time
+        scoring = "yes_no" if isinstance(options.get("rubric"), (list, tuple)) else "json"
+    yes_no = scoring == "yes_no"
     grouped = options.get("group")
     grouped = not yes_no if grouped is None else grouped
     answers = group if grouped else 1
