@@ -593,3 +593,21 @@ def test_a_judge_wrapped_in_a_users_function_is_noted_once_or_skipped(tmp_path, 
     polite.skip_startup_audit = True
     at_startup(cfg, task, make_reward_specs([(polite, 1.0, {})]))
     assert backend.calls == calls + 1 and "reward audit" not in capsys.readouterr().err
+
+
+def test_rows_without_reference_answers_do_not_make_a_scoring_reward_broken():
+    """Open-ended rows (no answer column): no right or wrong completion can be written, but a
+    reward that scores what it is given is not 'broken'; one that scores nothing still is."""
+    rows = [{"prompt": f"Write a friendly greeting number {i}."} for i in range(4)]
+
+    def length_score(completions, **kw):
+        return [min(1.0, len(completion_text(c)) / 100) for c in completions]
+
+    def nothing(completions, **kw):
+        return [None for _ in completions]
+
+    unit = audit_rewards([spec(length_score)], rows).units[0]
+    assert unit.verdict != "broken", unit.note
+    assert "no reference answer" in unit.note
+    dead = audit_rewards([spec(nothing)], rows).units[0]
+    assert dead.verdict == "broken" and "returned None for every completion" in dead.note

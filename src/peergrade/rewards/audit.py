@@ -350,6 +350,12 @@ class _Audit:
         self.weights = {s.name: s.weight for s in self.specs}
         self.unit_names = self.names + (["total"] if len(self.specs) > 1 else [])
 
+    @property
+    def answers_known(self) -> bool:
+        """Whether any row has a reference answer or tests (else no right or wrong completion
+        can be written)."""
+        return any(c.answer is not None or c.code for c in self.ctxs)
+
     def score(self, row_of: list[int], completions: list) -> _Scored:
         """``_score`` with this audit's functions, rows and trainer state."""
         return _score(self.specs, self.ctxs, row_of, completions, self.state)
@@ -648,7 +654,13 @@ def _unit_report(a: _Audit, u: str, base: _Baselines, fs: list[Finding]) -> Unit
     )
     if not cs:
         note = "no correct completion could be written for these rows"
-    if not cs and not ws and a.ctxs:
+    scored_any = any(v is not None for v in base.floor[u])  # the nonsense completion too
+    if not cs and not ws and scored_any and not a.answers_known:
+        # rows with no reference answer: no right or wrong completion exists to score, only
+        # the format and robustness probes (the report's note says so); what it gave them is
+        # its verdict
+        note = "no right or wrong completion could be written for these rows (no reference answer)"
+    elif not cs and not ws and a.ctxs:
         # it scored nothing at all: not "clean", and not an exploit that "earns credit"
         raised = next((f for f in fs if f.exploit == "correct_completion"), None)
         if raised is not None and raised.errors:
