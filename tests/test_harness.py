@@ -17,9 +17,12 @@ pytest.importorskip("uvicorn")
 
 from peergrade.envs.template import render, turn_delta  # noqa: E402
 from peergrade.generation.episodes import run_episodes  # noqa: E402
+from peergrade.generation.record import SamplerSettings  # noqa: E402
 from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
 from peergrade.serving.harness import HarnessRunner, harness_metrics  # noqa: E402
 from test_envs import Fixed, Steered, forced_model, full_forward_logprobs  # noqa: E402
+
+GREEDY = SamplerSettings(n=1, max_new_tokens=1, temperature=0.0)  # a Job's sampling
 
 
 @pytest.fixture(scope="module")
@@ -209,15 +212,15 @@ def test_a_turn_that_ends_is_answered_while_longer_turns_go_on(inner, merge_tok)
     feed = engine.sessions.eng._feed
     engine.sessions.eng._feed = lambda pending: fed.append(pending) or feed(pending)
     more = merge_tok(" go on")["input_ids"]
-    short = Job(merge_tok("hi")["input_ids"], 2, temperature=0.0, session="a", key=1)
-    long = Job(merge_tok("name a colour")["input_ids"], 14, temperature=0.0, session="b", key=2)
+    short = Job(merge_tok("hi")["input_ids"], 2, sampling=GREEDY, session="a", key=1)
+    long = Job(merge_tok("name a colour")["input_ids"], 14, sampling=GREEDY, session="b", key=2)
 
     def answered(name):
         def cb(fut):
             at[name] = len(fed)  # forward passes made when this reply was handed over
             if name == "short":  # its agent asks its next turn at once
                 ids = short.prompt_ids + fut.result()[0].token_ids + more
-                later["job"] = Job(ids, 3, temperature=0.0, session="a", key=1)
+                later["job"] = Job(ids, 3, sampling=GREEDY, session="a", key=1)
                 later["fut"] = engine.submit([later["job"]])
 
         return cb
@@ -258,8 +261,8 @@ def test_a_call_that_fails_after_an_early_answer(inner, merge_tok):
         return feed(pending)
 
     engine.sessions.eng._feed = failing
-    short = Job(merge_tok("hi")["input_ids"], 2, temperature=0.0, session="a", key=1)
-    long = Job(merge_tok("name a colour")["input_ids"], 14, temperature=0.0, session="b", key=2)
+    short = Job(merge_tok("hi")["input_ids"], 2, sampling=GREEDY, session="a", key=1)
+    long = Job(merge_tok("name a colour")["input_ids"], 14, sampling=GREEDY, session="b", key=2)
     try:
         f_short, f_long = engine.submit([short]), engine.submit([long])
         (a,) = f_short.result(120)
@@ -267,7 +270,7 @@ def test_a_call_that_fails_after_an_early_answer(inner, merge_tok):
             f_long.result(120)
         engine.expected = lambda: 1
         ids = short.prompt_ids + a.token_ids + merge_tok(" go on")["input_ids"]
-        follow = Job(ids, 4, temperature=0.0, session="a", key=1)
+        follow = Job(ids, 4, sampling=GREEDY, session="a", key=1)
         before = len(fed)
         (c,) = engine.submit([follow]).result(120)
     finally:

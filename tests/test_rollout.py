@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peergrade.generation.kernel import Rollout, generate, position_ids_from_mask
+from peergrade.generation.kernel import Hooks, Rollout, generate, position_ids_from_mask
 
 PROMPTS = ["hello there", "a", "What is 12+7? Answer:", "xyz"]
 
@@ -667,7 +667,7 @@ def test_on_tokens_hands_on_exactly_the_counted_tokens(peaky_qwen2, check_every,
         eos_token_ids=[eos],
         check_every=check_every,
         batch_size=batch_size,
-        on_tokens=hook,
+        hooks=Hooks(on_tokens=hook),
     )
     lens = r.completion_mask.sum(1).long().tolist()
     assert "eos" in r.finish_reason and min(lens) < 12
@@ -709,8 +709,7 @@ def test_budgets_end_rows_early_and_on_done_reports_each_row_once(
         PROMPTS[:2],
         eos_token_ids=[eos],
         budgets=[4, 12],
-        on_tokens=on_tokens,
-        on_done=on_done,
+        hooks=Hooks(on_tokens=on_tokens, on_done=on_done),
         **kw,
     )
     lens = r.completion_mask.sum(1).long().tolist()

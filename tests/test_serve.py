@@ -797,8 +797,8 @@ def test_a_short_request_is_answered_while_a_longer_one_of_its_call_goes_on(calc
         QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     drawn, at = [], {}
-    short = Job(prompt, 2, temperature=1.0, key=1, stop_ids=())
-    long = Job(prompt, 40, temperature=1.0, key=2, on_token=drawn.append)
+    short = Job(prompt, 2, key=1, stop_ids=())  # temperature 1 (the default)
+    long = Job(prompt, 40, key=2, on_token=drawn.append)
     eos = set(engine.eos_ids)
     try:
         f_short, f_long = engine.submit([short]), engine.submit([long])

@@ -501,12 +501,20 @@ def test_binding_beyond_loopback_without_a_key_warns(calc, monkeypatch, capsys, 
     """Nothing is bound here: uvicorn's run is replaced, so the server never starts."""
     import uvicorn
 
-    from peergrade.serving.server import serve
+    from peergrade.serving.server import Limits, serve
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: None)
     model, tok = calc
     with pytest.raises(SystemExit):
-        serve(model, tok, MODEL, host=host, port=0, api_key=key, max_batch_tokens=10_000)
+        serve(
+            model,
+            tok,
+            MODEL,
+            host=host,
+            port=0,
+            api_key=key,
+            limits=Limits(max_batch_tokens=10_000),
+        )
     assert ("without an API key" in capsys.readouterr().err) == warned
 
 

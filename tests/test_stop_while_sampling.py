@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 
 from cli_helper import ROOT  # noqa: E402
 from peergrade.envs.protocol import run_stoppable as run_sync  # noqa: E402
-from peergrade.generation.kernel import GenerationCancelled, generate  # noqa: E402
+from peergrade.generation.kernel import GenerationCancelled, Hooks, generate  # noqa: E402
 from peergrade.model.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer, build_tiny_model  # noqa: E402
 from peergrade.serving.harness import HarnessRunner  # noqa: E402
 from peergrade.serving.server import Job  # noqa: E402
@@ -108,12 +108,13 @@ def test_generate_raises_once_its_cancel_event_is_set():
             n=1,
             max_new_tokens=50,
             seed=0,
-            on_tokens=on_tokens,
-            cancel=cancel,
+            hooks=Hooks(on_tokens=on_tokens, cancel=cancel),
             eos_token_ids=[0],
         )
     assert len(seen) == 3  # it stopped at the next step
-    out = generate(model, tok, ["q"], n=1, max_new_tokens=5, seed=0, cancel=threading.Event())
+    out = generate(
+        model, tok, ["q"], n=1, max_new_tokens=5, seed=0, hooks=Hooks(cancel=threading.Event())
+    )
     assert out.completion_ids.shape[1] <= 5
 
 

@@ -19,7 +19,7 @@ def run(args, extra) -> int:
         resolve_dtype,
         resolve_model_path,
     )
-    from peergrade.serving.server import serve
+    from peergrade.serving.server import Limits, serve
     from peergrade.training.checkpoint import resolve_model_dir
 
     if args.threads:
@@ -41,12 +41,14 @@ def run(args, extra) -> int:
         port=args.port,
         max_tokens=args.max_tokens,
         window_s=args.window_ms / 1000,
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
         api_key=args.api_key or None,
-        max_batch_tokens=args.max_batch_tokens,
-        kv_memory_bytes=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
+        limits=Limits(
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            max_batch_tokens=args.max_batch_tokens,
+            kv_memory_bytes=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
+        ),
     )
     return 0
 

@@ -50,58 +50,24 @@ def sample(
     row's ``prompt`` is what the reward functions see. Episodes (``make_env``: ``row ->
     environment``): the environment's ``reset`` opens each episode, ``prompt_ids`` are unused
     and ``settings.max_new_tokens`` is the budget of a whole episode. ``episodes_from`` is
-    another episode source with ``episodes.run_episodes``' signature (an external agent through
-    the endpoint, ``serving.harness``): its episodes come back as the same record.
+    another episode source called as ``run_episodes`` is, ``(model, tokenizer, rows, make_env,
+    settings, seed=, row_keys=, eos_token_ids=)`` (an external agent through the endpoint:
+    ``training.harness.episode_fn``): its episodes come back as the same record.
 
     ``engine``: another rollout engine for single replies (``vllm_engine.VllmEngine``: same
     record, its own sampled log-probs as the behaviour log-probs); None = the own kernel."""
-    common = dict(
-        n=settings.n,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        stop=settings.stop,
-        seed=seed,
-        row_keys=row_keys,
-        batch_size=settings.batch_size,
-        eos_token_ids=eos_token_ids,
-    )
+    keys = dict(seed=seed, row_keys=row_keys, eos_token_ids=eos_token_ids)
     if engine is not None and (make_env is not None or episodes_from is not None):
         raise ValueError("sample(): episodes sample with the own kernel only (engine=None)")
     if make_env is not None or episodes_from is not None:
-        episodes = (episodes_from or run_episodes)(
-            model,
-            tokenizer,
-            rows,
-            make_env=make_env,
-            max_completion_length=settings.max_new_tokens,
-            max_turns=settings.max_turns,
-            max_tokens_per_turn=settings.max_tokens_per_turn,
-            env_timeout_s=settings.env_timeout_s,
-            **common,
-        )
+        source = episodes_from or run_episodes
+        episodes = source(model, tokenizer, rows, make_env, settings, **keys)
         return Samples.of_episodes(episodes, tokenizer.pad_token_id, settings.n)
     if prompt_ids is None:
         raise ValueError("sample(): single replies need prompt_ids (the rows' encoded prompts)")
     if engine is not None:
-        out = engine.sample(
-            model,
-            tokenizer,
-            prompt_ids,
-            settings,
-            seed=seed,
-            row_keys=row_keys,
-            eos_token_ids=eos_token_ids,
-        )
-        out.prompts = [row["prompt"] for row in rows for _ in range(settings.n)]
-        return out
-    out = generate(
-        model,
-        tokenizer,
-        prompt_ids,
-        max_new_tokens=settings.max_new_tokens,
-        ignore_eos=settings.ignore_eos,
-        **common,
-    )
+        out = engine.sample(model, tokenizer, prompt_ids, settings, **keys)
+    else:
+        out = generate(model, tokenizer, prompt_ids, settings, **keys)
     out.prompts = [row["prompt"] for row in rows for _ in range(settings.n)]
     return out

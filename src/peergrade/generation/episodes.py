@@ -80,6 +80,7 @@ from peergrade.generation.kernel import (
     slab_cache_ok,
     uniforms,
 )
+from peergrade.generation.record import SamplerSettings
 from peergrade.limits import TimeLimitExceeded, in_thread, steps_within
 
 
@@ -112,25 +113,17 @@ def run_episodes(
     tokenizer,
     rows: Sequence[Any],
     make_env: Callable[[Any], Any],
+    settings: SamplerSettings | None = None,
     *,
-    n: int = 1,
-    max_completion_length: int,
-    max_turns: int | None = None,
-    max_tokens_per_turn: int | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop: Sequence[str] | str = (),
     seed: int | None = None,
     row_keys: Sequence[int] | None = None,
-    batch_size: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
     check_roles: Sequence[str] = ("tool", "user"),
-    env_timeout_s: float | None = None,
+    **fields,
 ) -> list[Episode]:
-    """Run ``n`` episodes per row; see the module docstring for the rules.
+    """Run ``settings.n`` episodes per row; see the module docstring for the rules.
 
     Args:
         model, tokenizer: a Hugging Face causal LM (full attention, sdpa or eager) and its
@@ -138,63 +131,53 @@ def run_episodes(
         rows: dataset rows, each handed to ``make_env(row)`` and then to the environment's ``reset``.
         make_env: ``row -> environment`` (native protocol, ``protocol.Environment``); called once
             per episode.
-        n: episodes per row (the GRPO group size).
-        max_completion_length: token budget of a whole episode after the prompt.
-        max_turns: most model turns per episode (None: no limit).
-        max_tokens_per_turn: most tokens per model turn (None: the remaining budget).
-        temperature, top_p, top_k, seed, row_keys: sampling, as in ``rollout.generate``
-            (``row_keys``: one distinct key per row, default its index).
-        stop: stop strings (a single string is one): a model turn ends at the first one, as a
-            single reply does in ``rollout.generate`` (see the module docstring).
-        batch_size: episodes run at once (bounds memory); None: all.
+        settings: how to sample (``SamplerSettings``), or its fields as keywords (``fields``,
+            ``max_completion_length`` for ``max_new_tokens``; ``n`` defaults to 1):
+            ``n`` episodes per row (the GRPO group size); ``max_new_tokens``: token budget of a
+            whole episode after the prompt; ``max_turns``: most model turns per episode (None:
+            no limit); ``max_tokens_per_turn``: most tokens per model turn (None: the
+            remaining budget); ``temperature``, ``top_p``, ``top_k`` as in
+            ``kernel.generate``; ``stop`` strings (a single string is one): a model turn ends
+            at the first one, as a single reply does in ``kernel.generate`` (see the module
+            docstring); ``batch_size``: episodes run at once (bounds memory; None: all);
+            ``env_timeout_s``: seconds one environment's ``reset`` or ``step`` may take (None:
+            no limit); past it the episode engine raises ``UserCodeError`` naming the class,
+            the method, the row and the limit. The environments' calls of a turn run at once
+            (sync ones on threads of their own), so a hanging one ends the turn after about
+            this limit (``_call_all``).
+        seed, row_keys: the draws' keys, as in ``kernel.generate`` (``row_keys``: one distinct
+            key per row, default its index).
         eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
         chat_template, template_kwargs: an override template and extra template variables.
         check_roles: the roles of environment messages the template must render token-exactly.
-        env_timeout_s: seconds one environment's ``reset`` or ``step`` may take (None: no
-            limit); past it the episode engine raises ``UserCodeError`` naming the class, the
-            method, the row and the limit. The environments' calls of a turn run at once
-            (sync ones on threads of their own), so a hanging one ends the turn after about
-            this limit (``_call_all``).
     """
-    cfg = model_config(model)
-    n, budget, top_k, stop = _check_arguments(
-        cfg,
-        tokenizer,
-        n,
-        max_completion_length,
-        max_turns,
-        max_tokens_per_turn,
-        batch_size,
-        (temperature, top_p, top_k),
-        stop,
+    aliases = {"max_completion_length": "max_new_tokens"}
+    settings = SamplerSettings.given(
+        settings, fields, "run_episodes", aliases=aliases, defaults={"n": 1}
     )
+    cfg = model_config(model)
+    settings = _check_arguments(cfg, tokenizer, settings)
     eos = eos_ids(model, tokenizer, eos_token_ids or None)
     tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
     check_template(tokenizer, eos_ids=eos, roles=check_roles, **tkw)
     max_pos = getattr(cfg, "max_position_embeddings", None) or 10**12
-    episodes = _open(rows, n, make_env, tokenizer, tkw, max_pos, env_timeout_s)
+    n = settings.n
+    episodes = _open(rows, n, make_env, tokenizer, tkw, max_pos, settings.env_timeout_s)
 
     device = next(model.parameters()).device
     keys = check_row_keys(row_keys, len(rows)).to(device)
-    draws = uniforms(row_states(seed_of(seed), keys, n), budget)  # [E, budget]
+    draws = uniforms(row_states(seed_of(seed), keys, n), settings.max_new_tokens)  # [E, budget]
 
     engine = TurnEngine(
         model=model,
         tokenizer=tokenizer,
         eos_ids=eos,
-        budget=budget,
-        max_turns=max_turns,
-        max_tokens_per_turn=max_tokens_per_turn or budget,
+        settings=settings,
         max_pos=max_pos,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        stop=stop,
         template_kw=tkw,
         device=device,
-        env_timeout_s=env_timeout_s,
     )
-    step = batch_size or len(episodes)
+    step = settings.batch_size or len(episodes)
     try:
         with eval_mode(model):
             for start in range(0, len(episodes), step):
@@ -207,21 +190,17 @@ def run_episodes(
     return episodes
 
 
-def _check_arguments(
-    cfg, tokenizer, n, budget, max_turns, max_tokens_per_turn, batch_size, sampling, stop
-):
-    """``run_episodes``' arguments checked: ``(n, budget, top_k, stop tuple)``."""
-    n = check_int("n", n, 1, "run_episodes")
-    budget = check_int("max_completion_length", budget, 1, "run_episodes")
-    for name, value in (
-        ("max_turns", max_turns),
-        ("max_tokens_per_turn", max_tokens_per_turn),
-        ("batch_size", batch_size),
-    ):
+def _check_arguments(cfg, tokenizer, settings: SamplerSettings) -> SamplerSettings:
+    """``run_episodes``' settings checked, with ``top_k`` an int and ``temperature`` /
+    ``top_p`` floats."""
+    n = check_int("n", settings.n, 1, "run_episodes")
+    budget = check_int("max_completion_length", settings.max_new_tokens, 1, "run_episodes")
+    for name in ("max_turns", "max_tokens_per_turn", "batch_size"):
+        value = getattr(settings, name)
         if value is not None:
             check_int(name, value, 1, "run_episodes")
-    top_k = check_sampling("run_episodes", *sampling)
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    top_k = check_sampling("run_episodes", settings.temperature, settings.top_p, settings.top_k)
+    stop = settings.stop
     if any(not isinstance(x, str) or x == "" for x in stop):
         raise ValueError(f"run_episodes(): stop must be non-empty strings, got {stop!r}")
     if not slab_cache_ok(cfg):
@@ -234,7 +213,13 @@ def _check_arguments(
         raise ValueError(
             "run_episodes(): tokenizer has no pad token; set tokenizer.pad_token first"
         )
-    return n, budget, top_k, stop
+    return settings.replace(
+        n=n,
+        max_new_tokens=budget,
+        top_k=top_k,
+        temperature=float(settings.temperature),
+        top_p=float(settings.top_p),
+    )
 
 
 def _open(rows, n, make_env, tokenizer, tkw: dict, max_pos: int, limit_s) -> list[Episode]:
@@ -265,33 +250,13 @@ class TurnEngine:
     """Runs one micro-batch of episodes to the end with one batched KV cache (see module doc)."""
 
     def __init__(
-        self,
-        *,
-        model,
-        tokenizer,
-        eos_ids,
-        budget,
-        max_turns,
-        max_tokens_per_turn,
-        max_pos,
-        temperature,
-        top_p,
-        top_k,
-        stop,
-        template_kw,
-        device,
-        env_timeout_s=None,
+        self, *, model, tokenizer, eos_ids, settings: SamplerSettings, max_pos, template_kw, device
     ):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.eos = set(eos_ids)
-        self.budget, self.max_turns, self.turn_cap = budget, max_turns, max_tokens_per_turn
         self.max_pos = max_pos
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.template_kw = template_kw
-        self.stop = stop
-        self.env_timeout_s = env_timeout_s
-        # decoded tail searched for a stop string: as rollout.generate's window
-        self.stop_window = max(len(x) for x in stop) + 8 if stop else 0
+        self.use(settings)
         sig = forward_signature(model)
         self.cache_kw = "cache" if "cache" in sig else "past_key_values"
         self.logits_to_keep = "logits_to_keep" in sig
@@ -302,6 +267,22 @@ class TurnEngine:
         self.dtype = next(
             (p.dtype for p in model.parameters() if p.dtype in float_dtypes), torch.float32
         )
+
+    def use(self, settings: SamplerSettings) -> None:
+        """Sample with ``settings`` (checked) from now on: its budgets (``max_new_tokens`` for
+        a whole episode, ``max_turns``, ``max_tokens_per_turn``), draws and stop strings."""
+        self.settings = settings
+        self.budget, self.max_turns = settings.max_new_tokens, settings.max_turns
+        self.turn_cap = settings.max_tokens_per_turn or self.budget
+        self.temperature, self.top_p, self.top_k = (
+            settings.temperature,
+            settings.top_p,
+            settings.top_k,
+        )
+        self.stop = settings.stop
+        self.env_timeout_s = settings.env_timeout_s
+        # decoded tail searched for a stop string: as rollout.generate's window
+        self.stop_window = max(len(x) for x in self.stop) + 8 if self.stop else 0
 
     # ---- the batched cache with holes ----
 

@@ -19,7 +19,8 @@ How it is fast (compared with ``model.generate``):
   host checks for finished rows only every ``check_every`` steps (default 8) to avoid a device
   sync per token; on CPU it checks every step (a sync is free there). A prompt may have a
   token budget of its own below ``max_new_tokens`` (``budgets``: an endpoint batching requests
-  of different ``max_tokens``), and ``on_done`` hands each row over at the check after its end.
+  of different ``max_tokens``), and ``Hooks.on_done`` hands each row over at the check after
+  its end.
 - **No per-step mask building.** Left padding is handled by a 4-D additive attention mask kept as
   one ``[B, P + max_new_tokens]`` row bias and sliced each step, plus explicit ``position_ids``
   (``cumsum(attention_mask) - 1``, as ``model.generate`` computes them). Models whose layers are
@@ -76,10 +77,19 @@ from typing import Any
 import torch
 
 # One rule for positions under left padding, shared with teacher-forced log-probs (models).
-from peergrade.generation.record import Samples
+from peergrade.generation.record import SamplerSettings, Samples
 from peergrade.model.load import position_ids_from_mask
 
-__all__ = ["GenerationCancelled", "Rollout", "generate", "position_ids_from_mask"]
+__all__ = [
+    "SAMPLER_VOCAB_BUFFERS",
+    "GenerationCancelled",
+    "Hooks",
+    "Rollout",
+    "generate",
+    "kv_bytes_per_token",
+    "model_kv_bytes_per_token",
+    "position_ids_from_mask",
+]
 
 #: the kernel's result is the package's one record (``record.Samples``); the old name stays
 Rollout = Samples
@@ -480,6 +490,34 @@ def eval_mode(model):
         model.train(was_training)
 
 
+#: [N, vocab] float32 buffers a sampling step holds at once: the logits, the tempered copy,
+#: its exp (or log-softmax) and the cumulative sum (or sort) the draw searches. Counted as two
+#: until 2026-12-02, the SmolLM2 evaluation's growth from 128 to 1,600 rows was 16% above the
+#: formula (4,060 MiB measured, 3,398 estimated; docs/memory.md); with four, 3,950: -2.7%.
+#: The memory planner (``planning.memory``) and the endpoint's admission control
+#: (``serving.server.row_overhead_tokens``) both count with it.
+SAMPLER_VOCAB_BUFFERS = 4
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of KV cache one token of one sequence takes: keys and values of every layer,
+    ``2 * layers * kv_heads * head_dim`` elements of ``element_size`` bytes (the model's
+    dtype). The memory planner's and the endpoint's one formula."""
+    return 2 * int(layers) * int(kv_heads) * int(head_dim) * int(element_size)
+
+
+def model_kv_bytes_per_token(model) -> int:
+    """``kv_bytes_per_token`` of a loaded model: its config's layers, key/value heads and head
+    size (``hidden_size / heads`` when the config has none), in its first float dtype."""
+    cfg = model.config
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    return kv_bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, size)
+
+
 def forward_signature(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(base.forward).parameters)
@@ -490,108 +528,110 @@ def forward_signature(model) -> set[str]:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What a caller serving requests follows a ``generate`` call by (the endpoint's engine):
+
+    - ``on_tokens``: ``fn(sequences, tokens)`` after each step: the sequences (prompt ``i``'s
+      sample ``j``: ``i * n + j``) that drew a counted token, and those tokens;
+    - ``on_done``: ``fn(sequence, row)`` once per sequence, at the host check after its end
+      (the last ones as the call ends): ``row`` holds its ``tokens``, ``logprobs``,
+      ``sampler_logprobs`` (lists), ``finish`` and ``text``, as the ``Samples`` has them;
+    - ``cancel``: a ``threading.Event``: once set, the call raises ``GenerationCancelled``.
+      An object with ``is_set()`` and ``dropped()`` (the sequences to end at the next host
+      check, their clients gone) is read the same way."""
+
+    on_tokens: Callable[[list[int], list[int]], None] | None = None
+    on_done: Callable[[int, dict], None] | None = None
+    cancel: Any = None
+
+
 def generate(
     model,
     tokenizer,
     prompts,
+    settings: SamplerSettings | None = None,
     *,
-    n: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    stop: Sequence[str] | str = (),
     seed: int | None = None,
     row_keys: Sequence[int] | torch.Tensor | None = None,
-    batch_size: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
     check_every: int | None = None,
-    on_tokens: Callable[[list[int], list[int]], None] | None = None,
     budgets: Sequence[int] | None = None,
-    on_done: Callable[[int, dict], None] | None = None,
-    cancel: Any = None,
+    hooks: Hooks | None = None,
+    **fields,
 ) -> Samples:
-    """Sample ``n`` completions for each prompt; see the module docstring for the exact rules.
+    """Sample ``settings.n`` completions for each prompt; see the module docstring for the
+    exact rules.
 
     Args:
         model: a Hugging Face causal LM (or a peft ``PeftModel`` around one), any device/dtype.
             It is switched to eval mode and back; no gradients are recorded.
         tokenizer: its tokenizer; must define ``pad_token_id`` and ``eos_token_id``.
         prompts: strings (encoded with ``add_special_tokens=False``) or token-id lists.
-        n: samples per prompt (the GRPO group size), >= 1. max_new_tokens: length limit, >= 1.
-        temperature: >= 0; 0 = greedy. top_p: in (0, 1]; 1 = off. top_k: >= 0; 0 = off.
-        stop: stop strings (a single string is one stop string); the completion ends at the first
-            occurrence, stop string included.
+        settings: how to sample (``SamplerSettings``), or its fields as keywords (``fields``):
+            ``n`` samples per prompt (the GRPO group size), >= 1; ``max_new_tokens``: length
+            limit, >= 1; ``temperature`` >= 0 (0 = greedy); ``top_p`` in (0, 1] (1 = off);
+            ``top_k`` >= 0 (0 = off); ``stop`` strings (a single string is one stop string;
+            the completion ends at the first occurrence, stop string included);
+            ``batch_size``: sequences generated at once (bounds memory; None = all N at once);
+            ``ignore_eos``: EOS is an ordinary token (a fixed number of tokens). The episode
+            fields (``max_turns`` ...) are not read here.
         seed: the seed of every draw (a training step folds its step number into it); None
             draws one from torch's global RNG.
         row_keys: one distinct int >= 0 per prompt naming it within the seed's scope (the
             trainer passes the prompt's global index in its step, so a rank passes its shard's
             global offsets); a completion's draws depend only on (seed, its prompt's key, its
             sample index, position). Default ``range(len(prompts))``.
-        batch_size: sequences generated at once (bounds memory); None = all N at once.
         eos_token_ids: tokens that end a sequence; default: the tokenizer's eos plus the model's
             ``generation_config.eos_token_id``.
-        ignore_eos: EOS is an ordinary token (benchmarks that need a fixed number of tokens).
         check_every: steps between host checks for finished rows; default 1 on CPU, 8 otherwise.
             With stop strings the check runs every step (the text must be decoded anyway).
-        on_tokens: ``fn(sequences, tokens)`` after each step: the sequences (prompt ``i``'s
-            sample ``j``: ``i * n + j``) that drew a counted token, and those tokens.
         budgets: per prompt, a token limit in [1, max_new_tokens] (finish ``length`` there).
-        on_done: ``fn(sequence, row)`` once per sequence, at the host check after its end
-            (the last ones as the call ends): ``row`` holds its ``tokens``, ``logprobs``,
-            ``sampler_logprobs`` (lists), ``finish`` and ``text``, as the ``Samples`` has them.
-        cancel: a ``threading.Event``: once set, the call raises ``GenerationCancelled``.
-            An object with ``is_set()`` and ``dropped()`` (the sequences to end at the next
-            host check, their clients gone) is read the same way.
+        hooks: the streaming, end-of-row and cancellation callbacks (``Hooks``).
     """
+    settings = SamplerSettings.given(settings, fields, "generate")
+    hooks = hooks or Hooks()
     cfg = model_config(model)
-    n, max_new_tokens, top_k, stop = _check_settings(
-        tokenizer, n, max_new_tokens, temperature, top_p, top_k, stop, eos_token_ids
-    )
-    batch_size = None if batch_size is None else check_int("batch_size", batch_size, 1)
+    settings = _check_settings(tokenizer, settings, eos_token_ids)
     check_every = None if check_every is None else check_int("check_every", check_every, 1)
     prompt_ids = _encode_prompts(tokenizer, prompts, getattr(cfg, "vocab_size", None))
+    max_new_tokens = settings.max_new_tokens
     _check_context(prompt_ids, max_new_tokens, getattr(cfg, "max_position_embeddings", None))
     eos_token_ids = eos_ids(model, tokenizer, eos_token_ids)
     device = next(model.parameters()).device
-    num_seq = len(prompt_ids) * n
+    num_seq = len(prompt_ids) * settings.n
     budgets = _check_budgets(budgets, len(prompt_ids), max_new_tokens)
     keys = check_row_keys(row_keys, len(prompt_ids))
-    states = row_states(seed_of(seed), keys.to(device), n)  # [N]
+    states = row_states(seed_of(seed), keys.to(device), settings.n)  # [N]
     runner = _Runner.of(
         model,
         tokenizer,
         cfg,
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        stop=stop,
+        settings=settings,
         eos_token_ids=torch.tensor(eos_token_ids, dtype=torch.long, device=device),
-        ignore_eos=ignore_eos,
         check_every=check_every,
-        on_tokens=on_tokens,
+        on_tokens=hooks.on_tokens,
         budgets=budgets,
-        on_done=on_done,
-        cancel=cancel,
+        on_done=hooks.on_done,
+        cancel=hooks.cancel,
     )
-    step = batch_size or num_seq
+    step = settings.batch_size or num_seq
     starts = range(0, num_seq, step)
     with eval_mode(model):
         parts = [runner.run(prompt_ids, states, i, min(i + step, num_seq)) for i in starts]
-    return _assemble(parts, prompt_ids, n, tokenizer.pad_token_id, device)
+    return _assemble(parts, prompt_ids, settings.n, tokenizer.pad_token_id, device)
 
 
-def _check_settings(tokenizer, n, max_new_tokens, temperature, top_p, top_k, stop, eos_token_ids):
-    """``generate``'s sampling arguments checked: ``(n, max_new_tokens, top_k, stop tuple)``."""
-    n = check_int("n", n, 1)
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    top_k = check_sampling("generate", temperature, top_p, top_k)
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if any(not isinstance(s, str) or s == "" for s in stop):
-        raise ValueError(f"generate(): stop must be non-empty strings, got {stop!r}")
+def _check_settings(tokenizer, settings: SamplerSettings, eos_token_ids) -> SamplerSettings:
+    """``generate``'s sampling settings checked, with ``top_k`` an int and ``temperature`` /
+    ``top_p`` floats."""
+    n = check_int("n", settings.n, 1)
+    max_new_tokens = check_int("max_new_tokens", settings.max_new_tokens, 1)
+    if settings.batch_size is not None:
+        check_int("batch_size", settings.batch_size, 1)
+    top_k = check_sampling("generate", settings.temperature, settings.top_p, settings.top_k)
+    if any(not isinstance(s, str) or s == "" for s in settings.stop):
+        raise ValueError(f"generate(): stop must be non-empty strings, got {settings.stop!r}")
     if tokenizer.pad_token_id is None:
         raise ValueError(
             "generate(): tokenizer has no pad token (tokenizer.pad_token_id is None); "
@@ -602,7 +642,13 @@ def _check_settings(tokenizer, n, max_new_tokens, temperature, top_p, top_k, sto
             "generate(): tokenizer has no eos token (tokenizer.eos_token_id is None); "
             "set tokenizer.eos_token or pass eos_token_ids"
         )
-    return n, max_new_tokens, top_k, stop
+    return settings.replace(
+        n=n,
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+        temperature=float(settings.temperature),
+        top_p=float(settings.top_p),
+    )
 
 
 def _check_budgets(budgets, num_prompts: int, max_new_tokens: int) -> list[int] | None:
@@ -685,14 +731,8 @@ class _Runner:
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
-    n: int  # samples per prompt
-    max_new_tokens: int
-    temperature: float  # 0 = greedy
-    top_p: float
-    top_k: int
-    stop: Sequence[str]
+    settings: SamplerSettings  # checked (``_check_settings``)
     eos_token_ids: torch.Tensor  # [E] long
-    ignore_eos: bool
     check_every: int  # host-side stop checks every this many tokens
     on_tokens: Callable[[list[int], list[int]], None] | None  # generate's streaming hook
     budgets: list[int] | None  # per prompt: its sequences' token limit (None: max_new_tokens)
@@ -703,6 +743,27 @@ class _Runner:
     bool_mask: bool  # sdpa takes a boolean attention mask
     logits_to_keep: bool  # the forward accepts logits_to_keep
     num_layers: int
+
+    @property
+    def n(self) -> int:  # samples per prompt
+        return self.settings.n
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.settings.max_new_tokens
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.settings.stop
+
+    @property
+    def ignore_eos(self) -> bool:
+        return self.settings.ignore_eos
+
+    @property
+    def sampling(self) -> tuple[float, float, int]:  # temperature (0 = greedy), top-p, top-k
+        s = self.settings
+        return s.temperature, s.top_p, s.top_k
 
     @classmethod
     def of(cls, model, tokenizer, cfg, *, check_every: int | None, **settings) -> _Runner:
@@ -716,7 +777,7 @@ class _Runner:
         )
         if check_every is None:
             check_every = 1 if device.type == "cpu" else 8
-        if settings["stop"]:
+        if settings["settings"].stop:
             check_every = 1
         sig = forward_signature(model)
         return cls(
@@ -819,9 +880,7 @@ class _Runner:
         cur = p_len  # cache length before this step's token
         for t in range(T):
             check_cancel(self.cancel)
-            tok, logp, sampler_logp = draw_tokens(
-                logits, u_local[rows, t], self.temperature, self.top_p, self.top_k
-            )
+            tok, logp, sampler_logp = draw_tokens(logits, u_local[rows, t], *self.sampling)
             tokens_out[rows, t] = tok
             logp_out[rows, t] = logp
             sampler_out[rows, t] = sampler_logp

@@ -75,6 +75,45 @@ class SamplerSettings:
     def replace(self, **changes) -> SamplerSettings:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def given(
+        cls,
+        settings: SamplerSettings | None,
+        fields: dict,
+        where: str,
+        *,
+        aliases: dict[str, str] | None = None,
+        defaults: dict | None = None,
+    ) -> SamplerSettings:
+        """``settings``, or the record built from its fields passed as keywords (``fields``;
+        a function's own name for a field in ``aliases``, its default in ``defaults``), so
+        that ``generate``, ``run_episodes`` and the harness runner take the record or its
+        fields and hold one record either way. A keyword that is no field is a TypeError
+        naming it, as for any function."""
+        if settings is not None:
+            if fields:
+                raise TypeError(
+                    f"{where}(): pass a SamplerSettings or its fields as keywords, not both "
+                    f"(got settings and {sorted(fields)})"
+                )
+            if not isinstance(settings, SamplerSettings):
+                raise TypeError(f"{where}(): settings must be a SamplerSettings, got {settings!r}")
+            return settings
+        aliases = aliases or {}
+        known = {f.name for f in dataclasses.fields(cls)} - set(aliases.values()) | set(aliases)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
+        values = {**(defaults or {}), **{aliases.get(k, k): v for k, v in fields.items()}}
+        missing = [
+            next((a for a, f in aliases.items() if f == name), name)
+            for name in ("n", "max_new_tokens")
+            if name not in values
+        ]
+        if missing:
+            raise TypeError(f"{where}() missing required keyword argument(s) {missing}")
+        return cls(**values)
+
 
 @dataclass
 class Samples:

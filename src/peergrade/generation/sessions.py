@@ -7,7 +7,7 @@ per open episode, the keys/values of the tokens its cache has seen (per layer, r
 no padding) and those tokens (``seen``), so a turn feeds only what the cache has not seen (the
 last sampled token and the template delta) and then samples.
 
-``run(jobs)`` answers jobs of one sampling setting whose ``session`` is set, and runs only their
+``run(jobs)`` answers jobs of one sampling setting (``Job.sampling``) whose ``session`` is set, and runs only their
 rows: it assembles a batched cache of just those episodes (``kernel.slab_cache_of``: each row
 right-aligned, zero "hole" columns before it, hidden as ``episodes.TurnEngine``'s cache with
 holes hides them; every row sees exactly its own tokens at positions 0, 1, 2, ...), feeds each
@@ -44,6 +44,7 @@ from peergrade.generation.kernel import (
     slab_rows,
     uniforms,
 )
+from peergrade.generation.record import SamplerSettings
 
 
 class Sessions:
@@ -51,18 +52,12 @@ class Sessions:
         self.model, self.tokenizer = model, tokenizer
         self.eos = set(eos_ids)
         self.device = next(model.parameters()).device
-        self.eng = TurnEngine(
+        self.eng = TurnEngine(  # each run samples with its jobs' settings (``TurnEngine.use``)
             model=model,
             tokenizer=tokenizer,
             eos_ids=eos_ids,
-            budget=10**9,
-            max_turns=None,
-            max_tokens_per_turn=10**9,
+            settings=SamplerSettings(n=1, max_new_tokens=10**9),
             max_pos=max_pos,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            stop=(),
             template_kw={},
             device=self.device,
         )
@@ -127,8 +122,8 @@ class Sessions:
             ):
                 del self.kv[j.session], self.seen[j.session]
         e, j0 = self.eng, jobs[0]
-        e.temperature, e.top_p, e.top_k, e.stop = j0.temperature, j0.top_p, j0.top_k, j0.stop
-        e.stop_window = max(len(x) for x in j0.stop) + 8 if j0.stop else 0
+        # the jobs' temperature, top-p, top-k and stop strings; their budgets are their own
+        e.use(j0.sampling.replace(max_new_tokens=10**9, max_turns=None, max_tokens_per_turn=None))
         eos = self.eos | set(j0.stop_ids)  # a job's own stop tokens end it as eos does
         T = max(j.max_tokens for j in jobs)
         keys = torch.tensor([j.key for j in jobs], dtype=torch.long, device=self.device)

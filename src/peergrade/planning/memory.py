@@ -429,18 +429,27 @@ def _critic_activations(a: dict, b: int, micro: int, L: int, checkpointing: bool
     return critic_layer * nl + micro * L * H * b
 
 
-#: [N, vocab] float32 buffers a sampling step holds at once: the logits, the tempered copy,
-#: its exp (or log-softmax) and the cumulative sum (or sort) the draw searches. Counted as two
-#: until 2026-12-02, the SmolLM2 evaluation's growth from 128 to 1,600 rows was 16% above the
-#: formula (4,060 MiB measured, 3,398 estimated; docs/memory.md); with four, 3,950: -2.7%.
-SAMPLER_VOCAB_BUFFERS = 4
+def __getattr__(name: str):
+    """``SAMPLER_VOCAB_BUFFERS``, importable from here as before: the sampler's own constant
+    (``generation.kernel``), read only when asked for (this module does not import torch)."""
+    if name == "SAMPLER_VOCAB_BUFFERS":
+        from peergrade.generation.kernel import SAMPLER_VOCAB_BUFFERS
+
+        return SAMPLER_VOCAB_BUFFERS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _generation_bytes(a: dict, b: int, *, rows: int, generation_batch, seq_len: int):
     """(KV cache, one step's [N, V] float32 logits and sampling buffers) of the largest
-    generation call: ``rows`` sequences, cut to ``generation_batch``."""
+    generation call: ``rows`` sequences, cut to ``generation_batch``. The sampler's formulas
+    (``generation.kernel``: ``kv_bytes_per_token``, ``SAMPLER_VOCAB_BUFFERS``), which the
+    endpoint's admission control counts with too; imported here, not at the top, so that this
+    module loads without torch."""
+    from peergrade.generation.kernel import SAMPLER_VOCAB_BUFFERS, kv_bytes_per_token
+
     gen_rows = min(rows, generation_batch or rows)
-    kv_cache = 2 * a["layers"] * a["kv_heads"] * a["head_dim"] * gen_rows * seq_len * b
+    per_token = kv_bytes_per_token(a["layers"], a["kv_heads"], a["head_dim"], b)
+    kv_cache = per_token * gen_rows * seq_len
     gen_logits = SAMPLER_VOCAB_BUFFERS * gen_rows * a["V"] * _F32
     return kv_cache, gen_logits
 

@@ -1,7 +1,8 @@
 """Episodes run by an external agent (a "harness") against the policy's own endpoint.
 
 ``HarnessRunner(model, tokenizer)`` starts the OpenAI-compatible server (``serving.server``)
-on a free local port, with a ``Recorder``. ``runner.run(fn, rows, n=G, ...)`` calls
+on a free local port, with a ``Recorder``. ``runner.run(fn, rows, settings, seed=...)``
+(``settings``: a ``generation.SamplerSettings``, or its fields as keywords) calls
 ``fn(row, base_url, model)`` (sync or ``async def``) once per (row, sample), each with a base URL
 private to that episode (``http://127.0.0.1:PORT/v1/episodes/<id>``), at most ``concurrency`` at
 once, and returns one ``HarnessResult`` each: the recorded ``envs.Episode`` (the same record
@@ -35,6 +36,7 @@ from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of
 from peergrade.envs.protocol import run_stoppable
 from peergrade.envs.template import render
 from peergrade.errors import describe_exit, users_own_stop
+from peergrade.generation.record import SamplerSettings
 from peergrade.serving.recorder import EpisodeSettings, Recorder
 from peergrade.serving.server import Engine, Server, build_app, mix_key
 
@@ -131,52 +133,46 @@ class HarnessRunner:
         self,
         fn: Callable,
         rows: Sequence[dict],
+        settings: SamplerSettings | None = None,
         *,
-        n: int,
-        max_completion_length: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str = (),
         seed: int = 0,
         row_keys: Sequence[int] | None = None,
-        max_turns: int | None = None,
-        max_tokens_per_turn: int | None = None,
         concurrency: int | None = None,
         timeout_s: float | None = None,
         pool: HarnessPool | None = None,
+        **fields,
     ) -> list[HarnessResult]:
         """One ``HarnessResult`` per (row, sample), episode ``i`` answering row ``i // n``.
+        ``settings``: the trainer's sampling, imposed on every request (``SamplerSettings``:
+        ``n`` episodes per row, ``max_new_tokens`` the budget of a whole episode,
+        ``max_turns``, ``max_tokens_per_turn``, temperature, top-p, top-k, stop strings), or
+        its fields as keywords (``max_completion_length`` for ``max_new_tokens``).
         The draws of an episode's turn ``k`` are keyed by (seed, the row's key, the sample
         index, k). ``pool``: a sync ``fn``'s calls run in these worker processes (the same
         harness, loaded there by name) instead of on threads of this process; the episodes
         are the same."""
+        aliases = {"max_completion_length": "max_new_tokens"}
+        settings = SamplerSettings.given(settings, fields, "HarnessRunner.run", aliases=aliases)
+        s = settings
+        sampling = s.replace(
+            temperature=float(s.temperature), top_p=float(s.top_p), top_k=int(s.top_k)
+        )
         self.engine.resume()  # after a stop (``stop_sampling``) the endpoint serves again
         is_async = inspect.iscoroutinefunction(fn)
         pool = pool if pool is not None and not is_async else None
         if pool is not None:
             pool.ensure()  # started, or a dead worker replaced
         keys = list(range(len(rows))) if row_keys is None else list(row_keys)
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        n = settings.n
         total = len(rows) * n
 
-        def settings(i: int) -> EpisodeSettings:
-            return EpisodeSettings(
-                max_completion_length=max_completion_length,
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                stop=stop,
-                seed=int(seed),
-                key=mix_key(keys[i // n], i % n),
-                max_turns=max_turns,
-                max_tokens_per_turn=max_tokens_per_turn,
-            )
+        def settings_of(i: int) -> EpisodeSettings:
+            return EpisodeSettings(sampling, seed=int(seed), key=mix_key(keys[i // n], i % n))
 
         async def one(i: int, gate: asyncio.Semaphore) -> HarnessResult:
             row = rows[i // n]
             async with gate:
-                rec = self.recorder.open(i // n, settings(i))
+                rec = self.recorder.open(i // n, settings_of(i))
                 base_url = f"{self.url}/v1/episodes/{rec.eid}"
                 error = kind = None
                 value = None

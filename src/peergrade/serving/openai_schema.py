@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from peergrade.generation.record import SamplerSettings
 
 __all__ = [
     "APIError",
@@ -217,16 +219,22 @@ def parse_tool_choice(v: Any) -> tuple[str, str | None]:
     )
 
 
+def _sampling(n: int = 1, **fields) -> SamplerSettings:
+    """A request's ``n``, temperature, top-p, top-k and stop strings as the one settings record
+    (its ``max_new_tokens`` is not read: ``Settings.max_tokens``, which may be unset, is the
+    budget)."""
+    return SamplerSettings(n, 1, **fields)
+
+
 @dataclass
 class Settings:
-    """A request's sampling settings, checked."""
+    """A request's settings, checked: how to sample (``sampling``, the sampler's own record:
+    ``n``, ``temperature`` (0 = greedy), ``top_p``, ``top_k`` (0 = off), ``stop``; read as
+    ``settings.n`` ...), the budget the client asked for (``max_tokens``; None: the server's)
+    and what the reply shows."""
 
-    n: int = 1
+    sampling: SamplerSettings = field(default_factory=_sampling)
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -245,6 +253,26 @@ class Settings:
     #: (field, why) of each field asked that this server cannot honour (a plain request is
     #: refused; a training episode ignores them: the trainer's sampling wins)
     unsupported: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
+
+    @property
+    def top_k(self) -> int:
+        return self.sampling.top_k
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.sampling.stop
 
 
 #: fields this server does not honour, when set to something that changes the reply
@@ -282,9 +310,21 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _sampled_as(body: dict, n: int) -> SamplerSettings:
+    """``temperature``, ``top_p``, ``top_k`` (-1 or 0: off) and ``stop`` of a request body (or
+    of vLLM's ``sampling_params``), checked, with ``n``."""
+    temperature = float(_number(body, "temperature", 1.0, 0, 2))
+    top_p = float(_number(body, "top_p", 1.0, 0, 1))
+    if top_p == 0:
+        raise APIError("'top_p' must be > 0", param="top_p")
+    top_k = max(int(_number(body, "top_k", 0, -1, None, integer=True)), 0)
+    stop = _stop(body.get("stop"))
+    return _sampling(n, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop)
+
+
 def parse_settings(body: dict, chat: bool) -> Settings:
     s = Settings()
-    s.n = _number(body, "n", 1, 1, 128, integer=True)
+    n = _number(body, "n", 1, 1, 128, integer=True)
     mt = body.get("max_completion_tokens") if chat else None
     echo = _flag(body, "echo")
     s.echo = not chat and echo
@@ -302,13 +342,7 @@ def parse_settings(body: dict, chat: bool) -> Settings:
         None,
         integer=True,
     )
-    s.temperature = float(_number(body, "temperature", 1.0, 0, 2))
-    s.top_p = float(_number(body, "top_p", 1.0, 0, 1))
-    if s.top_p == 0:
-        raise APIError("'top_p' must be > 0", param="top_p")
-    s.top_k = int(_number(body, "top_k", 0, -1, None, integer=True))
-    s.top_k = max(s.top_k, 0)
-    s.stop = _stop(body.get("stop"))
+    s.sampling = _sampled_as(body, n)
     s.seed = _number(body, "seed", None, None, None, integer=True)
     if chat:
         s.logprobs = _flag(body, "logprobs")
@@ -483,14 +517,9 @@ def parse_generate(body: dict, vocab_size: int) -> TokenRequest:
     if not isinstance(sp, dict):
         raise APIError("'sampling_params' must be an object", param="sampling_params")
     s = Settings()
-    s.n = _number(sp, "n", 1, 1, 128, integer=True)
+    n = _number(sp, "n", 1, 1, 128, integer=True)
     s.max_tokens = _number(sp, "max_tokens", None, 1, None, integer=True)  # None: not given
-    s.temperature = float(_number(sp, "temperature", 1.0, 0, 2))
-    s.top_p = float(_number(sp, "top_p", 1.0, 0, 1))
-    if s.top_p == 0:
-        raise APIError("'top_p' must be > 0", param="top_p")
-    s.top_k = max(int(_number(sp, "top_k", 0, -1, None, integer=True)), 0)
-    s.stop = _stop(sp.get("stop"))
+    s.sampling = _sampled_as(sp, n)
     s.seed = _number(sp, "seed", None, None, None, integer=True)
     lp = _number(sp, "logprobs", None, 0, 20, integer=True)
     s.logprobs, s.top_logprobs = lp is not None, lp or 0

@@ -54,41 +54,33 @@ from dataclasses import dataclass, field, replace
 
 from peergrade.envs.episode import Episode
 from peergrade.envs.template import TemplateError, turn_delta
+from peergrade.generation.record import SamplerSettings
 from peergrade.serving.openai_schema import (
     APIError,
     canonical,
-    normalise_messages,
-    offered_tools,
-    parse_generate,
     parse_prompts,
-    parse_settings,
 )
-from peergrade.serving.responses import ResponseStore, answer
+from peergrade.serving.responses import ResponseStore
 from peergrade.serving.server import (
     Handler,
     Job,
     Sampled,
-    completion_response,
     forced_prefix,
     mix_key,
     render_prompt,
-    token_response,
 )
 
 
 @dataclass(frozen=True)
 class EpisodeSettings:
-    """What the trainer imposes on one episode's requests."""
+    """What the trainer imposes on one episode's requests: its sampling (``sampling``: the
+    temperature, top-p, top-k and stop strings, and the budgets: ``max_new_tokens`` of the
+    whole episode after its prompt, ``max_turns``, ``max_tokens_per_turn``), the draws' seed
+    and the episode's key ((prompt's global index, sample index) mixed)."""
 
-    max_completion_length: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
+    sampling: SamplerSettings
     seed: int = 0
-    key: int = 0  # the episode's key: (prompt's global index, sample index) mixed
-    max_turns: int | None = None
-    max_tokens_per_turn: int | None = None
+    key: int = 0
 
 
 @dataclass
@@ -124,9 +116,7 @@ class Recording:
 def _imposed(asked, s: EpisodeSettings):
     """The client's settings with the trainer's sampling in place (temperature, top-p, top-k,
     stop strings; no seed): the client keeps only what cannot change the policy's draws."""
-    return replace(
-        asked, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=s.stop, seed=None
-    )
+    return replace(asked, sampling=s.sampling.replace(n=asked.n), seed=None)
 
 
 async def _events(events: list[str]):
@@ -141,7 +131,8 @@ def _again(answer):
 
 class Recorder:
     """The episodes a server records, by id. ``open`` and ``close`` are called by the trainer
-    (any thread); ``chat`` runs on the server's event loop."""
+    (any thread); the server's routes answer an episode's requests the ``way`` it gives
+    (``Recorded``), on the server's event loop."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -177,25 +168,9 @@ class Recorder:
             )
         return rec
 
-    async def chat(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
-        """A chat request of the episode. ``retry``: the client says it re-sends a request
-        (the ``openai`` client's ``x-stainless-retry-count`` header); see ``_one_at_a_time``."""
-        call = self._chat(handler, rec, body)
-        return await self._one_at_a_time(rec, call, ("chat", body), retry)
-
-    async def generate(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
-        call = self._generate(handler, rec, body)
-        return await self._one_at_a_time(rec, call, ("generate", body), retry)
-
-    async def completions(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
-        call = self._completion(handler, rec, body)
-        return await self._one_at_a_time(rec, call, ("completions", body), retry)
-
-    async def responses(self, handler: Handler, rec: Recording, body: dict, retry: bool = False):
-        """A Responses API request: recorded as the chat request it means."""
-        chat = lambda b: self._chat(handler, rec, b)  # noqa: E731
-        call = answer(body, rec.stored, chat)
-        return await self._one_at_a_time(rec, call, ("responses", body), retry)
+    def way(self, rec: Recording) -> Recorded:
+        """How the server's routes answer a request of ``rec`` (``Recorded``)."""
+        return Recorded(self, rec)
 
     async def _one_at_a_time(self, rec: Recording, request, key: tuple, retry: bool):
         """``request`` run once the episode's earlier requests are answered (each extends the
@@ -221,119 +196,6 @@ class Recorder:
                 result = [event async for event in result]
             rec.last = (key, result)
             return _again(result)
-
-    async def _chat(self, handler: Handler, rec: Recording, body: dict):
-        model = handler.check_model(body)
-        asked = parse_settings(body, chat=True)
-        if asked.n != 1:
-            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
-        messages = normalise_messages(body.get("messages"))
-        tools = offered_tools(body, asked)  # tool_choice none: as the plain route renders it
-        rec.requests += 1
-        settings = _imposed(asked, rec.settings)
-        prefix, fed = forced_prefix(self.engine, tools, asked)  # before the record changes
-        ep = self._segment(rec, messages, tools, asked.template_kwargs)
-        if fed and not ep.finish_reason:  # a forced call's start, fed, not sampled: mask 0
-            self._extend(rec, list(fed), [])
-        full = ep.prompt_ids + ep.completion_ids
-        sampled = await self._turn(
-            handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=asked.prompt_logprobs
-        )
-        if sampled.token_ids:
-            sampled.text = prefix + sampled.text
-        response, pairs = handler.chat_response(model, settings, tools, full, [sampled])
-        if sampled.token_ids:
-            msg = pairs[0][1]["template"]
-            rec.messages.append(msg)
-            ep.messages.append(msg)
-            ep.tool_calls += len(msg.get("tool_calls") or [])
-            ep.tool_failures += len(pairs[0][1]["tool_errors"])
-        return response
-
-    async def _generate(self, handler: Handler, rec: Recording, body: dict):
-        """A token-in request (vLLM's ``/inference/v1/generate``, as verifiers' ``TrainClient``
-        sends it): its token ids extend the recorded ones (the rest is appended, loss mask 0)
-        or start a new segment; the reply's tokens are recorded as a chat reply's are."""
-        handler.check_model(body)
-        req = parse_generate(body, len(self.engine.tokenizer))
-        if req.settings.n != 1:
-            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
-        rec.requests += 1
-        ep = self._token_segment(rec, req.prompt_ids)
-        sampled = await self._turn(
-            handler,
-            rec,
-            req.settings.max_tokens,
-            req.stop_ids,
-            scored=req.settings.prompt_logprobs,
-        )
-        if sampled.token_ids:
-            ep.messages.append({"role": "assistant", "content": sampled.text})
-        # no top log-probs: the trainer's sampling
-        return token_response(self.engine, req, [sampled])
-
-    async def _completion(self, handler: Handler, rec: Recording, body: dict):
-        """A ``/v1/completions`` request: a prompt of token ids goes on as a token request's
-        does (``_token_segment``), a string as text (``_text_segment``); the reply's tokens
-        are recorded as a chat reply's are, and answered in the plain route's shape."""
-        model = handler.check_model(body)
-        asked = parse_settings(body, chat=False)
-        if asked.n != 1:
-            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
-        tok, raw = self.engine.tokenizer, body.get("prompt")
-        prompts = parse_prompts(raw, self.engine.encode, len(tok))
-        if len(prompts) != 1:
-            raise APIError("a training episode takes one prompt per request", param="prompt")
-        text = raw if isinstance(raw, str) else raw[0] if isinstance(raw[0], str) else None
-        rec.requests += 1
-        if text is None:
-            ep = self._token_segment(rec, prompts[0])
-        else:
-            ep = self._text_segment(rec, text, prompts[0])
-        full = ep.prompt_ids + ep.completion_ids
-        scored = asked.prompt_logprobs
-        if asked.echo and asked.logprobs:  # the prompt's tokens scored too, as on the plain route
-            scored = max(asked.top_logprobs, scored or 0)
-        sampled = await self._turn(
-            handler, rec, asked.max_tokens, top=asked.top_logprobs, scored=scored
-        )
-        if sampled.token_ids:
-            ep.messages.append({"role": "assistant", "content": sampled.text})
-            if rec.kind == "text":
-                rec.text += tok.decode(sampled.token_ids, skip_special_tokens=True)
-        settings = _imposed(asked, rec.settings)  # the answer cuts at the trainer's stop strings
-        echo = [tok.decode(full) if asked.echo else ""]
-        return completion_response(self.engine, model, settings, [full], echo, [sampled])
-
-    async def _turn(
-        self,
-        handler: Handler,
-        rec: Recording,
-        max_tokens: int | None,
-        stop_ids=(),
-        top: int = 0,
-        scored: int | None = None,
-    ) -> Sampled:
-        """The next turn of the current segment within every budget (the client's
-        ``max_tokens`` can only shorten it); an empty reply once a budget is spent. ``top``:
-        the client's ``top_logprobs`` (under the trainer's temperature); ``scored``: its
-        ``prompt_logprobs`` (the segment's tokens so far scored, as on the plain route)."""
-        ep, s = rec.episode, rec.settings
-        full = ep.prompt_ids + ep.completion_ids
-        if not ep.finish_reason and s.max_turns is not None and ep.num_turns >= s.max_turns:
-            ep.finish_reason = "max_turns"
-        limit = min(
-            s.max_tokens_per_turn or s.max_completion_length,
-            s.max_completion_length - len(ep.completion_ids),
-            self.engine.max_pos - len(full),
-        )
-        if max_tokens is not None:
-            limit = min(limit, max_tokens)
-        if not ep.finish_reason and limit <= 0:
-            ep.finish_reason = "length"
-        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
-            return Sampled([], [], "", "length")
-        return await self._sample_turn(handler, rec, full, limit, max_tokens, stop_ids, top, scored)
 
     def _token_segment(self, rec: Recording, ids: list[int]) -> Episode:
         """The segment token ids ``ids`` go on: the current one when they extend its tokens
@@ -414,53 +276,6 @@ class Recorder:
             rec.kind = "chat"
         return ep
 
-    async def _sample_turn(
-        self,
-        handler: Handler,
-        rec: Recording,
-        full: list[int],
-        limit: int,
-        max_tokens: int | None,
-        stop_ids=(),
-        top: int = 0,
-        scored: int | None = None,
-    ) -> Sampled:
-        """One model turn after ``full`` (at most ``limit`` tokens), appended to the episode
-        (loss mask 1), and the episode ended if a budget cut it (``max_tokens``: the client's)."""
-        ep, s = rec.episode, rec.settings
-        job = Job(
-            full,
-            limit,
-            s.temperature,
-            s.top_p,
-            s.top_k,
-            s.stop,
-            seed=s.seed,
-            key=mix_key(s.key, rec.turns),
-            session=rec.eid,
-            stop_ids=tuple(stop_ids),
-            top_logprobs=top,
-            prompt_logprobs=scored,
-        )
-        rec.turns += 1
-        (sampled,) = await handler.sample([job])
-        ep.completion_ids += sampled.token_ids
-        ep.loss_mask += [1] * len(sampled.token_ids)
-        ep.logprobs += sampled.logprobs
-        ep.sampler_logprobs += sampled.sampler_logprobs or sampled.logprobs
-        ep.num_turns += 1
-        rec.last_end = sampled.finish
-        if sampled.finish == "length":
-            tight = (
-                len(ep.completion_ids) >= s.max_completion_length
-                or len(ep.prompt_ids) + len(ep.completion_ids) >= self.engine.max_pos
-            )
-            # the client's own max_tokens cut it: the episode may go on (after the
-            # template's end-of-turn token, as after a stop string)
-            if tight or max_tokens is None or len(sampled.token_ids) < max_tokens:
-                ep.finish_reason = "length" if tight else "turn_length"
-        return sampled
-
     def _extends(self, rec: Recording, messages: list[dict], tools, tkw=None) -> bool:
         """Whether ``messages`` continue the recorded conversation after a sampled reply
         (with the same tools and template variables, so it renders as it did)."""
@@ -498,7 +313,7 @@ class Recorder:
         in-process engine ends it."""
         ep, s = rec.episode, rec.settings
         total = len(ep.completion_ids) + len(delta)
-        if total > s.max_completion_length or len(ep.prompt_ids) + total > self.engine.max_pos:
+        if total > s.sampling.max_new_tokens or len(ep.prompt_ids) + total > self.engine.max_pos:
             ep.finish_reason = "env_over_budget"  # dropped, as the engine drops it
             return
         if new is None:
@@ -511,3 +326,145 @@ class Recorder:
         ep.loss_mask += [0] * len(delta)
         ep.logprobs += [0.0] * len(delta)
         ep.sampler_logprobs += [0.0] * len(delta)
+
+
+class Recorded:
+    """A training episode's way of answering a request, with ``server.Plain``'s methods (the
+    server's routes call them): the prompt extends the recorded episode (or splits it: see
+    the module doc), the trainer's settings win, one reply per request, recorded as tokens
+    and sent whole (a stream is replayed). One per request."""
+
+    live = False  # the reply is recorded, then sent
+
+    def __init__(self, recorder: Recorder, rec: Recording):
+        self.recorder, self.rec, self.engine = recorder, rec, recorder.engine
+        self.top = True  # the client's top log-probs are computed (not on the token route)
+        self.max_tokens: int | None = None  # the client's, of this request (``jobs``)
+
+    def check(self, asked) -> None:
+        if asked.n != 1:
+            raise APIError("a training episode samples one reply per request ('n': 1)", param="n")
+
+    def settings(self, asked):
+        return _imposed(asked, self.rec.settings)
+
+    def stored(self, handler: Handler) -> ResponseStore:
+        return self.rec.stored
+
+    async def chat_prompt(self, handler: Handler, messages, tools, asked):
+        """(the episode's tokens so far, forced prefix text): the messages extend the
+        recorded conversation (or split it), then a forced call's start is fed (mask 0)."""
+        rec = self.rec
+        rec.requests += 1
+        prefix, fed = forced_prefix(self.engine, tools, asked)  # before the record changes
+        ep = self.recorder._segment(rec, messages, tools, asked.template_kwargs)
+        if fed and not ep.finish_reason:  # a forced call's start, fed, not sampled: mask 0
+            self.recorder._extend(rec, list(fed), [])
+        return ep.prompt_ids + ep.completion_ids, prefix
+
+    async def text_prompts(self, handler: Handler, raw) -> list[list[int]]:
+        """A ``/v1/completions`` prompt: token ids go on as a token request's do
+        (``_token_segment``), a string as text (``_text_segment``)."""
+        tok, rec = self.engine.tokenizer, self.rec
+        prompts = parse_prompts(raw, self.engine.encode, len(tok))
+        if len(prompts) != 1:
+            raise APIError("a training episode takes one prompt per request", param="prompt")
+        text = raw if isinstance(raw, str) else raw[0] if isinstance(raw[0], str) else None
+        rec.requests += 1
+        if text is None:
+            ep = self.recorder._token_segment(rec, prompts[0])
+        else:
+            ep = self.recorder._text_segment(rec, text, prompts[0])
+        return [ep.prompt_ids + ep.completion_ids]
+
+    def token_prompt(self, handler: Handler, ids: list[int]) -> list[int]:
+        """A token-in request (vLLM's ``/inference/v1/generate``, as verifiers'
+        ``TrainClient`` sends it): its ids extend the recorded ones (the rest appended, mask
+        0) or start a new segment. No top log-probs here: the trainer's sampling."""
+        self.rec.requests += 1
+        self.top = False
+        ep = self.recorder._token_segment(self.rec, ids)
+        return ep.prompt_ids + ep.completion_ids
+
+    def jobs(self, handler: Handler, prompts, asked, max_tokens, stop_ids=()) -> list[Job]:
+        """The episode's next turn, within every budget (the client's ``max_tokens`` can
+        only shorten it): one job, or none once a budget is spent (an empty reply). Its
+        top log-probs are the client's ``top_logprobs`` (under the trainer's temperature);
+        its prompt log-probs the client's ``prompt_logprobs`` (the segment's tokens so far
+        scored, as on the plain route)."""
+        rec, s = self.rec, self.rec.settings
+        ep, sampling = rec.episode, s.sampling
+        self.max_tokens = asked.max_tokens
+        full = ep.prompt_ids + ep.completion_ids
+        if (
+            not ep.finish_reason
+            and sampling.max_turns is not None
+            and ep.num_turns >= sampling.max_turns
+        ):
+            ep.finish_reason = "max_turns"
+        limit = min(
+            sampling.max_tokens_per_turn or sampling.max_new_tokens,
+            sampling.max_new_tokens - len(ep.completion_ids),
+            self.engine.max_pos - len(full),
+        )
+        if asked.max_tokens is not None:
+            limit = min(limit, asked.max_tokens)
+        if not ep.finish_reason and limit <= 0:
+            ep.finish_reason = "length"
+        if ep.finish_reason:  # a budget is spent: an empty reply, nothing sampled
+            return []
+        job = Job(
+            full,
+            limit,
+            sampling,
+            seed=s.seed,
+            key=mix_key(s.key, rec.turns),
+            session=rec.eid,
+            stop_ids=tuple(stop_ids),
+            top_logprobs=asked.top_logprobs if self.top else 0,
+            prompt_logprobs=asked.prompt_logprobs,
+        )
+        rec.turns += 1
+        return [job]
+
+    async def sample(self, handler: Handler, jobs: list[Job]) -> list[Sampled]:
+        """The turn sampled and appended to the episode (loss mask 1), and the episode ended
+        if a budget cut it; an empty reply when there is no turn to sample."""
+        if not jobs:
+            return [Sampled([], [], "", "length")]
+        (sampled,) = await handler.sample(jobs)
+        rec, ep = self.rec, self.rec.episode
+        ep.completion_ids += sampled.token_ids
+        ep.loss_mask += [1] * len(sampled.token_ids)
+        ep.logprobs += sampled.logprobs
+        ep.sampler_logprobs += sampled.sampler_logprobs or sampled.logprobs
+        ep.num_turns += 1
+        rec.last_end = sampled.finish
+        if sampled.finish == "length":
+            tight = (
+                len(ep.completion_ids) >= rec.settings.sampling.max_new_tokens
+                or len(ep.prompt_ids) + len(ep.completion_ids) >= self.engine.max_pos
+            )
+            # the client's own max_tokens cut it: the episode may go on (after the
+            # template's end-of-turn token, as after a stop string)
+            mt = self.max_tokens
+            if tight or mt is None or len(sampled.token_ids) < mt:
+                ep.finish_reason = "length" if tight else "turn_length"
+        return [sampled]
+
+    def replied(self, sampled: Sampled, chat: dict | None) -> None:
+        """The reply kept in the record's conversation: a chat reply's message as the
+        template renders it (``chat``: its choice's parts), else the text."""
+        if not sampled.token_ids:
+            return
+        rec, ep = self.rec, self.rec.episode
+        if chat is not None:
+            msg = chat["template"]
+            rec.messages.append(msg)
+            ep.messages.append(msg)
+            ep.tool_calls += len(msg.get("tool_calls") or [])
+            ep.tool_failures += len(chat["tool_errors"])
+            return
+        ep.messages.append({"role": "assistant", "content": sampled.text})
+        if rec.kind == "text":
+            rec.text += self.engine.tokenizer.decode(sampled.token_ids, skip_special_tokens=True)

@@ -81,13 +81,17 @@ from typing import Any
 from peergrade.envs.template import render, renders_tools, template_name, tool_names
 from peergrade.envs.tools import parse_tool_calls
 from peergrade.generation.kernel import (
+    SAMPLER_VOCAB_BUFFERS,
     GenerationCancelled,
+    Hooks,
     check_cancel,
     cut_after_stop,
     default_eos_ids,
     eval_mode,
     generate,
+    model_kv_bytes_per_token,
 )
+from peergrade.generation.record import SamplerSettings
 from peergrade.model.logprobs import PositionScores, position_logprobs
 from peergrade.serving.openai_schema import (
     APIError,
@@ -116,6 +120,7 @@ __all__ = [
     "APIError",
     "Engine",
     "Job",
+    "Limits",
     "Server",
     "Settings",
     "build_app",
@@ -161,10 +166,9 @@ class Job:
 
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
+    #: temperature, top-p, top-k and stop strings (its ``n`` and ``max_new_tokens`` are not
+    #: read: a job is one sequence, ``max_tokens`` its budget)
+    sampling: SamplerSettings = field(default_factory=lambda: SamplerSettings(1, 1))
     seed: int = 0
     key: int = 0
     top_logprobs: int = 0  # > 0: the top tokens' log-probs at every position
@@ -176,7 +180,8 @@ class Job:
     on_token: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     def group(self) -> tuple:
-        return (self.temperature, self.top_p, self.top_k, self.stop, self.seed, self.stop_ids)
+        s = self.sampling
+        return (s.temperature, s.top_p, s.top_k, s.stop, self.seed, self.stop_ids)
 
 
 @dataclass
@@ -456,7 +461,7 @@ class Engine:
             j, (ids, lps, slps, finish) = jobs[i], res
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if finish == "stop":
-                text = cut_after_stop(text, j.stop)
+                text = cut_after_stop(text, j.sampling.stop)
             done(i, self._sampled(j, ids, lps, slps, text, finish))
 
         self.sessions.run(jobs, ended)
@@ -486,23 +491,22 @@ class Engine:
 
         self.calls += 1
         self.jobs += len(jobs)
+        live = hand_on if any(j.on_token is not None for j in jobs) else None
         generate(
             self.model,
             self.tokenizer,
             [j.prompt_ids for j in jobs],
-            n=1,
-            max_new_tokens=max(j.max_tokens for j in jobs),
-            temperature=j0.temperature,
-            top_p=j0.top_p,
-            top_k=j0.top_k,
-            stop=j0.stop,
+            j0.sampling.replace(
+                n=1,
+                max_new_tokens=max(j.max_tokens for j in jobs),
+                batch_size=None,
+                ignore_eos=False,
+            ),
             seed=j0.seed,
             row_keys=[j.key for j in jobs],
             eos_token_ids=sorted({*self.eos_ids, *j0.stop_ids}),
-            on_tokens=hand_on if any(j.on_token is not None for j in jobs) else None,
             budgets=[j.max_tokens for j in jobs],
-            on_done=ended,
-            cancel=self._cancel if cancel is None else cancel,
+            hooks=Hooks(live, ended, self._cancel if cancel is None else cancel),
         )
 
     def _scored_only(self, job: Job) -> Sampled:
@@ -528,7 +532,7 @@ class Engine:
                 job.prompt_ids + ids,
                 len(job.prompt_ids),
                 job.top_logprobs,
-                job.temperature,
+                job.sampling.temperature,
             ).top
 
     def _prompt_logprobs(self, job: Job) -> PositionScores:
@@ -541,31 +545,17 @@ class Engine:
             return position_logprobs(self.model, job.prompt_ids, 1, job.prompt_logprobs)
 
 
-#: the sampler's float32 [rows, vocab] buffers per row (``planning.memory``'s
-#: ``SAMPLER_VOCAB_BUFFERS``: logits, probabilities, their sorted copies)
-_SAMPLER_VOCAB_BUFFERS = 4
-
-
 def kv_bytes_per_token(model) -> int:
-    """Bytes of KV cache one token of one sequence takes: keys and values of every layer
-    (``2 * layers * kv_heads * head_dim`` in the model's dtype), the memory planner's formula
-    (``planning.memory._generation_bytes``)."""
-    import torch
-
-    cfg = model.config
-    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * size
+    """Bytes of KV cache one token of one sequence takes (``kernel.model_kv_bytes_per_token``:
+    the memory planner's formula)."""
+    return model_kv_bytes_per_token(model)
 
 
 def row_overhead_tokens(model) -> int:
-    """The sampler's per-row buffers (``_SAMPLER_VOCAB_BUFFERS`` float32 rows of the
+    """The sampler's per-row buffers (``kernel.SAMPLER_VOCAB_BUFFERS`` float32 rows of the
     vocabulary) in KV cache token slots, so that a request's cost is one number."""
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-    return -(-(_SAMPLER_VOCAB_BUFFERS * vocab * 4) // kv_bytes_per_token(model))
+    return -(-(SAMPLER_VOCAB_BUFFERS * vocab * 4) // kv_bytes_per_token(model))
 
 
 def default_batch_tokens(model, max_pos: int, memory_bytes: int | None = None) -> int:
@@ -1003,6 +993,56 @@ def token_response(engine: Engine, req: TokenRequest, sampled: list[Sampled]) ->
 # ----------------------------------------------------------------------------- the app
 
 
+class Plain:
+    """The plain routes' way of answering: the prompt is the request's own (its messages
+    rendered, its text encoded, its token ids), the client's sampling settings win (a field
+    this server cannot honour is refused), ``n`` samples, streamed live. A training
+    episode's way (``recorder.Recorded``) has the same methods."""
+
+    live = True  # streams are sent as the tokens are sampled
+
+    def check(self, asked: Settings) -> None:
+        refuse_unsupported(asked)
+
+    def settings(self, asked: Settings) -> Settings:
+        """The settings the reply is sampled and shown with: the client's."""
+        return asked
+
+    def stored(self, handler: Handler) -> ResponseStore:
+        return handler.stored
+
+    async def chat_prompt(self, handler: Handler, messages, tools, asked: Settings):
+        """(prompt ids, forced prefix text): the messages rendered with the generation
+        prompt, then the start of a forced tool call (``forced_prefix``)."""
+        kw = asked.template_kwargs
+        prompt_ids = await handler.off_loop(render_prompt, handler.engine, messages, tools, kw)
+        prefix, fed = await handler.off_loop(forced_prefix, handler.engine, tools, asked)
+        return prompt_ids + fed, prefix
+
+    async def text_prompts(self, handler: Handler, raw) -> list[list[int]]:
+        tok = handler.engine.tokenizer
+        return await handler.off_loop(parse_prompts, raw, handler.engine.encode, len(tok))
+
+    def token_prompt(self, handler: Handler, ids: list[int]) -> list[int]:
+        return ids
+
+    def jobs(self, handler: Handler, prompts, asked: Settings, max_tokens, stop_ids=()):
+        """``n`` jobs per prompt, each within the context (``max_tokens`` None: the server's
+        default budget), admitted or refused at once (``Engine.check_fits``)."""
+        jobs = []
+        for ids in prompts:
+            jobs += handler.jobs(ids, asked, handler.budget(ids, max_tokens), stop_ids)
+        if len(prompts) > 1:
+            handler.engine.check_fits(jobs, param="prompt")
+        return jobs
+
+    async def sample(self, handler: Handler, jobs: list[Job]) -> list[Sampled]:
+        return await handler.sample(jobs)
+
+    def replied(self, sampled: Sampled, chat: dict | None) -> None:
+        """Nothing is kept of a plain request."""
+
+
 class Handler:
     """The endpoint's logic, independent of the HTTP framework (the app calls it)."""
 
@@ -1054,10 +1094,7 @@ class Handler:
             Job(
                 list(prompt_ids),
                 max_tokens,
-                settings.temperature,
-                settings.top_p,
-                settings.top_k,
-                settings.stop,
+                settings.sampling,
                 seed=0,
                 key=mix_key(base, i),
                 top_logprobs=settings.top_logprobs,
@@ -1070,34 +1107,38 @@ class Handler:
         self.engine.check_fits(jobs)
         return jobs
 
-    async def generate(self, body: dict) -> dict:
+    # ---- the routes: each once, the strategy (``way``) says where the prompt comes from and
+    # whose settings win: ``Plain`` (this module) or a training episode's
+    # (``recorder.Recorded``)
+
+    async def generate(self, body: dict, way=None) -> dict:
         """vLLM's token-in ``POST /inference/v1/generate``: token ids in, token ids and
         log-probs out (``openai_schema.parse_generate``)."""
+        way = way or Plain()
         self.check_model(body)
         req = await self.off_loop(parse_generate, body, len(self.engine.tokenizer))
-        refuse_unsupported(req.settings)
+        way.check(req.settings)
+        prompt_ids = way.token_prompt(self, req.prompt_ids)
         asked = 16 if req.settings.max_tokens is None else req.settings.max_tokens  # vLLM's
-        max_tokens = self.budget(req.prompt_ids, asked)
-        jobs = self.jobs(req.prompt_ids, req.settings, max_tokens, req.stop_ids)
-        return token_response(self.engine, req, await self.sample(jobs))
+        jobs = way.jobs(self, [prompt_ids], req.settings, asked, req.stop_ids)
+        sampled = await way.sample(self, jobs)
+        way.replied(sampled[0], None)
+        return token_response(self.engine, req, sampled)
 
     async def sample(self, jobs: list[Job]) -> list[Sampled]:
         return await asyncio.wrap_future(self.engine.submit(jobs))
 
-    async def chat(self, body: dict):
+    async def chat(self, body: dict, way=None):
+        way = way or Plain()
         model = self.check_model(body)
-        settings = parse_settings(body, chat=True)
-        refuse_unsupported(settings)
+        asked = parse_settings(body, chat=True)
+        way.check(asked)
         messages = normalise_messages(body.get("messages"))
-        tools = offered_tools(body, settings)
-        prompt_ids = await self.off_loop(
-            render_prompt, self.engine, messages, tools, settings.template_kwargs
-        )
-        prefix, fed = await self.off_loop(forced_prefix, self.engine, tools, settings)
-        prompt_ids = prompt_ids + fed
-        max_tokens = self.budget(prompt_ids, settings.max_tokens)
-        jobs = self.jobs(prompt_ids, settings, max_tokens)
-        if settings.stream and not settings.logprobs and not prefix:
+        tools = offered_tools(body, asked)  # tool_choice none: no tools rendered
+        settings = way.settings(asked)
+        prompt_ids, prefix = await way.chat_prompt(self, messages, tools, asked)
+        jobs = way.jobs(self, [prompt_ids], asked, asked.max_tokens)
+        if way.live and settings.stream and not settings.logprobs and not prefix:
             return live_chat(
                 self.engine,
                 model,
@@ -1107,10 +1148,13 @@ class Handler:
                 jobs,
                 lambda i, s: chat_choice(self.engine, i, s, settings, tools)[0],
             )
-        sampled = await self.sample(jobs)
-        for sm in sampled:
-            sm.text = prefix + sm.text
-        return self.chat_response(model, settings, tools, prompt_ids, sampled)[0]
+        sampled = await way.sample(self, jobs)
+        for sm in sampled:  # a forced call's start before the reply (none before an empty one)
+            if sm.token_ids:
+                sm.text = prefix + sm.text
+        response, pairs = self.chat_response(model, settings, tools, prompt_ids, sampled)
+        way.replied(sampled[0], pairs[0][1])
+        return response
 
     def chat_response(self, model, settings, tools, prompt_ids, sampled):
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
@@ -1134,43 +1178,45 @@ class Handler:
             out["prompt_logprobs"] = prompt_logprobs(self.engine, prompt_ids, sampled[0], settings)
         return out, pairs
 
-    async def responses(self, body: dict):
-        """OpenAI's Responses API, answered through the chat route (``serving.responses``)."""
-        return await answer(body, self.stored, self.chat)
+    async def responses(self, body: dict, way=None):
+        """OpenAI's Responses API, answered through the chat route (``serving.responses``),
+        with the way's store of earlier responses (``previous_response_id``)."""
+        way = way or Plain()
+        return await answer(body, way.stored(self), lambda b: self.chat(b, way))
 
-    async def completions(self, body: dict):
+    async def completions(self, body: dict, way=None):
+        way = way or Plain()
         model = self.check_model(body)
         settings = parse_settings(body, chat=False)
-        refuse_unsupported(settings)
+        way.check(settings)
         tok = self.engine.tokenizer
-        prompts = await self.off_loop(
-            parse_prompts, body.get("prompt"), self.engine.encode, len(tok)
-        )
+        prompts = await way.text_prompts(self, body.get("prompt"))
         asked = settings.max_tokens if settings.max_tokens is not None else 16
-        jobs = []  # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
-        for ids in prompts:
-            jobs += self.jobs(ids, settings, self.budget(ids, asked))
-        self.engine.check_fits(jobs, param="prompt")
+        # choice p * n + i: prompt p's i-th sample, as OpenAI and vLLM number them
+        jobs = way.jobs(self, prompts, settings, asked)
         if settings.echo and settings.logprobs:  # the prompt's tokens scored too
             for j in jobs:
                 j.prompt_logprobs = max(settings.top_logprobs, j.prompt_logprobs or 0)
+        shown = way.settings(settings)  # the answer cuts at the stop strings sampled with
         echoes = [""] * len(prompts)
         if settings.echo:
             echoes = await self.off_loop(lambda: [tok.decode(ids) for ids in prompts])
-        if settings.stream and not settings.logprobs and len(prompts) == 1 and asked > 0:
+        one = len(prompts) == 1 and asked > 0
+        if way.live and one and settings.stream and not settings.logprobs:
             return live_completion(
                 self.engine,
                 model,
-                settings,
+                shown,
                 prompts[0],
                 jobs,
-                lambda i, s: completion_choice(self.engine, i, s, settings),
+                lambda i, s: completion_choice(self.engine, i, s, shown),
                 echoes[0],
             )
-        sampled = await self.sample(jobs)
+        sampled = await way.sample(self, jobs)
         for i, sm in enumerate(sampled):  # a prompt's samples share its scores
             sm.prompt = sm.prompt or sampled[i - i % settings.n].prompt
-        return completion_response(self.engine, model, settings, prompts, echoes, sampled)
+        way.replied(sampled[0], None)
+        return completion_response(self.engine, model, shown, prompts, echoes, sampled)
 
     def models(self) -> dict:
         return {
@@ -1301,6 +1347,23 @@ def _route(fn):
     return endpoint
 
 
+async def _http_error(request, exc):
+    """No such route, or not this method (starlette's ``HTTPException``): OpenAI's error
+    shape, as every other refusal."""
+    from starlette.responses import JSONResponse
+
+    if exc.status_code == 404:
+        msg = f"there is no route {request.url.path} (the OpenAI API is under /v1)"
+        code = "not_found"
+    elif exc.status_code == 405:
+        msg = f"{request.method} is not allowed on {request.url.path}"
+        code = "method_not_allowed"
+    else:
+        msg, code = str(exc.detail), None
+    body = APIError(msg, status=exc.status_code, code=code).body()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
 def build_app(
     engine: Engine,
     recorder=None,
@@ -1318,91 +1381,63 @@ def build_app(
     _require_serve("starlette")
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     handler = Handler(engine, recorder, max_tokens)
-
-    def plain(fn):  # fn(body)
-        async def route(request):
-            body = await _read_json(request, max_body_bytes)
-            return await _unless_gone(request, fn(body))
-
-        return _route(route)
 
     def episode_of(request):
         if recorder is None:
             raise APIError("this server records no episodes", status=404, code="not_found")
         return recorder.get(request.path_params["eid"])
 
-    def episode(fn):  # fn(handler, recording, body, retry)
-        async def route(request):
-            rec = episode_of(request)
+    def route(fn):  # fn(body, way): a POST route, plain or under an episode's URL
+        async def answer(request):
+            if "eid" not in request.path_params:  # the client's own request: ``Plain``
+                body = await _read_json(request, max_body_bytes)
+                return await _unless_gone(request, fn(body))
+            rec = episode_of(request)  # a training episode's: ``recorder.Recorded``
             retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             body = await _read_json(request, max_body_bytes)
             # not cancelled when its client leaves: a client that timed out sends it again
             # as a retry, which gets the answer recorded for this one (``recorder``)
-            return await fn(handler, rec, body, retry)
+            call = fn(body, recorder.way(rec))
+            return await recorder._one_at_a_time(rec, call, (fn.__name__, body), retry)
 
-        return _route(route)
+        return _route(answer)
 
     async def models(request):
-        return handler.models()
-
-    async def ep_models(request):
-        episode_of(request)
-        return handler.models()
-
-    def stored(request):  # the responses store the request's route reads
         if "eid" in request.path_params:
-            return episode_of(request).stored
-        return handler.stored
+            episode_of(request)
+        return handler.models()
 
-    async def get_response(request):
-        return stored(request).retrieve(request.path_params["rid"])
-
-    async def delete_response(request):
-        return stored(request).delete(request.path_params["rid"])
+    async def stored(request):  # GET / DELETE a stored response, of the route's store
+        store = episode_of(request).stored if "eid" in request.path_params else handler.stored
+        rid = request.path_params["rid"]
+        return store.retrieve(rid) if request.method == "GET" else store.delete(rid)
 
     ep = "/v1/episodes/{eid}"
+    posts = {
+        "/chat/completions": handler.chat,
+        "/completions": handler.completions,
+        "/responses": handler.responses,
+        # a client that drops a trailing /v1 from the base URL (vLLM's token route sits at
+        # the root) cannot drop it from an episode's: that route sits under the episode's URL
+        "/inference/v1/generate": handler.generate,
+    }
     routes = [
-        Route("/v1/models", _route(models), methods=["GET"]),
-        Route("/v1/chat/completions", plain(handler.chat), methods=["POST"]),
-        Route("/v1/completions", plain(handler.completions), methods=["POST"]),
-        Route("/v1/responses", plain(handler.responses), methods=["POST"]),
-        Route("/inference/v1/generate", plain(handler.generate), methods=["POST"]),
-        Route(f"{ep}/models", _route(ep_models), methods=["GET"]),
-        Route(f"{ep}/completions", episode(recorder and recorder.completions), methods=["POST"]),
-        # recorder is None: episode_of refuses before these are called
-        Route(f"{ep}/chat/completions", episode(recorder and recorder.chat), methods=["POST"]),
-        Route(f"{ep}/responses", episode(recorder and recorder.responses), methods=["POST"]),
+        *(Route(f"{at}/models", _route(models), methods=["GET"]) for at in ("/v1", ep)),
         *(
-            Route(f"{at}/responses/{{rid}}", _route(fn), methods=[method])
-            for at in ("/v1", ep)
-            for fn, method in ((get_response, "GET"), (delete_response, "DELETE"))
+            Route(f"{at}{path}", route(fn), methods=["POST"])
+            for path, fn in posts.items()
+            for at in ("" if path.startswith("/inference") else "/v1", ep)
         ),
-        # a client that drops a trailing /v1 from the base URL (vLLM's token route sits at the
-        # root) cannot drop it from an episode's: that route sits under the episode's URL
-        Route(
-            f"{ep}/inference/v1/generate",
-            episode(recorder and recorder.generate),
-            methods=["POST"],
+        *(
+            Route(f"{at}/responses/{{rid}}", _route(stored), methods=["GET", "DELETE"])
+            for at in ("/v1", ep)
         ),
     ]
 
-    async def http_error(request, exc: HTTPException):  # no such route, or not this method
-        if exc.status_code == 404:
-            msg = f"there is no route {request.url.path} (the OpenAI API is under /v1)"
-            code = "not_found"
-        elif exc.status_code == 405:
-            msg = f"{request.method} is not allowed on {request.url.path}"
-            code = "method_not_allowed"
-        else:
-            msg, code = str(exc.detail), None
-        body = APIError(msg, status=exc.status_code, code=code).body()
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     return app if not api_key else _KeyCheck(app, api_key)
 
 
@@ -1582,6 +1617,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the clients of ``peergrade serve`` may take: ``max_body_bytes`` of a request body
+    (a 413 past it), ``header_timeout_s`` / ``body_timeout_s`` for a slow client
+    (``timed_protocol``: a 408), and admission control: ``max_batch_tokens`` KV cache token
+    slots per batch (None: ``default_batch_tokens`` of ``kv_memory_bytes``, itself None: of
+    the memory free now)."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_batch_tokens: int | None = None
+    kv_memory_bytes: int | None = None
+
+
 def serve(
     model,
     tokenizer,
@@ -1591,18 +1641,15 @@ def serve(
     port: int = 8000,
     max_tokens: int | None = None,
     window_s: float = 0.005,
-    max_body_bytes: int = MAX_BODY_BYTES,
-    header_timeout_s: float = HEADER_TIMEOUT_S,
-    body_timeout_s: float = BODY_TIMEOUT_S,
     api_key: str | None = None,
-    max_batch_tokens: int | None = None,
-    kv_memory_bytes: int | None = None,
+    limits: Limits = Limits(),
 ) -> None:
     """Serve until interrupted (``peergrade serve``). On Ctrl-C (or SIGTERM) the sampling call
     in flight stops at its next token and its requests are answered with an error, so the
     server's graceful shutdown (which waits for open requests) ends at once, and no thread is
     inside the model when the process exits. Binding an address other than loopback without
-    an ``api_key`` prints a warning: anyone who can reach it can use the model."""
+    an ``api_key`` prints a warning: anyone who can reach it can use the model. ``limits``:
+    the body size, timeouts and admission control (``Limits``)."""
     uvicorn = _require_serve("uvicorn")
 
     if not api_key and not is_loopback(host):
@@ -1614,8 +1661,9 @@ def serve(
             flush=True,
         )
     engine = Engine(model, tokenizer, name, window_s=window_s)
+    max_batch_tokens = limits.max_batch_tokens
     if max_batch_tokens is None:
-        max_batch_tokens = default_batch_tokens(model, engine.max_pos, kv_memory_bytes)
+        max_batch_tokens = default_batch_tokens(model, engine.max_pos, limits.kv_memory_bytes)
     engine.max_batch_tokens = max_batch_tokens
     print(
         f"admission: at most {max_batch_tokens} KV cache token slots per batch "
@@ -1629,14 +1677,16 @@ def serve(
             engine.interrupt(wait_s=0)  # does not wait: this is the signal handler
             super().handle_exit(sig, frame)
 
-    app = build_app(engine, max_tokens=max_tokens, max_body_bytes=max_body_bytes, api_key=api_key)
+    app = build_app(
+        engine, max_tokens=max_tokens, max_body_bytes=limits.max_body_bytes, api_key=api_key
+    )
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="info",
         timeout_keep_alive=KEEP_ALIVE_S,
-        http=timed_protocol(header_timeout_s, body_timeout_s),
+        http=timed_protocol(limits.header_timeout_s, limits.body_timeout_s),
     )
     server = _Server(config)
     try:

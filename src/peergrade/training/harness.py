@@ -193,22 +193,15 @@ def close(run) -> None:
         runner.stop_sampling()
 
 
-def _run(run, rows, *, n, temperature, top_p, seed, row_keys, stop) -> list[HarnessResult]:
+def _run(run, rows, settings, *, seed, row_keys) -> list[HarnessResult]:
     cfg = run.cfg
-    h, r = cfg.harness, cfg.rollout
+    h, n = cfg.harness, settings.n
     results = run.harness_runner.run(
         run.harness,
         rows,
-        n=n,
-        max_completion_length=r.max_completion_length,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=r.top_k,
-        stop=stop,
+        settings,
         seed=seed,
         row_keys=row_keys,
-        max_turns=cfg.env.max_turns,
-        max_tokens_per_turn=cfg.env.max_tokens_per_turn,
         concurrency=h.concurrency,
         timeout_s=h.timeout_s,
         pool=run.harness_pool,
@@ -225,49 +218,19 @@ def _run(run, rows, *, n, temperature, top_p, seed, row_keys, stop) -> list[Harn
 
 
 def sample(run, rows: list[dict], step: int, row_keys: Sequence[int]):
-    """(episodes, results) of G harness runs per row with the step's sampling settings."""
-    r = run.cfg.rollout
-    results = _run(
-        run,
-        rows,
-        n=r.group_size,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        seed=step_seed(run.cfg.train.seed, step),
-        row_keys=row_keys,
-        stop=r.stop,
-    )
+    """(episodes, results) of G harness runs per row with the run's sampling settings
+    (``Config.sampler_settings``) and the step's seed."""
+    settings = run.cfg.sampler_settings()
+    seed = step_seed(run.cfg.train.seed, step)
+    results = _run(run, rows, settings, seed=seed, row_keys=row_keys)
     return [res.episode for res in results], results
 
 
 def episode_fn(run) -> Callable:
-    """``run_episodes``' calling form over the harness: the held-out evaluation's episodes."""
+    """The harness as ``generation.sample``'s ``episodes_from`` (called as ``run_episodes``
+    is): the held-out evaluation's episodes, with the evaluation's settings."""
 
-    def episodes(
-        model,
-        tokenizer,
-        rows,
-        *,
-        n,
-        max_completion_length,
-        temperature,
-        top_p,
-        seed,
-        batch_size=None,
-        **_,
-    ):
-        return [
-            res.episode
-            for res in _run(
-                run,
-                rows,
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                row_keys=None,
-                stop=run.cfg.rollout.stop,
-            )
-        ]
+    def episodes(model, tokenizer, rows, make_env, settings, *, seed, row_keys, eos_token_ids):
+        return [res.episode for res in _run(run, rows, settings, seed=seed, row_keys=None)]
 
     return episodes
