@@ -228,6 +228,26 @@ class AlgoConfig:
         "the student is pulled toward a sharpened teacher (its greedy answers).",
         None,
     )
+    turn_credit: Literal["episode", "returns", "step_groups"] = doc(
+        "Multi-turn episodes: how the reward is credited to the model's turns. episode = every "
+        "sampled token gets the episode's group-relative advantage (GRPO); returns = each "
+        "turn's discounted return-to-go of the per-turn rewards (an environment's Step.reward, "
+        "a harness's list; the rest of the episode's total on its last turn), normalised over "
+        "the group's turns pooled (DeepSeekMath's process supervision); step_groups = GiGPO: "
+        "the episode advantage plus turn_step_weight x the return normalised among the group's "
+        "turns in the same environment state. docs/environments.md#per-turn-credit.",
+        "episode",
+    )
+    turn_gamma: float = doc(
+        "Per-turn credit: the discount of later turns' rewards in a turn's return-to-go, in "
+        "[0, 1]; 1 = the plain sum to the end of the episode.",
+        1.0,
+    )
+    turn_step_weight: float = doc(
+        "turn_credit step_groups: GiGPO's omega, the weight of the step-level advantage added "
+        "to the episode one (>= 0).",
+        1.0,
+    )
     teacher_verifier_weight: float = doc(
         "On-policy distillation: weight of the reward functions' group-relative (GRPO) "
         "advantage added to every token's distillation advantage; 0 = pure distillation, "

@@ -21,6 +21,7 @@ def validate(cfg: Config) -> None:
     _check_algo_clipping(cfg)
     _check_algo_losses(cfg)
     _check_algo_grpo_only(cfg)
+    check_turn_credit(cfg)
     _check_optim(cfg)
     _check_train(cfg)
     _check_dist(cfg)
@@ -238,6 +239,30 @@ def _check_algo_losses(cfg: Config) -> None:
         f"algo.cispo_cap caps CISPO's weight: it has no effect with algo.loss_type="
         f"{a.loss_type!r}; use loss_type cispo or set algo.cispo_cap to null",
     )
+
+
+def check_turn_credit(cfg: Config) -> None:
+    """algo.turn_credit: its ranges, and what per-turn advantages cannot combine with."""
+    a = cfg.algo
+    _need(
+        0.0 <= a.turn_gamma <= 1.0,
+        f"algo.turn_gamma: expected a number in [0, 1], got {a.turn_gamma}",
+    )
+    _need(
+        a.turn_step_weight >= 0.0,
+        f"algo.turn_step_weight: expected a number >= 0, got {a.turn_step_weight}",
+    )
+    if a.turn_credit == "episode":
+        return
+    clash = [
+        (a.name == "ppo", "algo.name: ppo (its critic gives per-token advantages already)"),
+        (a.teacher_path is not None, "algo.teacher_path (distillation)"),
+        (a.multi_objective_aggregation != "sum_then_normalize", "GDPO (normalize_then_sum)"),
+        (a.advantage_scale == "batch", "algo.advantage_scale: batch (use group or none)"),
+        (a.loss_type == "vespo", "algo.loss_type: vespo (one advantage per completion)"),
+    ]
+    for bad, what in clash:
+        _need(not bad, f"algo.turn_credit: {a.turn_credit} cannot be combined with {what}")
 
 
 def _check_algo_grpo_only(cfg: Config) -> None:

@@ -36,6 +36,11 @@ class Episode:
     tool_failures: int = 0
     tool_truncated: int = 0
     reward: float | None = None
+    # per-turn credit (algo.turn_credit): the reward each model turn earned, in turn order
+    # (None: that turn gave none; a list shorter than the turns: the rest gave none), and
+    # the key of the state each environment answer left (None: the answer's tokens are it)
+    turn_rewards: list[float | None] = field(default_factory=list)
+    turn_states: list[Any] = field(default_factory=list)
 
     @property
     def input_ids(self) -> list[int]:
@@ -53,6 +58,37 @@ class Episode:
     @property
     def num_sampled_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    def turn_spans(self) -> list[tuple[int, int]]:
+        """``[(start, end), ...]``: each model turn's tokens ``completion_ids[start:end]``, one
+        per maximal run of ``loss_mask == 1`` (a turn is sampled without a break, and every
+        environment answer or template delta between two turns is masked; the same for
+        episodes an external agent's requests recorded)."""
+        spans, start = [], None
+        for i, m in enumerate(self.loss_mask):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                spans.append((start, i))
+                start = None
+        if start is not None:
+            spans.append((start, len(self.loss_mask)))
+        return spans
+
+    def turn_observations(self) -> list[Any]:
+        """The state key of each model turn (what the turn was sampled in; step-level credit
+        groups turns by it): turn 1's is the prompt's token ids; turn k's (k > 1) the
+        environment's key for the answer before it (``Step.state``) when it gave one, else
+        that answer's tokens (``completion_ids`` between turn k-1 and turn k)."""
+        spans = self.turn_spans()
+        keys: list[Any] = [("prompt", tuple(self.prompt_ids))]
+        for k in range(1, len(spans)):
+            given = self.turn_states[k - 1] if k - 1 < len(self.turn_states) else None
+            if given is not None:
+                keys.append(("state", given))
+            else:
+                keys.append(("tokens", tuple(self.completion_ids[spans[k - 1][1] : spans[k][0]])))
+        return keys[: len(spans)] if spans else []
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

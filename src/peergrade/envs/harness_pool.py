@@ -8,8 +8,8 @@ episode still has its request in flight (the server's per-turn batching gathers 
 ``pool.submit(row, base_url, model)``, from inside the trainer's event loop, is a future of
 what the call returned, in ``HarnessRunner``'s terms:
 
-- a number, or ``{"reward": r, **numbers}`` (the return value already checked by
-  ``reward_of`` in the worker, so only numbers cross the pipe);
+- a number, a list of per-turn numbers, or ``{"reward": r, **numbers}`` (the return value
+  already checked by ``reward_of`` in the worker, so only numbers cross the pipe);
 - ``EpisodeFailure(text, kind)`` for a harness that raised (``kind`` 'exception', the text
   ``"ValueError: boom"`` as in-process), returned something else ('bad_return'), or whose
   worker died while it ran ('exception', naming the process and its exit code);
@@ -24,7 +24,8 @@ harness that hangs, or spins, would otherwise hold a thread and a core for the w
 at interpreter exit) and exit on their own when the trainer's end of their pipe closes (the
 trainer killed), so none outlives it.
 
-``reward_of(value)``: the (reward, metrics) of what a harness returned, both sides' check.
+``reward_of(value)``: the (reward, metrics) of what a harness returned, both sides' check;
+``turn_rewards_of(value)``: its per-turn rewards when it returned a list.
 It imports neither torch nor the generation code (a worker loads only the harness). It does
 not record, score or time episodes (``serving.harness``).
 """
@@ -62,26 +63,39 @@ class WorkerStartError(RuntimeError):
     """A worker could not start or load the harness."""
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def turn_rewards_of(value: Any) -> list[float] | None:
+    """The per-turn rewards of what a harness returned: a list (or tuple) of numbers, one per
+    model turn of its episode (``algo.turn_credit`` reads them), alone or as a dict's
+    ``reward``; None for a single number (the episode's reward only)."""
+    if isinstance(value, dict):
+        value = value.get("reward")
+    if isinstance(value, (list, tuple)) and value and all(_number(v) for v in value):
+        return [float(v) for v in value]
+    return None
+
+
 def reward_of(value: Any) -> tuple[float, dict[str, float]]:
-    """(reward, extra metrics) of what a harness returned; TypeError for anything else."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        r = float(value)
-        extra: dict[str, float] = {}
-    elif (
-        isinstance(value, dict)
-        and isinstance(value.get("reward"), numbers.Real)
-        and not isinstance(value.get("reward"), bool)
-    ):
-        r = float(value["reward"])
-        extra = {}
-        for k, v in value.items():
-            if k != "reward" and isinstance(v, numbers.Real) and not isinstance(v, bool):
-                extra[str(k)] = float(v)
+    """(reward, extra metrics) of what a harness returned: a number, a non-empty list of
+    numbers (per-turn rewards: the episode's reward is their sum), or a dict whose ``reward``
+    is either, its other numbers the extra metrics; TypeError for anything else."""
+    reward = value.get("reward") if isinstance(value, dict) else value
+    turns = turn_rewards_of(reward)
+    if turns is not None:
+        r = float(sum(turns))
+    elif _number(reward):
+        r = float(reward)
     else:
         raise TypeError(
-            "a harness must return a number or a dict with a numeric 'reward', got "
-            f"{type(value).__name__}: {str(value)[:200]}"
+            "a harness must return a number, a list of per-turn numbers or a dict with a "
+            f"numeric 'reward', got {type(value).__name__}: {str(value)[:200]}"
         )
+    extra: dict[str, float] = {}
+    if isinstance(value, dict):
+        extra = {str(k): float(v) for k, v in value.items() if k != "reward" and _number(v)}
     if not math.isfinite(r):
         raise TypeError(f"a harness returned a non-finite reward: {r}")
     return r, extra
@@ -123,8 +137,11 @@ def _worker_main(conn, spec: str) -> None:  # pragma: no cover - runs in the chi
             r, extra = reward_of(value)
         except TypeError as e:
             return send(("done", tid, "bad_return", str(e)))
-        plain = isinstance(value, numbers.Real)
-        send(("done", tid, "ok", r if plain else {"reward": r, **extra}))
+        turns = turn_rewards_of(value)  # per-turn rewards cross the pipe as they are
+        reward = r if turns is None else turns
+        send(
+            ("done", tid, "ok", {"reward": reward, **extra} if isinstance(value, dict) else reward)
+        )
 
     while True:
         try:

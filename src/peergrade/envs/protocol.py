@@ -36,10 +36,14 @@ class Step:
             message list but not tokenised: the model never reads them.
         done: the episode is over.
         reward: optional reward for this turn; an episode's reward is the sum of its turns'
-            rewards (None when no turn gave one).
+            rewards (None when no turn gave one). The episode keeps each turn's own too
+            (``Episode.turn_rewards``): per-turn credit (``algo.turn_credit``) reads them.
         finish_reason: why the episode ended when ``done`` (default ``"done"``).
         tool_calls, tool_failures, tool_truncated: tool calls made, failed, and whose result was
             cut to the output cap in this turn (for metrics).
+        state: optional hashable key of the environment state this answer leaves (e.g. a
+            board position); ``algo.turn_credit: step_groups`` compares the next turns of a
+            group's episodes that share it. None: the answer's tokens are the key.
     """
 
     messages: list[dict] = field(default_factory=list)
@@ -49,6 +53,7 @@ class Step:
     tool_calls: int = 0
     tool_failures: int = 0
     tool_truncated: int = 0  # tool results cut to the output cap
+    state: Any = None  # a hashable key of the state this answer leaves (step-level credit)
 
 
 @runtime_checkable

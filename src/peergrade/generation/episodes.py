@@ -451,6 +451,8 @@ class TurnEngine:
             e.tool_truncated += st.tool_truncated
             if st.reward is not None:
                 e.reward = (e.reward or 0.0) + float(st.reward)
+            e.turn_rewards.append(None if st.reward is None else float(st.reward))
+            e.turn_states.append(st.state)  # per-turn credit: Episode.turn_observations
             if st.done:
                 e.messages += st.messages
                 e.finish_reason = st.finish_reason or "done"

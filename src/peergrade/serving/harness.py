@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from peergrade.envs.episode import Episode
-from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of
+from peergrade.envs.harness_pool import EpisodeFailure, HarnessPool, reward_of, turn_rewards_of
 from peergrade.envs.protocol import run_stoppable
 from peergrade.envs.template import render
 from peergrade.errors import describe_exit, users_own_stop
@@ -227,6 +227,7 @@ class HarnessRunner:
         if not ep.finish_reason:  # the harness ended the conversation itself
             ep.finish_reason = "done"
         ep.reward = reward
+        ep.turn_rewards = (None if error else turn_rewards_of(value)) or []  # per-turn credit
         return HarnessResult(ep, reward, extra, error, kind, rec.requests, rec.splits, rec.retries)
 
     def _empty_episode(self, row_index: int, row: dict) -> Episode:

@@ -73,7 +73,7 @@ from peergrade.rewards.audit import at_startup as audit_at_startup
 from peergrade.seeds import step_seed
 from peergrade.tasks.curriculum import FewShot
 from peergrade.training import checkpoint as ckpt
-from peergrade.training import harness, pipeline, ppo
+from peergrade.training import harness, pipeline, ppo, turn_credit
 from peergrade.training.checkpoint import RunDir, resume_from_checkpoint
 from peergrade.training.components import (  # importable from here too: Given, setup_models, ...)
     Given,
@@ -228,6 +228,8 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     elif cfg.algo.teacher_path is not None:  # on-policy distillation: per-token advantages
         teacher = load_teacher(cfg, models)  # tokenizers checked here, before any step
         critic, algo = None, Distill(models, optimizer, scheduler, cfg, teacher=teacher)
+    elif turn_credit.settings(cfg.algo)[0] != "episode":  # per-turn advantages [N, C]
+        critic, algo = None, turn_credit.TurnCredit(models, optimizer, scheduler, cfg)
     else:
         critic, algo = None, GRPO(models, optimizer, scheduler, cfg)
     run = Run(
