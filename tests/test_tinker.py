@@ -1,11 +1,13 @@
 """Tinker's API on this machine (peergrade.tinker_server, docs/tinker.md).
 
 The losses against Tinker's documented formulas (hand-computed values and a slow per-token
-loop, 1e-6); then the real ``tinker`` SDK against the local server: sampler log-probs equal
-the trainer's forward within 1e-5 on every datum (LoRA and full fine-tuning), the loss the
-server reports is the documented formula of the log-probs it returns, checkpoints round-trip,
-the futures' ``.result()`` and ``*_async`` forms, ``forward_backward_custom``, refused
-requests, and short cookbook-style RL and supervised loops (examples/tinker/). The SDK tests
+loop, 1e-6; dro and gspo included) and peergrade's losses through ``peergrade:<name>``; then
+the real ``tinker`` SDK against the local server: sampler log-probs equal the trainer's
+forward within 1e-5 on every datum (LoRA and full fine-tuning), the loss the server reports
+is the documented formula (or peergrade's ``policy_loss``) of the log-probs it returns, top-k
+log-probs, checkpoints round-trip, the futures' ``.result()`` and ``*_async`` forms,
+``forward_backward_custom``, refused requests, and short cookbook-style RL and supervised
+loops (examples/tinker/). The SDK tests
 skip with a message where ``tinker`` is missing (``pip install -e ".[tinker]"``)."""
 
 from __future__ import annotations
@@ -57,10 +59,22 @@ def test_losses_equal_hand_computed_values():
     assert loss.item() == pytest.approx(want, abs=1e-6)
 
 
-def _slow_reference(name, lp, ins, mask, lo=0.8, hi=1.2):
+def _gspo_log_ratio(lp, ins, mask, b):
+    """GSPO's sequence log-ratio of datum ``b``: the mean token log-ratio over the positions
+    its ``sequence_ratio_mask`` marks, one float at a time."""
+    terms = [
+        float(lp[b, t]) - float(ins["logprobs"][b, t])
+        for t in range(lp.shape[1])
+        if mask[b, t] and float(ins["sequence_ratio_mask"][b, t]) != 0
+    ]
+    return sum(terms) / len(terms)
+
+
+def _slow_reference(name, lp, ins, mask, lo=0.8, hi=1.2, beta=0.1):
     """One token at a time, in plain Python floats, exactly as the docs write each loss."""
     total = 0.0
     for b in range(lp.shape[0]):
+        seq_r = math.exp(_gspo_log_ratio(lp, ins, mask, b)) if name == "gspo" else None
         for t in range(lp.shape[1]):
             if not mask[b, t]:
                 continue
@@ -69,12 +83,14 @@ def _slow_reference(name, lp, ins, mask, lo=0.8, hi=1.2):
                 total += -float(ins["weights"][b, t]) * x
                 continue
             a, q = float(ins["advantages"][b, t]), float(ins["logprobs"][b, t])
-            r = math.exp(x - q)
+            r = math.exp(x - q) if seq_r is None else seq_r
             c = min(max(r, lo), hi)
             if name == "importance_sampling":
                 total += -r * a
-            elif name == "ppo":
+            elif name in ("ppo", "gspo"):
                 total += -min(r * a, c * a)
+            elif name == "dro":
+                total += -(x * a - 0.5 * beta * (x - q) ** 2)
             else:
                 total += -c * x * a
     return total
@@ -89,11 +105,15 @@ def test_losses_match_a_slow_loop_reference(name):
         "weights": torch.rand(B, T, generator=g, dtype=torch.float64),
         "logprobs": lp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 0.8,
         "advantages": torch.randn(B, T, generator=g, dtype=torch.float64),
+        "sequence_ratio_mask": (torch.rand(B, T, generator=g) > 0.3).double(),
     }
+    ins["sequence_ratio_mask"][:, 0] = 1.0  # every datum has a position in its ratio
     mask = torch.ones(B, T)
     mask[1, 6:] = 0  # padding: its garbage must not count
     ins["advantages"][1, 6:] = 1e6
-    loss, per_token = tinker_loss(name, lp, ins, mask)
+    ins["logprobs"][1, 6:] = 1e3  # not in the sequence ratio either
+    config = {"beta": 0.1} if name == "dro" else None
+    loss, per_token = tinker_loss(name, lp, ins, mask, config)
     assert loss.item() == pytest.approx(_slow_reference(name, lp, ins, mask), abs=1e-6)
     assert per_token[1, 6:].abs().max().item() == 0.0
 
@@ -107,10 +127,103 @@ def test_cispo_stops_the_gradient_through_the_ratio():
     assert torch.allclose(lp.grad, -r * ins["advantages"], atol=1e-12)
 
 
+def test_dro_and_gspo_equal_hand_computed_values():
+    """The same two tokens: ratios 1.25 and 1.0, advantages 2 and -1."""
+    lp = torch.tensor([[math.log(0.5), math.log(0.25)]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    ins = _inputs(logprobs=[math.log(0.4), math.log(0.25)], advantages=[2.0, -1.0])
+    # dro: -(ln0.5 * 2 + ln0.25 * -1) + 0.5 * beta * (ln 1.25)^2; the first part is 0
+    loss, _ = tinker_loss("dro", lp, ins, mask, {"beta": 0.5})
+    assert loss.item() == pytest.approx(0.25 * math.log(1.25) ** 2, abs=1e-6)
+    # gspo over both tokens: s = exp((ln 1.25 + 0) / 2) = sqrt(1.25), unclipped: -(2s - s)
+    ins["sequence_ratio_mask"] = torch.tensor([[1.0, 1.0]], dtype=torch.float64)
+    loss, _ = tinker_loss("gspo", lp, ins, mask)
+    assert loss.item() == pytest.approx(-math.sqrt(1.25), abs=1e-6)
+    # clip_high 1.1: token 1 min(2s, 2.2) = 2.2, token 2 min(-s, -1.1) = -s
+    loss, _ = tinker_loss("gspo", lp, ins, mask, {"clip_high_threshold": 1.1})
+    assert loss.item() == pytest.approx(-(2.2 - math.sqrt(1.25)), abs=1e-6)
+    # the ratio over the first token only: s = 1.25; min(2.5, 2.4) = 2.4, min(-1.25, -1.2)
+    ins["sequence_ratio_mask"] = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    loss, _ = tinker_loss("gspo", lp, ins, mask)
+    assert loss.item() == pytest.approx(-(2.4 - 1.25), abs=1e-6)
+
+
+def test_gspo_gives_each_token_its_own_gradient_times_the_sequence_ratio():
+    """d loss / d logp_t = -s * A_t where unclipped (s the sequence ratio, a constant), 0
+    where the clipped branch is the minimum; dro's is -(A - beta * (logp - q))."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    ins = _inputs(logprobs=[-1.1, -2.2, -0.4], advantages=[1.5, -0.5, 0.7])
+    ins["sequence_ratio_mask"] = torch.ones(1, 3, dtype=torch.float64)
+    tinker_loss("gspo", lp, ins, torch.ones(1, 3))[0].backward()
+    s = math.exp((0.1 + 0.2 - 0.1) / 3)
+    assert torch.allclose(lp.grad, -s * ins["advantages"], atol=1e-12)
+    lp.grad = None
+    tinker_loss("dro", lp, ins, torch.ones(1, 3), {"beta": 0.3})[0].backward()
+    want = -(ins["advantages"] - 0.3 * (lp.detach() - ins["logprobs"]))
+    assert torch.allclose(lp.grad, want, atol=1e-12)
+
+
+def test_peergrade_losses_through_the_tinker_route():
+    """``peergrade:<name>`` is peergrade's policy loss with old_logp = the datum's logprobs,
+    the mask from weights (else advantages != 0), one value per datum as its advantage; and a
+    request split into micro-batches adds up to the request's loss (request_counts)."""
+    from peergrade.algo import policy_loss
+    from peergrade.algo.tinker_losses import request_counts
+
+    lp = torch.tensor([[math.log(0.5), math.log(0.25)]], dtype=torch.float64)
+    ins = _inputs(logprobs=[math.log(0.4), math.log(0.25)], advantages=[2.0, -1.0])
+    # grpo (clip 0.2): tokens min(2.5, 2.4) and -1, mean over the sequence -> -(2.4 - 1) / 2
+    loss, per_token = tinker_loss("peergrade:grpo", lp, ins, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-0.7, abs=1e-6) and per_token is None
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 7
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    adv[:, :2] = 0.0  # the prompt: advantage 0, not counted
+    adv[3, 5:] = 0.0  # a shorter completion
+    ins = {"logprobs": lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)}
+    ins["advantages"] = adv
+    mask = torch.ones(B, T)
+    m = (adv != 0).double()
+    for name, cfg in [("dapo", {}), ("vespo", {}), ("grpo", {"ratio_level": "sequence"})]:
+        whole, _ = tinker_loss(f"peergrade:{name}", lp, ins, mask, cfg)
+        want, _ = policy_loss(
+            lp * m, ins["logprobs"] * m, adv[:, 2] * 1.0, m, **cfg, loss_type=name
+        )
+        assert whole.item() == pytest.approx(want.item(), abs=1e-9), name
+        rows = [{k: v[b] for k, v in ins.items()} for b in range(B)]
+        counts = request_counts(f"peergrade:{name}", cfg, rows)
+        parts = sum(
+            tinker_loss(
+                f"peergrade:{name}",
+                lp[b : b + 1],
+                {k: v[b : b + 1] for k, v in ins.items()},
+                mask[b : b + 1],
+                cfg,
+                counts=counts,
+            )[0].item()
+            for b in range(B)
+        )
+        assert parts == pytest.approx(whole.item(), abs=1e-9), name
+
+
 def test_bad_loss_requests_name_what_is_expected():
     lp, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    with pytest.raises(ValueError, match="cross_entropy, importance_sampling, ppo, cispo"):
-        tinker_loss("dro", lp, {}, mask)
+    with pytest.raises(ValueError, match="cross_entropy, importance_sampling, ppo, cispo, dro"):
+        tinker_loss("nope", lp, {}, mask)
+    with pytest.raises(ValueError, match="stable_reinforce.*not served locally"):
+        tinker_loss("stable_reinforce", lp, {}, mask)
+    ins = _inputs(logprobs=[0, 0], advantages=[0, 0])
+    with pytest.raises(ValueError, match=r"needs loss_fn_config=\{'beta'"):
+        tinker_loss("dro", lp, ins, mask)
+    with pytest.raises(ValueError, match="sequence_ratio_mask"):
+        tinker_loss("gspo", lp, ins, mask)
+    with pytest.raises(ValueError, match=r"expected one of \('grpo', 'bnpo'.*got 'nope'"):
+        tinker_loss("peergrade:nope", lp, ins, mask)
+    with pytest.raises(ValueError, match="reference log-probs"):
+        tinker_loss("peergrade:grpo", lp, ins, mask, {"beta": 0.1})
+    with pytest.raises(ValueError, match="goes with loss_fn='importance_sampling'"):
+        tinker_loss("ppo", lp, ins, mask, {"peergrade_loss": "grpo"})
     with pytest.raises(ValueError, match=r"needs loss_fn_inputs \['advantages'\]"):
         tinker_loss("ppo", lp, {"logprobs": torch.zeros(1, 2)}, mask)
     with pytest.raises(ValueError, match="not understood"):
@@ -237,11 +350,10 @@ def test_sampler_logprobs_equal_the_trainers_forward(which, request):
     assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]
 
 
-@sdk
-@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo"])
-def test_reported_loss_is_the_documented_formula_of_the_returned_logprobs(loss_fn, lora_client):
-    tc = lora_client
-    prompt = _prompt(tc, "58-23=")
+def _nudged_rl_datums(tc, prompt):
+    """Four sampled datums whose sampler logprobs are nudged (+-0.3) so ratios leave
+    [0.8, 1.2] and the clipping acts; each with gspo's ``sequence_ratio_mask`` (the
+    sampled tokens, as the cookbook's rl_loop sets it)."""
     sc = tc.save_weights_and_get_sampling_client().result()
     res = sc.sample(
         prompt=types.ModelInput.from_ints(prompt),
@@ -249,23 +361,136 @@ def test_reported_loss_is_the_documented_formula_of_the_returned_logprobs(loss_f
         sampling_params=types.SamplingParams(max_tokens=5, seed=5),
     ).result()
     datums = _rl_datums(prompt, res.sequences, [1.0, -0.5, 0.25, -0.75])
-    # the sampler's logprobs nudged so ratios leave [0.8, 1.2] and the clipping acts
+    ob = len(prompt) - 1
     for k, d in enumerate(datums):
         lp = d.loss_fn_inputs["logprobs"].to_torch()
-        lp[len(prompt) - 1 :] += 0.3 if k % 2 else -0.3
+        lp[ob:] += 0.3 if k % 2 else -0.3
         d.loss_fn_inputs["logprobs"] = types.TensorData.from_torch(lp)
-    fb = tc.forward(datums, loss_fn).result()  # forward only: the weights stay
+        ratio_mask = torch.zeros(lp.shape[0])
+        ratio_mask[ob:] = 1.0
+        d.loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_torch(ratio_mask)
+    return datums
+
+
+@sdk
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro", "gspo"])
+def test_reported_loss_is_the_documented_formula_of_the_returned_logprobs(loss_fn, lora_client):
+    tc = lora_client
+    prompt = _prompt(tc, "58-23=")
+    datums = _nudged_rl_datums(tc, prompt)
+    config = {"beta": 0.3} if loss_fn == "dro" else None
+    fb = tc.forward(datums, loss_fn, config).result()  # forward only: the weights stay
     lp = [torch.tensor(o["logprobs"].tolist(), dtype=torch.float64) for o in fb.loss_fn_outputs]
+    keys = ("logprobs", "advantages", "sequence_ratio_mask")
     want = sum(
         _slow_reference(
             loss_fn,
             x[None],
-            {k: d.loss_fn_inputs[k].to_torch().double()[None] for k in ("logprobs", "advantages")},
+            {k: d.loss_fn_inputs[k].to_torch().double()[None] for k in keys},
             torch.ones(1, x.shape[0]),
+            beta=0.3,
         )
         for x, d in zip(lp, datums)
     )
     assert fb.metrics["loss:sum"] == pytest.approx(want, abs=1e-4)
+
+
+def _half_grpo(batch, options):
+    """A loss registered with peergrade.register_loss: half of grpo's."""
+    from peergrade.algo import policy_loss
+
+    loss, _ = policy_loss(
+        batch.logp, batch.old_logp, batch.advantages, batch.mask, counts=batch.counts
+    )
+    return 0.5 * loss, {}
+
+
+@sdk
+@pytest.mark.parametrize(
+    "loss_fn, config",
+    [
+        ("peergrade:grpo", None),
+        ("peergrade:dapo", {"clip_eps_high": 0.28}),
+        ("peergrade:dr_grpo", {"max_completion_length": 5}),
+        ("peergrade:cispo", None),
+        ("peergrade:sapo", None),
+        ("peergrade:luspo", None),
+        ("peergrade:vespo", None),
+        ("importance_sampling", {"peergrade_loss": "grpo", "ratio_level": "sequence"}),
+        ("peergrade:tinker_test_half_grpo", None),
+    ],
+)
+def test_peergrade_losses_through_the_sdk(loss_fn, config, lora_client):
+    """peergrade's losses reached through the real SDK: the server's ``loss:sum`` is
+    ``policy_loss`` of the log-probs it returns, old_logp the sampler's, the mask the
+    positions with a nonzero advantage, each datum's advantage its value there."""
+    import peergrade
+    from peergrade.algo import policy_loss
+    from peergrade.algo.loss_options import loss_options
+
+    peergrade.register_loss("tinker_test_half_grpo", _half_grpo, replace=True)
+    tc = lora_client
+    prompt = _prompt(tc, "58-23=")
+    datums = _nudged_rl_datums(tc, prompt)
+    fb = tc.forward(datums, loss_fn, config).result()
+    L = max(len(o["logprobs"].tolist()) for o in fb.loss_fn_outputs)
+
+    def padded(rows):
+        out = torch.zeros(len(rows), L, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        return out
+
+    lp = padded([o["logprobs"].tolist() for o in fb.loss_fn_outputs])
+    adv = padded([d.loss_fn_inputs["advantages"].tolist() for d in datums])
+    old = padded([d.loss_fn_inputs["logprobs"].tolist() for d in datums])
+    m = (adv != 0).double()
+    knobs = {k: v for k, v in (config or {}).items() if k != "peergrade_loss"}
+    name = (config or {}).get("peergrade_loss") or loss_fn.split(":", 1)[1]
+    opts = loss_options(name, **knobs)
+    per_datum = torch.tensor([d.loss_fn_inputs["advantages"].tolist()[-1] for d in datums])
+    want, _ = policy_loss(lp * m, old * m, per_datum.double(), m, opts)
+    assert fb.metrics["loss:sum"] == pytest.approx(want.item(), abs=1e-4)
+    with pytest.raises(Exception, match=r"expected one of \('grpo'.*tinker_test_half_grpo"):
+        tc.forward(datums, "peergrade:no_such_loss").result()
+
+
+@sdk
+def test_topk_logprobs_of_prompt_and_samples(lora_client):
+    """``topk_prompt_logprobs`` / ``topk_sample_logprobs``: k (id, log-prob) pairs per
+    position, best first, and the token actually there, when among them, has the log-prob
+    ``prompt_logprobs`` / the sampled ``logprobs`` report (its rank among them is right)."""
+    tc = lora_client
+    prompt = _prompt(tc, "12+30=")
+    sc = tc.save_weights_and_get_sampling_client().result()
+    k = 5
+    res = sc.sample(
+        prompt=types.ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=4, temperature=0.7, seed=2),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=k,
+        topk_sample_logprobs=k,
+    ).result()
+    pairs = [(res.topk_prompt_logprobs, prompt, res.prompt_logprobs)]
+    pairs += [(s.topk_logprobs, s.tokens, s.logprobs) for s in res.sequences]
+    found = 0
+    for tops, tokens, logprobs in pairs:
+        assert len(tops) == len(tokens)
+        for top, tok, lp in zip(tops, tokens, logprobs):
+            if lp is None:  # the first prompt token: no context, no entry
+                assert top is None
+                continue
+            assert len(top) == k and len({t for t, _ in top}) == k
+            values = [v for _, v in top]
+            assert values == sorted(values, reverse=True) and sum(map(math.exp, values)) <= 1 + 1e-5
+            assert lp <= values[0] + 1e-4  # nothing the top-1 does not beat
+            if tok in dict(top):
+                found += 1
+                assert dict(top)[tok] == pytest.approx(lp, abs=1e-4)
+            else:
+                assert lp <= values[-1] + 1e-4
+    assert found > 0
 
 
 @sdk
@@ -356,7 +581,17 @@ def test_unsupported_requests_fail_with_a_clear_message(server, service, lora_cl
         loss_fn_inputs={"target_tokens": prompt[1:], "weights": [1.0] * (len(prompt) - 1)},
     )
     with pytest.raises(Exception, match="expected one of cross_entropy"):
-        lora_client.forward_backward([d], "dro").result()
+        lora_client.forward_backward([d], "no_such_loss").result()
+    with pytest.raises(Exception, match="stable_reinforce.*not served locally"):
+        lora_client.forward_backward([d], "stable_reinforce").result()
+    sc = lora_client.save_weights_and_get_sampling_client().result()
+    with pytest.raises(Exception, match="prompt_alt_tokens_k are not served locally"):
+        sc.sample(
+            types.ModelInput.from_ints(prompt),
+            1,
+            types.SamplingParams(max_tokens=2),
+            prompt_alt_tokens_k=2,
+        ).result()
     with pytest.raises(Exception, match="not served here"):
         service.create_lora_training_client(base_model="no/such-model").result()
 
@@ -370,12 +605,24 @@ def _example(name):
 
 
 @sdk
-def test_cookbook_style_rl_loop_runs_a_few_batches(server):
-    """examples/tinker/rl_loop.py (the cookbook's rl_loop.py calls), three small batches
+@pytest.mark.parametrize(
+    "loss_fn, config, steps",
+    [("importance_sampling", None, 3), ("gspo", None, 2), ("peergrade:dapo", {"delta": 2.0}, 2)],
+)
+def test_cookbook_style_rl_loop_runs_a_few_batches(server, loss_fn, config, steps):
+    """examples/tinker/rl_loop.py (the cookbook's rl_loop.py calls), a few small batches
     through the SDK; the measured reward rise is in docs/tinker.md."""
     rl = _example("rl_loop")
-    hist = rl.run(base_url=server[1], batch_size=4, group_size=4, max_steps=3, log=lambda s: None)
-    assert len(hist) == 3
+    hist = rl.run(
+        base_url=server[1],
+        batch_size=4,
+        group_size=4,
+        max_steps=steps,
+        loss_fn=loss_fn,
+        loss_fn_config=config,
+        log=lambda s: None,
+    )
+    assert len(hist) == steps
     assert all(0.0 <= m["reward/total"] <= 1.0 for m in hist)
     trained = [m for m in hist if "loss:sum" in m]
     assert trained and all(math.isfinite(m["optim/grad_norm"]) for m in trained)

@@ -36,6 +36,7 @@ def run(
     lora_rank: int = 0,
     max_tokens: int = 8,
     loss_fn: str = "importance_sampling",
+    loss_fn_config: dict | None = None,
     max_steps: int = 100,
     save_every: int = 0,
     seed: int = 0,
@@ -111,20 +112,23 @@ def run(
                     target_tokens = [0] * ob_len + sampled_tokens
                     padded_logprobs = [0.0] * ob_len + logprobs
                     padded_advantages = [0.0] * ob_len + [advantage] * (model_input.length - ob_len)
-                    datums_D.append(
-                        types.Datum(
-                            model_input=model_input,
-                            loss_fn_inputs={
-                                "target_tokens": TensorData.from_torch(torch.tensor(target_tokens)),
-                                "logprobs": TensorData.from_torch(torch.tensor(padded_logprobs)),
-                                "advantages": TensorData.from_torch(
-                                    torch.tensor(padded_advantages)
-                                ),
-                            },
+                    loss_fn_inputs = {
+                        "target_tokens": TensorData.from_torch(torch.tensor(target_tokens)),
+                        "logprobs": TensorData.from_torch(torch.tensor(padded_logprobs)),
+                        "advantages": TensorData.from_torch(torch.tensor(padded_advantages)),
+                    }
+                    if loss_fn == "gspo":  # the sequence ratio over the sampled tokens
+                        ratio_mask = [0.0] * ob_len + [1.0] * len(sampled_tokens)
+                        loss_fn_inputs["sequence_ratio_mask"] = TensorData.from_torch(
+                            torch.tensor(ratio_mask)
                         )
+                    datums_D.append(
+                        types.Datum(model_input=model_input, loss_fn_inputs=loss_fn_inputs)
                     )
             if datums_D:
-                fwd_bwd_future = training_client.forward_backward(datums_D, loss_fn=loss_fn)
+                fwd_bwd_future = training_client.forward_backward(
+                    datums_D, loss_fn=loss_fn, loss_fn_config=loss_fn_config
+                )
                 optim_step_future = training_client.optim_step(adam_params)
                 fwd_bwd_result = fwd_bwd_future.result()
                 optim_result = optim_step_future.result()
@@ -159,7 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learning-rate", type=float, default=3e-4)
     ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--loss-fn", default="importance_sampling")
+    ap.add_argument(
+        "--loss-fn",
+        default="importance_sampling",
+        help="a Tinker loss (importance_sampling, ppo, cispo, dro, gspo) or peergrade:<name> "
+        "(grpo, dapo, dr_grpo, cispo, sapo, luspo, vespo, bnpo; docs/tinker.md)",
+    )
+    ap.add_argument(
+        "--loss-fn-config",
+        type=json.loads,
+        default=None,
+        help="loss_fn_config as JSON, e.g. '{\"beta\": 0.05}' for dro",
+    )
     ap.add_argument("--max-steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -172,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_rank=a.lora_rank,
         max_tokens=a.max_tokens,
         loss_fn=a.loss_fn,
+        loss_fn_config=a.loss_fn_config,
         max_steps=a.max_steps,
         seed=a.seed,
     )

@@ -3,6 +3,9 @@
     python -m peergrade.tinker_server --model bundled --port 8000 --root runs/tinker
     TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-local python my_tinker_script.py
 
+``--import MODULE`` imports a module first, so that the losses it registers with
+``peergrade.register_loss`` are served as ``loss_fn="peergrade:<name>"``.
+
 It parses arguments and starts ``server.TinkerServer``; nothing else.
 """
 
@@ -31,7 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=16, help="sequences per forward pass")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module to import first (repeatable): the losses it registers with "
+        "peergrade.register_loss are served as loss_fn='peergrade:<name>'",
+    )
     args = ap.parse_args(argv)
+    import importlib
+
+    for module in args.imports:
+        importlib.import_module(module)
 
     import torch
 

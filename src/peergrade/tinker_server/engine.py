@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from peergrade.algo.tinker_losses import tinker_loss
+from peergrade.algo.tinker_losses import request_counts, tinker_loss
 from peergrade.generation import SamplerSettings, sample
 from peergrade.generation.kernel import default_eos_ids
 from peergrade.model.load import (
@@ -64,17 +64,23 @@ class Datum:
     loss_fn_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # each [N]
 
 
+#: one position's k most likely ``(token id, log-prob)``, best first; None: no context
+TopK = list[tuple[int, float]] | None
+
+
 @dataclass
 class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" (EOS, a stop token or string) | "length"
+    topk: list[TopK] | None = None  # per sampled token, when topk_sample_logprobs > 0
 
 
 @dataclass
 class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None = None  # NaN for the first prompt token
+    topk_prompt: list[TopK] | None = None  # per prompt token (None first), topk_prompt_logprobs
 
 
 def load_base(name_or_path: str, device: str = "cpu"):
@@ -205,7 +211,9 @@ class TrainingModel:
     ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Per datum ``{"logprobs": [N]}`` (the targets' log-probs under the current weights)
         and ``{"loss:sum": ...}``; unless ``forward_only``, the loss's gradient is added to
-        the gradients waiting for ``optim_step``."""
+        the gradients waiting for ``optim_step``. A peergrade loss (``peergrade:<name>``) is
+        normalised over all of ``data`` (``tinker_losses.request_counts``), so ``loss:sum`` is
+        its loss over the request, whatever the micro-batch size."""
         if not data:
             raise ValueError("forward_backward: no datums")
         for k, d in enumerate(data):
@@ -221,6 +229,8 @@ class TrainingModel:
         outputs: list[dict[str, torch.Tensor]] = []
         total = 0.0
         device = next(self.model.parameters()).device
+        # a peergrade loss normalises over the whole request, not each micro-batch
+        counts = request_counts(loss_fn, config, [d.loss_fn_inputs for d in data])
         for s in range(0, len(data), self.micro_batch):
             part = data[s : s + self.micro_batch]
             L = max(len(d.input_ids) for d in part)
@@ -237,7 +247,7 @@ class TrainingModel:
             targets = inputs.pop("target_tokens").long()  # [B, L]
             with torch.set_grad_enabled(not forward_only):
                 logp = target_logprobs(self.model, ids, mask, targets)  # [B, L]
-                loss, _ = tinker_loss(loss_fn, logp, inputs, mask, config)
+                loss, _ = tinker_loss(loss_fn, logp, inputs, mask, config, counts=counts)
                 if not forward_only and loss.requires_grad:
                     loss.backward()
             total += float(loss.detach())
@@ -376,11 +386,16 @@ class Sampler:
         stop=None,
         seed: int | None = None,
         prompt_logprobs: bool = False,
+        topk_prompt: int = 0,
+        topk_sample: int = 0,
     ) -> SampleResult:
         """``num_samples`` continuations of ``prompt_ids`` under snapshot ``key``. ``stop``:
         None = the model's EOS; ``[]`` = none (run to ``max_tokens``); token ids replace EOS;
         strings stop after the string (EOS still stops). Seedless requests take the server's
-        seed and a counter, so a run replays."""
+        seed and a counter, so a run replays. ``topk_prompt`` / ``topk_sample`` > 0: the k
+        most likely tokens at each prompt position (temperature 1, as ``prompt_logprobs``)
+        and at each sampled position (at the sampling temperature, as the sampled log-probs;
+        ``model.logprobs.position_logprobs``)."""
         self._activate(key)
         eos, strings, ignore_eos = self.eos, (), False
         if isinstance(stop, str):
@@ -425,12 +440,20 @@ class Sampler:
             )
             for i, (t, lp) in enumerate(zip(toks, self.rescore(prompt_ids, toks, T)))
         ]
-        plp = None
-        if prompt_logprobs:
-            plp = [float("nan")]
+        if topk_sample > 0:
+            for s in seqs:
+                ids = list(prompt_ids) + s.tokens
+                s.topk = position_logprobs(self.model, ids, len(prompt_ids), topk_sample, T).top
+        plp, top_prompt = None, None
+        if prompt_logprobs or topk_prompt > 0:
+            scores = None
             if len(prompt_ids) > 1:
-                plp += position_logprobs(self.model, list(prompt_ids), 1).chosen
-        return SampleResult(seqs, plp)
+                scores = position_logprobs(self.model, list(prompt_ids), 1, topk_prompt)
+            if prompt_logprobs:
+                plp = [float("nan")] + (scores.chosen if scores else [])
+            if topk_prompt > 0:
+                top_prompt = [None] + (scores.top if scores else [])
+        return SampleResult(seqs, plp, top_prompt)
 
     @torch.no_grad()
     def rescore(self, prompt_ids: list[int], completions: list[list[int]], temperature: float):

@@ -19,8 +19,10 @@ path ``tinker://<model_id>/weights/<name>`` is the directory ``root/<model_id>/w
 
 It deliberately does not authenticate, bill, keep sessions alive across restarts, or run
 requests of two clients in parallel (one CPU or one GPU: one thing at a time is the fastest
-order); unsupported features (images, dmel audio, ``dro``/``gspo``/``stable_reinforce`` losses,
-top-k log-probs, inflight sampling weights) answer a clear request error.
+order); unsupported features (images, dmel audio, the ``stable_reinforce`` and ``custom``
+losses, ``prompt_alt_tokens_k``, ``target_prompt_logprobs``, ``prompt_logprobs_last_n``,
+inflight sampling weights) answer a clear request error. Top-k log-probs
+(``topk_prompt_logprobs``, ``topk_sample_logprobs``) are served.
 """
 
 from __future__ import annotations
@@ -360,8 +362,14 @@ class TinkerServer:
         sid = req.sampling_session_id
         if sid not in self.sampling_sessions:
             raise RequestError(f"unknown sampling_session_id {sid!r}")
-        if req.topk_prompt_logprobs or req.topk_sample_logprobs or req.prompt_alt_tokens_k:
-            raise RequestError("top-k log-probs are not served locally")
+        unserved = [
+            name
+            for name in ("prompt_alt_tokens_k", "target_prompt_logprobs", "prompt_logprobs_last_n")
+            if getattr(req, name, None)
+        ]
+        if unserved:
+            raise RequestError(f"sample: {', '.join(unserved)} are not served locally")
+        topk_prompt, topk_sample = int(req.topk_prompt_logprobs), int(req.topk_sample_logprobs)
         sampler, key, _ = self.sampling_sessions[sid]
         ids = wire.model_input_ids(req.prompt)
         p = req.sampling_params
@@ -383,8 +391,14 @@ class TinkerServer:
                 stop=p.stop,
                 seed=seed,
                 prompt_logprobs=bool(req.prompt_logprobs),
+                topk_prompt=topk_prompt,
+                topk_sample=topk_sample,
             )
-            return _Result(wire.encode_sample_response(result))
+            return _Result(
+                wire.encode_sample_response(
+                    result, topk_prompt=topk_prompt, topk_sample=topk_sample
+                )
+            )
 
         seq_ids = [f"{sid}:{req.seq_id}:{i}" for i in range(n)]
         return self.submit(work, extra={"sample_sequence_ids": seq_ids})

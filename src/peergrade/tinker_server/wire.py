@@ -109,7 +109,23 @@ def encode_forward_backward_output(outputs: list[dict[str, torch.Tensor]], metri
     return out.SerializeToString()
 
 
-def encode_sample_response(result: SampleResult) -> bytes:
+#: the SDK's filler for an empty top-k cell (``tinker.types.topk_logprobs.MASK_LOGPROB``)
+_TOPK_EMPTY_LOGPROB = -99999.0
+
+
+def _encode_topk(msg, rows: list, k: int) -> None:
+    """Per-position top-k lists (None: no entry) into the SDK's dense ``TopkLogprobs``:
+    row-major ``[length, k]`` int32 ids and float32 log-probs, empty cells ``(0, -99999)``."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), _TOPK_EMPTY_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate((row or [])[:k]):
+            ids[i, j], lps[i, j] = tok, lp
+    msg.token_ids, msg.logprobs = ids.tobytes(), lps.tobytes()
+    msg.k, msg.length = k, len(rows)
+
+
+def encode_sample_response(result: SampleResult, *, topk_prompt: int = 0, topk_sample: int = 0):
     pb = _pb()
     out = pb.SampleResponse()
     for s in result.sequences:
@@ -119,8 +135,12 @@ def encode_sample_response(result: SampleResult) -> bytes:
         )
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+        if s.topk is not None and topk_sample > 0:
+            _encode_topk(seq.topk_sampled_logprobs, s.topk, topk_sample)
     if result.prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray(result.prompt_logprobs, dtype=np.float32).tobytes()
+    if result.topk_prompt is not None and topk_prompt > 0:
+        _encode_topk(out.topk_prompt_logprobs, result.topk_prompt, topk_prompt)
     return out.SerializeToString()
 
 
