@@ -303,3 +303,144 @@ def test_trl_style_script_distils_through_the_peergrade_escape(tmp_path):
         h["distill/reverse_kl"] for h in trainer.state.log_history if "distill/reverse_kl" in h
     ]
     assert logged == [0.0]
+
+
+# ----------------------------------------------------------------------------- endpoint teacher
+
+
+@pytest.fixture
+def served(tmp_path):
+    """Serve a model directory on loopback (``peergrade serve``'s in-process server); yields
+    a function dir -> base URL (``.../v1``) and closes every server after the test."""
+    pytest.importorskip("uvicorn")
+    from peergrade.model.load import load_model, load_tokenizer, prepare_tokenizer
+    from peergrade.serving.server import Engine, Server, build_app
+
+    opened = []
+
+    def serve(model_dir: Path, name: str = "teacher") -> str:
+        model = load_model(str(model_dir)).eval()
+        engine = Engine(model, prepare_tokenizer(load_tokenizer(str(model_dir))), name)
+        server = Server(build_app(engine)).__enter__()
+        opened.append((server, engine))
+        return server.url + "/v1"
+
+    yield serve
+    for server, engine in opened:
+        server.__exit__(None, None, None)
+        engine.close()
+
+
+def _teacher_cfg(url: str, **extra):
+    base = {"algo.teacher_url": url, "rollout.temperature": 1.0}
+    base.update(extra)
+    return load_config(None, list(base.items()))
+
+
+def test_endpoint_teacher_logprobs_equal_the_local_teachers(tiny_model_dir, tmp_path, served):
+    """The endpoint's prompt log-probs of the student's sampled tokens are the local teacher's
+    (the same model loaded here, temperature 1) on the very batch, padding and all."""
+    from peergrade.model.load import load_model, load_tokenizer
+    from peergrade.model.tiny import save_tiny_model
+    from peergrade.training.teacher import load_teacher
+
+    teacher_dir = save_tiny_model(tmp_path / "teacher", "llama", seed=3)
+    url = served(teacher_dir)
+    tok = load_tokenizer(str(tiny_model_dir))
+    student = load_model(str(tiny_model_dir))
+    models = Models(student, tok, None, torch.device("cpu"))
+    cfg = _teacher_cfg(url)
+    endpoint = load_teacher(cfg, models)  # probes /models and the vocabulary
+    assert endpoint.model == "teacher" and endpoint.requests == 2
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [enc("12+3="), enc("12+3="), enc("7*8=")]
+    comps = [enc("15"), enc("151"), enc("5")]
+    P, C = max(map(len, prompts)), max(map(len, comps)) + 1
+    pad = tok.pad_token_id
+    ids = torch.tensor(
+        [[pad] * (P - len(p)) + p + c + [pad] * (C - len(c)) for p, c in zip(prompts, comps)]
+    )
+    am = (torch.arange(P + C)[None] >= torch.tensor([P - len(p) for p in prompts])[:, None]).long()
+    am[:, P:] = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in comps])
+    cmask = am[:, P:].float()
+    s_remote, t_remote = student_teacher_logprobs(models, endpoint, (ids, am, cmask), cfg)
+    local = load_model(str(teacher_dir)).eval()
+    s_local, t_local = student_teacher_logprobs(models, local, (ids, am, cmask), cfg)
+    on = cmask == 1
+    assert torch.equal(s_remote, s_local)  # the student's side is local either way
+    torch.testing.assert_close(t_remote[on], t_local[on], rtol=0, atol=1e-5)
+    assert (t_remote[~on] == 0).all() and (t_remote[on] < 0).all()
+    want = _full_forward_logprobs(local, ids, am, cmask, 1.0)
+    torch.testing.assert_close(t_remote[on], want[on], rtol=0, atol=1e-5)
+
+
+def test_two_step_distillation_with_an_endpoint_teacher(tiny_model_dir, reward, tmp_path, served):
+    """A 2-step run whose teacher is served over HTTP: its first step's teacher log-probs are
+    those of a run with the same teacher loaded locally (same keyed samples), and the student
+    moves."""
+    from peergrade.model.tiny import save_tiny_model
+    from peergrade.training.trainer import train
+
+    teacher_dir = save_tiny_model(tmp_path / "teacher", "llama", seed=3)
+    url = served(teacher_dir)
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    over = _overrides(tiny_model_dir, reward, teacher_dir, **{"rollout.temperature": 1.0})
+    train(load_config(None, over), local)
+    over = [(k, v) for k, v in over if k != "algo.teacher_path"] + [("algo.teacher_url", url)]
+    train(load_config(None, over), remote)
+    r_rows, l_rows = _metrics(remote), _metrics(local)
+    assert len(r_rows) == 2 and all(r["distill/reverse_kl"] != 0 for r in r_rows)
+    assert r_rows[0]["distill/teacher_logp"] == pytest.approx(
+        l_rows[0]["distill/teacher_logp"], abs=1e-5
+    )
+    before, after = _weights(tiny_model_dir), _weights(ckpt.latest_checkpoint(remote))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_endpoint_teacher_with_another_tokenizer_refuses_at_start_up(
+    tiny_model_dir, reward, tmp_path, served
+):
+    from peergrade.model.tiny import CHARS, build_char_tokenizer, build_tiny_model
+    from peergrade.training import trainer
+
+    tok = build_char_tokenizer(chars=list(reversed(CHARS)))  # same size, other ids
+    model, tok = build_tiny_model("llama", tok, seed=1)
+    model.save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    url = served(tmp_path / "other")
+    over = _overrides(tiny_model_dir, reward, tiny_model_dir, **{"rollout.temperature": 1.0})
+    over = [(k, v) for k, v in over if k != "algo.teacher_path"] + [("algo.teacher_url", url)]
+    with pytest.raises(ModelLoadError, match=r"teacher_url.*decode differently: id \d+: '.'"):
+        trainer.setup(load_config(None, over))
+
+
+def test_dead_endpoint_teacher_names_the_url_before_the_first_step(tiny_model_dir, reward):
+    import socket
+
+    from peergrade.training import trainer
+    from peergrade.training.teacher_endpoint import TeacherEndpointError
+
+    with socket.socket() as s:  # a port nothing listens on (bound, never accepted)
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+        over = _overrides(tiny_model_dir, reward, tiny_model_dir, **{"algo.teacher_timeout": 5})
+        over = [(k, v) for k, v in over if k != "algo.teacher_path"] + [("algo.teacher_url", url)]
+        with pytest.raises(TeacherEndpointError, match=rf"{url}.*3 attempt"):
+            trainer.setup(load_config(None, over))
+
+
+def test_endpoint_teacher_options_are_checked(tiny_model_dir):
+    url = "http://127.0.0.1:9/v1"
+    with pytest.raises(ConfigError, match="both set"):
+        _teacher_cfg(url, **{"algo.teacher_path": str(tiny_model_dir)})
+    with pytest.raises(ConfigError, match="temperature of 0.7"):
+        _teacher_cfg(url, **{"rollout.temperature": 0.7})
+    assert _teacher_cfg(url, **{"rollout.temperature": 0.7, "algo.teacher_temperature": 1.0})
+    with pytest.raises(ConfigError, match="http"):
+        _teacher_cfg("127.0.0.1:9")
+    with pytest.raises(ConfigError, match="GRPO mode"):
+        _teacher_cfg(url, **{"algo.name": "ppo"})
+    with pytest.raises(ConfigError, match="async_steps"):
+        _teacher_cfg(url, **{"rollout.async_steps": 1})
+    with pytest.raises(ConfigError, match="teacher_timeout"):
+        _teacher_cfg(url, **{"algo.teacher_timeout": 0})

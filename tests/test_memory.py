@@ -437,3 +437,103 @@ def test_eval_batch_auto_keeps_the_run_peak_at_the_step():
     assert whole["phases"]["evaluate"] == step["phases"]["generate"] + 399 * (768 + 640)
     assert whole["peak"] == whole["phases"]["evaluate"] > whole["step_peak"] == step["peak"]
     assert whole["peak_phase"] == "evaluate"
+
+
+# ----------------------------------------------------------------------------- distillation
+
+TEACHER = {**HAND, "hidden_size": 16, "intermediate_size": 32}  # twice the student's widths
+
+
+def test_estimate_counts_the_local_teacher_and_its_pass_by_hand():
+    """On-policy distillation's local teacher: its weights are resident in every phase, and
+    phase "reference" holds the student's and then the teacher's no-grad log-prob pass."""
+    # teacher params: embedding 10*16 = 160; layer: q 256 + k 128 + v 128 + o 256 + 3 * 512
+    # MLP + 2 * 16 norms = 2336; final norm 16 -> 2512
+    assert param_counts(TEACHER)["total"] == 2512
+    step = StepShape(batch=4, seq_len=6, completion_len=2)
+    plain = estimate_memory(HAND, step, MemoryOptions())
+    local = estimate_memory(HAND, step, MemoryOptions(distill=True, teacher=TEACHER))
+    remote = estimate_memory(HAND, step, MemoryOptions(distill=True))  # behind an endpoint
+    assert local["teacher"] == 2512 * 4 and plain["teacher"] == remote["teacher"] == 0
+    for phase, v in plain["phases"].items():  # resident all run
+        assert local["phases"][phase] - v == 2512 * 4, phase
+        assert remote["phases"][phase] == v, phase
+    assert "reference" not in plain["phases"]  # beta 0, no teacher: no no-grad pass
+    static = 680 * 4 * 3  # the student's weights and AdamW state (no reference)
+    # the teacher's pass: 24 H + 16 q_dim + 16 I + 4 L = 384 + 256 + 512 + 24 bytes a token and
+    # layer, 4 x 6 tokens; two [c, V] float32 buffers; final norm [B, L, H] + completion rows
+    teacher_pass = 4 * 6 * 1176 + 2 * 8 * 10 * 4 + (4 * 6 + 4 * 2) * 16 * 4
+    student_pass = 4 * 6 * 600 + 2 * 8 * 10 * 4 + (4 * 6 + 4 * 2) * 8 * 4
+    assert local["phases"]["reference"] == static + 2512 * 4 + teacher_pass
+    assert remote["phases"]["reference"] == static + student_pass
+    # here the teacher's pass sets the run's peak: weights plus that pass over the plain peak
+    assert local["peak_phase"] == "reference"
+    assert local["peak"] - plain["peak"] == 2512 * 4 + teacher_pass - (
+        plain["phases"]["update"] - static
+    )
+    assert local["peak"] > plain["peak"] + 2512 * 4
+
+
+def test_estimate_for_config_counts_the_teacher_dir(tiny_model_dir, tmp_path):
+    """``estimate_for_config`` reads ``algo.teacher_path``: the teacher's real parameter count
+    at the policy's dtype; ``algo.teacher_url`` adds the student's pass but no weights."""
+    from peergrade.model.tiny import save_tiny_model
+
+    teacher = save_tiny_model(tmp_path / "t", "llama", seed=1, hidden_size=128, num_layers=3)
+    from transformers import AutoModelForCausalLM
+
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(teacher)).parameters())
+    plain = estimate_for_config(_cfg(tiny_model_dir), prompt_len=10)
+    local = estimate_for_config(
+        _cfg(tiny_model_dir, **{"algo.teacher_path": str(teacher)}), prompt_len=10
+    )
+    assert local["teacher"] == n * 4
+    assert local["phases"]["checkpoint"] - plain["phases"]["checkpoint"] == n * 4
+    assert local["phases"]["reference"] > plain["phases"]["reference"] + n * 4
+    url = {"algo.teacher_url": "http://127.0.0.1:9/v1"}
+    remote = estimate_for_config(_cfg(tiny_model_dir, **url), prompt_len=10)
+    assert remote["teacher"] == 0 and remote["phases"]["update"] == plain["phases"]["update"]
+
+
+@pytest.mark.slow
+def test_estimate_with_a_teacher_is_within_20_percent_of_the_measured_peak(tmp_path):
+    """A teacher 4x the student's size, so its weights and pass set the peak: the estimate of
+    the very config against its measurement (the child loads and runs the real teacher)."""
+    from peergrade.model.tiny import save_tiny_model
+
+    shape = dict(num_layers=4, num_heads=4, num_kv_heads=2)
+    student = save_tiny_model(
+        tmp_path / "s", "qwen2", hidden_size=128, intermediate_size=352, **shape
+    )
+    teacher = save_tiny_model(
+        tmp_path / "t", "qwen2", hidden_size=512, intermediate_size=1408, **shape
+    )
+    over = {
+        "rollout.prompts_per_step": 4,
+        "rollout.group_size": 8,
+        "rollout.max_completion_length": 32,
+        "algo.beta": 0.0,
+        "algo.teacher_path": str(teacher),
+    }
+    cfg = _cfg(student, **over)
+    m = measure_memory(cfg, steps=2, timeout=600)
+    e = estimate_for_config(cfg, prompt_len=m["prompt_len"])
+    assert e["teacher"] > e["weights"]
+    assert "reference" in m["phases"]
+    err = (e["step_peak"] - m["peak"]) / m["peak"]
+    assert abs(err) <= 0.20, (e["step_peak"] / 2**20, m["peak"] / 2**20, m["phases"], e["phases"])
+
+
+def test_cli_memory_estimate_with_a_teacher(tiny_model_dir, capsys):
+    """``peergrade memory`` with a teacher: its line and column, and only the grpo variant
+    (distillation is a GRPO mode, so the default grpo,ppo pair drops ppo)."""
+    from peergrade.cli import main
+
+    argv = ["memory", "--model", str(tiny_model_dir), "--estimate-only", "--prompt-len", "20"]
+    argv += ["--model.device", "cpu", "--algo.teacher_path", str(tiny_model_dir)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "teacher (on-policy distillation, resident all run)" in out
+    header = next(line for line in out.splitlines() if line.startswith("config "))
+    assert " teacher " in header  # the estimate table has the column
+    assert "estimated run peak grpo:" in out and "ppo" not in out

@@ -103,9 +103,13 @@ def _variants(args, cfg) -> list:
     from peergrade.config import validate
 
     variants = []
-    for algo in args.algos.split(","):
+    algos = args.algos.split(",")
+    teacher = cfg.algo.teacher_path is not None or cfg.algo.teacher_url is not None
+    for algo in algos:
         if algo not in ("grpo", "ppo"):
             raise InputError(f"--algos: {algo!r} is not an algorithm; choose grpo and/or ppo")
+        if algo == "ppo" and teacher and len(algos) > 1:
+            continue  # on-policy distillation is a GRPO mode: its teacher is counted with grpo
         loras = [cfg.model.lora.enabled, not cfg.model.lora.enabled] if args.lora else [None]
         for lora in loras:
             c = copy.deepcopy(cfg)
@@ -125,6 +129,10 @@ def _memory_header(cfg, world: int) -> None:
         f"{cfg.rollout.group_size}   completion: {cfg.rollout.max_completion_length} tokens   "
         f"beta: {cfg.algo.beta}"
     )
+    if cfg.algo.teacher_path is not None:
+        print(f"teacher (on-policy distillation, resident all run): {cfg.algo.teacher_path}")
+    elif cfg.algo.teacher_url is not None:
+        print(f"teacher behind {cfg.algo.teacher_url}: no weights here, the student's pass only")
     print(eval_batch_line(cfg, world))
 
 

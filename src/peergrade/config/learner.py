@@ -228,6 +228,27 @@ class AlgoConfig:
         "the student is pulled toward a sharpened teacher (its greedy answers).",
         None,
     )
+    teacher_url: str | None = doc(
+        "On-policy distillation with a teacher behind an OpenAI-compatible endpoint (its base "
+        "URL, e.g. http://host:8000/v1) instead of teacher_path: the student's token ids are "
+        "sent to /v1/completions and scored with vLLM's prompt_logprobs (peergrade serve, "
+        "vLLM), at temperature 1. The tokenizers are compared at start-up. null = off.",
+        None,
+    )
+    teacher_model: str | None = doc(
+        "teacher_url: the model name sent to the endpoint; null = the one /v1/models lists.",
+        None,
+    )
+    teacher_api_key_env: str | None = doc(
+        "teacher_url: the environment variable holding the endpoint's API key (sent as a "
+        "Bearer token); null = no key.",
+        None,
+    )
+    teacher_timeout: float = doc(
+        "teacher_url: seconds each request may take (> 0); a failed request is tried 3 times "
+        "in all before the step stops, naming the URL.",
+        120.0,
+    )
     turn_credit: Literal["episode", "returns", "step_groups"] = doc(
         "Multi-turn episodes: how the reward is credited to the model's turns. episode = every "
         "sampled token gets the episode's group-relative advantage (GRPO); returns = each "

@@ -21,6 +21,7 @@ def validate(cfg: Config) -> None:
     _check_algo_clipping(cfg)
     _check_algo_losses(cfg)
     _check_algo_grpo_only(cfg)
+    _check_teacher_url(cfg)
     check_turn_credit(cfg)
     _check_optim(cfg)
     _check_train(cfg)
@@ -317,6 +318,40 @@ def _check_algo_grpo_only(cfg: Config) -> None:
         "algo.teacher_path with algo.off_policy_mask_threshold: OPSM needs one advantage per "
         "completion, distillation gives one per token",
     )
+
+
+def _check_teacher_url(cfg: Config) -> None:
+    """algo.teacher_url: one teacher (not with teacher_path), an http(s) URL, temperature 1 (an
+    endpoint's prompt log-probs are the model's own), and teacher_path's distillation rules."""
+    a = cfg.algo
+    if a.teacher_url is None:
+        return
+    _need(
+        a.teacher_path is None,
+        f"algo.teacher_url ({a.teacher_url!r}) and algo.teacher_path ({a.teacher_path!r}) are "
+        "both set: the teacher is either a local model or an endpoint",
+    )
+    _need(
+        a.teacher_url.startswith(("http://", "https://")),
+        f"algo.teacher_url: expected an http:// or https:// base URL, got {a.teacher_url!r}",
+    )
+    _need(a.teacher_timeout > 0, f"algo.teacher_timeout must be > 0, got {a.teacher_timeout}")
+    t = a.teacher_temperature if a.teacher_temperature is not None else cfg.rollout.temperature
+    _need(
+        t == 1.0,
+        f"algo.teacher_url with a teacher temperature of {t} (algo.teacher_temperature, else "
+        "rollout.temperature): an endpoint's prompt_logprobs are at temperature 1; set "
+        "algo.teacher_temperature: 1",
+    )
+    clash = [
+        (a.name != "grpo", f"algo.name: {a.name} (distillation is a GRPO mode)"),
+        (cfg.rollout.async_steps != 0, "rollout.async_steps >= 1 (set it to 0)"),
+        (a.loss_type == "vespo", "algo.loss_type: vespo (one advantage per completion)"),
+        (a.off_policy_mask_threshold is not None, "algo.off_policy_mask_threshold (OPSM)"),
+        (a.turn_credit != "episode", f"algo.turn_credit: {a.turn_credit}"),
+    ]
+    for bad, what in clash:
+        _need(not bad, f"algo.teacher_url (on-policy distillation) cannot be combined with {what}")
 
 
 def _check_optim(cfg: Config) -> None:

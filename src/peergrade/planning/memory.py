@@ -47,6 +47,9 @@ batches), its options (``MemoryOptions``: dtype, bf16 autocast, LoRA, algorithm,
                                                  model = the backbone without an untied lm_head)
     reward_models  P_rm * b per reward model    (resident all run; its no-grad scoring forward
                                                  is phase "rewards": see reward_model_memory)
+    teacher      P_teacher * b                  (on-policy distillation's local teacher: frozen,
+                                                 resident all run; its no-grad log-prob pass,
+                                                 and the student's, are phase "reference")
     activations  what one micro-batch's forward leaves for the backward, per decoder layer:
                  tokens x ``_token_bytes`` (measured with saved-tensor hooks: e.g. float32
                  6H + 4 q_dim + 4I + L elements per token; under bf16 autocast the linear
@@ -287,7 +290,12 @@ class MemoryOptions:
     (each distinct prompt of a micro-batch runs once); ref_offload: the reference copy lives in
     host memory outside its own pass (counted on "cuda" only); reward_models:
     ``reward_model_memory`` dicts (``weights``, ``activations``) of the reward models among the
-    rewards; async_steps: ``rollout.async_steps`` k (k >= 1 adds the producer).
+    rewards; async_steps: ``rollout.async_steps`` k (k >= 1 adds the producer); distill:
+    on-policy distillation (``algo.teacher_path`` or ``algo.teacher_url``): the student's own
+    no-grad log-prob pass in phase "reference"; teacher: the local teacher's model config (a
+    model directory, config.json dict or transformers config; None: no local teacher, e.g. one
+    behind an endpoint), frozen in the weights' dtype and resident all run, its no-grad
+    log-prob pass in phase "reference" too (``training.teacher``).
     """
 
     dtype: str = "float32"
@@ -302,6 +310,8 @@ class MemoryOptions:
     ref_offload: bool = False
     reward_models: tuple[dict, ...] = ()
     async_steps: int = 0
+    distill: bool = False
+    teacher: Any = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -578,7 +588,8 @@ def estimate_memory(
     rm_weights = sum(r["weights"] for r in opts.reward_models)  # frozen, resident all run
     # the critic's weights and optimizer state are static; its grads exist during the update
     static = res.weights + (0 if offloaded else res.reference) + critic_w * 3 + res.optimizer
-    static += rm_weights
+    teacher_w, teacher_pass = _teacher(m.b, micro, shape, opts)
+    static += rm_weights + teacher_w
     phases = _phases(
         static,
         fwd,
@@ -591,6 +602,11 @@ def estimate_memory(
         reward_models=opts.reward_models,
         reference_pass=res.reference > 0 or (opts.lora and opts.beta > 0),
     )
+    if opts.distill or opts.teacher is not None:  # the student's pass, then the teacher's
+        student_pass = fwd.layer_act + fwd.chunk_bufs + fwd.hidden
+        distill = static + (2 * res.params if opts.autocast else 0)
+        distill += max(student_pass, teacher_pass)
+        phases["reference"] = max(phases.get("reference", 0), distill)
     phases, res, eval_generation, producer = _beyond_the_step(
         phases,
         res,
@@ -606,10 +622,24 @@ def estimate_memory(
         **res._asdict(),
         "critic": 4 * critic_w,  # weights, grads and AdamW's two states
         "reward_models": rm_weights,
+        "teacher": teacher_w,
         "activations": fwd.acts + fwd.chunk_bufs + fwd.hidden + critic_acts,
         "transient": fwd.grad_transient + fwd.layer_act,
         **_peaks(phases, kv_cache, producer, eval_generation, shape.eval_rows, shape.eval_batch),
     }
+
+
+def _teacher(b: int, micro: int, shape: StepShape, opts: MemoryOptions) -> tuple[int, int]:
+    """(weights, one no-grad log-prob pass) of on-policy distillation's local teacher, in bytes:
+    its parameters in the policy's dtype (``training.teacher.load_teacher``), and one
+    micro-batch's pass by the reference's formula on the teacher's own sizes (one layer's
+    activations, the chunked log-prob's [c, V] buffers, the hidden states). (0, 0) without a
+    local teacher."""
+    if opts.teacher is None:
+        return 0, 0
+    t = _Model(_arch(opts.teacher), param_counts(opts.teacher), b)
+    fwd = _policy_pass(t, micro, shape, replace(opts, lora=None))
+    return t.pc["total"] * b, fwd.layer_act + fwd.chunk_bufs + fwd.hidden
 
 
 def _peaks(phases: dict, kv_cache, producer, eval_generation, eval_rows, eval_batch) -> dict:
@@ -675,7 +705,8 @@ def _beyond_the_step(
             phases, res, static=static, offloaded=offloaded, m=m, where=where, lora=lora
         )
     if offloaded:  # its own pass brings it back: no grads, one layer's activations
-        phases["reference"] = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
+        back = static + res.reference + fwd.layer_act + fwd.chunk_bufs + fwd.hidden
+        phases["reference"] = max(phases.get("reference", 0), back)  # or a teacher's pass
     sharded = world > 1 and where.strategy == "fsdp" and not lora
     phases["checkpoint"] = _checkpoint_phase(
         static, whole, res, offloaded=offloaded, sharded=sharded, device=where.device
@@ -803,6 +834,10 @@ def estimate_for_config(
         ref_offload=cfg.model.ref_offload,
         reward_models=tuple(reward_models),
         async_steps=cfg.rollout.async_steps,
+        distill=cfg.algo.teacher_path is not None or cfg.algo.teacher_url is not None,
+        teacher=(
+            resolve_model_path(cfg.algo.teacher_path) if cfg.algo.teacher_path is not None else None
+        ),
     )
     where = Placement(device=device, world=world, strategy=cfg.dist.strategy)
     return estimate_memory(path, shape, options, where)
@@ -897,6 +932,8 @@ def _child(cfg_path: str, steps: int) -> dict:
         warm.model.path = str(_shrunk_copy(resolve_model_path(cfg.model.path), Path(tmp)))
         if warm.algo.critic_path is not None:
             warm.algo.critic_path = warm.model.path
+        if warm.algo.teacher_path is not None:  # the toy copy: not the real teacher twice
+            warm.algo.teacher_path = warm.model.path
         _run_steps(warm, 1, NO_METER)
     gc.collect()
     if device.type == "cuda":
@@ -1033,7 +1070,9 @@ def _mib(x: float) -> str:
 def format_table(rows: list[tuple[str, dict, dict]]) -> str:
     """``rows`` = [(label, measured report, estimate)] -> a plain-text table in MiB: the
     estimate's breakdown, estimated and measured peaks, the error, and the measured per-phase
-    peaks (generate / reference / update / checkpoint)."""
+    peaks (generate / reference / update / checkpoint); a "teacher" column (on-policy
+    distillation's local teacher) when some estimate has one."""
+    teacher = any(est.get("teacher") for _, _, est in rows)
     headers = [
         "config",
         "weights",
@@ -1041,6 +1080,7 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
         "optim",
         "ref",
         "critic",
+        *(["teacher"] if teacher else []),
         "act+logits",
         "est peak",
         "meas peak",
@@ -1062,6 +1102,7 @@ def format_table(rows: list[tuple[str, dict, dict]]) -> str:
                 _mib(est["optimizer"]),
                 _mib(est["reference"]),
                 _mib(est["critic"]),
+                *([_mib(est.get("teacher", 0))] if teacher else []),
                 _mib(est["activations"]),
                 _mib(est["step_peak"]),
                 _mib(meas["peak"]),
@@ -1090,6 +1131,8 @@ def format_estimates(rows: list[tuple[str, dict]]) -> str:
     """``rows`` = [(label, estimate)] -> a plain-text table of the estimated breakdown (MiB),
     the training step's peak, the run's peak and the phase that sets it."""
     keys = ["weights", "grads", "optimizer", "reference", "critic", "reward_models"]
+    if any(est.get("teacher") for _, est in rows):  # on-policy distillation's local teacher
+        keys.append("teacher")
     keys += ["activations", "kv_cache"]
     if any(est.get("producer") for _, est in rows):  # rollout.async_steps >= 1
         keys.append("producer")

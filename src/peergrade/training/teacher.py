@@ -12,9 +12,12 @@ numerics. The tokenizers must match: the teacher reads the student's token ids, 
 different vocabulary or different special tokens stop the run at start-up, naming the
 difference.
 
-What it deliberately does not do: no teacher behind HTTP (an OpenAI-compatible endpoint with
-prompt log-probs is not implemented), no logit-level (full-distribution) KL, no teacher
-sharding under FSDP (each rank holds the whole teacher).
+The teacher may instead sit behind an OpenAI-compatible endpoint (``algo.teacher_url``:
+``training.teacher_endpoint``), which scores the same token ids with vLLM's ``prompt_logprobs``
+(temperature 1); its tokenizer is probed through the endpoint at start-up.
+
+What it deliberately does not do: no logit-level (full-distribution) KL, no teacher sharding
+under FSDP (each rank holds the whole teacher).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from peergrade import distributed as dist
 from peergrade.algo.distill import distill_advantages, reverse_kl_reward, token_mean_reward
 from peergrade.errors import ModelLoadError
 from peergrade.training.experience import Experience
+from peergrade.training.teacher_endpoint import EndpointTeacher, connect
 from peergrade.training.update import GRPO, frozen_logprobs
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -73,7 +77,10 @@ def check_tokenizers(student, teacher, path: str) -> None:
 
 def load_teacher(cfg, models) -> Any:
     """The frozen teacher of ``cfg.algo.teacher_path`` on the policy's device, in eval mode,
-    after its tokenizer was checked against the student's."""
+    after its tokenizer was checked against the student's; with ``cfg.algo.teacher_url``, the
+    endpoint teacher (``teacher_endpoint.connect``: it answers, and reads the student's ids)."""
+    if cfg.algo.teacher_url is not None:
+        return connect(cfg, models.tokenizer)
     from peergrade.model.load import load_model, load_tokenizer, resolve_dtype, resolve_model_path
 
     path = resolve_model_path(cfg.algo.teacher_path)
@@ -100,6 +107,8 @@ def student_teacher_logprobs(models, teacher, batch, cfg) -> tuple[torch.Tensor,
         student = frozen_logprobs(models.policy, batch, cfg)  # [N, C]
     finally:
         models.policy.train(was_training)
+    if isinstance(teacher, EndpointTeacher):  # temperature 1 (config.validate)
+        return student, teacher.logprobs(batch)  # [N, C]
     return student, frozen_logprobs(teacher, batch, teacher_cfg(cfg))  # [N, C]
 
 

@@ -225,7 +225,7 @@ def setup(cfg: Config, given: Given | None = None) -> Run:
     if cfg.algo.name == "ppo":  # a critic (value model + its AdamW), the memory GRPO does without
         critic = ppo.build_critic(cfg, models)
         algo = ppo.PPO(models, critic, optimizer, scheduler, cfg)
-    elif cfg.algo.teacher_path is not None:  # on-policy distillation: per-token advantages
+    elif cfg.algo.teacher_path is not None or cfg.algo.teacher_url is not None:  # distillation
         teacher = load_teacher(cfg, models)  # tokenizers checked here, before any step
         critic, algo = None, Distill(models, optimizer, scheduler, cfg, teacher=teacher)
     elif turn_credit.settings(cfg.algo)[0] != "episode":  # per-turn advantages [N, C]
