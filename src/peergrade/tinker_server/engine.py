@@ -339,6 +339,50 @@ class TrainingModel:
         save_tokenizer(self.tokenizer, directory)
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One ``sample`` request's settings, as Tinker's ``SamplingParams`` and request carry them.
+
+    ``stop``: None = the model's EOS; ``[]`` = none (run to ``max_tokens``); token ids replace
+    EOS; strings stop after the string (EOS still stops). ``seed`` None: the server's seed and a
+    counter. ``topk_prompt`` / ``topk_sample`` > 0: the k most likely tokens at each prompt
+    position (temperature 1, as ``prompt_logprobs``) and at each sampled position (at the
+    sampling temperature, as the sampled log-probs; ``model.logprobs.position_logprobs``)."""
+
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list | None = None
+    seed: int | None = None
+    prompt_logprobs: bool = False
+    topk_prompt: int = 0
+    topk_sample: int = 0
+
+    def settings(self, model_eos: list[int]) -> tuple[SamplerSettings, list[int]]:
+        """The sampler's settings and the EOS ids this request stops at."""
+        stop, eos, strings, ignore_eos = self.stop, model_eos, (), False
+        if isinstance(stop, str):
+            strings = (stop,)
+        elif stop is not None and len(stop) == 0:
+            ignore_eos = True
+        elif stop is not None and all(isinstance(s, int) for s in stop):
+            eos = [int(s) for s in stop]
+        elif stop is not None:
+            strings = tuple(str(s) for s in stop)
+        settings = SamplerSettings(
+            n=int(self.num_samples),
+            max_new_tokens=int(self.max_tokens),
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=max(int(self.top_k), 0),
+            stop=strings,
+            ignore_eos=ignore_eos,
+        )
+        return settings, eos
+
+
 class Sampler:
     """Samples from weight snapshots of one base model (a copy of the training model, whose
     trained weights are swapped in per request; the base model alone for ``base_model``
@@ -373,48 +417,14 @@ class Sampler:
         self.model.load_state_dict(self.snapshots[key], strict=False)
         self.active = key
 
-    def sample(
-        self,
-        key: str | None,
-        prompt_ids: list[int],
-        *,
-        num_samples: int,
-        max_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        stop=None,
-        seed: int | None = None,
-        prompt_logprobs: bool = False,
-        topk_prompt: int = 0,
-        topk_sample: int = 0,
-    ) -> SampleResult:
-        """``num_samples`` continuations of ``prompt_ids`` under snapshot ``key``. ``stop``:
-        None = the model's EOS; ``[]`` = none (run to ``max_tokens``); token ids replace EOS;
-        strings stop after the string (EOS still stops). Seedless requests take the server's
-        seed and a counter, so a run replays. ``topk_prompt`` / ``topk_sample`` > 0: the k
-        most likely tokens at each prompt position (temperature 1, as ``prompt_logprobs``)
-        and at each sampled position (at the sampling temperature, as the sampled log-probs;
-        ``model.logprobs.position_logprobs``)."""
+    def sample(self, key: str | None, prompt_ids: list[int], req: SampleRequest) -> SampleResult:
+        """``req.num_samples`` continuations of ``prompt_ids`` under snapshot ``key``
+        (``SampleRequest`` says what each field does). Seedless requests take the server's
+        seed and a counter, so a run replays."""
         self._activate(key)
-        eos, strings, ignore_eos = self.eos, (), False
-        if isinstance(stop, str):
-            strings = (stop,)
-        elif stop is not None and len(stop) == 0:
-            ignore_eos = True
-        elif stop is not None and all(isinstance(s, int) for s in stop):
-            eos = [int(s) for s in stop]
-        elif stop is not None:
-            strings = tuple(str(s) for s in stop)
-        settings = SamplerSettings(
-            n=int(num_samples),
-            max_new_tokens=int(max_tokens),
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=max(int(top_k), 0),
-            stop=strings,
-            ignore_eos=ignore_eos,
-        )
+        settings, eos = req.settings(self.eos)
+        seed, temperature = req.seed, req.temperature
+        topk_prompt, topk_sample = req.topk_prompt, req.topk_sample
         if seed is None:
             seed = (self.seed * 1_000_003 + self.calls) % (2**62)
         self.calls += 1
@@ -445,11 +455,11 @@ class Sampler:
                 ids = list(prompt_ids) + s.tokens
                 s.topk = position_logprobs(self.model, ids, len(prompt_ids), topk_sample, T).top
         plp, top_prompt = None, None
-        if prompt_logprobs or topk_prompt > 0:
+        if req.prompt_logprobs or topk_prompt > 0:
             scores = None
             if len(prompt_ids) > 1:
                 scores = position_logprobs(self.model, list(prompt_ids), 1, topk_prompt)
-            if prompt_logprobs:
+            if req.prompt_logprobs:
                 plp = [float("nan")] + (scores.chosen if scores else [])
             if topk_prompt > 0:
                 top_prompt = [None] + (scores.top if scores else [])

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from peergrade.tinker_server import wire
-from peergrade.tinker_server.engine import Sampler, TrainingModel, load_base
+from peergrade.tinker_server.engine import Sampler, SampleRequest, TrainingModel, load_base
 
 __all__ = ["TinkerServer", "DEFAULT_API_KEY"]
 
@@ -383,16 +383,18 @@ class TinkerServer:
             result = sampler.sample(
                 key,
                 ids,
-                num_samples=n,
-                max_tokens=p.max_tokens if p.max_tokens is not None else 16,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k,
-                stop=p.stop,
-                seed=seed,
-                prompt_logprobs=bool(req.prompt_logprobs),
-                topk_prompt=topk_prompt,
-                topk_sample=topk_sample,
+                SampleRequest(
+                    num_samples=n,
+                    max_tokens=p.max_tokens if p.max_tokens is not None else 16,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    stop=p.stop,
+                    seed=seed,
+                    prompt_logprobs=bool(req.prompt_logprobs),
+                    topk_prompt=topk_prompt,
+                    topk_sample=topk_sample,
+                ),
             )
             return _Result(
                 wire.encode_sample_response(
