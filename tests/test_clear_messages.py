@@ -115,3 +115,43 @@ def test_the_progress_line_has_one_kl_form(capsys):
     on.update(2, {})
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")]
     assert " kl 0.0123 " in lines[0] and " kl - " in lines[1], lines
+
+
+def test_an_address_space_limit_too_small_for_torch_names_the_limit(tmp_path):
+    """``ulimit -v`` below what importing torch maps: one line naming the limit and what it
+    counts, not torch's ImportError traceback (or an empty MemoryError)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import peergrade
+
+    limit = 300 * 2**20  # bytes: below torch's own mapping, above the interpreter's
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    env = dict(os.environ, PYTHONPATH=str(Path(peergrade.__file__).parents[1]))
+    cmd = [sys.executable, "-m", "peergrade", "train", "--steps", "1", "-o", str(tmp_path / "r")]
+    out = subprocess.run(cmd, env=env, preexec_fn=cap, capture_output=True, text=True, timeout=300)
+    err = out.stderr.strip()
+    assert out.returncode == 1, err[-2000:]
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith("error: ") and "ulimit -v 307200" in err and "address space" in err
+
+
+def test_out_of_memory_inside_a_command_is_one_line(monkeypatch, capsys):
+    import resource
+
+    from peergrade.cli import train
+
+    def exhausted(args, extra):
+        raise MemoryError()
+
+    monkeypatch.setattr(train, "run", exhausted)  # add_parser reads it when main builds
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (resource.RLIM_INFINITY,) * 2)
+    assert main(["train", "--steps", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: out of memory:") and "peergrade memory" in err

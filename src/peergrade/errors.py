@@ -150,3 +150,33 @@ def report(error: PeergradeError, file=None) -> int:
     """Print ``error`` as one ``error: ...`` line (stderr by default); the exit status to use."""
     print(f"error: {error}", file=file or sys.stderr)
     return USER_ERROR_STATUS
+
+
+#: address space that importing torch (2.13, CPU) maps before any model: 0.6 GiB measured
+TORCH_IMPORT_VIRTUAL_GIB = 0.6
+
+
+def out_of_memory(exc: BaseException) -> str:
+    """One line for a ``MemoryError`` (or a shared library that could not be mapped, torch's
+    ``failed to map segment``): the cause, naming the process's address-space limit when one
+    is set (``ulimit -v``), since that limit counts mapped, not used, memory."""
+    import resource
+
+    what = (
+        f"a shared library could not be mapped ({exc})"
+        if isinstance(exc, ImportError)
+        else "out of memory"
+    )
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        return (
+            f"{what}: this process may map at most {soft / 2**30:.2f} GiB of address space "
+            f"(ulimit -v {soft // 1024}); that limit counts mapped memory, not memory used, "
+            f"and importing torch alone maps about {TORCH_IMPORT_VIRTUAL_GIB} GiB: raise it "
+            "(ulimit -v unlimited), or limit resident memory instead (a cgroup, docker --memory)"
+        )
+    return (
+        f"{what}: the machine had no memory left for this run; `peergrade memory --config X` "
+        "estimates what a run needs and what fits (smaller optim.micro_batch_size, "
+        "rollout.generation_batch_size or model.lora cut it)"
+    )

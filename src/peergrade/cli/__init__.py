@@ -51,7 +51,7 @@ from peergrade.cli import (
     train,
 )
 from peergrade.cli.common import EXAMPLES, split_overrides  # noqa: F401 - docgen and tests read them here
-from peergrade.errors import InputError, PeergradeError
+from peergrade.errors import InputError, PeergradeError, out_of_memory
 from peergrade.errors import report as report_error  # cli.report is the command
 
 UserError = InputError  # the old name of a command-line user error (one family: peergrade.errors)
@@ -111,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         # Ctrl-C outside the training loop (loading, evaluation): nothing to save yet.
         print("interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, ImportError) as e:
+        # a bare MemoryError prints nothing useful, and under `ulimit -v` torch's own import
+        # fails with "failed to map segment": either way, one line with the cause
+        if isinstance(e, ImportError) and "failed to map segment" not in str(e):
+            raise
+        print(f"error: {out_of_memory(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
