@@ -393,3 +393,58 @@ def test_sigterm_while_the_model_loads_exits_143_with_its_line_and_the_rerun_is_
     assert again.returncode == 0, again.stderr[-3000:]
     got = weights(work / "termload/checkpoints/step-3")
     assert got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in plain)
+
+
+SLOW_HARNESS = """
+import os, pathlib, time
+pathlib.Path(os.environ["MARK_DIR"], f"importing-{os.getpid()}").touch()
+time.sleep(30)  # a heavy import: the Ctrl-C lands while the worker processes load this
+
+
+def agent(row, base_url, model):
+    return 0.0
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_harness_workers_start_prints_one_line_and_exits_130(tmp_path):
+    """Ctrl-C on the terminal (SIGINT to the process group) while the harness's worker
+    processes import the harness: the trainer's one line and exit 130, no worker traceback;
+    a second Ctrl-C while it exits keeps 130 (was: the workers' tracebacks, then exit -2)."""
+    import signal
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "slow.py").write_text(SLOW_HARNESS)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MARK_DIR": str(marks)}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "peergrade", "train", "--config"]
+    cmd += [str(root / "configs" / "calculator.yaml"), "--env.factory", "null"]
+    cmd += ["--harness", "slow.py:agent", "--harness.processes", "2", "--train.steps", "2"]
+    cmd += ["--train.audit_rewards", "off", "-o", "run"]
+    p = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(marks.iterdir())) < 2:  # both workers are importing the harness
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGINT)
+        time.sleep(0.5)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT)  # the impatient second Ctrl-C
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "interrupted" in err

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    console = argv is None  # the command itself, not a caller in Python (tests, a script)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"] and not {"-h", "--help"} & set(launch.split_help(argv[1:])):
         args, extra = parser.parse_args(["launch"]), argv[1:]  # torchrun's options, verbatim
@@ -103,14 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         if extra and not args.overrides:
             raise InputError(f"unexpected arguments for {args.command}: {' '.join(extra)}")
         with quiet_hf_progress():  # the same policy as trainer.train's from Python
-            return args.func(args, extra)
+            return _stopped_quietly(args.func(args, extra), console)
     except PeergradeError as e:
         # Bad config, data, model dir, reward or run dir: the message names what is wrong.
         return report_error(e)
     except KeyboardInterrupt:
         # Ctrl-C outside the training loop (loading, evaluation): nothing to save yet.
         print("interrupted", file=sys.stderr)
-        return 130
+        return _stopped_quietly(130, console)
     except (MemoryError, ImportError) as e:
         # a bare MemoryError prints nothing useful, and under `ulimit -v` torch's own import
         # fails with "failed to map segment": either way, one line with the cause
@@ -118,6 +119,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {out_of_memory(e)}", file=sys.stderr)
         return 1
+
+
+def _stopped_quietly(code: int, console: bool) -> int:
+    """After a stop (130 Ctrl-C, 143 SIGTERM) the command is on its way out (worker processes
+    joined, files closed): a further Ctrl-C then exits at once with the same status, instead
+    of dying by the signal (status -2) with a traceback from wherever the exit was. Only for
+    the command itself: a Python caller of ``main`` keeps its own SIGINT handling."""
+    if console and code in (130, 143):
+        import os
+        import signal
+
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
+    return code
 
 
 if __name__ == "__main__":

@@ -104,8 +104,20 @@ def reward_of(value: Any) -> tuple[float, dict[str, float]]:
 # ------------------------------------------------------------------------------- the worker
 
 
+def _tell(conn, msg) -> None:  # pragma: no cover - runs in the child process
+    """Send ``msg`` to the trainer; a trainer that has stopped (its end closed) ends the worker
+    quietly, as a closed pipe does later."""
+    try:
+        conn.send(msg)
+    except (OSError, ValueError, EOFError):
+        os._exit(0)
+
+
 def _worker_main(conn, spec: str) -> None:  # pragma: no cover - runs in the child process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops its workers itself
+    # started with SIGINT blocked (``_Worker``): a Ctrl-C while the child imported is dropped
+    # here, now that it is ignored, instead of printing the child's traceback
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from peergrade.envs.load import load_object
 
     try:
@@ -113,9 +125,9 @@ def _worker_main(conn, spec: str) -> None:  # pragma: no cover - runs in the chi
         if not callable(fn):
             raise TypeError(f"harness.fn {spec!r} is not callable")
     except BaseException as e:
-        conn.send(("load_error", f"{type(e).__name__}: {e}"))
+        _tell(conn, ("load_error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", os.getpid()))
+    _tell(conn, ("ready", os.getpid()))
     lock = threading.Lock()
 
     def send(msg) -> None:
@@ -168,9 +180,13 @@ class _Worker:
             # of it (the harness is loaded by name), so the child is started without it
             main = sys.modules["__main__"]
             sys.modules["__main__"] = types.ModuleType("__main__")
+            # a Ctrl-C reaches the whole process group, these children too: they start with
+            # SIGINT blocked (spawn keeps the signal mask) until they ignore it
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 self.proc.start()
             finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 sys.modules["__main__"] = main
         child.close()
         self.lock = threading.Lock()
