@@ -439,6 +439,69 @@ def test_a_changed_history_splits_the_episode(inner, merge_tok):
     assert harness_metrics([r])["harness/split_episodes"] == 1.0
 
 
+def test_an_episode_s_url_refuses_another_episode_s_agent(inner, merge_tok):
+    """An agent that learns another open episode's id posts to that episode's URL without
+    its key (or with its own key): a 404 in OpenAI's error shape, and the other episode's
+    record is unchanged (one request, no split, the same tokens)."""
+    import threading
+
+    import httpx
+
+    model = Steered(inner, merge_tok.eos_token_id, eos_every=4, eos_bias=8.0)
+    runner = HarnessRunner(model, merge_tok)
+    victim_asked, attacked = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def eid_key(base_url):  # the path after /episodes/: the id, then (if any) the key
+        return base_url.split("/episodes/")[1].split("/")
+
+    def harness(row, base_url, model_name):
+        m = [{"role": "user", "content": row["q"]}]
+        if row["q"] == "victim":
+            r = client(base_url).chat.completions.create(model=model_name, messages=m)
+            seen["victim_reply"] = r.choices[0].message.content
+            seen["victim_tokens"] = r.usage.completion_tokens
+            victim_asked.set()
+            assert attacked.wait(60), "the other agent never came"
+            return 1
+        assert victim_asked.wait(60), "the victim never asked"
+        own = eid_key(base_url)
+        (other,) = [r for r in list(runner.recorder._by_id.values()) if r.eid != own[0]]
+        body = {"model": model_name, "messages": m + [{"role": "user", "content": "mine now"}]}
+        own_key = own[1] if len(own) > 1 else "x"
+        for name, suffix in (("no key", ""), ("own key", f"/{own_key}"), ("bad", "/wrong")):
+            at = f"{runner.url}/v1/episodes/{other.eid}{suffix}"
+            got = httpx.post(f"{at}/chat/completions", json=body, timeout=60)
+            models = httpx.get(f"{at}/models", timeout=60)
+            seen[name] = (got.status_code, got.json(), models.status_code)
+        attacked.set()
+        client(base_url).chat.completions.create(model=model_name, messages=m)
+        return 1
+
+    try:
+        victim, attacker = runner.run(
+            harness,
+            [{"q": "victim"}, {"q": "attacker"}],
+            n=1,
+            max_completion_length=60,
+            temperature=1.0,
+            max_tokens_per_turn=8,
+        )
+    finally:
+        attacked.set()
+        runner.close()
+    assert victim.error is None and attacker.error is None, (victim.error, attacker.error)
+    for name in ("no key", "own key", "bad"):
+        status, answer, models = seen[name]
+        assert status in (403, 404) and models in (403, 404), (name, status, answer, models)
+        assert set(answer["error"]) >= {"message", "type", "code"}, (name, answer)
+    # the victim's record holds its own one request and reply, nothing of the other agent's
+    assert (victim.requests, victim.splits) == (1, 0)
+    assert victim.episode.messages[0] == {"role": "user", "content": "victim"}
+    assert victim.episode.loss_mask.count(1) == seen["victim_tokens"]
+    assert attacker.requests == 1 and attacker.splits == 0
+
+
 def one_episode(runner, harness, **kw):
     """The one episode of ``harness`` on row ``{"q": "q"}`` (then the runner is closed)."""
     kw = {"max_completion_length": 60, "temperature": 1.0, **kw}

@@ -406,6 +406,32 @@ def test_a_request_that_can_never_fit_is_refused_at_once(calc):
         engine.close()
 
 
+def test_a_long_prompt_s_prefill_counts_against_the_budget(calc):
+    """Eight rows of a 400-token prompt need about 3,300 KV cache slots, but their prefill
+    holds one layer's activations and (sdpa on the CPU) a score per head and token pair for
+    all of them at once, several times more: past a 6,000-slot budget, a 400 at once that
+    names the prefill; one row of it fits and is answered."""
+    from peergrade.serving.server import Job
+
+    model, tok = calc
+    engine = Engine(model, tok, MODEL, max_batch_tokens=6000)
+    prompt = [tok.encode("1")[0]] * 400
+    kv_only = 8 * (len(prompt) + 8 + engine.row_tokens)
+    assert kv_only < 6000 < engine.cost([Job(prompt, 8)] * 8)
+    try:
+        with Server(build_app(engine)) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+            r = c.post("/v1/completions", json={**body, "n": 8})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "request_too_large" and "prefill" in err["message"], err
+            r = c.post("/v1/completions", json={**body, "n": 1})
+            assert r.status_code == 200, r.text
+        assert engine.jobs == 1
+    finally:
+        engine.close()
+
+
 def test_requests_past_the_budget_wait_for_the_next_batch(calc):
     """Three requests that each fit but not together are all answered, in batches that keep
     within the budget (here each batch holds at most two of them)."""
@@ -440,9 +466,12 @@ def test_requests_past_the_budget_wait_for_the_next_batch(calc):
 
 
 def engine_jobs(tok, n: int, span: int):
+    """``n`` jobs of TEXT's prompt, each ``span`` tokens with its budget (the requests'
+    cost, prefill included)."""
     from peergrade.serving.server import Job
 
-    return [Job([0] * (span - 1), 1) for _ in range(n)]
+    prompt = tok.encode(TEXT["prompt"], add_special_tokens=False)
+    return [Job(prompt, span - len(prompt)) for _ in range(n)]
 
 
 def test_the_default_budget_comes_from_the_memory(calc):

@@ -4,7 +4,8 @@
 on a free local port, with a ``Recorder``. ``runner.run(fn, rows, settings, seed=...)``
 (``settings``: a ``generation.SamplerSettings``, or its fields as keywords) calls
 ``fn(row, base_url, model)`` (sync or ``async def``) once per (row, sample), each with a base URL
-private to that episode (``http://127.0.0.1:PORT/v1/episodes/<id>``), at most ``concurrency`` at
+private to that episode (``http://127.0.0.1:PORT/v1/episodes/<id>/<key>``: only its own
+episode's requests are accepted there, ``serving.recorder``), at most ``concurrency`` at
 once, and returns one ``HarnessResult`` each: the recorded ``envs.Episode`` (the same record
 ``generation.episodes`` builds: prompt, sampled tokens with loss mask 1 and the sampler's
 log-probs, template/tool tokens with mask 0), the reward and what went wrong.
@@ -173,7 +174,7 @@ class HarnessRunner:
             row = rows[i // n]
             async with gate:
                 rec = self.recorder.open(i // n, settings_of(i))
-                base_url = f"{self.url}/v1/episodes/{rec.eid}"
+                base_url = f"{self.url}{rec.path}"
                 error = kind = None
                 value = None
                 try:

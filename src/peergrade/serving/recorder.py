@@ -1,7 +1,13 @@
 """Training episodes recorded from an external agent's HTTP requests, token-exactly.
 
 The trainer opens one ``Recording`` per (prompt, sample) and gives the agent (a "harness") the
-base URL ``<server>/v1/episodes/<id>``. Every chat request under it is answered by the policy,
+base URL ``<server>/v1/episodes/<id>/<key>`` (``Recording.path``): ``<id>`` names the episode
+(``ep1``, ``ep2``, ...: in errors and the KV cache's sessions), ``<key>`` is a random secret of
+that episode alone. A request whose key is not its episode's is a 404, as for an episode that
+is not open, and changes nothing: an agent that learns another open episode's id cannot
+write into that episode's record (the whole URL is the credential: a client built with
+another episode's full base URL is that episode's client). Every
+chat request under it is answered by the policy,
 and recorded as tokens into one ``envs.Episode``, the record the in-process episode engine
 (``generation.episodes``) builds:
 
@@ -48,6 +54,7 @@ It does not run the agent (``serving.harness``) or score anything.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import threading
 from dataclasses import dataclass, field, replace
@@ -90,6 +97,8 @@ class Recording:
     eid: str
     row_index: int
     settings: EpisodeSettings
+    #: the episode's secret: its URL's last part (``path``); requests without it are refused
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(18), repr=False)
     episode: Episode | None = None  # the current segment
     segments: list[Episode] = field(default_factory=list)  # earlier segments (after splits)
     messages: list[dict] = field(default_factory=list)  # the current segment's conversation
@@ -111,6 +120,12 @@ class Recording:
     text: str = ""
     #: the episode's Responses API replies (``previous_response_id``), all of them
     stored: ResponseStore = field(default_factory=lambda: ResponseStore(limit=None, max_bytes=None))
+
+    @property
+    def path(self) -> str:
+        """The episode's base path on the server, ``/v1/episodes/<id>/<key>``: the agent's
+        base URL after the server's address."""
+        return f"/v1/episodes/{self.eid}/{self.key}"
 
 
 def _imposed(asked, s: EpisodeSettings):
@@ -138,14 +153,15 @@ class Recorder:
         self.engine = engine
         self._by_id: dict[str, Recording] = {}
         self._mutex = threading.Lock()
+        self._ids = itertools.count(1)
 
     def open_count(self) -> int:
         """Episodes open now: the most requests that can be waiting at once."""
         return len(self._by_id)
 
     def open(self, row_index: int, settings: EpisodeSettings) -> Recording:
-        rec = Recording(secrets.token_urlsafe(12), row_index, settings)
         with self._mutex:
+            rec = Recording(f"ep{next(self._ids)}", row_index, settings)
             self._by_id[rec.eid] = rec
         return rec
 
@@ -157,12 +173,17 @@ class Recorder:
         self.engine.forget(eid)
         return rec
 
-    def get(self, eid: str) -> Recording:
+    def get(self, eid: str, key: str) -> Recording:
+        """The open episode ``eid`` when ``key`` is its key (compared in constant time); else
+        a 404 that says no more than for an episode never opened."""
         with self._mutex:
             rec = self._by_id.get(eid)
-        if rec is None or rec.closed:
+        known = rec is not None and secrets.compare_digest(rec.key.encode(), key.encode())
+        if not known or rec.closed:
             raise APIError(
-                f"no open training episode {eid!r} (finished, timed out, or never opened)",
+                f"no open training episode at /v1/episodes/{eid}/... with this key (finished, "
+                "timed out, never opened, or the URL is another episode's: each episode's "
+                "agent must use the base URL it was given)",
                 status=404,
                 code="episode_not_found",
             )
