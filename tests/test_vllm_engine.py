@@ -6,6 +6,11 @@ Without vLLM: the config refuses what the engine does not serve, and ``peergrade
 bundled model, and again after the trained weights are pushed in place; a completion's draws
 depend on (seed, prompt key, sample index) only; its sampled log-probs match the trainer's own
 forward; and a 2-step ``peergrade train --rollout.engine vllm`` run completes and logs the gap.
+Episodes (tools, environments) run the own episode loop with vLLM sampling the model turns: on
+the calculator (tiny-calc taught a few tool-calling transcripts) vLLM's greedy episodes equal the
+own kernel's token for token, tool results masked; sampled ones are keyed and their log-probs
+match the trainer's; held-out evaluation and ``peergrade eval`` sample them through vLLM; and a
+2-step ``configs/calculator.yaml`` run with the engine completes.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import importlib.util
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,7 +53,7 @@ def test_engine_vllm_without_vllm_is_one_error_line_naming_the_extra(tmp_path, m
     [
         ([("rollout.engine", "sglang")], "rollout.engine: 'sglang' is not allowed"),
         ([("rollout.async_steps", 1)], "rollout.async_steps 1"),
-        ([("env.tools", ["calc.py:add"])], "env (tools or an environment)"),
+        ([("harness.fn", "agent.py:run")], "a harness (harness.fn)"),
         ([("rollout.vllm_gpu_memory_utilization", 0.0)], "vllm_gpu_memory_utilization"),
     ],
 )
@@ -55,6 +61,11 @@ def test_config_refuses_what_the_vllm_engine_does_not_serve(overrides, names):
     engine = [] if overrides[0][0] == "rollout.engine" else [("rollout.engine", "vllm")]
     with pytest.raises(ConfigError, match=re.escape(names)):
         load_config(None, engine + overrides)
+
+
+def test_config_takes_episodes_with_the_vllm_engine():
+    cfg = load_config(None, [("rollout.engine", "vllm"), ("env.tools", ["calc.py:add"])])
+    assert cfg.rollout.engine == "vllm" and cfg.env.tools[0].endswith("calc.py:add")
 
 
 def test_default_engine_is_the_own_kernel():
@@ -253,3 +264,178 @@ def test_trl_use_vllm_colocate_maps_to_the_vllm_engine():
     assert GRPOConfig(max_steps=2).to_config().rollout.engine == "peergrade"
     with pytest.raises(ConfigError, match="vllm_mode"):
         GRPOConfig(use_vllm=True, vllm_mode="server")  # a vLLM server: not wired yet
+
+
+# ----------------------------------------------------------------------------- episodes (tools)
+
+CALCULATOR = str(Path(__file__).resolve().parents[1] / "configs" / "calculator.yaml")
+
+
+@pytest.fixture(scope="module")
+def calc():
+    """tiny-calc taught six calculator transcripts (greedy, it calls no tool otherwise), the
+    calculator's ``make_env``, the six rows and their (ids, labels) as the episode runner
+    tokenises them (``sft.episode_example``)."""
+    pytest.importorskip("vllm")  # before the warm-up: the tests need the engine
+    from peergrade.envs.calculator import calculator_turns
+    from peergrade.training.components import (
+        build_env,
+        build_task,
+        episode_rows,
+        set_tool_format,
+        setup_models,
+    )
+    from peergrade.training.sft import episode_example, sft_loss
+
+    cfg = load_config(CALCULATOR)
+    make_env = build_env(cfg)
+    task = build_task(cfg, make_env)
+    models = setup_models(cfg)
+    model, tok = models.policy, models.tokenizer
+    set_tool_format(make_env, tok)
+    it = task.train_rows(0)
+    rows = episode_rows(cfg, task, [next(it) for _ in range(6)])
+    examples = [
+        episode_example(
+            {**r, "turns": calculator_turns(f"a{r['op']}b", {"a": r["a"], "b": r["b"]})}, tok
+        )
+        for r in rows
+    ]
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(30):
+        for ids, labels in examples:
+            x = torch.tensor([ids])
+            loss = sft_loss(model, x, torch.ones_like(x), torch.tensor([labels]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+    return cfg, model, tok, make_env, rows, examples
+
+
+@pytest.fixture
+def calc_engine(engine):
+    """The module's engine rebuilt on tiny-calc (and closed after: the next test that samples
+    the bundled model builds it again from that model)."""
+    engine.close()
+    yield engine
+    engine.close()
+
+
+def counting(engine) -> list[int]:
+    """Counts the requests ``engine`` generates (appended per call)."""
+    calls: list[int] = []
+    generate = engine._generate
+
+    def spy(model, requests, params):
+        calls.append(len(requests))
+        return generate(model, requests, params)
+
+    engine._generate = spy
+    return calls
+
+
+@pytest.mark.parametrize("stop", [(), ("</tool_call>",)])
+def test_calculator_episodes_via_vllm_equal_the_own_kernels_greedy_ones(calc, calc_engine, stop):
+    """With a stop string the call's turn ends at it (no end-of-turn token sampled: the
+    template's is appended, masked, before the tool's answer), as the own kernel ends it."""
+    cfg, model, tok, make_env, rows, examples = calc
+    st = cfg.sampler_settings().replace(n=1, temperature=0.0, stop=stop)
+    own = sample(model, tok, rows, st, seed=0, make_env=make_env)
+    calls = counting(calc_engine)
+    got = sample(model, tok, rows, st, seed=0, make_env=make_env, engine=calc_engine)
+    assert calls == [6, 6]  # every model turn came from vLLM: the call, then the answer
+    for i, (a, b, (ids, labels)) in enumerate(zip(own.episodes, got.episodes, examples)):
+        assert (b.tool_calls, b.tool_failures, b.finish_reason) == (1, 0, "answer"), i
+        assert b.completion_ids == a.completion_ids and b.messages == a.messages
+        assert b.loss_mask == a.loss_mask  # the tool's result and the template masked
+        sampled = [t for t, m in zip(b.completion_ids, b.loss_mask) if m]
+        if stop:  # the call's turn ends at the stop string: its <|im_end|> is the template's
+            assert tok.decode(sampled).count("<|im_end|>") == 1, i
+            assert b.prompt_ids + b.completion_ids == ids, i  # the same tokens, masked so
+        else:
+            assert b.prompt_ids + b.completion_ids == ids  # the transcript, token for token
+            assert sampled == [t for t in labels if t != -100]
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        assert not any(b.sampler_logprobs)  # greedy: 0, as the own kernel's
+    assert got.loss_mask.sum() < (got.completion_ids != tok.pad_token_id).sum()
+
+
+def test_sampled_episodes_via_vllm_are_keyed_and_match_the_trainer(calc, calc_engine):
+    from peergrade.model.logprobs import token_logprobs
+
+    cfg, model, tok, make_env, rows, _ = calc
+    st = cfg.sampler_settings().replace(n=4, temperature=1.0)
+    whole = sample(model, tok, rows, st, seed=3, make_env=make_env, engine=calc_engine)
+    part = sample(
+        model,
+        tok,
+        rows[4:1:-1],
+        st,
+        seed=3,
+        row_keys=[4, 3, 2],
+        make_env=make_env,
+        engine=calc_engine,
+    )
+    lists = [e.completion_ids for e in whole.episodes]
+    assert [e.completion_ids for e in part.episodes] == [
+        lists[k * 4 + j] for k in (4, 3, 2) for j in range(4)
+    ]
+    assert len({tuple(x) for x in lists}) > 6  # a seed per episode (and per turn)
+    assert sum(e.tool_calls for e in whole.episodes) > 0  # the tool text is in the batch
+    input_ids, attention_mask, cmask = whole.training_batch(tok.pad_token_id)
+    with torch.no_grad():
+        mine = token_logprobs(model, input_ids, attention_mask, cmask, temperature=1.0)
+    assert ((whole.sampler_logprobs - mine).abs() * whole.loss_mask).max().item() < 1e-4
+
+
+def test_held_out_episodes_are_sampled_by_vllm(calc, calc_engine):
+    from peergrade.evaluation import AnswerSource, accuracy_spec
+    from peergrade.training.components import build_task
+    from peergrade.training.held_out import evaluate_config
+
+    cfg, model, tok, make_env, rows, _ = calc
+    acc = accuracy_spec(build_task(cfg, make_env))
+
+    def table(engine):
+        src = AnswerSource(make_env=make_env, engine=engine)
+        return evaluate_config(cfg, model, tok, rows, [], acc, source=src)
+
+    calls = counting(calc_engine)
+    got, own = table(calc_engine), table(None)
+    assert len(calls) >= 4  # greedy and sampled passes, two turns each at least
+    assert got["pass@1_greedy"] == own["pass@1_greedy"] == 1.0
+    assert got["tool_call_rate"] == own["tool_call_rate"] == 1.0
+
+
+def test_calculator_run_with_the_vllm_engine_and_peergrade_eval(tmp_path):
+    pytest.importorskip("vllm")
+    opts = {
+        "rollout.engine": "vllm",
+        "rollout.vllm_kv_cache_gb": "0.25",
+        "rollout.prompts_per_step": "4",
+        "train.steps": "2",
+        "train.eval_size": "8",
+        "train.eval_samples": "2",
+        "train.display": "plain",
+        "train.threads": "1",
+    }
+    flags = [x for k, v in opts.items() for x in (f"--{k}", v)]
+    proc = cli(["train", "--config", CALCULATOR, *flags, "-o", "run"], tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "engine/logp_gap_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 <= r["engine/logp_gap_mean"] <= r["engine/logp_gap_max"] < 1e-3
+        assert "tools/call_frequency" in r
+    final = next(r for r in rows if r.get("final"))
+    assert 0 <= final["eval/tool_call_rate_sampled"] <= 1
+    e = cli(["eval", "--model", "run", "--json"], tmp_path, timeout=900)  # the run's engine
+    assert e.returncode == 0, e.stderr[-3000:]
+    again = json.loads(e.stdout)
+    for key in ("pass@1_greedy", "pass@1_sampled", "tool_call_rate_sampled"):
+        assert again[key] == pytest.approx(final[f"eval/{key}"]), key

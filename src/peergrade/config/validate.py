@@ -106,13 +106,12 @@ def _check_engine(cfg: Config) -> None:
     )
     for on, what in (
         (r.async_steps > 0, f"rollout.async_steps {r.async_steps} (set it to 0)"),
-        (bool(cfg.env.tools or cfg.env.factory), "env (tools or an environment)"),
         (cfg.harness.fn is not None, "a harness (harness.fn)"),
     ):
         _need(
             not on,
-            f"rollout.engine vllm samples single replies in the trainer's process; {what} "
-            "still samples with rollout.engine peergrade",
+            "rollout.engine vllm samples replies and episodes' turns in the trainer's process; "
+            f"{what} still samples with rollout.engine peergrade",
         )
 
 

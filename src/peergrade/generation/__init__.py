@@ -8,7 +8,7 @@ evaluation, ``peergrade eval``, ``peergrade memory`` and the audit read one thin
 ``SamplerSettings`` (``record``) says how to sample, built once per purpose.
 
 Modules: ``kernel`` (keyed draws, the slab KV cache, EOS/stop, checks), ``vllm_engine``
-(vLLM in this process, another engine for single replies: ``sample(..., engine=)``),
+(vLLM in this process, another engine for replies and episodes' turns: ``sample(..., engine=)``),
 ``episodes`` (the episode engine), ``record`` (``Samples``, ``SamplerSettings``), ``sessions``
 (external agents' episodes, batched: the engine behind the endpoint, which is
 ``peergrade.serving`` and samples through this package).
@@ -54,14 +54,23 @@ def sample(
     settings, seed=, row_keys=, eos_token_ids=)`` (an external agent through the endpoint:
     ``training.harness.episode_fn``): its episodes come back as the same record.
 
-    ``engine``: another rollout engine for single replies (``vllm_engine.VllmEngine``: same
-    record, its own sampled log-probs as the behaviour log-probs); None = the own kernel."""
+    ``engine``: another rollout engine (``vllm_engine.VllmEngine``) for single replies and the
+    model turns of ``make_env``'s episodes (same record, its own sampled log-probs as the
+    behaviour log-probs); None = the own kernel. Not with ``episodes_from`` (the external
+    agent's turns are the endpoint's)."""
     keys = dict(seed=seed, row_keys=row_keys, eos_token_ids=eos_token_ids)
-    if engine is not None and (make_env is not None or episodes_from is not None):
-        raise ValueError("sample(): episodes sample with the own kernel only (engine=None)")
+    if engine is not None and episodes_from is not None:
+        raise ValueError(
+            "sample(): an external agent's episodes (episodes_from) sample through the "
+            "endpoint's own kernel (engine=None)"
+        )
     if make_env is not None or episodes_from is not None:
-        source = episodes_from or run_episodes
-        episodes = source(model, tokenizer, rows, make_env, settings, **keys)
+        if episodes_from is not None:
+            episodes = episodes_from(model, tokenizer, rows, make_env, settings, **keys)
+        else:
+            episodes = run_episodes(
+                model, tokenizer, rows, make_env, settings, **keys, engine=engine
+            )
         return Samples.of_episodes(episodes, tokenizer.pad_token_id, settings.n)
     if prompt_ids is None:
         raise ValueError("sample(): single replies need prompt_ids (the rows' encoded prompts)")

