@@ -112,6 +112,10 @@ def _as_messages(value: Any, where: str) -> list[dict]:
     )
 
 
+#: the roles of environment messages the template must render token-exactly
+CHECKED_ROLES = ("tool", "user")
+
+
 def run_episodes(
     model,
     tokenizer,
@@ -124,7 +128,6 @@ def run_episodes(
     eos_token_ids: Sequence[int] | None = None,
     chat_template: str | None = None,
     template_kwargs: dict | None = None,
-    check_roles: Sequence[str] = ("tool", "user"),
     engine: Any = None,
     **fields,
 ) -> list[Episode]:
@@ -154,7 +157,6 @@ def run_episodes(
             key per row, default its index).
         eos_token_ids: tokens that end a turn; default the tokenizer's and the model's eos.
         chat_template, template_kwargs: an override template and extra template variables.
-        check_roles: the roles of environment messages the template must render token-exactly.
         engine: another rollout engine whose ``turn_sampler(model, tokenizer, settings, eos)``
             samples the model turns (``vllm_engine.VllmEngine``: each turn one request on the
             episode's token ids so far); None = the own kernel. The episode loop, the
@@ -169,7 +171,7 @@ def run_episodes(
     settings = _check_arguments(cfg, tokenizer, settings)
     eos = eos_ids(model, tokenizer, eos_token_ids or None)
     tkw = dict(chat_template=chat_template, template_kwargs=template_kwargs)
-    check_template(tokenizer, eos_ids=eos, roles=check_roles, **tkw)
+    check_template(tokenizer, eos_ids=eos, roles=CHECKED_ROLES, **tkw)
     max_pos = getattr(cfg, "max_position_embeddings", None) or 10**12
     n = settings.n
     episodes = _open(rows, n, make_env, tokenizer, tkw, max_pos, settings.env_timeout_s)
