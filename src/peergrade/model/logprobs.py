@@ -19,15 +19,20 @@ The backbone (everything up to and including the final norm) runs once on ``[B, 
 positions. Only the hidden states of positions whose ``completion_mask == 1`` are gathered
 (``[M, H]``), and ``lm_head`` + temperature + log-softmax run over chunks of ``chunk_size`` of
 those positions inside ``_ChunkedLogProbs``, a ``torch.autograd.Function`` that keeps only the
-selected log-prob, the entropy and the per-position logsumexp. Its backward recomputes each
-chunk's logits and uses
+selected log-prob, the entropy and the per-position logsumexp, plus, when a backward will follow,
+the last chunk's log-softmax. Its backward starts from that kept chunk, recomputes every other
+chunk's logits, and uses
 
     d logp / d z   = onehot(target) - p                       (p = softmax(z))
     d H    / d z_k = -p_k (log p_k + H)
 
 so the gradient w.r.t. the hidden states, ``lm_head.weight`` and the bias is formed one chunk at a
 time as well. Peak extra memory is about two ``[chunk_size, V]`` float32 buffers instead of
-several ``[B, C, V]`` ones. The matmul runs in the weight's dtype and the logits are upcast to
+several ``[B, C, V]`` ones (the kept chunk is one of the two the backward holds anyway). With a
+single chunk (at most ``chunk_size`` completion tokens) lm_head's matmul runs three times per
+forward + backward, as in a plain autograd forward, not four (bench/head_backward.py, 34M
+model, 1,024 completion tokens: the head's CPU time 0.75-0.79x, an update micro-batch's
+0.87-0.91x). The matmul runs in the weight's dtype and the logits are upcast to
 float32 per chunk (which is also what the naive path does with a bf16 model's logits). Tied
 embeddings need nothing special: ``lm_head.weight`` is passed to the Function as a tensor, and
 autograd adds its gradient to the embedding's.
@@ -116,15 +121,25 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """logp (and entropy) of ``targets`` under ``softmax((hidden W^T + b) / T)``, chunk by chunk.
 
     forward(hidden [M, H], weight [V, H], bias [V] | None, targets [M], temperature, chunk_size,
-    with_entropy) -> logp [M] (float32), plus entropy [M] when with_entropy.
+    with_entropy, keep_last) -> logp [M] (float32), plus entropy [M] when with_entropy.
+
+    keep_last: the forward keeps its last chunk's log-softmax ``[c, V]`` for the backward, which
+    takes that chunk first and so never recomputes its logits (one lm_head matmul and one
+    log-softmax fewer per backward: every one of them with a single chunk, M <= chunk_size).
+    No peak grows: the backward holds two ``[c, V]`` buffers either way (the kept one and the
+    softmax), freed before the next chunk. Only when a backward will follow (``token_logprobs``
+    sets it under grad mode); a second backward (``retain_graph``) recomputes it.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy):
+    def forward(
+        ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, keep_last=False
+    ):
         M, acc = hidden.shape[0], _acc_dtype(weight)
         logp = torch.empty(M, dtype=acc, device=hidden.device)  # [M]
         lse = torch.empty(M, dtype=acc, device=hidden.device)  # [M]
         ent = torch.empty(M, dtype=acc, device=hidden.device) if with_entropy else None
+        ctx.kept = None  # the last chunk's log p [c, V] (keep_last)
         with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
             for s in range(0, M, chunk_size):
                 e = min(s + chunk_size, M)
@@ -135,6 +150,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1)
                 if with_entropy:
                     ent[s:e] = -(z.exp().mul_(z)).sum(-1)  # -sum p log p, one extra buffer
+                if keep_last and e == M:
+                    ctx.kept = z
                 del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.temperature = temperature
@@ -150,53 +167,79 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         T, cs = ctx.temperature, ctx.chunk_size
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        kept, ctx.kept = ctx.kept, None  # used once: a retained graph's next backward recomputes
         if grad_logp is None and grad_ent is None:
-            return (None,) * 7
+            return (None,) * 8
         M, acc = hidden.shape[0], _acc_dtype(weight)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = (
+        grads = _HeadGrads(
+            torch.empty_like(hidden) if need_h else None,
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
             torch.zeros(bias.shape, dtype=acc, device=bias.device)
             if need_b and bias is not None
-            else None
+            else None,
         )
-        rows = torch.arange(min(cs, M), device=hidden.device)
+        starts = list(range(0, M, cs))
+        if kept is not None:  # the kept last chunk first, then the rest in order
+            starts = starts[-1:] + starts[:-1]
         with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
-            for s in range(0, M, cs):
+            for s in starts:
                 e = min(s + cs, M)
-                c = e - s
-                h_c = hidden[s:e].to(weight.dtype)  # [c, H]
-                logp_full = _chunk_logits(h_c, weight, bias, T)  # [c, V]
-                logp_full.sub_(lse[s:e, None])  # log p
-                # g = dL/dz = -p * (g_logp + g_ent * (log p + H)) + g_logp * onehot(target),
-                # built in place: at most two [c, V] buffers (log p and p) live at once.
-                if grad_ent is not None:
-                    p = logp_full.exp()  # [c, V]
-                    g = logp_full.add_(ent[s:e, None]).mul_(grad_ent[s:e, None])
-                    if grad_logp is not None:
-                        g.add_(grad_logp[s:e, None])
-                    g.mul_(p).neg_()
-                    del p
+                if kept is not None and e == M:
+                    logp_full, kept = kept, None  # log p, from the forward
                 else:
-                    g = logp_full.exp_().mul_(-grad_logp[s:e, None])  # -p * g_logp
-                if grad_logp is not None:
-                    g[rows[:c], targets[s:e]] += grad_logp[s:e]
-                if T != 1.0:
-                    g.div_(T)  # z = raw / T
-                g_w = g.to(weight.dtype)  # [c, V]
-                if need_h:
-                    grad_h[s:e] = (g_w @ weight).to(hidden.dtype)
-                if need_w:
-                    if g_w.dtype == acc:  # accumulate in place: no [V, H] product buffer
-                        grad_w.addmm_(g_w.t(), h_c)
-                    else:  # one [V, H] product in the weight's dtype, added with upcast
-                        grad_w.add_(g_w.t() @ h_c)
-                if grad_b is not None:
-                    grad_b.add_(g.sum(0))
-                del g, g_w
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
-        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+                    logp_full = _chunk_logits(hidden[s:e], weight, bias, T)  # [c, V]
+                    logp_full.sub_(lse[s:e, None])  # log p
+                g = _logit_grad(logp_full, s, e, targets, ent, grad_logp, grad_ent)
+                del logp_full
+                _add_chunk_grads(grads, g, hidden[s:e], weight, s, T)
+                del g
+        grad_w = grads.w.to(weight.dtype) if grads.w is not None else None
+        grad_b = grads.b.to(bias.dtype) if grads.b is not None else None
+        return grads.h, grad_w, grad_b, None, None, None, None, None
+
+
+class _HeadGrads(NamedTuple):
+    """The chunked backward's outputs, filled chunk by chunk (None: not needed)."""
+
+    h: torch.Tensor | None  # [M, H]
+    w: torch.Tensor | None  # [V, H], float32 accumulator
+    b: torch.Tensor | None  # [V], float32 accumulator
+
+
+def _logit_grad(logp_full, s, e, targets, ent, grad_logp, grad_ent):
+    """dL/dz of chunk [s, e) from its log p ``[c, V]`` (overwritten), before the temperature:
+    ``g = -p * (g_logp + g_ent * (log p + H)) + g_logp * onehot(target)``, built in place (at
+    most two ``[c, V]`` buffers, log p and p, live at once)."""
+    if grad_ent is not None:
+        p = logp_full.exp()  # [c, V]
+        g = logp_full.add_(ent[s:e, None]).mul_(grad_ent[s:e, None])
+        if grad_logp is not None:
+            g.add_(grad_logp[s:e, None])
+        g.mul_(p).neg_()
+        del p
+    else:
+        g = logp_full.exp_().mul_(-grad_logp[s:e, None])  # -p * g_logp
+    if grad_logp is not None:
+        rows = torch.arange(e - s, device=g.device)
+        g[rows, targets[s:e]] += grad_logp[s:e]
+    return g
+
+
+def _add_chunk_grads(grads: _HeadGrads, g, h, weight, s: int, T: float) -> None:
+    """Chunk [s, s + c)'s share of the hidden, weight and bias gradients from its dL/dz ``g``."""
+    if T != 1.0:
+        g.div_(T)  # z = raw / T
+    h_c = h.to(weight.dtype)  # [c, H]
+    g_w = g.to(weight.dtype)  # [c, V]
+    if grads.h is not None:
+        grads.h[s : s + h.shape[0]] = (g_w @ weight).to(grads.h.dtype)
+    if grads.w is not None:
+        if g_w.dtype == grads.w.dtype:  # accumulate in place: no [V, H] product buffer
+            grads.w.addmm_(g_w.t(), h_c)
+        else:  # one [V, H] product in the weight's dtype, added with upcast
+            grads.w.add_(g_w.t() @ h_c)
+    if grads.b is not None:
+        grads.b.add_(g.sum(0))
 
 
 def _module_chunk(head, h, targets, temperature, with_entropy):
@@ -323,6 +366,7 @@ def token_logprobs(
             float(temperature),
             int(chunk_size),
             with_entropy,
+            torch.is_grad_enabled() and (h_sel.requires_grad or head.weight.requires_grad),
         )
         logp_sel, ent_sel = out if with_entropy else (out, None)
     else:

@@ -146,7 +146,8 @@ def target_logprobs(
     h_sel, t_sel = hidden[sel], targets[sel].long()  # [M, H], [M]
     if isinstance(head, nn.Linear):
         T = float(temperature)
-        lp_sel = _ChunkedLogProbs.apply(h_sel, head.weight, head.bias, t_sel, T, 1024, False)
+        keep = torch.is_grad_enabled()  # the backward starts from the kept last chunk
+        lp_sel = _ChunkedLogProbs.apply(h_sel, head.weight, head.bias, t_sel, T, 1024, False, keep)
     else:  # a LoRA-wrapped head (train_unembed): the module itself
         z = head(h_sel).float() / temperature  # [M, V]
         lp_sel = torch.log_softmax(z, -1).gather(1, t_sel[:, None])[:, 0]
