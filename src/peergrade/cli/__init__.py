@@ -3,6 +3,7 @@
   peergrade train [--config X.yaml] [--KEY.PATH VALUE ...]   GRPO training (no arguments: the CPU demo)
   peergrade eval --model DIR --task arithmetic --n 500 --k 8  held-out pass@1 / pass@k
   peergrade sft ...                                           supervised warm-up (builds the demo model)
+  peergrade doctor --model DIR --tools FILE.py:fn             before training: can the model call the tools?
   peergrade convert MODEL.gguf OUT_DIR [--dtype bfloat16]     GGUF file -> Hugging Face model dir
   peergrade export RUN_OR_CKPT OUT [--merge-lora]             checkpoint -> standalone HF model dir
   peergrade serve --model M [--port 8000]                     the policy as an OpenAI-compatible endpoint
@@ -40,6 +41,7 @@ from peergrade.cli import (
     audit,
     config,
     convert,
+    doctor,
     evaluate,
     export,
     launch,
@@ -62,6 +64,7 @@ COMMANDS = (
     config,
     evaluate,
     sft,
+    doctor,
     memory,
     report,
     sweep,

@@ -159,6 +159,17 @@ def _schema_prompt(fn: dict, args: dict) -> str:
     return f"{what}: {given}." if given else f"{what}."
 
 
+def schema_request(schemas: dict[str, dict], rng) -> tuple[str, dict, str]:
+    """(tool name, arguments, prompt): a request for a call of one of ``schemas`` (tool name ->
+    the ``function`` part of its schema) drawn with ``rng``, the arguments drawn from its types
+    and the prompt written from its description: the warm-up's prompts without ``rows``, and
+    ``peergrade doctor``'s (``planning.doctor``)."""
+    name = rng.choice(sorted(schemas))
+    props = schemas[name].get("parameters", {}).get("properties", {})
+    args = {k: _draw_argument(v, rng) for k, v in props.items()}
+    return name, args, _schema_prompt(schemas[name], args)
+
+
 def tool_warmup_rows(fns, *, fmt: str, seed: int, rows: list[dict] | None = None):
     """Endless warm-up episodes (``{"prompt", "turns"}``) calling the tools ``fns`` (functions
     with schemas): ``rows`` (each with ``prompt`` and ``call``: ``{"name", "arguments"}``, and an
@@ -199,10 +210,8 @@ def tool_warmup_rows(fns, *, fmt: str, seed: int, rows: list[dict] | None = None
             name, args = row["call"]["name"], dict(row["call"].get("arguments") or {})
             prompt, answer = row["prompt"], row.get("answer")
         else:
-            name = rng.choice(sorted(registry))
-            props = schemas[name].get("parameters", {}).get("properties", {})
-            args = {k: _draw_argument(v, rng) for k, v in props.items()}
-            prompt, answer = _schema_prompt(schemas[name], args), None
+            name, args, prompt = schema_request(schemas, rng)
+            answer = None
         try:
             result = check_result(name, registry[name](**args))
         except InputError:
