@@ -24,7 +24,7 @@ bytes / time). Elapsed time includes prefill, so this slightly understates decod
 Flags: ``--compile`` wraps the model's forward in ``torch.compile(dynamic=True)`` for our side
 (experimental: shapes change every step, so no CUDA graphs); ``--hf-static`` runs HF with
 ``cache_implementation="static"`` as an extra row. What it does not do: multi-GPU, quantised
-models, or correctness checks (tests/test_rollout.py covers correctness on CPU).
+models, or correctness checks (tests/generation/test_rollout.py covers correctness on CPU).
 """
 
 from __future__ import annotations

@@ -1,13 +1,25 @@
-"""Shared fixtures: tiny models built locally (no hub access on these machines)."""
+"""Shared fixtures: tiny models built locally (no hub access on these machines).
+
+The tests mirror ``src/peergrade/``: ``tests/algo/`` tests ``peergrade.algo``, and so on; what
+spans the package (the docs, the layering, the examples, the README's commands) stays here.
+A test module imports another's helpers by its name (``from test_envs import Steered``),
+wherever each lives, so every test folder is on the import path, whichever file runs alone."""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 # Two cores on CI: keep torch from oversubscribing them when tests run model code.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted(_TESTS.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture(scope="session")

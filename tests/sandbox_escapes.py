@@ -1,4 +1,4 @@
-"""Standalone escape check for the code sandbox, run by tests/test_sandbox.py at several
+"""Standalone escape check for the code sandbox, run by tests/rewards/test_sandbox.py at several
 privilege levels (root, an unprivileged uid, root without capabilities).
 
     python sandbox_escapes.py <dir holding the peergrade package>

@@ -6,7 +6,7 @@ order through the command line, in a ``git clone`` of this checkout, importing t
 else is added, so a command that stops working as written, or a file the page no longer shows,
 fails here.
 
-It does not check the numbers (tests/test_own_data.py checks each behaviour); it checks that
+It does not check the numbers (tests/tasks/test_own_data.py checks each behaviour); it checks that
 the walk-through runs start to finish from a clean clone and leaves the files the page names.
 """
 

@@ -21,7 +21,7 @@ completion's own group (the other samples for the same prompt):
 - scale ``"none"``: s = 1 (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training":
   dividing by the std biases updates toward too-easy/too-hard prompts).
 
-NaN rewards and edge cases (decided here, tested in tests/test_algo_advantages.py):
+NaN rewards and edge cases (decided here, tested in tests/algo/test_algo_advantages.py):
 
 - A NaN reward means "not scored" (e.g. the verifier failed and the run is configured to skip
   the sample): it is excluded from the baseline and from every std, and its advantage is 0.

@@ -147,7 +147,7 @@ def test_samples_mode_finds_planted_hacks_in_a_real_run(weak_file, tmp_path):
 
 # ------------------------------------------------------------------ TRL / open-r1 recipes
 
-RECIPES = Path(__file__).parent / "trl_recipes"
+RECIPES = Path(__file__).resolve().parents[1] / "trl_recipes"
 #: what the audit finds in the reward functions of public TRL / open-r1 recipes (docs/audit.md)
 TRL_FINDINGS = {
     ("recipes_a", "accuracy_reward", "conv"): {"question_as_answer"},

@@ -26,7 +26,7 @@ from peergrade.files import read_jsonl
 from peergrade.monitoring.detectors import ALERT_NAMES, Detectors, repetition_rate
 from peergrade.monitoring.metrics import Display
 
-DEMO = Path(__file__).parent / "data" / "demo_metrics.jsonl"
+DEMO = Path(__file__).resolve().parents[1] / "data" / "demo_metrics.jsonl"
 ONSET = 30
 STEPS = 80
 

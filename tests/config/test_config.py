@@ -179,7 +179,7 @@ def test_base_errors_name_the_file(tmp_path):
 def test_shipped_recipes_load():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "configs"
+    root = Path(__file__).resolve().parents[2] / "configs"
     plain = load_config(root / "smollm2-arith.yaml")
     kl = load_config(root / "smollm2-arith-kl.yaml")
     assert plain.algo.beta == 0.0 and kl.algo.beta == 0.04

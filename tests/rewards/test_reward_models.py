@@ -28,7 +28,7 @@ from peergrade.rewards.models import (
     reward_texts,
 )
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "peergrade"
+SRC = Path(__file__).resolve().parents[2] / "src" / "peergrade"
 
 
 def make_classifier(out: Path, *, num_labels: int = 1, dropout: float = 0.0, seed: int = 0):

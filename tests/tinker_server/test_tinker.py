@@ -24,7 +24,7 @@ import torch
 
 from peergrade.algo.tinker_losses import TINKER_LOSSES, tinker_loss
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tinker"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tinker"
 #: the tinker SDK releases this server is tested against (pyproject's `tinker` extra)
 SUPPORTED = ((0, 38), (0, 39))  # >= 0.38, < 0.39
 

@@ -15,7 +15,7 @@ from peergrade.envs.tools import parse_tool_calls
 from peergrade.model.load import BUNDLED_MODEL, load_tokenizer, resolve_model_path, save_tokenizer
 from written_files import assert_same_written
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "calculator.yaml"
 TINY_CALC = BUNDLED_MODEL.parent / "tiny-calc"
 

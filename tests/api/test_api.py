@@ -24,7 +24,7 @@ from peergrade.api import (
 from peergrade.config import ConfigError
 from peergrade.model.load import BUNDLED_MODEL
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 BATCHES = [
     dict(per_device_train_batch_size=8, num_generations=8),

@@ -34,7 +34,7 @@ from peergrade.tasks.files import DataError
 from peergrade.tasks.prompts import chat_template_note
 from peergrade.training.held_out import check_reward_columns, held_out_scorer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the walk-through's reward file, read from docs/own-data.md so that the tests and the page
 # cannot drift (tests/test_reward_example.py checks every page shows this same block), plus
 # two rewards of the tests' own

@@ -268,7 +268,7 @@ def test_trl_use_vllm_colocate_maps_to_the_vllm_engine():
 
 # ----------------------------------------------------------------------------- episodes (tools)
 
-CALCULATOR = str(Path(__file__).resolve().parents[1] / "configs" / "calculator.yaml")
+CALCULATOR = str(Path(__file__).resolve().parents[2] / "configs" / "calculator.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -1047,7 +1047,7 @@ def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():
 
     from peergrade.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     cfg = load_config(root / "configs" / "smollm2-judge-cheerful.yaml")
     train = Path(cfg.data.path).read_text().splitlines()
     held = Path(cfg.data.eval_path).read_text().splitlines()
@@ -1368,7 +1368,7 @@ def test_the_documented_checklist_example_loads_and_scores_as_docs_rewards_md_sa
 
     import yaml
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
     section = doc.split("### Checklist rubrics")[1]
     cfg = yaml.safe_load(section.split("```yaml")[1].split("```")[0])
     (item,) = cfg["rewards"]
@@ -1398,7 +1398,7 @@ def test_a_weight_0_measure_beside_the_judge_leaves_an_abstention_unscored():
 
     from peergrade.rewards import make_reward_specs
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("cheer", root / "examples/cheerful/cheer.py")
     cheer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cheer)

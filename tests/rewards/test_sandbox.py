@@ -26,7 +26,7 @@ from peergrade.rewards.sandbox import STATUSES, SandboxLimits, run_many, run_pro
 LIMITS = SandboxLimits(timeout_s=2.0, memory_mb=256)
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="isolation (uid, namespaces) needs root")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cmdlines() -> dict[int, str]:

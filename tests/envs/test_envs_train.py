@@ -458,7 +458,7 @@ def test_an_environment_that_hangs_ends_the_run_with_one_named_line(
 ):
     """env.timeout_s: a reset past its limit is one error line (class, method, row, limit),
     exit 2, within seconds, not a hang; the start-up line shows the limit (a step's limit:
-    tests/test_tools_guard.py)."""
+    tests/envs/test_tools_guard.py)."""
     import time
 
     write(files / "stuck_env.py", HANGING_ENV)

@@ -20,7 +20,7 @@ from peergrade.planning.memory import (
     param_counts,
 )
 
-MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
 @pytest.mark.parametrize(

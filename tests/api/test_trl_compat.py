@@ -21,7 +21,7 @@ pytest.importorskip("datasets", reason="datasets is not installed (pip install d
 pytest.importorskip("pandas", reason="pandas is not installed (pip install pandas)")
 pytest.importorskip("math_verify", reason="math-verify is not installed")
 
-RECIPES = Path(__file__).parent / "trl_recipes"
+RECIPES = Path(__file__).resolve().parents[1] / "trl_recipes"
 CONTRACT = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
 P, G, STEPS, MAX_LEN = 2, 2, 2, 8
 OVERLONG = {"max_completion_len": MAX_LEN, "soft_punish_cache": 4}
