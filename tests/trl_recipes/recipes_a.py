@@ -9,6 +9,7 @@ import asyncio
 import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
 from recording import recorded
 
 # ------------------------------------------------------------------ conversational datasets
