@@ -116,8 +116,9 @@ def add_parser(sub) -> None:
         type=int,
         default=None,
         help="admission control: KV cache token slots one sampling batch may take (a "
-        "sequence takes its prompt + max_tokens); requests past it wait for the next batch, "
-        "one that can never fit is a 400 (default: from --kv-memory-gb)",
+        "sequence takes its prompt + max_tokens, the sampler's buffers and its prompt's "
+        "prefill, counted in slots); requests past it wait for the next batch, one that can "
+        "never fit is a 400 (default: from --kv-memory-gb)",
     )
     s.add_argument(
         "--kv-memory-gb",
