@@ -24,6 +24,7 @@ from peergrade.algo.credit import (
 )
 from peergrade.envs.episode import Episode
 from peergrade.envs.harness_pool import reward_of, turn_rewards_of
+from test_envs_train import Steered  # eos at every every-th position: turns end
 
 NAN = float("nan")
 
@@ -173,38 +174,6 @@ def env_files(tmp_path, monkeypatch):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.chdir(tmp_path)
     return tmp_path
-
-
-class Steered(torch.nn.Module):
-    """The tiny model with eos forced at every ``every``-th position, so every turn ends
-    (as tests/envs/test_envs_train.py's)."""
-
-    def __init__(self, inner, eos_id, every):
-        super().__init__()
-        self.inner, self.config = inner, inner.config
-        self.generation_config = inner.generation_config
-        self.eos_id, self.every = eos_id, every
-
-    def forward(
-        self,
-        input_ids,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        use_cache=None,
-        logits_to_keep=0,
-    ):
-        out = self.inner(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-        )
-        pos = position_ids[:, -out.logits.shape[1] :]
-        out.logits[..., self.eos_id] += 1e4 * ((pos + 1) % self.every == 0).to(out.logits.dtype)
-        return out
 
 
 def _setup(mode: str | None, **algo):
