@@ -168,6 +168,26 @@ def _worker_main(conn, spec: str) -> None:  # pragma: no cover - runs in the chi
 # ------------------------------------------------------------------------------ the trainer
 
 
+@contextlib.contextmanager
+def _sigint_kept_from_children():
+    """A Ctrl-C reaches the whole process group, workers too, and one that lands while a
+    worker imports (before it can ignore SIGINT) prints its traceback. Children started in this
+    block begin with SIGINT held off: blocked, which a child started from another thread
+    inherits through exec; from the main thread (where spawn's fork_exec does not keep the
+    mask) also ignored, which every child inherits and Python then leaves ignored. The worker
+    ignores SIGINT itself and unblocks it (``_worker_main``). A Ctrl-C to the trainer in these
+    milliseconds is lost (from the main thread) or held until the block ends."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        yield
+    finally:
+        if main:  # None: a handler not set from Python, which cannot be put back as it was
+            signal.signal(signal.SIGINT, handler if handler is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 class _Worker:
     def __init__(self, ctx, spec: str, index: int):
         self.conn, child = ctx.Pipe()
@@ -180,13 +200,10 @@ class _Worker:
             # of it (the harness is loaded by name), so the child is started without it
             main = sys.modules["__main__"]
             sys.modules["__main__"] = types.ModuleType("__main__")
-            # a Ctrl-C reaches the whole process group, these children too: they start with
-            # SIGINT blocked (spawn keeps the signal mask) until they ignore it
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
-                self.proc.start()
+                with _sigint_kept_from_children():
+                    self.proc.start()
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 sys.modules["__main__"] = main
         child.close()
         self.lock = threading.Lock()
