@@ -143,6 +143,13 @@ class VllmEngine:
         if device.type == "cpu":
             kw["enforce_eager"] = True
             kw["kv_cache_memory_bytes"] = int((self.kv_cache_gb or 1.0) * (1 << 30))
+            # whole prompts only: a partly prefilled request whose sampled token vLLM discards
+            # rewinds its seeded generator by an offset, which a CPU generator does not have
+            # ("CPU Generator does not use offset", as soon as a step's prompts pass the
+            # scheduler's token budget: multi-turn episodes do)
+            longest = self.max_model_len or getattr(base.config, "max_position_embeddings", 0)
+            kw["enable_chunked_prefill"] = False
+            kw["max_num_batched_tokens"] = max(int(longest or 0), 8192)
         else:
             kw["gpu_memory_utilization"] = self.gpu_memory_utilization
             kw["enable_sleep_mode"] = self.enable_sleep_mode
