@@ -224,6 +224,25 @@ def test_engine_draws_are_keyed_and_its_logprobs_match_the_trainer(engine, bundl
     assert whole.prompt_index.tolist() == [i // 4 for i in range(32)]
 
 
+def test_a_call_whose_prompts_pass_the_token_budget_samples_on_a_cpu(engine, bundled):
+    """One call with more prompt tokens than vLLM's default scheduler budget (60 seeded rows of
+    about 150 tokens): with chunked prefill, a partly prefilled request made vLLM rewind a CPU
+    generator ("CPU Generator does not use offset"); whole prompts sample, keyed as always."""
+    model, tok, ids = bundled
+    long_ids = [(row * 40)[:150] for row in ids]  # each prompt repeated to 150 tokens
+    st = SamplerSettings(n=1, max_new_tokens=4, temperature=1.0)
+    rows = [{"prompt": str(i)} for i in range(60)]
+    got = sample(
+        model, tok, rows, st, seed=3, row_keys=range(60), prompt_ids=long_ids, engine=engine
+    )
+    assert sum(len(x) for x in long_ids) > 8192  # past the budget: scheduled over several steps
+    assert len(got.completion_id_lists()) == 60
+    again = sample(
+        model, tok, rows[:2], st, seed=3, row_keys=range(2), prompt_ids=long_ids[:2], engine=engine
+    )
+    assert again.completion_id_lists() == got.completion_id_lists()[:2]
+
+
 def test_train_two_steps_with_the_vllm_engine_logs_the_gap(tmp_path):
     pytest.importorskip("vllm")
     opts = {
