@@ -141,6 +141,85 @@ def test_student_and_teacher_logprobs_match_one_full_forward(char_tokenizer):
     assert cfg.rollout.temperature == 0.7  # the caller's config is left as it was
 
 
+def _two_groups(tok):
+    """(input_ids, attention_mask, completion_mask): two groups of 2, left-padded prompts."""
+    pad = tok.pad_token_id
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [enc("12+3="), enc("12+3="), enc("7*8="), enc("7*8=")]
+    comps = [enc("15"), enc("151"), enc("56"), enc("5")]
+    P, C = max(map(len, prompts)), max(map(len, comps)) + 1
+    rows, ams, cms = [], [], []
+    for p, c in zip(prompts, comps):
+        rows.append([pad] * (P - len(p)) + p + c + [pad] * (C - len(c)))
+        ams.append([0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (C - len(c)))
+        cms.append([1] * len(c) + [0] * (C - len(c)))
+    return torch.tensor(rows), torch.tensor(ams), torch.tensor(cms, dtype=torch.float32)
+
+
+def _full_forward_distributions(model, ids, am, cmask, temperature):
+    """``[M, V]`` float64: the log-softmax that predicts each counted completion token (row
+    order), from ONE plain forward of each row's unpadded tokens (with grad if the model has)."""
+    out = []
+    for n in range(ids.shape[0]):
+        real = ids[n][am[n] == 1]
+        n_comp = int(cmask[n].sum())
+        logits = model(real[None]).logits[0].double() / temperature  # [l, V]
+        start = len(real) - n_comp
+        out.append(torch.log_softmax(logits[start - 1 : start - 1 + n_comp], dim=-1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_divergence_matches_one_full_forward_of_both_models(char_tokenizer, beta):
+    """algo.teacher_divergence top_k: the teacher's top-k (``teacher_topk``) and the student's
+    log-probs of those ids (``gathered_token_logprobs``, chunks of 3 positions) against one
+    plain forward of each model: with k = V and the tail the divergence is the full-vocabulary
+    generalized JSD, in value and in its gradient on the student's weights; with k = 5 it is
+    the one over the full forward's own top-5."""
+    from peergrade.algo.distill import generalized_jsd, topk_divergence
+    from peergrade.model.logprobs import gathered_token_logprobs
+    from peergrade.model.tiny import build_tiny_model
+    from peergrade.training.teacher import teacher_topk
+
+    student, tok = build_tiny_model("qwen2", char_tokenizer, seed=0)
+    teacher, _ = build_tiny_model("llama", char_tokenizer, seed=1)
+    teacher.eval()
+    ids, am, cmask = _two_groups(tok)
+    on = cmask == 1
+    V = student.get_output_embeddings().weight.shape[0]
+    t_full = _full_forward_distributions(teacher, ids, am, cmask, 0.4).detach()  # [M, V]
+    for k in (V, 5):
+        cfg = load_config(
+            None,
+            [
+                ("rollout.temperature", 0.7),
+                ("algo.teacher_temperature", 0.4),
+                ("algo.teacher_loss_top_k", k),
+                ("model.logprob_chunk_size", 3),
+            ],
+        )
+        vals, tids = teacher_topk(teacher, (ids, am, cmask), cfg)  # [N, C, k]
+        assert vals.shape == (*cmask.shape, k) and (vals[~on] == 0).all()
+        want_v, want_i = t_full.topk(k, dim=-1)
+        torch.testing.assert_close(vals[on].double(), want_v, rtol=0, atol=2e-5)
+        student.zero_grad()
+        s_at = gathered_token_logprobs(student, ids, am, cmask, tids, temperature=0.7, chunk_size=3)
+        assert (s_at[~on] == 0).all()
+        got = topk_divergence(s_at[on], vals[on], beta=beta).sum()
+        got.backward()
+        g_got = {n: p.grad.clone() for n, p in student.named_parameters()}
+        student.zero_grad()
+        s_full = _full_forward_distributions(student, ids, am, cmask, 0.7)  # [M, V], grad
+        if k == V:
+            want = generalized_jsd(s_full, t_full, beta).sum()
+        else:
+            want = topk_divergence(s_full.gather(1, want_i), want_v, beta=beta).sum()
+        want.backward()
+        assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-4, abs=1e-5)
+        for n, p in student.named_parameters():
+            torch.testing.assert_close(g_got[n], p.grad.float(), rtol=1e-3, atol=2e-5, msg=n)
+
+
 # ----------------------------------------------------------------------------- tokenizers
 
 
@@ -230,6 +309,62 @@ def test_other_teacher_trains_the_student_per_token(tiny_model_dir, reward, tmp_
     assert all(math.isfinite(r["loss/policy"]) for r in rows)
     before, after = _weights(tiny_model_dir), _weights(ckpt.latest_checkpoint(run))
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+TOP_K = {"algo.teacher_divergence": "top_k", "algo.teacher_loss_top_k": 4}
+
+
+def _divergence_rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "distill/divergence" in r]
+
+
+def test_topk_divergence_run_trains_the_student(tiny_model_dir, reward, tmp_path):
+    """algo.teacher_divergence top_k from the config: every step logs a positive divergence and
+    the teacher's top-4 mass, the policy loss is 0 (no verifier weight: every advantage is 0,
+    yet no completion is elided), and the weights move."""
+    from peergrade.model.tiny import save_tiny_model
+    from peergrade.training.trainer import train
+
+    teacher = save_tiny_model(tmp_path / "teacher", "llama", seed=3)
+    run = tmp_path / "run"
+    train(load_config(None, _overrides(tiny_model_dir, reward, teacher, **TOP_K)), run)
+    rows = _divergence_rows(run)
+    assert len(rows) == 2
+    assert all(r["distill/divergence"] > 1e-3 for r in rows)
+    assert all(0 < r["distill/teacher_topk_mass"] <= 1 for r in rows)
+    assert [r["loss/policy"] for r in rows] == [0.0, 0.0]
+    assert [r["update/elided_frac"] for r in rows] == [0.0, 0.0]
+    before, after = _weights(tiny_model_dir), _weights(ckpt.latest_checkpoint(run))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_topk_divergence_to_itself_is_zero(tiny_model_dir, reward, tmp_path):
+    from peergrade.training.trainer import train
+
+    run = tmp_path / "run"
+    cfg = load_config(None, _overrides(tiny_model_dir, reward, tiny_model_dir, **TOP_K))
+    train(cfg, run)
+    rows = _divergence_rows(run)
+    assert len(rows) == 2 and abs(rows[0]["distill/divergence"]) < 1e-6
+
+
+def test_topk_divergence_options_are_checked(tiny_model_dir, reward, tmp_path):
+    from peergrade.training import trainer
+
+    def cfg(**extra):
+        return load_config(None, _overrides(tiny_model_dir, reward, tiny_model_dir, **extra))
+
+    with pytest.raises(ConfigError, match="teacher_beta"):
+        cfg(**TOP_K, **{"algo.teacher_beta": 1.5})
+    with pytest.raises(ConfigError, match="teacher_loss_top_k"):
+        cfg(**{**TOP_K, "algo.teacher_loss_top_k": 0})
+    with pytest.raises(ConfigError, match="teacher_discount.*top_k"):
+        cfg(**TOP_K, **{"algo.teacher_discount": 0.5})
+    with pytest.raises(ConfigError, match="teacher_divergence"):
+        cfg(**{"algo.teacher_divergence": "full"})
+    with pytest.raises(ModelLoadError, match=r"teacher_loss_top_k=100000.*at most"):
+        trainer.setup(cfg(**{**TOP_K, "algo.teacher_loss_top_k": 100_000}))
 
 
 def test_mismatched_teacher_tokenizer_refuses_at_start_up(tiny_model_dir, reward, tmp_path):
@@ -372,6 +507,15 @@ def test_endpoint_teacher_logprobs_equal_the_local_teachers(tiny_model_dir, tmp_
     assert (t_remote[~on] == 0).all() and (t_remote[on] < 0).all()
     want = _full_forward_logprobs(local, ids, am, cmask, 1.0)
     torch.testing.assert_close(t_remote[on], want[on], rtol=0, atol=1e-5)
+    # algo.teacher_divergence top_k: the endpoint's prompt_logprobs: k are the local top-k
+    from peergrade.training.teacher import teacher_topk
+
+    cfg_k = _teacher_cfg(url, **{"algo.teacher_divergence": "top_k", "algo.teacher_loss_top_k": 5})
+    v_remote, i_remote = teacher_topk(endpoint, (ids, am, cmask), cfg_k)
+    v_local, i_local = teacher_topk(local, (ids, am, cmask), cfg_k)
+    assert v_remote.shape == (3, C, 5) and torch.equal(i_remote[on], i_local[on])
+    torch.testing.assert_close(v_remote[on], v_local[on], rtol=0, atol=1e-5)
+    assert (v_remote[~on] == 0).all() and (i_remote[~on] == 0).all()
 
 
 def test_two_step_distillation_with_an_endpoint_teacher(tiny_model_dir, reward, tmp_path, served):
@@ -395,6 +539,27 @@ def test_two_step_distillation_with_an_endpoint_teacher(tiny_model_dir, reward, 
     )
     before, after = _weights(tiny_model_dir), _weights(ckpt.latest_checkpoint(remote))
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_two_step_topk_distillation_with_an_endpoint_teacher(
+    tiny_model_dir, reward, tmp_path, served
+):
+    """algo.teacher_divergence top_k through an endpoint: the first step's divergence and the
+    teacher's top-k mass are those of the same teacher loaded locally (same keyed samples)."""
+    from peergrade.model.tiny import save_tiny_model
+    from peergrade.training.trainer import train
+
+    teacher_dir = save_tiny_model(tmp_path / "teacher", "llama", seed=3)
+    url = served(teacher_dir)
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    over = _overrides(tiny_model_dir, reward, teacher_dir, **{"rollout.temperature": 1.0}, **TOP_K)
+    train(load_config(None, over), local)
+    over = [(k, v) for k, v in over if k != "algo.teacher_path"] + [("algo.teacher_url", url)]
+    train(load_config(None, over), remote)
+    r_rows, l_rows = _divergence_rows(remote), _divergence_rows(local)
+    assert len(r_rows) == 2 and r_rows[0]["distill/divergence"] > 1e-3
+    for key in ("distill/divergence", "distill/teacher_topk_mass"):
+        assert r_rows[0][key] == pytest.approx(l_rows[0][key], abs=1e-5)
 
 
 def test_endpoint_teacher_with_another_tokenizer_refuses_at_start_up(
@@ -444,3 +609,5 @@ def test_endpoint_teacher_options_are_checked(tiny_model_dir):
         _teacher_cfg(url, **{"rollout.async_steps": 1})
     with pytest.raises(ConfigError, match="teacher_timeout"):
         _teacher_cfg(url, **{"algo.teacher_timeout": 0})
+    with pytest.raises(ConfigError, match="teacher_discount.*top_k"):
+        _teacher_cfg(url, **{"algo.teacher_divergence": "top_k", "algo.teacher_discount": 1})

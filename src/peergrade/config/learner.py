@@ -199,8 +199,9 @@ class AlgoConfig:
         "On-policy distillation (GRPO): a local model dir (or bundled) sharing the policy's "
         "tokenizer, loaded once, frozen; it scores the student's own sampled tokens and each "
         "token's advantage is teacher_coef * (log p_teacher - log p_student), the negative "
-        "reverse KL on the sampled token (tinker-cookbook's distillation recipe; "
-        "docs/algorithms.md). null = off (plain GRPO).",
+        "reverse KL on the sampled token (tinker-cookbook's distillation recipe), or with "
+        "teacher_divergence top_k a divergence over the teacher's top-k tokens "
+        "(docs/algorithms.md). null = off (plain GRPO).",
         None,
     )
     teacher_coef: float = doc(
@@ -227,6 +228,33 @@ class AlgoConfig:
         "rollout.temperature, both models at the sampling temperature (TRL's GKD). Below it, "
         "the student is pulled toward a sharpened teacher (its greedy answers).",
         None,
+    )
+    teacher_divergence: Literal["sampled", "top_k"] = doc(
+        "On-policy distillation: the teacher's signal. sampled = the per-token advantage "
+        "teacher_coef * (log p_teacher - log p_student) on each sampled token (tinker-cookbook); "
+        "top_k = a loss term, teacher_coef x the token mean of the generalized JSD (TRL's "
+        "DistillationTrainer: teacher_beta) between the student's and the teacher's next-token "
+        "distributions over the teacher's teacher_loss_top_k most likely tokens (plus the tail) "
+        "at every sampled position; the advantages are then teacher_verifier_weight x GRPO's. "
+        "docs/algorithms.md#on-policy-distillation-algoteacher_path-algoteacher_url.",
+        "sampled",
+    )
+    teacher_beta: float = doc(
+        "teacher_divergence top_k: TRL's beta, in [0, 1]: 0 = forward KL(teacher || student), "
+        "1 = reverse KL(student || teacher), between = the generalized Jensen-Shannon "
+        "divergence (0.5: the JSD).",
+        1.0,
+    )
+    teacher_loss_top_k: int = doc(
+        "teacher_divergence top_k: the teacher's most likely tokens per position the divergence "
+        "runs over (TRL's loss_top_k, >= 1; the teacher's vocabulary size = the exact "
+        "full-vocabulary divergence with the tail).",
+        20,
+    )
+    teacher_loss_add_tail: bool = doc(
+        "teacher_divergence top_k: the rest of the vocabulary as one more outcome (TRL's "
+        "loss_add_tail); false = both distributions renormalised over the k tokens.",
+        True,
     )
     teacher_url: str | None = doc(
         "On-policy distillation with a teacher behind an OpenAI-compatible endpoint (its base "

@@ -307,6 +307,7 @@ def _check_algo_grpo_only(cfg: Config) -> None:
         a.teacher_temperature is None or a.teacher_temperature > 0,
         f"algo.teacher_temperature must be > 0 (or null), got {a.teacher_temperature}",
     )
+    _check_teacher_divergence(cfg)
     _need(
         a.teacher_path is None or a.loss_type != "vespo",
         "algo.teacher_path with algo.loss_type=vespo: VESPO needs one advantage per completion, "
@@ -317,6 +318,28 @@ def _check_algo_grpo_only(cfg: Config) -> None:
         "algo.teacher_path with algo.off_policy_mask_threshold: OPSM needs one advantage per "
         "completion, distillation gives one per token",
     )
+
+
+def _check_teacher_divergence(cfg: Config) -> None:
+    """algo.teacher_divergence top_k: TRL's beta in [0, 1], k >= 1, and no sampled-mode key
+    set (they would do nothing)."""
+    a = cfg.algo
+    _need(
+        0.0 <= a.teacher_beta <= 1.0,
+        f"algo.teacher_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {a.teacher_beta}",
+    )
+    _need(
+        isinstance(a.teacher_loss_top_k, int) and a.teacher_loss_top_k >= 1,
+        f"algo.teacher_loss_top_k must be an integer >= 1, got {a.teacher_loss_top_k!r}",
+    )
+    if a.teacher_divergence != "top_k":
+        return
+    for key, default in (("teacher_baseline", "none"), ("teacher_discount", 0.0)):
+        _need(
+            getattr(a, key) == default,
+            f"algo.{key}={getattr(a, key)!r} shapes the sampled-token advantage: it does nothing "
+            f"with algo.teacher_divergence: top_k; leave it at {default!r}",
+        )
 
 
 def _check_teacher_url(cfg: Config) -> None:

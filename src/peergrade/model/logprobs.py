@@ -72,7 +72,12 @@ from torch import nn
 
 from peergrade.model.load import find_backbone_and_head, position_ids_from_mask
 
-__all__ = ["token_logprobs", "naive_token_logprobs"]
+__all__ = [
+    "token_logprobs",
+    "naive_token_logprobs",
+    "topk_token_logprobs",
+    "gathered_token_logprobs",
+]
 
 
 def _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size=1):
@@ -394,6 +399,125 @@ def token_logprobs(
     if with_entropy:
         return logp, zeros.masked_scatter(sel, ent_sel)
     return logp
+
+
+def _predicting_hidden(model, input_ids, attention_mask, completion_mask, share_prompts):
+    """``(h_sel [M, H], head)``: the hidden states that predict the counted completion tokens
+    (``completion_mask == 1``, row-major), as ``token_logprobs`` computes them."""
+    L, C = input_ids.shape[1], completion_mask.shape[1]
+    h_pred = _shared_prompt_hidden(model, input_ids, attention_mask, C) if share_prompts else None
+    if h_pred is None:
+        hidden, head = _backbone_hidden(model, input_ids, attention_mask)  # [B, L, H]
+        h_pred = hidden[:, L - C - 1 : L - 1]  # [B, C, H]
+    else:
+        head = find_backbone_and_head(model)[1]
+    return h_pred[completion_mask.bool()], head  # [M, H]
+
+
+def _chunk_log_softmax(head, h, temperature):
+    """float32 log-softmax of one chunk's logits / temperature, ``[c, V]``."""
+    if isinstance(head, nn.Linear):
+        z = _chunk_logits(h, head.weight, head.bias, temperature)
+    else:
+        z = head(h).float()
+        if temperature != 1.0:
+            z = z / temperature
+    return torch.log_softmax(z, dim=-1)
+
+
+@torch.no_grad()
+def topk_token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    k: int,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    share_prompts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely next tokens at every counted completion position, no grad:
+    ``(logp [B, C, k] float32, ids [B, C, k] int64)``, best first, from the log-softmax of the
+    logits / temperature over the whole vocabulary (the value at column j is the distribution
+    that predicts completion token j, as in ``token_logprobs``); 0 and id 0 where
+    ``completion_mask == 0``. The head runs over ``chunk_size`` positions at a time, never the
+    whole ``[B, C, V]``. On-policy distillation's teacher (``algo.teacher_divergence: top_k``)."""
+    B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size)
+    if int(k) != k or k < 1:
+        raise ValueError(f"topk_token_logprobs: k must be a positive integer, got {k!r}")
+    h_sel, head = _predicting_hidden(
+        model, input_ids, attention_mask, completion_mask, share_prompts
+    )
+    M, dev = h_sel.shape[0], input_ids.device
+    vals = torch.zeros(M, k, dtype=torch.float32, device=dev)  # [M, k]
+    ids = torch.zeros(M, k, dtype=torch.long, device=dev)  # [M, k]
+    with torch.autocast(dev.type, enabled=False):
+        for s in range(0, M, chunk_size):
+            lp = _chunk_log_softmax(head, h_sel[s : s + chunk_size], float(temperature))  # [c, V]
+            if k > lp.shape[-1]:
+                raise ValueError(
+                    f"topk_token_logprobs: k={k} is more than the model's {lp.shape[-1]} logits"
+                )
+            v, i = lp.topk(k, dim=-1)
+            vals[s : s + chunk_size], ids[s : s + chunk_size] = v.float(), i
+    sel = completion_mask.bool()
+    out_v = torch.zeros(B, C, k, dtype=torch.float32, device=dev)
+    out_i = torch.zeros(B, C, k, dtype=torch.long, device=dev)
+    out_v[sel], out_i[sel] = vals, ids
+    return out_v, out_i
+
+
+def _gather_chunk(head, h, ids, temperature):
+    with torch.autocast(h.device.type, enabled=False):  # the head in the weight's dtype
+        return _chunk_log_softmax(head, h, temperature).gather(1, ids)  # [c, k]
+
+
+def gathered_token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    share_prompts: bool = False,
+) -> torch.Tensor:
+    """``[B, C, k]`` float32, differentiable: the log-probs (log-softmax of the logits /
+    temperature over the whole vocabulary) of the given token ids ``ids [B, C, k]`` at every
+    counted completion position (the distribution that predicts completion token j); 0 where
+    ``completion_mask == 0``. Each chunk of ``chunk_size`` positions runs under
+    ``torch.utils.checkpoint``: the forward keeps only the ``[c, k]`` values and the backward
+    recomputes the chunk's ``[c, V]`` log-softmax, so no ``[B, C, V]`` tensor ever exists.
+    On-policy distillation's student side of the top-k divergence."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, L, C = _check_inputs(input_ids, attention_mask, completion_mask, temperature, chunk_size)
+    if ids.dim() != 3 or ids.shape[:2] != completion_mask.shape:
+        raise ValueError(
+            f"gathered_token_logprobs: ids must be [B, C, k] = [{B}, {C}, k]; got {tuple(ids.shape)}"
+        )
+    sel = completion_mask.bool()
+    h_sel, head = _predicting_hidden(
+        model, input_ids, attention_mask, completion_mask, share_prompts
+    )
+    ids_sel = ids[sel].long()  # [M, k]
+    parts = [
+        checkpoint(
+            _gather_chunk,
+            head,
+            h_sel[s : s + chunk_size],
+            ids_sel[s : s + chunk_size],
+            float(temperature),
+            use_reentrant=False,
+        )
+        for s in range(0, h_sel.shape[0], chunk_size)
+    ]
+    out = torch.zeros(B, C, ids.shape[2], dtype=torch.float32, device=input_ids.device)
+    if not parts:
+        return out
+    return out.masked_scatter(sel[..., None].expand_as(out), torch.cat(parts).float())
 
 
 class PositionScores(NamedTuple):

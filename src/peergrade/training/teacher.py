@@ -16,8 +16,17 @@ The teacher may instead sit behind an OpenAI-compatible endpoint (``algo.teacher
 ``training.teacher_endpoint``), which scores the same token ids with vLLM's ``prompt_logprobs``
 (temperature 1); its tokenizer is probed through the endpoint at start-up.
 
-What it deliberately does not do: no logit-level (full-distribution) KL, no teacher sharding
-under FSDP (each rank holds the whole teacher).
+With ``algo.teacher_divergence: top_k`` the signal is dense instead: the teacher's
+``teacher_loss_top_k`` most likely tokens and their log-probs at every sampled position
+(``teacher_topk``, once per step, ``[N, C, k]``), and in the update a loss term,
+``teacher_coef`` x the token mean of the generalized JSD (TRL's ``beta``) between the
+student's and the teacher's distributions over those tokens plus the tail
+(``algo.distill.topk_divergence``; ``DistillLoss``); the advantages are
+``teacher_verifier_weight`` x GRPO's, and no completion is elided (each carries the term).
+
+What it deliberately does not do: no full-vocabulary divergence beyond k = V (the teacher's
+top-k is what is stored per step), no teacher sharding under FSDP (each rank holds the whole
+teacher).
 """
 
 from __future__ import annotations
@@ -30,11 +39,26 @@ from typing import Any
 import torch
 
 from peergrade import distributed as dist
-from peergrade.algo.distill import distill_advantages, reverse_kl_reward, token_mean_reward
+from peergrade.algo.distill import (
+    distill_advantages,
+    reverse_kl_reward,
+    token_mean_reward,
+    topk_divergence,
+)
 from peergrade.errors import ModelLoadError
+from peergrade.model.logprobs import gathered_token_logprobs, topk_token_logprobs
 from peergrade.training.experience import Experience
 from peergrade.training.teacher_endpoint import EndpointTeacher, connect
-from peergrade.training.update import GRPO, frozen_logprobs
+from peergrade.training.update import (
+    GRPO,
+    GrpoLoss,
+    autocast,
+    by_length,
+    frozen_logprobs,
+    grpo_update,
+    micro_batches,
+    trim,
+)
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
@@ -94,6 +118,12 @@ def load_teacher(cfg, models) -> Any:
             f"algo.teacher_path {path!r}: the teacher has {rows} embedding rows, fewer than the "
             f"student's tokenizer's {n} tokens"
         )
+    k = cfg.algo.teacher_loss_top_k
+    if cfg.algo.teacher_divergence == "top_k" and k > rows:
+        raise ModelLoadError(
+            f"algo.teacher_loss_top_k={k}: the teacher {path!r} has {rows} tokens; expected at "
+            f"most {rows} (k = {rows} is the full-vocabulary divergence)"
+        )
     return teacher.eval().requires_grad_(False)
 
 
@@ -129,8 +159,13 @@ class Distill(GRPO):
 
     teacher: Any = None
 
+    topk: tuple | None = None  # (logp, ids) [N, C, k]: the teacher's top-k of this step's batch
+
     def advantages(self, exp: Experience) -> None:
         a = self.cfg.algo
+        if a.teacher_divergence == "top_k":
+            self.topk_advantages(exp)
+            return
         super().advantages(exp)  # the verifier's group-relative advantage [N], and metrics
         verifier = exp.advantages
         student, teacher = student_teacher_logprobs(self.models, self.teacher, exp.batch, self.cfg)
@@ -165,3 +200,122 @@ class Distill(GRPO):
             "distill/student_logp": float(student[on].sum()) / n,
             "advantage/std": float(adv[on].std()) if int(on.sum()) > 1 else 0.0,
         }
+
+    def topk_advantages(self, exp: Experience) -> None:
+        """``algo.teacher_divergence: top_k``: the advantages are ``teacher_verifier_weight``
+        x GRPO's (``[N]``; 0 = pure distillation), and the teacher's top-k of the batch is kept
+        for this step's update (``DistillLoss``)."""
+        super().advantages(exp)  # GRPO's [N] and its metrics
+        exp.advantages = exp.advantages * self.cfg.algo.teacher_verifier_weight  # [N]
+        vals, ids = teacher_topk(self.teacher, exp.batch, self.cfg)  # [N, C, k] each
+        self.topk = (vals, ids)
+        exp.metrics = {**exp.metrics, **_topk_metrics(vals, exp.batch[2])}
+
+    def update(self, exp: Experience, step: int) -> dict[str, float]:
+        if self.cfg.algo.teacher_divergence != "top_k":
+            return super().update(exp, step)
+        cmask = exp.batch[2]
+        if self.topk is None or self.topk[1].shape[:2] != cmask.shape:
+            raise RuntimeError(
+                "on-policy distillation (top_k): update() needs advantages() on the same "
+                "experience first (the teacher's top-k of its batch)"
+            )
+        entropy = self.entropy_control()
+        loss = DistillLoss(self.models, exp, self.cfg, entropy, self.topk)
+        self.topk = None
+        return grpo_update(
+            self.models, self.optimizer, self.scheduler, exp, self.cfg, step, entropy, loss
+        )
+
+
+@torch.no_grad()
+def teacher_topk(teacher, batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp [N, C, k] float32, ids [N, C, k] int64)``: the teacher's ``teacher_loss_top_k``
+    most likely next tokens at every counted position of ``batch`` (0 elsewhere), at the
+    teacher's temperature (``teacher_cfg``), one micro-batch at a time (longest first); from
+    an endpoint teacher, its ``prompt_logprobs: k`` (``EndpointTeacher.topk``)."""
+    input_ids, attention_mask, cmask = batch
+    tcfg, k = teacher_cfg(cfg), cfg.algo.teacher_loss_top_k
+    if isinstance(teacher, EndpointTeacher):  # temperature 1 (config.validate)
+        return teacher.topk(batch, k)
+    N, C = cmask.shape
+    vals = torch.zeros(N, C, k, dtype=torch.float32, device=cmask.device)
+    ids = torch.zeros(N, C, k, dtype=torch.long, device=cmask.device)
+    rows = torch.arange(N, device=cmask.device)
+    for mb in micro_batches(by_length(rows, cmask), cfg.micro_batch_size):
+        ii, am, cm = trim(input_ids[mb], attention_mask[mb], cmask[mb])
+        with autocast(cfg, ii.device, teacher):
+            v, i = topk_token_logprobs(
+                teacher,
+                ii,
+                am,
+                cm,
+                k,
+                temperature=tcfg.rollout.temperature,
+                chunk_size=cfg.model.logprob_chunk_size,
+                share_prompts=cfg.model.shared_prompt_forward,
+            )
+        vals[mb, : cm.shape[1]], ids[mb, : cm.shape[1]] = v, i
+    return vals, ids
+
+
+class DistillLoss(GrpoLoss):
+    """``GrpoLoss`` plus on-policy distillation's dense term (``algo.teacher_divergence:
+    top_k``): each micro-batch adds ``teacher_coef * sum_t D_t / num_tokens``, ``D_t`` the
+    generalized JSD at counted position t between the student's log-probs of the teacher's
+    top-k tokens there (``gathered_token_logprobs``, with gradient, at the sampling
+    temperature) and the teacher's (``teacher_topk``), ``num_tokens`` the minibatch's
+    normaliser, so the minibatch's term is the token mean. No completion is left out: a zero
+    advantage does not make the divergence's gradient 0. The policy loss's own forward is
+    skipped for a micro-batch whose policy loss is exactly 0 (``GrpoLoss.no_signal``)."""
+
+    elide = False
+
+    def __init__(self, models, exp, cfg, entropy, topk: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__(models, exp, cfg, entropy)
+        self.t_logp, self.t_ids = topk  # [N, C, k] each
+
+    def no_signal(self, idx) -> bool:
+        return False  # the divergence's gradient is not 0
+
+    def micro_loss(self, mb, mini_idx, trimmed, num_tokens, metrics) -> torch.Tensor | None:
+        a = self.a
+        if GrpoLoss.no_signal(self, mb):  # the policy loss is exactly 0 (no advantage, no KL)
+            loss = None
+            for key in ("loss/policy", "advantage/mean"):
+                metrics.add(key, 0.0, len(mb))
+        else:
+            loss = super().micro_loss(mb, mini_idx, trimmed, num_tokens, metrics)
+        ii, am, cm = trimmed
+        Tc = cm.shape[1]
+        with autocast(self.cfg, ii.device, self.models.policy):
+            student = gathered_token_logprobs(
+                self.models.policy,
+                ii,
+                am,
+                cm,
+                self.t_ids[mb, :Tc],
+                temperature=self.cfg.rollout.temperature,
+                chunk_size=self.cfg.model.logprob_chunk_size,
+                share_prompts=self.cfg.model.shared_prompt_forward,
+            )  # [b, Tc, k]
+        on = cm == 1  # [b, Tc]
+        d = topk_divergence(
+            student[on],
+            self.t_logp[mb, :Tc][on],
+            beta=a.teacher_beta,
+            add_tail=a.teacher_loss_add_tail,
+        )  # [M]
+        if d.numel() == 0:  # no counted token here: no divergence, no gradient from it
+            return loss
+        term = a.teacher_coef * d.sum() / num_tokens
+        metrics.add("distill/divergence", float(d.detach().mean()), d.numel())
+        return term if loss is None else loss + term
+
+
+def _topk_metrics(vals: torch.Tensor, cmask: torch.Tensor) -> dict[str, float]:
+    """``distill/teacher_topk_mass``: the token mean of the teacher's probability on its k
+    tokens (1 = the divergence sees the whole distribution)."""
+    on = cmask == 1
+    mass = torch.logsumexp(vals[on], dim=-1).exp()  # [M]
+    return {"distill/teacher_topk_mass": float(mass.mean()) if mass.numel() else 0.0}

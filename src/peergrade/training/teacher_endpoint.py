@@ -19,8 +19,13 @@ Failures: each request has ``algo.teacher_timeout`` seconds and is tried ``TRIES
 (connection errors, timeouts and 5xx answers; a 4xx is not retried), then the step stops with
 ``TeacherEndpointError`` naming the URL and the last error.
 
-What it deliberately does not do: no streaming, no concurrency across requests, no top-k
-(logit-level) distillation; the teacher's chat template plays no part (token ids only).
+``topk(batch, k)`` (``algo.teacher_divergence: top_k``) asks ``prompt_logprobs: k`` instead
+and reads, at each sampled position, the k entries of rank 1..k (vLLM adds the position's own
+token beside them when it ranks lower): the teacher's k most likely tokens there and their
+log-probs. vLLM caps k at its ``max_logprobs`` (20 by default), as ``peergrade serve`` does.
+
+What it deliberately does not do: no streaming, no concurrency across requests; the teacher's
+chat template plays no part (token ids only).
 """
 
 from __future__ import annotations
@@ -85,9 +90,10 @@ class EndpointTeacher:
             f"{attempt + 1} attempt(s) of at most {self.timeout:g} s each"
         )
 
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[list]:
+    def prompt_logprobs(self, prompts: list[list[int]], k: int = 0) -> list[list]:
         """Each prompt's ``prompt_logprobs`` list as the endpoint answers it (``[None, {..},
-        ...]``), in the order given."""
+        ...]``), in the order given; ``k``: vLLM's ``prompt_logprobs`` (the k most likely
+        tokens at each position beside the prompt's own)."""
         out: list[list] = []
         for s in range(0, len(prompts), ROWS_PER_REQUEST):
             part = prompts[s : s + ROWS_PER_REQUEST]
@@ -96,7 +102,7 @@ class EndpointTeacher:
                 "prompt": part,
                 "max_tokens": 1,
                 "temperature": 0,
-                "prompt_logprobs": 0,
+                "prompt_logprobs": k,
             }
             r = self._call("POST", "/completions", body)
             choices = sorted(r.get("choices") or [], key=lambda c: c.get("index", 0))
@@ -129,6 +135,35 @@ class EndpointTeacher:
                 j = int(pos[n, P + c])
                 out[n, c] = float(lp[j][str(rows[n][j])]["logprob"])
         return out.to(cmask.device)
+
+    @torch.no_grad()
+    def topk(self, batch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp [N, C, k] float32, ids [N, C, k] int64)``: the teacher's k most likely next
+        tokens at every sampled position of ``batch`` (as ``logprobs``), best first, read from
+        ``prompt_logprobs: k`` (the entries of rank 1..k); 0 where the completion mask is 0."""
+        ids, am, cmask = batch
+        N, C = cmask.shape
+        P = ids.shape[1] - C
+        rows = [ids[n][am[n] == 1].tolist() for n in range(N)]
+        scored = self.prompt_logprobs(rows, k)
+        vals = torch.zeros(N, C, k, dtype=torch.float32)
+        top = torch.zeros(N, C, k, dtype=torch.long)
+        pos = am.long().cumsum(1) - 1  # [N, P + C]: each column's index among the sent tokens
+        for n, lp in enumerate(scored):
+            for c in torch.nonzero(cmask[n] == 1).flatten().tolist():
+                entry = lp[int(pos[n, P + c])]
+                best = sorted(
+                    ((int(e["rank"]), int(t), float(e["logprob"])) for t, e in entry.items()),
+                )[:k]
+                if len(best) < k or best[-1][0] > k:
+                    raise TeacherEndpointError(
+                        f"algo.teacher_url {self.url!r}: prompt_logprobs {k} answered "
+                        f"{sum(r <= k for r, _, _ in best)} tokens of rank <= {k} at a position "
+                        "(does the server return vLLM's ranked prompt_logprobs?)"
+                    )
+                top[n, c] = torch.tensor([t for _, t, _ in best])
+                vals[n, c] = torch.tensor([v for _, _, v in best])
+        return vals.to(cmask.device), top.to(cmask.device)
 
 
 def probe_ids(tokenizer) -> list[int]:

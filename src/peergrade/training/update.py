@@ -651,7 +651,10 @@ class GrpoLoss:
     pi_old, the off-policy correction and the entropy bonus's state (``grpo_update``'s
     docstring says what each does). Made before the policy goes into training mode: pi_old's
     pass runs here. A registered (not built-in) loss is never elided or skipped: its loss at
-    advantage 0 need not be 0."""
+    advantage 0 need not be 0. A subclass whose loss has another term sets ``elide = False``
+    and overrides ``no_signal`` (on-policy distillation's divergence: ``training.teacher``)."""
+
+    elide = True  # completions whose advantage is exactly 0 may be left out (elided_rows)
 
     def __init__(self, models: Models, exp, cfg, entropy: EntropyControl | None):
         self.models, self.batch, self.cfg, self.a = models, exp.batch, cfg, cfg.algo
@@ -675,6 +678,7 @@ class GrpoLoss:
         self.parallel = dist.world() > 1
         elide_ok = (
             a.skip_zero_advantage
+            and self.elide
             and self.builtin
             and not (self.parallel or self.bonus_on or self.select)
         )
@@ -863,6 +867,7 @@ def grpo_update(
     cfg,
     step: int,
     entropy: EntropyControl | None = None,
+    loss: GrpoLoss | None = None,
 ) -> dict[str, float]:
     """The GRPO update of one step on ``exp``: ``algo.policy_loss`` (options:
     ``loss_options_for(cfg)``) with one advantage per completion (``exp.advantages`` ``[N]``),
@@ -889,8 +894,11 @@ def grpo_update(
     subtracts coef x the micro-batch's mean entropy over the kept tokens, times its share of the
     minibatch (``entropy``: the coefficient's state, adaptive with ``algo.use_adaptive_entropy``).
     A completion with advantage 0 then still matters (its entropy has a gradient; its tokens
-    enter the quantile), so nothing is elided or skipped with either on."""
-    loss = GrpoLoss(models, exp, cfg, entropy)
+    enter the quantile), so nothing is elided or skipped with either on.
+
+    ``loss``: the micro-batch loss to use instead of ``GrpoLoss(models, exp, cfg, entropy)``
+    (a subclass made on the same arguments, e.g. on-policy distillation's ``DistillLoss``)."""
+    loss = GrpoLoss(models, exp, cfg, entropy) if loss is None else loss
     params = [p for p in models.policy.parameters() if p.requires_grad]
     models.policy.train()
     metrics = run_update(
