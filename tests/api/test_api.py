@@ -140,9 +140,9 @@ def test_every_trl_loss_type_is_accepted_with_its_parameters():
 
 def test_meaningless_fields_are_warned_about_once():
     with pytest.warns(UserWarning) as got:
-        GRPOConfig(vllm_server_host="10.0.0.1", hub_model_id="me/x", push_to_hub=True)
+        GRPOConfig(vllm_tensor_parallel_size=2, hub_model_id="me/x", push_to_hub=True)
     assert len(got) == 1
-    for name in ("vllm_server_host", "hub_model_id", "push_to_hub"):
+    for name in ("vllm_tensor_parallel_size", "hub_model_id", "push_to_hub"):
         assert name in str(got[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -235,10 +235,14 @@ def test_every_mapped_field_sets_the_key_it_names():
         "use_vllm": True,
         "vllm_gpu_memory_utilization": 0.5,
         "vllm_max_model_length": 256,
+        "vllm_mode": "server",
+        "vllm_server_timeout": 60.0,
         "chat_template_path": "hermes",
     }
-    # need rows / rewards / strategy; read by GRPOTrainer.train
+    # need rows / rewards / strategy; read by GRPOTrainer.train; the server's URL: with
+    # use_vllm=True and vllm_mode="server" only (test_vllm_server.py)
     skip = {"num_train_epochs", "reward_weights", "eval_steps", "overwrite_output_dir"}
+    skip |= {"vllm_server_base_url", "vllm_server_host", "vllm_server_port"}
     if importlib.util.find_spec("vllm") is None:  # use_vllm=True without vLLM: the own kernel
         del changed["use_vllm"]
         skip.add("use_vllm")

@@ -115,6 +115,11 @@ class GRPOConfig:
     use_vllm: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     vllm_max_model_length: int | None = None
+    vllm_mode: str = "colocate"
+    vllm_server_base_url: str | None = None
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0
     chat_template_path: str | None = None
     peergrade: dict[str, Any] | None = None  # any peergrade key: {"rollout.async_steps": 1}
 
@@ -146,7 +151,8 @@ class GRPOConfig:
                 if name in _ELSEWHERE:
                     hint = f" ({_ELSEWHERE[name]})"
                 raise ConfigError(f"GRPOConfig has no field {name!r}{hint}")
-        if self.use_vllm and not _vllm_installed():  # said in the same one warning
+        server = self.use_vllm and self.vllm_mode == "server"  # a URL: no vLLM needed here
+        if self.use_vllm and not server and not _vllm_installed():  # said in the one warning
             ignored.append("use_vllm")
         _warn_ignored(ignored)
         self._check_batches()
@@ -366,15 +372,30 @@ class GRPOConfig:
             out.append(("model.chat_template", str(self.chat_template_path)))
         if self.use_cpu:
             out.append(("model.device", "cpu"))
-        # use_vllm: colocate, the only vllm_mode (UNSUPPORTED refuses "server")
-        vllm = self.use_vllm and _vllm_installed()  # else: the own kernel, said at __init__
-        out.append(("rollout.engine", "vllm" if vllm else "peergrade"))
-        out.append(("rollout.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization))
+        out += self._vllm_overrides()
         if self.vllm_max_model_length is not None:
             out.append(("rollout.vllm_max_model_len", self.vllm_max_model_length))
         dtype = _model_dtype(self.model_init_kwargs)
         if dtype is not None:
             out.append(("model.dtype", dtype))
+        return out
+
+    def _vllm_overrides(self) -> list[tuple[str, Any]]:
+        """use_vllm and vllm_mode: the engine, in this process or a server (its URL from
+        vllm_server_base_url, else vllm_server_host:vllm_server_port)."""
+        server = self.use_vllm and self.vllm_mode == "server"
+        # a server by URL needs no vLLM here; else without vLLM: the own kernel (said at init)
+        vllm = self.use_vllm and (server or _vllm_installed())
+        out: list[tuple[str, Any]] = [
+            ("rollout.engine", "vllm" if vllm else "peergrade"),
+            ("rollout.vllm_mode", self.vllm_mode),
+            ("rollout.vllm_server_timeout", float(self.vllm_server_timeout)),
+            ("rollout.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization),
+        ]
+        if server:
+            host = "127.0.0.1" if self.vllm_server_host == "0.0.0.0" else self.vllm_server_host
+            url = self.vllm_server_base_url or f"http://{host}:{self.vllm_server_port}"
+            out.append(("rollout.vllm_server_url", url))
         return out
 
     def to_config(self, num_rows: int | None = None) -> Config:

@@ -168,6 +168,27 @@ MAPPED: dict[str, tuple[str, str]] = {
     ),
     "vllm_gpu_memory_utilization": ("rollout.vllm_gpu_memory_utilization", "as is"),
     "vllm_max_model_length": ("rollout.vllm_max_model_len", "as is"),
+    "vllm_mode": (
+        "rollout.vllm_mode",
+        "colocate: vLLM in the trainer's process; server: a vLLM server in another process "
+        "(vllm_server_base_url, or vllm_server_host:vllm_server_port), which must be vLLM's "
+        "own OpenAI server with peergrade's weight-transfer backend, not `trl vllm-serve` "
+        "(docs/engines.md)",
+    ),
+    "vllm_server_base_url": (
+        "rollout.vllm_server_url",
+        "with use_vllm=True, vllm_mode='server'; None = http://vllm_server_host:vllm_server_port",
+    ),
+    "vllm_server_host": (
+        "rollout.vllm_server_url",
+        "with vllm_mode='server' and no vllm_server_base_url: the URL's host (0.0.0.0, TRL's "
+        "default, is this machine: 127.0.0.1)",
+    ),
+    "vllm_server_port": (
+        "rollout.vllm_server_url",
+        "with vllm_mode='server' and no vllm_server_base_url: the URL's port",
+    ),
+    "vllm_server_timeout": ("rollout.vllm_server_timeout", "as is (seconds)"),
     "overwrite_output_dir": (
         "train.output_dir",
         "True: `train()` replaces an existing, non-empty output_dir (as `peergrade train "
@@ -175,7 +196,10 @@ MAPPED: dict[str, tuple[str, str]] = {
     ),
 }
 
-_VLLM = "peergrade samples with its own sampler, or with vLLM colocated (use_vllm=True) as is"
+_VLLM = (
+    "peergrade samples with its own sampler, or with vLLM (use_vllm=True, vllm_mode colocate "
+    "or server) as is"
+)
 _HUB = "no Hugging Face Hub here: save_model(dir) and copy the directory"
 _REPORT = "peergrade logs every step to metrics.jsonl and state.log_history"
 _PERF = "a performance knob of transformers' Trainer with no counterpart here"
@@ -232,7 +256,6 @@ _NO = "peergrade has no equivalent; leave it at TRL's default"
 #: TRL field -> (TRL's default, what to use instead); a non-default value is an error
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "optim": ("adamw_torch_fused", "peergrade always uses torch AdamW (fused where it can)"),
-    "vllm_mode": ("colocate", "vllm_mode='colocate' (vLLM in the trainer's process)"),
     "optim_args": (None, "optim.adam_betas, optim.weight_decay"),
     "adam_epsilon": (1e-08, "peergrade's AdamW uses eps = 1e-8"),
     "optim_target_modules": (None, _NO),

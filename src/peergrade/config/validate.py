@@ -87,10 +87,22 @@ def _check_rollout(cfg: Config) -> None:
 
 
 def _check_engine(cfg: Config) -> None:
-    """rollout.engine vllm: its sizes, and what it does not sample yet."""
+    """rollout.engine vllm: its sizes, and a pipelined run's producer (a thread)."""
     r = cfg.rollout
+    _need(
+        r.vllm_server_url is None or (r.engine == "vllm" and r.vllm_mode == "server"),
+        f"rollout.vllm_server_url {r.vllm_server_url} is used by rollout.engine vllm with "
+        f"rollout.vllm_mode server only (got engine {r.engine}, vllm_mode {r.vllm_mode})",
+    )
     if r.engine != "vllm":
         return
+    if r.vllm_mode == "server":
+        _check_server(r)
+        _need(
+            cfg.harness.fn is None,
+            "rollout.vllm_mode server samples replies and episodes' turns; a harness "
+            "(harness.fn) needs rollout.vllm_mode colocate (or rollout.engine peergrade)",
+        )
     _need(
         0 < r.vllm_gpu_memory_utilization <= 1,
         "rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
@@ -104,15 +116,35 @@ def _check_engine(cfg: Config) -> None:
         r.vllm_max_model_len is None or r.vllm_max_model_len >= 1,
         f"rollout.vllm_max_model_len must be >= 1 or null, got {r.vllm_max_model_len}",
     )
-    for on, what in (
-        (r.async_steps > 0, f"rollout.async_steps {r.async_steps} (set it to 0)"),
-        (cfg.harness.fn is not None, "a harness (harness.fn)"),
-    ):
-        _need(
-            not on,
-            "rollout.engine vllm samples replies and episodes' turns in the trainer's process; "
-            f"{what} still samples with rollout.engine peergrade",
-        )
+    _need(
+        r.async_steps == 0 or r.producer != "process",
+        "rollout.producer process with rollout.engine vllm: the engine lives in the trainer's "
+        "process and a pipelined run's producer shares it as a thread; set rollout.producer "
+        "to thread (or auto)",
+    )
+    _need(
+        r.async_steps == 0 or cfg.harness.fn is None,
+        "rollout.engine vllm with a harness (harness.fn): the endpoint samples at the weights "
+        "vLLM holds now, not a pipelined producer's older version; set rollout.async_steps 0",
+    )
+
+
+def _check_server(r) -> None:
+    """rollout.vllm_mode server: the URL's form and the timeout."""
+    _need(
+        r.vllm_server_timeout > 0,
+        f"rollout.vllm_server_timeout must be > 0 seconds, got {r.vllm_server_timeout}",
+    )
+    url = r.vllm_server_url
+    if url is None:
+        return
+    from urllib.parse import urlparse
+
+    parts = urlparse(url)
+    _need(
+        parts.scheme in ("http", "https") and bool(parts.hostname),
+        f"rollout.vllm_server_url must be http://host:port (a vLLM server), got {url!r}",
+    )
 
 
 def _check_algo_clipping(cfg: Config) -> None:

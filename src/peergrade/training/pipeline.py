@@ -55,6 +55,18 @@ function that counts its calls counts them there). It ignores Ctrl-C (the traine
 dies with the trainer (``PR_SET_PDEATHSIG``), and its errors are raised by the trainer with the
 producer's traceback as a note.
 
+Another rollout engine (``rollout.engine vllm``). The producer is then always a thread
+(``producer_kind``): the one engine lives in the trainer's process, built on the main thread
+before the producer starts, from the version of the first step to sample. The producer samples
+through ``_EngineView`` (a stop raises ``Stopped`` at its next engine call) and, when its version
+changes, copies the snapshot into its policy and pushes that copy to the engine, which loads it
+at its next call (one load per version; ``VllmEngine.defer_pushes`` makes the trainer's own push
+after each update only record the version, loaded when the trainer's held-out evaluation
+samples with it). The engine's lock keeps a generation, a weight load and the other thread's
+calls apart. The producer measures the train/inference gap (``sampling.engine_gap``) with the
+version that sampled, before the trainer's weights move on, and hands it over as
+``exp.engine_gap``.
+
 What it deliberately does not do: no sampling, scoring or update code of its own (the trainer
 passes its ``collect`` in; this module never imports the trainer), no discarding, no PPO (the
 config refuses it).
@@ -81,6 +93,7 @@ import torch
 
 from peergrade.errors import PeergradeError
 from peergrade.training.experience import Experience
+from peergrade.training.sampling import engine_gap
 
 __all__ = [
     "VERSIONS_FILE",
@@ -187,6 +200,11 @@ class Producer(_Producer):
         self.versions = dict(versions)
         self.stopping = False
         self.loaded: int | None = None
+        # another rollout engine (vLLM), shared with the trainer's thread: the producer samples
+        # through a view of it that stops at its next call (a forward pre-hook never runs there)
+        self.engine = getattr(run, "engine", None)
+        if self.engine is not None:
+            self.run = dataclasses.replace(run, engine=_EngineView(self.engine, self))
         # on the input embeddings: every forward of the copy passes there, whatever wrapper
         # (PEFT) or entry point (the chunked log-prob engine calls the backbone) it goes through
         embed = run.models.policy.get_input_embeddings()
@@ -194,8 +212,22 @@ class Producer(_Producer):
         self.thread = threading.Thread(target=self._loop, name="peergrade-producer", daemon=True)
 
     def start(self) -> Producer:
+        if self.engine is not None:  # built here, on the main thread, from the first version
+            self._start_engine()
         self.thread.start()
         return self
+
+    def _start_engine(self) -> None:
+        """The engine holds the version of the first step to sample (its weights in the
+        producer's copy), and from now on loads weights only when a call samples with them:
+        the trainer's push after each update only records its version (``defer_pushes``)."""
+        v = self.version_of(self.steps.start)
+        policy = self.run.models.policy
+        _load_state(policy, self.versions[v])
+        self.loaded = v
+        self.engine.defer_pushes = True
+        self.engine.push(policy, version=v)
+        self.engine.start(policy, self.run.models.tokenizer)
 
     def _check_stop(self, module, args):
         if self.stopping:
@@ -214,8 +246,12 @@ class Producer(_Producer):
                 if self.loaded != v:
                     _load_state(self.run.models.policy, state)
                     self.loaded = v
+                    if self.engine is not None:  # loaded by its next call, between calls
+                        self.engine.push(self.run.models.policy, version=v)
                 exp = self.collect(self.run, t, self.next_rows())
                 exp.policy_version = v
+                if self.engine is not None:  # measured with the weights that sampled (v)
+                    exp.engine_gap = engine_gap(self.run, exp)
                 with self.cond:
                     self.done[t] = exp
                     self.cond.notify_all()
@@ -267,6 +303,45 @@ class Producer(_Producer):
         if self.thread.is_alive():
             self.thread.join(timeout)
         self._hook.remove()
+        if self.engine is not None:  # the trainer's pushes load at once again
+            self.engine.defer_pushes = False
+
+
+class _EngineView:
+    """The run's rollout engine as a producer thread calls it: each call (a reply batch, an
+    episode's model turn) raises ``Stopped`` once the producer is stopping, so a stop waits
+    for at most the engine call in flight; everything else is the engine's."""
+
+    def __init__(self, engine, producer: Producer):
+        self._engine, self._producer = engine, producer
+        # the engine's own (reentrant) lock around the check and the call: a close on the
+        # trainer's thread (after it set ``stopping``) cannot come between them, so a stopped
+        # producer never builds the engine again
+        self._lock = getattr(engine, "_lock", None) or contextlib.nullcontext()
+
+    def _check(self) -> None:
+        if self._producer.stopping:
+            raise Stopped
+
+    def sample(self, *args, **kwargs):
+        with self._lock:
+            self._check()
+            return self._engine.sample(*args, **kwargs)
+
+    def turn_sampler(self, *args, **kwargs):
+        with self._lock:
+            self._check()
+            turns = self._engine.turn_sampler(*args, **kwargs)
+
+        def sample_turns(*a, **kw):
+            with self._lock:
+                self._check()
+                return turns(*a, **kw)
+
+        return sample_turns
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
 
 
 #: torch intra-op threads of a producer process. GNU OpenMP (torch's CPU thread pool) cannot
@@ -275,11 +350,23 @@ class Producer(_Producer):
 PROCESS_THREADS = 1
 
 
-def producer_kind(setting: str, device: torch.device, threads: int = 2) -> str:
+def producer_kind(
+    setting: str, device: torch.device, threads: int = 2, engine: str = "peergrade"
+) -> str:
     """``rollout.producer`` resolved: ``process`` or ``thread``. ``auto`` is a process on the
     CPU where fork exists (Linux) when the producer's share of the ``threads`` torch threads is
     one (``threads`` <= 2: a producer process runs ``PROCESS_THREADS``), else a thread; a process
-    on a GPU is refused (CUDA cannot be forked)."""
+    on a GPU is refused (CUDA cannot be forked). With another rollout ``engine`` (vLLM) it is
+    always a thread: the one engine lives in the trainer's process, and the producer thread
+    shares it (one call at a time) with the trainer's held-out evaluation."""
+    if engine != "peergrade":
+        if setting == "process":
+            raise ValueError(
+                f"rollout.producer process with rollout.engine {engine}: the engine lives in the "
+                "trainer's process and the producer shares it as a thread; set rollout.producer "
+                "to thread (or auto)"
+            )
+        return "thread"
     # Linux only: macOS offers fork but its system libraries are not safe to use after it
     can_fork = sys.platform.startswith("linux")
     if setting == "auto":

@@ -64,8 +64,10 @@ def sample(run, rows: list[dict], step: int, row_keys: Sequence[int]) -> Samples
 
 def build_engine(cfg):
     """The run's rollout engine: None for the own kernel (``rollout.engine peergrade``), else a
-    ``VllmEngine`` (built lazily at the first sample). A missing vLLM (``MissingPackageError``)
-    or a launch it does not serve (``ConfigError``) fails before any model loads."""
+    ``VllmEngine`` (built lazily at the first sample), or with ``rollout.vllm_mode server`` a
+    ``VllmServerEngine``. A missing vLLM (``MissingPackageError``; a server given by URL needs
+    none here), a launch it does not serve or a server URL nothing answers at (``ConfigError``)
+    fails before any model loads."""
     r = cfg.rollout
     if r.engine == "peergrade":
         return None
@@ -73,20 +75,34 @@ def build_engine(cfg):
     from peergrade.errors import MissingPackageError
     from peergrade.generation.vllm_engine import INSTALL_HINT, VllmEngine, vllm_available
 
-    if not vllm_available():
+    server, url = r.vllm_mode == "server", r.vllm_server_url
+    if not vllm_available() and not (server and url):
         raise MissingPackageError(
             f"rollout.engine vllm needs vLLM, which is not installed: {INSTALL_HINT}"
         )
-    if dist.launched() or dist.world() > 1:
-        raise ConfigError(
-            "rollout.engine vllm runs in one process: launch without torchrun, or use "
-            "rollout.engine peergrade"
-        )
-    return VllmEngine(
+    if dist.launched() or dist.world() > 1:  # colocated: an engine per rank (docs/engines.md)
+        if server:
+            raise ConfigError(
+                "rollout.vllm_mode server runs with one trainer process: launch without "
+                "torchrun, or use rollout.vllm_mode colocate (an engine on every rank)"
+            )
+        if cfg.dist.strategy == "fsdp":
+            raise ConfigError(
+                "rollout.engine vllm under torchrun with dist.strategy fsdp: the weights pushed "
+                "to each rank's engine must be whole; use dist.strategy ddp"
+            )
+    kw = dict(
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         kv_cache_gb=r.vllm_kv_cache_gb,
         max_model_len=r.vllm_max_model_len,
     )
+    if not server:
+        return VllmEngine(**kw)
+    from peergrade.generation.vllm_server import VllmServerEngine, check_server
+
+    if url:
+        check_server(url, min(r.vllm_server_timeout, 30.0))  # a dead URL: before the model
+    return VllmServerEngine(url=url, timeout=r.vllm_server_timeout, **kw)
 
 
 def engine_gap(run, exp) -> dict[str, float]:
@@ -95,9 +111,14 @@ def engine_gap(run, exp) -> dict[str, float]:
     (one no-grad pass with the weights that sampled them) against the engine's, over the
     tokens the loss counts. ``engine/logp_gap_mean`` / ``_max``: mean and max |delta logp|;
     ``engine/seq_kl``: the mean over sequences of sum_t (log mu - log pi), the k1 estimate of
-    KL(engine || trainer) per sequence."""
+    KL(engine || trainer) per sequence. A pipelined step's gap was measured by the producer
+    with the version that sampled (``exp.engine_gap``, ``pipeline.Producer``): the trainer's
+    weights are newer by then."""
     if getattr(run, "engine", None) is None or exp.sampler_logprobs is None:
         return {}
+    measured = getattr(exp, "engine_gap", None)
+    if measured is not None:
+        return measured
     from peergrade.training.update import frozen_logprobs
 
     trainer_lp = frozen_logprobs(run.models.policy, exp.batch, run.cfg)  # [N, C]

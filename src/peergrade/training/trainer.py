@@ -553,7 +553,7 @@ def check_run_conflicts(cfg: Config) -> None:
         from peergrade.model.load import resolve_device
 
         try:
-            pipeline.producer_kind(r.producer, resolve_device(cfg.model.device))
+            pipeline.producer_kind(r.producer, resolve_device(cfg.model.device), engine=r.engine)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if r.async_steps > ASYNC_STEPS_WARN and os.environ.get("RANK", "0") == "0":
@@ -595,7 +595,9 @@ def start_producer(run: Run, out: RunDir, rows, start_step: int, display):
         )
     total = torch.get_num_threads()
     try:
-        kind = pipeline.producer_kind(cfg.rollout.producer, run.models.device, total)
+        kind = pipeline.producer_kind(
+            cfg.rollout.producer, run.models.device, total, engine=cfg.rollout.engine
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if kind == "process":  # one thread for the producer (pipeline.PROCESS_THREADS), the rest here
