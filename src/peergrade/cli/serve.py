@@ -22,6 +22,7 @@ def run(args, extra) -> int:
     from peergrade.serving.server import Limits, serve
     from peergrade.training.checkpoint import resolve_model_dir
 
+    vllm = _vllm_engine(args)  # vLLM missing: one line naming the install, before the model
     if args.threads:
         import torch
 
@@ -49,8 +50,30 @@ def run(args, extra) -> int:
             max_batch_tokens=args.max_batch_tokens,
             kv_memory_bytes=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
         ),
+        vllm=vllm,
     )
+    if vllm is not None:
+        vllm.close()
     return 0
+
+
+def _vllm_engine(args):
+    """``--engine vllm``: a colocated ``VllmEngine`` (None for the own kernel)."""
+    if args.engine != "vllm":
+        return None
+    from peergrade.errors import InputError, MissingPackageError
+    from peergrade.generation.vllm_engine import INSTALL_HINT, VllmEngine, vllm_available
+
+    if not vllm_available():
+        raise MissingPackageError(
+            f"peergrade serve --engine vllm needs vLLM, which is not installed: {INSTALL_HINT}"
+        )
+    if args.vllm_kv_cache_gb is not None and args.vllm_kv_cache_gb <= 0:
+        raise InputError(f"--vllm-kv-cache-gb must be > 0, got {args.vllm_kv_cache_gb}")
+    return VllmEngine(
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_gb=args.vllm_kv_cache_gb,
+    )
 
 
 def add_parser(sub) -> None:
@@ -65,7 +88,8 @@ def add_parser(sub) -> None:
         "/v1/responses/ID); vLLM's return_token_ids and token-in POST /inference/v1/generate; "
         "streams are sent as tokens are sampled), so any agent written against the openai "
         "client talks to it: OpenAI(base_url='http://HOST:PORT/v1', api_key='-'). Concurrent "
-        "requests are batched into one sampler call. The model name clients send is --name "
+        "requests are batched into one sampler call (--engine vllm: continuously, by vLLM). "
+        "The model name clients send is --name "
         "(default: --model as given). docs/serving.md has the details.",
         epilog="examples:\n"
         "  peergrade serve --model bundled:tiny-calc --port 8000\n"
@@ -101,9 +125,32 @@ def add_parser(sub) -> None:
         "--window-ms",
         type=float,
         default=5.0,
-        help="how long the sampler waits for more requests to batch with the first (default 5)",
+        help="how long the sampler waits for more requests to batch with the first (default 5; "
+        "--engine peergrade only)",
     )
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    s.add_argument(
+        "--engine",
+        choices=("peergrade", "vllm"),
+        default="peergrade",
+        help="what samples: peergrade (default: the own kernel, requests batched per "
+        "--window-ms) or vllm (a vLLM engine in this process from the model's weights, "
+        "continuously batched: a request joins the running batch at the next token; "
+        "docs/engines.md)",
+    )
+    s.add_argument(
+        "--vllm-kv-cache-gb",
+        type=float,
+        default=None,
+        help="--engine vllm: its KV cache in GiB (default: 1 on the CPU; on a GPU, "
+        "--vllm-gpu-memory-utilization decides)",
+    )
+    s.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="--engine vllm on a GPU: the share of its memory vLLM takes (default 0.9)",
+    )
     s.add_argument(
         "--api-key",
         default=os.environ.get("PEERGRADE_API_KEY"),
@@ -115,7 +162,8 @@ def add_parser(sub) -> None:
         "--max-batch-tokens",
         type=int,
         default=None,
-        help="admission control: KV cache token slots one sampling batch may take (a "
+        help="admission control (--engine peergrade; vLLM's scheduler admits its own): KV "
+        "cache token slots one sampling batch may take (a "
         "sequence takes its prompt + max_tokens, the sampler's buffers and its prompt's "
         "prefill, counted in slots); requests past it wait for the next batch, one that can "
         "never fit is a 400 (default: from --kv-memory-gb)",

@@ -1,7 +1,9 @@
 """Episodes run by an external agent (a "harness") against the policy's own endpoint.
 
 ``HarnessRunner(model, tokenizer)`` starts the OpenAI-compatible server (``serving.server``)
-on a free local port, with a ``Recorder``. ``runner.run(fn, rows, settings, seed=...)``
+on a free local port, with a ``Recorder``; with ``vllm=`` (the run's ``VllmEngine``,
+``rollout.engine vllm``) the endpoint samples with it (continuously batched, the behaviour
+log-probs vLLM's, the weights those the trainer last pushed to it). ``runner.run(fn, rows, settings, seed=...)``
 (``settings``: a ``generation.SamplerSettings``, or its fields as keywords) calls
 ``fn(row, base_url, model)`` (sync or ``async def``) once per (row, sample), each with a base URL
 private to that episode (``http://127.0.0.1:PORT/v1/episodes/<id>/<key>``: only its own
@@ -104,9 +106,14 @@ class HarnessRunner:
         chat_template: str | None = None,
         keep_cache: bool = True,
         unrendered_tools: bool = False,
+        vllm=None,
     ):
         self.name = name
-        self.engine = Engine(model, tokenizer, name, window_s=window_s, chat_template=chat_template)
+        if vllm is not None:  # built now, from the policy's weights (the trainer's thread)
+            vllm.start(model, tokenizer)
+        self.engine = Engine(
+            model, tokenizer, name, window_s=window_s, chat_template=chat_template, vllm=vllm
+        )
         # tools the chat template does not show the model: a 400 (the episode fails, saying
         # why), unless the model knows them already (``env.unrendered_tools``)
         self.engine.unseen_tools = "allow" if unrendered_tools else "error"

@@ -57,9 +57,17 @@ counted in KV cache slots (``Engine.cost``: the cache, the sampler's buffers and
 prefill's activations; ``default_batch_tokens``), refusing at once what can never fit. ``api_key``: vLLM's
 ``--api-key``.
 
-What it does not do: per-user keys, continuous batching inside a running ``generate`` call
-(requests that arrive during one wait for the next), images, audio, the Responses API's built-in
-tools and background mode, constrained decoding.
+On vLLM (``Engine(vllm=VllmEngine)``: ``peergrade serve --engine vllm``, harness training
+with ``rollout.engine vllm``) the worker drives vLLM's engine step by step instead
+(``Engine._vllm_loop``, ``vllm_engine.StepDriver``): continuous batching, a request joins the
+running batch at the next step, each job seeded by (seed, key) as the kernel seeds it; top and
+prompt log-probs still come from the model's own forward. Training episodes keep no KV rows
+(``keep_sessions``): vLLM's prefix cache serves their shared history.
+
+What it does not do: per-user keys, continuous batching inside a running own-kernel
+``generate`` call (requests that arrive during one wait for the next: docs/serving.md says
+why), images, audio, the Responses API's built-in tools and background mode, constrained
+decoding.
 """
 
 from __future__ import annotations
@@ -223,8 +231,12 @@ class Engine:
         max_batch: int = 256,
         chat_template: str | None = None,
         max_batch_tokens: int | None = None,
+        vllm=None,
     ):
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        #: a ``generation.vllm_engine.VllmEngine``: sample with it, continuously batched
+        #: (``_vllm_loop``); None: the own kernel
+        self.vllm = vllm
         self.window_s, self.max_batch = window_s, max_batch
         #: admission control: the KV cache slots one batch may take (``cost``); requests past
         #: it wait for the next batch, and one that cannot fit alone is refused
@@ -268,7 +280,8 @@ class Engine:
         #: (``interrupt``), until ``resume``
         self._cancel = threading.Event()
         self._busy = False  # the worker is inside a call
-        self._thread = threading.Thread(target=self._loop, name="peergrade-engine", daemon=True)
+        loop = self._loop if vllm is None else self._vllm_loop
+        self._thread = threading.Thread(target=loop, name="peergrade-engine", daemon=True)
         self._thread.start()
 
     def encode(self, text: str) -> list[int]:
@@ -281,7 +294,7 @@ class Engine:
         from peergrade.generation.kernel import slab_cache_ok
         from peergrade.generation.sessions import Sessions
 
-        if slab_cache_ok(self.model.config):
+        if self.vllm is None and slab_cache_ok(self.model.config):  # vLLM: its prefix cache
             self.sessions = Sessions(self.model, self.tokenizer, self.eos_ids, self.max_pos)
             self.sessions.cancel = self._cancel
 
@@ -461,6 +474,132 @@ class Engine:
         for bi in range(len(batch)):
             answer(bi)
 
+    # ------------------------------------------------------------- on vLLM: continuous batching
+
+    def _vllm_loop(self) -> None:
+        """The worker on vLLM (``vllm``), driving its engine one step at a time
+        (``vllm_engine.StepDriver``): the requests queued since the last step join the running
+        batch, each job's new tokens reach its stream, a request is answered as soon as its
+        jobs end, and the jobs of a request whose client left (or of all, on ``interrupt``)
+        are aborted."""
+        from peergrade.generation.vllm_engine import StepDriver
+
+        driver = StepDriver(self.vllm, self.model, self.tokenizer)
+        live: dict[str, tuple[list, int]] = {}  # request id -> ([jobs, future, results], job)
+        ids = iter(range(1, 2**62))
+        while True:
+            items = self._vllm_take(block=not live)
+            try:
+                if items is None or self._cancel.is_set():  # closed, or interrupted
+                    error = GenerationCancelled()
+                    futures = [r[1] for r, _ in live.values()] + [f for _, f in items or ()]
+                    for fut in futures:
+                        _resolve(fut, error=error)
+                    driver.abort(list(live))
+                    live.clear()
+                    if items is None:
+                        return
+                    continue
+                for jobs, fut in items:
+                    self._vllm_add(driver, live, [jobs, fut, [None] * len(jobs)], ids)
+                gone = [rid for rid, (req, _) in live.items() if req[1].done()]
+                if gone:  # their clients left
+                    self.cancelled += len({id(live[rid][0]) for rid in gone})
+                    driver.abort(gone)
+                    for rid in gone:
+                        del live[rid]
+                if live:
+                    t0 = time.perf_counter()
+                    self.calls += 1
+                    for rid, toks, lps, finish in driver.step():
+                        self._vllm_took(live, rid, toks, lps, finish)
+                    self.busy_s += time.perf_counter() - t0
+            except BaseException as e:  # every waiting request learns of it; the thread goes on
+                for req, _ in live.values():
+                    _resolve(req[1], error=e)
+                with contextlib.suppress(Exception):
+                    driver.abort(list(live))
+                live.clear()
+            self._busy = bool(live)
+
+    def _vllm_add(self, driver, live: dict, req: list, ids) -> None:
+        """Request ``req`` (``[jobs, future, results]``) into vLLM's batch, one vLLM request
+        per job (``ids`` numbers them); one that vLLM refuses fails alone."""
+        jobs, fut, results = req
+        self.jobs += len(jobs)
+        added = []
+        try:
+            for ji, job in enumerate(jobs):
+                if job.max_tokens == 0:
+                    results[ji] = self._scored_only(job)  # echo: the prompt alone
+                    continue
+                rid = str(next(ids))
+                eos = sorted({*self.eos_ids, *job.stop_ids})
+                driver.add(
+                    rid,
+                    job.prompt_ids,
+                    job.sampling,
+                    job.max_tokens,
+                    seed=job.seed,
+                    key=job.key,
+                    eos=eos,
+                )
+                added.append(rid)
+                live[rid] = (req, ji)
+        except Exception as e:
+            driver.abort(added)
+            for rid in added:
+                del live[rid]
+            _resolve(fut, error=e)
+            return
+        _vllm_answer(req)
+
+    def _vllm_take(self, block: bool) -> list | None:
+        """The requests queued now (waiting for one when ``block``; held while ``hold`` is
+        on), without those whose client already left; None once closed."""
+        items = []
+        if block:
+            self._busy = False
+            self._go.wait()
+            first = self._q.get()
+            if first is None:
+                return None
+            items.append(first)
+            self._busy = True
+            self._go.wait()
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return None
+            items.append(item)
+        return [it for it in items if not it[1].done()]
+
+    def _vllm_took(self, live: dict, rid: str, toks, lps, finish: str | None) -> None:
+        """Job ``rid``'s new tokens ``toks`` (log-probs ``lps``): to its stream, and, once it
+        ended (``finish``), its ``Sampled`` (the request answered when its jobs all are)."""
+        req, ji = live[rid]
+        job = req[0][ji]
+        if job.on_token is not None:
+            for t in toks:
+                job.on_token(t)
+        got = req[2][ji] = req[2][ji] or ([], [])
+        got[0].extend(toks)
+        got[1].extend(lps)
+        if finish is None:
+            return
+        del live[rid]
+        ids, lp = got
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if finish == "stop":
+            text = cut_after_stop(text, job.sampling.stop)
+        greedy = job.sampling.temperature == 0
+        slps = [0.0] * len(lp) if greedy else list(lp)  # as ``VllmEngine.sample`` records them
+        req[2][ji] = self._sampled(job, ids, lp, slps, text, finish)
+        _vllm_answer(req)
+
     def forget(self, session: str) -> None:
         """The episode ``session`` is over: its KV cache row can go."""
         if self.sessions:
@@ -621,6 +760,13 @@ def _free_memory(device) -> int:
         return int(info["MemAvailable"].split()[0]) * 1024 // 2
     except (OSError, KeyError, ValueError):
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")) // 2
+
+
+def _vllm_answer(req: list) -> None:
+    """Answer a request on vLLM (``[jobs, future, results]``) once every job has its
+    ``Sampled``."""
+    if all(isinstance(r, Sampled) for r in req[2]):
+        _resolve(req[1], req[2])
 
 
 class _Gone:
@@ -1684,13 +1830,17 @@ def serve(
     window_s: float = 0.005,
     api_key: str | None = None,
     limits: Limits = Limits(),
+    vllm=None,
 ) -> None:
     """Serve until interrupted (``peergrade serve``). On Ctrl-C (or SIGTERM) the sampling call
     in flight stops at its next token and its requests are answered with an error, so the
     server's graceful shutdown (which waits for open requests) ends at once, and no thread is
     inside the model when the process exits. Binding an address other than loopback without
     an ``api_key`` prints a warning: anyone who can reach it can use the model. ``limits``:
-    the body size, timeouts and admission control (``Limits``)."""
+    the body size, timeouts and admission control (``Limits``). ``vllm``: a
+    ``generation.vllm_engine.VllmEngine`` that samples instead of the own kernel (started here,
+    from ``model``'s weights), continuously batched; its scheduler admits the work (its KV
+    cache), not ``limits.max_batch_tokens``."""
     uvicorn = _require_serve("uvicorn")
 
     if not api_key and not is_loopback(host):
@@ -1701,18 +1851,22 @@ def serve(
             file=sys.stderr,
             flush=True,
         )
-    engine = Engine(model, tokenizer, name, window_s=window_s)
-    max_batch_tokens = limits.max_batch_tokens
-    if max_batch_tokens is None:
-        max_batch_tokens = default_batch_tokens(model, engine.max_pos, limits.kv_memory_bytes)
-    engine.max_batch_tokens = max_batch_tokens
-    print(
-        f"admission: at most {max_batch_tokens} KV cache token slots per batch "
-        f"({kv_bytes_per_token(model)} bytes each, counting the sampler's buffers and the "
-        "prefill's activations too; --max-batch-tokens)",
-        file=sys.stderr,
-        flush=True,
-    )
+    if vllm is not None:
+        vllm.start(model, tokenizer)  # here, not at the first request: its errors show now
+    engine = Engine(model, tokenizer, name, window_s=window_s, vllm=vllm)
+    if vllm is None:
+        max_batch_tokens = limits.max_batch_tokens
+        if max_batch_tokens is None:
+            max_batch_tokens = default_batch_tokens(model, engine.max_pos, limits.kv_memory_bytes)
+        engine.max_batch_tokens = max_batch_tokens
+        admission = (
+            f"at most {max_batch_tokens} KV cache token slots per batch "
+            f"({kv_bytes_per_token(model)} bytes each, counting the sampler's buffers and the "
+            "prefill's activations too; --max-batch-tokens)"
+        )
+    else:
+        admission = "vLLM's scheduler, within its KV cache (--vllm-kv-cache-gb)"
+    print(f"admission: {admission}", file=sys.stderr, flush=True)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

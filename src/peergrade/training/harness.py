@@ -16,6 +16,11 @@ which the progress line and the alert ``harness_failing`` show), unless
 reward ``harness`` is the run's training reward, so it is the held-out scorer too
 (``evaluation.held_out_scorer``) unless ``train.eval_reward`` names another.
 
+With ``rollout.engine vllm`` the endpoint samples with the run's ``VllmEngine`` (``run.engine``,
+continuously batched; its weights are the policy's after each step, ``sampling.push_weights``):
+the recorded tokens and behaviour log-probs are vLLM's, and the step logs their gap to the
+trainer's forward (``engine/*``) as for vLLM's own episodes.
+
 ``episode_fn(run)`` is the same for the held-out evaluation (greedy and sampled passes run the
 harness too). It does not score with other reward functions or train.
 """
@@ -109,13 +114,20 @@ def start(run) -> HarnessRunner:
     (``run.harness_pool``; the workers start at the first step, ``close(run)`` stops them)."""
     h = run.cfg.harness
     run.harness_pool = pool_of(h.fn, h.processes, run.harness)
-    return runner_of(run.cfg, run.models.policy, run.models.tokenizer)
+    engine = getattr(run, "engine", None)
+    return runner_of(run.cfg, run.models.policy, run.models.tokenizer, engine=engine)
 
 
-def runner_of(cfg, model, tokenizer) -> HarnessRunner:
-    """The endpoint a run's harness talks to (training and ``peergrade eval`` alike)."""
+def runner_of(cfg, model, tokenizer, engine=None) -> HarnessRunner:
+    """The endpoint a run's harness talks to (training and ``peergrade eval`` alike);
+    ``engine``: the run's rollout engine (``sampling.build_engine``; a ``VllmEngine`` samples
+    the episodes, with the weights ``sampling.push_weights`` gives it after each step)."""
     return HarnessRunner(
-        model, tokenizer, cfg.harness.model_name, unrendered_tools=cfg.env.unrendered_tools
+        model,
+        tokenizer,
+        cfg.harness.model_name,
+        unrendered_tools=cfg.env.unrendered_tools,
+        vllm=engine,
     )
 
 
