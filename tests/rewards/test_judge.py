@@ -1083,6 +1083,26 @@ def test_the_shipped_cheerful_recipe_loads_and_its_judge_options_check():
     ]
 
 
+def test_the_cheerful_checklist_config_loads_as_docs_recipes_md_describes():
+    """examples/cheerful/checklist.yaml (docs/recipes.md, "A checklist of narrow checks"): two
+    yes/no checks with their own examples, the rule logged with weight 0 and the held-out scorer."""
+    from pathlib import Path
+
+    from peergrade.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "examples" / "cheerful" / "checklist.yaml")
+    item, measure = cfg.rewards
+    j = make_judge(**dict(item.kwargs, judge_model=None, base_url="http://127.0.0.1:9/v1"))
+    assert [c.question for c in j.checks] == [
+        "Does the reply contain an exclamation mark?",
+        "Does the reply use upbeat words such as great, love or wonderful?",
+    ]
+    assert all(len(c.examples) == 2 for c in j.checks) and not j.show_question
+    assert measure.weight == 0.0 and measure.name.endswith("examples/cheerful/cheer.py:cheerful")
+    assert cfg.train.eval_reward == "cheerful" and cfg.data.eval_path.endswith("heldout.jsonl")
+
+
 def test_peergrade_memory_counts_a_yes_no_judge_as_one_answer_and_no_reply(judge_dir):
     from peergrade.training.judge_local import judge_model_memory
 
