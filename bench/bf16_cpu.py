@@ -5,7 +5,8 @@ on one random-init Qwen2 model (default ~34M parameters) at one thread.
     python bench/bf16_cpu.py --size 1m --reps 5
 
 Each repetition runs fp32 and bf16 autocast back to back (order alternating), in this one
-process; the table gives medians and the ratio bf16 / fp32 (< 1: bf16 faster). The update is
+process; the table gives medians of wall seconds and the ratio bf16 / fp32 (< 1: bf16 faster),
+and the same ratio in this process's CPU seconds (the steadier one on a shared machine). The update is
 what ``grpo_update`` runs per micro-batch: ``token_logprobs`` (shared-prompt forward) plus the
 backward of a token-mean loss. The chunked lm_head stays in the weights' dtype (float32) inside
 ``token_logprobs`` by design, so autocast speeds up the backbone only.
@@ -61,20 +62,20 @@ def main() -> None:
 
     def gen(bf16: bool, seed: int):
         model.eval()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with ctx(bf16), torch.no_grad():
             r = generate(model, tok, prompts, n=a.group, max_new_tokens=a.new_tokens, seed=seed)
-        return time.perf_counter() - t0, r
+        return (time.perf_counter() - t0, time.process_time() - c0), r
 
     def update(bf16: bool, batch):
         model.train()
         ids, am, cm = batch
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with ctx(bf16):
             lp = token_logprobs(model, ids, am, cm, share_prompts=True)
         (-(lp * cm).sum() / cm.sum()).backward()
         model.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     times = {k: [] for k in ("gen32", "gen16", "upd32", "upd16")}
     _, r = gen(False, 0)  # warm-up, and the batch every update below uses
@@ -85,26 +86,24 @@ def main() -> None:
             s = "16" if bf16 else "32"
             times["gen" + s].append(gen(bf16, rep + 1)[0])
             times["upd" + s].append(update(bf16, batch))
-    med = {k: _common.median(v) for k, v in times.items()}
+    med = {k: _common.median([w for w, _ in v]) for k, v in times.items()}
+    cpu = {k: _common.median([c for _, c in v]) for k, v in times.items()}
     rows = [
         [
-            "generate",
-            f"{med['gen32']:.2f}",
-            f"{med['gen16']:.2f}",
-            f"{med['gen16'] / med['gen32']:.2f}",
-        ],
-        [
-            "update fwd+bwd",
-            f"{med['upd32']:.2f}",
-            f"{med['upd16']:.2f}",
-            f"{med['upd16'] / med['upd32']:.2f}",
-        ],
+            phase,
+            f"{med[k + '32']:.2f}",
+            f"{med[k + '16']:.2f}",
+            f"{med[k + '16'] / med[k + '32']:.2f}",
+            f"{cpu[k + '16'] / cpu[k + '32']:.2f}",
+        ]
+        for phase, k in (("generate", "gen"), ("update fwd+bwd", "upd"))
     ]
     print(
         f"{a.size} ({n_params / 1e6:.1f}M params), {a.threads} thread(s), {a.reps} reps, "
         f"P={a.prompts} G={a.group}, {a.prompt_len}-token prompts, {a.new_tokens} new tokens"
     )
-    print(_common.format_table(["phase", "fp32 s", "bf16 autocast s", "bf16 / fp32"], rows))
+    headers = ["phase", "fp32 s", "bf16 autocast s", "bf16 / fp32", "bf16 / fp32 (CPU s)"]
+    print(_common.format_table(headers, rows))
     from peergrade.training.update import auto_bf16, cpu_bf16_kind
 
     on, why = auto_bf16("cpu", torch.float32, n_params)

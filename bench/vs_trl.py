@@ -16,13 +16,26 @@ both frameworks (TRL's reward-function contract, which peergrade accepts unchang
     --signal mix    half the prompts are "alike" (every completion scores 0: zero advantages,
                     as when a group is all right or all wrong), the other half hashed
 
-Printed per row: seconds per step, generated tokens per second of generation time (peergrade:
-its rollout; TRL: the time inside ``model.generate``), peak RSS of the child during the steps,
-and each ratio peergrade / TRL (< 1 is better for seconds and memory, > 1 for tokens/s), plus
-the machine's load. ``--write-results`` stores the table with the commit in bench/RESULTS.md.
+Two comparisons (``--compare``), so a reader can tell an algorithmic lead from a precision one:
+
+    equal     the same precision and the same gradient checkpointing on both sides: float32
+              (peergrade ``model.autocast: off``, TRL ``bf16=False``), checkpointing as the
+              setting says (off for kl and nokl, on for kl-ckpt) on both
+    default   each tool as it comes: peergrade ``model.autocast: auto`` and
+              ``model.gradient_checkpointing: auto`` (decided as ``peergrade train`` decides
+              them), TRL's GRPOConfig defaults (``bf16=True``, ``gradient_checkpointing=True``);
+              the setting's checkpointing is not applied
+
+Printed per row: seconds per step, wall and CPU (each child's own CPU time, which another
+process's load does not stretch: on a shared machine the steadier measure), generated tokens
+per second of generation time (peergrade: its rollout; TRL: the time inside
+``model.generate``), peak RSS of the child during the steps, each ratio peergrade / TRL (< 1 is
+better for seconds and memory, > 1 for tokens/s), what precision and checkpointing each side
+ran, the CPU's bf16 units and the load average when the row ended. ``--write-results`` stores
+the table with the commit in bench/RESULTS.md.
 
     pip install "torch==2.13.0" -e ".[bench]"   # TRL (needs no torch of its own: the pin holds)
-    OMP_NUM_THREADS=1 python bench/vs_trl.py                      # the issue's rows
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --sizes 34m --rows kl:mix,nokl:all  # issue 59's
     python bench/vs_trl.py --sizes 1m --settings kl --passes 1 --steps 2   # a quick look
 
 ``--profile`` runs one peergrade child under cProfile instead and prints where its step time
@@ -90,14 +103,15 @@ def child_peergrade(a) -> dict:
     import torch
 
     from peergrade.config import load_config
+    from peergrade.planning.memory import resolve_checkpointing
     from peergrade.training.trainer import setup, train_step
+    from peergrade.training.update import use_bf16_autocast
 
     _threads(a.threads)
     beta, ckpt = SETTINGS[a.setting]
     over = [
         ("model.path", a.model),
         ("model.device", "cpu"),
-        ("model.gradient_checkpointing", ckpt),
         ("data.path", a.data),
         ("data.use_chat_template", False),
         ("rollout.prompts_per_step", a.prompts),
@@ -109,20 +123,27 @@ def child_peergrade(a) -> dict:
         ("train.seed", 0),
         ("train.threads", a.threads),
     ]
+    if a.compare == "equal":  # float32 and the setting's checkpointing, as TRL's side
+        over += [("model.autocast", "off"), ("model.gradient_checkpointing", ckpt)]
     over += [(k, json.loads(v)) for k, v in (kv.split("=", 1) for kv in a.peergrade_set)]
     over.append(("rewards", [{"name": f"{a.reward}:hashed", "weight": 1.0}]))
     cfg = load_config(None, over)
+    resolve_checkpointing(cfg)  # gradient_checkpointing auto, as peergrade train decides it
     run = setup(cfg)
+    policy = run.models.policy
+    bf16 = use_bf16_autocast(cfg.model.autocast, run.models.device, policy)
     rows = run.task.train_rows(0)
-    times, gen_tok, gen_s, phases = [], 0, 0.0, {"generate": 0.0, "ref": 0.0, "update": 0.0}
+    times, cpus, gen_tok, gen_s = [], [], 0, 0.0
+    phases = {"generate": 0.0, "ref": 0.0, "update": 0.0}
     _common.peak_rss_reset()
     for step in range(1, a.steps + 1):
         batch = [next(rows) for _ in range(a.prompts)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         m = train_step(run, step, batch).metrics
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if step > 1:
             times.append(dt)
+            cpus.append(dc)
             gen_tok += m["perf/tokens_per_s"] * m["time/generate_s"]
             gen_s += m["time/generate_s"]
             phases["generate"] += m["time/generate_s"]
@@ -132,10 +153,16 @@ def child_peergrade(a) -> dict:
     n = max(len(times), 1)
     return {
         "step_s": sum(times) / n,
+        "cpu_s": sum(cpus) / n,
         "gen_tok_s": gen_tok / max(gen_s, 1e-9),
         "peak_rss": _common.peak_rss(),
         "phases": {k: v / n for k, v in phases.items()},
+        "ran": f"{'bf16' if bf16 else 'fp32'}, ckpt {_on(cfg.gradient_checkpointing_on('cpu'))}",
     }
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def child_trl(a) -> dict:
@@ -146,6 +173,10 @@ def child_trl(a) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     _threads(a.threads)
+    if a.trl_compact:  # the fused head scores the completion positions only, as on a GPU
+        import trl.trainer.utils as trl_utils
+
+        trl_utils._use_triton = lambda device: True  # read there only to choose compact
     beta, ckpt = SETTINGS[a.setting]
     spec = importlib.util.spec_from_file_location("bench_reward", a.reward)
     mod = importlib.util.module_from_spec(spec)
@@ -170,20 +201,25 @@ def child_trl(a) -> dict:
 
     model.generate = timed_generate
     times: list[float] = []
+    cpus: list[float] = []
     marks = {}
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            marks["t0"] = time.perf_counter()
+            marks["t0"], marks["c0"] = time.perf_counter(), time.process_time()
             marks["gen0"] = (gen["s"], gen["tok"])
 
         def on_step_end(self, args, state, control, **kw):
             if state.global_step > 1:  # the first step is the warm-up
                 times.append(time.perf_counter() - marks["t0"])
+                cpus.append(time.process_time() - marks["c0"])
                 marks.setdefault("gen", [0.0, 0])
                 marks["gen"][0] += gen["s"] - marks["gen0"][0]
                 marks["gen"][1] += gen["tok"] - marks["gen0"][1]
 
+    # equal: float32 and the setting's checkpointing, as peergrade's side; default: TRL's own
+    # (GRPOConfig: bf16=True, gradient_checkpointing=True)
+    precision = {"bf16": False, "gradient_checkpointing": ckpt} if a.compare == "equal" else {}
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             output_dir=out,
@@ -195,16 +231,15 @@ def child_trl(a) -> dict:
             beta=beta,
             loss_type="dapo",
             temperature=1.0,
-            gradient_checkpointing=ckpt,
             max_steps=a.steps,
             logging_steps=1,
             save_strategy="no",
             report_to=[],
             use_cpu=True,
-            bf16=False,
             seed=0,
             dataloader_num_workers=0,
             disable_tqdm=True,
+            **precision,
         )
         trainer = GRPOTrainer(
             model=model,
@@ -220,15 +255,17 @@ def child_trl(a) -> dict:
     g = marks.get("gen", [0.0, 0])
     return {
         "step_s": sum(times) / n,
+        "cpu_s": sum(cpus) / n,
         "gen_tok_s": g[1] / g[0] if g[0] > 0 else float("nan"),
         "peak_rss": _common.peak_rss(),
+        "ran": f"{'bf16' if cfg.bf16 else 'fp32'}, ckpt {_on(cfg.gradient_checkpointing)}",
     }
 
 
 # ----------------------------------------------------------------------------- parent
 
 
-def _child_argv(framework: str, a, model: str, setting: str) -> list[str]:
+def _child_argv(framework: str, a, model: str, setting: str, compare: str = "equal") -> list[str]:
     argv = [
         os.path.abspath(__file__),
         "--child",
@@ -251,10 +288,12 @@ def _child_argv(framework: str, a, model: str, setting: str) -> list[str]:
         str(a.new_tokens),
         "--threads",
         str(a.threads),
+        "--compare",
+        compare,
     ]
     for kv in a.peergrade_set:
         argv += ["--peergrade-set", kv]
-    return argv
+    return argv + (["--trl-compact"] if a.trl_compact else [])
 
 
 def _commit() -> str:
@@ -304,6 +343,12 @@ def main() -> None:
     )
     ap.add_argument("--signal", default="mix,all", help="comma-separated of mix, all")
     ap.add_argument(
+        "--compare",
+        default="equal,default",
+        help="comma-separated of equal (float32 and the setting's checkpointing on both "
+        "sides), default (each tool's own defaults)",
+    )
+    ap.add_argument(
         "--rows",
         help="only these setting:signal pairs, comma-separated (e.g. kl:mix,nokl:all); "
         "default: every setting x every signal",
@@ -328,6 +373,13 @@ def main() -> None:
         help="also time another peergrade checkout's src/ (e.g. main's) as a third side",
     )
     ap.add_argument("--baseline-label", default="", help="how RESULTS.md names the baseline")
+    ap.add_argument(
+        "--trl-compact",
+        action="store_true",
+        help="a diagnostic, not TRL as shipped: TRL's fused lm_head scores only the completion "
+        "positions on the CPU too (TRL 1.16 does so only where Triton runs, on GPUs; on a CPU "
+        "it scores every position, prompt included)",
+    )
     ap.add_argument("--profile", action="store_true", help="profile one peergrade child")
     ap.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     a = ap.parse_args()
@@ -358,59 +410,28 @@ def main() -> None:
                     if a.profile:
                         profile(a, model, setting)
                         return
-
-                    def side(fw, setting=setting, model=model, extra_env=None):
-                        return lambda: _common.run_child(
-                            _child_argv(fw, a, model, setting),
-                            env={**env, **(extra_env or {})},
-                            timeout=3600,
-                        )
-
-                    sides = {"peergrade": side("peergrade"), "trl": side("trl")}
-                    if a.baseline:
-                        base_env = {"PYTHONPATH": os.path.abspath(a.baseline)}
-                        sides["baseline"] = side("peergrade", extra_env=base_env)
-                    res = _common.alternate(sides, a.passes)
-                    med = {
-                        fw: {
-                            k: _common.median([r[k] for r in rs])
-                            for k in ("step_s", "gen_tok_s", "peak_rss")
-                        }
-                        for fw, rs in res.items()
-                    }
-                    pg, trl = med["peergrade"], med["trl"]
-                    ph = {
-                        k: _common.median([r["phases"][k] for r in res["peergrade"]])
-                        for k in ("generate", "ref", "update")
-                    }
-                    base = med.get("baseline")
-                    row = [
-                        f"{size} ({n_params / 1e6:.1f}M)",
-                        setting,
-                        signal,
-                        f"{pg['step_s']:.2f}",
-                        f"{trl['step_s']:.2f}",
-                        f"{pg['step_s'] / trl['step_s']:.2f}",
-                        f"{pg['gen_tok_s'] / trl['gen_tok_s']:.2f}x",
-                        f"{pg['peak_rss'] / 2**20:.0f} / {trl['peak_rss'] / 2**20:.0f}",
-                        f"{pg['peak_rss'] / trl['peak_rss']:.2f}",
-                        f"{ph['generate']:.2f}/{ph['ref']:.2f}/{ph['update']:.2f}",
-                    ]
-                    if base:
-                        row += [f"{base['step_s']:.2f}", f"{base['step_s'] / trl['step_s']:.2f}"]
-                    rows.append(row)
-                    print(" | ".join(row), flush=True)
+                    for compare in a.compare.split(","):
+                        row = measure_row(a, env, model, setting, compare)
+                        row[:0] = [f"{size} ({n_params / 1e6:.1f}M)", compare, setting, signal]
+                        rows.append(row)
+                        print(" | ".join(row), flush=True)
     headers = [
         "model",
+        "compare",
         "setting",
         "signal",
         "peergrade s/step",
         "TRL s/step",
         "ratio",
+        "CPU s/step (pg / TRL)",
+        "CPU ratio",
+        "ran (pg / TRL)",
         "gen tok/s ratio",
         "peak RSS MiB (pg / TRL)",
         "RSS ratio",
         "pg gen/ref/update s",
+        "CPU bf16 units",
+        "load (1 min)",
     ]
     if a.baseline:
         headers += ["baseline s/step", "baseline ratio"]
@@ -420,6 +441,47 @@ def main() -> None:
     print(load)
     if a.write_results:
         write_results(headers, rows, load, a, time.time() - t_start)
+
+
+def measure_row(a, env: dict, model: str, setting: str, compare: str) -> list[str]:
+    """One row's cells after its labels: both sides (and the baseline) alternated, medians."""
+    from peergrade.training.update import cpu_bf16_kind
+
+    def side(fw, extra_env=None):
+        return lambda: _common.run_child(
+            _child_argv(fw, a, model, setting, compare),
+            env={**env, **(extra_env or {})},
+            timeout=3600,
+        )
+
+    sides = {"peergrade": side("peergrade"), "trl": side("trl")}
+    if a.baseline:
+        sides["baseline"] = side("peergrade", {"PYTHONPATH": os.path.abspath(a.baseline)})
+    res = _common.alternate(sides, a.passes)
+    keys = ("step_s", "cpu_s", "gen_tok_s", "peak_rss")
+    med = {fw: {k: _common.median([r[k] for r in rs]) for k in keys} for fw, rs in res.items()}
+    pg, trl = med["peergrade"], med["trl"]
+    ph = {
+        k: _common.median([r["phases"][k] for r in res["peergrade"]])
+        for k in ("generate", "ref", "update")
+    }
+    row = [
+        f"{pg['step_s']:.2f}",
+        f"{trl['step_s']:.2f}",
+        f"{pg['step_s'] / trl['step_s']:.2f}",
+        f"{pg['cpu_s']:.2f} / {trl['cpu_s']:.2f}",
+        f"**{pg['cpu_s'] / trl['cpu_s']:.2f}**",
+        f"{res['peergrade'][0]['ran']} / {res['trl'][0]['ran']}",
+        f"{pg['gen_tok_s'] / trl['gen_tok_s']:.2f}x",
+        f"{pg['peak_rss'] / 2**20:.0f} / {trl['peak_rss'] / 2**20:.0f}",
+        f"{pg['peak_rss'] / trl['peak_rss']:.2f}",
+        f"{ph['generate']:.2f}/{ph['ref']:.2f}/{ph['update']:.2f}",
+        cpu_bf16_kind() or "none",
+        f"{os.getloadavg()[0]:.1f}",
+    ]
+    if base := med.get("baseline"):
+        row += [f"{base['step_s']:.2f}", f"{base['step_s'] / trl['step_s']:.2f}"]
+    return row
 
 
 def write_results(headers, rows, load, a, wall) -> None:
@@ -444,9 +506,12 @@ def write_results(headers, rows, load, a, wall) -> None:
         + (f" Baseline: {a.baseline} ({a.baseline_label})." if a.baseline else "")
         + "\n\n"
         f"Machine: {load}.\n\n" + "\n".join(md) + "\n\n"
-        "ratio = peergrade / TRL seconds per step (< 1: peergrade faster); gen tok/s ratio = "
+        "ratio = peergrade / TRL wall seconds per step (< 1: peergrade faster); CPU ratio = "
+        "the same in each child's CPU seconds (the steadier figure on a shared machine); ran = "
+        "the precision and gradient checkpointing each side ran; gen tok/s ratio = "
         "peergrade / TRL generated tokens per second of generation; RSS = peak resident memory "
-        "of each child during its steps. Reproduce: `python bench/vs_trl.py --write-results`.\n"
+        "of each child during its steps; load = the 1-minute load average when the row ended. "
+        "Reproduce: `python bench/vs_trl.py --write-results`.\n"
     )
     # the other benchmarks' sections (each a "# bench/NAME" heading) are kept as they are
     old = path.read_text() if path.exists() else ""

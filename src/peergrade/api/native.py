@@ -14,7 +14,9 @@ def train(config: Config | str | Path, *, resume: bool = False, overwrite: bool 
     ``train.output_dir`` (none: a new ``runs/<date>-<time>``; the summary's ``run_dir``);
     returns the summary (``peergrade train --config`` does the same). A directory another
     process is writing is refused (``RunInUseError``, naming its pid)."""
+    from peergrade.planning.memory import resolve_checkpointing
     from peergrade.training.trainer import train as run_training
 
     cfg = config if isinstance(config, Config) else load_config(config)
+    resolve_checkpointing(cfg)  # model.gradient_checkpointing auto, before the model loads
     return run_training(cfg, cfg.train.output_dir, resume=resume, overwrite=overwrite)

@@ -47,8 +47,10 @@ def run(args, extra) -> int:
     try:
         with ckpt.sigterm_stops():
             from peergrade.distributed import main_guard
+            from peergrade.planning.memory import resolve_checkpointing
             from peergrade.training.trainer import train
 
+            resolve_checkpointing(cfg)  # model.gradient_checkpointing auto, before the model
             summary = main_guard(
                 train,
                 cfg,

@@ -48,6 +48,9 @@ class Config:
     #: not a config key: the relative paths as typed, by key (``data.path``, ``rewards[0].name``),
     #: whose absolute form the fields hold (set by ``load_config``, written as YAML comments)
     given_paths = types.MappingProxyType({})
+    #: not a config key: ``model.gradient_checkpointing: auto`` as decided for this run, (on,
+    #: why), set by ``planning.memory.resolve_checkpointing`` before the trainer's setup
+    checkpointing_auto = None
 
     # ---- derived values: the one place each is computed (trainer, ppo, memory, validate)
 
@@ -118,9 +121,13 @@ class Config:
         return self.algo.beta > 0
 
     def gradient_checkpointing_on(self, device_type: str) -> bool:
-        """model.gradient_checkpointing, with null resolved: on for GPUs, off for the CPU."""
+        """model.gradient_checkpointing resolved: true/false as set; auto as the memory planner
+        decided it (``checkpointing_auto``, set by ``planning.memory.resolve_checkpointing``);
+        null, and auto not decided, on for GPUs, off for the CPU."""
         gc = self.model.gradient_checkpointing
-        return device_type == "cuda" if gc is None else gc
+        if gc == "auto" and self.checkpointing_auto is not None:
+            return self.checkpointing_auto[0]
+        return device_type == "cuda" if gc in (None, "auto") else gc
 
 
 def off_policy_correction(cfg: Config) -> str:

@@ -55,8 +55,15 @@ class ModelConfig:
         "Weights dtype. 'auto' = float32 on CPU, bfloat16 on GPU.", "auto"
     )
     device: str = doc("'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...", "auto")
-    gradient_checkpointing: bool | None = doc(
-        "Recompute activations in the backward pass. null = on for GPU, off for CPU.", None
+    gradient_checkpointing: bool | Literal["auto"] | None = doc(
+        "Recompute each decoder layer's activations in the backward pass (less memory, one more "
+        "forward of the backbone per micro-batch). auto = on only when the memory planner "
+        "(peergrade memory) estimates that the run's peak does not fit without it in the "
+        "memory it may use (90% of the GPU's free memory, or of the machine's available "
+        "memory on the CPU), off otherwise; the start-up line says what auto chose and why. "
+        "Where no estimate can be made, or the trainer is set up without the command line or "
+        "the Python API, auto is on for GPU and off for CPU (as null).",
+        "auto",
     )
     logprob_chunk_size: int = doc(
         "Positions per chunk when computing log-probs: full-vocabulary logits exist for at most "

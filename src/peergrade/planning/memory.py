@@ -119,6 +119,8 @@ __all__ = [
     "format_table",
     "format_estimates",
     "DTYPE_BYTES",
+    "checkpointing_decision",
+    "resolve_checkpointing",
 ]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -841,6 +843,83 @@ def estimate_for_config(
     )
     where = Placement(device=device, world=world, strategy=cfg.dist.strategy)
     return estimate_memory(path, shape, options, where)
+
+
+# ----------------------------------------------------------------------------- checkpointing auto
+
+#: the share of the memory a run may use that ``model.gradient_checkpointing: auto`` lets the
+#: estimated step peak without checkpointing fill (the rest: the estimate's error, the
+#: process's baseline of imports and allocator slack, docs/memory.md)
+CHECKPOINTING_SHARE = 0.9
+
+
+def checkpointing_decision(peak_without: int, memory: int, where: str) -> tuple[bool, str]:
+    """``model.gradient_checkpointing: auto`` from the estimated step peak without
+    checkpointing and the ``memory`` (bytes; ``where`` says what it is) the run may use: off
+    when the peak fits in ``CHECKPOINTING_SHARE`` of it (no recompute), on otherwise. Returns
+    (on, why)."""
+    limit = int(memory * CHECKPOINTING_SHARE)
+    share = f"{_gib(limit)} ({CHECKPOINTING_SHARE:.0%} of {where}, {_gib(memory)})"
+    if peak_without <= limit:
+        return False, f"the step's estimated peak without it, {_gib(peak_without)}, fits in {share}"
+    return True, (
+        f"the step's estimated peak without it, {_gib(peak_without)}, does not fit in {share}"
+    )
+
+
+def _gib(x: int) -> str:
+    return f"{x / GB:.2f} GiB"
+
+
+def run_memory(device: str) -> tuple[int, str]:
+    """The memory a run on ``device`` may use, in bytes, and what it is: the GPU's free
+    memory; on the CPU the machine's available memory (``MemAvailable``), or the cgroup's
+    limit less its usage where that is lower."""
+    import torch
+
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0]), "the GPU's free memory"
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    free, where = int(info["MemAvailable"].split()[0]) * 1024, "the available memory"
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free, where
+    if limit != "max" and int(limit) - used < free:
+        return int(limit) - used, "the cgroup's memory limit less its usage"
+    return free, where
+
+
+def resolve_checkpointing(cfg, *, world: int | None = None) -> tuple[bool, str] | None:
+    """Decide ``model.gradient_checkpointing: auto`` for ``cfg`` before the trainer's setup:
+    ``estimate_for_config`` of the config with checkpointing off against ``run_memory``
+    (``checkpointing_decision``). The decision is stored in ``cfg.checkpointing_auto``, which
+    ``Config.gradient_checkpointing_on`` and the trainer's start-up line read, and returned;
+    None when the setting is not auto. Where no estimate can be made (a model or data the
+    planner cannot read, no /proc/meminfo) auto keeps the default of null: on for GPU, off for
+    the CPU, and says so."""
+    if cfg.model.gradient_checkpointing != "auto":
+        return None
+    import copy
+
+    from peergrade.model.load import resolve_device
+
+    device = resolve_device(cfg.model.device).type
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    probe = copy.deepcopy(cfg)
+    probe.model.gradient_checkpointing = False
+    try:
+        peak = estimate_for_config(probe, device=device, world=world)["step_peak"]
+        memory, where = run_memory(device)
+    except Exception as e:  # noqa: BLE001 - any failure to estimate: the old default, said
+        on = device == "cuda"
+        why = f"no memory estimate ({type(e).__name__}: {e}); {'on for a GPU' if on else 'off on the CPU'}"
+        cfg.checkpointing_auto = (on, why)
+        return cfg.checkpointing_auto
+    cfg.checkpointing_auto = checkpointing_decision(peak, memory, where)
+    return cfg.checkpointing_auto
 
 
 # ----------------------------------------------------------------------------- measurement

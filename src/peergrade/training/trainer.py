@@ -809,6 +809,9 @@ def evaluate_start(held_out: HeldOut, out: RunDir, display, metrics_log, detecto
         header.append(harness.describe(run))
     precision = autocast_note(run.cfg, run.models.device, run.models.policy)
     header += [precision] if precision else []
+    if run.cfg.checkpointing_auto is not None:  # planning.memory.resolve_checkpointing
+        on, why = run.cfg.checkpointing_auto
+        header.append(f"gradient checkpointing: {'on' if on else 'off'} (auto: {why})")
     for line in header:
         display.print(line, literal=True)
     if not held_out.rows:
