@@ -91,8 +91,12 @@ class EvalOptions:
     j = 1..k (keys ``pass@1`` .. ``pass@{k}``); keep_completions: add the key ``completions``,
     one dict per problem with its greedy and sampled answers and whether each is correct;
     extra: more reward specs whose rates are reported (``{name}_rate`` and
-    ``{name}_rate_sampled``, e.g. the format reward); trainer_state: what the reward functions
-    read (None: outside training, step 0).
+    ``{name}_rate_sampled``, e.g. the format reward); train_rewards: a training reward mix
+    whose weighted total is averaged over the scored answers (``train_reward`` greedy,
+    ``train_reward_sampled``): a run whose held-out scorer is not its training reward
+    (``train.eval_reward``) reports what the training reward, e.g. a judge, says of the same
+    held-out answers (``monitoring.detectors``' ``reward_vs_eval`` compares the two);
+    trainer_state: what the reward functions read (None: outside training, step 0).
     """
 
     k: int
@@ -102,6 +106,7 @@ class EvalOptions:
     keep_completions: bool = False
     extra: tuple[RewardSpec, ...] = ()
     trainer_state: TrainerState | None = None
+    train_rewards: tuple[RewardSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
@@ -111,6 +116,7 @@ class EvalOptions:
                 f"EvalOptions: settings must be a SamplerSettings, got {type(self.settings).__name__}"
             )
         object.__setattr__(self, "extra", tuple(self.extra or ()))
+        object.__setattr__(self, "train_rewards", tuple(self.train_rewards or ()))
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,14 @@ def evaluate(
     for spec in options.extra:
         out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
         out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
+    if options.train_rewards:  # what the training reward says of the same held-out answers
+        for key, inputs in (("train_reward", g_in), ("train_reward_sampled", s_in)):
+            total = score_rewards(
+                options.train_rewards, *inputs, on_error="zero", trainer_state=trainer_state
+            ).total
+            scored = total[~torch.isnan(total)]  # an answer no reward scored (abstained) is out
+            if scored.numel():
+                out[key] = scored.double().mean().item()
     out |= tool_rates(greedy.episodes, "") | tool_rates(sampled.episodes, "_sampled")
     if options.keep_completions:
         out["completions"] = [

@@ -1381,6 +1381,89 @@ def test_the_run_warns_when_the_judges_score_rises_and_the_held_out_measure_does
     assert run({0: 0.133, 10: 0.15, 20: 0.2, 30: 0.25}) == {}
 
 
+def test_the_run_warns_when_the_judges_held_out_score_rises_though_its_training_window_is_flat():
+    """The checklist run's figures (docs/recipes.md, seed 0): the training reward's window stayed
+    flat (0.563 -> 0.546 in 12 noisy steps) while, on the held-out answers, the judge's score
+    rose (greedy 0.555 -> 0.650, sampled 0.550 -> 0.600) and the rule's share fell: the
+    evaluation reports the judge's held-out score (eval/train_reward) and reward_vs_eval fires
+    on it; a rule share that rises too, or no held-out judge score, stays silent."""
+    from peergrade.config import AlertConfig
+    from peergrade.monitoring.detectors import Detectors
+
+    def run(rule, judge):
+        d, fired = Detectors(AlertConfig()), {}
+        for step in range(0, 13):
+            m = {"step": step}
+            if step:
+                m["reward/total/mean"] = 0.563 - 0.017 * (step - 1) / 11
+                m["rollout/len_mean"] = 30.0
+            if step in rule:
+                m["eval/pass@1_sampled"] = rule[step]
+                if judge:
+                    m["eval/train_reward"], m["eval/train_reward_sampled"] = judge[step]
+            out = d.update(m)
+            if out.get("alerts"):
+                fired[step] = out["alerts"]
+        return fired
+
+    rule = {0: 0.100, 6: 0.100, 12: 0.033}
+    judge = {0: (0.555, 0.550), 6: (0.580, 0.560), 12: (0.650, 0.600)}
+    fired = run(rule, judge)
+    # step 6: +0.0175 held-out, below reward_rise (0.05); step 12: +0.0725
+    assert list(fired) == [12] and set(fired[12]) == {"reward_vs_eval"}
+    msg = fired[12]["reward_vs_eval"]
+    assert "on the held-out prompts the training reward rose by +0.073" in msg
+    assert "0.100 (step 0) -> 0.033 (step 12)" in msg
+    assert run(rule, None) == {}  # the window alone: flat, no alert
+    assert run({0: 0.100, 6: 0.120, 12: 0.200}, judge) == {}  # the rule rose too
+
+
+def test_held_out_evaluations_score_the_answers_with_the_judge_beside_the_eval_reward():
+    """With train.eval_train_reward and train.eval_reward naming a rule beside a weighted
+    judge-like reward, the held-out evaluation reports the training mix's mean on the same
+    answers (train_reward, greedy and sampled; answers it abstains on left out); off (the
+    default), or with a scorer that is the training signal, no extra reward calls are made."""
+    from peergrade.config import ConfigError, load_config
+    from peergrade.evaluation import EvalOptions, evaluate
+    from peergrade.generation import SamplerSettings
+    from peergrade.model.tiny import build_tiny_model
+    from peergrade.rewards import RewardSpec
+    from peergrade.training.held_out import held_out_train_rewards
+
+    calls = []
+
+    def judge(completions, **_):  # 1.0 for an answer with a digit, abstains on empty answers
+        calls.append(len(completions))
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [None if not t else float(any(ch.isdigit() for ch in t)) for t in texts]
+
+    def rule(completions, **_):
+        return [0.0] * len(completions)
+
+    j = RewardSpec(name="judge", fn=judge, weight=1.0, kwargs={})
+    r = RewardSpec(name="rule", fn=rule, weight=0.0, kwargs={})
+    cfg = load_config(None, [("train.eval_reward", "rule"), ("train.eval_train_reward", True)])
+    assert held_out_train_rewards(cfg, [j, r], r) == (j,)
+    off = load_config(None, [("train.eval_reward", "rule")])  # the default: no judge calls
+    assert held_out_train_rewards(off, [j, r], r) == ()
+    with pytest.raises(ConfigError, match="train.eval_train_reward .* needs train.eval_reward"):
+        load_config(None, [("train.eval_train_reward", True)])
+    assert held_out_train_rewards(cfg, [r.__class__(**{**r.__dict__, "weight": 1.0})], r) == ()
+
+    model, tok = build_tiny_model()
+    rows = [{"prompt": "1+1="}, {"prompt": "2+3="}]
+    ids = [tok.encode(x["prompt"]) for x in rows]
+    settings = SamplerSettings(n=1, max_new_tokens=4, temperature=1.0)
+    plain = evaluate(model, tok, rows, ids, r, EvalOptions(k=2, settings=settings, seed=0))
+    assert "train_reward" not in plain and not calls
+    out = evaluate(
+        model, tok, rows, ids, r, EvalOptions(k=2, settings=settings, seed=0, train_rewards=(j,))
+    )
+    assert calls == [2, 4]  # the greedy answers, then the k = 2 samples of each row
+    assert 0.0 <= out["train_reward"] <= 1.0 and 0.0 <= out["train_reward_sampled"] <= 1.0
+    assert {k: out[k] for k in plain} == plain  # the scorer's figures are unchanged
+
+
 def test_the_documented_checklist_example_loads_and_scores_as_docs_rewards_md_says():
     """docs/rewards.md's checklist config: three checks (weights 1, 2, 1; the third with its
     own examples); shares 0.9, 0.8, 0.2 give 0.675, and with the third check failed 0.833."""

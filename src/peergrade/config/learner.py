@@ -432,6 +432,15 @@ class TrainConfig:
         "uses the same.",
         None,
     )
+    eval_train_reward: bool = doc(
+        "With eval_reward naming a scorer that is not the training signal (a rule beside a "
+        "judge): also score the held-out answers with the training reward's weighted mix "
+        "(eval/train_reward, eval/train_reward_sampled: e.g. the judge's held-out score), so "
+        "reward_vs_eval can warn when it rises while the held-out scorer does not. Costs the "
+        "training reward's calls on every held-out answer (a judge's count in its failure "
+        "accounting too).",
+        False,
+    )
     save_every: int = doc("Save a checkpoint every N steps (0 = only at the end).", 100)
     keep_last: int = doc("Keep only the last K checkpoints.", 2)
     log_samples: int = doc("Prompts (with their whole group) written to samples.jsonl per step.", 2)

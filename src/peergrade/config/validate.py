@@ -522,6 +522,12 @@ def _check_rewards(cfg: Config) -> None:
         t.eval_reward is None or bool(t.eval_reward.strip()),
         "train.eval_reward must be a reward name or null (the training reward)",
     )
+    _need(
+        not t.eval_train_reward or t.eval_reward is not None,
+        "train.eval_train_reward scores the held-out answers with the training reward beside "
+        "another scorer: it needs train.eval_reward (with it null, the held-out score already "
+        "is the training reward)",
+    )
 
 
 def _check_env(cfg: Config) -> None:

@@ -18,7 +18,9 @@ reward_vs_eval     (b) between two held-out evaluations accuracy fell by >= ``ev
                    the training reward rose by >= ``reward_rise``; or, since the first
                    evaluation, the training reward rose by >= ``reward_rise`` while held-out
                    accuracy did not rise at all (a judge pleased while an independent
-                   held-out scorer, ``train.eval_reward``, stays put); active until the next
+                   held-out scorer, ``train.eval_reward``, stays put), the training reward
+                   read on the held-out answers themselves when the evaluation reports it
+                   (``eval/train_reward``: the judge's held-out score); active until the next
                    eval
 reward_imbalance   (b) one reward function is saturated (batch std ~0, mean above its start) while
                    another fell >= ``component_drop`` below its best ``window``-step mean
@@ -84,6 +86,9 @@ ALERT_NAMES = (
 # held-out accuracy, in order of preference: sampled pass@1 averages k samples per problem, so
 # it moves less by chance than greedy
 EVAL_KEYS = ("eval/pass@1_sampled", "eval/pass@1_greedy")
+#: the training reward's mean on the held-out answers, greedy and sampled
+#: (``training.held_out.held_out_train_rewards``); their mean is the held-out training reward
+HELD_REWARD_KEYS = ("eval/train_reward", "eval/train_reward_sampled")
 
 
 def repetition_rate(token_lists: Iterable[Sequence[int]], n: int = 4) -> float:
@@ -157,6 +162,8 @@ class Detectors:
         self.streak: dict[str, int] = {"no_signal": 0, "length_cap": 0, "tools_always_fail": 0}
         # (step, accuracy, train-reward window mean) at each held-out evaluation
         self.evals: list[tuple[int, float, float | None]] = []
+        # (step, the training reward on the held-out answers) at each evaluation reporting it
+        self.held_rewards: list[tuple[int, float]] = []
         self.eval_alert: str | None = None
 
     # -------------------------------------------------------------------------- plumbing
@@ -283,9 +290,38 @@ class Detectors:
                         "verifier, a KL penalty (algo.beta), or a lower optim.lr."
                     )
                 else:
-                    self.eval_alert = self._stalled(acc, step, reward, r)
+                    self.eval_alert = self._pleased(acc, step, m) or self._stalled(
+                        acc, step, reward, r
+                    )
             self.evals.append((step, acc, reward))
+            held = [v for key in HELD_REWARD_KEYS if (v := _num(m, key)) is not None]
+            if held and not self.held_rewards:  # the first evaluation that reports it
+                self.held_rewards.append((step, sum(held) / len(held)))
         return {"reward_vs_eval": self.eval_alert} if self.eval_alert else {}
+
+    def _pleased(self, acc: float, step: int, m: dict) -> str | None:
+        """The second case read on the held-out answers themselves: since the first evaluation
+        the training reward's held-out score (``HELD_REWARD_KEYS``, the mean of greedy and
+        sampled) rose by >= ``reward_rise`` while the held-out scorer did not rise at all. A
+        judge's score can climb on held-out prompts while its training window stays flat
+        (few, noisy steps), so this does not wait for the window."""
+        held = [v for key in HELD_REWARD_KEYS if (v := _num(m, key)) is not None]
+        if not held or not self.held_rewards:
+            return None
+        first_step, first = self.held_rewards[0]
+        start_step, start_acc, _ = self.evals[0]
+        rise = sum(held) / len(held) - first
+        if rise < self.s.reward_rise or acc > start_acc or start_acc >= 1.0 - 1e-9:
+            return None
+        return (
+            f"possible reward hacking: on the held-out prompts the training reward rose by "
+            f"{rise:+.3f} (eval/train_reward, greedy and sampled) since step {first_step} while "
+            f"the held-out score did not rise: {start_acc:.3f} (step {start_step}) -> "
+            f"{acc:.3f} (step {step}). The held-out scorer (train.eval_reward) is independent "
+            "of the training reward: the policy is learning what pleases the reward, not the "
+            "property it stands for; read samples.jsonl, audit the reward (peergrade audit), "
+            "try a KL penalty (algo.beta)."
+        )
 
     def _stalled(self, acc: float, step: int, reward: float | None, r) -> str | None:
         """The second case of reward_vs_eval: since the first evaluation the training reward

@@ -117,6 +117,7 @@ def evaluate_config(
     trainer_state: TrainerState | None = None,
     curve: bool = False,
     keep_completions: bool = False,
+    train_rewards: tuple[RewardSpec, ...] = (),
 ) -> dict[str, Any]:
     """``evaluate`` with the run's settings: ``train.eval_samples`` samples per problem drawn
     with the run's own ``SamplerSettings`` (``Config.sampler_settings``: temperature, top-k,
@@ -127,7 +128,8 @@ def evaluate_config(
     ``trainer_state``, ``curve`` and ``keep_completions`` go to ``evaluate``'s
     ``EvalOptions``. With ``source.make_env`` (the run's ``env:``) the answers are episodes and
     ``rows`` episode rows; with ``source.episodes_from`` (an external agent:
-    ``training.harness.episode_fn``) its episodes instead of the engine's."""
+    ``training.harness.episode_fn``) its episodes instead of the engine's. ``train_rewards``:
+    the training mix to score the same answers with too (``EvalOptions.train_rewards``)."""
     options = EvalOptions(
         k=cfg.train.eval_samples,
         settings=cfg.sampler_settings().replace(batch_size=cfg.eval_generation_batch(dist.world())),
@@ -136,8 +138,29 @@ def evaluate_config(
         keep_completions=keep_completions,
         extra=(answer_format_spec(),) if asks_for_answer_tags(rows) else (),
         trainer_state=trainer_state,
+        train_rewards=train_rewards,
     )
     return evaluate(model, tokenizer, rows, prompt_ids, acc, options, source)
+
+
+#: the training reward's mean on the held-out answers (``held_out_train_rewards``), greedy and
+#: sampled, shown beside the scorer's rates
+HELD_OUT_TRAIN_KEYS = ("train_reward", "train_reward_sampled")
+
+
+def held_out_train_rewards(cfg: Config, rewards, scorer: RewardSpec) -> tuple[RewardSpec, ...]:
+    """The training rewards a held-out evaluation scores its answers with beside the scorer:
+    with ``train.eval_train_reward`` on and ``train.eval_reward`` naming a scorer that is not
+    the whole training signal (e.g. a rule beside a judge), the mix's weighted rewards, so
+    that the held-out table shows what the training reward (the judge) says of the same
+    answers (``train_reward``) and ``reward_vs_eval`` can compare the two; none otherwise (no
+    extra reward calls)."""
+    if not cfg.train.eval_train_reward or cfg.train.eval_reward is None:
+        return ()
+    weighted = tuple(s for s in rewards if s.weight != 0)
+    if all(s.fn is scorer.fn and s.kwargs == scorer.kwargs for s in weighted):
+        return ()  # the held-out score already is the training reward
+    return weighted
 
 
 @dataclass
@@ -188,6 +211,7 @@ class HeldOut:
                 engine=getattr(self.run, "engine", None),  # rollout.engine vllm: weights are ours
             ),
             trainer_state=state,
+            train_rewards=held_out_train_rewards(cfg, self.run.rewards, self.run.accuracy),
         )
 
     def evaluate_logged(self, step: int, display) -> dict[str, float]:
@@ -196,6 +220,7 @@ class HeldOut:
         result = self.evaluate(step)
         k = result["k"]
         shown = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS, *TOOL_KEYS)
+        shown += HELD_OUT_TRAIN_KEYS
         values = "  ".join(f"{n} {result[n]:.3f}" for n in shown if n in result)
         at = display.count(step) if hasattr(display, "count") else step  # as the progress line
         display.print(f"eval after step {at} ({result['n']} held-out problems): {values}")
@@ -205,6 +230,7 @@ class HeldOut:
 def results_table(display, before: dict, after: dict, k: int) -> None:
     """The before/after table of held-out accuracy (``metrics.Display.table``)."""
     names = ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS, *TOOL_KEYS)
+    names += HELD_OUT_TRAIN_KEYS
     display.table(
         f"held-out accuracy ({before['n']} problems{', episodes' if TOOL_KEYS[0] in before else ''})",
         ["metric", "before", "after", "change"],
