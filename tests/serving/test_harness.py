@@ -1023,6 +1023,7 @@ def test_peergrade_eval_of_a_harness_run_runs_its_harness(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"answers: episodes of the harness {cfg.harness.fn} (harness.fn)" in text
     assert f"pass@1_greedy        {after['pass@1_greedy']:.3f}" in text
+    assert f"tool_call_rate       {after['tool_call_rate']:.3f}" in text  # the agent's calls
 
 
 # ------------------------------------------------------------------ harness.processes: workers

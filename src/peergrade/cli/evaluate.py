@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def run(args, extra) -> int:
-    from peergrade.evaluation import FORMAT_KEYS
+    from peergrade.evaluation import FORMAT_KEYS, TOOL_KEYS
 
     request = EvalRequest(
         task=args.task,
@@ -62,7 +62,8 @@ def run(args, extra) -> int:
         )
         if "harness" in result:
             print(f"answers: episodes of the harness {result['harness']} (harness.fn)")
-        for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS):
+        # an episode run's tool rates (env: or harness.fn), as the run's held-out table shows them
+        for key in ("pass@1_greedy", "pass@1_sampled", f"pass@{k}", *FORMAT_KEYS, *TOOL_KEYS):
             if key in result:
                 print(f"  {key:<20} {result[key]:.3f}")
         if args.curve:

@@ -377,8 +377,10 @@ def run_header(
     many held-out problems are evaluated (``held_out``; default ``train.eval_size``; 0: none,
     and nothing is said of an evaluation), how many epochs the steps make of a dataset, and,
     for plain-text prompts on a tokenizer with a chat template, what the model sees
-    (``tasks.prompts.chat_template_note``); with episodes (``make_env``), the opening prompt as
-    the episodes render it (always through the chat template, with the tool schemas)."""
+    (``tasks.prompts.chat_template_note``; not through a harness, whose agent sends what it
+    likes, its chat requests always through the template); with episodes (``make_env``), the
+    opening prompt as the episodes render it (always through the chat template, with the tool
+    schemas)."""
     chosen = f"{scorer.name} ({why}; train.eval_reward picks another)"
     if held_out == 0:  # no evaluation: the scorer still gives the progress line's acc / score
         lines = [
@@ -417,6 +419,8 @@ def run_header(
     first = next(task.train_rows(cfg.train.seed))
     if make_env is not None:
         return lines + [episode_prompt_note(cfg, task, tokenizer, first, make_env)]
+    if cfg.harness.fn is not None:  # the agent sends what it likes: data.use_chat_template
+        return lines  # does not apply (its chat requests always go through the template)
     note = chat_template_note(
         first["prompt"],
         tokenizer,
