@@ -25,6 +25,22 @@ def test_eval_data_scores_the_files_rows(tiny_model_dir, tmp_path, capsys):
     assert result["n"] == 3 and result["task"] == str(data)
 
 
+def test_eval_names_the_file_its_held_out_rows_come_from(tiny_model_dir, tmp_path, capsys):
+    """A config's data.eval_path (the convert example's eval.jsonl beside train.jsonl): the
+    result says the rows came from it, not only the training file the task is named by."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    for path, n in ((train, 6), (held, 4)):
+        rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(n)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["eval", "--model", str(tiny_model_dir), "--data", str(train), "--n", "4"]
+    args += ["--task-option", f"eval_path={held}", "--k", "1", "--max-new-tokens", "2"]
+    assert main([*args, "--json"]) == 0, capsys.readouterr().err
+    result = json.loads(capsys.readouterr().out)
+    assert result["task"] == str(train) and result["eval_data"] == str(held)
+    assert main(args) == 0
+    assert f"problems: 4 (from {held})" in capsys.readouterr().out
+
+
 def test_eval_help_documents_data():
     text = build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
     assert "--data FILE" in text and "the rows to evaluate" in text

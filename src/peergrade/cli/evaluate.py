@@ -52,7 +52,9 @@ def run(args, extra) -> int:
         model = args.model + (f" ({result['checkpoint']})" if "checkpoint" in result else "")
         shots = f"   few-shot: {result['few_shot']}" if "few_shot" in result else ""
         print(
-            f"model: {model}   task: {result['task']}   problems: {result['n']}   samples: {k}"
+            f"model: {model}   task: {result['task']}   problems: {result['n']}"
+            + (f" (from {result['eval_data']})" if "eval_data" in result else "")
+            + f"   samples: {k}"
             + shots
         )
         config = f"   settings: {result['config']}" if "config" in result else ""
@@ -385,6 +387,8 @@ def _labelled(result, cfg, model, scorer, why, run_config, req: EvalRequest) -> 
     from peergrade.training.held_out import eval_seed
 
     result["task"] = cfg.data.path or cfg.data.task
+    if cfg.data.eval_path and cfg.data.eval_path != cfg.data.path:
+        result["eval_data"] = cfg.data.eval_path  # the held-out rows come from this file
     result["model"] = model
     result["scorer"] = scorer
     result["scorer_chosen_by"] = why
