@@ -129,6 +129,12 @@ def add_parser(sub) -> None:
         "--engine peergrade only)",
     )
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    _engine_args(s)
+    _limit_args(s)
+
+
+def _engine_args(s) -> None:
+    """``--engine`` and vLLM's sizes."""
     s.add_argument(
         "--engine",
         choices=("peergrade", "vllm"),
@@ -151,6 +157,10 @@ def add_parser(sub) -> None:
         default=0.9,
         help="--engine vllm on a GPU: the share of its memory vLLM takes (default 0.9)",
     )
+
+
+def _limit_args(s) -> None:
+    """The key, admission control, body size and timeouts (``serving.server.Limits``)."""
     s.add_argument(
         "--api-key",
         default=os.environ.get("PEERGRADE_API_KEY"),
