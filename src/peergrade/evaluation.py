@@ -204,14 +204,7 @@ def evaluate(
     for spec in options.extra:
         out[f"{spec.name}_rate"] = correct(g_in, spec, 1).double().mean().item()
         out[f"{spec.name}_rate_sampled"] = correct(s_in, spec, k).double().mean().item()
-    if options.train_rewards:  # what the training reward says of the same held-out answers
-        for key, inputs in (("train_reward", g_in), ("train_reward_sampled", s_in)):
-            total = score_rewards(
-                options.train_rewards, *inputs, on_error="zero", trainer_state=trainer_state
-            ).total
-            scored = total[~torch.isnan(total)]  # an answer no reward scored (abstained) is out
-            if scored.numel():
-                out[key] = scored.double().mean().item()
+    out |= train_reward_means(options.train_rewards, g_in, s_in, trainer_state)
     out |= tool_rates(greedy.episodes, "") | tool_rates(sampled.episodes, "_sampled")
     if options.keep_completions:
         out["completions"] = [
@@ -227,6 +220,22 @@ def evaluate(
             }
             for i in range(n_rows)
         ]
+    return out
+
+
+def train_reward_means(specs, greedy_inputs, sampled_inputs, trainer_state) -> dict[str, float]:
+    """What the training reward mix ``specs`` (``EvalOptions.train_rewards``) says of the same
+    held-out answers: its weighted total's mean over the greedy (``train_reward``) and the
+    sampled (``train_reward_sampled``) answers it scored (an answer every reward abstained on
+    is left out); empty without ``specs``."""
+    out: dict[str, float] = {}
+    if not specs:
+        return out
+    for key, inputs in (("train_reward", greedy_inputs), ("train_reward_sampled", sampled_inputs)):
+        total = score_rewards(specs, *inputs, on_error="zero", trainer_state=trainer_state).total
+        scored = total[~torch.isnan(total)]
+        if scored.numel():
+            out[key] = scored.double().mean().item()
     return out
 
 
