@@ -25,12 +25,10 @@ import pytest
 import torch
 
 from cli_helper import cli
+from greedy_refs import MAX_NEW, engine_greedy, hf_greedy
 from peergrade import cli as peergrade_cli
 from peergrade.config import ConfigError, load_config
 from peergrade.generation import SamplerSettings, sample
-
-MAX_NEW = 8
-
 
 # ----------------------------------------------------------------------------- no vLLM needed
 
@@ -107,40 +105,6 @@ def engine(bundled):
     eng = VllmEngine(kv_cache_gb=0.25)
     yield eng
     eng.close()
-
-
-def hf_greedy(model, tokenizer, prompt_ids) -> list[list[int]]:
-    """``model.generate`` (greedy) one prompt at a time, cut after the first EOS."""
-    out = []
-    with torch.no_grad():
-        for p in prompt_ids:
-            x = torch.tensor([p])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )[0, len(p) :].tolist()
-            if tokenizer.eos_token_id in y:
-                y = y[: y.index(tokenizer.eos_token_id) + 1]
-            out.append(y)
-    return out
-
-
-def engine_greedy(engine, model, tokenizer, prompt_ids) -> list[list[int]]:
-    rows = [{"prompt": str(i)} for i in range(len(prompt_ids))]
-    s = sample(
-        model,
-        tokenizer,
-        rows,
-        SamplerSettings(n=1, max_new_tokens=MAX_NEW, temperature=0.0),
-        seed=0,
-        prompt_ids=prompt_ids,
-        engine=engine,
-    )
-    assert s.finish_reason.count("eos") + s.finish_reason.count("length") == len(prompt_ids)
-    return s.completion_id_lists()
 
 
 def test_engine_greedy_equals_hf_generate_before_and_after_a_weight_push(engine, bundled):

@@ -24,10 +24,9 @@ import pytest
 import torch
 
 from cli_helper import cli
+from greedy_refs import MAX_NEW, engine_greedy, hf_greedy
 from peergrade.config import ConfigError, load_config
 from peergrade.generation import SamplerSettings, sample
-
-MAX_NEW = 8
 
 
 def _dead_url() -> str:
@@ -134,41 +133,14 @@ def server(bundled):
     eng.close()
 
 
-def greedy(engine, model, tokenizer, prompt_ids) -> list[list[int]]:
-    rows = [{"prompt": str(i)} for i in range(len(prompt_ids))]
-    st = SamplerSettings(n=1, max_new_tokens=MAX_NEW, temperature=0.0)
-    s = sample(model, tokenizer, rows, st, seed=0, prompt_ids=prompt_ids, engine=engine)
-    assert set(s.finish_reason) <= {"eos", "length"}
-    return s.completion_id_lists()
-
-
-def hf_greedy(model, tokenizer, prompt_ids) -> list[list[int]]:
-    """``model.generate`` (greedy) one prompt at a time, cut after the first EOS."""
-    out = []
-    with torch.no_grad():
-        for p in prompt_ids:
-            x = torch.tensor([p])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )[0, len(p) :].tolist()
-            if tokenizer.eos_token_id in y:
-                y = y[: y.index(tokenizer.eos_token_id) + 1]
-            out.append(y)
-    return out
-
-
 def test_server_greedy_equals_the_colocated_engines_and_hf_generate(server, bundled):
     from peergrade.generation.vllm_engine import VllmEngine
 
     model, tok, ids = bundled
-    got = greedy(server, model, tok, ids)
+    got = engine_greedy(server, model, tok, ids)
     colocated = VllmEngine(kv_cache_gb=0.25)
     try:
-        assert got == greedy(colocated, model, tok, ids)  # 60 / 60
+        assert got == engine_greedy(colocated, model, tok, ids)  # 60 / 60
     finally:
         colocated.close()
     assert got == hf_greedy(model, tok, ids)
@@ -215,15 +187,15 @@ def test_weights_pushed_to_a_server_by_url_give_hf_generate_of_the_changed_model
     by_url = VllmServerEngine(url=server.url, timeout=120)  # the server, as a user's own
     try:
         by_url.push(trained, version=1)  # before the start: recorded, loaded at the start
-        got = greedy(by_url, trained, tok, ids)  # the start pushes the policy's weights
+        got = engine_greedy(by_url, trained, tok, ids)  # the start pushes the policy's weights
         assert by_url.pushes == 1 and by_url.version == 1 and by_url.backend == "peergrade_shm"
         assert sum(a == b for a, b in zip(got, after)) >= 59  # issue 51's target: 59 / 60
         by_url.push(model, version=2)  # a step's push: the bundled weights again
         assert by_url.pushes == 2 and len(by_url.push_s) == 2
-        assert greedy(by_url, model, tok, ids) == before
+        assert engine_greedy(by_url, model, tok, ids) == before
     finally:
         by_url.close()  # a server given by URL keeps running
-    assert greedy(server, model, tok, ids) == before
+    assert engine_greedy(server, model, tok, ids) == before
 
 
 def test_train_two_steps_with_the_trainers_own_server(tmp_path, monkeypatch):
