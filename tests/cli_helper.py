@@ -25,6 +25,20 @@ def cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complete
     )
 
 
+def train_with_engine(opts: dict[str, str], tmp_path: Path, timeout: float = 600) -> list[dict]:
+    """``peergrade train --KEY VALUE ... -o run`` in ``tmp_path`` with another rollout engine:
+    it exits 0 without a traceback and logs the engine's gap to the trainer's forward on its
+    two steps; the steps' metrics lines (those with ``engine/logp_gap_mean``) are returned."""
+    args = ["train", *[x for k, v in opts.items() for x in (f"--{k}", v)], "-o", "run"]
+    proc = cli(args, tmp_path, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "engine/logp_gap_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    return steps
+
+
 def imported_modules(path: Path) -> list[str]:
     """Every module a Python file imports (``import x`` and ``from x import y``)."""
     tree = ast.parse(Path(path).read_text())

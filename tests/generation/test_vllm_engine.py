@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helper import cli
+from cli_helper import cli, train_with_engine
 from greedy_refs import MAX_NEW, engine_greedy, hf_greedy
 from peergrade import cli as peergrade_cli
 from peergrade.config import ConfigError, load_config
@@ -76,19 +76,6 @@ def test_default_engine_is_the_own_kernel():
 
 
 # ----------------------------------------------------------------------------- with vLLM
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    """The bundled model, its tokenizer and 60 encoded prompts of its task."""
-    from peergrade.training.components import build_task, encode_rows, setup_models
-
-    cfg = load_config(None)
-    task = build_task(cfg)
-    models = setup_models(cfg)
-    rows = task.train_rows(0)
-    ids = encode_rows(cfg, task, models.tokenizer, [next(rows) for _ in range(60)])
-    return models.policy, models.tokenizer, ids
 
 
 def hf_weights(model):
@@ -222,13 +209,7 @@ def test_train_two_steps_with_the_vllm_engine_logs_the_gap(tmp_path):
         "train.display": "plain",
         "train.threads": "1",
     }
-    args = ["train", *[x for k, v in opts.items() for x in (f"--{k}", v)], "-o", "run"]
-    proc = cli(args, tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "engine/logp_gap_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
+    steps = train_with_engine(opts, tmp_path)
     for r in steps:
         assert 0 <= r["engine/logp_gap_mean"] <= r["engine/logp_gap_max"] < 1e-3
         assert abs(r["engine/seq_kl"]) < 1e-3

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cli_helper import cli
+from cli_helper import cli, train_with_engine
 from greedy_refs import MAX_NEW, engine_greedy, hf_greedy
 from peergrade.config import ConfigError, load_config
 from peergrade.generation import SamplerSettings, sample
@@ -105,19 +105,6 @@ def test_the_trainers_server_gets_the_colocated_engines_flags():
 
 
 # ----------------------------------------------------------------------------- with vLLM
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    """The bundled model, its tokenizer and 60 encoded prompts of its task."""
-    from peergrade.training.components import build_task, encode_rows, setup_models
-
-    cfg = load_config(None)
-    task = build_task(cfg)
-    models = setup_models(cfg)
-    rows = task.train_rows(0)
-    ids = encode_rows(cfg, task, models.tokenizer, [next(rows) for _ in range(60)])
-    return models.policy, models.tokenizer, ids
 
 
 @pytest.fixture(scope="module")
@@ -212,16 +199,10 @@ def test_train_two_steps_with_the_trainers_own_server(tmp_path, monkeypatch):
         "train.display": "plain",
         "train.threads": "1",
     }
-    args = ["train", *[x for k, v in opts.items() for x in (f"--{k}", v)], "-o", "run"]
     tmp = tmp_path / "tmp"  # the server's directory (and command line) lies under it
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
-    proc = cli(args, tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "engine/logp_gap_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
+    steps = train_with_engine(opts, tmp_path)
     for r in steps:
         assert 0 <= r["engine/logp_gap_mean"] <= r["engine/logp_gap_max"] < 1e-3
     assert not _processes_under(tmp), "the trainer's vLLM server outlived the run"
